@@ -1,0 +1,34 @@
+"""What attention needs to know about one flat, unpadded batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The batch holds `num_decodes` single-token sequences first, then prefill chunks.
+
+    Token t of the batch is written to cache slot `slot_mapping[t]` (block * block_size
+    + offset). Sequence i's queries are tokens query_start_loc[i]:query_start_loc[i+1];
+    it attends over its first seq_lens[i] cached tokens through block_tables[i]
+    (padded with zeros past its last block).
+    """
+    slot_mapping: torch.Tensor      # [T] int64
+    query_start_loc: torch.Tensor   # [S + 1] int64
+    seq_lens: torch.Tensor          # [S] int64: context length after this step
+    block_tables: torch.Tensor      # [S, max_blocks] int64
+    num_decodes: int
+    # The same numbers as Python ints, for backends that loop on the host.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

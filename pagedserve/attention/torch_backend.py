@@ -1,0 +1,80 @@
+"""PagedAttention in plain torch: the CPU path and the reference for GPU kernels.
+
+Each layer first writes the step's keys and values into their cache slots, then
+every query attends over its own sequence's blocks, found through its block
+table; the blocks need not be contiguous or in order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache: [2, num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of a sequence, read block by block: [length, Hkv, D]."""
+    return cache[block_ids].flatten(0, 1)[:length]
+
+
+class TorchAttention:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, Hq, D]."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(nd, meta.num_seqs):
+            start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+            if end - start == seq_len:
+                # Nothing cached before this chunk: attend over the step's own keys.
+                keys, values = k[start:end], v[start:end]
+            else:
+                n_blocks = -(-seq_len // kv_cache.shape[2])
+                table = meta.block_tables[i, :n_blocks]
+                keys = gather_kv(kv_cache[0], table, seq_len)
+                values = gather_kv(kv_cache[1], table, seq_len)
+            out[start:end] = _causal_attention(q[start:end], keys, values, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """One query per sequence, batched: gather each sequence's blocks (padded to the
+        longest) and mask the padding."""
+        nd = meta.num_decodes
+        block_size = kv_cache.shape[2]
+        n_blocks = -(-meta.max_seq_len // block_size)
+        tables = meta.block_tables[:nd, :n_blocks]
+        keys = kv_cache[0][tables].flatten(1, 2)       # [N, L, Hkv, D]
+        values = kv_cache[1][tables].flatten(1, 2)
+        length = keys.shape[1]
+        pad = torch.arange(length) >= meta.seq_lens[:nd, None]        # [N, L]
+        mask = torch.zeros(nd, 1, 1, length, dtype=q.dtype).masked_fill_(pad[:, None, None, :], float("-inf"))
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Lq, Hq, D] are the last Lq of the Lk positions in k, v: [Lk, Hkv, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if lq == lk:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,57 @@
+"""Engine configuration: what to load, how much KV memory, how to batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF directory, .gguf file, or None for the default model
+    tokenizer: str | None = None        # defaults to the model's own
+    dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto
+    seed: int = 0
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None -> DEFAULT_KV_CACHE_MEMORY
+    num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
+    enable_prefix_caching: bool = True
+    # Scheduler
+    max_model_len: int | None = None    # defaults to the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"  # recompute | swap
+    swap_space: int = 0                 # bytes of host memory for swapped-out blocks
+    # Debugging: check the paging invariants after every step (costly; tests turn it on).
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode one token per step.
+            self.max_num_batched_tokens = self.max_num_seqs
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+def resolve_dtype(name: str, model_default: torch.dtype | None) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, with float16 turned into bfloat16 on CPU
+    (CPUs have fast bf16 matmuls, not fp16)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if model_default in (None, torch.float16):
+        return torch.bfloat16
+    return model_default

@@ -1,0 +1,319 @@
+"""LLMEngine: the synchronous step loop.
+
+add_request() tokenizes and validates; step() schedules one iteration, runs
+it, appends the sampled tokens, checks stop conditions, frees what finished
+and returns the outputs of every request that made progress.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from pagedserve.attention.torch_backend import TorchAttention
+from pagedserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
+from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
+                                RequestMetrics, RequestOutput)
+from pagedserve.request import Request, RequestStatus, Sequence
+from pagedserve.sampling.beam_search import beam_score, select_candidates
+from pagedserve.sampling.sampler import Sampler
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler import Scheduler
+from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+import torch
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        path = config.model or default_model_path()
+        self.model_path = path
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        model, args, dtype = load_model(path, config.dtype, TorchAttention(), config.max_model_len)
+        self.model_args = args
+        self.dtype = dtype
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, args)
+        self.vocab_size = args.vocab_size
+        self.eos_token_ids = self._eos_token_ids(path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+        block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads,
+                                               args.head_dim, dtype)
+        num_blocks = config.num_gpu_blocks_override or \
+            (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
+                             f"{config.block_size} tokens takes {block_bytes} bytes")
+        self.scheduler = Scheduler(config, num_blocks)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed))
+        self.requests: dict[str, Request] = {}
+        self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
+        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self._request_counter = 0
+
+    # ---- setup helpers -------------------------------------------------------------------
+    @staticmethod
+    def _resolve_max_model_len(requested: int | None, args) -> int:
+        limit = args.max_position_embeddings
+        if args.sliding_window:
+            limit = min(limit, args.sliding_window)   # no sliding-window attention: stay inside it
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(f"max_model_len {requested} is longer than the model's context ({limit})")
+        return requested
+
+    def _eos_token_ids(self, path: str) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} - {None}
+        if not is_gguf(path):
+            gen = Path(path) / "generation_config.json"
+            if gen.exists():
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+                ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+        return ids
+
+    # ---- requests ------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        self._request_counter += 1
+        return str(self._request_counter)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams, arrival_time: float | None = None) -> Request:
+        request_id = request_id if request_id is not None else self.next_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(ids)
+        n_prompt = len(ids)
+        room = self.max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(request_id, text, ids, params, max_tokens)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        seq = Sequence(self.scheduler.new_seq_id(), 0, list(ids), n_prompt)
+        if isinstance(params, SamplingParams):
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.detokenizer = IncrementalDetokenizer(
+                self._backend_tokenizer, ids, params.skip_special_tokens, params.stop_strings,
+                params.include_stop_str_in_output)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.pending_fork = params.best_of > 1
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+        req.seqs.append(seq)
+        self.scheduler.add_request(req)   # raises if it could never fit in the cache
+        self.requests[request_id] = req
+        return req
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(ids)} tokens long; this model's maximum context length is "
+                             f"{self.max_model_len} tokens, which must also hold at least one generated token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.live_seqs:
+            seq.finish_reason = "abort"
+        self.scheduler.finish_request(req)
+        return self._output(req, finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        now = time.monotonic()
+        result = self.runner.execute(sched)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        self._record_prompt_logprobs(result.prompt_logprobs)
+
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        beam_rows: dict[str, list[int]] = {}
+        for i, s in enumerate(result.sampled):
+            req = s.request
+            touched[req.request_id] = req
+            if req.is_beam_search:
+                beam_rows.setdefault(req.request_id, []).append(i)
+            else:
+                self._append_token(req, s.seq, result.sample, i)
+        for rid, rows in beam_rows.items():
+            self._beam_step(touched[rid], [result.sampled[i].seq for i in rows], result.sample, rows)
+
+        outputs = []
+        for req in touched.values():
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            done = not req.live_seqs
+            if done:
+                self.scheduler.finish_request(req)
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, finished=done))
+        if self.check_invariants:
+            self.check_paging_invariants()
+        return outputs
+
+    def _append_token(self, req: Request, seq: Sequence, sample, row: int) -> None:
+        p: SamplingParams = req.params
+        token = sample.token_ids[row]
+        seq.token_ids.append(token)
+        if sample.logprobs is not None:
+            seq.cumulative_logprob += sample.logprobs[row]
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(
+                token, sample.logprobs[row], sample.ranks[row], sample.top_ids[row], sample.top_logprobs[row]))
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= p.min_tokens
+        stop_str = seq.detokenizer.add_token(token, check_stop=may_stop)
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif may_stop and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif n_out >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finished:
+            self.scheduler.free_seq(seq)
+
+    def _beam_step(self, req: Request, beams: list[Sequence], sample, rows: list[int]) -> None:
+        """Replace the live beams by the best extensions: forking a beam shares its blocks,
+        pruning one releases them."""
+        p: BeamSearchParams = req.params
+        chosen = select_candidates([b.cumulative_logprob for b in beams],
+                                   [sample.top_ids[r] for r in rows], [sample.top_logprobs[r] for r in rows],
+                                   p.beam_width)
+        by_parent: dict[int, list] = {}
+        for c in chosen:
+            by_parent.setdefault(c.parent, []).append(c)
+        new_beams: list[tuple[Sequence, object]] = []
+        for b, parent in enumerate(beams):
+            cands = by_parent.get(b, [])
+            live = [c for c in cands if p.ignore_eos or c.token_id != self.eos_token_id]
+            for c in cands:
+                if c not in live:   # a finished hypothesis: needs no KV blocks
+                    hyp = req.fork_seq(parent, self.scheduler.new_seq_id(), index=len(req.seqs))
+                    hyp.token_ids.append(c.token_id)
+                    hyp.cumulative_logprob = c.cum_logprob
+                    hyp.finish_reason = "stop"
+            if not live:
+                req.seqs.remove(parent)        # pruned
+                self.scheduler.free_seq(parent)
+                continue
+            new_beams += [(self.scheduler.fork_seq(req, parent), c) for c in live[1:]]
+            new_beams.append((parent, live[0]))
+        for seq, c in new_beams:
+            seq.token_ids.append(c.token_id)
+            seq.cumulative_logprob = c.cum_logprob
+            if seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+                self.scheduler.free_seq(seq)
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _position_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_lps) -> dict:
+        decode = self.tokenizer.convert_ids_to_tokens
+        out = {token: Logprob(logprob, rank, decode(token))}
+        for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            if t not in out:
+                out[t] = Logprob(lp, r, decode(t))
+        return out
+
+    def _record_prompt_logprobs(self, by_seq: dict) -> None:
+        if not by_seq:
+            return
+        for req in self.requests.values():
+            if req.prompt_logprobs is None or req.seqs[0].seq_id not in by_seq:
+                continue
+            for top_ids, top_lps, lp, rank in by_seq[req.seqs[0].seq_id]:
+                pos = len(req.prompt_logprobs)
+                req.prompt_logprobs.append(
+                    self._position_logprobs(req.prompt_token_ids[pos], lp, rank, top_ids, top_lps))
+
+    def _output(self, req: Request, finished: bool) -> RequestOutput:
+        if req.is_beam_search:
+            outputs = []   # beam results come from beam_search_output() at the end
+        else:
+            seqs = sorted(req.seqs, key=lambda s: s.index)
+            if finished and req.params.best_of > req.params.n:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:req.params.n]
+            outputs = [self._completion(s, i, req.params.needs_logprobs) for i, s in enumerate(seqs)]
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.last_token_time, time.monotonic() if finished else None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outputs,
+                             finished, req.num_cached_tokens, metrics)
+
+    @staticmethod
+    def _completion(seq: Sequence, index: int, with_cum_logprob: bool) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=seq.detokenizer.visible_text(seq.finished),
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if with_cum_logprob else None,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def beam_search_output(self, req: Request) -> BeamSearchOutput:
+        p: BeamSearchParams = req.params
+        hyps = [s for s in req.seqs if s.finished]
+        hyps.sort(key=lambda s: -beam_score(s.token_ids, s.cumulative_logprob, self.eos_token_id,
+                                            p.length_penalty))
+        out = BeamSearchOutput()
+        for s in hyps[:p.beam_width]:
+            gen = s.output_token_ids
+            if gen and gen[-1] == self.eos_token_id and not p.ignore_eos:
+                gen = gen[:-1]
+            text = self.tokenizer.decode(gen, skip_special_tokens=True)
+            out.sequences.append(BeamSearchSequence(list(s.token_ids), s.cumulative_logprob, text, s.finish_reason))
+        return out
+
+    # ---- introspection -------------------------------------------------------------------
+    def kv_cache_stats(self) -> dict:
+        stats = self.scheduler.kv.stats()
+        stats.update(num_preemptions=self.scheduler.stats.num_preemptions,
+                     num_recomputed_tokens=self.scheduler.stats.num_recomputed_tokens)
+        return stats
+
+    def check_paging_invariants(self) -> None:
+        kv = self.scheduler.kv
+        kv.check_invariants()
+        live = {s.seq_id for r in self.scheduler.running for s in r.live_seqs}
+        assert set(kv.tables) <= live, f"blocks held by sequences that are not running: {set(kv.tables) - live}"
+        if not self.requests:
+            assert kv.num_free_blocks == kv.pool.num_blocks, "blocks still referenced with no request left"

@@ -1,0 +1,93 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat, unpadded batch.
+
+Plain tensor math. q/k/v and gate/up projections are fused into single matrices
+so each layer runs four large matmuls; attention goes through a backend that
+reads and writes the paged KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.layers import RotaryEmbedding, rms_norm, silu_and_mul
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None = None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor            # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor        # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor, attention, max_positions: int) -> None:
+        self.args = args
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.attention = attention
+        self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
+                                    embed.dtype)
+        self.scale = args.head_dim ** -0.5
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, Hkv, D].
+        Returns the final hidden states [T, hidden] (normalised)."""
+        a = self.args
+        x = F.embedding(input_ids, self.embed)
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.input_norm, a.rms_norm_eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, a.num_heads, a.head_dim)
+            k = k.view(-1, a.num_kv_heads, a.head_dim)
+            v = v.reshape(-1, a.num_kv_heads, a.head_dim)
+            q, k = self.rope(positions, q, k)
+            attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
+            x = x + F.linear(attn.reshape(-1, self.q_size), w.o)
+            h = rms_norm(x, w.post_norm, a.rms_norm_eps)
+            x = x + F.linear(silu_and_mul(F.linear(h, w.gate_up)), w.down)
+        return rms_norm(x, self.norm, a.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the rows that are sampled (the LM head runs only on those)."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,120 @@
+"""Request and sequence state.
+
+A request is what a user submitted: one prompt and its parameters. It owns one
+or more sequences (n > 1, best_of, beam search); each sequence has its own
+tokens and its own block table in the KV cache manager, keyed by seq_id.
+Every sequence has a count of computed tokens that catches up with its token
+count; the scheduler decides how many of the missing tokens run each step.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    index: int                               # position in the request's outputs
+    token_ids: list[int]                     # prompt + generated
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Any]] | None = None
+    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None     # the stop token id or stop string that fired
+    generator: torch.Generator | None = None
+    detokenizer: Any = None                  # engine-side incremental detokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    max_tokens: int                           # resolved against max_model_len
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    # Set while a parallel-sampling request still has to split into best_of sequences.
+    pending_fork: bool = False
+    # Timestamps for metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences this request can have live at once (its claim on max_num_seqs)."""
+        if self.is_beam_search:
+            return self.params.beam_width
+        return self.params.best_of
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so no prefix-cache hits."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def fork_seq(self, parent: Sequence, seq_id: int, index: int) -> Sequence:
+        """A new sequence that continues from where `parent` is (its blocks are shared by
+        the KV cache manager). A seeded request gives each sequence its own generator,
+        seeded with seed + index, so every output is reproducible on its own."""
+        seed = getattr(self.params, "seed", None)
+        child = Sequence(
+            seq_id=seq_id,
+            index=index,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            num_computed_tokens=parent.num_computed_tokens,
+            cumulative_logprob=parent.cumulative_logprob,
+            logprobs=None if parent.logprobs is None else list(parent.logprobs),
+            generator=None if seed is None else torch.Generator().manual_seed(seed + index),
+            detokenizer=None if parent.detokenizer is None else parent.detokenizer.fork(),
+        )
+        self.seqs.append(child)
+        return child

@@ -1,0 +1,141 @@
+"""Turn one step's logits into tokens, vectorised over the batch.
+
+Order (as in vLLM): logit bias, min_tokens, penalties, then greedy argmax or
+temperature -> min_p -> top_k / top_p -> sampling. Logprobs are those of the
+model's raw distribution. Random rows draw exponential noise and take
+argmax(p / noise), which samples from p; a seeded request draws its noise from
+its own generator, so its text does not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    num_logprobs: int          # top-k logprobs wanted for this row (0: none)
+    needs_logprob: bool        # the sampled token's logprob is wanted
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None           # of each sampled token
+    top_ids: list[list[int]] | None        # per row, the top num_logprobs token ids ...
+    top_logprobs: list[list[float]] | None  # ... and their logprobs
+    ranks: list[int] | None                # rank of each sampled token (1 = most likely)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [N, V] float32 (modified in place)."""
+        raw_logprobs = None
+        if any(r.needs_logprob or r.num_logprobs for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._apply_bias_and_min_tokens(logits, rows)
+        self._apply_penalties(logits, rows)
+        tokens = self._sample(logits, rows)
+        return self._gather_logprobs(raw_logprobs, tokens, rows)
+
+    # ---- logits processors ---------------------------------------------------------------
+    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                logits[i, banned] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
+               or r.params.repetition_penalty != 1.0]
+        if not idx:
+            return
+        vocab = logits.shape[1]
+        for i in idx:   # rows with penalties are rare; each costs a few vector ops
+            p, r = rows[i].params, rows[i]
+            row = logits[i]
+            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long)] = True
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalised, row))
+            if p.frequency_penalty:
+                row -= p.frequency_penalty * counts.float()
+            if p.presence_penalty:
+                row -= p.presence_penalty * (counts > 0).float()
+
+    # ---- sampling ------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not rand:
+            return tokens
+        idx = torch.tensor(rand)
+        x = logits[idx]
+        temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=x.dtype)
+        x /= temps[:, None]
+        x = self._truncate(x, [rows[i].params for i in rand])
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for j, i in enumerate(rand):
+            if rows[i].generator is not None:
+                noise[j].exponential_(generator=rows[i].generator)
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """min_p, top_k and top_p: mask the tokens each row may not sample."""
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            probs = torch.softmax(x, dim=-1)
+            floor = torch.tensor(min_p, dtype=x.dtype)[:, None] * probs.amax(dim=-1, keepdim=True)
+            x = x.masked_fill(probs < floor, float("-inf"))
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if not any(top_k) and all(p >= 1.0 for p in top_p):
+            return x
+        vocab = x.shape[1]
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        k = torch.tensor([k if k else vocab for k in top_k])
+        drop = torch.arange(vocab)[None, :] >= k[:, None]
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        # Drop a token when the ones before it already cover top_p (the first always stays).
+        drop |= (cum - torch.softmax(sorted_x, dim=-1)) >= torch.tensor(top_p, dtype=x.dtype)[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+    # ---- logprobs ------------------------------------------------------------------------
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        token_list = tokens.tolist()
+        if raw is None:
+            return SamplerOutput(token_list, None, None, None, None)
+        chosen = raw.gather(1, tokens[:, None])
+        ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+        k = max(r.num_logprobs for r in rows)
+        top_ids = top_lps = None
+        if k:
+            lps, ids = raw.topk(k, dim=-1)
+            top_ids = [ids[i, :r.num_logprobs].tolist() for i, r in enumerate(rows)]
+            top_lps = [lps[i, :r.num_logprobs].tolist() for i, r in enumerate(rows)]
+        return SamplerOutput(token_list, chosen[:, 0].tolist(), top_ids, top_lps, ranks)

@@ -1,0 +1,108 @@
+"""Sampling parameters, validated at construction with errors that name the value and the limit."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None          # sample best_of sequences, return the n most likely
+    temperature: float = 1.0            # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16         # None: up to the context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None         # top-k logprobs per generated token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is None:
+            self.best_of = self.n
+        _check(isinstance(self.best_of, int) and self.best_of >= self.n,
+               f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0.0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in self.stop_strings),
+               f"stop must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            _check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                   "logit_bias values must be in [-100, 100]")
+        if self.greedy:
+            # Greedy sampling would give best_of identical copies; vLLM refuses it too.
+            _check(self.best_of == 1 or self.n == self.best_of,
+                   f"best_of ({self.best_of}) > n ({self.n}) needs temperature > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """The sampled token's logprob is needed: for logprobs or to rank best_of."""
+        return self.logprobs is not None or self.best_of > self.n
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    temperature: float = 0.0            # kept for vLLM compatibility; beam search is deterministic
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 1,
+               f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.temperature == 0.0, "beam search only supports temperature 0")

@@ -1,0 +1,254 @@
+"""Iteration-level scheduling: which tokens of which sequences run in the next step.
+
+One rule covers prefill and decode: every sequence has a count of computed
+tokens that catches up with its token count. Each step, running requests go
+first (decodes, then unfinished chunked prefills), then waiting requests in
+arrival order, all under `max_num_seqs` and a token budget
+(`max_num_batched_tokens`); a prompt longer than what is left of the budget is
+split over several steps (chunked prefill). When a running request needs a
+block and none is free, the most recently admitted request is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed (its prefix may still be in the prefix cache).
+
+Requests with several sequences (parallel sampling, beam search) advance in
+lock step: each sequence first catches up to one token short of its end, then
+all compute their last token in the same step, so they sample together.
+A parallel-sampling request runs as one sequence until only the last prompt
+token is left, then forks into best_of sequences sharing the prompt's blocks.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.config import EngineConfig
+from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.request import Request, RequestStatus, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    seq: Sequence
+    num_new_tokens: int
+    block_ids: list[int]        # the sequence's block table after allocation
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last token, so its logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst), before the step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0     # computed tokens thrown away by preemption
+
+
+Plan = list[tuple[Sequence, int]]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._next_seq_id = 0
+        self._warned_preemption = False
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def max_blocks_needed(self, req: Request) -> int:
+        """Blocks a request needs at its largest (its sequences share the prompt's blocks)."""
+        prompt = len(req.prompt_token_ids)
+        if req.max_seqs == 1:
+            return cdiv(prompt + req.max_tokens, self.block_size)
+        return cdiv(prompt, self.block_size) + req.max_seqs * (cdiv(req.max_tokens, self.block_size) + 1)
+
+    def add_request(self, req: Request) -> None:
+        needed = self.max_blocks_needed(req)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request {req.request_id} can never fit in the KV cache: its prompt "
+                f"({len(req.prompt_token_ids)} tokens) plus max_tokens ({req.max_tokens}) "
+                f"{'over ' + str(req.max_seqs) + ' sequences ' if req.max_seqs > 1 else ''}"
+                f"needs {needed} blocks of {self.block_size} tokens, and the cache has "
+                f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens")
+        self.waiting.append(req)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+
+    def fork_seq(self, req: Request, parent: Sequence) -> Sequence:
+        child = req.fork_seq(parent, self.new_seq_id(), index=len(req.seqs))
+        self.kv.fork(parent.seq_id, child.seq_id)
+        return child
+
+    def finish_request(self, req: Request) -> None:
+        """Remove a request (finished or aborted) from the queues and free all its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        for seq in req.seqs:
+            self.kv.free(seq.seq_id)
+        req.status = RequestStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # Decodes first (one token per sequence), then chunked prefills still in progress.
+        for req in sorted(self.running, key=lambda r: not self._is_decoding(r)):
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            plan = self._plan(req, budget)
+            if not plan:
+                continue
+            while (copies := self._allocate(plan)) is None:
+                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if copies is None:
+                continue
+            scheduled.add(id(req))
+            budget -= self._add(out, req, plan, copies)
+
+        # Then waiting requests, first come first served, while nothing had to be preempted.
+        num_seqs = sum(r.max_seqs for r in self.running)
+        while self.waiting and budget > 0 and not out.preempted:
+            req = self.waiting[0]
+            if num_seqs + req.max_seqs > self.config.max_num_seqs:
+                break
+            admitted = self._admit(req, budget)
+            if admitted is None:
+                break          # out of blocks: stop admitting
+            plan, copies = admitted
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            num_seqs += req.max_seqs
+            budget -= self._add(out, req, plan, copies)
+        return out
+
+    def _add(self, out: SchedulerOutput, req: Request, plan: Plan, copies: list) -> int:
+        out.block_copies.extend(copies)
+        out.scheduled.extend(ScheduledSeq(req, s, n, self.kv.block_ids(s.seq_id)) for s, n in plan)
+        return sum(n for _, n in plan)
+
+    def _is_decoding(self, req: Request) -> bool:
+        return all(s.num_computed_tokens >= s.num_tokens - 1 for s in req.live_seqs)
+
+    def _plan(self, req: Request, budget: int) -> Plan:
+        """How many tokens each live sequence of the request computes this step."""
+        live = req.live_seqs
+        if req.pending_fork:
+            seq = live[0]
+            short = seq.num_tokens - 1 - seq.num_computed_tokens
+            if short > 0:
+                return [(seq, min(short, budget))]
+            self._fork_for_parallel_sampling(req)
+            live = req.live_seqs
+        if len(live) == 1:
+            seq = live[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            return [(seq, n)] if n > 0 else []
+        plan: Plan = []
+        for seq in live:   # catch up to one token short of the end
+            n = min(seq.num_tokens - 1 - seq.num_computed_tokens, budget)
+            if n > 0:
+                plan.append((seq, n))
+                budget -= n
+        if plan or len(live) > budget:
+            return plan
+        return [(seq, 1) for seq in live]   # all sample together
+
+    def _fork_for_parallel_sampling(self, req: Request) -> None:
+        parent = req.seqs[0]
+        for _ in range(1, req.params.best_of):
+            self.fork_seq(req, parent)
+        req.pending_fork = False
+
+    def _allocate(self, plan: Plan) -> list[tuple[int, int]] | None:
+        """Reserve the slots of a plan, all or nothing; returns the copy-on-write copies."""
+        kv = self.kv
+        needed = sum(kv.num_blocks_needed(s.seq_id, s.num_computed_tokens, n) for s, n in plan)
+        if needed > kv.num_free_blocks:
+            return None
+        copies = []
+        for seq, n in plan:
+            copies += kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, n)
+        return copies
+
+    def _admit(self, req: Request, budget: int) -> tuple[Plan, list] | None:
+        """Take prefix-cache hits, then reserve the first step's slots; undo all if short."""
+        prompt_len = len(req.prompt_token_ids)
+        for seq in req.live_seqs:
+            hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(seq.token_ids)
+            self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+        plan = self._plan(req, budget)
+        copies = self._allocate(plan) if plan else None
+        if copies is None:
+            for seq in req.seqs:
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+            return None
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = min(req.seqs[0].num_computed_tokens, prompt_len)
+            self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)
+        return plan, copies
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free every block of the request and requeue it first."""
+        self.running.remove(req)
+        for seq in req.live_seqs:
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        if not self._warned_preemption:
+            self._warned_preemption = True
+            logger.warning(
+                "Request %s was preempted: the KV cache ran out of blocks (%d of %d). Throughput "
+                "suffers when this happens often; give the engine more kv_cache_memory or lower "
+                "max_num_seqs.", req.request_id, self.kv.pool.num_blocks, self.kv.pool.num_blocks)

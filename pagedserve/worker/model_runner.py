@@ -1,0 +1,130 @@
+"""The worker: owns the KV cache tensor, turns a SchedulerOutput into one flat batch,
+runs the model and samples.
+
+It knows nothing of scheduling policy: it is told which tokens of which
+sequences to compute, which blocks to copy first, and it reports the sampled
+tokens back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import ScheduledSeq, SchedulerOutput
+
+# Beam search ranks candidates by the raw logprobs; the sampled token itself is unused.
+_BEAM_ROW_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: list[ScheduledSeq]                 # the sequences that got a token, in order
+    sample: SamplerOutput | None
+    prompt_logprobs: dict[int, list[tuple[list[int], list[float], float, int]]]  # seq_id -> per position
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+        a = model.args
+        self.model = model
+        self.block_size = block_size
+        self.sampler = sampler
+        # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                    dtype=model.dtype)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (all layers, K and V) before the step."""
+        if copies:
+            src, dst = zip(*copies)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.copy_blocks(sched.block_copies)
+        # Decodes (one new token) first, so attention can batch them.
+        batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+
+        last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        sampled = [s for s in batch if s.samples]
+        sample = None
+        if sampled:
+            logits = self.model.compute_logits(hidden[last])
+            sample = self.sampler(logits, [self._sampling_row(s) for s in sampled])
+        prompt_lps = self._prompt_logprobs(batch, hidden, meta)
+        return RunnerOutput(sampled, sample, prompt_lps)
+
+    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        B = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens = []
+        tables = []
+        for s in batch:
+            start, end = s.start, s.start + s.num_new_tokens
+            table = s.block_ids
+            ids.extend(s.seq.token_ids[start:end])
+            rng = range(start, end)
+            pos.extend(rng)
+            slots.extend(table[p // B] * B + p % B for p in rng)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            query_start_loc=torch.tensor(qsl, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            block_tables=block_tables,
+            num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens),
+        )
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta
+
+    @staticmethod
+    def _sampling_row(s: ScheduledSeq) -> SamplingRow:
+        req, seq = s.request, s.seq
+        if req.is_beam_search:
+            return SamplingRow(_BEAM_ROW_PARAMS, req.prompt_token_ids, seq.output_token_ids, None,
+                               num_logprobs=req.params.beam_width, needs_logprob=True)
+        p = req.params
+        return SamplingRow(p, req.prompt_token_ids, seq.output_token_ids, seq.generator,
+                           num_logprobs=p.logprobs or 0, needs_logprob=p.needs_logprobs)
+
+    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, meta: AttentionMetadata):
+        """For requests that asked for prompt_logprobs: the logprob of each prompt token
+        given the tokens before it, computed from this chunk's hidden states."""
+        out = {}
+        for i, s in enumerate(batch):
+            k = getattr(s.request.params, "prompt_logprobs", None)
+            n_prompt = s.seq.num_prompt_tokens
+            if k is None or s.start >= n_prompt - 1 or s.request.prompt_logprobs is None \
+                    or len(s.request.prompt_logprobs) != s.start + 1:
+                continue   # not wanted, already past the prompt, or already recorded
+            end = min(s.start + s.num_new_tokens, n_prompt - 1)
+            rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + end - s.start]
+            lps = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            targets = torch.tensor(s.seq.token_ids[s.start + 1:end + 1])
+            chosen = lps.gather(1, targets[:, None])
+            ranks = ((lps > chosen).sum(-1) + 1).tolist()
+            top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+            out[s.seq.seq_id] = [
+                (top_ids[j].tolist(), top_lps[j].tolist(), chosen[j, 0].item(), ranks[j])
+                for j in range(end - s.start)]
+        return out

@@ -1,0 +1,229 @@
+"""The paging "operating system" on its own: block pool, block tables, CoW, prefix cache."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
+
+
+def test_blocks_are_allocated_on_demand():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    assert kv.allocate(1, tokens, 0, 3) == []
+    assert kv.num_held_blocks(1) == 1               # 3 tokens: one block
+    kv.allocate(1, tokens, 3, 1)
+    assert kv.num_held_blocks(1) == 1               # 4 tokens still fit in one block
+    kv.allocate(1, tokens, 4, 1)
+    assert kv.num_held_blocks(1) == 2               # the 5th token opens a second block
+    assert kv.num_free_blocks == 6
+    kv.free(1)
+    assert kv.num_free_blocks == 8
+    kv.check_invariants()
+
+
+def test_fork_shares_blocks_and_copy_on_write_copies_the_partial_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    prompt = list(range(6))                          # blocks: [0..3] full, [4,5] partial
+    kv.allocate(1, prompt, 0, 6)
+    kv.fork(1, 2)
+    assert kv.block_ids(1) == kv.block_ids(2)
+    assert [b.ref_cnt for b in kv.tables[1]] == [2, 2]
+    assert kv.num_free_blocks == 6                   # sharing costs nothing
+    # Sequence 2 writes position 6, inside the shared partial block: it gets a copy.
+    copies = kv.allocate(2, prompt + [7], 6, 1)
+    assert len(copies) == 1
+    src, dst = copies[0]
+    assert src == kv.block_ids(1)[1] and dst == kv.block_ids(2)[1] and src != dst
+    assert kv.block_ids(1)[0] == kv.block_ids(2)[0]  # the full block stays shared
+    # Sequence 1 is now the only holder of its block: it writes in place.
+    assert kv.allocate(1, prompt + [9], 6, 1) == []
+    kv.check_invariants()
+    kv.free(1)
+    kv.free(2)
+    assert kv.num_free_blocks == 8
+    kv.check_invariants()
+
+
+def test_fork_at_a_block_boundary_needs_no_copy():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    kv.allocate(1, list(range(4)), 0, 4)
+    kv.fork(1, 2)
+    assert kv.allocate(2, list(range(5)), 4, 1) == []
+    assert kv.allocate(1, list(range(5)), 4, 1) == []
+    assert kv.block_ids(1)[1] != kv.block_ids(2)[1]
+    kv.check_invariants()
+
+
+def test_num_blocks_needed_matches_allocate():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
+    kv.allocate(1, list(range(6)), 0, 6)
+    kv.fork(1, 2)
+    before = kv.num_free_blocks
+    need = kv.num_blocks_needed(2, 6, 5)              # CoW of the partial block + 1 new block
+    assert need == 2
+    kv.allocate(2, list(range(11)), 6, 5)
+    assert before - kv.num_free_blocks == need
+
+
+def test_prefix_cache_hit_reuses_full_blocks_only():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(10))                         # two full blocks, one partial
+    kv.allocate(1, prompt, 0, 10)
+    hits = kv.lookup_prefix(prompt)
+    assert [b.block_id for b in hits] == kv.block_ids(1)[:2]
+    # The last token is never a hit: a prompt of exactly 8 tokens matches one block.
+    assert len(kv.lookup_prefix(prompt[:8])) == 1
+    assert kv.lookup_prefix([99] + prompt[1:]) == []
+    kv.free(1)
+    # Freed cached blocks stay findable until they are reused.
+    hits = kv.lookup_prefix(prompt)
+    assert len(hits) == 2
+    kv.allocate(2, prompt, 0, 0, prefix_blocks=hits)
+    kv.allocate(2, prompt, 8, 2)
+    assert kv.block_ids(2)[:2] == [b.block_id for b in hits]
+    kv.check_invariants()
+
+
+def test_eviction_is_lru_and_uncached_blocks_go_first():
+    pool = BlockPool(4, enable_caching=True)
+    a, b, c, d = pool.allocate(4)
+    pool.cache(a, (None, (1,)))
+    pool.cache(b, (None, (2,)))
+    pool.release([a])   # cached, freed first: least recently used
+    pool.release([b])
+    pool.release([c])   # not cached: reused before any cached block
+    assert [blk.block_id for blk in pool.allocate(1)] == [c.block_id]
+    assert [blk.block_id for blk in pool.allocate(1)] == [a.block_id]
+    assert pool.lookup((None, (1,))) is None      # evicted
+    assert pool.lookup((None, (2,))) is b
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+
+
+def test_free_releases_tail_first_so_prefix_blocks_survive_longer():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    tokens = list(range(7))
+    kv.allocate(1, tokens, 0, 6)
+    ids = kv.block_ids(1)
+    kv.free(1)
+    (first_reused,) = kv.pool.allocate(1)
+    assert first_reused.block_id == ids[-1]
+
+
+# ---- property-based: random appends, forks and frees -----------------------------------------
+
+class KVMachine(RuleBasedStateMachine):
+    """Sequences grow, fork and end at random over a tiny pool; invariants hold throughout."""
+
+    @initialize(num_blocks=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]),
+                caching=st.booleans())
+    def setup(self, num_blocks, block_size, caching):
+        self.kv = KVCacheManager(num_blocks, block_size, caching)
+        self.seqs: dict[int, list[int]] = {}       # seq id -> tokens (all computed)
+        self.next_id = 0
+        # A shadow of the KV memory: what token each slot of each block holds.
+        self.content: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
+
+    def _write(self, sid, tokens, start, copies):
+        """Do what the worker does: block copies first, then write the step's tokens."""
+        for src, dst in copies:
+            self.content[dst] = list(self.content[src])
+        B = self.kv.block_size
+        table = self.kv.tables[sid]
+        for pos in range(start, len(tokens)):
+            block = table[pos // B]
+            assert block.ref_cnt == 1, "a shared block is written"
+            self.content[block.block_id][pos % B] = tokens[pos]
+
+    def _new_id(self):
+        self.next_id += 1
+        return self.next_id
+
+    @rule(n=st.integers(1, 9), vocab=st.integers(1, 3), data=st.data())
+    def add(self, n, vocab, data):
+        tokens = data.draw(st.lists(st.integers(0, vocab), min_size=n, max_size=n))
+        sid = self._new_id()
+        hits = self.kv.lookup_prefix(tokens)
+        computed = len(hits) * self.kv.block_size
+        need = self.kv.num_blocks_needed(sid, computed, n - computed, hits)
+        if need > self.kv.num_free_blocks:
+            return
+        free_before = self.kv.num_free_blocks
+        self.kv.allocate(sid, tokens, 0, 0, prefix_blocks=hits)
+        copies = self.kv.allocate(sid, tokens, computed, n - computed)
+        self._write(sid, tokens, computed, copies)
+        assert free_before - self.kv.num_free_blocks <= need
+        self.seqs[sid] = tokens
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append(self, data, token):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens = self.seqs[sid] + [token]
+        need = self.kv.num_blocks_needed(sid, len(tokens) - 1, 1)
+        if need > self.kv.num_free_blocks:
+            return
+        table_before = list(self.kv.tables[sid])
+        copies = self.kv.allocate(sid, tokens, len(tokens) - 1, 1)
+        # The block written is private after the call (invariant 2).
+        written = self.kv.tables[sid][(len(tokens) - 1) // self.kv.block_size]
+        assert written.ref_cnt == 1
+        for src, dst in copies:
+            assert src in {b.block_id for b in table_before} and dst == written.block_id
+        self._write(sid, tokens, len(tokens) - 1, copies)
+        self.seqs[sid] = tokens
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        child = self._new_id()
+        free_before = self.kv.num_free_blocks
+        self.kv.fork(parent, child)
+        assert self.kv.num_free_blocks == free_before
+        self.seqs[child] = list(self.seqs[parent])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.kv.free(sid)
+        del self.seqs[sid]
+
+    @invariant()
+    def paging_invariants(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_invariants()
+        B = self.kv.block_size
+        for sid, tokens in self.seqs.items():
+            assert self.kv.num_held_blocks(sid) == cdiv(len(tokens), B)
+            # Every sequence reads back exactly its own tokens through its block table,
+            # whatever was shared, copied on write or reused from the prefix cache.
+            held = [self.content[b.block_id][pos % B]
+                    for pos, b in ((p, self.kv.tables[sid][p // B]) for p in range(len(tokens)))]
+            assert held == tokens
+        if not self.seqs:
+            assert self.kv.num_free_blocks == self.kv.pool.num_blocks
+
+    def teardown(self):
+        if hasattr(self, "kv"):
+            for sid in list(self.seqs):
+                self.kv.free(sid)
+            assert self.kv.num_free_blocks == self.kv.pool.num_blocks
+            self.kv.check_invariants()
+
+
+KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_kv_state_machine = KVMachine.TestCase
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.sampled_from([1, 2, 3, 16]))
+def test_prefix_lookup_never_covers_the_last_token(tokens, block_size):
+    kv = KVCacheManager(64, block_size)
+    kv.allocate(1, tokens, 0, len(tokens))
+    hits = kv.lookup_prefix(tokens)
+    assert len(hits) * block_size <= len(tokens) - 1
+    assert len(hits) == (len(tokens) - 1) // block_size
