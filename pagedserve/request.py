@@ -69,6 +69,10 @@ class Request:
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     # Set while a parallel-sampling request still has to split into best_of sequences.
     pending_fork: bool = False
+    # Set when a multi-sequence request was preempted by recompute: its first sequence
+    # recomputes the shared prompt alone, then the others take those blocks back by
+    # reference (as after the original fork) and recompute only their own tokens.
+    rejoin: bool = False
     # Timestamps for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -86,6 +90,11 @@ class Request:
         if self.is_beam_search:
             return self.params.beam_width
         return self.params.best_of
+
+    @property
+    def leader_only(self) -> bool:
+        """Only the first live sequence runs, until it has computed the shared prompt."""
+        return self.pending_fork or self.rejoin
 
     @property
     def wants_prompt_logprobs(self) -> bool:

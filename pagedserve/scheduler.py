@@ -35,15 +35,13 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     block_ids: list[int]        # the sequence's block table after allocation
+    start: int = 0              # first position computed (the sequence's computed count)
+    samples: bool = False       # the step reaches the sequence's last token: sample from it
 
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """This step computes the sequence's last token, so its logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, req: Request, seq: Sequence, n: int, block_ids: list[int]) -> "ScheduledSeq":
+        start = seq.num_computed_tokens
+        return cls(req, seq, n, block_ids, start, start + n == seq.num_tokens)
 
 
 @dataclass
@@ -169,7 +167,7 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, req: Request, plan: Plan, copies: list) -> int:
         out.block_copies.extend(copies)
-        out.scheduled.extend(ScheduledSeq(req, s, n, self.kv.block_ids(s.seq_id)) for s, n in plan)
+        out.scheduled.extend(ScheduledSeq.of(req, s, n, self.kv.block_ids(s.seq_id)) for s, n in plan)
         return sum(n for _, n in plan)
 
     def _is_decoding(self, req: Request) -> bool:
@@ -178,12 +176,12 @@ class Scheduler:
     def _plan(self, req: Request, budget: int) -> Plan:
         """How many tokens each live sequence of the request computes this step."""
         live = req.live_seqs
-        if req.pending_fork:
-            seq = live[0]
-            short = seq.num_tokens - 1 - seq.num_computed_tokens
+        if req.leader_only:
+            leader = live[0]
+            short = leader.num_prompt_tokens - 1 - leader.num_computed_tokens
             if short > 0:
-                return [(seq, min(short, budget))]
-            self._fork_for_parallel_sampling(req)
+                return [(leader, min(short, budget))]
+            self._attach_followers(req, leader)
             live = req.live_seqs
         if len(live) == 1:
             seq = live[0]
@@ -199,11 +197,18 @@ class Scheduler:
             return plan
         return [(seq, 1) for seq in live]   # all sample together
 
-    def _fork_for_parallel_sampling(self, req: Request) -> None:
-        parent = req.seqs[0]
-        for _ in range(1, req.params.best_of):
-            self.fork_seq(req, parent)
-        req.pending_fork = False
+    def _attach_followers(self, req: Request, leader: Sequence) -> None:
+        """The leader has computed all but the last prompt token: the other sequences
+        share its blocks from here (parallel sampling forks them now)."""
+        if req.pending_fork:
+            for _ in range(1, req.params.best_of):
+                self.fork_seq(req, leader)
+            req.pending_fork = False
+        else:
+            for seq in req.live_seqs[1:]:
+                self.kv.fork(leader.seq_id, seq.seq_id)
+                seq.num_computed_tokens = leader.num_computed_tokens
+            req.rejoin = False
 
     def _allocate(self, plan: Plan) -> list[tuple[int, int]] | None:
         """Reserve the slots of a plan, all or nothing; returns the copy-on-write copies."""
@@ -219,8 +224,11 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> tuple[Plan, list] | None:
         """Take prefix-cache hits, then reserve the first step's slots; undo all if short."""
         prompt_len = len(req.prompt_token_ids)
-        for seq in req.live_seqs:
-            hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(seq.token_ids)
+        # A leader-only request shares only prompt blocks with its followers later.
+        seqs = req.live_seqs[:1] if req.leader_only else req.live_seqs
+        for seq in seqs:
+            tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
+            hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(tokens)
             self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits)
             seq.num_computed_tokens = len(hits) * self.block_size
         plan = self._plan(req, budget)
@@ -243,6 +251,7 @@ class Scheduler:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
+        req.rejoin = len(req.live_seqs) > 1
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -1,0 +1,109 @@
+"""Command line: pagedserve generate | chat | serve | bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as `vllm serve` names them."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--swap-space", type=int, default=0, help="bytes of host memory for swapped blocks")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+                swap_space=args.swap_space, seed=args.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedserve import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve import LLM
+    start = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    prompts = args.prompt or ["The capital of France is"]
+    outs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for out in outs:
+        print(f"--- prompt: {out.prompt!r}")
+        print(out.outputs[0].text)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"--- {len(outs)} prompt(s), {n} tokens generated, {elapsed:.1f}s including model load", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve import LLM
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    messages = args.message or None
+    while True:
+        if messages is not None:
+            if not messages:
+                return 0
+            text = messages.pop(0)
+            print(f"> {text}")
+        else:
+            try:
+                text = input("> ")
+            except EOFError:
+                return 0
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts offline")
+    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--message", action="append", help="send these messages instead of reading stdin")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Shared fixtures: tiny random-weight models built from transformers configs.
+
+Each model is saved as an HF directory (config.json + safetensors + a small
+byte-level BPE tokenizer trained here), loaded by pagedserve's own loader, and
+compared against the transformers model object it came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+# Every engine built in the tests checks the paging invariants after every step.
+os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "An operating system maps pages of virtual memory to physical frames.",
+    "Once upon a time there was a tiny language model that liked to count: one two three four five.",
+    "Héllo wörld, naïve café, 日本語のテキスト, emoji 🙂🚀 and more unicode: ñ ß ø.",
+    "def add(a, b):\n    return a + b\n",
+    "Continuous batching schedules every running sequence at each iteration.",
+] * 20
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@dataclass
+class TinyModel:
+    path: str
+    hf: object          # the transformers model (float32, eval)
+    tokenizer: object
+    name: str
+
+
+VARIANTS = {
+    # name: (config class, kwargs)
+    "llama_gqa_untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama_mha_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama3_rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})),
+    "llama_linear_rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                              rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral_gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                          sliding_window=None)),
+    "qwen2_bias_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def make_tiny_model(root: Path, name: str, tokenizer, v4_config: bool = False) -> TinyModel:
+    import transformers
+    cls_name, extra = VARIANTS[name]
+    config_cls = getattr(transformers, cls_name)
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.eos_token_id, rope_theta=10000.0)
+    kwargs.update(extra)
+    rope_scaling = kwargs.pop("rope_scaling", None)
+    if rope_scaling:
+        kwargs["rope_parameters"] = {"rope_theta": kwargs["rope_theta"], **rope_scaling}
+    config = config_cls(**kwargs)
+    torch.manual_seed(hash(name) % 1000)
+    model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
+    hf = model_cls(config).float().eval()
+    path = root / (name + ("_v4" if v4_config else ""))
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    cfg_file = path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if v4_config:
+        # The transformers 4 form: rope_theta at the top, scaling in rope_scaling.
+        rope = cfg.pop("rope_parameters", None) or {}
+        cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+        if rope.get("rope_type", "default") != "default":
+            cfg["rope_scaling"] = rope
+        cfg_file.write_text(json.dumps(cfg))
+    return TinyModel(str(path), hf, tokenizer, name)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+_cache: dict = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_root, tiny_tokenizer):
+    """name -> TinyModel, built once per session on first use."""
+    def get(name: str, v4_config: bool = False) -> TinyModel:
+        key = (name, v4_config)
+        if key not in _cache:
+            _cache[key] = make_tiny_model(tiny_root, name, tiny_tokenizer, v4_config)
+        return _cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> TinyModel:
+    return tiny_models("llama_gqa_untied")
+
+
+def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate: the oracle for our tokens. EOS is banned until
+    max_new_tokens (min_new_tokens), like SamplingParams(min_tokens=max_tokens)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                          min_new_tokens=max_new_tokens, pad_token_id=hf.config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores",
+    "Once upon a time there was a tiny language model",
+    "def add(a, b):",
+    "Héllo wörld 日本語",
+    "An operating system maps pages of virtual memory to physical frames. Continuous batching schedules",
+    "one",
+    "Keys and values",
+]

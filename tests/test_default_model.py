@@ -1,0 +1,66 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF) against transformers' own GGUF loading."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.models.loader import default_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "Water boils at",
+    "My favourite book is",
+    "In 1969, humans",
+]
+
+
+@pytest.fixture(scope="module")
+def default_path():
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_path):
+    from transformers import AutoModelForCausalLM
+    p = Path(default_path)
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(default_path):
+    return LLM(dtype="float32", kv_cache_memory=256 * 1024**2)
+
+
+def test_default_model_greedy_matches_transformers(llm, hf_model):
+    tok = llm.get_tokenizer()
+    chat = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in ("What is 2+2?", "Name a fruit.")]
+    prompts = PROMPTS + chat
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, min_tokens=32), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = out.prompt_token_ids
+        assert ids == tok.encode(prompt)
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                    pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref, prompt
+    assert llm.kv_cache_stats()["num_used_blocks"] == 0
+
+
+def test_default_model_answers_sensibly(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    assert "Paris" in chat[0].outputs[0].text
+    assert chat[0].outputs[0].finish_reason in ("stop", "length")

@@ -1,0 +1,86 @@
+"""Our model code against transformers' own forward, on the same weights (float32)."""
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.attention.torch_backend import TorchAttention
+from pagedserve.models.loader import load_model
+from pagedserve.request import Request, Sequence
+from pagedserve.scheduler import ScheduledSeq
+from pagedserve.worker.model_runner import ModelRunner
+from tests.conftest import PROMPTS, VARIANTS, hf_greedy
+
+BLOCK = 4
+
+
+def paged_logits(model, prompt: list[int], chunk: int, num_blocks: int = 64) -> torch.Tensor:
+    """Logits at every position, computing the prompt in chunks of `chunk` tokens through a
+    shuffled (non-contiguous, out-of-order) block table."""
+    runner = ModelRunner(model, num_blocks, BLOCK, sampler=None)
+    blocks = list(range(num_blocks))
+    random.Random(0).shuffle(blocks)
+    table = blocks[: -(-len(prompt) // BLOCK)]
+    seq = Sequence(1, 0, list(prompt), len(prompt))
+    req = Request("r", None, prompt, SamplingParams(), 1)
+    rows = []
+    for start in range(0, len(prompt), chunk):
+        n = min(chunk, len(prompt) - start)
+        seq.num_computed_tokens = start
+        ids, pos, meta = runner._prepare([ScheduledSeq.of(req, seq, n, table)])
+        hidden = model.forward(ids, pos, meta, runner.kv_cache)
+        rows.append(model.compute_logits(hidden))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_logits_match_transformers(tiny_models, name):
+    tm = tiny_models(name)
+    model, args, dtype = load_model(tm.path, "float32", TorchAttention())
+    assert dtype == torch.float32
+    prompt = tm.tokenizer.encode(PROMPTS[5])
+    with torch.no_grad():
+        ref = tm.hf(torch.tensor([prompt])).logits[0]
+    for chunk in (len(prompt), 5, 1):   # one prefill, chunked prefill, token-by-token decode
+        ours = paged_logits(model, prompt, chunk)
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama3_rope", "llama_gqa_untied"])
+def test_transformers4_config_form_loads_the_same(tiny_models, name):
+    """A config with rope_theta / rope_scaling (transformers 4) gives the same model."""
+    tm = tiny_models(name, v4_config=True)
+    model, _, _ = load_model(tm.path, "float32", TorchAttention())
+    prompt = tm.tokenizer.encode(PROMPTS[2])
+    with torch.no_grad():
+        ref = tm.hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(paged_logits(model, prompt, len(prompt)), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_greedy_tokens_match_transformers_generate(tiny_models, name):
+    tm = tiny_models(name)
+    llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=256, block_size=16)
+    prompts = [tm.tokenizer.encode(p) for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, min_tokens=24), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tm.hf, p, 24)
+    assert llm.kv_cache_stats()["num_used_blocks"] == 0
+
+
+def test_unknown_architecture_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        load_model(str(tmp_path), "float32", TorchAttention())
+
+
+def test_bfloat16_loads_and_stays_close(tiny_llama):
+    model, _, dtype = load_model(tiny_llama.path, "bfloat16", TorchAttention())
+    assert dtype == torch.bfloat16 and model.embed.dtype == torch.bfloat16
+    prompt = tiny_llama.tokenizer.encode(PROMPTS[0])
+    with torch.no_grad():
+        ref = tiny_llama.hf(torch.tensor([prompt])).logits[0]
+    ours = paged_logits(model, prompt, len(prompt))
+    assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
