@@ -31,8 +31,10 @@ class TorchAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, Hq, D]."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, kv_cache, meta, scale)     # all decodes: no extra copy
+        out = torch.empty(q.shape, dtype=q.dtype)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu

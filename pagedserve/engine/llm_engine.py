@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from pagedserve.attention.torch_backend import TorchAttention
+from pagedserve.attention.cpu_backend import CpuAttention
 from pagedserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
@@ -38,7 +38,7 @@ class LLMEngine:
         path = config.model or default_model_path()
         self.model_path = path
         self.tokenizer = load_tokenizer(config.tokenizer or path)
-        model, args, dtype = load_model(path, config.dtype, TorchAttention(), config.max_model_len)
+        model, args, dtype = load_model(path, config.dtype, CpuAttention(), config.max_model_len)
         self.model_args = args
         self.dtype = dtype
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, args)

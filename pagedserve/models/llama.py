@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.models.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from pagedserve.models.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -72,17 +72,19 @@ class LlamaModel:
         """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, Hkv, D].
         Returns the final hidden states [T, hidden] (normalised)."""
         a = self.args
+        num_tokens = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.lookup(positions)
+        qk_size = self.q_size + self.kv_size
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, a.rms_norm_eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, a.num_heads, a.head_dim)
-            k = k.view(-1, a.num_kv_heads, a.head_dim)
-            v = v.reshape(-1, a.num_kv_heads, a.head_dim)
-            q, k = self.rope(positions, q, k)
+            # RoPE on queries and keys together: one rotation of [T, Hq + Hkv, D].
+            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, -1, a.head_dim), cos, sin)
+            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+            v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
-            x = x + F.linear(attn.reshape(-1, self.q_size), w.o)
+            x = x + F.linear(attn.reshape(num_tokens, self.q_size), w.o)
             h = rms_norm(x, w.post_norm, a.rms_norm_eps)
             x = x + F.linear(silu_and_mul(F.linear(h, w.gate_up)), w.down)
         return rms_norm(x, self.norm, a.rms_norm_eps)
