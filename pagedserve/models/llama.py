@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kernels.cpu import linear
 from pagedserve.models.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -78,18 +79,18 @@ class LlamaModel:
         qk_size = self.q_size + self.kv_size
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, a.rms_norm_eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            qkv = linear(h, w.qkv, w.qkv_bias)
             # RoPE on queries and keys together: one rotation of [T, Hq + Hkv, D].
             qk = apply_rope(qkv[:, :qk_size].view(num_tokens, -1, a.head_dim), cos, sin)
             q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
-            x = x + F.linear(attn.reshape(num_tokens, self.q_size), w.o)
+            x = x + linear(attn.reshape(num_tokens, self.q_size), w.o)
             h = rms_norm(x, w.post_norm, a.rms_norm_eps)
-            x = x + F.linear(silu_and_mul(F.linear(h, w.gate_up)), w.down)
+            x = x + linear(silu_and_mul(linear(h, w.gate_up)), w.down)
         return rms_norm(x, self.norm, a.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled (the LM head runs only on those)."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

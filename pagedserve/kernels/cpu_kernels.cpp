@@ -135,3 +135,50 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
     return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B, scale, partition_size);
 }
 }
+
+// ---- small-batch linear layers in bfloat16 ---------------------------------------------------
+// y[M, N] = x[M, K] @ w[N, K]^T for a handful of rows (decode with few sequences). Such a
+// product is bound by reading w once; the AVX512-BF16 dot-product instruction multiplies
+// bf16 pairs exactly and accumulates in float32, so each weight row streams from memory once
+// for all M rows of x. Returns 1 where the CPU lacks AVX512-BF16 (the caller falls back).
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+namespace {
+constexpr int kMaxRows = 8;
+
+inline __m512bh load_bh(const uint16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+void linear_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                 int64_t K, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        __m512 acc[kMaxRows];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        const uint16_t *wr = w + n * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : ((1u << (K - k)) - 1);
+            const __m512bh wv = load_bh(wr + k, mask);
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_dpbf16_ps(acc[m], wv, load_bh(x + m * K + k, mask));
+        }
+        const float b = bias ? to_f32(bias[n]) : 0.f;
+        for (int64_t m = 0; m < M; m++) store(y + m * N + n, _mm512_reduce_add_ps(acc[m]) + b);
+    }
+}
+}  // namespace
+
+extern "C" int linear_bf16_small(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                                 int64_t N, int64_t K) {
+    if (M > kMaxRows) return 1;
+    const int64_t chunk = 64;   // output rows per task: large enough to stream, many tasks to share
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) linear_rows(x, w, bias, y, M, N, K, n0, std::min(n0 + chunk, N));
+    return 0;
+}
+#else
+extern "C" int linear_bf16_small(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                                 int64_t) {
+    return 1;
+}
+#endif
