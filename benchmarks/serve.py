@@ -2,13 +2,17 @@
 
     .venv/bin/python benchmarks/serve.py --quick                 # start the servers itself, small run
     .venv/bin/python benchmarks/serve.py --num-prompts 200 --request-rate 4
+    .venv/bin/python benchmarks/serve.py --workload sharegpt --num-prompts 100 --request-rate 1
     .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --no-baseline
 
-Each request is a streamed /v1/completions call with a prompt of exactly
---input-len tokens (seeded random English words, cut to length with /tokenize)
-and --output-len generated tokens (ignore_eos). Requests arrive as a Poisson
-process at --request-rate per second (inf: all at once), at most
---max-concurrency in flight. Metrics follow `vllm bench serve`:
+Each request is a streamed /v1/completions call that generates exactly its
+output length (ignore_eos). Workload `random` (default): prompts of exactly
+--input-len tokens (seeded random English words, cut to length with /tokenize),
+--output-len generated tokens. Workloads `sharegpt` / `alpaca`: the paper's
+length statistics from benchmarks/workloads.py (random token ids below
+--vocab-size). Requests arrive as a Poisson process at --request-rate per second
+(inf: all at once), at most --max-concurrency in flight. Metrics follow
+`vllm bench serve`:
   TTFT  time to the first streamed token
   ITL   gaps between consecutive streamed chunks (one chunk per engine step)
   TPOT  (latency - TTFT) / (output tokens - 1), per request
@@ -36,6 +40,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.workloads import WORKLOADS, TraceRequest, make_trace  # noqa: E402
 from pagedserve.server.launcher import launch_server  # noqa: E402
 
 WORDS = ("the of and to in is was that for on with as by at from it an be this which or are his have had not "
@@ -57,15 +62,20 @@ class RequestResult:
     error: str = ""
 
 
-async def make_prompts(client: httpx.AsyncClient, n: int, input_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(n):
-        text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
+async def make_requests(client: httpx.AsyncClient, args, max_model_len: int) -> list[TraceRequest]:
+    if args.workload in WORKLOADS:
+        return make_trace(args.workload, args.num_prompts, args.seed, args.vocab_size, max_model_len,
+                          args.request_rate)
+    rng = random.Random(args.seed)
+    requests, t = [], 0.0
+    for _ in range(args.num_prompts):
+        text = " ".join(rng.choice(WORDS) for _ in range(args.input_len * 2))
         r = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
         r.raise_for_status()
-        prompts.append(r.json()["tokens"][:input_len])
-    return prompts
+        if not math.isinf(args.request_rate):
+            t += rng.expovariate(args.request_rate)
+        requests.append(TraceRequest(r.json()["tokens"][:args.input_len], args.output_len, t))
+    return requests
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
@@ -107,27 +117,25 @@ async def run_workload(base_url: str, model: str | None, args) -> tuple[list[Req
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits, headers=headers) as client:
-        if model is None:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        prompts = await make_prompts(client, args.num_prompts, args.input_len, args.seed)
+        card = (await client.get("/v1/models")).json()["data"][0]
+        model = model or card["id"]
+        requests = await make_requests(client, args, card["max_model_len"])
         # Warm up (first-call costs), then measure.
-        await one_request(client, model, prompts[0], 4, args.temperature)
+        await one_request(client, model, requests[0].prompt_token_ids, 4, args.temperature)
         before = parse_metrics((await client.get("/metrics")).text)
-        rng = np.random.default_rng(args.seed)
-        gaps = ([0.0] * len(prompts) if math.isinf(args.request_rate)
-                else rng.exponential(1.0 / args.request_rate, size=len(prompts)).tolist())
-        limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+        limit = asyncio.Semaphore(args.max_concurrency or len(requests))
 
-        async def limited(prompt):
+        async def limited(req: TraceRequest):
             async with limit:
-                return await one_request(client, model, prompt, args.output_len, args.temperature)
+                return await one_request(client, model, req.prompt_token_ids, req.output_len, args.temperature)
 
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps):
-            if gap:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for req in requests:
+            delay = start + req.arrival_time - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(limited(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         after = parse_metrics((await client.get("/metrics")).text)
@@ -217,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model for the servers this script starts (default: SmolLM2)")
     p.add_argument("--server-args", default="", help="extra `pagedserve serve` flags, one string")
+    p.add_argument("--workload", default="random", choices=["random", *WORKLOADS])
+    p.add_argument("--vocab-size", type=int, default=49152, help="token ids of the sharegpt/alpaca workloads")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -235,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.base_url and not args.no_baseline:
         runs["max-num-seqs 1"] = bench_one(args, "max-num-seqs-1", ["--max-num-seqs", "1"])
     print()
-    print(f"workload: {args.num_prompts} requests, {args.input_len} prompt + {args.output_len} output tokens, "
-          f"rate {args.request_rate}/s, max concurrency {args.max_concurrency or 'unlimited'}, seed {args.seed}")
+    lengths = (f"{args.input_len} prompt + {args.output_len} output tokens" if args.workload == "random"
+               else "{} lengths".format(args.workload))
+    print(f"workload: {args.num_prompts} requests, {lengths}, rate {args.request_rate}/s, "
+          f"max concurrency {args.max_concurrency or 'unlimited'}, seed {args.seed}")
     print_table(runs)
     out = Path(args.result_file)
     out.parent.mkdir(parents=True, exist_ok=True)
