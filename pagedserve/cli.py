@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 
@@ -82,6 +84,39 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.app import run_server
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    model = args.model_tag or args.model
+    config = EngineConfig(model=model, **engine_kwargs(args))
+    return run_server(config, host=args.host, port=args.port, served_model_names=args.served_model_name,
+                      api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
+                      log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                      access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None,
+                   help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is returned in responses")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds requests in flight get to finish after SIGTERM before they are aborted")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stat lines")
+    p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"])
+    add_engine_args(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,395 @@
+"""AsyncLLM: one LLMEngine run by one background thread, for the server.
+
+The engine is not thread-safe, so only its own thread ever touches it: it
+builds the engine, then loops over (apply queued adds/aborts, run one step,
+hand the outputs out). Callers on the asyncio event loop never call the
+engine; they put commands on a thread-safe queue and wake the thread, and
+each caller reads its outputs from its own asyncio queue, filled by the event
+loop from call_soon_threadsafe callbacks. With nothing to do the thread
+sleeps on an Event instead of spinning.
+
+Every HTTP request's prompts join the same running batch: continuous
+batching across clients comes from the scheduler seeing all of them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
+                                     StatLogger)
+from pagedserve.models.loader import load_tokenizer
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.request import Request
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Params = SamplingParams | BeamSearchParams
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still starting, failed to start, or is shutting down."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in flight were aborted."""
+
+
+@dataclass
+class _Progress:
+    """Engine-thread bookkeeping per request, for the stats."""
+    num_prompt_tokens: int
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class RequestStream:
+    """The outputs of one caller's engine requests (one per prompt), as they come.
+
+    Each output is cumulative (text and token ids so far). Iteration ends when every
+    request has finished; close() aborts whatever has not.
+    """
+
+    def __init__(self, llm: "AsyncLLM", request_ids: list[str]) -> None:
+        self._llm = llm
+        self.request_ids = list(request_ids)
+        self._unfinished = set(request_ids)
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            yield item
+
+    def abort(self) -> None:
+        """Abort the unfinished requests now; their final outputs (finish_reason "abort")
+        still arrive on this stream."""
+        if self._unfinished:
+            self._llm.abort(sorted(self._unfinished))
+
+    def close(self) -> None:
+        """Abort what is unfinished and stop listening (the caller is going away)."""
+        self.abort()
+        self._unfinished.clear()
+        self._llm._unregister(self.request_ids)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
+                 log_interval: float | None = 10.0) -> None:
+        self.config = config
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self._log = LoggingStatLogger(log_interval) if log_interval else None
+        if self._log:
+            self.stat_loggers.append(self._log)
+        self.state = "created"             # created | starting | ready | failed | stopped
+        self.startup_error: BaseException | None = None
+        # Set on the engine thread before `ready`, read-only afterwards.
+        self.tokenizer: Any = None         # the front end's own tokenizer (not the engine's)
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.model_path = ""
+        self.num_blocks = 0
+        self.scheduler_stats = SchedulerStats()
+        # Engine-thread state.
+        self.engine: LLMEngine | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._progress: dict[str, _Progress] = {}
+        self._beam_requests: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        # Event-loop state.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started: asyncio.Future | None = None
+        self._streams: dict[str, RequestStream] = {}
+
+    # ---- lifecycle (event loop) --------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (it loads the model); call from the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.create_future()
+        self.state = "starting"
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_started(self) -> None:
+        """Wait until the model is loaded; raises the startup error if it failed."""
+        assert self._started is not None, "start() first"
+        await asyncio.shield(self._started)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request (their streams get the abort outputs) and stop the thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._send(("stop",))
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    # ---- requests (event loop) ---------------------------------------------------------------
+    async def add_requests(self, items: list[tuple[str, PromptType, Params]],
+                           arrival_time: float | None = None) -> RequestStream:
+        """Add several requests as one unit: all are added, or none (the error is raised:
+        ValueError for bad input)."""
+        if not self.ready:
+            raise EngineNotReadyError(f"the engine is {self.state}")
+        ids = [rid for rid, _, _ in items]
+        if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
+            raise ValueError(f"request ids already in use: {ids}")
+        stream = RequestStream(self, ids)
+        for rid in ids:
+            self._streams[rid] = stream
+        added = self._loop.create_future()
+        self._send(("add", items, arrival_time or time.monotonic(), added))
+        try:
+            await added
+        except BaseException:
+            stream.close()   # cancelled: the abort follows the add on the queue
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: Params,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """One prompt's outputs as they come; leaving the loop early aborts it."""
+        stream = await self.add_requests([(request_id, prompt, params)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(("abort", list(request_ids)))
+
+    def abort_all(self) -> None:
+        self._send(("abort_all",))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _unregister(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(error)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def _call_soon(self, fn: Callable, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass   # the event loop is closed: nobody is listening any more
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+            path = self.engine.model_path
+            self.tokenizer = load_tokenizer(self.config.tokenizer or path)
+            self.max_model_len = self.engine.max_model_len
+            self.vocab_size = self.engine.vocab_size
+            self.model_path = path
+            self.num_blocks = self.engine.kv_cache_stats()["num_blocks"]
+        except BaseException as e:   # noqa: BLE001 - reported to whoever waits for the start
+            logger.exception("the engine failed to start")
+            self.startup_error = e
+            self.state = "failed"
+            self._call_soon(self._resolve, self._started, e)
+            return
+        self.state = "ready"
+        self._call_soon(self._resolve, self._started, None)
+        if self._log:
+            self._log.restart_clock()
+        self._publish(None)
+        logger.info("engine ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_path,
+                    self.max_model_len, self.num_blocks, self.config.block_size)
+        running = True
+        while running:
+            self._wake.clear()
+            running = self._apply_commands()
+            if running and self.engine.has_unfinished_requests():
+                self._step()
+            elif running:
+                self._wake.wait(self._log.seconds_until_due() if self._log else None)
+            if self._log:
+                self._log.maybe_log()
+        self.state = "stopped"
+
+    def _apply_commands(self) -> bool:
+        """Apply queued commands; False once told to stop."""
+        applied = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            applied = True
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "abort_all":
+                self._abort(list(self.engine.requests))
+            elif kind == "stop":
+                self._abort(list(self.engine.requests))
+                self._publish(None)
+                return False
+        if applied:
+            self._publish(None)
+        return True
+
+    def _add(self, items: list, arrival_time: float, done: asyncio.Future) -> None:
+        added: list[Request] = []
+        try:
+            for rid, prompt, params in items:
+                added.append(self.engine.add_request(rid, prompt, params, arrival_time=arrival_time))
+        except Exception as e:   # noqa: BLE001 - handed back to the caller
+            for req in added:    # all or nothing: leave no blocks behind
+                self.engine.abort_request(req.request_id)
+            self._call_soon(self._resolve, done, e)
+            return
+        for req in added:
+            self._progress[req.request_id] = _Progress(len(req.prompt_token_ids))
+            if req.is_beam_search:
+                self._beam_requests[req.request_id] = req
+        self._call_soon(self._resolve, done, None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        outputs = []
+        iteration = IterationStats()
+        for rid in request_ids:
+            out = self.engine.abort_request(rid)
+            self._beam_requests.pop(rid, None)
+            if out is not None:
+                outputs.append(out)
+                self._account(out, iteration)
+        if outputs:
+            self._call_soon(self._dispatch, outputs)
+            self._publish(iteration)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:   # noqa: BLE001 - a bug must not take the server down
+            logger.exception("an engine step failed; aborting the %d requests in flight",
+                             len(self.engine.requests))
+            rids = list(self.engine.requests)
+            for rid in rids:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:   # noqa: BLE001
+                    logger.exception("could not abort request %s", rid)
+                self._progress.pop(rid, None)
+                self._beam_requests.pop(rid, None)
+            self._call_soon(self._fail, rids, EngineStepError(f"the engine step failed: {e!r}"))
+            self._publish(None)
+            return
+        outputs = [self._with_beams(out) for out in outputs]
+        iteration = IterationStats()
+        for out in outputs:
+            self._account(out, iteration)
+        if outputs:
+            self._call_soon(self._dispatch, outputs)
+        self._publish(iteration)
+
+    def _with_beams(self, out: RequestOutput) -> RequestOutput:
+        """A finished beam-search request's outputs are its best hypotheses, best first."""
+        req = self._beam_requests.get(out.request_id)
+        if req is None or not out.finished:
+            return out
+        del self._beam_requests[out.request_id]
+        n_prompt = len(req.prompt_token_ids)
+        beams = self.engine.beam_search_output(req).sequences
+        return dataclasses.replace(out, outputs=[
+            CompletionOutput(index=i, text=s.text, token_ids=s.tokens[n_prompt:], cumulative_logprob=s.cum_logprob,
+                             logprobs=None, finish_reason=s.finish_reason)
+            for i, s in enumerate(beams)])
+
+    def _account(self, out: RequestOutput, it: IterationStats) -> None:
+        """Fold one output into the step's stats. Generated tokens are counted over all the
+        request's sequences (a beam-search request's when it finishes)."""
+        p = self._progress.get(out.request_id)
+        if p is None:
+            return
+        m = out.metrics
+        if m.first_token_time is not None and p.last_token_time is None:
+            it.num_prompt_tokens += p.num_prompt_tokens
+            it.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
+        elif m.last_token_time is not None and m.last_token_time != p.last_token_time:
+            it.inter_token_latencies.append(m.last_token_time - p.last_token_time)
+        p.last_token_time = m.last_token_time
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > p.num_tokens:
+            it.num_generation_tokens += num_tokens - p.num_tokens
+            p.num_tokens = num_tokens
+        if out.finished:
+            del self._progress[out.request_id]
+            reasons = [c.finish_reason for c in out.outputs]
+            reason = "abort" if not reasons or "abort" in reasons else reasons[0] or "abort"
+            finished_time = m.finished_time or time.monotonic()
+            it.finished.append(FinishedRequestStats(
+                finish_reason=reason, e2e_latency=finished_time - m.arrival_time,
+                queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
+                num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
+
+    def _publish(self, iteration: IterationStats | None) -> None:
+        kv = self.engine.kv_cache_stats()
+        sched = self.engine.scheduler
+        self.scheduler_stats = SchedulerStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=kv["usage"],
+            prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
+            num_preemptions=kv["num_preemptions"])
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(self.scheduler_stats, iteration)
+            except Exception:   # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("stat logger %r failed", stat_logger)

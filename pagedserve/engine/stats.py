@@ -1,0 +1,99 @@
+"""What the engine loop reports after each step, and the periodic log line.
+
+The engine thread builds these plain records; stat loggers (this module's
+LoggingStatLogger, the server's Prometheus logger) consume them. Loggers are
+called on the engine thread, so they must be quick and thread-safe.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger("pagedserve.engine")
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler and KV cache as they are now (counters are cumulative)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0          # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0           # of those, tokens found
+    num_preemptions: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str                   # stop | length | abort
+    e2e_latency: float                   # arrival -> finished, seconds
+    queue_time: float | None             # arrival -> first scheduled (None: never scheduled)
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced. As in vLLM, a request's prompt tokens count in the
+    step that produces its first token."""
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.num_prompt_tokens or self.num_generation_tokens or self.finished)
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None: ...
+
+
+class LoggingStatLogger:
+    """Logs one line every `interval` seconds while there is activity (and one idle line after)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last_log = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._queries_at_last = 0
+        self._hits_at_last = 0
+        self._last: SchedulerStats = SchedulerStats()
+        self._was_active = False
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None:
+        self._last = scheduler
+        if iteration is not None:
+            self._prompt_tokens += iteration.num_prompt_tokens
+            self._generation_tokens += iteration.num_generation_tokens
+
+    def restart_clock(self) -> None:
+        self._last_log = time.monotonic()
+
+    def seconds_until_due(self) -> float:
+        return max(0.0, self._last_log + self.interval - time.monotonic())
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < self.interval:
+            return
+        s = self._last
+        active = bool(self._prompt_tokens or self._generation_tokens or s.num_running or s.num_waiting)
+        if active or self._was_active:
+            queries = s.prefix_cache_queries - self._queries_at_last
+            hits = s.prefix_cache_hits - self._hits_at_last
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                self._prompt_tokens / elapsed, self._generation_tokens / elapsed, s.num_running,
+                s.num_waiting, 100 * s.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+        self._was_active = active
+        self._last_log = now
+        self._prompt_tokens = self._generation_tokens = 0
+        self._queries_at_last, self._hits_at_last = s.prefix_cache_queries, s.prefix_cache_hits

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM.
+
+The server listens at once and answers 503 until the model is loaded. SIGTERM
+(or Ctrl-C) stops new requests (503), gives the ones in flight
+`shutdown_timeout` seconds to finish, aborts the rest and exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+import pagedserve
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
+from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                        ModelList, TokenizeRequest)
+from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
+
+logger = logging.getLogger("pagedserve.server")
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Routes that answer without an API key and while the engine is not ready.
+OPEN_PATHS = {"/health", "/version", "/metrics"}
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    served_model_names: list[str]
+    metrics: PrometheusStatLogger
+    api_key: str | None = None
+    shutdown_timeout: float = 5.0
+    shutting_down: bool = False
+    on_start_failed: Callable[[], None] = lambda: None
+    loop: asyncio.AbstractEventLoop | None = None
+    _tasks: list[Any] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.served_model_names))}", "model", "model_not_found")
+        return self.model_name
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; abort the ones still running after shutdown_timeout."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        logger.info("shutting down: new requests get 503, requests in flight have %.1f s to finish",
+                    self.shutdown_timeout)
+        if self.loop is not None:
+            self.loop.call_later(self.shutdown_timeout, self.llm.abort_all)
+
+
+class GateMiddleware:
+    """503 while starting or shutting down, 401 without the API key (pure ASGI, so streaming
+    responses and disconnects pass through untouched)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            error = self._refuse(scope)
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refuse(self, scope) -> APIError | None:
+        state, path = self.state, scope["path"]
+        if path in OPEN_PATHS and path != "/health":
+            return None
+        if state.shutting_down:
+            return APIError(503, "the server is shutting down")
+        if not state.llm.ready:
+            return APIError(503, f"the server is not ready: the engine is {state.llm.state}")
+        if state.api_key and path not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key")
+        return None
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        if state.llm.state == "created":
+            state.llm.start()
+        state._tasks.append(asyncio.create_task(_watch_start(state)))
+        yield
+        state.shutting_down = True
+        await state.llm.shutdown()
+
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(GateMiddleware, state=state)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=state.llm.model_path, max_model_len=state.llm.max_model_len)
+                 for name in state.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    # Bodies are parsed here rather than by FastAPI so that any content type is read as JSON
+    # (curl -d sends form encoding) and every parse error is a 400 in OpenAI's shape.
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        body = await parse_body(raw, CompletionRequest)
+        return await CompletionServing(state, body, raw).create()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        body = await parse_body(raw, ChatCompletionRequest)
+        return await ChatServing(state, body, raw).create()
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict:
+        body = await parse_body(raw, TokenizeRequest)
+        state.check_model(body.model)
+        tok = state.llm.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either prompt or messages", "prompt")
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict:
+        body = await parse_body(raw, DetokenizeRequest)
+        state.check_model(body.model)
+        vocab = state.llm.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": state.llm.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def parse_body(raw: Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        raise invalid_body(e) from None
+
+
+async def _watch_start(state: ServerState) -> None:
+    try:
+        await state.llm.wait_started()
+    except BaseException as e:   # noqa: BLE001
+        logger.error("the engine failed to start (%s: %s); stopping the server", type(e).__name__, e)
+        state.on_start_failed()
+        return
+    logger.info("ready to serve %s", ", ".join(state.served_model_names))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: a signal starts our shutdown (503s, then aborts), and a clean shutdown
+    exits 0 (uvicorn would re-raise the signal once done, ending the process with 128+SIGTERM)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+        if self.state.loop is not None:
+            self.state.loop.call_soon_threadsafe(self.state.begin_shutdown)
+
+
+def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+               served_model_names: list[str] | None = None, api_key: str | None = None,
+               shutdown_timeout: float = 5.0, log_stats_interval: float | None = 10.0,
+               access_log: bool = True, log_level: str = "info") -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load)."""
+    names = served_model_names or [config.model or DEFAULT_MODEL_NAME]
+    metrics = PrometheusStatLogger(names[0])
+    llm = AsyncLLM(config, [metrics], log_interval=log_stats_interval)
+    state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout)
+    app = build_app(state)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                               timeout_graceful_shutdown=int(shutdown_timeout) + 5)
+    server = _Server(uv_config, state)
+
+    def stop() -> None:
+        server.should_exit = True
+    state.on_start_failed = stop
+    server.run()
+    return 1 if llm.state == "failed" or not server.started else 0

@@ -1,0 +1,88 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status,
+for our own errors, malformed bodies, unknown routes and unexpected failures alike."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "invalid_request_error"),
+                         param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "invalid request body: " + "; ".join(parts), param
+
+
+def invalid_body(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    if errors and errors[0].get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {errors[0].get('msg')}")
+    message, param = _validation_message(errors)
+    return APIError(400, message, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return APIError(400, message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,95 @@
+"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix.
+
+A stat logger for AsyncLLM: it is called on the engine thread after every step
+(and after adds/aborts); prometheus-client's metrics are thread-safe and
+/metrics renders the registry from the event loop.
+"""
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,  # noqa: F401
+                               disable_created_metrics, generate_latest)
+
+from pagedserve.engine.stats import IterationStats, SchedulerStats
+
+PREFIX = "pagedserve:"
+
+# No `_created` series (as vLLM): they double the output and no dashboard reads them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.model_name = model_name
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)   # present at 0 from the start
+        self.iteration_tokens = histogram("iteration_tokens_total",
+                                          "Tokens per engine step (prompts of requests that got their first "
+                                          "token, plus generated tokens).", TOKEN_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive steps.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                               TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per request.",
+                                                   TOKEN_BUCKETS)
+        self._last = SchedulerStats()
+
+    def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
+        self.num_requests_running.set(s.num_running)
+        self.num_requests_waiting.set(s.num_waiting)
+        self.kv_cache_usage.set(s.kv_cache_usage)
+        # The engine reports cumulative counts; counters only move forward.
+        self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - self._last.prefix_cache_queries))
+        self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - self._last.prefix_cache_hits))
+        self.num_preemptions.inc(max(0, s.num_preemptions - self._last.num_preemptions))
+        self._last = s
+        if it is None or it.empty:
+            return
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_prompt_tokens or it.num_generation_tokens:
+            self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        for t in it.time_to_first_tokens:
+            self.ttft.observe(t)
+        for t in it.inter_token_latencies:
+            self.itl.observe(t)
+        for f in it.finished:
+            self._success.labels(self.model_name, f.finish_reason).inc()
+            self.e2e.observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue_time.observe(f.queue_time)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

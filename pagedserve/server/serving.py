@@ -1,0 +1,468 @@
+"""/v1/completions and /v1/chat/completions: request -> engine requests -> response or SSE.
+
+Both endpoints share the machinery: check the request, turn it into one engine
+request per prompt (SamplingParams or BeamSearchParams), submit them as one
+unit, then either wait for the final outputs or stream deltas. Engine outputs
+are cumulative, so each choice remembers how much text and how many tokens it
+has sent. A client that goes away aborts its requests at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel
+
+from pagedserve.engine.async_llm import EngineNotReadyError, EngineStepError, RequestStream
+from pagedserve.engine.llm import render_chat
+from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                        ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
+                                        ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
+                                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+                                        SamplingRequest, TopLogprob, UsageInfo, random_id)
+
+if TYPE_CHECKING:
+    from pagedserve.server.app import ServerState
+
+logger = logging.getLogger(__name__)
+
+Params = SamplingParams | BeamSearchParams
+
+# Request fields an error message may start with (SamplingParams names the value first).
+_PARAM_NAMES = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens", "min_tokens", "stop",
+                "logprobs", "prompt_logprobs", "beam_width"}
+
+
+# ---- request -> engine --------------------------------------------------------------------------
+def _param_of(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAM_NAMES else None
+
+
+def resolve_max_tokens(requested: int | None, explicit: bool, prompt_len: int, max_model_len: int,
+                       prompt_param: str) -> int | None:
+    """None means up to the context length. An explicit max_tokens that does not fit is an
+    error (as in OpenAI's API); a default one is cut to what fits."""
+    if prompt_len >= max_model_len:
+        raise bad_request(f"the prompt is {prompt_len} tokens long; this model's maximum context length is "
+                          f"{max_model_len} tokens, which must also hold at least one generated token",
+                          prompt_param, "context_length_exceeded")
+    if requested is None or requested < 1:
+        return requested   # < 1: SamplingParams says what is wrong
+    if explicit and prompt_len + requested > max_model_len:
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens, but "
+                          f"{prompt_len + requested} were requested: {prompt_len} in the prompt and "
+                          f"{requested} for the completion; shorten the prompt or lower max_tokens",
+                          "max_tokens", "context_length_exceeded")
+    return min(requested, max_model_len - prompt_len)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token id {token} is out of the vocabulary (size {vocab_size})",
+                              "logit_bias")
+        out[token] = value
+    return out
+
+
+def make_params(req: SamplingRequest, max_tokens: int | None, prompt_len: int, max_model_len: int,
+                vocab_size: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                logprobs_param: str = "logprobs") -> Params:
+    try:
+        if req.use_beam_search:
+            if req.stop or req.stop_token_ids:
+                raise bad_request("stop and stop_token_ids are not supported with use_beam_search", "stop")
+            if logprobs is not None:
+                raise bad_request("logprobs are not supported with use_beam_search", logprobs_param)
+            width = req.best_of or req.n
+            if width < req.n:
+                raise bad_request(f"best_of ({width}) must be >= n ({req.n})", "best_of")
+            return BeamSearchParams(beam_width=width,
+                                    max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
+                                    ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                                    include_stop_str_in_output=req.include_stop_str_in_output)
+        return SamplingParams(
+            n=req.n, best_of=req.best_of,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, vocab_size),
+            max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        param = _param_of(str(e))
+        if param == "logprobs":
+            param = logprobs_param
+        raise bad_request(str(e), param) from None
+
+
+def completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt or isinstance(prompt[0], int):
+        return [prompt]   # one prompt of token ids ([] is refused as empty by the engine)
+    return list(prompt)
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    conversation = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise bad_request(f"only text content parts are supported, got {part.get('type')!r}",
+                                      "messages")
+                texts.append(str(part.get("text", "")))
+            content = "\n".join(texts)
+        conversation.append({"role": m.role, "content": content or ""})
+    try:
+        return render_chat(tokenizer, conversation, add_generation_prompt)
+    except (ValueError, TemplateError) as e:
+        raise bad_request(f"could not render the chat template: {e}", "messages") from None
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+def _finite(logprob: float) -> float:
+    """JSON has no -inf or NaN."""
+    return max(logprob, -9999.0) if logprob == logprob else -9999.0
+
+
+class TokenTexts:
+    """Each token's own text, decoded once."""
+
+    def __init__(self, tokenizer) -> None:
+        self.text = lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+
+    def completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
+                            offset: int, out: CompletionLogprobs) -> int:
+        """Append positions to `out` (OpenAI's completions shape); returns the next text offset."""
+        for token, pos in zip(token_ids, positions):
+            text = self.text(token)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if pos is None:   # the first prompt token has no logprob
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_finite(pos[token].logprob))
+            top: dict[str, float] = {}
+            for t, lp in pos.items():   # tokens with the same text (e.g. partial bytes) keep the best
+                text_t, value = self.text(t), _finite(lp.logprob)
+                top[text_t] = max(value, top.get(text_t, value))
+            out.top_logprobs.append(top)
+        return offset
+
+    def chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs], top: int) -> ChatLogprobs:
+        content = []
+        for token, pos in zip(token_ids, positions):
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in pos.items()
+                            if lp.rank is not None and lp.rank <= top)
+            content.append(ChatTokenLogprob(
+                token=self.text(token), logprob=_finite(pos[token].logprob),
+                bytes=list(self.text(token).encode()),
+                top_logprobs=[TopLogprob(token=self.text(t), logprob=_finite(lp), bytes=list(self.text(t).encode()))
+                              for _, t, lp in ranked]))
+        return ChatLogprobs(content=content)
+
+
+# ---- shared machinery ---------------------------------------------------------------------------
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the last chunk."""
+    index: int                       # the choice's index in the response
+    prompt_index: int
+    request: RequestOutput
+    output: CompletionOutput         # cumulative
+    text: str
+    new_tokens: slice                # positions of output.token_ids not sent yet
+    first: bool
+    finished: bool
+
+
+class _ChoiceState:
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.num_tokens = 0
+        self.chars_sent = 0          # everything sent, echo included (for text offsets)
+        self.started = False
+        self.finished = False
+
+
+def _sse(model: BaseModel | dict) -> str:
+    body = model.model_dump_json() if isinstance(model, BaseModel) else json.dumps(model)
+    return f"data: {body}\n\n"
+
+
+class Serving:
+    """One request being served; subclasses shape the responses."""
+    id_prefix = "cmpl"
+    prompt_param = "prompt"
+
+    def __init__(self, state: "ServerState", body: SamplingRequest, raw: Request) -> None:
+        self.state = state
+        self.llm = state.llm
+        self.body = body
+        self.raw = raw
+        self.arrival = time.monotonic()
+        self.id = random_id(self.id_prefix)
+        self.created = int(time.time())
+        self.model = state.check_model(body.model)
+        self.n = body.n if isinstance(body.n, int) and body.n > 0 else 1
+        self.texts = TokenTexts(self.llm.tokenizer)
+        self.prompt_tokens: dict[int, int] = {}
+        self._choices: dict[int, _ChoiceState] = {}
+        include = body.stream_options.include_usage if body.stream_options else False
+        self.stream_usage = bool(body.stream and include)
+        self.continuous_usage = bool(self.stream_usage and body.stream_options.continuous_usage_stats)
+        if body.stream and body.best_of is not None and body.best_of > body.n and not body.use_beam_search:
+            raise bad_request("best_of > n is not supported with stream", "best_of")
+
+    # -- submit and wait --------------------------------------------------------------------------
+    async def submit(self, items: list[tuple[str | None, list[int], Params]]) -> RequestStream:
+        engine_items = [(f"{self.id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
+                        for i, (text, ids, params) in enumerate(items)]
+        try:
+            return await self.llm.add_requests(engine_items, self.arrival)
+        except EngineNotReadyError as e:
+            raise APIError(503, f"the server cannot take requests now: {e}") from None
+        except ValueError as e:
+            raise bad_request(str(e), self.prompt_param) from None
+
+    async def _abort_on_disconnect(self, stream: RequestStream) -> None:
+        while True:
+            message = await self.raw.receive()
+            if message["type"] == "http.disconnect":
+                if not stream.finished:
+                    logger.info("client disconnected: aborting %s", self.id)
+                    stream.abort()
+                return
+
+    def _check_aborted(self, out: RequestOutput) -> None:
+        if out.finished and (not out.outputs or any(c.finish_reason == "abort" for c in out.outputs)):
+            why = "the server is shutting down" if self.state.shutting_down else "the request was aborted"
+            raise APIError(503, f"request aborted: {why}")
+
+    async def final_outputs(self, stream: RequestStream) -> list[RequestOutput]:
+        watcher = asyncio.create_task(self._abort_on_disconnect(stream))
+        finals: dict[str, RequestOutput] = {}
+        try:
+            async for out in stream:
+                if out.finished:
+                    self._check_aborted(out)
+                    finals[out.request_id] = out
+        except EngineStepError as e:
+            raise APIError(500, str(e)) from None
+        finally:
+            watcher.cancel()
+            stream.close()
+        return [finals[rid] for rid in stream.request_ids]
+
+    def usage(self, finals: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(len(c.token_ids) for o in finals for c in self.returned(o))
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def returned(self, out: RequestOutput) -> list[CompletionOutput]:
+        """The outputs the client sees: beam search returns beam_width sequences, we return n."""
+        return [c for c in out.outputs if c.index < self.n]
+
+    # -- streaming --------------------------------------------------------------------------------
+    def deltas(self, prompt_index: int, out: RequestOutput) -> Iterator[ChoiceDelta]:
+        for c in self.returned(out):
+            index = prompt_index * self.n + c.index
+            st = self._choices.setdefault(index, _ChoiceState())
+            if st.finished:
+                continue
+            text = c.text[st.text_len:]
+            new = slice(st.num_tokens, len(c.token_ids))
+            finished = c.finish_reason is not None
+            if not (text or new.stop > new.start or finished or not st.started):
+                continue
+            first = not st.started
+            st.started, st.finished = True, finished
+            st.text_len, st.num_tokens = len(c.text), len(c.token_ids)
+            yield ChoiceDelta(index, prompt_index, out, c, text, new, first, finished)
+
+    def stream_usage_info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(st.num_tokens for st in self._choices.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def chunk_for(self, delta: ChoiceDelta) -> BaseModel:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> BaseModel:
+        raise NotImplementedError
+
+    def streaming_response(self, stream: RequestStream) -> StreamingResponse:
+        return StreamingResponse(self._events(stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _events(self, stream: RequestStream) -> AsyncIterator[str]:
+        watcher = asyncio.create_task(self._abort_on_disconnect(stream))
+        prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        try:
+            async for out in stream:
+                self._check_aborted(out)
+                i = prompt_index[out.request_id]
+                self.prompt_tokens[i] = len(out.prompt_token_ids)
+                for delta in self.deltas(i, out):
+                    chunk = self.chunk_for(delta)
+                    if self.continuous_usage:
+                        chunk.usage = self.stream_usage_info()
+                    yield _sse(chunk)
+            if self.stream_usage:
+                yield _sse(self.usage_chunk())
+        except APIError as e:
+            yield _sse(e.body())
+        except EngineStepError as e:
+            yield _sse(APIError(500, str(e)).body())
+        finally:
+            watcher.cancel()
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+class CompletionServing(Serving):
+    id_prefix = "cmpl"
+    prompt_param = "prompt"
+    body: CompletionRequest
+
+    async def create(self) -> JSONResponse | StreamingResponse:
+        body, llm = self.body, self.llm
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        explicit = "max_tokens" in body.model_fields_set
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        items = []
+        self.prompt_texts: list[str] = []
+        for prompt in completion_prompts(body.prompt):
+            if isinstance(prompt, str):
+                text, ids = prompt, llm.tokenizer.encode(prompt)
+            else:
+                text, ids = None, list(prompt)
+            max_tokens = resolve_max_tokens(body.max_tokens, explicit, len(ids), llm.max_model_len, "prompt")
+            params = make_params(body, max_tokens, len(ids), llm.max_model_len, llm.vocab_size, body.logprobs,
+                                 prompt_logprobs)
+            items.append((text, ids, params))
+        stream = await self.submit(items)
+        for text, ids, _ in items:
+            self.prompt_texts.append(text if text is not None or not body.echo else llm.tokenizer.decode(ids))
+        if body.stream:
+            return self.streaming_response(stream)
+        finals = await self.final_outputs(stream)
+        choices = []
+        for i, out in enumerate(finals):
+            for c in self.returned(out):
+                choices.append(self._choice(i * self.n + c.index, i, out, c, c.text, slice(0, len(c.token_ids)),
+                                            echo=body.echo))
+        response = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage(finals))
+        return JSONResponse(response.model_dump())
+
+    def _choice(self, index: int, prompt_index: int, out: RequestOutput, c: CompletionOutput, text: str,
+                new: slice, echo: bool, offset: int = 0) -> CompletionChoice:
+        prompt_text = self.prompt_texts[prompt_index] if echo else ""
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if echo:
+                self.texts.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], offset, logprobs)
+            self.texts.completion_logprobs(c.token_ids[new], (c.logprobs or [])[new], offset + len(prompt_text),
+                                           logprobs)
+        return CompletionChoice(index=index, text=prompt_text + text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def chunk_for(self, delta: ChoiceDelta) -> BaseModel:
+        st = self._choices[delta.index]
+        choice = self._choice(delta.index, delta.prompt_index, delta.request, delta.output, delta.text,
+                              delta.new_tokens, echo=self.body.echo and delta.first, offset=st.chars_sent)
+        st.chars_sent += len(choice.text)
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> BaseModel:
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                               usage=self.stream_usage_info())
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+class ChatServing(Serving):
+    id_prefix = "chatcmpl"
+    prompt_param = "messages"
+    body: ChatCompletionRequest
+
+    async def create(self) -> JSONResponse | StreamingResponse:
+        body, llm = self.body, self.llm
+        if body.tools or (body.tool_choice not in (None, "none")):
+            raise bad_request("tools are not supported", "tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise bad_request("only the text response_format is supported", "response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        self.top = (body.top_logprobs or 0) if body.logprobs else None
+        ids = chat_prompt_ids(llm.tokenizer, body.messages, body.add_generation_prompt)
+        explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = resolve_max_tokens(requested, explicit, len(ids), llm.max_model_len, "messages")
+        params = make_params(body, max_tokens, len(ids), llm.max_model_len, llm.vocab_size, self.top,
+                             logprobs_param="top_logprobs")
+        stream = await self.submit([(None, ids, params)])
+        if body.stream:
+            return self.streaming_response(stream)
+        (final,) = await self.final_outputs(stream)
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(c, slice(0, len(c.token_ids))),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in self.returned(final)]
+        response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                          usage=self.usage([final]))
+        return JSONResponse(response.model_dump())
+
+    def _logprobs(self, c: CompletionOutput, new: slice) -> ChatLogprobs | None:
+        if self.top is None:
+            return None
+        return self.texts.chat_logprobs(c.token_ids[new], (c.logprobs or [])[new], self.top)
+
+    def chunk_for(self, delta: ChoiceDelta) -> BaseModel:
+        c = delta.output
+        message = DeltaMessage(role="assistant" if delta.first else None, content=delta.text)
+        choice = ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(c, delta.new_tokens),
+                                  finish_reason=c.finish_reason if delta.finished else None,
+                                  stop_reason=c.stop_reason if delta.finished else None)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> BaseModel:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                   usage=self.stream_usage_info())

@@ -1,0 +1,452 @@
+"""The OpenAI-compatible server, run as a real subprocess on a free local port.
+
+One server on a tiny random Llama serves most tests (it checks the paging
+invariants after every step: PAGEDSERVE_CHECK_INVARIANTS is inherited); its
+answers are compared with the offline LLM on the same model. Separate servers
+cover SIGTERM and the real default model; the 503-while-starting gate is
+tested in process.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.server.launcher import launch_server
+
+API_KEY = "test-key"
+KV_BLOCKS = 256
+# The tiny model's KV bytes per 16-token block in float32: 2 (K, V) * 2 layers * 16 * 2 heads * 16 dims * 4.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+PROMPT = "Once upon a time there was a tiny language model"
+
+
+def tiny_server_args(*extra: str) -> list[str]:
+    return ["--dtype", "float32", "--kv-cache-memory", str(KV_BLOCKS * BLOCK_BYTES), "--log-stats-interval", "0.5",
+            "--disable-uvicorn-access-log", *extra]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny", "t2",
+                                                          "--shutdown-timeout", "0"),
+                        tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """The offline engine on the same model: the reference for the server's answers."""
+    return LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=KV_BLOCKS)
+
+
+def reference(offline, prompt, **kw):
+    return offline.generate(prompt, SamplingParams(**kw), use_tqdm=False)[0]
+
+
+def metrics(http) -> dict[str, float]:
+    """`name{labels}` -> value from /metrics (label model_name dropped)."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = re.sub(r',?model_name="[^"]*",?', "", name).replace("{}", "")
+        out[name] = float(value)
+    return out
+
+
+def wait_idle(http, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        idle = m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0 \
+            and m["pagedserve:kv_cache_usage_perc"] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- basics -------------------------------------------------------------------------------------
+def test_health_version_models_tokenize(server, client, http):
+    assert httpx.get(server.url + "/health").status_code == 200          # no key needed
+    assert httpx.get(server.url + "/version").json()["version"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny", "t2"]
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert ids["count"] == len(ids["tokens"]) > 3 and ids["max_model_len"] == 512
+    assert http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"].endswith(PROMPT)
+
+
+def test_completion_matches_offline_engine(client, offline, tiny_llama):
+    ref = reference(offline, PROMPT, temperature=0, max_tokens=24, ignore_eos=True)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.model == "tiny"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 24)
+    assert r.usage.total_tokens == len(ref.prompt_token_ids) + 24
+    # Token ids as the prompt, and a list of prompts: one choice each, in order.
+    ids = tiny_llama.tokenizer.encode(PROMPT)
+    r2 = client.completions.create(model="t2", prompt=[ids, ids[:4]], max_tokens=24, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert [c.index for c in r2.choices] == [0, 1]
+    assert r2.choices[0].text == ref.outputs[0].text
+    assert r2.usage.prompt_tokens == len(ids) + 4 and r2.usage.completion_tokens == 48
+
+
+def test_streaming_completion_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len([c for c in chunks if c.choices]) > 3     # streamed token by token, not at once
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_streaming_and_not(client, http, offline, tiny_llama):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The quick brown fox"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert ids == ref.prompt_token_ids
+    assert whole.choices[0].message.content == ref.outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.outputs[0].finish_reason
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # max_completion_tokens wins over max_tokens
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, max_completion_tokens=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_n_and_seeded_sampling_reproducible(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw, seed=11)
+    b = client.completions.create(**kw, seed=11)
+    c = client.completions.create(**kw, seed=12)
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert [ch.text for ch in a.choices] != [ch.text for ch in c.choices]
+    assert len({ch.text for ch in a.choices}) > 1        # each sequence has its own generator
+    assert a.usage.completion_tokens == 24
+    # Streaming n > 1 interleaves the choices and gives the same texts.
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**kw, seed=11, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in a.choices]
+    # best_of > n returns the n most likely of best_of samples.
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=1.0, n=2, best_of=3,
+                                  seed=5)
+    assert len(r.choices) == 2
+
+
+def test_completion_logprobs_and_echo(client, tiny_llama):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)      # greedy takes the top token
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    e = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, echo=True,
+                                  extra_body={"ignore_eos": True})
+    n_prompt = len(tiny_llama.tokenizer.encode(PROMPT))
+    assert e.choices[0].text == PROMPT + r.choices[0].text
+    assert len(e.choices[0].logprobs.tokens) == n_prompt + 8
+    assert e.choices[0].logprobs.token_logprobs[0] is None
+    assert e.choices[0].logprobs.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Keys and values"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for pos in content:
+        assert [t.logprob for t in pos.top_logprobs] == sorted((t.logprob for t in pos.top_logprobs), reverse=True)
+        assert len(pos.top_logprobs) == 2 and pos.logprob == pytest.approx(pos.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_stop_strings(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    match = re.search(r"[A-Za-z]{2}", text[3:])
+    assert match, f"no ascii pair to stop at in {text!r}"
+    stop = match.group(0)
+    before = text[:text.index(stop)]
+    r = client.completions.create(**kw, stop=[stop, "never-there"])
+    assert r.choices[0].text == before
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    assert r.usage.completion_tokens < 40
+    kept = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}},
+                                     stop=stop)
+    assert kept.choices[0].text == before + stop
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True))
+    assert streamed == before
+
+
+def test_beam_search(client):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, n=2, best_of=3,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert len(r.choices) == 2 and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 12
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def test_api_key_enforced(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+TOO_LONG = list(range(5, 605))
+BAD_REQUESTS = [
+    # (path, body, status, param, words in the message)
+    ("/v1/completions", b"{not json", 400, None, ["JSON"]),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", ["prompt"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", []),
+    ("/v1/completions", {"prompt": "x", "top_p": 7}, 400, "top_p", ["top_p", "7"]),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", ["n must"]),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ["temperature"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ["max_tokens"]),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", ["logprobs", "20"]),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of", ["best_of"]),
+    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, 400, "best_of", ["stream"]),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias", ["vocabulary"]),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", ["gpt-4"]),
+    ("/v1/completions", {"prompt": TOO_LONG}, 400, "prompt", ["600", "512"]),
+    ("/v1/completions", {"prompt": list(range(5, 505)), "max_tokens": 100}, 400, "max_tokens", ["500", "100", "512"]),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", ["empty"]),
+    ("/v1/completions", {"prompt": [1, 10**7]}, 400, "prompt", ["vocabulary"]),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", []),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", ["empty"]),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", ["role"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs", ["logprobs"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs", ["20"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages",
+     ["512"]),
+    ("/v1/nope", {}, 404, None, ["/v1/nope"]),
+    ("/detokenize", {"tokens": [10**7]}, 400, "tokens", ["vocabulary"]),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", BAD_REQUESTS,
+                         ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors(http, path, body, status, param, words):
+    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    for word in words:
+        assert word in err["message"], err
+
+
+def test_server_survives_bad_requests(http, client):
+    assert http.get("/v1/completions").status_code == 405
+    for body in BAD_REQUESTS:
+        http.post(body[0], content=json.dumps(body[1]) if not isinstance(body[1], bytes) else body[1])
+    m = wait_idle(http)
+    assert m["pagedserve:kv_cache_usage_perc"] == 0
+    assert client.completions.create(model="tiny", prompt="one", max_tokens=2).usage.completion_tokens >= 1
+
+
+# ---- cancellation and batching ------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_blocks(http, client, offline):
+    before = wait_idle(http)
+    ref = reference(offline, "Keys and values", temperature=0, max_tokens=60, ignore_eos=True)
+    other: dict = {}
+
+    def run_other():   # a request that runs alongside and must not notice the abort
+        other["r"] = client.completions.create(model="tiny", prompt="Keys and values", max_tokens=60,
+                                               temperature=0, extra_body={"ignore_eos": True})
+
+    body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(12)]
+        assert any(line.startswith("data: ") for line in got)
+        thread = threading.Thread(target=run_other)
+        thread.start()
+        during = metrics(http)
+        assert during["pagedserve:num_requests_running"] >= 1
+        assert during["pagedserve:kv_cache_usage_perc"] > 0
+    # Leaving the `with` closed the connection mid-stream: the request is aborted at once.
+    aborts = 'pagedserve:request_success_total{finished_reason="abort"}'
+    deadline = time.monotonic() + 5
+    while metrics(http)[aborts] == before[aborts]:
+        assert time.monotonic() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.02)
+    thread.join(60)
+    after = wait_idle(http)
+    assert after["pagedserve:kv_cache_usage_perc"] == 0, "the aborted request's blocks were not freed"
+    assert after["pagedserve:num_requests_running"] == 0
+    assert after[aborts] == before[aborts] + 1
+    assert other["r"].choices[0].text == ref.outputs[0].text
+    # It stopped long before its 480 tokens.
+    gen = "pagedserve:generation_tokens_total"
+    assert after[gen] - before[gen] < 480
+
+
+def test_concurrent_requests_complete_and_share_batches(server, http, offline):
+    before = wait_idle(http)
+    prompts = ["The quick brown fox", "Paged attention stores", "def add(a, b):", "one", PROMPT,
+               "Keys and values", "An operating system maps pages", "Continuous batching"]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    refs = [r.outputs[0].text for r in refs]   # batch invariance: the same as each alone
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(prompt):
+            text = ""
+            stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                text += chunk.choices[0].text
+            return text
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(run()) == refs
+    after = wait_idle(http)
+    gen = "pagedserve:generation_tokens_total"
+    steps = "pagedserve:iteration_tokens_total_count"
+    assert after[gen] - before[gen] == 8 * 32
+    # One request alone takes 32 steps; 8 in turn would take 256. Batched, they take a few more than 32.
+    assert after[steps] - before[steps] < 100
+    ok = 'pagedserve:request_success_total{finished_reason="length"}'
+    assert after[ok] - before[ok] == 8
+
+
+def test_metrics_and_periodic_log(server, http):
+    m = metrics(http)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
+        assert "pagedserve:" + name in m, name
+    assert m["pagedserve:time_to_first_token_seconds_count"] > 0
+    assert m["pagedserve:prompt_tokens_total"] > 0
+    # The shared prefix of PROMPT (longer than a block) was served from the prefix cache.
+    assert m["pagedserve:prefix_cache_hits_total"] > 0
+    deadline = time.monotonic() + 5
+    while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(x for x in server.log().splitlines() if "Avg generation throughput" in x)
+    for part in ("Avg prompt throughput", "Running:", "Waiting:", "KV cache usage:", "Prefix cache hit rate:"):
+        assert part in line
+
+
+# ---- shutdown and startup -----------------------------------------------------------------------
+def test_503_while_starting_and_stopping(tiny_llama):
+    """In process: an app whose engine has not started (or is stopping) answers 503, OpenAI-shaped."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.server.app import ServerState, build_app
+    from pagedserve.server.metrics import PrometheusStatLogger
+
+    state = ServerState(AsyncLLM(EngineConfig(model=tiny_llama.path)), ["tiny"], PrometheusStatLogger("tiny"))
+    app = build_app(state)   # no lifespan under ASGITransport: the engine never starts
+
+    async def get(path, method="GET"):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, json={"prompt": "x"})
+
+    for path, method in (("/health", "GET"), ("/v1/completions", "POST"), ("/v1/models", "GET")):
+        r = asyncio.run(get(path, method))
+        assert r.status_code == 503 and "not ready" in r.json()["error"]["message"]
+    assert asyncio.run(get("/version")).status_code == 200
+    state.shutting_down = True
+    r = asyncio.run(get("/v1/completions", "POST"))
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_default_model_server(tmp_path):
+    from pagedserve.models.loader import default_model_path
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    srv = launch_server(None, ["--dtype", "float32", "--kv-cache-memory", str(256 * 1024**2)], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert c.models.list().data[0].id == name
+        text = ""
+        stream = c.chat.completions.create(model=name, temperature=0, max_tokens=30, stream=True,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        for chunk in stream:
+            text += chunk.choices[0].delta.content or ""
+            if "Paris" in text:
+                stream.close()   # leave early: the rest is aborted
+                break
+        assert "Paris" in text
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_aborts_in_flight_requests_and_exits_zero(server):
+    """Runs last on the module's server (started with --shutdown-timeout 0): a stream in flight
+    gets an error event and [DONE], and the process exits 0."""
+    body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        first = [next(lines) for _ in range(4)]
+        server.proc.send_signal(signal.SIGTERM)
+        events = sse_events(first + list(lines))
+    assert events[-1] == "[DONE]"
+    assert "error" in events[-2] and "shutting down" in events[-2]["error"]["message"]
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+    assert "Shutting down" in server.log()
