@@ -5,7 +5,6 @@ The interpreter costs about a millisecond per tile operation, so each case is si
 cover its dimensions without a full cross product: block sizes 16/32, head dims 64/128,
 GQA ratios 1/3/8, context lengths 1..3000, batches of 1..33, float32 and bfloat16.
 """
-import random
 
 import pytest
 import torch

@@ -22,7 +22,7 @@ def _write_kv_kernel(
 ):
     """One program per BLOCK_T tokens, each token's heads and dims as one flat row."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1)   # int64; < 0: padding, not stored
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)   # < 0: padding, not stored
     hd = tl.arange(0, BLOCK_HD)
     h = hd // HEAD_DIM
     d = hd % HEAD_DIM

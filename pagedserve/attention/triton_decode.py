@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.triton_utils import attend_tile, check_device, dot_precision, next_pow2, upcast
+from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
+                                               upcast)
 
 BLOCK_N = 64                # context tokens per tile
 MIN_PARTITION = 256         # never split finer than this many tokens
@@ -67,22 +68,14 @@ def _decode_kernel(
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for n0 in tl.range(start, full_end, BLOCK_N, num_stages=NUM_STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
-        rows = tl.load(table + n // PAGE) * stride_c_block + (n % PAGE) * stride_c_tok + kv_head * stride_c_head
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, None, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, False, UPCAST)
         m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, PRECISION)
     for n0 in tl.range(full_end, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        block = tl.load(table + n // PAGE, mask=n_mask, other=0)
-        rows = block * stride_c_block + (n % PAGE) * stride_c_tok + kv_head * stride_c_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
         m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -180,7 +173,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         out.stride(0), out.stride(1),
         *(part_out.stride()[:3] if split else (0, 0, 0)),
         *(part_lse.stride()[:2] if split else (0, 0)),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)),   # query rows padded to 16 for tl.dot on tensor cores
+        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         PAGE=kv_cache.shape[2], BLOCK_N=BLOCK_N, SPLIT=split,
         UPCAST=upcast(_decode_kernel, q.dtype), PRECISION=dot_precision(q.dtype),
         NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,

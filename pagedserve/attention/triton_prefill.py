@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.triton_utils import attend_tile, check_device, dot_precision, next_pow2, upcast
+from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
+                                               upcast)
 
 BLOCK_M = 64    # queries per tile
 BLOCK_N = 64    # keys per tile
@@ -64,22 +65,14 @@ def _prefill_kernel(
     table = block_tables_ptr + seq * stride_bt
     for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
-        rows = tl.load(table + n // PAGE) * stride_c_block + (n % PAGE) * stride_c_tok + kv_head * stride_c_head
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, None, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, False, UPCAST)
         m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, PRECISION)
     for n0 in tl.range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
-        block = tl.load(table + n // PAGE, mask=n_mask, other=0)
-        rows = block * stride_c_block + (n % PAGE) * stride_c_tok + kv_head * stride_c_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
         s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, PRECISION)
 

@@ -54,3 +54,25 @@ def attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexp
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
+                 stride_c_block, stride_c_tok, stride_c_head,
+                 PAGE: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V [N, D] of context tokens n [N] of one KV head, each token found through its
+    sequence's block table (physical block table[n // PAGE], slot n % PAGE). MASKED=False
+    for a tile known to lie wholly inside the context: no masks on the token axis."""
+    if MASKED:
+        block = tl.load(table + n // PAGE, mask=n_mask, other=0)
+        mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(table + n // PAGE)
+        mask = d_mask[None, :]
+    # 64-bit offsets: a layer's cache can hold more than 2**31 elements.
+    rows = block.to(tl.int64) * stride_c_block + (n % PAGE) * stride_c_tok + kv_head * stride_c_head
+    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
