@@ -20,6 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", type=int, default=0, help="bytes of host memory for swapped blocks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "torch", "triton"],
+                   help="default: triton on cuda, cpu (the C++ kernel) on cpu")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="without --kv-cache-memory on CUDA: share of free GPU memory for weights + KV cache")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,7 +32,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-                swap_space=args.swap_space, seed=args.seed)
+                swap_space=args.swap_space, seed=args.seed, device=args.device,
+                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,10 @@ class EngineConfig:
     swap_space: int = 0                 # bytes of host memory for swapped-out blocks
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
     check_invariants: bool = False
+    # Device and attention kernels. None picks cuda + triton when torch sees a GPU, else cpu + cpu.
+    device: str | None = None               # cpu | cuda | cuda:N
+    attention_backend: str | None = None    # cpu (C++ kernel) | torch (reference) | triton
+    gpu_memory_utilization: float = 0.9     # CUDA, kv_cache_memory unset: KV gets this share of free memory, less the weights
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -44,6 +48,12 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.attention_backend not in (None, "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be one of cpu, torch, triton; got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3

@@ -16,6 +16,11 @@ import torch
 
 # Every engine built in the tests checks the paging invariants after every step.
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
+# Without a GPU, Triton kernels run under Triton's interpreter. Triton reads this when it
+# is first imported (importing transformers' models already does that), so it is set here,
+# first; on a CPU-only machine nothing else can use Triton, so no other test sees a change.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 CORPUS = [

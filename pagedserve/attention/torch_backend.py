@@ -34,7 +34,7 @@ class TorchAttention:
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale)     # all decodes: no extra copy
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -62,8 +62,9 @@ class TorchAttention:
         keys = kv_cache[0][tables].flatten(1, 2)       # [N, L, Hkv, D]
         values = kv_cache[1][tables].flatten(1, 2)
         length = keys.shape[1]
-        pad = torch.arange(length) >= meta.seq_lens[:nd, None]        # [N, L]
-        mask = torch.zeros(nd, 1, 1, length, dtype=q.dtype).masked_fill_(pad[:, None, None, :], float("-inf"))
+        pad = torch.arange(length, device=q.device) >= meta.seq_lens[:nd, None]        # [N, L]
+        mask = torch.zeros(nd, 1, 1, length, dtype=q.dtype, device=q.device).masked_fill_(
+            pad[:, None, None, :], float("-inf"))
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=mask, scale=scale, enable_gqa=True)
@@ -77,6 +78,6 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if lq == lk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+        allowed = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lk - lq, lk, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

@@ -12,8 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from pagedserve.attention.cpu_backend import CpuAttention
-from pagedserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedserve.attention.selector import make_attention_backend
+from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
@@ -23,6 +23,7 @@ from pagedserve.sampling.beam_search import beam_score, select_candidates
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler
+from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 import torch
 
@@ -38,7 +39,11 @@ class LLMEngine:
         path = config.model or default_model_path()
         self.model_path = path
         self.tokenizer = load_tokenizer(config.tokenizer or path)
-        model, args, dtype = load_model(path, config.dtype, CpuAttention(), config.max_model_len)
+        self.device = resolve_device(config.device)
+        attention = make_attention_backend(config.attention_backend, self.device)
+        model, args, dtype = load_model(path, config.dtype, attention, config.max_model_len)
+        free_before_load = free_device_memory(self.device)
+        model.to(self.device)
         self.model_args = args
         self.dtype = dtype
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, args)
@@ -48,13 +53,15 @@ class LLMEngine:
 
         block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads,
                                                args.head_dim, dtype)
-        num_blocks = config.num_gpu_blocks_override or \
-            (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
+        kv_memory = config.kv_cache_memory or \
+            default_kv_cache_memory(self.device, free_before_load, config.gpu_memory_utilization)
+        num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
                              f"{config.block_size} tokens takes {block_bytes} bytes")
         self.scheduler = Scheduler(config, num_blocks)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
+                                  self.device)
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer

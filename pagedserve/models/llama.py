@@ -6,7 +6,7 @@ reads and writes the paged KV cache.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,20 @@ class LlamaModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def to(self, device: torch.device) -> "LlamaModel":
+        """Move every weight and the RoPE tables to `device` (tied embeddings stay one tensor)."""
+        tied = self.lm_head is self.embed
+        self.embed = self.embed.to(device)
+        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        self.norm = self.norm.to(device)
+        for w in self.layers:
+            for f in fields(w):
+                t = getattr(w, f.name)
+                if t is not None:
+                    setattr(w, f.name, t.to(device))
+        self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+        return self
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

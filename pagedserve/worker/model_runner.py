@@ -33,18 +33,23 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler,
+                 device: torch.device = torch.device("cpu")) -> None:
         a = model.args
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
+        self.device = device   # of the model, the KV cache and the batch tensors; sampling stays on the CPU
         # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                    dtype=model.dtype)
+                                    dtype=model.dtype, device=device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before the step."""
-        if copies:
+        backend_copy = getattr(self.model.attention, "copy_blocks", None)   # a kernel, on GPU backends
+        if copies and backend_copy is not None:
+            backend_copy(self.kv_cache, copies)
+        elif copies:
             src, dst = zip(*copies)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
 
@@ -60,7 +65,7 @@ class ModelRunner:
         sampled = [s for s in batch if s.samples]
         sample = None
         if sampled:
-            logits = self.model.compute_logits(hidden[last])
+            logits = self.model.compute_logits(hidden[last]).cpu()
             sample = self.sampler(logits, [self._sampling_row(s) for s in sampled])
         prompt_lps = self._prompt_logprobs(batch, hidden, meta)
         return RunnerOutput(sampled, sample, prompt_lps)
@@ -84,18 +89,19 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(table)
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        dev = self.device
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            query_start_loc=torch.tensor(qsl, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             block_tables=block_tables,
             num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             max_seq_len=max(seq_lens),
         )
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta
+        return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
 
     @staticmethod
     def _sampling_row(s: ScheduledSeq) -> SamplingRow:
@@ -119,7 +125,7 @@ class ModelRunner:
                 continue   # not wanted, already past the prompt, or already recorded
             end = min(s.start + s.num_new_tokens, n_prompt - 1)
             rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + end - s.start]
-            lps = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            lps = torch.log_softmax(self.model.compute_logits(rows).cpu(), dim=-1)
             targets = torch.tensor(s.seq.token_ids[s.start + 1:end + 1])
             chosen = lps.gather(1, targets[:, None])
             ranks = ((lps > chosen).sum(-1) + 1).tolist()

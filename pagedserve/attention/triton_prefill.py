@@ -1,0 +1,117 @@
+"""Paged prefill attention in Triton: variable-length query chunks, no padding.
+
+Sequence i's queries are tokens query_start_loc[i]:query_start_loc[i+1] of the flat
+batch, the last ones of its seq_lens[i] context tokens. Their K/V, and those of any
+cached prefix, are already in the paged cache, so program (query tile, sequence,
+query head) reads every key through the block table and attends causally: query j
+of the chunk (position prefix + j) sees keys 0..prefix + j. Keys past the tile's last
+query are never loaded.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
+                                               upcast)
+
+BLOCK_M = 64    # queries per tile
+BLOCK_N = 64    # keys per tile
+NUM_WARPS = 8   # sm_90, head dim 128: ~170 registers, no spills
+NUM_STAGES = 2
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    qk_scale, first_seq,
+    stride_qt, stride_qh,
+    stride_c_block, stride_c_tok, stride_c_head,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1) + first_seq
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)     # query index within the chunk
+    d = tl.arange(0, BLOCK_D)
+    m_mask = m < q_len
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + m) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    pos = prefix + m                                # each query's position in the sequence
+    # Keys before the tile's first query are visible to all its queries: no mask. The
+    # keys from there to its last query (the diagonal) are masked causally. A tile past
+    # the chunk's end has no keys.
+    live = tile * BLOCK_M < q_len
+    full_end = tl.where(live, (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
+    kv_end = tl.where(live, tl.minimum(prefix + (tile + 1) * BLOCK_M, seq_len), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+        n = n0 + tl.arange(0, BLOCK_N)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, None, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, False, UPCAST)
+        m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, PRECISION)
+    for n0 in tl.range(full_end, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
+        s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None])
+        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q_start + m) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                            first_seq: int, num_seqs: int, max_query_len: int,
+                            out: torch.Tensor) -> torch.Tensor:
+    """Attention for sequences first_seq .. first_seq + num_seqs - 1 of the batch.
+
+    q, out: [T, Hq, D] for the whole flat batch (only these sequences' rows of `out`
+    are written); kv_cache: [2, num_blocks, block_size, Hkv, D] already holding this
+    step's K/V; block_tables, seq_lens, query_start_loc: the batch's metadata;
+    max_query_len: the longest of these chunks (it sizes the launch).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    check_device(_prefill_kernel, q.device)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _prefill_kernel[(triton.cdiv(max_query_len, BLOCK_M), num_seqs, num_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * 1.4426950408889634, first_seq,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        PAGE=kv_cache.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        UPCAST=upcast(_prefill_kernel, q.dtype), PRECISION=dot_precision(q.dtype),
+        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,336 @@
+"""The Triton kernels against the torch reference, run under Triton's interpreter on CPU
+(conftest sets TRITON_INTERPRET=1 when there is no GPU; with one, they run compiled).
+
+The interpreter costs about a millisecond per tile operation, so each case is sized to
+cover its dimensions without a full cross product: block sizes 16/32, head dims 64/128,
+GQA ratios 1/3/8, context lengths 1..3000, batches of 1..33, float32 and bfloat16.
+"""
+
+import pytest
+import torch
+import triton
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_backend import TorchAttention, write_kv as torch_write_kv
+from pagedserve.attention.triton_backend import TritonAttention
+from pagedserve.attention.triton_cache_ops import copy_blocks, write_kv
+from pagedserve.attention.triton_decode import BLOCK_N, choose_partition, paged_decode_attention
+from pagedserve.attention.triton_utils import check_device, is_interpreted
+from pagedserve.attention.triton_prefill import paged_prefill_attention
+from tests.conftest import PROMPTS
+from tests.test_attention import dense_reference, make_batch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_kernels_run_where_expected():
+    """On a CPU-only machine the kernels must be the interpreted ones (conftest's doing)."""
+    if DEVICE.type == "cpu":
+        assert is_interpreted(paged_decode_attention.__globals__["_decode_kernel"]), \
+            "TRITON_INTERPRET=1 was not set before triton was first imported"
+
+
+def to_device(cache, q, k, v, meta, dtype=torch.float32):
+    d = DEVICE
+    meta = AttentionMetadata(meta.slot_mapping.to(d), meta.query_start_loc.to(d), meta.seq_lens.to(d),
+                             meta.block_tables.to(d), meta.num_decodes, meta.query_start_loc_cpu,
+                             meta.seq_lens_cpu, meta.max_seq_len)
+    return cache.to(d, dtype), q.to(d, dtype), k.to(d, dtype), v.to(d, dtype), meta
+
+
+def reference(cache, q, k, v, meta, scale):
+    """The torch backend on a copy of the cache, in float32 on the CPU."""
+    cache = cache.float().cpu().clone()
+    meta = AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(), meta.seq_lens.cpu(),
+                             meta.block_tables.cpu(), meta.num_decodes, meta.query_start_loc_cpu,
+                             meta.seq_lens_cpu, meta.max_seq_len)
+    out = TorchAttention().forward(q.float().cpu(), k.float().cpu(), v.float().cpu(), cache, meta, scale)
+    return out, cache
+
+
+# ---- KV write and block copy ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_lands_in_slots_and_skips_negative_slots(dtype):
+    g = torch.Generator().manual_seed(0)
+    num_blocks, block_size, hkv, d = 40, 16, 3, 64
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
+    n = 70
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[[5, 33]] = -1                          # padding tokens: written nowhere
+    # A strided view for v, as the model passes it (a slice of the fused qkv output).
+    qkv = torch.randn(n, 3 * hkv, d, generator=g).to(DEVICE, dtype)
+    k, v = qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:]
+    expected = cache.clone()
+    keep = slots >= 0
+    torch_write_kv(expected, k[keep.to(DEVICE)], v[keep.to(DEVICE)], slots[keep].to(DEVICE))
+    write_kv(cache, k, v, slots.to(DEVICE))
+    assert torch.equal(cache, expected)
+
+
+def test_copy_blocks_in_place_and_between_caches():
+    g = torch.Generator().manual_seed(1)
+    layers, num_blocks, block_size, hkv, d = 3, 24, 32, 2, 128
+    cache = torch.randn(layers, 2, num_blocks, block_size, hkv, d, generator=g).to(DEVICE)
+    pairs = [(3, 17), (0, 5), (22, 1), (3, 9)]   # one source copied twice
+    expected = cache.clone()
+    for s, t in pairs:
+        expected[:, :, t] = expected[:, :, s]
+    copy_blocks(cache, cache, pairs)
+    assert torch.equal(cache, expected)
+    # To another tensor of a different number of blocks (a swap staging buffer), and back.
+    staging = torch.zeros(layers, 2, 4, block_size, hkv, d, device=DEVICE)
+    copy_blocks(cache, staging, [(7, 0), (12, 3)])
+    assert torch.equal(staging[:, :, 0], cache[:, :, 7]) and torch.equal(staging[:, :, 3], cache[:, :, 12])
+    assert not staging[:, :, 1:3].any()
+    copy_blocks(staging, cache, [(3, 2)])
+    assert torch.equal(cache[:, :, 2], cache[:, :, 12])
+    with pytest.raises(ValueError, match="one layout"):
+        copy_blocks(cache, staging.to(torch.bfloat16), [(0, 0)])
+
+
+# ---- decode ------------------------------------------------------------------------------
+
+def rounded(dtype, *tensors):
+    """For bfloat16 cases: the inputs rounded to bfloat16, so the float32 reference sees
+    exactly the values the kernel sees and only the kernel's own rounding differs."""
+    return [t.to(dtype).float() for t in tensors]
+
+
+def decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, partition_size, seed):
+    specs = [(c - 1, 1) for c in ctx_lens]      # context after the step = c
+    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 8
+    cache, q, k, v, meta, _ = make_batch(specs, block_size, num_kv_heads, head_dim, num_heads, num_blocks, seed=seed)
+    cache, q, k, v = rounded(dtype, cache, q, k, v)
+    scale = head_dim ** -0.5
+    ref, ref_cache = reference(cache, q, k, v, meta, scale)
+    cache, q, k, v, meta = to_device(cache, q, k, v, meta, dtype)
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
+                                 partition_size=partition_size)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), ref, atol=tol, rtol=tol)
+    assert torch.equal(cache.float().cpu(), ref_cache)
+
+
+@pytest.mark.parametrize(
+    "ctx_lens,block_size,num_heads,num_kv_heads,head_dim,dtype,partition_size", [
+        # 33 sequences of 1..200 tokens, GQA 3, one partition each.
+        ([1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 200] + list(range(3, 200, 12))[:17],
+         16, 3, 1, 64, torch.float32, None),
+        # One 3000-token context split in partitions of 512 beside a 1-token one; GQA 8.
+        ([3000, 1], 32, 8, 1, 128, torch.float32, 512),
+        # bfloat16, GQA 1, split in partitions of 256 (shorter sequences skip the last ones).
+        ([700, 300, 5, 257, 64], 16, 2, 2, 128, torch.bfloat16, 256),
+        # A single sequence (batch of 1), block size 32, GQA 8 with two KV heads.
+        ([450], 32, 16, 2, 64, torch.float32, None),
+    ])
+def test_decode_equals_torch_reference(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                       partition_size):
+    decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, partition_size, seed=len(ctx_lens))
+
+
+def test_partition_choice():
+    # Enough (sequence, head) programs: no split; otherwise split long contexts only.
+    assert choose_partition(3000, 64, 8, 132) >= 3000
+    assert choose_partition(200, 1, 1, 132) >= 200
+    p = choose_partition(32000, 1, 8, 132)
+    assert p % BLOCK_N == 0 and 256 <= p < 32000 and triton.cdiv(32000, p) <= 64
+    with pytest.raises(ValueError, match="multiple"):
+        q = torch.zeros(1, 2, 64, device=DEVICE)
+        paged_decode_attention(q, torch.zeros(2, 4, 16, 2, 64, device=DEVICE), torch.zeros(1, 4, dtype=torch.long),
+                               torch.ones(1, dtype=torch.long), 1.0, 1, partition_size=100)
+
+
+# ---- prefill -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("specs,block_size,num_heads,num_kv_heads,head_dim,dtype", [
+    # (cached context, new tokens): fresh prompts across two query tiles, a prefix ending
+    # inside a block, a chunk of one block; GQA 8, block 16, head dim 64.
+    ([(0, 100), (37, 50), (64, 16)], 16, 8, 1, 64, torch.float32),
+    # A long cached prefix (1500 tokens) and a short chunk; GQA 3, block 32, head dim 128.
+    ([(1500, 30), (0, 7)], 32, 3, 1, 128, torch.float32),
+    # bfloat16, GQA 1.
+    ([(90, 40), (0, 70)], 16, 2, 2, 128, torch.bfloat16),
+])
+def test_prefill_equals_torch_reference(specs, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 8
+    cache, q, k, v, meta, history = make_batch(specs, block_size, num_kv_heads, head_dim, num_heads, num_blocks,
+                                               seed=7)
+    cache, q, k, v = rounded(dtype, cache, q, k, v)
+    history = [rounded(dtype, *h) for h in history]
+    scale = head_dim ** -0.5
+    ref, _ = reference(cache, q, k, v, meta, scale)
+    cache, q, k, v, meta = to_device(cache, q, k, v, meta, dtype)
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    qsl = meta.query_start_loc_cpu
+    paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                            first_seq=0, num_seqs=len(specs), max_query_len=max(n for _, n in specs), out=out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), ref, atol=tol, rtol=tol)
+    # The float64 dense reference agrees too (the torch backend is itself checked against it).
+    for i in range(len(specs)):
+        dense = dense_reference(q[qsl[i]:qsl[i + 1]].float().cpu(), *history[i], scale)
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float().cpu(), dense, atol=3 * tol, rtol=3 * tol)
+
+
+# ---- the backend on a mixed batch, and in the engine --------------------------------------
+
+def test_backend_forward_on_a_mixed_batch():
+    """Decodes then prefills in one flat batch, exactly as the model runner builds it."""
+    specs = [(0, 1), (40, 1), (310, 1), (0, 23), (77, 9), (16, 1 + 47)]
+    cache, q, k, v, meta, _ = make_batch(specs, 32, 2, 128, 6, num_blocks=40, seed=3)
+    ref, ref_cache = reference(cache, q, k, v, meta, 0.1)
+    cache, q, k, v, meta = to_device(cache, q, k, v, meta)
+    out = TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.cpu(), ref_cache)
+
+
+def test_engine_greedy_tokens_equal_torch_backend(tiny_llama):
+    """The whole engine with the triton backend: same greedy tokens as the torch backend,
+    including copy-on-write of a shared partial block (n=2 forks the prompt's blocks)."""
+    prompts = [tiny_llama.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2 + \
+        [SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True)]
+
+    def run(backend):
+        llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, block_size=16,
+                  device=DEVICE.type, attention_backend=backend)
+        copies = []
+        runner_copy = llm.engine.runner.copy_blocks
+        llm.engine.runner.copy_blocks = lambda pairs: (copies.extend(pairs), runner_copy(pairs))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.kv_cache_stats()
+        assert stats["num_used_blocks"] == 0
+        return [[c.token_ids for c in o.outputs] for o in outs], copies, llm.engine.runner.model.attention.name
+
+    torch_tokens, torch_copies, name = run("torch")
+    assert name == "torch"
+    triton_tokens, triton_copies, name = run("triton")
+    assert name == "triton"
+    assert triton_tokens == torch_tokens
+    assert triton_copies and triton_copies == torch_copies   # copy-on-write went through the kernel
+
+
+def test_bad_device_and_backend_choices_are_refused(tiny_llama):
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            LLM(tiny_llama.path, device="cuda")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(tiny_llama.path, attention_backend="flash")
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_llama.path, device="tpu")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(tiny_llama.path, gpu_memory_utilization=1.5)
+    # A compiled (not interpreted) kernel on CPU tensors is refused with a hint.
+    from triton.runtime.jit import JITFunction
+    compiled = JITFunction(paged_decode_attention.__globals__["_decode_kernel"].fn)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        check_device(compiled, torch.device("cpu"))
+
+
+# ---- the kernels compile for a GPU ------------------------------------------------------
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+for name, module, sig, consts, attrs, opts in json.loads(sys.stdin.read()):
+    kernel = getattr(importlib.import_module(module), name)
+    attrs = {tuple(k): [["tt.divisibility", 16]] for k in attrs}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=opts)
+    print(name, len(compiled.asm["cubin"]), "bytes of sm_90 code")
+"""
+
+_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
+          torch.int32: "*i32"}
+
+
+def _signature(fn, args, kwargs):
+    """What Triton's JIT would specialise a launch on: argument types, constexprs (and
+    integers equal to 1), and 16-divisibility of pointers and integers."""
+    import inspect
+    params = list(inspect.signature(fn).parameters.values())
+    values = dict(zip([p.name for p in params], args)) | {k: v for k, v in kwargs.items()
+                                                           if k in {p.name for p in params}}
+    sig, consts, attrs = {}, {}, []
+    for i, p in enumerate(params):
+        v = values[p.name]
+        if "constexpr" in str(p.annotation) or (isinstance(v, int) and not isinstance(v, bool) and v == 1):
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = _TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs.append([i])
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs.append([i])
+    return sig, consts, attrs
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU every launch compiles anyway")
+def test_kernels_compile_for_sm90(monkeypatch):
+    """The interpreter never compiles, so a kernel that Triton's compiler would reject could
+    pass every test above. Record real bfloat16 launches (decode with and without a split,
+    prefill, KV write, block copy), then compile each, specialised as the JIT would, to
+    sm_90 (H100/H200) machine code with Triton's bundled ptxas, in a process without the
+    interpreter. No GPU is needed."""
+    import json
+    import subprocess
+    import sys
+    from triton.runtime.interpreter import InterpretedFunction
+    launches = {}
+    run = InterpretedFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.setdefault((self.fn.__name__, kwargs.get("SPLIT")), (self.fn, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    specs = [(300, 1), (20, 1), (0, 70), (33, 20)]
+    cache, q, k, v, meta, _ = make_batch(specs, 16, 2, 128, 16, num_blocks=40, seed=5)
+    cache, q, k, v, meta = to_device(cache, q, k, v, meta, torch.bfloat16)
+    TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1)
+    paged_decode_attention(q[:2], cache, meta.block_tables, meta.seq_lens, 0.1, 301, partition_size=128)
+    copy_blocks(cache, cache, [(1, 2)])
+    jobs = []
+    for fn, args, kwargs in launches.values():
+        sig, consts, attrs = _signature(fn, args, kwargs)
+        opts = {k: kwargs[k] for k in ("num_warps",) if k in kwargs}
+        jobs.append([fn.__name__, fn.__module__, sig, consts, attrs, opts])
+    assert len(jobs) == 6, [j[0] for j in jobs]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == 6, done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs for minutes")
+def test_gpu_check_says_it_needs_a_gpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "sees no CUDA GPU" in done.stderr, done.stderr[-2000:]
+
+
+def test_default_kv_memory_on_cuda_is_a_share_of_free_memory_less_the_weights(monkeypatch):
+    """The arithmetic only (a GPU run reports the real number of blocks): with 100 GiB free
+    before loading and 2 GiB of weights held, 0.9 leaves 88 GiB; too little is refused."""
+    from pagedserve.worker.device import default_kv_cache_memory
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    assert default_kv_cache_memory(torch.device("cuda"), 100 * gib, 0.9) == 88 * gib
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        default_kv_cache_memory(torch.device("cuda"), 2 * gib, 0.5)
+    assert default_kv_cache_memory(torch.device("cpu"), None, 0.9) > 0
