@@ -166,7 +166,7 @@ def engine_for(base: LLMEngine, kv_allocator: str, block_size: int, kv_slots: in
     engine.config = config
     engine.scheduler = Scheduler(config, num_blocks, base.max_model_len)
     engine.runner = ModelRunner(base.runner.model, num_blocks, block_size,
-                                Sampler(base.eos_token_ids, config.seed))
+                                Sampler(base.eos_token_ids, config.seed), base.device)
     engine.requests = {}
     return engine
 
