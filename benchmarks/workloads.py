@@ -3,7 +3,11 @@
 The vLLM paper's traces: ShareGPT (mean 161 input / 338 output tokens, long
 tailed) and Alpaca (mean 19 / 58). Lengths are drawn from a lognormal with that
 mean, clipped to the model's context; token ids are random (EOS is ignored, so
-each request produces exactly its traced output length).
+each request produces exactly its traced output length). Arrivals are a Poisson
+process at `request_rate` requests/s (inf: all at t=0), drawn from their own
+random stream: the same seed gives the same requests at every rate, only spaced
+differently. `scale` shrinks every length (the means and the shortest length)
+for machines that cannot serve the paper's lengths in reasonable time.
 """
 from __future__ import annotations
 
@@ -30,19 +34,46 @@ def lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float, lo:
     return [max(lo, min(hi, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
+def trace_lengths(name: str, num_requests: int, seed: int = 0, max_model_len: int = 2048, sigma: float = 0.8,
+                  scale: float = 1.0, rng: random.Random | None = None) -> list[tuple[int, int]]:
+    """(input, output) lengths of a trace: each at least 4 * scale tokens (1 at least) and at
+    most half the context, and input + output within max_model_len."""
+    mean_in, mean_out = WORKLOADS[name]
+    rng = rng or random.Random(seed)
+    lo, hi = max(1, round(4 * scale)), max(1, max_model_len // 2)
+    ins = lognormal_lengths(rng, num_requests, mean_in * scale, sigma, lo, hi)
+    outs = lognormal_lengths(rng, num_requests, mean_out * scale, sigma, lo, hi)
+    return [(n_in, min(n_out, max_model_len - n_in)) for n_in, n_out in zip(ins, outs)]
+
+
+def poisson_arrivals(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Arrival times (s) of a Poisson process at `request_rate` per second (inf: all at 0)."""
+    if request_rate <= 0:
+        raise ValueError(f"request_rate must be > 0 requests/s; got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(f"{seed}-arrivals")
+    t, times = 0.0, []
+    for _ in range(num_requests):
+        t += rng.expovariate(request_rate)
+        times.append(t)
+    return times
+
+
 def make_trace(name: str, num_requests: int, seed: int = 0, vocab_size: int = 49152, max_model_len: int = 2048,
-               request_rate: float = math.inf, sigma: float = 0.8) -> list[TraceRequest]:
+               request_rate: float = math.inf, sigma: float = 0.8, scale: float = 1.0) -> list[TraceRequest]:
     """`request_rate` requests/s with Poisson arrivals (inf: all at t=0). Token ids skip the
     first 100 ids, where tokenizers keep their special tokens."""
-    mean_in, mean_out = WORKLOADS[name]
     rng = random.Random(seed)
-    ins = lognormal_lengths(rng, num_requests, mean_in, sigma, 4, max_model_len // 2)
-    outs = lognormal_lengths(rng, num_requests, mean_out, sigma, 4, max_model_len // 2)
-    t = 0.0
-    trace = []
-    for n_in, n_out in zip(ins, outs):
-        ids = [rng.randrange(100, vocab_size) for _ in range(n_in)]
-        if request_rate != math.inf:
-            t += rng.expovariate(request_rate)
-        trace.append(TraceRequest(ids, min(n_out, max_model_len - n_in), t))
-    return trace
+    lengths = trace_lengths(name, num_requests, seed, max_model_len, sigma, scale, rng)
+    arrivals = poisson_arrivals(num_requests, request_rate, seed)
+    return [TraceRequest([rng.randrange(100, vocab_size) for _ in range(n_in)], n_out, t)
+            for (n_in, n_out), t in zip(lengths, arrivals)]
+
+
+def trace_stats(trace: list[TraceRequest]) -> dict:
+    ins = [len(r.prompt_token_ids) for r in trace]
+    outs = [r.output_len for r in trace]
+    n = max(1, len(trace))
+    return {"num_requests": len(trace), "mean_input": sum(ins) / n, "mean_output": sum(outs) / n,
+            "max_input": max(ins, default=0), "max_output": max(outs, default=0)}

@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-allocator", default="paged", choices=["paged", "max", "pow2", "oracle"],
+                   help="paged, or a baseline reserving one contiguous region per request")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", type=int, default=0, help="bytes of host memory for swapped blocks")
     p.add_argument("--seed", type=int, default=0)
@@ -31,7 +33,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+                enable_prefix_caching=args.enable_prefix_caching, kv_allocator=args.kv_allocator,
+                preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, seed=args.seed, device=args.device,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kv.factory import KV_ALLOCATORS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,6 +23,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None -> DEFAULT_KV_CACHE_MEMORY
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
     enable_prefix_caching: bool = True
+    # paged, or a baseline that reserves one contiguous region per request (kv/contiguous.py):
+    # max | pow2 | oracle. The baselines share nothing (no n > 1, beam search or prefix caching).
+    kv_allocator: str = "paged"
     # Scheduler
     max_model_len: int | None = None    # defaults to the model's context length
     max_num_seqs: int = 256
@@ -46,6 +51,8 @@ class EngineConfig:
             self.max_num_batched_tokens = self.max_num_seqs
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ValueError(f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}; got {self.kv_allocator!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):

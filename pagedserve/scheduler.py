@@ -23,7 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineConfig
-from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.kv.factory import make_kv_cache_manager
+from pagedserve.kv.kv_cache_manager import cdiv
+from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.request import Request, RequestStatus, Sequence
 
 logger = logging.getLogger(__name__)
@@ -69,10 +71,11 @@ Plan = list[tuple[Sequence, int]]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
+                                        config.enable_prefix_caching, max_model_len or config.max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -92,6 +95,7 @@ class Scheduler:
         return cdiv(prompt, self.block_size) + req.max_seqs * (cdiv(req.max_tokens, self.block_size) + 1)
 
     def add_request(self, req: Request) -> None:
+        self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs > 1 or req.is_beam_search)
         needed = self.max_blocks_needed(req)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(
@@ -213,8 +217,7 @@ class Scheduler:
     def _allocate(self, plan: Plan) -> list[tuple[int, int]] | None:
         """Reserve the slots of a plan, all or nothing; returns the copy-on-write copies."""
         kv = self.kv
-        needed = sum(kv.num_blocks_needed(s.seq_id, s.num_computed_tokens, n) for s, n in plan)
-        if needed > kv.num_free_blocks:
+        if not kv.can_allocate([(s.seq_id, s.num_computed_tokens, n) for s, n in plan]):
             return None
         copies = []
         for seq, n in plan:
@@ -227,6 +230,7 @@ class Scheduler:
         # A leader-only request shares only prompt blocks with its followers later.
         seqs = req.live_seqs[:1] if req.leader_only else req.live_seqs
         for seq in seqs:
+            self.kv.set_max_len(seq.seq_id, prompt_len + req.max_tokens)
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(tokens)
             self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits)
@@ -261,3 +265,12 @@ class Scheduler:
                 "Request %s was preempted: the KV cache ran out of blocks (%d of %d). Throughput "
                 "suffers when this happens often; give the engine more kv_cache_memory or lower "
                 "max_num_seqs.", req.request_id, self.kv.pool.num_blocks, self.kv.pool.num_blocks)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def memory_usage(self) -> MemoryUsage:
+        """The KV cache's slots by what they hold now (kv/memory_usage.py). A sequence's final
+        length is prompt + max_tokens; the first waiting request is the one free space must fit."""
+        seqs = [(s.seq_id, s.num_computed_tokens, s.num_prompt_tokens + req.max_tokens)
+                for req in self.running for s in req.live_seqs]
+        head = self.waiting[0] if self.waiting else None
+        return self.kv.memory_usage(seqs, None if head is None else len(head.prompt_token_ids) + head.max_tokens)

@@ -15,6 +15,7 @@ from pathlib import Path
 from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
                                 RequestMetrics, RequestOutput)
@@ -59,7 +60,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
                              f"{config.block_size} tokens takes {block_bytes} bytes")
-        self.scheduler = Scheduler(config, num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
                                   self.device)
         self.requests: dict[str, Request] = {}
@@ -316,6 +317,11 @@ class LLMEngine:
         stats.update(num_preemptions=self.scheduler.stats.num_preemptions,
                      num_recomputed_tokens=self.scheduler.stats.num_recomputed_tokens)
         return stats
+
+    def memory_usage(self) -> MemoryUsage:
+        """The KV cache's slots right now: token states, reserved, internal and external
+        fragmentation, free (the paper's memory-waste breakdown, Fig. 2)."""
+        return self.scheduler.memory_usage()
 
     def check_paging_invariants(self) -> None:
         kv = self.scheduler.kv

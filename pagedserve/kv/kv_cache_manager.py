@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, block_key
+from pagedserve.kv.memory_usage import MemoryUsage
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,6 +80,17 @@ class KVCacheManager:
         needed += sum(1 for b in prefix_blocks if b.ref_cnt == 0)
         needed += len(self._shared_write_targets(table, num_computed, num_new))
         return needed
+
+    def can_allocate(self, requests: list[tuple[int, int, int]]) -> bool:
+        """Whether `allocate` can give every (seq_id, num_computed, num_new) its slots at once."""
+        return sum(self.num_blocks_needed(*r) for r in requests) <= self.num_free_blocks
+
+    # Hooks for allocators that reserve memory ahead (kv/contiguous.py); paging needs neither.
+    def check_request(self, prompt_len: int, max_tokens: int, shares_blocks: bool) -> None:
+        """Refuse a request this allocator cannot serve (the scheduler checks the block count)."""
+
+    def set_max_len(self, seq_id: int, max_len: int) -> None:
+        """At admission: the most tokens the sequence can reach. Paging reserves nothing ahead."""
 
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int], num_computed: int, num_new: int,
@@ -163,6 +175,21 @@ class KVCacheManager:
             "num_logical_blocks": logical,
             "sharing_saving": (logical - physical) / logical if logical else 0.0,
         }
+
+    def memory_usage(self, seqs: list[tuple[int, int, int]], waiting_max_len: int | None = None) -> MemoryUsage:
+        """Slots by category (see memory_usage.py) for the sequences (seq_id, computed tokens,
+        final length). A block shared by several sequences is counted once, for the first.
+        No external fragmentation: any free block can hold any token."""
+        B = self.block_size
+        usage = MemoryUsage()
+        seen: set[int] = set()
+        for seq_id, written, final_len in seqs:
+            for i, block in enumerate(self.tables.get(seq_id, ())):
+                if block.block_id not in seen:
+                    seen.add(block.block_id)
+                    usage.add_held(i * B, B, written, final_len)
+        usage.free = self.pool.num_free_blocks * B
+        return usage
 
     def check_invariants(self) -> None:
         """Invariants 1 and 3 of DESIGN.md, plus the free queue and cache index."""

@@ -1,0 +1,16 @@
+"""Pick the KV cache manager: paged (the engine's own) or a contiguous-reservation baseline."""
+from __future__ import annotations
+
+from pagedserve.kv.contiguous import POLICIES, ContiguousKVCacheManager
+from pagedserve.kv.kv_cache_manager import KVCacheManager
+
+KV_ALLOCATORS = ("paged", *POLICIES)
+
+
+def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
+                          max_model_len: int | None) -> KVCacheManager | ContiguousKVCacheManager:
+    if kind == "paged":
+        return KVCacheManager(num_blocks, block_size, enable_caching)
+    if kind in POLICIES:
+        return ContiguousKVCacheManager(num_blocks, block_size, kind, max_model_len)
+    raise ValueError(f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}; got {kind!r}")
