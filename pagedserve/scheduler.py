@@ -92,6 +92,11 @@ class Scheduler:
         return cdiv(prompt, self.block_size) + req.max_seqs * (cdiv(req.max_tokens, self.block_size) + 1)
 
     def add_request(self, req: Request) -> None:
+        if req.max_seqs > self.config.max_num_seqs:
+            # Its sequences run together, so it could never be admitted (and would block the queue).
+            raise ValueError(
+                f"request {req.request_id} needs {req.max_seqs} sequences at once (n, best_of or beam width) "
+                f"but the engine runs at most max_num_seqs={self.config.max_num_seqs}")
         needed = self.max_blocks_needed(req)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(
