@@ -45,6 +45,10 @@ class EngineStepError(RuntimeError):
     """An engine step raised; the requests in flight were aborted."""
 
 
+class QueueFullError(RuntimeError):
+    """max_waiting_requests requests are already waiting: try again later."""
+
+
 @dataclass
 class _Progress:
     """Engine-thread bookkeeping per request, for the stats."""
@@ -101,8 +105,12 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
-                 log_interval: float | None = 10.0) -> None:
+                 log_interval: float | None = 10.0, max_waiting_requests: int | None = None) -> None:
         self.config = config
+        # Requests waiting for the engine (queued, or added but not applied yet) beyond this
+        # are refused with QueueFullError, so a flood cannot grow memory without bound.
+        self.max_waiting_requests = max_waiting_requests if max_waiting_requests and max_waiting_requests > 0 \
+            else None
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self._log = LoggingStatLogger(log_interval) if log_interval else None
         if self._log:
@@ -127,6 +135,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._pending_adds = 0             # requests sent to the engine thread, not applied yet
 
     # ---- lifecycle (event loop) --------------------------------------------------------------
     def start(self) -> None:
@@ -163,17 +172,34 @@ class AsyncLLM:
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
             raise ValueError(f"request ids already in use: {ids}")
+        # A first check here, on what the engine last reported plus the adds on their way to
+        # it; the engine thread checks again exactly when it applies the add.
+        self._check_queue(len(items), self.scheduler_stats.num_waiting + self._pending_adds)
         stream = RequestStream(self, ids)
         for rid in ids:
             self._streams[rid] = stream
         added = self._loop.create_future()
+        self._pending_adds += len(items)
         self._send(("add", items, arrival_time or time.monotonic(), added))
         try:
             await added
         except BaseException:
             stream.close()   # cancelled: the abort follows the add on the queue
             raise
+        finally:
+            self._pending_adds -= len(items)
         return stream
+
+    def _check_queue(self, num_new: int, num_waiting: int) -> None:
+        cap = self.max_waiting_requests
+        if cap is None:
+            return
+        if num_new > cap:
+            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
+                             f"(--max-waiting-requests)")
+        if num_waiting + num_new > cap:
+            raise QueueFullError(f"the server is overloaded: {num_waiting} requests are already waiting "
+                                 f"and at most {cap} may wait (--max-waiting-requests); retry later")
 
     async def generate(self, prompt: PromptType, params: Params,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -290,6 +316,7 @@ class AsyncLLM:
     def _add(self, items: list, arrival_time: float, done: asyncio.Future) -> None:
         added: list[Request] = []
         try:
+            self._check_queue(len(items), len(self.engine.scheduler.waiting))
             for rid, prompt, params in items:
                 added.append(self.engine.add_request(rid, prompt, params, arrival_time=arrival_time))
         except Exception as e:   # noqa: BLE001 - handed back to the caller
