@@ -43,8 +43,8 @@ HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
 class PagingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
-                num_host_blocks=st.sampled_from([0, 0, 4, 16]) if HAS_SWAP else st.just(0))
-    def setup(self, num_blocks, block_size, budget, max_seqs, caching, num_host_blocks):
+                **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, num_host_blocks=0):
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                               enable_prefix_caching=caching,
                               preemption_mode="swap" if num_host_blocks else "recompute")

@@ -107,3 +107,16 @@ def test_token_ids_that_would_fail_a_step_are_refused_up_front(tiny_llama, param
         llm.generate("one", SamplingParams(max_tokens=2, **params), use_tqdm=False)
     assert llm.kv_cache_stats()["num_used_blocks"] == 0
     assert llm.generate("one", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_failed_step_leaves_the_offline_llm_usable(tiny_llama, monkeypatch):
+    llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=16)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    good = llm.generate("one", params, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "execute", lambda sched: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(["one", "two"], params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and llm.kv_cache_stats()["num_used_blocks"] == 0
+    assert llm.generate("one", params, use_tqdm=False)[0].outputs[0].token_ids == good

@@ -135,7 +135,11 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._pending_adds = 0             # requests sent to the engine thread, not applied yet
+        # For the queue limit: requests sent to the engine thread (event loop), and what the engine
+        # last reported: (requests waiting, requests it had taken off the command queue by then).
+        self._num_sent = 0
+        self._num_taken = 0                # engine thread
+        self._queue_view = (0, 0)
 
     # ---- lifecycle (event loop) --------------------------------------------------------------
     def start(self) -> None:
@@ -172,22 +176,21 @@ class AsyncLLM:
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
             raise ValueError(f"request ids already in use: {ids}")
-        # A first check here, on what the engine last reported plus the adds on their way to
-        # it; the engine thread checks again exactly when it applies the add.
-        self._check_queue(len(items), self.scheduler_stats.num_waiting + self._pending_adds)
+        # A first check here, on what the engine last reported plus the requests sent since;
+        # the engine thread checks again exactly when it applies the add.
+        waiting, taken = self._queue_view
+        self._check_queue(len(items), waiting + self._num_sent - taken)
         stream = RequestStream(self, ids)
         for rid in ids:
             self._streams[rid] = stream
         added = self._loop.create_future()
-        self._pending_adds += len(items)
+        self._num_sent += len(items)
         self._send(("add", items, arrival_time or time.monotonic(), added))
         try:
             await added
         except BaseException:
             stream.close()   # cancelled: the abort follows the add on the queue
             raise
-        finally:
-            self._pending_adds -= len(items)
         return stream
 
     def _check_queue(self, num_new: int, num_waiting: int) -> None:
@@ -315,6 +318,7 @@ class AsyncLLM:
 
     def _add(self, items: list, arrival_time: float, done: asyncio.Future) -> None:
         added: list[Request] = []
+        self._num_taken += len(items)
         try:
             self._check_queue(len(items), len(self.engine.scheduler.waiting))
             for rid, prompt, params in items:
@@ -411,6 +415,7 @@ class AsyncLLM:
     def _publish(self, iteration: IterationStats | None) -> None:
         kv = self.engine.kv_cache_stats()
         sched = self.engine.scheduler
+        self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
         self.scheduler_stats = SchedulerStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
