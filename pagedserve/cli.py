@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as `vllm serve` names them."""
@@ -102,6 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=model, **engine_kwargs(args))
     return run_server(config, host=args.host, port=args.port, served_model_names=args.served_model_name,
                       api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
+                      max_waiting_requests=args.max_waiting_requests,
+                      max_request_body_bytes=args.max_request_body_bytes,
                       log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                       access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
 
@@ -118,6 +122,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name(s) clients use; the first is returned in responses")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds requests in flight get to finish after SIGTERM before they are aborted")
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests that may wait for the engine; beyond it new ones get 503 (<= 0: no limit)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="largest request body accepted; larger ones get 413 (<= 0: no limit)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stat lines")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")

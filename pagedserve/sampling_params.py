@@ -45,7 +45,7 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**63,
                f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(-2.0 <= self.presence_penalty <= 2.0,

@@ -96,6 +96,11 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs > 1 or req.is_beam_search)
+        if req.max_seqs > self.config.max_num_seqs:
+            # Its sequences run together, so it could never be admitted (and would block the queue).
+            raise ValueError(
+                f"request {req.request_id} needs {req.max_seqs} sequences at once (n, best_of or beam width) "
+                f"but the engine runs at most max_num_seqs={self.config.max_num_seqs}")
         needed = self.max_blocks_needed(req)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(

@@ -4,12 +4,12 @@ One server on a tiny random Llama serves most tests (it checks the paging
 invariants after every step: PAGEDSERVE_CHECK_INVARIANTS is inherited); its
 answers are compared with the offline LLM on the same model. Separate servers
 cover SIGTERM and the real default model; the 503-while-starting gate is
-tested in process.
+tested in process. Bad input and limits: test_server_bad_input.py; load and
+client faults: test_server_load.py.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import threading
@@ -21,17 +21,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.server.launcher import launch_server
-
-API_KEY = "test-key"
-KV_BLOCKS = 256
-# The tiny model's KV bytes per 16-token block in float32: 2 (K, V) * 2 layers * 16 * 2 heads * 16 dims * 4.
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
-PROMPT = "Once upon a time there was a tiny language model"
-
-
-def tiny_server_args(*extra: str) -> list[str]:
-    return ["--dtype", "float32", "--kv-cache-memory", str(KV_BLOCKS * BLOCK_BYTES), "--log-stats-interval", "0.5",
-            "--disable-uvicorn-access-log", *extra]
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, sse_events, tiny_server_args, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -62,38 +52,6 @@ def offline(tiny_llama):
 
 def reference(offline, prompt, **kw):
     return offline.generate(prompt, SamplingParams(**kw), use_tqdm=False)[0]
-
-
-def metrics(http) -> dict[str, float]:
-    """`name{labels}` -> value from /metrics (label model_name dropped)."""
-    out = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, value = line.rsplit(" ", 1)
-        name = re.sub(r',?model_name="[^"]*",?', "", name).replace("{}", "")
-        out[name] = float(value)
-    return out
-
-
-def wait_idle(http, timeout: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        idle = m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0 \
-            and m["pagedserve:kv_cache_usage_perc"] == 0
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
-def sse_events(lines) -> list:
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # ---- basics -------------------------------------------------------------------------------------
@@ -246,60 +204,6 @@ def test_api_key_enforced(server):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-
-
-TOO_LONG = list(range(5, 605))
-BAD_REQUESTS = [
-    # (path, body, status, param, words in the message)
-    ("/v1/completions", b"{not json", 400, None, ["JSON"]),
-    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", ["prompt"]),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", []),
-    ("/v1/completions", {"prompt": "x", "top_p": 7}, 400, "top_p", ["top_p", "7"]),
-    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", ["n must"]),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ["temperature"]),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ["max_tokens"]),
-    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", ["logprobs", "20"]),
-    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of", ["best_of"]),
-    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, 400, "best_of", ["stream"]),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias", ["vocabulary"]),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", ["gpt-4"]),
-    ("/v1/completions", {"prompt": TOO_LONG}, 400, "prompt", ["600", "512"]),
-    ("/v1/completions", {"prompt": list(range(5, 505)), "max_tokens": 100}, 400, "max_tokens", ["500", "100", "512"]),
-    ("/v1/completions", {"prompt": []}, 400, "prompt", ["empty"]),
-    ("/v1/completions", {"prompt": [1, 10**7]}, 400, "prompt", ["vocabulary"]),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", []),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages", ["empty"]),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", ["role"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     "top_logprobs", ["logprobs"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                              "top_logprobs": 21}, 400, "top_logprobs", ["20"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages",
-     ["512"]),
-    ("/v1/nope", {}, 404, None, ["/v1/nope"]),
-    ("/detokenize", {"tokens": [10**7]}, 400, "tokens", ["vocabulary"]),
-]
-
-
-@pytest.mark.parametrize("path,body,status,param,words", BAD_REQUESTS,
-                         ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
-def test_bad_requests_get_openai_errors(http, path, body, status, param, words):
-    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param, err
-    for word in words:
-        assert word in err["message"], err
-
-
-def test_server_survives_bad_requests(http, client):
-    assert http.get("/v1/completions").status_code == 405
-    for body in BAD_REQUESTS:
-        http.post(body[0], content=json.dumps(body[1]) if not isinstance(body[1], bytes) else body[1])
-    m = wait_idle(http)
-    assert m["pagedserve:kv_cache_usage_perc"] == 0
-    assert client.completions.create(model="tiny", prompt="one", max_tokens=2).usage.completion_tokens >= 1
 
 
 # ---- cancellation and batching ------------------------------------------------------------------

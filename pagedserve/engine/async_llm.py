@@ -45,6 +45,10 @@ class EngineStepError(RuntimeError):
     """An engine step raised; the requests in flight were aborted."""
 
 
+class QueueFullError(RuntimeError):
+    """max_waiting_requests requests are already waiting: try again later."""
+
+
 @dataclass
 class _Progress:
     """Engine-thread bookkeeping per request, for the stats."""
@@ -101,8 +105,12 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
-                 log_interval: float | None = 10.0) -> None:
+                 log_interval: float | None = 10.0, max_waiting_requests: int | None = None) -> None:
         self.config = config
+        # Requests waiting for the engine (queued, or added but not applied yet) beyond this
+        # are refused with QueueFullError, so a flood cannot grow memory without bound.
+        self.max_waiting_requests = max_waiting_requests if max_waiting_requests and max_waiting_requests > 0 \
+            else None
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self._log = LoggingStatLogger(log_interval) if log_interval else None
         if self._log:
@@ -127,6 +135,11 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
+        # For the queue limit: requests sent to the engine thread (event loop), and what the engine
+        # last reported: (requests waiting, requests it had taken off the command queue by then).
+        self._num_sent = 0
+        self._num_taken = 0                # engine thread
+        self._queue_view = (0, 0)
 
     # ---- lifecycle (event loop) --------------------------------------------------------------
     def start(self) -> None:
@@ -163,10 +176,15 @@ class AsyncLLM:
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
             raise ValueError(f"request ids already in use: {ids}")
+        # A first check here, on what the engine last reported plus the requests sent since;
+        # the engine thread checks again exactly when it applies the add.
+        waiting, taken = self._queue_view
+        self._check_queue(len(items), waiting + self._num_sent - taken)
         stream = RequestStream(self, ids)
         for rid in ids:
             self._streams[rid] = stream
         added = self._loop.create_future()
+        self._num_sent += len(items)
         self._send(("add", items, arrival_time or time.monotonic(), added))
         try:
             await added
@@ -174,6 +192,17 @@ class AsyncLLM:
             stream.close()   # cancelled: the abort follows the add on the queue
             raise
         return stream
+
+    def _check_queue(self, num_new: int, num_waiting: int) -> None:
+        cap = self.max_waiting_requests
+        if cap is None:
+            return
+        if num_new > cap:
+            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
+                             f"(--max-waiting-requests)")
+        if num_waiting + num_new > cap:
+            raise QueueFullError(f"the server is overloaded: {num_waiting} requests are already waiting "
+                                 f"and at most {cap} may wait (--max-waiting-requests); retry later")
 
     async def generate(self, prompt: PromptType, params: Params,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -289,7 +318,9 @@ class AsyncLLM:
 
     def _add(self, items: list, arrival_time: float, done: asyncio.Future) -> None:
         added: list[Request] = []
+        self._num_taken += len(items)
         try:
+            self._check_queue(len(items), len(self.engine.scheduler.waiting))
             for rid, prompt, params in items:
                 added.append(self.engine.add_request(rid, prompt, params, arrival_time=arrival_time))
         except Exception as e:   # noqa: BLE001 - handed back to the caller
@@ -384,6 +415,7 @@ class AsyncLLM:
     def _publish(self, iteration: IterationStats | None) -> None:
         kv = self.engine.kv_cache_stats()
         sched = self.engine.scheduler
+        self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
         self.scheduler_stats = SchedulerStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],

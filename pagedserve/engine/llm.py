@@ -77,14 +77,20 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, n_out = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-                    n_out += sum(len(c.token_ids) for c in out.outputs)
-                    bar.update(1)
-                    bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s")
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for rid in ids:   # a failed step (or Ctrl-C) leaves nothing behind: the LLM stays usable
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [finals[rid] for rid in ids]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
@@ -23,7 +24,7 @@ from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import beam_score, select_candidates
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.scheduler import Scheduler
+from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 import torch
@@ -112,6 +113,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
+        self.validate_params(params)
         n_prompt = len(ids)
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -145,6 +147,16 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
 
+    def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        """Token ids in the parameters index the logits: one outside the vocabulary would fail
+        the whole step, so it is refused here."""
+        if not isinstance(params, SamplingParams):
+            return
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -152,6 +164,8 @@ class LLMEngine:
         for seq in req.live_seqs:
             seq.finish_reason = "abort"
         self.scheduler.finish_request(req)
+        if self.check_invariants:
+            self.check_paging_invariants()
         return self._output(req, finished=True)
 
     def has_unfinished_requests(self) -> bool:
@@ -160,6 +174,8 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.check_invariants:
+            self.check_paging_invariants(sched)
         if sched.empty:
             return []
         now = time.monotonic()
@@ -323,10 +339,6 @@ class LLMEngine:
         fragmentation, free (the paper's memory-waste breakdown, Fig. 2)."""
         return self.scheduler.memory_usage()
 
-    def check_paging_invariants(self) -> None:
-        kv = self.scheduler.kv
-        kv.check_invariants()
-        live = {s.seq_id for r in self.scheduler.running for s in r.live_seqs}
-        assert set(kv.tables) <= live, f"blocks held by sequences that are not running: {set(kv.tables) - live}"
-        if not self.requests:
-            assert kv.num_free_blocks == kv.pool.num_blocks, "blocks still referenced with no request left"
+    def check_paging_invariants(self, sched: SchedulerOutput | None = None) -> None:
+        """All of pagedserve/invariants.py; with `sched`, also what that step is about to write."""
+        check_paging_invariants(self.scheduler, sched, self.requests)

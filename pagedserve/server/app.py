@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
@@ -41,6 +42,7 @@ class ServerState:
     metrics: PrometheusStatLogger
     api_key: str | None = None
     shutdown_timeout: float = 5.0
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutting_down: bool = False
     on_start_failed: Callable[[], None] = lambda: None
     loop: asyncio.AbstractEventLoop | None = None
@@ -68,8 +70,9 @@ class ServerState:
 
 
 class GateMiddleware:
-    """503 while starting or shutting down, 401 without the API key (pure ASGI, so streaming
-    responses and disconnects pass through untouched)."""
+    """503 while starting or shutting down, 401 without the API key, 413 for a body over
+    max_request_body_bytes (pure ASGI, so streaming responses and disconnects pass through
+    untouched)."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app = app
@@ -77,11 +80,41 @@ class GateMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            error = self._refuse(scope)
+            error = self._refuse(scope) or self._too_large(scope)
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
+            if self.state.max_request_body_bytes:
+                receive = self._limited(receive, self.state.max_request_body_bytes)
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def _body_error(limit: int, size: str) -> APIError:
+        return APIError(413, f"the request body is {size} bytes; the limit is {limit} (--max-request-body-bytes)",
+                        code="request_too_large")
+
+    def _too_large(self, scope) -> APIError | None:
+        """Refuse at once when the declared Content-Length is over the limit."""
+        limit = self.state.max_request_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if limit and length is not None and (not length.isdigit() or int(length) > limit):
+            return self._body_error(limit, length.decode("latin-1"))
+        return None
+
+    def _limited(self, receive, limit: int):
+        """Count the body as it arrives (chunked bodies declare no length): past the limit,
+        reading it raises a 413."""
+        received = 0
+
+        async def wrapped():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise self._body_error(limit, f"more than {limit}")
+            return message
+        return wrapped
 
     def _refuse(self, scope) -> APIError | None:
         state, path = self.state, scope["path"]
@@ -209,12 +242,17 @@ class _Server(uvicorn.Server):
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, api_key: str | None = None,
                shutdown_timeout: float = 5.0, log_stats_interval: float | None = 10.0,
-               access_log: bool = True, log_level: str = "info") -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load)."""
+               access_log: bool = True, log_level: str = "info",
+               max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load).
+    A limit of None or <= 0 turns it off."""
     names = served_model_names or [config.model or DEFAULT_MODEL_NAME]
     metrics = PrometheusStatLogger(names[0])
-    llm = AsyncLLM(config, [metrics], log_interval=log_stats_interval)
-    state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout)
+    llm = AsyncLLM(config, [metrics], log_interval=log_stats_interval, max_waiting_requests=max_waiting_requests)
+    state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout,
+                        max_request_body_bytes=max_request_body_bytes if max_request_body_bytes and
+                        max_request_body_bytes > 0 else None)
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                timeout_graceful_shutdown=int(shutdown_timeout) + 5)

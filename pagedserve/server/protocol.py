@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Integers become tensor values and indices deep in the engine, where one that does not fit in
+# 64 bits would fail the whole step: refuse them at the door.
+Int = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 
 
 def random_id(prefix: str) -> str:
@@ -16,7 +20,8 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON has no NaN or Infinity, yet parsers accept them (and 1e999): refuse them as values.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -28,11 +33,11 @@ class StreamOptions(OpenAIModel):
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -40,13 +45,13 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling parameters
-    best_of: int | None = None
-    top_k: int | None = None
+    best_of: Int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
@@ -55,8 +60,8 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -69,10 +74,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

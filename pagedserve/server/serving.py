@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from pagedserve.engine.async_llm import EngineNotReadyError, EngineStepError, RequestStream
+from pagedserve.engine.async_llm import EngineNotReadyError, EngineStepError, QueueFullError, RequestStream
 from pagedserve.engine.llm import render_chat
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -43,7 +43,7 @@ Params = SamplingParams | BeamSearchParams
 # Request fields an error message may start with (SamplingParams names the value first).
 _PARAM_NAMES = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens", "min_tokens", "stop",
-                "logprobs", "prompt_logprobs", "beam_width"}
+                "stop_token_ids", "logprobs", "prompt_logprobs", "beam_width"}
 
 
 # ---- request -> engine --------------------------------------------------------------------------
@@ -247,6 +247,12 @@ class Serving:
         self.continuous_usage = bool(self.stream_usage and body.stream_options.continuous_usage_stats)
         if body.stream and body.best_of is not None and body.best_of > body.n and not body.use_beam_search:
             raise bad_request("best_of > n is not supported with stream", "best_of")
+        # The engine runs a request's sequences together: more than max_num_seqs could never start.
+        param = "best_of" if (body.best_of or 0) > body.n else "n"
+        width, limit = getattr(body, param), self.llm.config.max_num_seqs
+        if width > limit:
+            raise bad_request(f"{param} is {width}, but this server runs at most {limit} sequences at once "
+                              f"(--max-num-seqs)", param)
 
     # -- submit and wait --------------------------------------------------------------------------
     async def submit(self, items: list[tuple[str | None, list[int], Params]]) -> RequestStream:
@@ -256,8 +262,10 @@ class Serving:
             return await self.llm.add_requests(engine_items, self.arrival)
         except EngineNotReadyError as e:
             raise APIError(503, f"the server cannot take requests now: {e}") from None
+        except QueueFullError as e:
+            raise APIError(503, str(e)) from None
         except ValueError as e:
-            raise bad_request(str(e), self.prompt_param) from None
+            raise bad_request(str(e), _param_of(str(e)) or self.prompt_param) from None
 
     async def _abort_on_disconnect(self, stream: RequestStream) -> None:
         while True:

@@ -1,0 +1,255 @@
+"""Stateful fuzzing of the scheduler and the KV cache manager together (no model).
+
+A hypothesis state machine plays the engine: it adds requests (one sequence,
+parallel sampling with n/best_of > 1, or beam-search-like forking and pruning;
+prompts drawn from a few shared prefixes so the prefix cache hits), runs steps,
+aborts, and forces preemptions, over tiny block pools and token budgets so that
+running out of blocks is the common case. Preemption recomputes, or, once the
+scheduler has swap mode (Scheduler(..., num_host_blocks)), swaps to a tiny host
+pool in half the examples. A shadow of the KV memory records the token each
+slot holds: swaps and copy-on-write copies first, then each scheduled token's
+write, exactly as the worker does, after which every scheduled sequence must
+read back its own tokens through its block table. `check_paging_invariants`
+runs after `schedule()` (what the step writes) and after every rule; at the end
+every request is run to completion and no block may stay referenced.
+
+CI runs PAGEDSERVE_FUZZ_EXAMPLES (default 300) examples. A long local run:
+    PAGEDSERVE_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest tests/test_fuzz_paging.py -q
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.config import EngineConfig
+from pagedserve.invariants import check_paging_invariants
+from pagedserve.request import Request, RequestStatus, Sequence
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.scheduler import Scheduler, SchedulerOutput
+
+MAX_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "300"))
+EOS = 9
+VOCAB = [0, 1, 2, 3]      # few tokens: generated text repeats, so it hits the prefix cache too
+PREFIXES = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [1, 1, 1, 1, 2, 2, 2, 2], [3, 2, 1, 0, 3, 2]]
+# Swap preemption is fuzzed as soon as the scheduler has it (it is being added on another branch).
+HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
+
+
+class PagingMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
+                budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
+                **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, num_host_blocks=0):
+        config = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                              enable_prefix_caching=caching,
+                              preemption_mode="swap" if num_host_blocks else "recompute")
+        self.sched = Scheduler(config, num_blocks, num_host_blocks) if HAS_SWAP else Scheduler(config, num_blocks)
+        self.host: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
+        self.requests: dict[str, Request] = {}   # unfinished, as the engine keeps them
+        self.done: list[Request] = []
+        self.aborted: set[str] = set()
+        self.content: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
+        self.counter = 0
+        self.stats = dict.fromkeys(_TOTALS, 0)
+        del self.stats["examples"], self.stats["requests"]
+
+    # ---- requests in -----------------------------------------------------------------------
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(0, 10),
+          suffix=st.lists(st.sampled_from(VOCAB), max_size=8), max_tokens=st.integers(1, 8),
+          kind=st.sampled_from(["single", "single", "parallel", "beam"]), n=st.integers(1, 3),
+          extra=st.integers(0, 2), prompt_logprobs=st.booleans())
+    def add_request(self, prefix, cut, suffix, max_tokens, kind, n, extra, prompt_logprobs):
+        prompt = PREFIXES[prefix][:cut] + suffix or [0]
+        self.counter += 1
+        rid = f"r{self.counter}"
+        if kind == "beam":
+            params = BeamSearchParams(beam_width=n + extra, max_tokens=max_tokens)
+        else:
+            best_of = n + extra if kind == "parallel" else 1
+            params = SamplingParams(n=n if kind == "parallel" else 1, best_of=best_of, temperature=1.0,
+                                    max_tokens=max_tokens)
+        req = Request(rid, None, prompt, params, max_tokens)
+        req.seqs.append(Sequence(self.sched.new_seq_id(), 0, list(prompt), len(prompt)))
+        req.pending_fork = kind == "parallel" and params.best_of > 1
+        if prompt_logprobs and kind != "beam":
+            req.prompt_logprobs = [None]     # no prefix-cache hits for it
+        free = self.sched.kv.num_free_blocks
+        try:
+            self.sched.add_request(req)
+        except ValueError as e:
+            assert "never fit" in str(e) or "max_num_seqs" in str(e), e
+            assert self.sched.kv.num_free_blocks == free and req not in self.sched.waiting
+            self.stats["refused"] += 1
+            self.stats["refused_seqs" if "max_num_seqs" in str(e) else "refused_blocks"] += 1
+            return
+        self.requests[rid] = req
+
+    # ---- one engine step -------------------------------------------------------------------
+    @rule(seed=st.integers(0, 2**16))
+    def step(self, seed):
+        self._step(random.Random(seed))
+
+    def _step(self, rng: random.Random) -> None:
+        sched = self.sched
+        out = sched.schedule()
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(out.preempted)
+        self.stats["copies"] += len(out.block_copies)
+        check_paging_invariants(sched, out, self.requests)
+        assert not out.empty or out.preempted or not sched.num_unfinished, "no progress: nothing scheduled"
+        self._run_on_shadow_memory(out)
+
+        sampled: dict[str, list[Sequence]] = {}
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                sampled.setdefault(s.request.request_id, []).append(s.seq)
+        for rid, seqs in sampled.items():
+            req = self.requests[rid]
+            if len(req.live_seqs) > 1 or len(seqs) > 1:
+                # Sequences of one request advance in lock step: all sample together.
+                assert {s.seq_id for s in seqs} == {s.seq_id for s in req.live_seqs}, f"{rid} out of lock step"
+            if req.is_beam_search:
+                self._beam_step(req, seqs, rng)
+            else:
+                for seq in seqs:
+                    self._append(req, seq, EOS if rng.random() < 0.1 else rng.choice(VOCAB))
+            if not req.live_seqs:
+                sched.finish_request(req)
+                self._retire(req)
+
+    def _run_on_shadow_memory(self, out) -> None:
+        """The worker's view: swaps, copies, then writes; then each sequence reads its tokens back."""
+        B = self.sched.block_size
+        for dev, host in getattr(out, "swap_out", ()):
+            self.host[host] = list(self.content[dev])
+        for host, dev in getattr(out, "swap_in", ()):
+            self.content[dev] = list(self.host[host])
+        saved = {dst: list(self.content[src]) for src, dst in out.block_copies}   # all read, then written
+        self.content.update(saved)
+        for s in out.scheduled:
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                self.content[s.block_ids[pos // B]][pos % B] = s.seq.token_ids[pos]
+        for s in out.scheduled:
+            end = s.start + s.num_new_tokens
+            seen = [self.content[s.block_ids[p // B]][p % B] for p in range(end)]
+            assert seen == s.seq.token_ids[:end], f"sequence {s.seq.seq_id} reads wrong KV through its blocks"
+
+    def _append(self, req: Request, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        if token == EOS:
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= req.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finished:
+            self.sched.free_seq(seq)
+
+    def _beam_step(self, req: Request, beams: list[Sequence], rng: random.Random) -> None:
+        """What the engine's beam step does to the paging state: each beam keeps some of the
+        beam_width candidates (forks for the extra ones), beams with none are pruned, and a
+        candidate ending in EOS becomes a finished hypothesis holding no blocks."""
+        sched = self.sched
+        chosen = [(rng.randrange(len(beams)), rng.random() < 0.15) for _ in range(req.params.beam_width)]
+        new_beams: list[Sequence] = []
+        for b, parent in enumerate(beams):
+            mine = [eos for p, eos in chosen if p == b]
+            for _ in range(sum(mine)):
+                hyp = req.fork_seq(parent, sched.new_seq_id(), index=len(req.seqs))
+                hyp.token_ids.append(EOS)
+                hyp.finish_reason = "stop"
+            live = len(mine) - sum(mine)
+            if not live:
+                req.seqs.remove(parent)
+                sched.free_seq(parent)
+                continue
+            new_beams += [sched.fork_seq(req, parent) for _ in range(live - 1)] + [parent]
+        for seq in new_beams:
+            seq.token_ids.append(rng.choice(VOCAB))
+            if seq.num_output_tokens >= req.max_tokens:
+                seq.finish_reason = "length"
+                sched.free_seq(seq)
+
+    def _retire(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.done.append(req)
+
+    # ---- faults ----------------------------------------------------------------------------
+    @precondition(lambda self: self.requests)
+    @rule(pick=st.integers(0, 10**6))
+    def abort(self, pick):
+        req = list(self.requests.values())[pick % len(self.requests)]
+        for seq in req.live_seqs:
+            seq.finish_reason = "abort"
+        self.sched.finish_request(req)
+        self.aborted.add(req.request_id)
+        self._retire(req)
+
+    @precondition(lambda self: self.sched.running)
+    @rule(pick=st.integers(0, 10**6))
+    def preempt(self, pick):
+        """Memory pressure chosen by the fuzzer: preempt any running request between steps."""
+        req = self.sched.running[pick % len(self.sched.running)]
+        if HAS_SWAP:
+            out = SchedulerOutput()
+            self.sched._preempt(req, out)
+            self._run_on_shadow_memory(out)     # a swap-out copies before the next step
+        else:
+            self.sched._preempt(req)
+        assert (req.status == RequestStatus.WAITING and self.sched.waiting[0] is req) or \
+            (req.status == RequestStatus.SWAPPED and req in self.sched.swapped)
+        self.stats["preemptions"] += 1
+
+    @invariant()
+    def paging_state_is_consistent(self):
+        check_paging_invariants(self.sched, request_ids=self.requests)
+
+    def teardown(self):
+        """Every request still queued runs to its end; then no block is referenced."""
+        if not hasattr(self, "sched"):
+            return
+        rng = random.Random(0)
+        for _ in range(5000):
+            if not self.sched.num_unfinished:
+                break
+            self._step(rng)
+            check_paging_invariants(self.sched, request_ids=self.requests)
+        assert not self.sched.num_unfinished, "requests never finished"
+        kv = self.sched.kv
+        assert kv.num_free_blocks == kv.pool.num_blocks and not kv.tables, "blocks leaked"
+        host_pool = getattr(kv, "host_pool", None)
+        assert host_pool is None or host_pool.num_free_blocks == host_pool.num_blocks, "host blocks leaked"
+        for req in self.done:
+            assert req.status == RequestStatus.FINISHED and not req.live_seqs
+            if req.request_id in self.aborted:
+                continue
+            for seq in req.seqs:
+                assert seq.num_output_tokens <= req.max_tokens
+                assert seq.finish_reason == "stop" or seq.num_output_tokens == req.max_tokens, seq
+            if not req.is_beam_search:
+                assert len(req.seqs) == req.params.best_of
+        _TOTALS["examples"] += 1
+        for k, v in self.stats.items():
+            _TOTALS[k] += v
+        _TOTALS["requests"] += len(self.done)
+
+
+_TOTALS = {"examples": 0, "requests": 0, "steps": 0, "preemptions": 0, "copies": 0, "refused": 0,
+           "refused_seqs": 0, "refused_blocks": 0}
+
+PagingMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=40, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+TestPagingMachine = PagingMachine.TestCase
+
+
+def test_fuzzing_exercised_the_hard_paths():
+    """The fuzz run above (same session) really reached preemption, copy-on-write and refusals."""
+    if _TOTALS["examples"] < 50:
+        import pytest
+        pytest.skip("run together with TestPagingMachine")
+    print(f"\nfuzz totals: {_TOTALS}")
+    assert _TOTALS["preemptions"] > 0 and _TOTALS["copies"] > 0 and _TOTALS["refused"] > 0

@@ -1,0 +1,221 @@
+"""Bad input and limits on the real server (a subprocess on the tiny model).
+
+The catalogue below is a table of malformed or hostile requests. Each must get
+a 4xx with an OpenAI-shaped error ({"error": {"message", "type", "param",
+"code"}}) that names the problem, leave nothing allocated, and never reach the
+engine in a way that could fail a step (which would abort everyone's requests).
+Afterwards the server still answers a normal request exactly as the offline
+engine does. The limits: a request body over --max-request-body-bytes gets 413
+(declared or chunked), and beyond --max-waiting-requests queued requests new
+ones get 503 until the queue drains.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.server.launcher import launch_server
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, tiny_server_args, wait_idle
+
+MAX_BODY = 64 * 1024
+MAX_SEQS = 2
+MAX_WAITING = 2
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = launch_server(tiny_llama.path, tiny_server_args(
+        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
+        "--max-num-seqs", str(MAX_SEQS), "--max-waiting-requests", str(MAX_WAITING),
+        "--max-request-body-bytes", str(MAX_BODY)), tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+@dataclass
+class Bad:
+    name: str
+    path: str
+    body: dict | bytes | None
+    status: int
+    param: str | None                  # the error's param: which field is wrong
+    words: list[str] = field(default_factory=list)   # the message names the problem
+    headers: dict | None = None
+    method: str = "POST"
+
+
+C, H = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+CATALOGUE = [
+    # The body itself
+    Bad("not-json", C, b"{not json", 400, None, ["JSON"]),
+    Bad("empty-body", C, b"", 400, None, ["JSON"]),
+    Bad("body-is-a-list", C, b"[1, 2]", 400, None, ["object"]),
+    Bad("bad-utf8", C, b'{"prompt": "\xff\xfe"}', 400, None, ["JSON", "unicode"]),
+    Bad("lone-surrogate", C, b'{"prompt": "\\ud800"}', 400, None, ["JSON"]),
+    Bad("deeply-nested", C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, ["JSON"]),
+    Bad("oversized-body", C, {"prompt": "x" * (MAX_BODY + 1)}, 413, None, ["limit", str(MAX_BODY)]),
+    Bad("nan-literal", C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature", ["finite"]),
+    Bad("infinite-number", C, b'{"prompt": "x", "top_p": 1e999}', 400, "top_p", ["finite"]),
+    # Missing fields and wrong types
+    Bad("missing-prompt", C, {"max_tokens": 3}, 400, "prompt", ["prompt"]),
+    Bad("prompt-is-a-number", C, {"prompt": 5}, 400, "prompt"),
+    Bad("prompt-mixed-list", C, {"prompt": [[1, 2], "x"]}, 400, "prompt"),
+    Bad("max-tokens-string", C, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    Bad("n-string", C, {"prompt": "x", "n": "two"}, 400, "n"),
+    Bad("n-float", C, {"prompt": "x", "n": 1.5}, 400, "n"),
+    Bad("stop-wrong-type", C, {"prompt": "x", "stop": 5}, 400, "stop"),
+    Bad("stream-options-wrong-type", C, {"prompt": "x", "stream_options": "yes"}, 400, "stream_options"),
+    Bad("messages-is-a-string", H, {"messages": "hi"}, 400, "messages"),
+    Bad("message-without-role", H, {"messages": [{"content": "hi"}]}, 400, "messages"),
+    # Values out of range
+    Bad("max-tokens-negative", C, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", ["max_tokens", "-5"]),
+    Bad("max-tokens-zero", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ["max_tokens"]),
+    Bad("max-tokens-huge", C, {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens", ["512"]),
+    Bad("max-tokens-beyond-int64", C, {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+    Bad("temperature-negative", C, {"prompt": "x", "temperature": -1}, 400, "temperature", ["temperature"]),
+    Bad("top-p-zero", C, {"prompt": "x", "top_p": 0}, 400, "top_p", ["top_p"]),
+    Bad("top-p-above-one", C, {"prompt": "x", "top_p": 7}, 400, "top_p", ["top_p", "7"]),
+    Bad("top-k-negative", C, {"prompt": "x", "top_k": -5}, 400, "top_k", ["top_k"]),
+    Bad("top-k-beyond-int64", C, {"prompt": "x", "top_k": 10**30}, 400, "top_k"),
+    Bad("min-p-above-one", C, {"prompt": "x", "min_p": 2}, 400, "min_p", ["min_p"]),
+    Bad("presence-penalty-5", C, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty", ["[-2, 2]"]),
+    Bad("repetition-penalty-0", C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    Bad("n-zero", C, {"prompt": "x", "n": 0}, 400, "n", ["n must"]),
+    Bad("n-huge", C, {"prompt": "x", "n": 10**6}, 400, "n", ["--max-num-seqs"]),
+    Bad("best-of-over-max-num-seqs", C, {"prompt": "x", "n": 1, "best_of": 3, "temperature": 1}, 400, "best_of",
+        ["--max-num-seqs"]),
+    Bad("best-of-below-n", C, {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of", ["best_of"]),
+    Bad("best-of-with-stream", C, {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, 400, "best_of",
+        ["stream"]),
+    Bad("logprobs-50", C, {"prompt": "x", "logprobs": 50}, 400, "logprobs", ["logprobs", "20"]),
+    Bad("logprobs-negative", C, {"prompt": "x", "logprobs": -1}, 400, "logprobs", ["logprobs"]),
+    Bad("top-logprobs-21", H, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+        ["20"]),
+    Bad("top-logprobs-without-logprobs", H, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs",
+        ["logprobs"]),
+    Bad("min-tokens-negative", C, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens", ["min_tokens"]),
+    Bad("min-tokens-over-max", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
+    Bad("seed-beyond-int64", C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    Bad("stop-empty-string", C, {"prompt": "x", "stop": [""]}, 400, "stop", ["stop"]),
+    Bad("logit-bias-out-of-vocabulary", C, {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias",
+        ["vocabulary"]),
+    Bad("logit-bias-key-not-an-id", C, {"prompt": "x", "logit_bias": {"abc": 5}}, 400, "logit_bias", ["abc"]),
+    Bad("logit-bias-value-1000", C, {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias", ["100"]),
+    Bad("stop-token-ids-out-of-vocabulary", C, {"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**7]}, 400,
+        "stop_token_ids", ["vocabulary"]),
+    Bad("beam-search-with-stop", C, {"prompt": "x", "use_beam_search": True, "n": 2, "stop": "a"}, 400, "stop"),
+    # Prompts
+    Bad("prompt-longer-than-context", C, {"prompt": list(range(5, 605))}, 400, "prompt", ["600", "512"]),
+    Bad("prompt-plus-max-tokens-over-context", C, {"prompt": list(range(5, 505)), "max_tokens": 100}, 400,
+        "max_tokens", ["500", "100", "512"]),
+    Bad("prompt-empty-list", C, {"prompt": []}, 400, "prompt", ["empty"]),
+    Bad("prompt-empty-string", C, {"prompt": ""}, 400, "prompt", ["empty"]),
+    Bad("prompt-token-out-of-vocabulary", C, {"prompt": [1, 10**7]}, 400, "prompt", ["vocabulary"]),
+    Bad("prompt-token-negative", C, {"prompt": [1, -3]}, 400, "prompt", ["vocabulary"]),
+    Bad("more-prompts-than-the-queue", C, {"prompt": ["a", "b", "c"]}, 400, "prompt", ["--max-waiting-requests"]),
+    Bad("suffix", C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    Bad("chat-empty-messages", H, {"messages": []}, 400, "messages", ["empty"]),
+    Bad("chat-unknown-role", H, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", ["role"]),
+    Bad("chat-image-content", H, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+        "messages", ["image_url"]),
+    Bad("chat-prompt-longer-than-context", H, {"messages": [{"role": "user", "content": "x " * 600}]}, 400,
+        "messages", ["512"]),
+    Bad("chat-tools", H, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    Bad("chat-json-response-format", H, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
+        "response_format"),
+    Bad("chat-max-completion-tokens-zero", H, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
+    # Model, key, route
+    Bad("unknown-model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model", ["gpt-4"]),
+    Bad("wrong-api-key", C, {"prompt": "x"}, 401, None, ["API key"], headers={"Authorization": "Bearer wrong"}),
+    Bad("no-api-key", C, {"prompt": "x"}, 401, None, ["API key"], headers={"Authorization": ""}),
+    Bad("unknown-route", "/v1/nope", {}, 404, None, ["/v1/nope"]),
+    Bad("get-on-a-post-route", C, None, 405, None, [], method="GET"),
+    Bad("detokenize-out-of-vocabulary", "/detokenize", {"tokens": [10**7]}, 400, "tokens", ["vocabulary"]),
+]
+
+
+def send(http: httpx.Client, bad: Bad) -> httpx.Response:
+    body = bad.body if isinstance(bad.body, bytes) or bad.body is None else json.dumps(bad.body).encode()
+    return http.request(bad.method, bad.path, content=body, headers=bad.headers)
+
+
+def test_catalogue_is_big_enough():
+    assert len(CATALOGUE) >= 30 and len({b.name for b in CATALOGUE}) == len(CATALOGUE)
+
+
+@pytest.mark.parametrize("bad", CATALOGUE, ids=[b.name for b in CATALOGUE])
+def test_bad_request_gets_a_clear_openai_error(http, bad):
+    r = send(http, bad)
+    assert r.status_code == bad.status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["param"] == bad.param, err
+    for word in bad.words:
+        assert word in err["message"], err
+
+
+def test_server_is_unharmed_by_the_catalogue(server, http, tiny_llama):
+    """Runs after the catalogue: nothing failed inside the server, nothing is held, and a normal
+    request is answered exactly as the offline engine answers it."""
+    for bad in CATALOGUE:   # once more, back to back
+        assert send(http, bad).status_code == bad.status
+    m = wait_idle(http)
+    assert m["pagedserve:kv_cache_usage_perc"] == 0 and m["pagedserve:num_requests_waiting"] == 0
+    assert "internal error" not in server.log() and "Traceback" not in server.log(), server.log()[-3000:]
+    ref = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=KV_BLOCKS).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+
+
+# ---- limits -------------------------------------------------------------------------------------
+def test_body_limit_applies_to_chunked_bodies_too(http):
+    def chunks():   # no Content-Length: the server counts as it reads
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+    r = http.post("/v1/completions", content=chunks())
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    just_under = {"prompt": PROMPT, "max_tokens": 1, "padding": "x" * (MAX_BODY - 200)}
+    assert http.post("/v1/completions", json=just_under).status_code == 200
+
+
+def test_queue_limit_gives_503_until_it_drains(server, http):
+    """max-num-seqs 2 run, max-waiting-requests 2 wait; the next request gets 503 at once."""
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    streams, opened = [], []
+    try:
+        for i in range(MAX_SEQS + MAX_WAITING):
+            cm = http.stream("POST", "/v1/completions", json=body)
+            r = cm.__enter__()
+            opened.append(cm)
+            assert r.status_code == 200          # headers come once the engine has the request
+            lines = r.iter_lines()
+            if i < MAX_SEQS:
+                next(line for line in lines if line.startswith("data: "))   # it is running
+            streams.append(lines)
+        m = metrics(http)
+        assert (m["pagedserve:num_requests_running"], m["pagedserve:num_requests_waiting"]) == (MAX_SEQS, MAX_WAITING)
+        for _ in range(3):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and "--max-waiting-requests" in err["message"], err
+    finally:
+        for cm in opened:   # disconnect: the server aborts them
+            cm.__exit__(None, None, None)
+    m = wait_idle(http, timeout=30)
+    assert m["pagedserve:kv_cache_usage_perc"] == 0 and m["pagedserve:num_requests_waiting"] == 0
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
