@@ -24,7 +24,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from pagedserve.kv.block_pool import block_key
-from pagedserve.kv.kv_cache_manager import cdiv
+from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -40,8 +40,10 @@ def check_paging_invariants(scheduler: "Scheduler", out: "SchedulerOutput | None
     nothing else may be.
     """
     scheduler.kv.check_invariants()
-    _check_prefix_index(scheduler.kv)
     _check_queues(scheduler, request_ids)
+    if not isinstance(scheduler.kv, KVCacheManager):
+        return   # a contiguous-reservation baseline (kv/contiguous.py) checks its own regions
+    _check_prefix_index(scheduler.kv)
     _check_tables(scheduler)
     _check_swapped(scheduler)
     if out is not None:
