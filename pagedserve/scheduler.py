@@ -65,6 +65,15 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0     # computed tokens thrown away by preemption
+    # Block tables' entries and physical blocks in use, summed over steps: their ratio is
+    # the run's sharing saving as the paper measures it (blocks saved / blocks needed).
+    logical_block_steps: int = 0
+    physical_block_steps: int = 0
+
+    @property
+    def sharing_saving_avg(self) -> float:
+        logical = self.logical_block_steps
+        return (logical - self.physical_block_steps) / logical if logical else 0.0
 
 
 Plan = list[tuple[Sequence, int]]
@@ -172,7 +181,13 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             num_seqs += req.max_seqs
             budget -= self._add(out, req, plan, copies)
+        self._record_usage()
         return out
+
+    def _record_usage(self) -> None:
+        kv = self.kv.stats()
+        self.stats.logical_block_steps += kv.get("num_logical_blocks", 0)
+        self.stats.physical_block_steps += kv.get("num_used_blocks", 0)
 
     def _add(self, out: SchedulerOutput, req: Request, plan: Plan, copies: list) -> int:
         out.block_copies.extend(copies)

@@ -176,6 +176,23 @@ class KVMachine(RuleBasedStateMachine):
         self.seqs[sid] = tokens
 
     @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=2, max_size=7))
+    def extend(self, data, new):
+        """Several tokens in one step (a chunk, or a recompute), possibly starting inside a
+        shared block."""
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        old = self.seqs[sid]
+        tokens = old + new
+        need = self.kv.num_blocks_needed(sid, len(old), len(new))
+        if need > self.kv.num_free_blocks:
+            return
+        free_before = self.kv.num_free_blocks
+        copies = self.kv.allocate(sid, tokens, len(old), len(new))
+        assert free_before - self.kv.num_free_blocks <= need
+        self._write(sid, tokens, len(old), copies)
+        self.seqs[sid] = tokens
+
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
@@ -207,6 +224,16 @@ class KVMachine(RuleBasedStateMachine):
             assert held == tokens
         if not self.seqs:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks
+        # The prefix-cache index only points at blocks holding exactly the key's tokens,
+        # held or free: a cached block is never written, and it is uncached before reuse.
+        for key, block in self.kv.pool.cached.items():
+            assert self.content[block.block_id] == list(key[1])
+        # The accounting: sharing saving = blocks saved / blocks needed without sharing.
+        stats = self.kv.stats()
+        held = {b.block_id for t in self.kv.tables.values() for b in t}
+        logical = sum(len(t) for t in self.kv.tables.values())
+        assert stats["num_used_blocks"] == len(held) and stats["num_logical_blocks"] == logical
+        assert stats["sharing_saving"] == ((logical - len(held)) / logical if logical else 0.0)
 
     def teardown(self):
         if hasattr(self, "kv"):

@@ -219,8 +219,11 @@ class LLMEngine:
         if sample.logprobs is not None:
             seq.cumulative_logprob += sample.logprobs[row]
         if seq.logprobs is not None:
-            seq.logprobs.append(self._position_logprobs(
-                token, sample.logprobs[row], sample.ranks[row], sample.top_ids[row], sample.top_logprobs[row]))
+            # logprobs=0 asks for the sampled token's logprob only: no top-k lists come back.
+            top_ids = sample.top_ids[row] if sample.top_ids is not None else []
+            top_lps = sample.top_logprobs[row] if sample.top_logprobs is not None else []
+            seq.logprobs.append(self._position_logprobs(token, sample.logprobs[row], sample.ranks[row],
+                                                        top_ids, top_lps))
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
         stop_str = seq.detokenizer.add_token(token, check_stop=may_stop)
@@ -330,8 +333,9 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
         stats = self.scheduler.kv.stats()
-        stats.update(num_preemptions=self.scheduler.stats.num_preemptions,
-                     num_recomputed_tokens=self.scheduler.stats.num_recomputed_tokens)
+        sched = self.scheduler.stats
+        stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
+                     sharing_saving_avg=sched.sharing_saving_avg)
         return stats
 
     def memory_usage(self) -> MemoryUsage:

@@ -169,6 +169,7 @@ class KVCacheManager:
             "num_used_blocks": physical,
             "usage": physical / max(1, pool.num_blocks),
             "num_cached_blocks": len(pool.cached),
+            "num_evicted_blocks": pool.num_evictions,
             "prefix_cache_queries": self.prefix_stats.queries,
             "prefix_cache_hits": self.prefix_stats.hits,
             # Sharing as the paper measures it: blocks saved / blocks needed without sharing.
