@@ -61,9 +61,15 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
                              f"{config.block_size} tokens takes {block_bytes} bytes")
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        num_host_blocks = 0
+        if config.preemption_mode == "swap":
+            num_host_blocks = config.num_host_blocks_override or config.swap_space // block_bytes
+            if num_host_blocks < 1:
+                raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
+                                 f"block of {block_bytes} bytes; got {config.swap_space}")
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks)
         self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
-                                  self.device)
+                                  self.device, num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -177,6 +183,7 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
+            self.runner.move_blocks(sched)   # a step can preempt (swap out) and run nothing
             return []
         now = time.monotonic()
         result = self.runner.execute(sched)
