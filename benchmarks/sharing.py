@@ -198,7 +198,7 @@ def plot(saving: list[dict], path: Path) -> None:
         ax.set_xlabel("# output sequences" if mode == "parallel" else "beam width")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("memory saving (%)")
-    axes[1].legend(fontsize=7, loc="upper left")
+    axes[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
