@@ -121,3 +121,5 @@ def test_swap_needs_swap_space(tiny_llama):
         make_llm(tiny_llama, preemption_mode="swap", swap_space=-1)
     with pytest.raises(ValueError, match="preemption_mode must be"):
         make_llm(tiny_llama, preemption_mode="evict")
+    with pytest.raises(ValueError, match="preemption_mode='swap' needs kv_allocator='paged'"):
+        make_llm(tiny_llama, preemption_mode="swap", swap_space=1 << 20, kv_allocator="max")
