@@ -32,6 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"  # recompute | swap
     swap_space: int = 0                 # bytes of host memory for swapped-out blocks
+    num_host_blocks_override: int | None = None  # exact number of swap-space blocks (tests, benchmarks)
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
     check_invariants: bool = False
     # Device and attention kernels. None picks cuda + triton when torch sees a GPU, else cpu + cpu.
@@ -53,6 +54,11 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}; got {self.kv_allocator!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if self.preemption_mode == "swap" and self.kv_allocator != "paged":
+            raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged' (swap space is a pool of "
+                             f"blocks), not {self.kv_allocator!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):

@@ -6,9 +6,13 @@ first (decodes, then unfinished chunked prefills), then waiting requests in
 arrival order, all under `max_num_seqs` and a token budget
 (`max_num_batched_tokens`); a prompt longer than what is left of the budget is
 split over several steps (chunked prefill). When a running request needs a
-block and none is free, the most recently admitted request is preempted: its
-blocks are freed and it goes back to the front of the waiting queue, to be
-recomputed (its prefix may still be in the prefix cache).
+block and none is free, the most recently admitted request is preempted, with all
+its sequences at once. By recompute (the default): its blocks are freed and it goes
+back to the front of the waiting queue, to be recomputed (its prefix may still be in
+the prefix cache). By swap: its blocks are copied to host memory and it waits in
+`swapped` until they fit on the device again; swapped requests come back before any
+waiting request is admitted. When swap space is short, preemption falls back to
+recompute.
 
 Requests with several sequences (parallel sampling, beam search) advance in
 lock step: each sequence first catches up to one token short of its end, then
@@ -50,6 +54,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst), before the step
+    # Swaps, also before the step (and before the block copies): (device, host) then (host, device).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -65,19 +72,31 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0     # computed tokens thrown away by preemption
+    # Block tables' entries and physical blocks in use, summed over steps: their ratio is
+    # the run's sharing saving as the paper measures it (blocks saved / blocks needed).
+    logical_block_steps: int = 0
+    physical_block_steps: int = 0
+
+    @property
+    def sharing_saving_avg(self) -> float:
+        logical = self.logical_block_steps
+        return (logical - self.physical_block_steps) / logical if logical else 0.0
 
 
 Plan = list[tuple[Sequence, int]]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
+                 num_host_blocks: int = 0) -> None:
         self.config = config
         self.block_size = config.block_size
         self.kv = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
-                                        config.enable_prefix_caching, max_model_len or config.max_model_len)
+                                        config.enable_prefix_caching, max_model_len or config.max_model_len,
+                                        num_host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
         self.stats = SchedulerStats()
         self._next_seq_id = 0
         self._warned_preemption = False
@@ -125,13 +144,15 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
         req.status = RequestStatus.FINISHED
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -148,8 +169,7 @@ class Scheduler:
                 continue
             while (copies := self._allocate(plan)) is None:
                 victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is req:
                     break
             if copies is None:
@@ -157,9 +177,22 @@ class Scheduler:
             scheduled.add(id(req))
             budget -= self._add(out, req, plan, copies)
 
-        # Then waiting requests, first come first served, while nothing had to be preempted.
+        # Swapped-out requests come back, oldest first, once their blocks fit again.
         num_seqs = sum(r.max_seqs for r in self.running)
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.swapped and not out.preempted:
+            req = self.swapped[0]
+            if num_seqs + req.max_seqs > self.config.max_num_seqs or not self._swap_in(req, out):
+                break
+            num_seqs += req.max_seqs
+            plan = self._plan(req, budget) if budget > 0 else []
+            copies = self._allocate(plan) if plan else None
+            if copies is not None:
+                scheduled.add(id(req))
+                budget -= self._add(out, req, plan, copies)
+
+        # Then waiting requests, first come first served, while nothing had to be preempted
+        # and nothing waits in swap space (it would starve).
+        while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             req = self.waiting[0]
             if num_seqs + req.max_seqs > self.config.max_num_seqs:
                 break
@@ -172,7 +205,13 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             num_seqs += req.max_seqs
             budget -= self._add(out, req, plan, copies)
+        self._record_usage()
         return out
+
+    def _record_usage(self) -> None:
+        kv = self.kv.stats()
+        self.stats.logical_block_steps += kv.get("num_logical_blocks", 0)
+        self.stats.physical_block_steps += kv.get("num_used_blocks", 0)
 
     def _add(self, out: SchedulerOutput, req: Request, plan: Plan, copies: list) -> int:
         out.block_copies.extend(copies)
@@ -252,24 +291,50 @@ class Scheduler:
             self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)
         return plan, copies
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free every block of the request and requeue it first."""
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Evict a running request with all its sequences: to swap space if that is the mode
+        and there is room for all its blocks, else by recompute."""
         self.running.remove(req)
+        out.preempted.append(req)
+        ids = [s.seq_id for s in req.live_seqs]
+        swap = self.config.preemption_mode == "swap" and self.kv.can_swap_out(ids)
+        if swap:
+            out.swap_out.extend(self.kv.swap_out(ids))
+            req.status = RequestStatus.SWAPPED
+            self.swapped = deque(sorted([*self.swapped, req], key=lambda r: r.arrival_time))
+        else:
+            self._preempt_by_recompute(req)
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if not self._warned_preemption:
+            self._warned_preemption = True
+            logger.warning(
+                "Request %s was preempted (%s): all %d KV cache blocks were in use. Throughput suffers "
+                "when this happens often; give the engine more kv_cache_memory or lower max_num_seqs.",
+                req.request_id, "swapped to host memory" if swap else "to be recomputed", self.kv.pool.num_blocks)
+
+    def _preempt_by_recompute(self, req: Request) -> None:
+        """Free every block of the request and requeue it first."""
         for seq in req.live_seqs:
             self.stats.num_recomputed_tokens += seq.num_computed_tokens
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.rejoin = len(req.live_seqs) > 1
-        req.num_preemptions += 1
-        self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
-        if not self._warned_preemption:
-            self._warned_preemption = True
-            logger.warning(
-                "Request %s was preempted: the KV cache ran out of blocks (%d of %d). Throughput "
-                "suffers when this happens often; give the engine more kv_cache_memory or lower "
-                "max_num_seqs.", req.request_id, self.kv.pool.num_blocks, self.kv.pool.num_blocks)
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+        """Bring a swapped request's blocks back if they fit, leaving a free block per
+        sequence for its next token when others run (so it does not bounce straight back)."""
+        ids = [s.seq_id for s in req.live_seqs]
+        needed = self.kv.num_blocks_to_swap(ids) + (len(ids) if self.running else 0)
+        if needed > self.kv.num_free_blocks:
+            return False
+        self.swapped.popleft()
+        out.swap_in.extend(self.kv.swap_in(ids))
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        return True
 
     # ---- accounting ------------------------------------------------------------------------
     def memory_usage(self) -> MemoryUsage:

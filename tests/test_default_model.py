@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.engine.llm import render_chat
 from pagedserve.models.loader import default_model_path
+from tests.beam_reference import check_beam_search
 
 PROMPTS = [
     "The capital of France is",
@@ -64,3 +66,16 @@ def test_default_model_answers_sensibly(llm):
                     SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
     assert "Paris" in chat[0].outputs[0].text
     assert chat[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_default_model_beam_search_equals_the_textbook_definition(llm, hf_model):
+    """Token for token against the reference definition over transformers' forward, on chat
+    prompts (whose answers end in EOS within a few tokens) and plain ones. Prompts of equal
+    length let the reference batch them."""
+    tok = llm.get_tokenizer()
+    questions = ("Name a fruit.", "Name a planet.", "Count to three.", "Is ice cold?")   # 34 tokens each
+    prompts = [render_chat(tok, [{"role": "user", "content": q}]) for q in questions]
+    prompts += [tok.encode(p) for p in ("The capital of France is", "The three primary colors are")]   # 5 each
+    seen = check_beam_search(llm, hf_model, prompts, tok.eos_token_id, max_tokens=16, num_threads=None)
+    assert any(h[-1] == tok.eos_token_id for h in seen)     # finished hypotheses were ranked
+    assert llm.kv_cache_stats()["num_used_blocks"] == 0

@@ -5,7 +5,7 @@ parallel sampling with n/best_of > 1, or beam-search-like forking and pruning;
 prompts drawn from a few shared prefixes so the prefix cache hits), runs steps,
 aborts, and forces preemptions, over tiny block pools and token budgets so that
 running out of blocks is the common case. Preemption recomputes, or, once the
-scheduler has swap mode (Scheduler(..., num_host_blocks)), swaps to a tiny host
+scheduler has swap mode (Scheduler(..., num_host_blocks=...)), swaps to a tiny host
 pool in half the examples. A shadow of the KV memory records the token each
 slot holds: swaps and copy-on-write copies first, then each scheduled token's
 write, exactly as the worker does, after which every scheduled sequence must
@@ -48,7 +48,8 @@ class PagingMachine(RuleBasedStateMachine):
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                               enable_prefix_caching=caching,
                               preemption_mode="swap" if num_host_blocks else "recompute")
-        self.sched = Scheduler(config, num_blocks, num_host_blocks) if HAS_SWAP else Scheduler(config, num_blocks)
+        self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks) if HAS_SWAP \
+            else Scheduler(config, num_blocks)
         self.host: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
         self.requests: dict[str, Request] = {}   # unfinished, as the engine keeps them
         self.done: list[Request] = []

@@ -118,13 +118,16 @@ class KVMachine(RuleBasedStateMachine):
     """Sequences grow, fork and end at random over a tiny pool; invariants hold throughout."""
 
     @initialize(num_blocks=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]),
-                caching=st.booleans())
-    def setup(self, num_blocks, block_size, caching):
-        self.kv = KVCacheManager(num_blocks, block_size, caching)
-        self.seqs: dict[int, list[int]] = {}       # seq id -> tokens (all computed)
+                caching=st.booleans(), num_host_blocks=st.integers(0, 10))
+    def setup(self, num_blocks, block_size, caching, num_host_blocks):
+        self.kv = KVCacheManager(num_blocks, block_size, caching, num_host_blocks)
+        self.seqs: dict[int, list[int]] = {}       # seq id -> tokens (all computed), on the device
+        self.swapped: list[dict[int, list[int]]] = []   # groups swapped out together
         self.next_id = 0
-        # A shadow of the KV memory: what token each slot of each block holds.
+        # A shadow of the KV memory: what token each slot of each block holds, on the
+        # device and in swap space.
         self.content: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
+        self.host_content: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
 
     def _write(self, sid, tokens, start, copies):
         """Do what the worker does: block copies first, then write the step's tokens."""
@@ -176,6 +179,23 @@ class KVMachine(RuleBasedStateMachine):
         self.seqs[sid] = tokens
 
     @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=2, max_size=7))
+    def extend(self, data, new):
+        """Several tokens in one step (a chunk, or a recompute), possibly starting inside a
+        shared block."""
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        old = self.seqs[sid]
+        tokens = old + new
+        need = self.kv.num_blocks_needed(sid, len(old), len(new))
+        if need > self.kv.num_free_blocks:
+            return
+        free_before = self.kv.num_free_blocks
+        copies = self.kv.allocate(sid, tokens, len(old), len(new))
+        assert free_before - self.kv.num_free_blocks <= need
+        self._write(sid, tokens, len(old), copies)
+        self.seqs[sid] = tokens
+
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
@@ -192,6 +212,50 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.free(sid)
         del self.seqs[sid]
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        """A group of sequences (which may share blocks) goes to swap space, or, if it does
+        not fit there, nothing changes."""
+        group = data.draw(st.lists(st.sampled_from(sorted(self.seqs)), min_size=1, unique=True))
+        distinct = {b.block_id for sid in group for b in self.kv.tables[sid]}
+        assert self.kv.num_blocks_to_swap(group) == len(distinct)
+        if not self.kv.can_swap_out(group):
+            with pytest.raises(NoFreeBlocksError):
+                self.kv.swap_out(group)
+            return
+        free, host_free = self.kv.num_free_blocks, self.kv.num_free_host_blocks
+        still_held = {b.block_id for sid in set(self.seqs) - set(group) for b in self.kv.tables[sid]}
+        moved = self.kv.swap_out(group)
+        assert sorted(d for d, _ in moved) == sorted(distinct)          # each block once
+        assert self.kv.num_free_host_blocks == host_free - len(distinct)
+        assert self.kv.num_free_blocks == free + len(distinct - still_held)
+        for dev, host in moved:
+            self.host_content[host] = list(self.content[dev])
+        self.swapped.append({sid: self.seqs.pop(sid) for sid in group})
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        i = data.draw(st.integers(0, len(self.swapped) - 1))
+        group = sorted(self.swapped[i])
+        if self.kv.num_blocks_to_swap(group) > self.kv.num_free_blocks:
+            return
+        for host, dev in self.kv.swap_in(group):
+            self.content[dev] = list(self.host_content[host])
+        self.seqs.update(self.swapped.pop(i))
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def free_swapped(self, data):
+        """A swapped-out sequence is aborted: its host blocks go back."""
+        i = data.draw(st.integers(0, len(self.swapped) - 1))
+        sid = data.draw(st.sampled_from(sorted(self.swapped[i])))
+        self.kv.free(sid)
+        del self.swapped[i][sid]
+        if not self.swapped[i]:
+            del self.swapped[i]
+
     @invariant()
     def paging_invariants(self):
         if not hasattr(self, "kv"):
@@ -205,14 +269,34 @@ class KVMachine(RuleBasedStateMachine):
             held = [self.content[b.block_id][pos % B]
                     for pos, b in ((p, self.kv.tables[sid][p // B]) for p in range(len(tokens)))]
             assert held == tokens
+        # ... and a swapped-out sequence's tokens are all in its host blocks.
+        for group in self.swapped:
+            for sid, tokens in group.items():
+                assert self.kv.num_held_blocks(sid) == 0
+                table = self.kv.host_tables[sid]
+                assert len(table) == cdiv(len(tokens), B)
+                assert [self.host_content[table[p // B].block_id][p % B] for p in range(len(tokens))] == tokens
         if not self.seqs:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks
+        if not self.swapped:
+            assert self.kv.num_free_host_blocks == self.kv.host_pool.num_blocks
+        # The prefix-cache index only points at blocks holding exactly the key's tokens,
+        # held or free: a cached block is never written, and it is uncached before reuse.
+        for key, block in self.kv.pool.cached.items():
+            assert self.content[block.block_id] == list(key[1])
+        # The accounting: sharing saving = blocks saved / blocks needed without sharing.
+        stats = self.kv.stats()
+        held = {b.block_id for t in self.kv.tables.values() for b in t}
+        logical = sum(len(t) for t in self.kv.tables.values())
+        assert stats["num_used_blocks"] == len(held) and stats["num_logical_blocks"] == logical
+        assert stats["sharing_saving"] == ((logical - len(held)) / logical if logical else 0.0)
 
     def teardown(self):
         if hasattr(self, "kv"):
-            for sid in list(self.seqs):
+            for sid in [*self.seqs, *(sid for group in self.swapped for sid in group)]:
                 self.kv.free(sid)
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks
+            assert self.kv.num_free_host_blocks == self.kv.host_pool.num_blocks
             self.kv.check_invariants()
 
 

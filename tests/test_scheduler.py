@@ -1,18 +1,55 @@
 """The scheduler on its own (no model): batching, chunked prefill, forks, preemption."""
+import weakref
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pytest
 
 from pagedserve.config import EngineConfig
+from pagedserve.invariants import check_paging_invariants
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler import Scheduler
+from pagedserve.scheduler import Scheduler, SchedulerOutput
 
 
-def make_scheduler(num_blocks=64, block_size=4, **kw):
+def make_scheduler(num_blocks=64, block_size=4, num_host_blocks=0, **kw):
     kw.setdefault("enable_prefix_caching", False)
-    return Scheduler(EngineConfig(block_size=block_size, **kw), num_blocks)
+    return Scheduler(EngineConfig(block_size=block_size, **kw), num_blocks, num_host_blocks=num_host_blocks)
+
+
+class ShadowWorker:
+    """What the worker does with a SchedulerOutput, on a shadow of the KV memory that holds
+    token ids instead of keys and values: swap out, swap in, block copies, then write each
+    scheduled token into its slot. Then every scheduled sequence must read back, through
+    its block table, exactly its own tokens up to the end of this step: the check that
+    sharing, copy-on-write, prefix hits, preemption and swapping never lose or mix up KV."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        B = sched.block_size
+        self.device = {i: [None] * B for i in range(sched.kv.pool.num_blocks)}
+        host_pool = getattr(sched.kv, "host_pool", None)     # contiguous baselines have no swap space
+        self.host = {i: [None] * B for i in range(host_pool.num_blocks if host_pool else 0)}
+
+    def run(self, out) -> None:
+        for dev, host in out.swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in out.swap_in:
+            self.device[dev] = list(self.host[host])
+        for src, dst in out.block_copies:
+            self.device[dst] = list(self.device[src])
+        for s in out.scheduled:
+            B = len(self.device[s.block_ids[0]])
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                self.device[s.block_ids[pos // B]][pos % B] = s.seq.token_ids[pos]
+        for s in out.scheduled:
+            B = len(self.device[s.block_ids[0]])
+            end = s.start + s.num_new_tokens
+            assert [self.device[s.block_ids[p // B]][p % B] for p in range(end)] == s.seq.token_ids[:end], (
+                f"sequence {s.seq.seq_id} reads wrong KV")
+
+
+_workers: "weakref.WeakKeyDictionary[Scheduler, ShadowWorker]" = weakref.WeakKeyDictionary()
 
 
 def add(sched, rid, prompt_len, max_tokens, best_of=1, prompt=None):
@@ -29,6 +66,10 @@ def fake_step(sched):
     """What the engine does after the model runs: advance counts, append a token to each
     sequence that sampled, finish requests that reached max_tokens."""
     out = sched.schedule()
+    check_paging_invariants(sched, out)
+    if sched not in _workers:
+        _workers[sched] = ShadowWorker(sched)
+    _workers[sched].run(out)
     sampled = []
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_new_tokens
@@ -44,7 +85,7 @@ def fake_step(sched):
                 done.add(s.request)
     for req in done:
         sched.finish_request(req)
-    sched.kv.check_invariants()
+    check_paging_invariants(sched)
     return out
 
 
@@ -55,6 +96,8 @@ def run_all(sched, max_steps=10_000):
         steps += 1
         assert steps < max_steps, "the scheduler made no progress"
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    if hasattr(sched.kv, "host_pool"):
+        assert sched.kv.num_free_host_blocks == sched.kv.host_pool.num_blocks
     return steps
 
 
@@ -151,14 +194,76 @@ def test_parallel_sampling_forks_before_the_last_prompt_token():
     run_all(sched)
 
 
-@settings(max_examples=60, deadline=None)
-@given(reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2, 3])),
-                     min_size=1, max_size=8),
-       num_blocks=st.integers(8, 30), block_size=st.sampled_from([1, 2, 4]),
-       budget=st.integers(4, 40), max_seqs=st.integers(3, 8), caching=st.booleans())
-def test_every_request_finishes_without_leaks(reqs, num_blocks, block_size, budget, max_seqs, caching):
-    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                   enable_prefix_caching=caching), num_blocks)
+def test_swap_preemption_moves_blocks_out_and_back_without_recomputing():
+    sched = make_scheduler(num_blocks=6, block_size=4, num_host_blocks=8, max_num_batched_tokens=64,
+                           preemption_mode="swap")
+    old = add(sched, "old", 8, 8)
+    new = add(sched, "new", 4, 8)
+    swapped_out = swapped_in = 0
+    saw_swapped = False
+    while sched.num_unfinished:
+        out = fake_step(sched)
+        assert not (out.swap_out and out.swap_in)
+        swapped_out += len(out.swap_out)
+        swapped_in += len(out.swap_in)
+        if out.swap_out:
+            assert [r.request_id for r in out.preempted] == ["new"]
+            assert new.status == RequestStatus.SWAPPED and sched.kv.num_held_blocks(new.seqs[0].seq_id) == 0
+            saw_swapped = True
+    assert saw_swapped and sched.stats.num_preemptions > 0
+    assert sched.stats.num_recomputed_tokens == 0
+    stats = sched.kv.stats()
+    assert stats["num_swapped_out_blocks"] == swapped_out == stats["num_swapped_in_blocks"] == swapped_in > 0
+    assert old.seqs[0].num_output_tokens == 8 and new.seqs[0].num_output_tokens == 8
+
+
+def test_a_group_is_swapped_as_a_whole_keeping_its_sharing():
+    """A best_of=3 request forked over a shared prompt: swapped out, its shared blocks
+    take one host block each, and it comes back shared."""
+    sched = make_scheduler(num_blocks=64, block_size=4, num_host_blocks=64, max_num_batched_tokens=64,
+                           preemption_mode="swap")
+    req = add(sched, "g", 10, 6, best_of=3)
+    fake_step(sched)
+    fake_step(sched)                          # forked: 2 shared full blocks + 3 private partial ones
+    ids = [s.seq_id for s in req.seqs]
+    assert sched.kv.num_blocks_to_swap(ids) == 2 + 3
+    so = SchedulerOutput()
+    sched._preempt(req, so)                   # by hand, as the scheduler does when blocks run out
+    _workers[sched].run(so)
+    assert len(so.swap_out) == 5 and sched.kv.num_free_host_blocks == 64 - 5
+    host = [sched.kv.host_tables[i] for i in ids]
+    assert host[0][:2] == host[1][:2] == host[2][:2]
+    out = fake_step(sched)                    # swapped back in (and run) at the next step
+    assert len(out.swap_in) == 5 and req.status == RequestStatus.RUNNING
+    tables = [sched.kv.block_ids(i) for i in ids]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    run_all(sched)
+
+
+def test_swap_space_exhaustion_falls_back_to_recompute():
+    sched = make_scheduler(num_blocks=6, block_size=4, num_host_blocks=1, max_num_batched_tokens=64,
+                           preemption_mode="swap")
+    add(sched, "old", 8, 8)
+    add(sched, "new", 4, 8)
+    run_all(sched)
+    assert sched.stats.num_preemptions > 0 and sched.stats.num_recomputed_tokens > 0
+    assert sched.kv.stats()["num_swapped_out_blocks"] == 0
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks():
+    sched = make_scheduler(num_blocks=6, block_size=4, num_host_blocks=8, max_num_batched_tokens=64,
+                           preemption_mode="swap")
+    add(sched, "old", 8, 8)
+    new = add(sched, "new", 4, 8)
+    while new.status != RequestStatus.SWAPPED:
+        fake_step(sched)
+    assert sched.kv.num_free_host_blocks < 8
+    sched.finish_request(new)
+    assert sched.kv.num_free_host_blocks == 8 and not sched.swapped
+    run_all(sched)
+
+
+def check_every_request_finishes(reqs, sched: Scheduler) -> None:
     added = []
     for i, (p, m, n) in enumerate(reqs):
         try:
@@ -170,3 +275,31 @@ def test_every_request_finishes_without_leaks(reqs, num_blocks, block_size, budg
         assert req.status == RequestStatus.FINISHED
         assert all(s.num_output_tokens == req.max_tokens for s in req.seqs)
         assert len(req.seqs) == req.params.best_of
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2, 3])),
+                     min_size=1, max_size=8),
+       num_blocks=st.integers(8, 30), block_size=st.sampled_from([1, 2, 4]),
+       budget=st.integers(4, 40), max_seqs=st.integers(3, 8), caching=st.booleans())
+def test_every_request_finishes_without_leaks(reqs, num_blocks, block_size, budget, max_seqs, caching):
+    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                   enable_prefix_caching=caching), num_blocks)
+    check_every_request_finishes(reqs, sched)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(1, 24), st.integers(4, 16), st.sampled_from([1, 1, 2, 3])),
+                     min_size=2, max_size=8),
+       num_blocks=st.integers(6, 16), block_size=st.sampled_from([1, 2, 4]),
+       budget=st.integers(4, 40), max_seqs=st.integers(3, 8), caching=st.booleans(),
+       num_host_blocks=st.integers(0, 24))
+def test_swap_preemption_finishes_everything_without_leaks(reqs, num_blocks, block_size, budget, max_seqs,
+                                                           caching, num_host_blocks):
+    """Tight device memory and a swap space from none to plenty: groups are swapped out and
+    back (or recomputed when swap space is short), the shadow worker checks every byte of
+    KV comes back, and both pools end empty."""
+    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                   enable_prefix_caching=caching, preemption_mode="swap"), num_blocks,
+                      num_host_blocks=num_host_blocks)
+    check_every_request_finishes(reqs, sched)

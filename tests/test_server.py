@@ -276,7 +276,9 @@ def test_concurrent_requests_complete_and_share_batches(server, http, offline):
 def test_metrics_and_periodic_log(server, http):
     m = metrics(http)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "num_requests_swapped",
+                 "num_swapped_out_blocks_total", "num_swapped_in_blocks_total", "num_recomputed_tokens_total",
+                 "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
         assert "pagedserve:" + name in m, name
@@ -288,7 +290,8 @@ def test_metrics_and_periodic_log(server, http):
     while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
     line = next(x for x in server.log().splitlines() if "Avg generation throughput" in x)
-    for part in ("Avg prompt throughput", "Running:", "Waiting:", "KV cache usage:", "Prefix cache hit rate:"):
+    for part in ("Avg prompt throughput", "Running:", "Swapped:", "Waiting:", "KV cache usage:",
+                 "Prefix cache hit rate:"):
         assert part in line
 
 

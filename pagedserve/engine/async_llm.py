@@ -417,9 +417,11 @@ class AsyncLLM:
         sched = self.engine.scheduler
         self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
         self.scheduler_stats = SchedulerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=kv["usage"],
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
-            num_preemptions=kv["num_preemptions"])
+            num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
+            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(self.scheduler_stats, iteration)

@@ -61,9 +61,15 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
                              f"{config.block_size} tokens takes {block_bytes} bytes")
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        num_host_blocks = 0
+        if config.preemption_mode == "swap":
+            num_host_blocks = config.num_host_blocks_override or config.swap_space // block_bytes
+            if num_host_blocks < 1:
+                raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
+                                 f"block of {block_bytes} bytes; got {config.swap_space}")
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks)
         self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
-                                  self.device)
+                                  self.device, num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -177,6 +183,7 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
+            self.runner.move_blocks(sched)   # a step can preempt (swap out) and run nothing
             return []
         now = time.monotonic()
         result = self.runner.execute(sched)
@@ -219,8 +226,11 @@ class LLMEngine:
         if sample.logprobs is not None:
             seq.cumulative_logprob += sample.logprobs[row]
         if seq.logprobs is not None:
-            seq.logprobs.append(self._position_logprobs(
-                token, sample.logprobs[row], sample.ranks[row], sample.top_ids[row], sample.top_logprobs[row]))
+            # logprobs=0 asks for the sampled token's logprob only: no top-k lists come back.
+            top_ids = sample.top_ids[row] if sample.top_ids is not None else []
+            top_lps = sample.top_logprobs[row] if sample.top_logprobs is not None else []
+            seq.logprobs.append(self._position_logprobs(token, sample.logprobs[row], sample.ranks[row],
+                                                        top_ids, top_lps))
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
         stop_str = seq.detokenizer.add_token(token, check_stop=may_stop)
@@ -330,8 +340,9 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
         stats = self.scheduler.kv.stats()
-        stats.update(num_preemptions=self.scheduler.stats.num_preemptions,
-                     num_recomputed_tokens=self.scheduler.stats.num_recomputed_tokens)
+        sched = self.scheduler.stats
+        stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
+                     sharing_saving_avg=sched.sharing_saving_avg)
         return stats
 
     def memory_usage(self) -> MemoryUsage:

@@ -19,10 +19,14 @@ class SchedulerStats:
     """The scheduler and KV cache as they are now (counters are cumulative)."""
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0                 # requests preempted to swap space
     kv_cache_usage: float = 0.0          # fraction of blocks in use, 0..1
     prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0           # of those, tokens found
     num_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_recomputed_tokens: int = 0       # computed tokens thrown away by recompute preemption
 
 
 @dataclass
@@ -84,14 +88,16 @@ class LoggingStatLogger:
         if elapsed < self.interval:
             return
         s = self._last
-        active = bool(self._prompt_tokens or self._generation_tokens or s.num_running or s.num_waiting)
+        active = bool(self._prompt_tokens or self._generation_tokens or s.num_running or s.num_waiting
+                      or s.num_swapped)
         if active or self._was_active:
             queries = s.prefix_cache_queries - self._queries_at_last
             hits = s.prefix_cache_hits - self._hits_at_last
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                self._prompt_tokens / elapsed, self._generation_tokens / elapsed, s.num_running,
+                "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                self._prompt_tokens / elapsed, self._generation_tokens / elapsed, s.num_running, s.num_swapped,
                 s.num_waiting, 100 * s.kv_cache_usage, 100 * hits / queries if queries else 0.0)
         self._was_active = active
         self._last_log = now

@@ -40,6 +40,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
+        self.num_evictions = 0           # cached blocks reused for other content
 
     @property
     def num_blocks(self) -> int:
@@ -56,7 +57,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
-            self._uncache(block)
+            if block.key is not None:
+                self.num_evictions += 1
+                self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
         return out

@@ -8,9 +8,13 @@ KV_ALLOCATORS = ("paged", *POLICIES)
 
 
 def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
-                          max_model_len: int | None) -> KVCacheManager | ContiguousKVCacheManager:
+                          max_model_len: int | None, num_host_blocks: int = 0
+                          ) -> KVCacheManager | ContiguousKVCacheManager:
+    """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has."""
     if kind == "paged":
-        return KVCacheManager(num_blocks, block_size, enable_caching)
+        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks)
+    if num_host_blocks:
+        raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged', not {kind!r}")
     if kind in POLICIES:
         return ContiguousKVCacheManager(num_blocks, block_size, kind, max_model_len)
     raise ValueError(f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}; got {kind!r}")

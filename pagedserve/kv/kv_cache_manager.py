@@ -5,6 +5,9 @@ One block table per sequence maps logical block i (token positions
 needs one, shared by reference count (fork), copied before a write into a
 shared block (copy-on-write), and full blocks are registered in the prefix
 cache so later sequences with the same prefix can reuse them.
+Swap space (preemption_mode="swap") is a second block pool, in host memory, with
+tables of its own: swapping a group of sequences out moves their tables there, one
+host block per distinct device block, so the group's sharing survives the trip.
 Pure Python: no tensors here.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, block_key
+from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, NoFreeBlocksError, block_key
 from pagedserve.kv.memory_usage import MemoryUsage
 
 
@@ -27,13 +30,19 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[int, list[KVBlock]] = {}
-        self.keys: dict[int, list[BlockKey]] = {}   # keys of each sequence's full blocks
+        self.keys: dict[int, list[BlockKey]] = {}   # keys of each sequence's full blocks (kept while swapped)
         self.prefix_stats = PrefixCacheStats()
+        # Swap space: host blocks and the tables of swapped-out sequences.
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False)
+        self.host_tables: dict[int, list[KVBlock]] = {}
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -102,6 +111,7 @@ class KVCacheManager:
         before the step: copy-on-write for shared blocks this step writes into.
         Call `num_blocks_needed` first: this raises if the pool runs dry half way.
         """
+        assert seq_id not in self.host_tables, f"sequence {seq_id} is swapped out: swap it in first"
         table = self.tables.setdefault(seq_id, [])
         keys = self.keys.setdefault(seq_id, [])
         if prefix_blocks:
@@ -133,11 +143,68 @@ class KVCacheManager:
         self.keys[child_id] = list(self.keys[parent_id])
 
     def free(self, seq_id: int) -> None:
-        """Drop a sequence's table. Tail blocks are released first so that, among cached
-        blocks, a prefix's later blocks are evicted before its earlier ones."""
+        """Drop a sequence's table (on the device or in swap space). Tail blocks are released
+        first so that, among cached blocks, a prefix's later blocks are evicted before its
+        earlier ones."""
         table = self.tables.pop(seq_id, [])
         self.keys.pop(seq_id, None)
         self.pool.release(table[::-1])
+        self.host_pool.release(self.host_tables.pop(seq_id, []))
+
+    # ---- swap space ------------------------------------------------------------------------
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks
+
+    def num_blocks_to_swap(self, seq_ids: list[int]) -> int:
+        """Distinct blocks the sequences hold, on the device or in swap space: what moving
+        them as a group costs (shared blocks move once)."""
+        return len({id(b) for sid in seq_ids
+                    for b in self.tables.get(sid, self.host_tables.get(sid, ()))})
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return self.num_blocks_to_swap(seq_ids) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' tables to swap space; returns the (device, host) block copies
+        the worker must do before this step's forward (the device blocks are free from now,
+        and a cached one stays findable by its key). Check `can_swap_out` first."""
+        moved = self._move(seq_ids, self.tables, self.host_tables, self.pool, self.host_pool)
+        self.num_swapped_out_blocks += len(moved)
+        return moved
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move swapped-out tables back to device blocks; returns the (host, device) copies
+        to do before the step's forward. Needs `num_blocks_to_swap` free device blocks."""
+        moved = self._move(seq_ids, self.host_tables, self.tables, self.host_pool, self.pool)
+        for sid in seq_ids:   # the new blocks hold the same full blocks: cache them again
+            for block, key in zip(self.tables.get(sid, ()), self.keys.get(sid, ())):
+                self.pool.cache(block, key)
+        self.num_swapped_in_blocks += len(moved)
+        return moved
+
+    @staticmethod
+    def _move(seq_ids: list[int], src_tables: dict, dst_tables: dict, src_pool: BlockPool,
+              dst_pool: BlockPool) -> list[tuple[int, int]]:
+        """Give each sequence a table in `dst_pool` mirroring its table in `src_pool`: one new
+        block per distinct source block, shared by the same sequences as before."""
+        seq_ids = [sid for sid in seq_ids if sid in src_tables]
+        distinct = {b.block_id for sid in seq_ids for b in src_tables[sid]}
+        if len(distinct) > dst_pool.num_free_blocks:
+            raise NoFreeBlocksError(f"moving {len(distinct)} blocks, {dst_pool.num_free_blocks} free")
+        new: dict[int, KVBlock] = {}
+        for sid in seq_ids:
+            src = src_tables.pop(sid)
+            dst = []
+            for block in src:
+                if block.block_id in new:
+                    dst_pool.touch([new[block.block_id]])
+                else:
+                    (new[block.block_id],) = dst_pool.allocate(1)
+                dst.append(new[block.block_id])
+            src_pool.release(src[::-1])
+            dst_tables[sid] = dst
+        return [(src_id, block.block_id) for src_id, block in new.items()]
 
     # ---- internals -------------------------------------------------------------------------
     def _shared_write_targets(self, table, num_computed: int, num_new: int) -> list[int]:
@@ -169,11 +236,16 @@ class KVCacheManager:
             "num_used_blocks": physical,
             "usage": physical / max(1, pool.num_blocks),
             "num_cached_blocks": len(pool.cached),
+            "num_evicted_blocks": pool.num_evictions,
             "prefix_cache_queries": self.prefix_stats.queries,
             "prefix_cache_hits": self.prefix_stats.hits,
             # Sharing as the paper measures it: blocks saved / blocks needed without sharing.
             "num_logical_blocks": logical,
             "sharing_saving": (logical - physical) / logical if logical else 0.0,
+            "num_host_blocks": self.host_pool.num_blocks,
+            "num_free_host_blocks": self.host_pool.num_free_blocks,
+            "num_swapped_out_blocks": self.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.num_swapped_in_blocks,
         }
 
     def memory_usage(self, seqs: list[tuple[int, int, int]], waiting_max_len: int | None = None) -> MemoryUsage:
@@ -192,15 +264,19 @@ class KVCacheManager:
         return usage
 
     def check_invariants(self) -> None:
-        """Invariants 1 and 3 of DESIGN.md, plus the free queue and cache index."""
-        holders = Counter(b.block_id for t in self.tables.values() for b in t)
-        for t in self.tables.values():
-            assert len({b.block_id for b in t}) == len(t), "a block appears twice in one table"
-        for block in self.pool.blocks:
-            assert block.ref_cnt == holders[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} tables")
-            assert (block.ref_cnt == 0) == (block.block_id in self.pool.free_queue), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but free-queue membership wrong")
+        """Invariants 1 and 3 of DESIGN.md, in both pools, plus the free queues and cache index."""
+        for pool, tables in ((self.pool, self.tables), (self.host_pool, self.host_tables)):
+            holders = Counter(b.block_id for t in tables.values() for b in t)
+            for t in tables.values():
+                assert len({b.block_id for b in t}) == len(t), "a block appears twice in one table"
+                assert all(pool.blocks[b.block_id] is b for b in t), "a table holds a block of the other pool"
+            for block in pool.blocks:
+                assert block.ref_cnt == holders[block.block_id], (
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} tables")
+                assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue), (
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but free-queue membership wrong")
         for key, block in self.pool.cached.items():
             assert block.key == key, f"cache index points at block {block.block_id} with another key"
-        assert set(self.keys) == set(self.tables)
+        assert not self.host_pool.cached, "host blocks are never in the prefix cache"
+        assert not set(self.tables) & set(self.host_tables), "a sequence is both on the device and swapped"
+        assert set(self.keys) == set(self.tables) | set(self.host_tables)

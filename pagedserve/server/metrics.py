@@ -40,10 +40,15 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests preempted to swap space.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.num_swapped_out_blocks = counter("num_swapped_out_blocks", "KV blocks copied to swap space.")
+        self.num_swapped_in_blocks = counter("num_swapped_in_blocks", "KV blocks copied back from swap space.")
+        self.num_recomputed_tokens = counter("num_recomputed_tokens",
+                                             "Computed tokens thrown away by recompute preemption.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -67,11 +72,13 @@ class PrometheusStatLogger:
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
+        self.num_requests_swapped.set(s.num_swapped)
         self.kv_cache_usage.set(s.kv_cache_usage)
         # The engine reports cumulative counts; counters only move forward.
         self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - self._last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - self._last.prefix_cache_hits))
-        self.num_preemptions.inc(max(0, s.num_preemptions - self._last.num_preemptions))
+        for name in ("num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_recomputed_tokens"):
+            getattr(self, name).inc(max(0, getattr(s, name) - getattr(self._last, name)))
         self._last = s
         if it is None or it.empty:
             return

@@ -32,9 +32,16 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, K and V) between the device cache and swap space."""
+    if mapping:
+        s, d = zip(*mapping)
+        dst[:, :, list(d)] = src[:, :, list(s)].to(dst.device)
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), num_host_blocks: int = 0) -> None:
         a = model.args
         self.model = model
         self.block_size = block_size
@@ -43,6 +50,16 @@ class ModelRunner:
         # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                                     dtype=model.dtype, device=device)
+        # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
+        self.host_cache = torch.zeros(a.num_layers, 2, num_host_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                      dtype=model.dtype, device="cpu", pin_memory=torch.device(device).type == "cuda")
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        """The step's memory operations, before its forward: swap out (those device blocks may
+        be reused in this very step), swap in, then copy-on-write."""
+        swap_blocks(self.kv_cache, self.host_cache, sched.swap_out)
+        swap_blocks(self.host_cache, self.kv_cache, sched.swap_in)
+        self.copy_blocks(sched.block_copies)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before the step."""
@@ -55,7 +72,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self.copy_blocks(sched.block_copies)
+        self.move_blocks(sched)
         # Decodes (one new token) first, so attention can batch them.
         batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(batch)

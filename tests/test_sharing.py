@@ -1,0 +1,223 @@
+"""Memory sharing end to end on tiny models: parallel sampling, best_of, beam search
+(against the textbook definition), prefix caching across requests.
+
+Every engine here checks the paging invariants after each step (conftest sets
+PAGEDSERVE_CHECK_INVARIANTS) and each test ends with no block held.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve import BeamSearchParams, SamplingParams
+from tests.beam_reference import check_beam_search
+from tests.conftest import CORPUS, PROMPTS
+from tests.test_engine import assert_no_blocks_held, greedy_tokens, make_llm
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama):
+    return [tiny_llama.tokenizer.encode(p) for p in PROMPTS]
+
+
+def token_prompts(ids_list):
+    return [{"prompt_token_ids": p} for p in ids_list]
+
+
+def hf_logprob_sum(hf, prompt: list[int], output: list[int]) -> float:
+    with torch.no_grad():
+        lps = torch.log_softmax(hf(torch.tensor([prompt + output])).logits[0].double(), -1)
+    return sum(lps[len(prompt) - 1 + i, t].item() for i, t in enumerate(output))
+
+
+# ---- parallel sampling and best_of -------------------------------------------------------------
+
+def test_parallel_greedy_gives_n_copies_of_the_single_output(tiny_llama, prompts):
+    llm = make_llm(tiny_llama)
+    single = greedy_tokens(llm, prompts[:5], max_tokens=16)
+    outs = llm.generate(token_prompts(prompts[:5]), SamplingParams(n=3, temperature=0, max_tokens=16,
+                                                                   ignore_eos=True), use_tqdm=False)
+    for out, ref in zip(outs, single):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in out.outputs] == [ref] * 3
+    assert_no_blocks_held(llm)
+
+
+def test_parallel_sampling_shares_the_prompt_blocks(tiny_llama):
+    """A 40-token prompt in blocks of 16: after the fork the 4 sequences share the two
+    full prompt blocks and each owns a copy of the partial one."""
+    llm = make_llm(tiny_llama, enable_prefix_caching=False)
+    engine, kv = llm.engine, llm.engine.scheduler.kv
+    req = engine.add_request("p", {"prompt_token_ids": list(range(3, 43))},
+                             SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True))
+    engine.step()                       # the leader computes 39 prompt tokens alone
+    assert len(req.seqs) == 1
+    engine.step()                       # fork; every sequence computes the last prompt token
+    tables = [kv.block_ids(s.seq_id) for s in req.seqs]
+    assert len(tables) == 4
+    assert all(t[:2] == tables[0][:2] for t in tables)
+    assert len({t[2] for t in tables}) == 4
+    stats = llm.kv_cache_stats()
+    assert stats["num_used_blocks"] == 2 + 4 and stats["num_logical_blocks"] == 4 * 3
+    assert stats["sharing_saving"] == pytest.approx(6 / 12)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.kv_cache_stats()["sharing_saving_avg"] > 0.3
+    assert_no_blocks_held(llm)
+
+
+def test_seeded_parallel_sampling_is_reproducible(tiny_llama, prompts):
+    llm = make_llm(tiny_llama)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    alone = [c.token_ids for c in llm.generate({"prompt_token_ids": prompts[2]}, params, use_tqdm=False)[0].outputs]
+    assert len({tuple(t) for t in alone}) > 1          # the sequences really differ
+    other = SamplingParams(n=2, temperature=0.8, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(token_prompts([prompts[0], prompts[2], prompts[5]]), [other, params, other],
+                         use_tqdm=False)
+    assert [c.token_ids for c in batch[1].outputs] == alone
+    # Sequence i is seeded with seed + i: each output is reproducible on its own.
+    for i, toks in enumerate(alone):
+        one = SamplingParams(temperature=1.0, seed=11 + i, max_tokens=16, ignore_eos=True)
+        assert llm.generate({"prompt_token_ids": prompts[2]}, one, use_tqdm=False)[0].outputs[0].token_ids == toks
+    assert_no_blocks_held(llm)
+
+
+def test_best_of_returns_the_n_most_likely(tiny_llama, prompts):
+    llm = make_llm(tiny_llama)
+    p = {"prompt_token_ids": prompts[3]}
+    everything = llm.generate(p, SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=10, logprobs=0,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs
+    for c in everything:   # the ranking key is the model's own log-probability
+        assert c.cumulative_logprob == pytest.approx(hf_logprob_sum(tiny_llama.hf, prompts[3], c.token_ids),
+                                                     abs=1e-3)
+    ranked = sorted(everything, key=lambda c: -c.cumulative_logprob)
+    best = llm.generate(p, SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=10,
+                                          ignore_eos=True), use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best] == [0, 1]
+    assert [c.cumulative_logprob for c in best] == pytest.approx([c.cumulative_logprob for c in ranked[:2]])
+    assert_no_blocks_held(llm)
+
+
+# ---- beam search ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eos_heavy(tiny_models, tiny_root):
+    """The tiny Llama with its LM-head row for EOS moved along the mean final hidden state,
+    by the amount that makes EOS the most likely token at about a third of the positions of
+    a sample text: EOS then competes at many steps and finished hypotheses really occur."""
+    import copy
+    tm = tiny_models("llama_gqa_untied")
+    hf = copy.deepcopy(tm.hf)
+    eos = tm.tokenizer.eos_token_id
+    ids = torch.tensor([tm.tokenizer.encode(" ".join(CORPUS[:7]))])
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        hidden, logits = out.hidden_states[-1][0], out.logits[0]
+        direction = hidden.mean(0) / hidden.mean(0).norm() ** 2
+        # Raising the row by s * direction raises EOS's logit at position t by s * (h_t . direction).
+        needed = (logits.max(-1).values - logits[:, eos]) / (hidden @ direction)
+        hf.lm_head.weight[eos] += needed.quantile(0.35) * direction
+    path = Path(tiny_root) / "llama_eos_heavy"
+    hf.save_pretrained(path)
+    tm.tokenizer.save_pretrained(path)
+    return type(tm)(str(path), hf, tm.tokenizer, "llama_eos_heavy")
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen2_bias_tied"])
+def test_beam_search_equals_the_textbook_definition(tiny_models, name):
+    tm = tiny_models(name)
+    prompts = [tm.tokenizer.encode(p) for p in PROMPTS[:6]]
+    llm = make_llm(tm, block_size=4)
+    check_beam_search(llm, tm.hf, prompts, tm.tokenizer.eos_token_id, max_tokens=12)
+    assert_no_blocks_held(llm)
+
+
+def test_beam_search_with_frequent_eos_equals_the_textbook_definition(eos_heavy):
+    tm = eos_heavy
+    eos = tm.tokenizer.eos_token_id
+    prompts = [tm.tokenizer.encode(p) for p in PROMPTS[:6]]
+    llm = make_llm(tm, block_size=4)
+    seen = check_beam_search(llm, tm.hf, prompts, eos, max_tokens=12)
+    # Both EOS rules were exercised: hypotheses that end at EOS, and (ignore_eos) beams
+    # that run on through an EOS.
+    assert any(h and h[-1] == eos and len(h) < 12 for h in seen)
+    assert any(eos in h[:-1] for h in seen)
+    assert_no_blocks_held(llm)
+
+
+def test_beams_share_blocks_and_pruned_beams_free_them(tiny_llama, prompts):
+    llm = make_llm(tiny_llama, block_size=4, enable_prefix_caching=False)
+    engine = llm.engine
+    req = engine.add_request("b", {"prompt_token_ids": prompts[5]}, BeamSearchParams(beam_width=4, max_tokens=20))
+    savings = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = llm.kv_cache_stats()
+        if req.live_seqs:
+            # Blocks held = distinct blocks in the live beams' tables: pruned beams let go.
+            held = {b for s in req.live_seqs for b in engine.scheduler.kv.block_ids(s.seq_id)}
+            assert stats["num_used_blocks"] == len(held)
+            savings.append(stats["sharing_saving"])
+    assert max(savings) > 0.5      # the beams share the whole prompt and common ancestors
+    assert_no_blocks_held(llm)
+
+
+def test_beam_search_params_are_validated():
+    with pytest.raises(ValueError, match="beam_width must be an integer >= 1"):
+        BeamSearchParams(beam_width=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+
+
+# ---- prefix caching ------------------------------------------------------------------------------
+
+def test_a_prompt_served_twice_hits_the_cache_for_every_full_block(tiny_llama, prompts):
+    llm = make_llm(tiny_llama, block_size=4)
+    p = prompts[5]
+    full = (len(p) - 1) // 4 * 4          # the last token is always computed
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == full > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    stats = llm.kv_cache_stats()
+    assert stats["prefix_cache_queries"] == 2 * len(p) and stats["prefix_cache_hits"] == full
+    # Parallel sampling and beam search reuse it too, and give the same results as uncached.
+    n2 = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": p}, n2, use_tqdm=False)[0]
+    assert out.num_cached_tokens == full
+    assert [c.token_ids for c in out.outputs] == [first.outputs[0].token_ids] * 2
+    beam = BeamSearchParams(beam_width=3, max_tokens=10)
+    cold = make_llm(tiny_llama, block_size=4, enable_prefix_caching=False).beam_search(
+        token_prompts([p]), beam)[0]
+    hits_before = llm.kv_cache_stats()["prefix_cache_hits"]
+    warm = llm.beam_search(token_prompts([p]), beam)[0]
+    assert llm.kv_cache_stats()["prefix_cache_hits"] - hits_before == full
+    assert [s.tokens for s in warm.sequences] == [s.tokens for s in cold.sequences]
+    assert_no_blocks_held(llm)
+
+
+def test_prefix_caching_off_never_hits(tiny_llama, prompts):
+    llm = make_llm(tiny_llama, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for _ in range(2):
+        assert llm.generate({"prompt_token_ids": prompts[5]}, params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == 0
+
+
+def test_eviction_under_memory_pressure_keeps_outputs_identical(tiny_llama, prompts):
+    """Requests share a long few-shot prefix; the cache is too small to keep every block,
+    so cached blocks are evicted (LRU) and reused while others still hit. Outputs equal an
+    uncached run with ample memory."""
+    prefix = prompts[5] + prompts[2]
+    batch = [prefix + q for q in prompts[:6]] + [q + prefix for q in prompts[6:]]
+    ample = make_llm(tiny_llama, block_size=4, enable_prefix_caching=False)
+    expected = greedy_tokens(ample, batch, max_tokens=12)
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=40, max_num_seqs=3)
+    for _ in range(2):
+        assert greedy_tokens(llm, batch, max_tokens=12) == expected
+    stats = llm.kv_cache_stats()
+    assert 0 < stats["prefix_cache_hits"] < stats["prefix_cache_queries"]
+    assert stats["num_evicted_blocks"] > 0
+    assert_no_blocks_held(llm)
