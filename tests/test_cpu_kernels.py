@@ -11,15 +11,17 @@ def test_kernels_compile_here():
     assert cpu.load() is not None
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
-@pytest.mark.parametrize("n,k", [(576, 576), (100, 45), (1728, 1536), (33, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 37])
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 46), (1728, 1536), (33, 32), (7, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_bf16_linear_equals_float_reference(rows, n, k, bias):
+def test_packed_bf16_linear_equals_float_reference(rows, n, k, bias):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    out = cpu.linear(x, w, b)
+    packed = cpu.pack_weight(w)
+    assert isinstance(packed, cpu.PackedWeight) and not packed.data.is_mkldnn   # our GEMM on this CPU
+    out = cpu.linear(x, packed, b)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # Products are exact, sums are float32: only the final rounding to bf16 differs.
@@ -27,9 +29,18 @@ def test_small_bf16_linear_equals_float_reference(rows, n, k, bias):
     torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), atol=2e-2, rtol=2e-2)
 
 
-def test_linear_falls_back_for_other_shapes_and_dtypes():
-    x = torch.randn(20, 64)
-    w = torch.randn(32, 64)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_float32_linear_equals_torch(rows):
+    x, w, b = torch.randn(rows, 96), torch.randn(50, 96), torch.randn(50)
+    packed = cpu.pack_weight(w)
+    assert isinstance(packed, cpu.PackedWeight) and packed.data.is_mkldnn     # oneDNN's layout
+    torch.testing.assert_close(cpu.linear(x, packed, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_plain_and_odd_width_weights_use_torch():
+    x, w = torch.randn(20, 64), torch.randn(32, 64)
     torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w))
-    xb, wb = x.bfloat16(), w.bfloat16()
-    torch.testing.assert_close(cpu.linear(xb, wb), F.linear(xb, wb))     # 20 rows: torch's GEMM
+    xo, wo = torch.randn(3, 63).bfloat16(), torch.randn(8, 63).bfloat16()   # odd K: no bf16 pairs
+    packed = cpu.pack_weight(wo)
+    assert not isinstance(packed, cpu.PackedWeight) or packed.data.is_mkldnn
+    torch.testing.assert_close(cpu.linear(xo, packed).float(), F.linear(xo, wo).float(), atol=2e-2, rtol=2e-2)

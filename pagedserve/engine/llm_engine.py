@@ -46,6 +46,8 @@ class LLMEngine:
         model, args, dtype = load_model(path, config.dtype, attention, config.max_model_len)
         free_before_load = free_device_memory(self.device)
         model.to(self.device)
+        if self.device.type == "cpu":
+            model.pack_linear_weights()
         self.model_args = args
         self.dtype = dtype
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, args)

@@ -13,9 +13,15 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256;
+constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256, kMaxPartition = 512;
+constexpr int64_t kAhead = 32;  // rows prefetched ahead of use
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t x) {
@@ -72,30 +78,208 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
     }
 }
 
+#ifdef __AVX512F__
+// ---- AVX-512 path: vector exp, 16 lanes of the head dimension per register --------------------
+inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t *p) {   // bf16 -> f32 is a 16-bit shift
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// e^x for x <= 0 (softmax weights): x = n ln2 + r with |r| <= ln2/2 (ln2 split in two parts so
+// r is exact), e^r by its Taylor series to degree 7 (relative error < 1e-8), times 2^n.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-110.f));          // e^-110 rounds to 0 in float32
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068203094172e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Lane t of the result is the sum of the 16 lanes of v[t]: four rounds of pairwise shuffles
+// and adds, ~3 operations per vector instead of ~8 for a reduction each.
+inline __m512 transpose_sum16(const __m512 *v) {
+    __m512 r[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)   // per 128-bit chunk: v[2i], v[2i+1], v[2i], v[2i+1]
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  // per chunk: v[4i .. 4i+3]
+        const __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)    // chunks: v[8i..8i+3] twice, v[8i+4..8i+7] twice
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// q . k in 16 float32 lanes (to be summed), for each storage type.
+inline __m512 dot_lanes(const float *q, const float *k, int64_t D) {
+    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t d = 16; d < D; d += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), dot);
+    return dot;
+}
+inline __m512 dot_lanes(const uint16_t *q, const uint16_t *k, int64_t D) {
+    __m512 dot = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+    // bf16 pairs multiplied exactly, summed in float32: 32 elements per instruction.
+    for (int64_t d = 0; d < D; d += 32)
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+#else
+    for (int64_t d = 0; d < D; d += 16) dot = _mm512_fmadd_ps(load16(q + d), load16(k + d), dot);
+#endif
+    return dot;
+}
+
+// Scores of one query head against key rows, 16 at a time: s[t] = scale * q . k_t. `krow` has
+// a multiple of 16 entries (the tail repeats a real row; the caller masks those scores).
+// Rows come from scattered blocks, which the hardware prefetcher does not foresee: the next
+// 16 rows' first `span` elements are requested while these are computed.
+template <typename T>
+void scores(const T *q, const T *const *krow, int64_t n, int64_t D, float scale, float *s, bool prefetch) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t t = 0; t < n; t += 16) {
+        for (int64_t i = t + kAhead; prefetch && i < std::min(t + kAhead + 16, n); i++)
+            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+                _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T0);
+        __m512 dots[16];
+        for (int i = 0; i < 16; i++) dots[i] = dot_lanes(q, krow[t + i], D);
+        _mm512_store_ps(s + t, _mm512_mul_ps(transpose_sum16(dots), sv));
+    }
+}
+
+// 32 values of a row as float32, in two registers: (even, odd) elements for bf16 (two bit
+// operations), plain order for float32. The order is undone once, when the sums are stored.
+inline void load32(const float *p, __m512 &a, __m512 &b) { a = _mm512_loadu_ps(p); b = _mm512_loadu_ps(p + 16); }
+inline void load32(const uint16_t *p, __m512 &a, __m512 &b) {
+    const __m512i x = _mm512_loadu_si512(p);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store32(float *dst, __m512 a, __m512 b, const float *) { _mm512_storeu_ps(dst, a); _mm512_storeu_ps(dst + 16, b); }
+inline void store32(float *dst, __m512 even, __m512 odd, const uint16_t *) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(even, hi, odd));
+}
+
+// acc[c][0:D] = sum_t w[c][t] v_t for the first `heads` (<= C) heads, D = 32 J: each value row
+// is loaded and converted once for all of them; C J <= 8 keeps the 2 C J sums in registers.
+template <int J, int C, typename T>
+void weighted_values(const float *w, int64_t w_stride, int heads, const T *const *vrow, int64_t n, float *acc,
+                     bool prefetch) {
+    constexpr int64_t D = 32 * J;
+    __m512 a[C][2 * J];
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < 2 * J; j++) a[c][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        if (prefetch && t + kAhead < n)
+            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+                _mm_prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b, _MM_HINT_T0);
+        __m512 v[2 * J];
+        for (int j = 0; j < J; j++) load32(vrow[t] + 32 * j, v[2 * j], v[2 * j + 1]);
+        for (int c = 0; c < C; c++) {
+            if (c >= heads) break;
+            const __m512 wt = _mm512_set1_ps(w[c * w_stride + t]);
+            for (int j = 0; j < 2 * J; j++) a[c][j] = _mm512_fmadd_ps(wt, v[j], a[c][j]);
+        }
+    }
+    for (int c = 0; c < heads; c++)
+        for (int j = 0; j < J; j++) store32(acc + c * D + 32 * j, a[c][2 * j], a[c][2 * j + 1], vrow[0]);
+}
+
+// One whole partition from scratch (m, l, acc as attend_partition leaves them), for head dims
+// D = 32 J: each query head's scores and softmax weights (vector exp), then the weighted sums
+// of values for all heads together.
+template <int J, typename T>
+void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
+                             int64_t t1, int64_t h, int64_t Hkv, int64_t B, int64_t G, float *p) {
+    constexpr int64_t D = 32 * J, C = J >= 8 ? 1 : 8 / J, W = kMaxPartition + 16;
+    float *m = p, *l = p + G, *acc = p + 2 * G;
+    const int64_t n = t1 - t0, padded = (n + 15) / 16 * 16;
+    const T *krow[W], *vrow[W];
+    for (int64_t t = 0, pos = t0; pos < t1;) {          // walk the block table
+        const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
+        const int64_t row = ((table[pos / B] * B + off) * Hkv + h) * D;
+        for (int64_t c = 0; c < count; c++, t++) {
+            krow[t] = kc + row + c * Hkv * D;
+            vrow[t] = vc + row + c * Hkv * D;
+        }
+        pos += count;
+    }
+    for (int64_t t = n; t < padded; t++) krow[t] = krow[0];   // scores masked below
+    alignas(64) float s[kMaxGroup][W];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s[g];
+        scores(q + g * D, krow, n, D, scale, sg, g == 0);
+        for (int64_t t = n; t < padded; t++) sg[t] = -INFINITY;
+        __m512 mxv = _mm512_load_ps(sg);
+        for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_load_ps(sg + t));
+        const float mx = _mm512_reduce_max_ps(mxv);
+        mxv = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {   // padding: e^-inf = 0
+            const __m512 w = exp16(_mm512_sub_ps(_mm512_load_ps(sg + t), mxv));
+            _mm512_store_ps(sg + t, w);
+            sum = _mm512_add_ps(sum, w);
+        }
+        m[g] = mx;
+        l[g] = _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t g = 0; g < G; g += C)
+        weighted_values<J, C>(s[g], W, static_cast<int>(std::min(C, G - g)), vrow, n, acc + g * D, g == 0);
+}
+#endif
+
+// The partition kernel for this head dim: vectorised where the CPU and head dim allow.
+template <typename T>
+auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, const T *, const int64_t *, int64_t,
+                                                  int64_t, int64_t, int64_t, int64_t, int64_t, float *) {
+#ifdef __AVX512F__
+    switch (D) {
+        case 32: return attend_partition_avx512<1, T>;
+        case 64: return attend_partition_avx512<2, T>;
+        case 128: return attend_partition_avx512<4, T>;
+        case 256: return attend_partition_avx512<8, T>;
+    }
+#endif
+    return nullptr;
+}
+
 template <typename T>
 int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
                  const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
                  float scale, int64_t partition_size) {
     const int64_t G = Hq / Hkv;
-    if (G > kMaxGroup || D > kMaxDim || B > kMaxBlock || Hq % Hkv) return 1;
+    if (G > kMaxGroup || D > kMaxDim || B > kMaxBlock || Hq % Hkv || partition_size > kMaxPartition) return 1;
+    const auto fast = pick_partition_kernel<T>(D);
     int64_t max_len = 1;
     for (int64_t i = 0; i < N; i++) max_len = std::max(max_len, seq_lens[i]);
     const int64_t P = (max_len + partition_size - 1) / partition_size;
     const int64_t stride = G * (2 + D);
     std::vector<float> parts(N * Hkv * P * stride);
 
-#pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    // Heads innermost: with enough (sequence, partition) items to share, one thread takes all
+    // KV heads of an item, so each cached row (all heads of a token) streams from memory once.
+    const int64_t chunk = N * P >= 4 * omp_get_max_threads() ? Hkv : 1;
+#pragma omp parallel for collapse(3) schedule(dynamic, chunk)
     for (int64_t i = 0; i < N; i++)
-        for (int64_t h = 0; h < Hkv; h++)
-            for (int64_t j = 0; j < P; j++) {
+        for (int64_t j = 0; j < P; j++)
+            for (int64_t h = 0; h < Hkv; h++) {
                 float *p = parts.data() + ((i * Hkv + h) * P + j) * stride;
                 for (int64_t g = 0; g < G; g++) p[g] = -INFINITY;      // m; l and acc start at 0
                 const int64_t t0 = j * partition_size, t1 = std::min(t0 + partition_size, seq_lens[i]);
                 if (t0 >= t1) continue;
+                const T *qg = q + (i * Hq + h * G) * D;      // the G query heads of KV head h
+                if (fast) {
+                    fast(qg, scale, kc, vc, tables + i * table_stride, t0, t1, h, Hkv, B, G, p);
+                    continue;
+                }
                 float qf[kMaxGroup * kMaxDim];
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t d = 0; d < D; d++)
-                        qf[g * D + d] = to_f32(q[(i * Hq + h * G + g) * D + d]) * scale;
+                for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(qg[d]) * scale;
                 attend_partition(qf, kc, vc, tables + i * table_stride, t0, t1, h, Hkv, D, B, G, p);
             }
 
@@ -136,49 +320,68 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
 }
 }
 
-// ---- small-batch linear layers in bfloat16 ---------------------------------------------------
-// y[M, N] = x[M, K] @ w[N, K]^T for a handful of rows (decode with few sequences). Such a
-// product is bound by reading w once; the AVX512-BF16 dot-product instruction multiplies
-// bf16 pairs exactly and accumulates in float32, so each weight row streams from memory once
-// for all M rows of x. Returns 1 where the CPU lacks AVX512-BF16 (the caller falls back).
+// ---- bf16 linear layers: y[M, N] = x[M, K] w[N, K]^T (+ bias) ---------------------------------
+// The weight is packed once at load into tiles of 16 output columns with K in pairs,
+// [N/16][K/2][16][2], the operand layout of the AVX512-BF16 dot-product instruction (bf16
+// pairs multiplied exactly, summed in float32). A tile of up to 8 rows x 32 columns keeps 16
+// sums in registers; per pair of K, two weight loads serve all rows. One thread takes a range
+// of 32-column strips and runs every row tile over them, so each weight byte streams from
+// memory once per call whatever M is, and stays in cache across row tiles.
 #ifdef __AVX512BF16__
-#include <immintrin.h>
-
 namespace {
-constexpr int kMaxRows = 8;
 
-inline __m512bh load_bh(const uint16_t *p, __mmask32 mask) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-void linear_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
-                 int64_t K, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        __m512 acc[kMaxRows];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        const uint16_t *wr = w + n * K;
-        for (int64_t k = 0; k < K; k += 32) {
-            const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : ((1u << (K - k)) - 1);
-            const __m512bh wv = load_bh(wr + k, mask);
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_dpbf16_ps(acc[m], wv, load_bh(x + m * K + k, mask));
+template <int MR>
+void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, const float *bias,
+               uint16_t *y, int64_t ldy, int64_t n0, int64_t N) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 32);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + kp * 32);
+        for (int m = 0; m < MR; m++) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * K + 2 * kp, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
         }
-        const float b = bias ? to_f32(bias[n]) : 0.f;
-        for (int64_t m = 0; m < M; m++) store(y + m * N + n, _mm512_reduce_add_ps(acc[m]) + b);
+    }
+    for (int half = 0; half < 2; half++) {
+        const int64_t n = n0 + 16 * half;
+        if (n >= N) break;
+        const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) {
+            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][half], b));
+            _mm256_mask_storeu_epi16(y + m * ldy + n, mask, (__m256i)out);
+        }
     }
 }
+
+using TileFn = void (*)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, const float *, uint16_t *,
+                        int64_t, int64_t, int64_t);
+constexpr TileFn kTiles[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
+                              gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>};
 }  // namespace
 
-extern "C" int linear_bf16_small(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
-                                 int64_t N, int64_t K) {
-    if (M > kMaxRows) return 1;
-    const int64_t chunk = 64;   // output rows per task: large enough to stream, many tasks to share
+// w: packed [Np/16][K/2][16][2] with Np a multiple of 32 (zero columns past N); K even;
+// bias: float32 [N] or null. Returns 1 where the CPU lacks AVX512-BF16 (caller falls back).
+extern "C" int linear_bf16_packed(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
+                                  int64_t N, int64_t K) {
+    const int64_t strips = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += chunk) linear_rows(x, w, bias, y, M, N, K, n0, std::min(n0 + chunk, N));
+    for (int64_t s = 0; s < strips; s++) {
+        const uint16_t *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
+        for (int64_t m = 0; m < M; m += 8) {
+            const int64_t rows = std::min<int64_t>(8, M - m);
+            kTiles[rows](x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
+        }
+    }
     return 0;
 }
 #else
-extern "C" int linear_bf16_small(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
-                                 int64_t) {
+extern "C" int linear_bf16_packed(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
+                                  int64_t) {
     return 1;
 }
 #endif

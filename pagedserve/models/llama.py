@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels.cpu import linear
+from pagedserve.kernels.cpu import linear, pack_weight
 from pagedserve.models.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -79,6 +79,14 @@ class LlamaModel:
                 if t is not None:
                     setattr(w, f.name, t.to(device))
         self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+        return self
+
+    def pack_linear_weights(self) -> "LlamaModel":
+        """On CPU: every matmul weight in oneDNN's packed layout (see kernels.cpu.pack_weight).
+        A tied LM head gets its own packed copy; the embedding table stays plain for lookups."""
+        for w in self.layers:
+            w.qkv, w.o, w.gate_up, w.down = (pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+        self.lm_head = pack_weight(self.lm_head)
         return self
 
     @torch.inference_mode()
