@@ -135,10 +135,9 @@ def run_single_decode(llm, prompt_len: int, output_len: int, bandwidth: float) -
     while engine.has_unfinished_requests():
         engine.step()
     per_token = (time.perf_counter() - start) / (output_len - 1)
-    m = engine.runner.model
-    weight_bytes = sum(t.numel() * t.element_size() for t in
-                       [m.norm, m.lm_head] + [w for layer in m.layers for w in vars(layer).values()
-                                              if isinstance(w, torch.Tensor)])
+    # Bytes of the matmul weights (every layer and the LM head), each read once per token.
+    shape = model_shape(llm)
+    weight_bytes = (shape["layer_params"] + shape["lm_head_params"]) * engine.dtype.itemsize
     bound = weight_bytes / bandwidth
     return dict(ms_per_token=per_token * 1e3, tok_s=1 / per_token, weight_bytes=weight_bytes,
                 bound_ms_per_token=bound * 1e3, fraction_of_bound=bound / per_token)

@@ -44,3 +44,27 @@ def test_plain_and_odd_width_weights_use_torch():
     packed = cpu.pack_weight(wo)
     assert not isinstance(packed, cpu.PackedWeight) or packed.data.is_mkldnn
     torch.testing.assert_close(cpu.linear(xo, packed).float(), F.linear(xo, wo).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 576), (7, 100), (300, 576)])
+def test_fused_add_rms_norm_equals_torch(dtype, rows, width):
+    g = torch.Generator().manual_seed(rows + width)
+    x, y = torch.randn(rows, width, generator=g).to(dtype), torch.randn(rows, width, generator=g).to(dtype)
+    w = torch.randn(width, generator=g).to(dtype)
+    expected_x = x + y
+    expected = w * torch.nn.functional.rms_norm(expected_x.float(), (width,), eps=1e-5).to(dtype)
+    normed = cpu.add_rms_norm(x, y, w, 1e-5)           # updates x in place
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(x, expected_x, atol=0, rtol=0)
+    torch.testing.assert_close(normed, expected, **tol)
+    torch.testing.assert_close(cpu.add_rms_norm(x, None, w, 1e-5), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 1536), (5, 40), (129, 1536)])
+def test_fused_silu_and_mul_equals_torch(dtype, rows, width):
+    gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 6).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu.silu_and_mul(gate_up), F.silu(gate) * up, **tol)

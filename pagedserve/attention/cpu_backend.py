@@ -1,12 +1,14 @@
-"""The CPU attention backend: decodes run the compiled paged-attention kernel
-(pagedserve/kernels), which reads keys and values in place from their blocks; prefill
-chunks use torch's SDPA. Falls back to the torch reference where the kernel cannot run."""
+"""The CPU attention backend: one compiled paged-attention kernel (pagedserve/kernels) per
+layer for the whole batch, reading keys and values in place from their blocks. Prefill tokens
+go through it too, each as a query over its own causal prefix (AttentionMetadata.per_token),
+so there is no per-sequence loop and no gathered copy of the context. Falls back to the torch
+reference where the kernel cannot run."""
 from __future__ import annotations
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_backend import TorchAttention
+from pagedserve.attention.torch_backend import TorchAttention, write_kv
 from pagedserve.kernels import cpu as cpu_kernels
 
 
@@ -16,7 +18,9 @@ class CpuAttention(TorchAttention):
     def __init__(self) -> None:
         self.lib = cpu_kernels.load()
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        out = cpu_kernels.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
-        return out if out is not None else super()._decode(q, kv_cache, meta, scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        tables, lens = (meta.block_tables, meta.seq_lens) if meta.num_decodes == meta.num_seqs else meta.per_token
+        out = cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale)
+        return out if out is not None else super().forward(q, k, v, kv_cache, meta, scale)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,3 +33,15 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+    @cached_property
+    def per_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables [T, max_blocks], seq_lens [T]): every query token as a sequence of
+        its own that attends over its causal prefix (token j of a chunk ending at context
+        length L sees L - (chunk_len - 1 - j) tokens). Built once per step, used by all layers."""
+        counts = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
+        ends = self.query_start_loc[1:][seq_of_token]               # one past each token's chunk
+        token_index = torch.arange(seq_of_token.shape[0], device=counts.device)
+        lens = self.seq_lens[seq_of_token] - (ends - 1 - token_index)
+        return self.block_tables.index_select(0, seq_of_token), lens

@@ -35,7 +35,12 @@ _SIGNATURES = {
     "paged_decode_f32": [_P] * 4 + [_I, _P, _P] + [_I] * 5 + [_F, _I],
     "paged_decode_bf16": [_P] * 4 + [_I, _P, _P] + [_I] * 5 + [_F, _I],
     "linear_bf16_packed": [_P] * 4 + [_I] * 3,
+    "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
+    "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
+    "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
+    "silu_and_mul_bf16": [_P] * 2 + [_I] * 2,
 }
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _lib: ctypes.CDLL | None = None
 _load_failed = False
@@ -155,4 +160,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     bias32 = None if bias is None else bias.float()
     _lib.linear_bf16_packed(x.data_ptr(), weight.data.data_ptr(), None if bias32 is None else bias32.data_ptr(),
                             out.data_ptr(), x.shape[0], weight.out_features, weight.in_features)
+    return out
+
+
+def _elementwise_fn(name: str, x: torch.Tensor):
+    """The compiled `name` for x's dtype, or None (another device or dtype, no kernels)."""
+    suffix = _SUFFIX.get(x.dtype)
+    if suffix is None or not x.is_cpu or load() is None:
+        return None
+    return getattr(_lib, f"{name}_{suffix}")
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """x += y in place (y may be None), then returns weight * rms_norm(x): one pass. x, y:
+    [M, H] contiguous. None where the kernel does not apply (the caller uses torch)."""
+    fn = _elementwise_fn("add_rms_norm", x)
+    if fn is None or not x.is_contiguous() or (y is not None and not y.is_contiguous()):
+        return None
+    out = torch.empty_like(x)
+    fn(x.data_ptr(), None if y is None else y.data_ptr(), weight.data_ptr(), out.data_ptr(),
+       x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up = [gate | up] of shape [M, 2I]: one pass. None where the
+    kernel does not apply."""
+    fn = _elementwise_fn("silu_and_mul", gate_up)
+    if fn is None or not gate_up.is_contiguous():
+        return None
+    m, width = gate_up.shape
+    out = torch.empty(m, width // 2, dtype=gate_up.dtype)
+    fn(gate_up.data_ptr(), out.data_ptr(), m, width // 2)
     return out

@@ -99,6 +99,23 @@ inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// Round to the storage type (nearest even for bf16), kept as float32; and store 16 values.
+inline __m512 round_to(__m512 v, const float *) { return v; }
+inline __m512 round_to(__m512 v, const uint16_t *) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store16(float *dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store16(uint16_t *dst, __m512 v) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_to(v, dst)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst), _mm512_cvtepi32_epi16(bits));
+}
+
+// e^x for any x: large arguments overflow to +inf, as expf does.
+inline __m512 exp16_any(__m512 x) { return exp16(_mm512_min_ps(x, _mm512_set1_ps(89.f))); }
+
 // Lane t of the result is the sum of the 16 lanes of v[t]: four rounds of pairwise shuffles
 // and adds, ~3 operations per vector instead of ~8 for a reduction each.
 inline __m512 transpose_sum16(const __m512 *v) {
@@ -330,12 +347,15 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
 #ifdef __AVX512BF16__
 namespace {
 
+constexpr int64_t kPrefetchPairs = 32;   // weight K-pairs (64 bytes each) requested ahead of use
 template <int MR>
 void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, const float *bias,
                uint16_t *y, int64_t ldy, int64_t n0, int64_t N) {
     __m512 acc[MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < K / 2; kp++) {
+        _mm_prefetch(reinterpret_cast<const char *>(w0 + (kp + kPrefetchPairs) * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(w1 + (kp + kPrefetchPairs) * 32), _MM_HINT_T0);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 32);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + kp * 32);
         for (int m = 0; m < MR; m++) {
@@ -385,3 +405,80 @@ extern "C" int linear_bf16_packed(const uint16_t *, const uint16_t *, const floa
     return 1;
 }
 #endif
+
+// ---- element-wise layers, fused ----------------------------------------------------------------
+// Each is one pass over memory where torch takes three to five (and as many dispatches). The
+// rounding steps follow the reference: values are rounded to the storage type wherever the
+// reference's separate ops round them.
+namespace {
+
+// x[r] += y[r] (in the storage type), then out[r] = weight * round(x[r] / rms(x[r])).
+template <typename T>
+void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (M * H >= 65536)
+    for (int64_t r = 0; r < M; r++) {
+        T *xr = x + r * H;
+        float sq = 0.f;
+        for (int64_t i = 0; i < H; i++) {
+            float v = to_f32(xr[i]);
+            if (y) {
+                store(xr + i, v + to_f32(y[r * H + i]));
+                v = to_f32(xr[i]);
+            }
+            sq += v * v;
+        }
+        const float inv = 1.f / std::sqrt(sq / H + eps);
+        for (int64_t i = 0; i < H; i++) {
+            T normed;
+            store(&normed, to_f32(xr[i]) * inv);
+            store(out + r * H + i, to_f32(weight[i]) * to_f32(normed));
+        }
+    }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// out[r, :I] = round(silu(gate)) * up, where gate_up[r] = [gate (I), up (I)].
+template <typename T>
+void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static) if (M * I >= 65536)
+    for (int64_t r = 0; r < M; r++) {
+        const T *g = gate_up + r * 2 * I, *u = g + I;
+        T *o = out + r * I;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = load16(g + i);
+            const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o);
+            store16(o + i, _mm512_mul_ps(sv, load16(u + i)));
+        }
+#endif
+        for (; i < I; i++) {
+            T rounded;
+            store(&rounded, silu(to_f32(g[i])));
+            store(o + i, to_f32(rounded) * to_f32(u[i]));
+        }
+    }
+}
+}  // namespace
+
+extern "C" {
+int add_rms_norm_f32(float *x, const float *y, const float *w, float *out, int64_t M, int64_t H, float eps) {
+    add_rms_norm(x, y, w, out, M, H, eps);
+    return 0;
+}
+int add_rms_norm_bf16(uint16_t *x, const uint16_t *y, const uint16_t *w, uint16_t *out, int64_t M, int64_t H,
+                      float eps) {
+    add_rms_norm(x, y, w, out, M, H, eps);
+    return 0;
+}
+int silu_and_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I) {
+    silu_and_mul(gate_up, out, M, I);
+    return 0;
+}
+int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t I) {
+    silu_and_mul(gate_up, out, M, I);
+    return 0;
+}
+}

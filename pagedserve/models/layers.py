@@ -6,13 +6,31 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu as cpu_kernels
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 2 and (normed := cpu_kernels.add_rms_norm(x, None, weight, eps)) is not None:
+        return normed
     # Normalise in float32, cast back, then scale: the reference implementation's order.
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x plus a layer's output y, and its normalisation: (x + y, norm).
+    On CPU one fused kernel that updates x in place."""
+    normed = cpu_kernels.add_rms_norm(x, y, weight, eps)
+    if normed is not None:
+        return x, normed
+    x = x + y
+    return x, rms_norm(x, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    out = cpu_kernels.silu_and_mul(gate_up)
+    if out is not None:
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

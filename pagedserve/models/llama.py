@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels.cpu import linear, pack_weight
-from pagedserve.models.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
+from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -96,21 +96,21 @@ class LlamaModel:
         Returns the final hidden states [T, hidden] (normalised)."""
         a = self.args
         num_tokens = input_ids.shape[0]
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed)        # the residual stream
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
+        h = rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w.input_norm, a.rms_norm_eps)
             qkv = linear(h, w.qkv, w.qkv_bias)
             # RoPE on queries and keys together: one rotation of [T, Hq + Hkv, D].
             qk = apply_rope(qkv[:, :qk_size].view(num_tokens, -1, a.head_dim), cos, sin)
             q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
-            x = x + linear(attn.reshape(num_tokens, self.q_size), w.o)
-            h = rms_norm(x, w.post_norm, a.rms_norm_eps)
-            x = x + linear(silu_and_mul(linear(h, w.gate_up)), w.down)
-        return rms_norm(x, self.norm, a.rms_norm_eps)
+            x, h = add_rms_norm(x, linear(attn.reshape(num_tokens, self.q_size), w.o), w.post_norm, a.rms_norm_eps)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x, h = add_rms_norm(x, linear(silu_and_mul(linear(h, w.gate_up)), w.down), next_norm, a.rms_norm_eps)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
