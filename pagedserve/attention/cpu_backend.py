@@ -20,7 +20,8 @@ class CpuAttention(TorchAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not cpu_kernels.write_kv(kv_cache, k, v, meta.slot_mapping):
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         tables, lens = (meta.block_tables, meta.seq_lens) if meta.num_decodes == meta.num_seqs else meta.per_token
         out = cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale)
         return out if out is not None else super().forward(q, k, v, kv_cache, meta, scale)

@@ -13,10 +13,16 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache: [2, num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """kv_cache: [2, num_blocks, block_size, Hkv, D], possibly a view of a head-major
+    [2, num_blocks, Hkv, block_size, D] tensor; k, v: [T, Hkv, D]."""
+    if kv_cache.is_contiguous():
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        return
+    blocks, offsets = slot_mapping // kv_cache.shape[2], slot_mapping % kv_cache.shape[2]
+    kv_cache[0][blocks, offsets] = k
+    kv_cache[1][blocks, offsets] = v
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

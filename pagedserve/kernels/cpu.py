@@ -32,9 +32,10 @@ PACK_BATCH_HINT = 64      # rows oneDNN tunes packed weights for (any row count 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 4 + [_I, _P, _P] + [_I] * 5 + [_F, _I],
-    "paged_decode_bf16": [_P] * 4 + [_I, _P, _P] + [_I] * 5 + [_F, _I],
+    "paged_decode_f32": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
+    "paged_decode_bf16": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
     "linear_bf16_packed": [_P] * 4 + [_I] * 3,
+    "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
     "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
@@ -87,21 +88,38 @@ def load() -> ctypes.CDLL | None:
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q: [N, Hq, D]; kv_cache: [2, blocks, block_size, Hkv, D]; block_tables: [>=N, stride]
-    int64; seq_lens: [>=N] int64. None where the kernel does not apply."""
+    """q: [N, Hq, D]; kv_cache: [2, blocks, block_size, Hkv, D] (any strides but the last);
+    block_tables: [>=N, stride] int64; seq_lens: [>=N] int64. None where the kernel does not apply."""
     lib = load()
     fn = None if lib is None else {torch.float32: lib.paged_decode_f32,
                                    torch.bfloat16: lib.paged_decode_bf16}.get(q.dtype)
-    if fn is None or not q.is_cpu:
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if fn is None or not q.is_cpu or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         return None
     n, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    status = fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
-                head_dim, block_size, scale, PARTITION_SIZE)
+                head_dim, block_size, *k_cache.stride()[:3], scale, PARTITION_SIZE)
     return out if status == 0 else None
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Copy k, v [T, Hkv, D] into their slots of kv_cache [2, blocks, block_size, Hkv, D] (any
+    strides but the last). False where the kernel does not apply."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if load() is None or not kv_cache.is_cpu or k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or \
+            k.stride(-1) != 1 or v.stride(-1) != 1 or slot_mapping.dtype != torch.int64 or \
+            k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        return False
+    num_tokens, num_kv_heads, head_dim = k.shape
+    slots = slot_mapping.contiguous()
+    _lib.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads, head_dim,
+                  k_cache.shape[1], *k_cache.stride()[:3], k.element_size())
+    return True
 
 
 @dataclass

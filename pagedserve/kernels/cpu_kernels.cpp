@@ -7,7 +7,8 @@
 // the partitions of one (sequence, head) are merged at the end. Math is float32 whatever
 // the storage type (float32 or bfloat16).
 //
-// Layouts: q, out [N, Hq, D]; caches [num_blocks, B, Hkv, D]; block_tables [N, stride].
+// Layouts: q, out [N, Hq, D]; caches [num_blocks, B, Hkv, D] in any order of the first three
+// dims (strides in a Layout; D contiguous); block_tables [N, stride].
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,10 @@
 #endif
 
 namespace {
+
+struct Layout {   // element strides of a cache: between blocks, token slots, KV heads
+    int64_t block, token, head;
+};
 
 constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256, kMaxPartition = 512;
 constexpr int64_t kAhead = 32;  // rows prefetched ahead of use
@@ -40,19 +45,19 @@ inline void store(uint16_t *dst, float x) {
 // One partition's state for G heads: m[G], l[G], acc[G][D], laid out in `p`.
 template <typename T>
 void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t t1,
-                      int64_t h, int64_t Hkv, int64_t D, int64_t B, int64_t G, float *p) {
+                      int64_t h, Layout L, int64_t D, int64_t B, int64_t G, float *p) {
     float *m = p, *l = p + G, *acc = p + 2 * G;
     float s[kMaxBlock];
     for (int64_t start = t0; start < t1;) {
         const int64_t blk = table[start / B], off = start % B;
         const int64_t n = std::min(B - off, t1 - start);
-        const T *kb = kc + ((blk * B + off) * Hkv + h) * D;
-        const T *vb = vc + ((blk * B + off) * Hkv + h) * D;
+        const T *kb = kc + blk * L.block + off * L.token + h * L.head;
+        const T *vb = vc + blk * L.block + off * L.token + h * L.head;
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             float mx = m[g];
             for (int64_t t = 0; t < n; t++) {
-                const T *kt = kb + t * Hkv * D;
+                const T *kt = kb + t * L.token;
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < D; d++) dot += qg[d] * to_f32(kt[d]);
@@ -68,7 +73,7 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
             for (int64_t t = 0; t < n; t++) {
                 const float w = std::exp(s[t] - mx);
                 sum += w;
-                const T *vt = vb + t * Hkv * D;
+                const T *vt = vb + t * L.token;
 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) a[d] += w * to_f32(vt[d]);
             }
@@ -213,17 +218,17 @@ void weighted_values(const float *w, int64_t w_stride, int heads, const T *const
 // of values for all heads together.
 template <int J, typename T>
 void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
-                             int64_t t1, int64_t h, int64_t Hkv, int64_t B, int64_t G, float *p) {
+                             int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
     constexpr int64_t D = 32 * J, C = J >= 8 ? 1 : 8 / J, W = kMaxPartition + 16;
     float *m = p, *l = p + G, *acc = p + 2 * G;
     const int64_t n = t1 - t0, padded = (n + 15) / 16 * 16;
     const T *krow[W], *vrow[W];
     for (int64_t t = 0, pos = t0; pos < t1;) {          // walk the block table
         const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
-        const int64_t row = ((table[pos / B] * B + off) * Hkv + h) * D;
+        const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
         for (int64_t c = 0; c < count; c++, t++) {
-            krow[t] = kc + row + c * Hkv * D;
-            vrow[t] = vc + row + c * Hkv * D;
+            krow[t] = kc + row + c * L.token;
+            vrow[t] = vc + row + c * L.token;
         }
         pos += count;
     }
@@ -254,7 +259,7 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
 // The partition kernel for this head dim: vectorised where the CPU and head dim allow.
 template <typename T>
 auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, const T *, const int64_t *, int64_t,
-                                                  int64_t, int64_t, int64_t, int64_t, int64_t, float *) {
+                                                  int64_t, int64_t, Layout, int64_t, int64_t, float *) {
 #ifdef __AVX512F__
     switch (D) {
         case 32: return attend_partition_avx512<1, T>;
@@ -268,7 +273,7 @@ auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, c
 
 template <typename T>
 int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
-                 const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
+                 const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L,
                  float scale, int64_t partition_size) {
     const int64_t G = Hq / Hkv;
     if (G > kMaxGroup || D > kMaxDim || B > kMaxBlock || Hq % Hkv || partition_size > kMaxPartition) return 1;
@@ -292,12 +297,12 @@ int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, in
                 if (t0 >= t1) continue;
                 const T *qg = q + (i * Hq + h * G) * D;      // the G query heads of KV head h
                 if (fast) {
-                    fast(qg, scale, kc, vc, tables + i * table_stride, t0, t1, h, Hkv, B, G, p);
+                    fast(qg, scale, kc, vc, tables + i * table_stride, t0, t1, h, L, B, G, p);
                     continue;
                 }
                 float qf[kMaxGroup * kMaxDim];
                 for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(qg[d]) * scale;
-                attend_partition(qf, kc, vc, tables + i * table_stride, t0, t1, h, Hkv, D, B, G, p);
+                attend_partition(qf, kc, vc, tables + i * table_stride, t0, t1, h, L, D, B, G, p);
             }
 
 #pragma omp parallel for collapse(2)
@@ -327,14 +332,38 @@ int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, in
 extern "C" {
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables, int64_t table_stride,
                      const int64_t *seq_lens, float *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                     float scale, int64_t partition_size) {
-    return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B, scale, partition_size);
+                     int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
+                     int64_t partition_size) {
+    return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B,
+                        Layout{block_stride, token_stride, head_stride}, scale, partition_size);
 }
 int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
                       int64_t table_stride, const int64_t *seq_lens, uint16_t *out, int64_t N, int64_t Hq,
-                      int64_t Hkv, int64_t D, int64_t B, float scale, int64_t partition_size) {
-    return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B, scale, partition_size);
+                      int64_t Hkv, int64_t D, int64_t B, int64_t block_stride, int64_t token_stride,
+                      int64_t head_stride, float scale, int64_t partition_size) {
+    return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B,
+                        Layout{block_stride, token_stride, head_stride}, scale, partition_size);
 }
+}
+
+// ---- writing the step's keys and values into their cache slots ---------------------------------
+// k, v: [T, Hkv, D] with row strides (in elements; D contiguous); slot s = block * B + offset.
+// Byte copies, so one function serves every dtype.
+extern "C" int write_kv(const char *k, const char *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                        int64_t v_stride_h, char *kc, char *vc, const int64_t *slots, int64_t T, int64_t Hkv,
+                        int64_t D, int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                        int64_t elem_size) {
+#pragma omp parallel for schedule(static) if (T >= 256)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t base = slots[t] / B * block_stride + slots[t] % B * token_stride;
+        for (int64_t h = 0; h < Hkv; h++) {
+            std::memcpy(kc + (base + h * head_stride) * elem_size, k + (t * k_stride_t + h * k_stride_h) * elem_size,
+                        D * elem_size);
+            std::memcpy(vc + (base + h * head_stride) * elem_size, v + (t * v_stride_t + h * v_stride_h) * elem_size,
+                        D * elem_size);
+        }
+    }
+    return 0;
 }
 
 // ---- bf16 linear layers: y[M, N] = x[M, K] w[N, K]^T (+ bias) ---------------------------------

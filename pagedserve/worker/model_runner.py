@@ -47,12 +47,24 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device   # of the model, the KV cache and the batch tensors; sampling stays on the CPU
-        # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                    dtype=model.dtype, device=device)
+        # One tensor for all layers, indexed [layers, K/V, blocks, block_size, kv_heads, head_dim].
+        # On CPU it is stored head-major within a block (a view of [..., kv_heads, block_size,
+        # head_dim]): one head's keys of a block are then 2 KB in a row, which the CPU prefetches
+        # well; the attention kernel reads strides, so both layouts work everywhere.
+        head_major = torch.device(device).type == "cpu"
+        self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major)
         # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
-        self.host_cache = torch.zeros(a.num_layers, 2, num_host_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                      dtype=model.dtype, device="cpu", pin_memory=torch.device(device).type == "cuda")
+        self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
+                                         pin_memory=torch.device(device).type == "cuda")
+
+    @staticmethod
+    def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
+                  pin_memory: bool = False) -> torch.Tensor:
+        if head_major:
+            return torch.zeros(a.num_layers, 2, num_blocks, a.num_kv_heads, block_size, a.head_dim, dtype=dtype,
+                               device=device, pin_memory=pin_memory).transpose(3, 4)
+        return torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
+                           device=device, pin_memory=pin_memory)
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """The step's memory operations, before its forward: swap out (those device blocks may
