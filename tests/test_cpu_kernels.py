@@ -68,3 +68,21 @@ def test_fused_silu_and_mul_equals_torch(dtype, rows, width):
     gate, up = gate_up.chunk(2, dim=-1)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(cpu.silu_and_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_rope_in_place_equals_reference(dtype, rows):
+    from pagedserve.models.layers import RotaryEmbedding, apply_rope
+    heads, kv_heads, head_dim = 6, 2, 64
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    cos, sin = rope.lookup(torch.randint(0, 4096, (rows,), generator=g))
+    rotated = (heads + kv_heads) * head_dim
+    expected = apply_rope(qkv[:, :rotated].reshape(rows, -1, head_dim), cos, sin)
+    untouched = qkv[:, rotated:].clone()
+    assert cpu.rope_inplace(qkv, heads + kv_heads, head_dim, cos.view(rows, -1), sin.view(rows, -1))
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(qkv[:, :rotated].reshape(rows, -1, head_dim), expected, **tol)
+    torch.testing.assert_close(qkv[:, rotated:], untouched, atol=0, rtol=0)

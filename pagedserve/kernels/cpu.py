@@ -38,6 +38,8 @@ _SIGNATURES = {
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
+    "rope_inplace_f32": [_P] + [_I] * 4 + [_P] * 2,
+    "rope_inplace_bf16": [_P] + [_I] * 4 + [_P] * 2,
     "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
     "silu_and_mul_bf16": [_P] * 2 + [_I] * 2,
 }
@@ -212,3 +214,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(m, width // 2, dtype=gate_up.dtype)
     fn(gate_up.data_ptr(), out.data_ptr(), m, width // 2)
     return out
+
+
+def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate the first num_heads heads of each row of x [T, >= num_heads * head_dim] (rows may
+    be strided) in place; cos, sin: [T, head_dim] contiguous. False where the kernel does not apply."""
+    fn = _elementwise_fn("rope_inplace", x)
+    if fn is None or x.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != x.dtype:
+        return False
+    fn(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(), sin.data_ptr())
+    return True

@@ -441,27 +441,48 @@ extern "C" int linear_bf16_packed(const uint16_t *, const uint16_t *, const floa
 // reference's separate ops round them.
 namespace {
 
+// Rounds a float32 to the storage type and back (identity for float32).
+inline float round_as(float x, const float *) { return x; }
+inline float round_as(float x, const uint16_t *) {
+    uint16_t b;
+    store(&b, x);
+    return to_f32(b);
+}
+
 // x[r] += y[r] (in the storage type), then out[r] = weight * round(x[r] / rms(x[r])).
 template <typename T>
 void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (M * H >= 65536)
     for (int64_t r = 0; r < M; r++) {
         T *xr = x + r * H;
+        const T *yr = y ? y + r * H : nullptr;
         float sq = 0.f;
-        for (int64_t i = 0; i < H; i++) {
-            float v = to_f32(xr[i]);
-            if (y) {
-                store(xr + i, v + to_f32(y[r * H + i]));
-                v = to_f32(xr[i]);
+        int64_t i = 0;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= H; i += 16) {
+            __m512 v = load16(xr + i);
+            if (yr) {
+                v = round_to(_mm512_add_ps(v, load16(yr + i)), xr);
+                store16(xr + i, v);
             }
-            sq += v * v;
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        sq = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < H; i++) {
+            if (yr) store(xr + i, to_f32(xr[i]) + to_f32(yr[i]));
+            sq += to_f32(xr[i]) * to_f32(xr[i]);
         }
         const float inv = 1.f / std::sqrt(sq / H + eps);
-        for (int64_t i = 0; i < H; i++) {
-            T normed;
-            store(&normed, to_f32(xr[i]) * inv);
-            store(out + r * H + i, to_f32(weight[i]) * to_f32(normed));
+        i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= H; i += 16) {
+            const __m512 normed = round_to(_mm512_mul_ps(load16(xr + i), _mm512_set1_ps(inv)), xr);
+            store16(out + r * H + i, _mm512_mul_ps(load16(weight + i), normed));
         }
+#endif
+        for (; i < H; i++) store(out + r * H + i, to_f32(weight[i]) * round_as(to_f32(xr[i]) * inv, xr));
     }
 }
 
@@ -490,6 +511,28 @@ void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
         }
     }
 }
+// RoPE in place on the first `heads` heads of each row of x (row stride `ld`), rotate-half
+// layout: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [T, D] per token. Each
+// product and the sum are rounded as the reference's separate ops round them.
+template <typename T>
+void rope_inplace(T *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const T *cos, const T *sin) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * D >= 65536)
+    for (int64_t t = 0; t < rows; t++) {
+        const T *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            T *x1 = x + t * ld + h * D, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = to_f32(x1[i]), b = to_f32(x2[i]);
+                const float lo = round_as(a * to_f32(c[i]), x) + round_as(-b * to_f32(s[i]), x);
+                const float hi = round_as(b * to_f32(c[half + i]), x) + round_as(a * to_f32(s[half + i]), x);
+                store(x1 + i, lo);
+                store(x2 + i, hi);
+            }
+        }
+    }
+}
 }  // namespace
 
 extern "C" {
@@ -500,6 +543,16 @@ int add_rms_norm_f32(float *x, const float *y, const float *w, float *out, int64
 int add_rms_norm_bf16(uint16_t *x, const uint16_t *y, const uint16_t *w, uint16_t *out, int64_t M, int64_t H,
                       float eps) {
     add_rms_norm(x, y, w, out, M, H, eps);
+    return 0;
+}
+int rope_inplace_f32(float *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const float *cos,
+                     const float *sin) {
+    rope_inplace(x, ld, rows, heads, D, cos, sin);
+    return 0;
+}
+int rope_inplace_bf16(uint16_t *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const uint16_t *cos,
+                      const uint16_t *sin) {
+    rope_inplace(x, ld, rows, heads, D, cos, sin);
     return 0;
 }
 int silu_and_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I) {

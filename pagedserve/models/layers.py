@@ -76,3 +76,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [T, H, D]; rotate-half (GPT-NeoX) layout, the reference formula term for term."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotate_queries_and_keys(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] of a fused qkv projection [T, (Hq + 2 Hkv) D], with RoPE
+    applied: in place in qkv on CPU (one kernel), as a new tensor elsewhere."""
+    num_tokens, heads = qkv.shape[0], num_heads + num_kv_heads
+    qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
+    if not cpu_kernels.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, head_dim),
+                                    sin.view(num_tokens, head_dim)):
+        qk = apply_rope(qk, cos, sin)
+    return qk[:, :num_heads], qk[:, num_heads:]

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels.cpu import linear, pack_weight
-from pagedserve.models.layers import RotaryEmbedding, add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from pagedserve.models.layers import (RotaryEmbedding, add_rms_norm, rms_norm, rotate_queries_and_keys,
+                                     silu_and_mul)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -102,9 +103,7 @@ class LlamaModel:
         h = rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
-            # RoPE on queries and keys together: one rotation of [T, Hq + Hkv, D].
-            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, -1, a.head_dim), cos, sin)
-            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+            q, k = rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
             x, h = add_rms_norm(x, linear(attn.reshape(num_tokens, self.q_size), w.o), w.post_norm, a.rms_norm_eps)
