@@ -68,6 +68,12 @@ def main() -> None:
     timers.wrap(runner.model, "forward", "model forward")
     timers.wrap(runner.model, "compute_logits", "LM head")
     timers.wrap(runner, "sampler", "sample")
+    # Inside the forward: the model's ops, as llama.py calls them (wrapping adds ~1 us per call).
+    from pagedserve.models import llama
+    ops = Timers()
+    for name in ("linear", "add_rms_norm", "rotate_queries_and_keys", "silu_and_mul"):
+        ops.wrap(llama, name, name)
+    ops.wrap(runner.model.attention, "forward", "attention")
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -81,12 +87,16 @@ def main() -> None:
     for name in ("schedule", "prepare batch", "model forward", "LM head", "sample", "output processing"):
         print(f"  {name:<20}{1e3 * t[name] / args.steps:>8.2f} ms {100 * t[name] / total:>6.1f}%")
     print(f"engine overhead (outside the forward): {100 * overhead / total:.1f}% of step time")
+    inside = {k: 1e3 * v / args.steps for k, v in sorted(ops.total.items(), key=lambda kv: -kv[1])}
+    print("inside the forward and LM head (linear includes the LM head):")
+    for name, ms in inside.items():
+        print(f"  {name:<24}{ms:>8.2f} ms {100 * ms / (1e3 * total / args.steps):>6.1f}%")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(batch=args.batch, context=args.context, dtype=args.dtype,
                                    ms_per_step=1e3 * total / args.steps,
                                    breakdown_ms={k: 1e3 * v / args.steps for k, v in t.items()},
-                                   overhead_fraction=overhead / total), indent=2))
+                                   overhead_fraction=overhead / total, forward_ops_ms=inside), indent=2))
 
 
 if __name__ == "__main__":

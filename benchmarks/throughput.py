@@ -93,10 +93,14 @@ def run_pagedserve(llm, trace: list[TraceRequest]) -> dict:
 
 
 def load_hf(model_path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
     p = Path(model_path)
     if p.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype).eval()
+        # Float weights (plain nn.Linear in `dtype`), as ours: without dequantize=True transformers
+        # keeps the GGUF blocks and dequantizes inside every matmul, a slower baseline.
+        return AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, dtype=dtype,
+            quantization_config=GgufConfig(gguf_file=p.name, dequantize=True)).eval()
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
 
 
@@ -131,10 +135,12 @@ def run_single_decode(llm, prompt_len: int, output_len: int, bandwidth: float) -
     engine = llm.engine
     engine.add_request("single", {"prompt_token_ids": prompt}, p)
     engine.step()                                    # prefill + first token
-    start = time.perf_counter()
+    steps = []
     while engine.has_unfinished_requests():
+        start = time.perf_counter()
         engine.step()
-    per_token = (time.perf_counter() - start) / (output_len - 1)
+        steps.append(time.perf_counter() - start)
+    per_token = sorted(steps)[len(steps) // 2]      # the median step: robust to other jobs' bursts
     # Bytes of the matmul weights (every layer and the LM head), each read once per token.
     shape = model_shape(llm)
     weight_bytes = (shape["layer_params"] + shape["lm_head_params"]) * engine.dtype.itemsize

@@ -108,3 +108,15 @@ def test_bfloat16_is_close(backend):
         s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         ref = dense_reference(q[s:e], *history[i], 0.125)
         torch.testing.assert_close(out[s:e].float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("specs", [[(3000, 1)], [(2100, 1)] * 20, [(1500, 1), (700, 40)]],
+                         ids=["one-long-decode", "many-long-decodes", "long-prefill-chunk"])
+def test_long_contexts_split_and_merged(specs):
+    """Few queries split their context into partitions merged afterwards; many queries take
+    their whole context (up to 2048 tokens) as one partition and split only beyond it."""
+    cache, q, k, v, meta, history = make_batch(specs, 16, 2, 64, 6, num_blocks=sum((c + n) // 16 + 1 for c, n in specs) + 8)
+    out = CpuAttention().forward(q, k, v, cache, meta, 0.125)
+    for i in range(len(specs)):
+        s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        torch.testing.assert_close(out[s:e], dense_reference(q[s:e], *history[i], 0.125), atol=1e-5, rtol=1e-5)

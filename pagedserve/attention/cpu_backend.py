@@ -14,6 +14,7 @@ from pagedserve.kernels import cpu as cpu_kernels
 
 class CpuAttention(TorchAttention):
     name = "cpu"
+    head_major_cache = True      # the runner stores each block head by head (kernels read strides)
 
     def __init__(self) -> None:
         self.lib = cpu_kernels.load()

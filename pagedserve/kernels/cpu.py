@@ -1,4 +1,8 @@
-"""Hand-written CPU kernels (cpu_kernels.cpp), compiled once per machine, called via ctypes.
+"""Hand-written CPU kernels (cpu_kernels.cpp), compiled once per machine, called via ctypes:
+paged attention (decode tokens and prefill tokens alike), writing K/V into their slots, bf16 and
+float32 GEMMs over weights packed once at load, and the fused element-wise layers (residual
+add + RMSNorm, RoPE in place, SiLU-and-mul). Vector paths use AVX-512 (AVX512-BF16 for the
+bf16 GEMM); other CPUs get the scalar paths or torch.
 
 The source is compiled with the system C++ compiler for this CPU (-march=native) on first
 use and cached under ~/.cache/pagedserve/kernels; no torch headers and no build step at
@@ -28,13 +32,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 PARTITION_SIZE = 256      # context tokens per decode-attention work item
-PACK_BATCH_HINT = 64      # rows oneDNN tunes packed weights for (any row count works)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_f32": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
     "paged_decode_bf16": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
     "linear_bf16_packed": [_P] * 4 + [_I] * 3,
+    "linear_f32_packed": [_P] * 4 + [_I] * 3,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
@@ -126,47 +130,40 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 @dataclass
 class PackedWeight:
-    """A linear layer's weight [N, K], packed once at load for the CPU: bf16 in the tiles of
-    our AVX512-BF16 GEMM ([N/16, K/2, 16, 2], N padded to 32), otherwise a oneDNN packed tensor."""
+    """A linear layer's weight [N, K], packed once at load into the tiles of our GEMM: 16
+    output columns at a time, bf16 as [N/16, K/2, 16, 2] (pairs along K, the operand of the
+    AVX512-BF16 dot product), float32 as [N/16, K, 16]; N padded to a multiple of 32."""
     data: torch.Tensor
     out_features: int
     in_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
-    """`weight` [N, K] packed for repeated products: torch's GEMM repacks weights on every
-    call, measured 1.2-2x slower over a model's weights at 1-1024 rows. The plain weight
-    where neither packing applies."""
+    """`weight` [N, K] packed for repeated products (torch's GEMM repacks weights on every
+    call: 1.2-2x slower over a model's weights at 1-1024 rows). The plain weight where our GEMM
+    does not run (another device or dtype, odd K in bf16, a CPU without the instructions)."""
     n, k = weight.shape
-    if not weight.is_cpu or weight.dtype not in (torch.float32, torch.bfloat16):
+    if not weight.is_cpu or not _has_gemm(weight.dtype) or (weight.dtype == torch.bfloat16 and k % 2):
         return weight
-    if weight.dtype == torch.bfloat16 and k % 2 == 0 and _has_bf16_gemm():
-        padded = torch.zeros(-(-n // 32) * 32, k, dtype=weight.dtype)
-        padded[:n] = weight
-        tiles = padded.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
-        return PackedWeight(tiles, n, k)
-    if not torch.backends.mkldnn.is_available():
-        return weight
-    try:
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT), n, k)
-    except (RuntimeError, AttributeError) as e:       # a torch build without these ops
-        logger.warning("oneDNN weight packing unavailable, using plain linear layers: %s", e)
-        return weight
+    padded = torch.zeros(-(-n // 32) * 32, k, dtype=weight.dtype)
+    padded[:n] = weight
+    if weight.dtype == torch.bfloat16:
+        tiles = padded.view(-1, 16, k // 2, 2).transpose(1, 2)
+    else:
+        tiles = padded.view(-1, 16, k).transpose(1, 2)
+    return PackedWeight(tiles.contiguous(), n, k)
 
 
 @functools.cache
-def _has_bf16_gemm() -> bool:
-    """Whether the compiled GEMM runs here (it needs AVX512-BF16): one tiny product."""
+def _has_gemm(dtype: torch.dtype) -> bool:
+    """Whether our GEMM for `dtype` runs here (AVX-512; AVX512-BF16 for bf16): one tiny product."""
     lib = load()
-    if lib is None:
+    fn = None if lib is None else {torch.bfloat16: lib.linear_bf16_packed, torch.float32: lib.linear_f32_packed}.get(dtype)
+    if fn is None:
         return False
-    x, w, y = torch.zeros(1, 2, dtype=torch.bfloat16), torch.zeros(32, 2, dtype=torch.bfloat16), \
-        torch.empty(1, 1, dtype=torch.bfloat16)       # held: the kernel must not see freed memory
-    return lib.linear_bf16_packed(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 1, 2) == 0
+    x, w, y = torch.zeros(1, 2, dtype=dtype), torch.zeros(32, 2, dtype=dtype), \
+        torch.empty(1, 1, dtype=dtype)       # held: the kernel must not see freed memory
+    return fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 1, 2) == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,12 +171,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
     x = x.contiguous()
-    if weight.data.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias32 = None if bias is None else bias.float()
-    _lib.linear_bf16_packed(x.data_ptr(), weight.data.data_ptr(), None if bias32 is None else bias32.data_ptr(),
-                            out.data_ptr(), x.shape[0], weight.out_features, weight.in_features)
+    fn = _lib.linear_bf16_packed if x.dtype == torch.bfloat16 else _lib.linear_f32_packed
+    fn(x.data_ptr(), weight.data.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+       x.shape[0], weight.out_features, weight.in_features)
     return out
 
 

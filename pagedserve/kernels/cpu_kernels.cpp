@@ -25,7 +25,7 @@ struct Layout {   // element strides of a cache: between blocks, token slots, KV
     int64_t block, token, head;
 };
 
-constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256, kMaxPartition = 512;
+constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256, kMaxPartition = 2048;
 constexpr int64_t kAhead = 32;  // rows prefetched ahead of use
 
 inline float to_f32(float x) { return x; }
@@ -168,7 +168,7 @@ void scores(const T *q, const T *const *krow, int64_t n, int64_t D, float scale,
                 _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T0);
         __m512 dots[16];
         for (int i = 0; i < 16; i++) dots[i] = dot_lanes(q, krow[t + i], D);
-        _mm512_store_ps(s + t, _mm512_mul_ps(transpose_sum16(dots), sv));
+        _mm512_storeu_ps(s + t, _mm512_mul_ps(transpose_sum16(dots), sv));
     }
 }
 
@@ -219,10 +219,14 @@ void weighted_values(const float *w, int64_t w_stride, int heads, const T *const
 template <int J, typename T>
 void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
                              int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
-    constexpr int64_t D = 32 * J, C = J >= 8 ? 1 : 8 / J, W = kMaxPartition + 16;
+    constexpr int64_t D = 32 * J, C = J >= 8 ? 1 : 8 / J;
     float *m = p, *l = p + G, *acc = p + 2 * G;
-    const int64_t n = t1 - t0, padded = (n + 15) / 16 * 16;
-    const T *krow[W], *vrow[W];
+    const int64_t n = t1 - t0, padded = (n + 15) / 16 * 16, W = padded;
+    // Per-thread scratch, grown once: row pointers and every head's scores for the partition.
+    thread_local std::vector<const T *> krow, vrow;
+    thread_local std::vector<float> scores_buf;
+    if (static_cast<int64_t>(krow.size()) < padded) krow.resize(padded), vrow.resize(padded);
+    if (static_cast<int64_t>(scores_buf.size()) < G * W) scores_buf.resize(G * W);
     for (int64_t t = 0, pos = t0; pos < t1;) {          // walk the block table
         const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
         const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
@@ -233,26 +237,26 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
         pos += count;
     }
     for (int64_t t = n; t < padded; t++) krow[t] = krow[0];   // scores masked below
-    alignas(64) float s[kMaxGroup][W];
     for (int64_t g = 0; g < G; g++) {
-        float *sg = s[g];
-        scores(q + g * D, krow, n, D, scale, sg, g == 0);
+        float *sg = scores_buf.data() + g * W;
+        scores(q + g * D, krow.data(), n, D, scale, sg, g == 0);
         for (int64_t t = n; t < padded; t++) sg[t] = -INFINITY;
-        __m512 mxv = _mm512_load_ps(sg);
-        for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_load_ps(sg + t));
+        __m512 mxv = _mm512_loadu_ps(sg);
+        for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + t));
         const float mx = _mm512_reduce_max_ps(mxv);
         mxv = _mm512_set1_ps(mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < padded; t += 16) {   // padding: e^-inf = 0
-            const __m512 w = exp16(_mm512_sub_ps(_mm512_load_ps(sg + t), mxv));
-            _mm512_store_ps(sg + t, w);
+            const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mxv));
+            _mm512_storeu_ps(sg + t, w);
             sum = _mm512_add_ps(sum, w);
         }
         m[g] = mx;
         l[g] = _mm512_reduce_add_ps(sum);
     }
     for (int64_t g = 0; g < G; g += C)
-        weighted_values<J, C>(s[g], W, static_cast<int>(std::min(C, G - g)), vrow, n, acc + g * D, g == 0);
+        weighted_values<J, C>(scores_buf.data() + g * W, W, static_cast<int>(std::min(C, G - g)), vrow.data(), n,
+                              acc + g * D, g == 0);
 }
 #endif
 
@@ -280,30 +284,48 @@ int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, in
     const auto fast = pick_partition_kernel<T>(D);
     int64_t max_len = 1;
     for (int64_t i = 0; i < N; i++) max_len = std::max(max_len, seq_lens[i]);
+    // Few queries: split each context into partitions so every core has work, and merge the
+    // partial results after. Many (a batch, or prefill tokens, one query each): one partition
+    // per query up to kMaxPartition tokens, results straight to `out`, no merge buffer.
+    const int threads = omp_get_max_threads();
+    if (N * Hkv >= 8 * threads) partition_size = kMaxPartition;
     const int64_t P = (max_len + partition_size - 1) / partition_size;
     const int64_t stride = G * (2 + D);
-    std::vector<float> parts(N * Hkv * P * stride);
+    std::vector<float> parts(P > 1 ? N * Hkv * P * stride : 0);
 
     // Heads innermost: with enough (sequence, partition) items to share, one thread takes all
     // KV heads of an item, so each cached row (all heads of a token) streams from memory once.
-    const int64_t chunk = N * P >= 4 * omp_get_max_threads() ? Hkv : 1;
+    const int64_t chunk = N * P >= 4 * threads ? Hkv : 1;
 #pragma omp parallel for collapse(3) schedule(dynamic, chunk)
     for (int64_t i = 0; i < N; i++)
         for (int64_t j = 0; j < P; j++)
             for (int64_t h = 0; h < Hkv; h++) {
-                float *p = parts.data() + ((i * Hkv + h) * P + j) * stride;
+                thread_local std::vector<float> own;        // the item's state when P == 1
+                float *p;
+                if (P > 1) {
+                    p = parts.data() + ((i * Hkv + h) * P + j) * stride;
+                } else {
+                    own.assign(stride, 0.f);
+                    p = own.data();
+                }
                 for (int64_t g = 0; g < G; g++) p[g] = -INFINITY;      // m; l and acc start at 0
                 const int64_t t0 = j * partition_size, t1 = std::min(t0 + partition_size, seq_lens[i]);
                 if (t0 >= t1) continue;
                 const T *qg = q + (i * Hq + h * G) * D;      // the G query heads of KV head h
                 if (fast) {
                     fast(qg, scale, kc, vc, tables + i * table_stride, t0, t1, h, L, B, G, p);
-                    continue;
+                } else {
+                    float qf[kMaxGroup * kMaxDim];
+                    for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(qg[d]) * scale;
+                    attend_partition(qf, kc, vc, tables + i * table_stride, t0, t1, h, L, D, B, G, p);
                 }
-                float qf[kMaxGroup * kMaxDim];
-                for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(qg[d]) * scale;
-                attend_partition(qf, kc, vc, tables + i * table_stride, t0, t1, h, L, D, B, G, p);
+                if (P == 1)
+                    for (int64_t g = 0; g < G; g++) {
+                        T *dst = out + (i * Hq + h * G + g) * D;
+                        for (int64_t d = 0; d < D; d++) store(dst + d, p[2 * G + g * D + d] / p[G + g]);
+                    }
             }
+    if (P == 1) return 0;
 
 #pragma omp parallel for collapse(2)
     for (int64_t i = 0; i < N; i++)
@@ -431,6 +453,63 @@ extern "C" int linear_bf16_packed(const uint16_t *x, const uint16_t *w, const fl
 #else
 extern "C" int linear_bf16_packed(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
                                   int64_t) {
+    return 1;
+}
+#endif
+
+// ---- float32 linear layers: the same tiles, one K step at a time ------------------------------
+// w packed [Np/16][K][16] (Np a multiple of 32, zero columns past N); per K step two weight
+// loads serve up to 8 rows, each row's x[k] broadcast once. (oneDNN's packed GEMM is as fast,
+// but caches a primitive per row count: ~0.75 MB for every batch size a server ever sees.)
+#ifdef __AVX512F__
+namespace {
+constexpr int64_t kPrefetchSteps = 32;   // weight K steps (64 bytes each) requested ahead of use
+
+template <int MR>
+void gemm_tile_f32(const float *x, int64_t K, const float *w0, const float *w1, const float *bias, float *y,
+                   int64_t ldy, int64_t n0, int64_t N) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        _mm_prefetch(reinterpret_cast<const char *>(w0 + (k + kPrefetchSteps) * 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(w1 + (k + kPrefetchSteps) * 16), _MM_HINT_T0);
+        const __m512 b0 = _mm512_loadu_ps(w0 + k * 16), b1 = _mm512_loadu_ps(w1 + k * 16);
+        for (int m = 0; m < MR; m++) {
+            const __m512 a = _mm512_set1_ps(x[m * K + k]);
+            acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
+        }
+    }
+    for (int half = 0; half < 2; half++) {
+        const int64_t n = n0 + 16 * half;
+        if (n >= N) break;
+        const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) _mm512_mask_storeu_ps(y + m * ldy + n, mask, _mm512_add_ps(acc[m][half], b));
+    }
+}
+
+using TileF32 = void (*)(const float *, int64_t, const float *, const float *, const float *, float *, int64_t,
+                         int64_t, int64_t);
+constexpr TileF32 kTilesF32[9] = {nullptr, gemm_tile_f32<1>, gemm_tile_f32<2>, gemm_tile_f32<3>, gemm_tile_f32<4>,
+                                  gemm_tile_f32<5>, gemm_tile_f32<6>, gemm_tile_f32<7>, gemm_tile_f32<8>};
+}  // namespace
+
+extern "C" int linear_f32_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                                 int64_t K) {
+    const int64_t strips = (N + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < strips; s++) {
+        const float *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
+        for (int64_t m = 0; m < M; m += 8) {
+            const int64_t rows = std::min<int64_t>(8, M - m);
+            kTilesF32[rows](x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
+        }
+    }
+    return 0;
+}
+#else
+extern "C" int linear_f32_packed(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t) {
     return 1;
 }
 #endif

@@ -48,10 +48,10 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device   # of the model, the KV cache and the batch tensors; sampling stays on the CPU
         # One tensor for all layers, indexed [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        # On CPU it is stored head-major within a block (a view of [..., kv_heads, block_size,
-        # head_dim]): one head's keys of a block are then 2 KB in a row, which the CPU prefetches
-        # well; the attention kernel reads strides, so both layouts work everywhere.
-        head_major = torch.device(device).type == "cpu"
+        # The CPU backend stores it head-major within a block (a view of [..., kv_heads,
+        # block_size, head_dim]): one head's keys of a block are then 2 KB in a row, which the
+        # CPU prefetches well; its kernels read strides. The others want it contiguous.
+        head_major = getattr(model.attention, "head_major_cache", False)
         self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major)
         # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
         self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
