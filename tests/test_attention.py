@@ -113,8 +113,8 @@ def test_bfloat16_is_close(backend):
 @pytest.mark.parametrize("specs", [[(3000, 1)], [(2100, 1)] * 20, [(1500, 1), (700, 40)]],
                          ids=["one-long-decode", "many-long-decodes", "long-prefill-chunk"])
 def test_long_contexts_split_and_merged(specs):
-    """Few queries split their context into partitions merged afterwards; many queries take
-    their whole context (up to 2048 tokens) as one partition and split only beyond it."""
+    """Contexts longer than a partition (256 tokens) are split and the partial softmaxes merged;
+    with few queries, with many, and for prefill tokens whose prefixes straddle partitions."""
     cache, q, k, v, meta, history = make_batch(specs, 16, 2, 64, 6, num_blocks=sum((c + n) // 16 + 1 for c, n in specs) + 8)
     out = CpuAttention().forward(q, k, v, cache, meta, 0.125)
     for i in range(len(specs)):

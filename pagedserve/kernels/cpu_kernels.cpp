@@ -25,7 +25,7 @@ struct Layout {   // element strides of a cache: between blocks, token slots, KV
     int64_t block, token, head;
 };
 
-constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256, kMaxPartition = 2048;
+constexpr int64_t kMaxGroup = 16, kMaxDim = 256, kMaxBlock = 256, kMaxPartition = 512;
 constexpr int64_t kAhead = 32;  // rows prefetched ahead of use
 
 inline float to_f32(float x) { return x; }
@@ -284,11 +284,11 @@ int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, in
     const auto fast = pick_partition_kernel<T>(D);
     int64_t max_len = 1;
     for (int64_t i = 0; i < N; i++) max_len = std::max(max_len, seq_lens[i]);
-    // Few queries: split each context into partitions so every core has work, and merge the
-    // partial results after. Many (a batch, or prefill tokens, one query each): one partition
-    // per query up to kMaxPartition tokens, results straight to `out`, no merge buffer.
+    // Contexts are split into partitions (parallel work for few queries, and each partition's
+    // keys, values and scores stay in L1/L2); the partial results are merged after. Where every
+    // context fits one partition, results go straight to `out`, with no merge buffer.
+    // (Whole contexts as one partition measured 13% slower at 16 queries x 1500 tokens.)
     const int threads = omp_get_max_threads();
-    if (N * Hkv >= 8 * threads) partition_size = kMaxPartition;
     const int64_t P = (max_len + partition_size - 1) / partition_size;
     const int64_t stride = G * (2 + D);
     std::vector<float> parts(P > 1 ? N * Hkv * P * stride : 0);
@@ -388,13 +388,29 @@ extern "C" int write_kv(const char *k, const char *v, int64_t k_stride_t, int64_
     return 0;
 }
 
+// ---- linear layers: the driver shared by the bf16 and float32 GEMMs ---------------------------
+// w is packed in strips of 32 output columns (two tiles of 16, K * 16 values each). Each
+// thread takes a range of strips and runs every tile of up to 8 rows of x over them, so each
+// weight byte streams from memory once per call whatever M is, and stays in cache across rows.
+template <typename T, typename Tile>
+void gemm_strips(const T *x, const T *w, const float *bias, T *y, int64_t M, int64_t N, int64_t K,
+                 const Tile *tiles) {
+    const int64_t strips = (N + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < strips; s++) {
+        const T *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
+        for (int64_t m = 0; m < M; m += 8) {
+            const int64_t rows = std::min<int64_t>(8, M - m);
+            tiles[rows](x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
+        }
+    }
+}
+
 // ---- bf16 linear layers: y[M, N] = x[M, K] w[N, K]^T (+ bias) ---------------------------------
 // The weight is packed once at load into tiles of 16 output columns with K in pairs,
 // [N/16][K/2][16][2], the operand layout of the AVX512-BF16 dot-product instruction (bf16
 // pairs multiplied exactly, summed in float32). A tile of up to 8 rows x 32 columns keeps 16
-// sums in registers; per pair of K, two weight loads serve all rows. One thread takes a range
-// of 32-column strips and runs every row tile over them, so each weight byte streams from
-// memory once per call whatever M is, and stays in cache across row tiles.
+// sums in registers; per pair of K, two weight loads serve all rows.
 #ifdef __AVX512BF16__
 namespace {
 
@@ -439,15 +455,7 @@ constexpr TileFn kTiles[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>,
 // bias: float32 [N] or null. Returns 1 where the CPU lacks AVX512-BF16 (caller falls back).
 extern "C" int linear_bf16_packed(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
                                   int64_t N, int64_t K) {
-    const int64_t strips = (N + 31) / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t s = 0; s < strips; s++) {
-        const uint16_t *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
-        for (int64_t m = 0; m < M; m += 8) {
-            const int64_t rows = std::min<int64_t>(8, M - m);
-            kTiles[rows](x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
-        }
-    }
+    gemm_strips(x, w, bias, y, M, N, K, kTiles);
     return 0;
 }
 #else
@@ -497,15 +505,7 @@ constexpr TileF32 kTilesF32[9] = {nullptr, gemm_tile_f32<1>, gemm_tile_f32<2>, g
 
 extern "C" int linear_f32_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                                  int64_t K) {
-    const int64_t strips = (N + 31) / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t s = 0; s < strips; s++) {
-        const float *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
-        for (int64_t m = 0; m < M; m += 8) {
-            const int64_t rows = std::min<int64_t>(8, M - m);
-            kTilesF32[rows](x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
-        }
-    }
+    gemm_strips(x, w, bias, y, M, N, K, kTilesF32);
     return 0;
 }
 #else
