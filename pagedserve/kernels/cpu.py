@@ -37,8 +37,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_f32": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
     "paged_decode_bf16": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
-    "linear_bf16_packed": [_P] * 4 + [_I] * 3,
-    "linear_f32_packed": [_P] * 4 + [_I] * 3,
+    "linear_packed_bf16": [_P] * 4 + [_I] * 3,
+    "linear_packed_f32": [_P] * 4 + [_I] * 3,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
@@ -96,11 +96,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q: [N, Hq, D]; kv_cache: [2, blocks, block_size, Hkv, D] (any strides but the last);
     block_tables: [>=N, stride] int64; seq_lens: [>=N] int64. None where the kernel does not apply."""
-    lib = load()
-    fn = None if lib is None else {torch.float32: lib.paged_decode_f32,
-                                   torch.bfloat16: lib.paged_decode_bf16}.get(q.dtype)
+    fn = _kernel("paged_decode", q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if fn is None or not q.is_cpu or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+    if fn is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         return None
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -157,13 +155,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
 @functools.cache
 def _has_gemm(dtype: torch.dtype) -> bool:
     """Whether our GEMM for `dtype` runs here (AVX-512; AVX512-BF16 for bf16): one tiny product."""
-    lib = load()
-    fn = None if lib is None else {torch.bfloat16: lib.linear_bf16_packed, torch.float32: lib.linear_f32_packed}.get(dtype)
-    if fn is None:
-        return False
     x, w, y = torch.zeros(1, 2, dtype=dtype), torch.zeros(32, 2, dtype=dtype), \
         torch.empty(1, 1, dtype=dtype)       # held: the kernel must not see freed memory
-    return fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 1, 2) == 0
+    fn = _kernel("linear_packed", x)
+    return fn is not None and fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 1, 2) == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,16 +168,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     bias32 = None if bias is None else bias.float()
-    fn = _lib.linear_bf16_packed if x.dtype == torch.bfloat16 else _lib.linear_f32_packed
-    fn(x.data_ptr(), weight.data.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
-       x.shape[0], weight.out_features, weight.in_features)
+    _kernel("linear_packed", x)(x.data_ptr(), weight.data.data_ptr(), None if bias32 is None else bias32.data_ptr(),
+                                out.data_ptr(), x.shape[0], weight.out_features, weight.in_features)
     return out
 
 
-def _elementwise_fn(name: str, x: torch.Tensor):
-    """The compiled `name` for x's dtype, or None (another device or dtype, no kernels)."""
-    suffix = _SUFFIX.get(x.dtype)
-    if suffix is None or not x.is_cpu or load() is None:
+def _kernel(name: str, x: torch.Tensor):
+    """The compiled `name` for x's dtype (`name_f32`, `name_bf16`), or None (another device or
+    dtype, no kernels)."""
+    return _compiled(name, x.dtype) if x.is_cpu else None
+
+
+@functools.cache       # looked up on every layer call: resolve each (name, dtype) once
+def _compiled(name: str, dtype: torch.dtype):
+    suffix = _SUFFIX.get(dtype)
+    if suffix is None or load() is None:
         return None
     return getattr(_lib, f"{name}_{suffix}")
 
@@ -191,7 +191,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """x += y in place (y may be None), then returns weight * rms_norm(x): one pass. x, y:
     [M, H] contiguous. None where the kernel does not apply (the caller uses torch)."""
-    fn = _elementwise_fn("add_rms_norm", x)
+    fn = _kernel("add_rms_norm", x)
     if fn is None or not x.is_contiguous() or (y is not None and not y.is_contiguous()):
         return None
     out = torch.empty_like(x)
@@ -203,7 +203,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up = [gate | up] of shape [M, 2I]: one pass. None where the
     kernel does not apply."""
-    fn = _elementwise_fn("silu_and_mul", gate_up)
+    fn = _kernel("silu_and_mul", gate_up)
     if fn is None or not gate_up.is_contiguous():
         return None
     m, width = gate_up.shape
@@ -215,7 +215,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate the first num_heads heads of each row of x [T, >= num_heads * head_dim] (rows may
     be strided) in place; cos, sin: [T, head_dim] contiguous. False where the kernel does not apply."""
-    fn = _elementwise_fn("rope_inplace", x)
+    fn = _kernel("rope_inplace", x)
     if fn is None or x.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != x.dtype:
         return False
     fn(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(), sin.data_ptr())

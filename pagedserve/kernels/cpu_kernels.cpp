@@ -453,13 +453,13 @@ constexpr TileFn kTiles[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>,
 
 // w: packed [Np/16][K/2][16][2] with Np a multiple of 32 (zero columns past N); K even;
 // bias: float32 [N] or null. Returns 1 where the CPU lacks AVX512-BF16 (caller falls back).
-extern "C" int linear_bf16_packed(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
+extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
                                   int64_t N, int64_t K) {
     gemm_strips(x, w, bias, y, M, N, K, kTiles);
     return 0;
 }
 #else
-extern "C" int linear_bf16_packed(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
+extern "C" int linear_packed_bf16(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
                                   int64_t) {
     return 1;
 }
@@ -503,13 +503,13 @@ constexpr TileF32 kTilesF32[9] = {nullptr, gemm_tile_f32<1>, gemm_tile_f32<2>, g
                                   gemm_tile_f32<5>, gemm_tile_f32<6>, gemm_tile_f32<7>, gemm_tile_f32<8>};
 }  // namespace
 
-extern "C" int linear_f32_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+extern "C" int linear_packed_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                                  int64_t K) {
     gemm_strips(x, w, bias, y, M, N, K, kTilesF32);
     return 0;
 }
 #else
-extern "C" int linear_f32_packed(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t) {
+extern "C" int linear_packed_f32(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t) {
     return 1;
 }
 #endif

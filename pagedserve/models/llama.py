@@ -83,8 +83,9 @@ class LlamaModel:
         return self
 
     def pack_linear_weights(self) -> "LlamaModel":
-        """On CPU: every matmul weight in oneDNN's packed layout (see kernels.cpu.pack_weight).
-        A tied LM head gets its own packed copy; the embedding table stays plain for lookups."""
+        """On CPU: every matmul weight packed once into the tiles of our GEMMs (see
+        kernels.cpu.pack_weight). A tied LM head gets its own packed copy; the embedding table
+        stays plain for lookups."""
         for w in self.layers:
             w.qkv, w.o, w.gate_up, w.down = (pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
         self.lm_head = pack_weight(self.lm_head)

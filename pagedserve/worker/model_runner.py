@@ -60,11 +60,10 @@ class ModelRunner:
     @staticmethod
     def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
                   pin_memory: bool = False) -> torch.Tensor:
-        if head_major:
-            return torch.zeros(a.num_layers, 2, num_blocks, a.num_kv_heads, block_size, a.head_dim, dtype=dtype,
-                               device=device, pin_memory=pin_memory).transpose(3, 4)
-        return torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
-                           device=device, pin_memory=pin_memory)
+        inner = (a.num_kv_heads, block_size) if head_major else (block_size, a.num_kv_heads)
+        cache = torch.zeros(a.num_layers, 2, num_blocks, *inner, a.head_dim, dtype=dtype, device=device,
+                            pin_memory=pin_memory)
+        return cache.transpose(3, 4) if head_major else cache
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """The step's memory operations, before its forward: swap out (those device blocks may
