@@ -78,6 +78,10 @@ VARIANTS = {
     "mistral_gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                           sliding_window=None)),
     "qwen2_bias_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Head dim 64 with 3 query heads per KV head (the default model's shape): the vectorised
+    # attention kernel, not only its scalar path.
+    "llama_head64": ("LlamaConfig", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                                         tie_word_embeddings=True)),
 }
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.attention.cpu_backend import CpuAttention
 from pagedserve.attention.torch_backend import TorchAttention
 from pagedserve.models.loader import load_model
 from pagedserve.request import Request, Sequence
@@ -15,13 +16,13 @@ from tests.conftest import PROMPTS, VARIANTS, hf_greedy
 BLOCK = 4
 
 
-def paged_logits(model, prompt: list[int], chunk: int, num_blocks: int = 64) -> torch.Tensor:
+def paged_logits(model, prompt: list[int], chunk: int, num_blocks: int = 64, block: int = BLOCK) -> torch.Tensor:
     """Logits at every position, computing the prompt in chunks of `chunk` tokens through a
     shuffled (non-contiguous, out-of-order) block table."""
-    runner = ModelRunner(model, num_blocks, BLOCK, sampler=None)
+    runner = ModelRunner(model, num_blocks, block, sampler=None)
     blocks = list(range(num_blocks))
     random.Random(0).shuffle(blocks)
-    table = blocks[: -(-len(prompt) // BLOCK)]
+    table = blocks[: -(-len(prompt) // block)]
     seq = Sequence(1, 0, list(prompt), len(prompt))
     req = Request("r", None, prompt, SamplingParams(), 1)
     rows = []
@@ -84,3 +85,27 @@ def test_bfloat16_loads_and_stays_close(tiny_llama):
         ref = tiny_llama.hf(torch.tensor([prompt])).logits[0]
     ours = paged_logits(model, prompt, len(prompt))
     assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama_head64", "qwen2_bias_tied", "llama3_rope"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_layers_equal_the_layer_by_layer_path(tiny_models, name, dtype):
+    """On CPU all decoder layers run as one compiled call (kernels.cpu.DecoderLayers); it must
+    give bit for bit what the Python loop over the same kernels gives, and match transformers."""
+    tm = tiny_models(name)
+    model, _, _ = load_model(tm.path, dtype, CpuAttention())
+    model.pack_linear_weights()
+    compiled = model.compiled_layers
+    if compiled is None:
+        pytest.skip("no compiled kernels for this CPU and dtype")
+    prompt = tm.tokenizer.encode(PROMPTS[5])
+    for chunk in (len(prompt), 5, 1):   # prefill, chunked prefill, decode
+        model.compiled_layers = compiled
+        fused = paged_logits(model, prompt, chunk, block=16)
+        model.compiled_layers = None
+        layer_by_layer = paged_logits(model, prompt, chunk, block=16)
+        torch.testing.assert_close(fused, layer_by_layer, atol=0, rtol=0)
+    if dtype == "float32":
+        with torch.no_grad():
+            ref = tm.hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)

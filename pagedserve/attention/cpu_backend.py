@@ -23,6 +23,10 @@ class CpuAttention(TorchAttention):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not cpu_kernels.write_kv(kv_cache, k, v, meta.slot_mapping):
             write_kv(kv_cache, k, v, meta.slot_mapping)
-        tables, lens = (meta.block_tables, meta.seq_lens) if meta.num_decodes == meta.num_seqs else meta.per_token
-        out = cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale)
+        out = cpu_kernels.paged_decode_attention(q, kv_cache, *self.kernel_inputs(meta), scale)
         return out if out is not None else super().forward(q, k, v, kv_cache, meta, scale)
+
+    @staticmethod
+    def kernel_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, context lengths) for the kernel, one row per query token."""
+        return (meta.block_tables, meta.seq_lens) if meta.num_decodes == meta.num_seqs else meta.per_token

@@ -35,8 +35,10 @@ PARTITION_SIZE = 256      # context tokens per decode-attention work item
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
-    "paged_decode_bf16": [_P] * 4 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
+    "paged_decode_f32": [_P, _I] + [_P] * 3 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
+    "paged_decode_bf16": [_P, _I] + [_P] * 3 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
+    "decoder_layers_f32": [_P] * 11 + [_I, _P, _I],
+    "decoder_layers_bf16": [_P] * 11 + [_I, _P, _I],
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
@@ -102,9 +104,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return None
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    if q.stride(2) != 1 or q.stride(1) != head_dim:      # heads of a token side by side
+        q = q.contiguous()
+    out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
                 head_dim, block_size, *k_cache.stride()[:3], scale, PARTITION_SIZE)
     return out if status == 0 else None
@@ -171,6 +174,66 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     _kernel("linear_packed", x)(x.data_ptr(), weight.data.data_ptr(), None if bias32 is None else bias32.data_ptr(),
                                 out.data_ptr(), x.shape[0], weight.out_features, weight.in_features)
     return out
+
+
+class _ModelDims(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _CacheRefs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("layer", "kv", "block", "token", "head", "block_size", "partition_size")]
+
+
+class DecoderLayers:
+    """Every decoder layer of a Llama-family model as one compiled call per step
+    (`decoder_layers_*` in cpu_kernels.cpp: the loop of LlamaModel.forward over the same
+    kernels). Built once from packed weights; holds a table of their addresses."""
+
+    def __init__(self, model) -> None:
+        a = model.args
+        self.dtype = model.dtype
+        # float32 biases for the GEMM, kept alive here: the table holds their addresses.
+        self._biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in model.layers]
+        self._norms = [t.contiguous() for w in model.layers for t in (w.input_norm, w.post_norm)] + \
+                      [model.norm.contiguous()]
+        rows = []
+        for i, (w, bias) in enumerate(zip(model.layers, self._biases)):
+            rows.append([w.qkv.data.data_ptr(), 0 if bias is None else bias.data_ptr(), w.o.data.data_ptr(),
+                         w.gate_up.data.data_ptr(), w.down.data.data_ptr(), self._norms[2 * i].data_ptr(),
+                         self._norms[2 * i + 1].data_ptr()])
+        self._table = torch.tensor(rows, dtype=torch.int64)
+        self._weights = [(w.qkv, w.o, w.gate_up, w.down) for w in model.layers]    # the table points into them
+        self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
+                                a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)
+        self._fn = _compiled("decoder_layers", self.dtype)
+
+    @staticmethod
+    def supports(model) -> bool:
+        return _compiled("decoder_layers", model.dtype) is not None and all(
+            isinstance(t, PackedWeight) for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down))
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
+                lens: torch.Tensor) -> bool:
+        """x (residual) and h (first layer's normalised input) [T, H], updated in place to the
+        final residual and normalised hidden state; cos, sin [T, D]; kv_caches [layers, 2,
+        blocks, block_size, Hkv, D] (any strides but the last); tables, lens: each query
+        token's block table and context length. False (nothing done) where it does not apply."""
+        num_tokens = x.shape[0]
+        if kv_caches.dtype != self.dtype or kv_caches.stride(-1) != 1 or not (
+                x.is_contiguous() and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+            return False
+        st = kv_caches.stride()
+        refs = _CacheRefs(st[0], st[1], st[2], st[3], st[4], kv_caches.shape[3], PARTITION_SIZE)
+        slots = slot_mapping.contiguous()
+        status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
+                          x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
+                          ctypes.addressof(refs), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
+                          lens.data_ptr(), num_tokens)
+        if status == 2:
+            raise RuntimeError("decoder_layers: a kernel failed after the first layer ran")
+        return status == 0
 
 
 def _kernel(name: str, x: torch.Tensor):

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -160,12 +161,14 @@ inline __m512 dot_lanes(const uint16_t *q, const uint16_t *k, int64_t D) {
 // Rows come from scattered blocks, which the hardware prefetcher does not foresee: the next
 // 16 rows' first `span` elements are requested while these are computed.
 template <typename T>
-void scores(const T *q, const T *const *krow, int64_t n, int64_t D, float scale, float *s, bool prefetch) {
+void scores(const T *q, const T *const *krow, const T *const *vrow, int64_t n, int64_t D, float scale, float *s, bool prefetch) {
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t t = 0; t < n; t += 16) {
         for (int64_t i = t + kAhead; prefetch && i < std::min(t + kAhead + 16, n); i++)
-            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
-                _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+                _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char *>(vrow[i]) + b, _MM_HINT_T1);
+            }
         __m512 dots[16];
         for (int i = 0; i < 16; i++) dots[i] = dot_lanes(q, krow[t + i], D);
         _mm512_storeu_ps(s + t, _mm512_mul_ps(transpose_sum16(dots), sv));
@@ -200,7 +203,7 @@ void weighted_values(const float *w, int64_t w_stride, int heads, const T *const
     for (int64_t t = 0; t < n; t++) {
         if (prefetch && t + kAhead < n)
             for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
-                _mm_prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b, _MM_HINT_T1);
         __m512 v[2 * J];
         for (int j = 0; j < J; j++) load32(vrow[t] + 32 * j, v[2 * j], v[2 * j + 1]);
         for (int c = 0; c < C; c++) {
@@ -212,6 +215,49 @@ void weighted_values(const float *w, int64_t w_stride, int heads, const T *const
     for (int c = 0; c < heads; c++)
         for (int j = 0; j < J; j++) store32(acc + c * D + 32 * j, a[c][2 * j], a[c][2 * j + 1], vrow[0]);
 }
+
+#ifdef __AVX512BF16__
+// The same for bf16 values with bf16 weights (each softmax weight rounded to bf16, as flash
+// attention rounds P before its PV product): rows t and t+1 interleaved into (v_t[d],
+// v_t+1[d]) pairs, so one bf16 dot product adds w_t v_t[d] + w_t+1 v_t+1[d] for 16 dims, half
+// the instructions of converting to float32 and two FMAs. `w` holds bf16 weights in pairs,
+// `n` is even (the padding rows have weight 0). The interleave works within 128-bit lanes:
+// sum register 2j holds dims {0-3, 8-11, 16-19, 24-27} of 32, 2j+1 the others; undone at store.
+template <int J, int C>
+void weighted_values_bf16(const uint16_t *w, int64_t w_stride, int heads, const uint16_t *const *vrow, int64_t n,
+                          float *acc, bool prefetch) {
+    constexpr int64_t D = 32 * J;
+    __m512 a[C][2 * J];
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < 2 * J; j++) a[c][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 2) {
+        if (prefetch && t + kAhead < n)
+            for (int64_t i = t + kAhead; i < std::min(t + kAhead + 2, n); i++)
+                for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char *>(vrow[i]) + b, _MM_HINT_T1);
+        __m512i v[2 * J];
+        for (int j = 0; j < J; j++) {
+            const __m512i x = _mm512_loadu_si512(vrow[t] + 32 * j), y = _mm512_loadu_si512(vrow[t + 1] + 32 * j);
+            v[2 * j] = _mm512_unpacklo_epi16(x, y);
+            v[2 * j + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int c = 0; c < C; c++) {
+            if (c >= heads) break;
+            uint32_t pair;
+            std::memcpy(&pair, w + c * w_stride + t, 4);
+            const __m512bh wt = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            for (int j = 0; j < 2 * J; j++) a[c][j] = _mm512_dpbf16_ps(a[c][j], (__m512bh)v[j], wt);
+        }
+    }
+    // Lane k of register lo holds dim 8(k/4) + k%4, of hi 8(k/4) + 4 + k%4.
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int c = 0; c < heads; c++)
+        for (int j = 0; j < J; j++) {
+            _mm512_storeu_ps(acc + c * D + 32 * j, _mm512_permutex2var_ps(a[c][2 * j], first, a[c][2 * j + 1]));
+            _mm512_storeu_ps(acc + c * D + 32 * j + 16, _mm512_permutex2var_ps(a[c][2 * j], second, a[c][2 * j + 1]));
+        }
+}
+#endif
 
 // One whole partition from scratch (m, l, acc as attend_partition leaves them), for head dims
 // D = 32 J: each query head's scores and softmax weights (vector exp), then the weighted sums
@@ -227,6 +273,11 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
     thread_local std::vector<float> scores_buf;
     if (static_cast<int64_t>(krow.size()) < padded) krow.resize(padded), vrow.resize(padded);
     if (static_cast<int64_t>(scores_buf.size()) < G * W) scores_buf.resize(G * W);
+#ifdef __AVX512BF16__
+    constexpr bool kBf16Weights = std::is_same_v<T, uint16_t>;
+    thread_local std::vector<uint16_t> weights_bf16;
+    if (kBf16Weights && static_cast<int64_t>(weights_bf16.size()) < G * W) weights_bf16.resize(G * W);
+#endif
     for (int64_t t = 0, pos = t0; pos < t1;) {          // walk the block table
         const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
         const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
@@ -236,10 +287,15 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
         }
         pos += count;
     }
-    for (int64_t t = n; t < padded; t++) krow[t] = krow[0];   // scores masked below
+    for (int64_t t = n; t < padded; t++) krow[t] = krow[0], vrow[t] = vrow[0];   // weights 0 below
+    for (int64_t t = 0; t < std::min(kAhead, n); t++)
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+            _mm_prefetch(reinterpret_cast<const char *>(krow[t]) + b, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char *>(vrow[t]) + b, _MM_HINT_T1);
+        }
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores_buf.data() + g * W;
-        scores(q + g * D, krow.data(), n, D, scale, sg, g == 0);
+        scores(q + g * D, krow.data(), vrow.data(), n, D, scale, sg, g == 0);
         for (int64_t t = n; t < padded; t++) sg[t] = -INFINITY;
         __m512 mxv = _mm512_loadu_ps(sg);
         for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + t));
@@ -247,16 +303,30 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
         mxv = _mm512_set1_ps(mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < padded; t += 16) {   // padding: e^-inf = 0
-            const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mxv));
+            __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mxv));
+#ifdef __AVX512BF16__
+            if constexpr (kBf16Weights) {    // the weights the value pass uses, and their sum
+                const __m256bh wb = _mm512_cvtneps_pbh(w);
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(weights_bf16.data() + g * W + t), (__m256i)wb);
+                w = _mm512_cvtpbh_ps(wb);
+            }
+#endif
             _mm512_storeu_ps(sg + t, w);
             sum = _mm512_add_ps(sum, w);
         }
         m[g] = mx;
         l[g] = _mm512_reduce_add_ps(sum);
     }
-    for (int64_t g = 0; g < G; g += C)
-        weighted_values<J, C>(scores_buf.data() + g * W, W, static_cast<int>(std::min(C, G - g)), vrow.data(), n,
-                              acc + g * D, g == 0);
+    for (int64_t g = 0; g < G; g += C) {
+        const int heads = static_cast<int>(std::min(C, G - g));
+#ifdef __AVX512BF16__
+        if constexpr (kBf16Weights) {
+            weighted_values_bf16<J, C>(weights_bf16.data() + g * W, W, heads, vrow.data(), padded, acc + g * D, g == 0);
+            continue;
+        }
+#endif
+        weighted_values<J, C>(scores_buf.data() + g * W, W, heads, vrow.data(), n, acc + g * D, g == 0);
+    }
 }
 #endif
 
@@ -276,7 +346,7 @@ auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, c
 }
 
 template <typename T>
-int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
+int paged_decode(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
                  const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L,
                  float scale, int64_t partition_size) {
     const int64_t G = Hq / Hkv;
@@ -311,7 +381,7 @@ int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, in
                 for (int64_t g = 0; g < G; g++) p[g] = -INFINITY;      // m; l and acc start at 0
                 const int64_t t0 = j * partition_size, t1 = std::min(t0 + partition_size, seq_lens[i]);
                 if (t0 >= t1) continue;
-                const T *qg = q + (i * Hq + h * G) * D;      // the G query heads of KV head h
+                const T *qg = q + i * q_stride + h * G * D;      // the G query heads of KV head h
                 if (fast) {
                     fast(qg, scale, kc, vc, tables + i * table_stride, t0, t1, h, L, B, G, p);
                 } else {
@@ -352,18 +422,18 @@ int paged_decode(const T *q, const T *kc, const T *vc, const int64_t *tables, in
 }  // namespace
 
 extern "C" {
-int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *tables, int64_t table_stride,
+int paged_decode_f32(const float *q, int64_t q_stride, const float *kc, const float *vc, const int64_t *tables, int64_t table_stride,
                      const int64_t *seq_lens, float *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
                      int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
                      int64_t partition_size) {
-    return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B,
+    return paged_decode(q, q_stride, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B,
                         Layout{block_stride, token_stride, head_stride}, scale, partition_size);
 }
-int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
+int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
                       int64_t table_stride, const int64_t *seq_lens, uint16_t *out, int64_t N, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t B, int64_t block_stride, int64_t token_stride,
                       int64_t head_stride, float scale, int64_t partition_size) {
-    return paged_decode(q, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B,
+    return paged_decode(q, q_stride, kc, vc, tables, table_stride, seq_lens, out, N, Hq, Hkv, D, B,
                         Layout{block_stride, token_stride, head_stride}, scale, partition_size);
 }
 }
@@ -421,8 +491,8 @@ void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t 
     __m512 acc[MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < K / 2; kp++) {
-        _mm_prefetch(reinterpret_cast<const char *>(w0 + (kp + kPrefetchPairs) * 32), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char *>(w1 + (kp + kPrefetchPairs) * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(w0 + (kp + kPrefetchPairs) * 32), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char *>(w1 + (kp + kPrefetchPairs) * 32), _MM_HINT_T1);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + kp * 32);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + kp * 32);
         for (int m = 0; m < MR; m++) {
@@ -479,8 +549,8 @@ void gemm_tile_f32(const float *x, int64_t K, const float *w0, const float *w1, 
     __m512 acc[MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        _mm_prefetch(reinterpret_cast<const char *>(w0 + (k + kPrefetchSteps) * 16), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char *>(w1 + (k + kPrefetchSteps) * 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(w0 + (k + kPrefetchSteps) * 16), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char *>(w1 + (k + kPrefetchSteps) * 16), _MM_HINT_T1);
         const __m512 b0 = _mm512_loadu_ps(w0 + k * 16), b1 = _mm512_loadu_ps(w1 + k * 16);
         for (int m = 0; m < MR; m++) {
             const __m512 a = _mm512_set1_ps(x[m * K + k]);
@@ -641,5 +711,87 @@ int silu_and_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I) {
 int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t I) {
     silu_and_mul(gate_up, out, M, I);
     return 0;
+}
+}
+
+// ---- every decoder layer of a step in one call ------------------------------------------------
+// The loop of LlamaModel.forward over the kernels above, with no return to Python between
+// them: at one token per step, the per-layer Python and dispatch work (~10 calls a layer) costs
+// as much as a third of the weight streaming it surrounds. On entry x [T, H] is the residual
+// stream and h [T, H] the first layer's normalised input; on return x is the final residual
+// and h the final normalised hidden state.
+namespace {
+struct LayerPtrs {    // one row of the pointer table built in Python (kernels/cpu.py)
+    int64_t qkv, qkv_bias, o, gate_up, down, input_norm, post_norm;
+};
+struct ModelDims {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+};
+struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
+    int64_t layer, kv, block, token, head, block_size, partition_size;
+};
+
+inline int linear_any(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t N, int64_t K) {
+    return linear_packed_f32(x, w, b, y, M, N, K);
+}
+inline int linear_any(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K) {
+    return linear_packed_bf16(x, w, b, y, M, N, K);
+}
+
+template <typename T>
+int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,
+                   const T *sin, T *cache, CacheRefs c, const int64_t *slots, const int64_t *tables,
+                   int64_t table_stride, const int64_t *lens, int64_t T_) {
+    const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
+    const int64_t G = m.heads / std::max<int64_t>(m.kv_heads, 1);
+    if (m.heads % m.kv_heads || G > kMaxGroup || m.head_dim > kMaxDim || c.block_size > kMaxBlock ||
+        c.partition_size > kMaxPartition)
+        return 1;                                  // before any work: the caller runs its own path
+    thread_local std::vector<T> scratch;           // qkv, attention out, o/down out, gate_up, act
+    const int64_t need = T_ * (qkv_size + q_size + H + 3 * I);
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+    T *qkv = scratch.data(), *attn = qkv + T_ * qkv_size, *proj = attn + T_ * q_size, *gate_up = proj + T_ * H,
+      *act = gate_up + T_ * 2 * I;
+    const Layout L{c.block, c.token, c.head};
+    for (int64_t l = 0; l < m.layers; l++) {
+        const LayerPtrs &w = layers[l];
+        T *kc = cache + l * c.layer, *vc = kc + c.kv;
+        const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
+        if (linear_any(h, reinterpret_cast<const T *>(w.qkv), reinterpret_cast<const float *>(w.qkv_bias), qkv, T_,
+                       qkv_size, H))
+            return 2;
+        rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
+        write_kv(reinterpret_cast<const char *>(qkv + q_size), reinterpret_cast<const char *>(qkv + q_size + kv_size),
+                 qkv_size, m.head_dim, qkv_size, m.head_dim, reinterpret_cast<char *>(kc),
+                 reinterpret_cast<char *>(vc), slots, T_, m.kv_heads, m.head_dim, c.block_size, c.block, c.token,
+                 c.head, sizeof(T));
+        if (paged_decode(qkv, qkv_size, kc, vc, tables, table_stride, lens, attn, T_, m.heads, m.kv_heads,
+                         m.head_dim, c.block_size, L, m.scale, c.partition_size))
+            return 2;
+        if (linear_any(attn, reinterpret_cast<const T *>(w.o), nullptr, proj, T_, H, q_size)) return 2;
+        add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
+        if (linear_any(h, reinterpret_cast<const T *>(w.gate_up), nullptr, gate_up, T_, 2 * I, H)) return 2;
+        silu_and_mul(gate_up, act, T_, I);
+        if (linear_any(act, reinterpret_cast<const T *>(w.down), nullptr, proj, T_, H, I)) return 2;
+        add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
+    }
+    return 0;
+}
+}  // namespace
+
+extern "C" {
+int decoder_layers_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
+                       const float *cos, const float *sin, float *cache, const CacheRefs *c, const int64_t *slots,
+                       const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, tables, table_stride, lens, T);
+}
+int decoder_layers_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
+                        uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint16_t *cache, const CacheRefs *c,
+                        const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                        int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, tables, table_stride, lens, T);
 }
 }

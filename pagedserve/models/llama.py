@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels.cpu import linear, pack_weight
+from pagedserve.attention.cpu_backend import CpuAttention
+from pagedserve.kernels.cpu import DecoderLayers, linear, pack_weight
 from pagedserve.models.layers import (RotaryEmbedding, add_rms_norm, rms_norm, rotate_queries_and_keys,
                                      silu_and_mul)
 
@@ -63,6 +64,7 @@ class LlamaModel:
         self.scale = args.head_dim ** -0.5
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
+        self.compiled_layers: DecoderLayers | None = None    # set by pack_linear_weights on CPU
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,6 +91,8 @@ class LlamaModel:
         for w in self.layers:
             w.qkv, w.o, w.gate_up, w.down = (pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
         self.lm_head = pack_weight(self.lm_head)
+        if isinstance(self.attention, CpuAttention) and DecoderLayers.supports(self):
+            self.compiled_layers = DecoderLayers(self)
         return self
 
     @torch.inference_mode()
@@ -102,6 +106,10 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
         h = rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
+        if self.compiled_layers is not None and self.compiled_layers.forward(
+                x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta.slot_mapping,
+                *self.attention.kernel_inputs(meta)):
+            return h
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
             q, k = rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
