@@ -1,8 +1,9 @@
-"""The CPU attention backend: one compiled paged-attention kernel (pagedserve/kernels) per
-layer for the whole batch, reading keys and values in place from their blocks. Prefill tokens
-go through it too, each as a query over its own causal prefix (AttentionMetadata.per_token),
-so there is no per-sequence loop and no gathered copy of the context. Falls back to the torch
-reference where the kernel cannot run."""
+"""The CPU attention backend: one compiled paged-attention call (pagedserve/kernels) per layer
+for the whole batch, reading keys and values in place from their blocks: decode tokens through
+the decode kernel, prefill chunks (bf16) through a tiled kernel that meets 16 query tokens with
+32 keys at a time; elsewhere each prefill token goes through the decode kernel as a query over
+its own causal prefix (AttentionMetadata.per_token). No gathered copy of the context. Falls
+back to the torch reference where the kernel cannot run."""
 from __future__ import annotations
 
 import torch
@@ -18,15 +19,19 @@ class CpuAttention(TorchAttention):
 
     def __init__(self) -> None:
         self.lib = cpu_kernels.load()
+        self._rows: tuple[AttentionMetadata, cpu_kernels.AttentionRows] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not cpu_kernels.write_kv(kv_cache, k, v, meta.slot_mapping):
             write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = cpu_kernels.paged_decode_attention(q, kv_cache, *self.kernel_inputs(meta), scale)
+        out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale)
         return out if out is not None else super().forward(q, k, v, kv_cache, meta, scale)
 
-    @staticmethod
-    def kernel_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block tables, context lengths) for the kernel, one row per query token."""
-        return (meta.block_tables, meta.seq_lens) if meta.num_decodes == meta.num_seqs else meta.per_token
+    def kernel_rows(self, meta: AttentionMetadata) -> cpu_kernels.AttentionRows:
+        """The step's query rows as the kernel reads them; built once per step, used by every layer."""
+        if self._rows is None or self._rows[0] is not meta:
+            prefills = meta.num_decodes < meta.num_seqs
+            self._rows = (meta, cpu_kernels.AttentionRows.of(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                             meta.num_decodes, meta.per_token if prefills else None))
+        return self._rows[1]

@@ -35,10 +35,10 @@ PARTITION_SIZE = 256      # context tokens per decode-attention work item
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P, _I] + [_P] * 3 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
-    "paged_decode_bf16": [_P, _I] + [_P] * 3 + [_I, _P, _P] + [_I] * 8 + [_F, _I],
-    "decoder_layers_f32": [_P] * 11 + [_I, _P, _I],
-    "decoder_layers_bf16": [_P] * 11 + [_I, _P, _I],
+    "paged_attention_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
+    "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
+    "decoder_layers_f32": [_P] * 11 + [_I],
+    "decoder_layers_bf16": [_P] * 11 + [_I],
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
@@ -94,11 +94,34 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q: [N, Hq, D]; kv_cache: [2, blocks, block_size, Hkv, D] (any strides but the last);
-    block_tables: [>=N, stride] int64; seq_lens: [>=N] int64. None where the kernel does not apply."""
-    fn = _kernel("paged_decode", q)
+class AttentionRows(ctypes.Structure):
+    """One step's query rows for the attention kernel (`AttentionRows` in cpu_kernels.cpp):
+    each sequence's block table, context length and first query row (decodes, one query
+    each, first); with prefills also the per-token view (AttentionMetadata.per_token), which
+    the kernel uses where its tiled prefill path does not apply. Holds the tensors it points
+    into."""
+    _fields_ = [("tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
+                ("query_start", ctypes.c_void_p), ("num_seqs", ctypes.c_int64), ("num_decodes", ctypes.c_int64),
+                ("token_tables", ctypes.c_void_p), ("token_table_stride", ctypes.c_int64),
+                ("token_lens", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_decodes: int,
+           per_token: tuple[torch.Tensor, torch.Tensor] | None) -> "AttentionRows":
+        """block_tables [S, width], seq_lens [S], query_start [S + 1]: int64, contiguous;
+        per_token: (tables, lens) per query token, needed only with prefills."""
+        tok_tables, tok_lens = per_token or (None, None)
+        rows = cls(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start.data_ptr(),
+                   seq_lens.shape[0], num_decodes, None if tok_tables is None else tok_tables.data_ptr(),
+                   0 if tok_tables is None else tok_tables.stride(0), None if tok_lens is None else tok_lens.data_ptr())
+        rows._keep = (block_tables, seq_lens, query_start, per_token)
+        return rows
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: AttentionRows, scale: float) -> torch.Tensor | None:
+    """q: [T, Hq, D] (rows may be strided); kv_cache: [2, blocks, block_size, Hkv, D] (any
+    strides but the last). None where the kernel does not apply."""
+    fn = _kernel("paged_attention", q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if fn is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         return None
@@ -107,10 +130,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if q.stride(2) != 1 or q.stride(1) != head_dim:      # heads of a token side by side
         q = q.contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
-    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
-                head_dim, block_size, *k_cache.stride()[:3], scale, PARTITION_SIZE)
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ctypes.addressof(rows), n,
+                out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, *k_cache.stride()[:3], scale,
+                PARTITION_SIZE)
     return out if status == 0 else None
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Decode-only batches: q [N, Hq, D], one query per sequence of block_tables [N, width],
+    seq_lens [N] (int64)."""
+    starts = torch.arange(q.shape[0] + 1)
+    return paged_attention(q, kv_cache, AttentionRows.of(block_tables, seq_lens, starts, q.shape[0], None), scale)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
@@ -214,12 +245,11 @@ class DecoderLayers:
             isinstance(t, PackedWeight) for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
-                lens: torch.Tensor) -> bool:
+                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows) -> bool:
         """x (residual) and h (first layer's normalised input) [T, H], updated in place to the
         final residual and normalised hidden state; cos, sin [T, D]; kv_caches [layers, 2,
-        blocks, block_size, Hkv, D] (any strides but the last); tables, lens: each query
-        token's block table and context length. False (nothing done) where it does not apply."""
+        blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows.
+        False (nothing done to x and h) where it does not apply."""
         num_tokens = x.shape[0]
         if kv_caches.dtype != self.dtype or kv_caches.stride(-1) != 1 or not (
                 x.is_contiguous() and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
@@ -229,8 +259,7 @@ class DecoderLayers:
         slots = slot_mapping.contiguous()
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
                           x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
-                          ctypes.addressof(refs), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-                          lens.data_ptr(), num_tokens)
+                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows), num_tokens)
         if status == 2:
             raise RuntimeError("decoder_layers: a kernel failed after the first layer ran")
         return status == 0

@@ -485,9 +485,14 @@ void gemm_strips(const T *x, const T *w, const float *bias, T *y, int64_t M, int
 namespace {
 
 constexpr int64_t kPrefetchPairs = 32;   // weight K-pairs (64 bytes each) requested ahead of use
-template <int MR>
+inline void store_masked(uint16_t *dst, __mmask16 mask, __m512 v) {
+    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store_masked(float *dst, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(dst, mask, v); }
+
+template <int MR, typename Y = uint16_t>     // Y: the output type, bf16 or (attention scores) float32
 void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, const float *bias,
-               uint16_t *y, int64_t ldy, int64_t n0, int64_t N) {
+               Y *y, int64_t ldy, int64_t n0, int64_t N) {
     __m512 acc[MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < K / 2; kp++) {
@@ -508,10 +513,7 @@ void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t 
         if (n >= N) break;
         const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < MR; m++) {
-            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][half], b));
-            _mm256_mask_storeu_epi16(y + m * ldy + n, mask, (__m256i)out);
-        }
+        for (int m = 0; m < MR; m++) store_masked(y + m * ldy + n, mask, _mm512_add_ps(acc[m][half], b));
     }
 }
 
@@ -519,6 +521,11 @@ using TileFn = void (*)(const uint16_t *, int64_t, const uint16_t *, const uint1
                         int64_t, int64_t, int64_t);
 constexpr TileFn kTiles[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                               gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>};
+template <typename Y>     // the same tiles with another output type
+constexpr void (*kTilesOut[9])(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, const float *, Y *,
+                               int64_t, int64_t, int64_t) = {
+    nullptr, gemm_tile<1, Y>, gemm_tile<2, Y>, gemm_tile<3, Y>, gemm_tile<4, Y>,
+    gemm_tile<5, Y>, gemm_tile<6, Y>, gemm_tile<7, Y>, gemm_tile<8, Y>};
 }  // namespace
 
 // w: packed [Np/16][K/2][16][2] with Np a multiple of 32 (zero columns past N); K even;
@@ -714,6 +721,219 @@ int silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t
 }
 }
 
+
+// ---- prefill attention, bf16: tiles of queries against tiles of keys ------------------------
+// The decode kernel serves prefill tokens one query at a time, each re-reading its whole
+// prefix: at a 2000-token prompt that is half of the prefill's time. Here the queries of one
+// sequence's chunk (up to 16 tokens x the G heads of a KV head) meet 32 keys at a time as two
+// small GEMMs on the GEMM tiles above: scores = Q K^T (K packed like a weight), then
+// O += P V (V packed likewise), with an online softmax between (as flash attention). The
+// softmax weights P are rounded to bf16 for the second product, as flash attention does.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+namespace {
+constexpr int64_t kQueryTokens = 16, kKeyTile = 32;
+
+// In place: r[i] element j <- r[j] element i, for 32-bit elements (4 rounds of 16 shuffles).
+inline void transpose16_epi32(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int m = 0; m < 4; m++) {          // u[4m + c] lane L: column 4L + c of rows 4m..4m+3
+        u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
+        u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; c++) {          // column 4L + c gathers lane L of u[c], u[4+c], u[8+c], u[12+c]
+        const __m512i w01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i x01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
+                      x23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(w01, x01, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(w01, x01, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(w23, x23, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(w23, x23, 0xDD);
+    }
+}
+
+// The queries of (sequence i, KV head h, tokens j0..j0+nq): rows r = j * G + g, causal:
+// token j sees the first base + j + 1 keys.
+void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
+                  int64_t base, int64_t j0, int64_t nq, int64_t h, int64_t G, int64_t D, int64_t B, Layout L,
+                  float scale, uint16_t *out, int64_t out_stride) {
+    const int64_t R = nq * G, Rp = (R + 7) / 8 * 8;
+    thread_local std::vector<uint16_t> qbuf, kpack, vpack, pbuf;
+    thread_local std::vector<float> sbuf, obuf, tmp, mrow, lrow;
+    qbuf.assign(Rp * D, 0);
+    kpack.resize(kKeyTile * D);
+    vpack.resize(kKeyTile * D);
+    pbuf.assign(Rp * kKeyTile, 0);
+    sbuf.resize(Rp * kKeyTile);
+    tmp.resize(Rp * D);
+    obuf.assign(R * D, 0.f);
+    mrow.assign(R, -INFINITY);
+    lrow.assign(R, 0.f);
+    for (int64_t j = 0; j < nq; j++)
+        std::memcpy(&qbuf[j * G * D], q + (j0 + j) * q_stride + h * G * D, G * D * sizeof(uint16_t));
+    const int64_t kend = base + j0 + nq;     // keys the last query token sees
+    const uint16_t *krow[kKeyTile], *vrow[kKeyTile];
+    for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
+        const int64_t nk = std::min(kKeyTile, kend - t0);
+        for (int64_t c = 0; c < kKeyTile; c++) {
+            const int64_t pos = t0 + std::min(c, nk - 1);              // past the end: a real row, masked
+            const int64_t row = table[pos / B] * L.block + (pos % B) * L.token + h * L.head;
+            krow[c] = kc + row;
+            vrow[c] = vc + row;
+        }
+        // K as a weight [32 keys][D]: tiles of 16 keys, [D/2][16][2]: a 16 x 16 transpose of
+        // (bf16 pair) dwords per 16 keys and 16 pairs.
+        for (int64_t c0 = 0; c0 < kKeyTile; c0 += 16)
+            for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+                __m512i r[16];
+                for (int c = 0; c < 16; c++) r[c] = _mm512_loadu_si512(krow[c0 + c] + 2 * p0);
+                transpose16_epi32(r);
+                uint16_t *dst = kpack.data() + (c0 / 16) * (D / 2) * 32 + p0 * 32;
+                for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * 32, r[p]);
+            }
+        for (int64_t r = 0; r < Rp; r += 8) {
+            const int64_t rows = std::min<int64_t>(8, Rp - r);
+            kTilesOut<float>[rows](&qbuf[r * D], D, kpack.data(), kpack.data() + (D / 2) * 32, nullptr,
+                                   &sbuf[r * kKeyTile], kKeyTile, 0, kKeyTile);
+        }
+        // Online softmax per row; masked keys (past the row's causal end) get weight 0.
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t valid = std::min(nk, base + j0 + r / G + 1 - t0);
+            uint16_t *pr = &pbuf[r * kKeyTile];
+            if (valid <= 0) {
+                std::memset(pr, 0, kKeyTile * sizeof(uint16_t));
+                continue;
+            }
+            const __mmask32 live = valid >= 32 ? 0xFFFFFFFFu : ((1u << valid) - 1);
+            const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(live),
+                                                 _mm512_mul_ps(_mm512_loadu_ps(&sbuf[r * kKeyTile]), _mm512_set1_ps(scale)));
+            const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(live >> 16),
+                                                 _mm512_mul_ps(_mm512_loadu_ps(&sbuf[r * kKeyTile + 16]), _mm512_set1_ps(scale)));
+            const float mx = std::max(mrow[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+            const float alpha = std::exp(mrow[r] - mx);                 // 0 on the first tile
+            const __m512 mv = _mm512_set1_ps(mx);
+            const __m256bh p0 = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(s0, mv)));
+            const __m256bh p1 = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(s1, mv)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(pr), (__m256i)p0);
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(pr + 16), (__m256i)p1);
+            lrow[r] = lrow[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_cvtpbh_ps(p0), _mm512_cvtpbh_ps(p1)));
+            mrow[r] = mx;
+            if (alpha != 1.f)
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(&obuf[r * D + d], _mm512_mul_ps(_mm512_loadu_ps(&obuf[r * D + d]), _mm512_set1_ps(alpha)));
+        }
+        // V as a weight [D][32 keys]: tiles of 16 dims, [16 key pairs][16][2]: two rows' 16
+        // values interleaved per store.
+        for (int64_t c = 0; c < kKeyTile; c += 2)
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(vrow[c] + d)));
+                const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(vrow[c + 1] + d)));
+                _mm512_storeu_si512(vpack.data() + (d / 16) * kKeyTile * 16 + c * 16,
+                                    _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        for (int64_t r = 0; r < Rp; r += 8) {
+            const int64_t rows = std::min<int64_t>(8, Rp - r);
+            for (int64_t n0 = 0; n0 < D; n0 += 32)
+                kTilesOut<float>[rows](&pbuf[r * kKeyTile], kKeyTile, vpack.data() + (n0 / 16) * kKeyTile * 16,
+                                       vpack.data() + (n0 / 16 + 1) * kKeyTile * 16, nullptr, &tmp[r * D], D, n0, D);
+        }
+        for (int64_t i = 0; i < R * D; i += 16)
+            _mm512_storeu_ps(&obuf[i], _mm512_add_ps(_mm512_loadu_ps(&obuf[i]), _mm512_loadu_ps(&tmp[i])));
+    }
+    for (int64_t r = 0; r < R; r++) {
+        uint16_t *dst = out + (j0 + r / G) * out_stride + (h * G + r % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / lrow[r]);
+        for (int64_t d = 0; d < D; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&obuf[r * D + d]), inv));
+    }
+}
+
+// q, out: the rows of the prefill tokens [T, Hq, D] (q with row stride q_stride, out
+// contiguous); sequence i's chunk is rows query_start[i]..query_start[i+1] (counted from
+// query_start[0]) and ends at context length seq_lens[i]. Returns 1 for shapes it does not
+// take (the caller then runs the decode kernel per token).
+int paged_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
+                  int64_t table_stride, const int64_t *seq_lens, const int64_t *query_start, int64_t S,
+                  uint16_t *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale) {
+    if (D % 32 || D > kMaxDim || Hq % Hkv || Hq / Hkv > kMaxGroup) return 1;
+    const int64_t G = Hq / Hkv, q0 = query_start[0];
+    struct Item { int64_t seq, j0, h; };
+    std::vector<Item> items;
+    for (int64_t i = 0; i < S; i++)
+        for (int64_t j0 = 0; j0 < query_start[i + 1] - query_start[i]; j0 += kQueryTokens)
+            for (int64_t h = 0; h < Hkv; h++) items.push_back({i, j0, h});
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t k = 0; k < items.size(); k++) {
+        const Item &it = items[k];
+        const int64_t n = query_start[it.seq + 1] - query_start[it.seq];
+        const int64_t row = query_start[it.seq] - q0;
+        prefill_item(q + row * q_stride, q_stride, kc, vc, tables + it.seq * table_stride, seq_lens[it.seq] - n,
+                     it.j0, std::min(kQueryTokens, n - it.j0), it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D);
+    }
+    return 0;
+}
+}  // namespace
+#endif
+
+// ---- one step's attention: decode rows, then prefill chunks -----------------------------------
+namespace {
+struct AttentionRows {   // laid out by kernels/cpu.py (AttentionRows) from the step's metadata
+    const int64_t *tables;
+    int64_t table_stride;
+    const int64_t *seq_lens, *query_start;   // per sequence; decodes (one query each) first
+    int64_t num_seqs, num_decodes;
+    const int64_t *token_tables;             // per query token (null without prefills): each token
+    int64_t token_table_stride;              // as a sequence of its own over its causal prefix
+    const int64_t *token_lens;
+};
+
+// Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel in
+// bf16, else each prefill token through the decode kernel.
+template <typename T>
+int attend(const T *q, int64_t q_stride, const T *kc, const T *vc, const AttentionRows &a, int64_t num_tokens, T *out,
+           int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale, int64_t partition_size) {
+    if (a.num_decodes == a.num_seqs)
+        return paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, num_tokens, Hq, Hkv, D, B,
+                            L, scale, partition_size);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        const int64_t nd = a.num_decodes;
+        if (nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq, Hkv, D, B, L,
+                               scale, partition_size))
+            return 1;
+        if (paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
+                          a.seq_lens + nd, a.query_start + nd, a.num_seqs - nd, out + nd * Hq * D, Hq, Hkv, D, B, L,
+                          scale) == 0)
+            return 0;
+    }
+#endif
+    if (a.token_tables == nullptr) return 1;
+    return paged_decode(q, q_stride, kc, vc, a.token_tables, a.token_table_stride, a.token_lens, out, num_tokens, Hq,
+                        Hkv, D, B, L, scale, partition_size);
+}
+}  // namespace
+
+extern "C" {
+int paged_attention_f32(const float *q, int64_t q_stride, const float *kc, const float *vc, const AttentionRows *a,
+                        int64_t num_tokens, float *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
+                        int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
+                        int64_t partition_size) {
+    return attend(q, q_stride, kc, vc, *a, num_tokens, out, Hq, Hkv, D, B,
+                  Layout{block_stride, token_stride, head_stride}, scale, partition_size);
+}
+int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
+                         const AttentionRows *a, int64_t num_tokens, uint16_t *out, int64_t Hq, int64_t Hkv, int64_t D,
+                         int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
+                         int64_t partition_size) {
+    return attend(q, q_stride, kc, vc, *a, num_tokens, out, Hq, Hkv, D, B,
+                  Layout{block_stride, token_stride, head_stride}, scale, partition_size);
+}
+}
+
 // ---- every decoder layer of a step in one call ------------------------------------------------
 // The loop of LlamaModel.forward over the kernels above, with no return to Python between
 // them: at one token per step, the per-layer Python and dispatch work (~10 calls a layer) costs
@@ -742,8 +962,7 @@ inline int linear_any(const uint16_t *x, const uint16_t *w, const float *b, uint
 
 template <typename T>
 int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,
-                   const T *sin, T *cache, CacheRefs c, const int64_t *slots, const int64_t *tables,
-                   int64_t table_stride, const int64_t *lens, int64_t T_) {
+                   const T *sin, T *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_) {
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
     const int64_t G = m.heads / std::max<int64_t>(m.kv_heads, 1);
@@ -768,9 +987,9 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
                  qkv_size, m.head_dim, qkv_size, m.head_dim, reinterpret_cast<char *>(kc),
                  reinterpret_cast<char *>(vc), slots, T_, m.kv_heads, m.head_dim, c.block_size, c.block, c.token,
                  c.head, sizeof(T));
-        if (paged_decode(qkv, qkv_size, kc, vc, tables, table_stride, lens, attn, T_, m.heads, m.kv_heads,
-                         m.head_dim, c.block_size, L, m.scale, c.partition_size))
-            return 2;
+        if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
+                   c.partition_size))
+            return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
         if (linear_any(attn, reinterpret_cast<const T *>(w.o), nullptr, proj, T_, H, q_size)) return 2;
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
         if (linear_any(h, reinterpret_cast<const T *>(w.gate_up), nullptr, gate_up, T_, 2 * I, H)) return 2;
@@ -785,13 +1004,12 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
 extern "C" {
 int decoder_layers_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
                        const float *cos, const float *sin, float *cache, const CacheRefs *c, const int64_t *slots,
-                       const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t T) {
-    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, tables, table_stride, lens, T);
+                       const AttentionRows *rows, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
 }
 int decoder_layers_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
                         uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint16_t *cache, const CacheRefs *c,
-                        const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
-                        int64_t T) {
-    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, tables, table_stride, lens, T);
+                        const int64_t *slots, const AttentionRows *rows, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
 }
 }

@@ -108,7 +108,7 @@ class LlamaModel:
         h = rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
         if self.compiled_layers is not None and self.compiled_layers.forward(
                 x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta.slot_mapping,
-                *self.attention.kernel_inputs(meta)):
+                self.attention.kernel_rows(meta)):
             return h
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
