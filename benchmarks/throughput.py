@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/throughput.py --quick              # small, for a smoke run
 
 In the same run it measures the machine's matmul rate (a large GEMM through
-torch) and read bandwidth, counts the FLOPs the workload needs (2 x weights
+torch, before and after the run; the higher reading counts) and read bandwidth, counts the FLOPs the workload needs (2 x weights
 touched per token, the LM head only at sampled positions, plus attention) and
 prints the achieved fraction of the matmul rate; and times a single request's
 decode against the memory-bandwidth bound (weight bytes per token / bandwidth).
@@ -194,10 +194,14 @@ def main() -> None:
     flops = workload_flops(shape, trace)
 
     ours = run_pagedserve(llm, trace)
+    # The VM's speed drifts: the rate is also measured right after the run, and the higher of
+    # the two readings is the one the run is held to.
+    rates = [rate, matmul_rate(dtype)]
+    rate = max(rates)
     ours["flops"] = flops
     ours["fraction_of_matmul_rate"] = flops / ours["seconds"] / rate
     result = dict(workload=args.workload, num_requests=n, dtype=args.dtype, threads=torch.get_num_threads(),
-                  matmul_flop_s=rate, read_bytes_s=bw, load_seconds=load_s,
+                  matmul_flop_s=rate, matmul_flop_s_measured=rates, read_bytes_s=bw, load_seconds=load_s,
                   mean_prompt_len=ours["prompt_tokens"] / n, mean_output_len=ours["output_tokens"] / n,
                   pagedserve=ours)
     if not args.no_single:
@@ -211,8 +215,8 @@ def main() -> None:
 
     print(f"\n{args.workload}: {n} requests, mean {result['mean_prompt_len']:.0f} in / "
           f"{result['mean_output_len']:.0f} out, {args.dtype}, {result['threads']} threads")
-    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s ({args.dtype}), read {bw / 1e9:.1f} GB/s; "
-          f"engine load {load_s:.1f}s")
+    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s ({args.dtype}; best of {rates[0] / 1e9:.0f} before and "
+          f"{rates[1] / 1e9:.0f} after the run), read {bw / 1e9:.1f} GB/s; engine load {load_s:.1f}s")
     print(f"{'system':<28}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'% matmul':>10}")
     rows = [("pagedserve", ours)] + ([("transformers static (bs %d)" % args.hf_batch_size, result["hf_static"])]
                                      if "hf_static" in result else [])

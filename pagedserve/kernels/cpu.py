@@ -1,8 +1,9 @@
 """Hand-written CPU kernels (cpu_kernels.cpp), compiled once per machine, called via ctypes:
-paged attention (decode tokens and prefill tokens alike), writing K/V into their slots, bf16 and
-float32 GEMMs over weights packed once at load, and the fused element-wise layers (residual
-add + RMSNorm, RoPE in place, SiLU-and-mul). Vector paths use AVX-512 (AVX512-BF16 for the
-bf16 GEMM); other CPUs get the scalar paths or torch.
+paged attention (decode rows; prefill chunks in tiles of queries x keys in bf16, else token
+by token), writing K/V into their slots, bf16 and float32 GEMMs over weights packed once at
+load, the fused element-wise layers (residual add + RMSNorm, RoPE in place, SiLU-and-mul), and
+the loop over all decoder layers as one call (DecoderLayers). Vector paths use AVX-512
+(AVX512-BF16 for the bf16 GEMM and prefill tiles); other CPUs get the scalar paths or torch.
 
 The source is compiled with the system C++ compiler for this CPU (-march=native) on first
 use and cached under ~/.cache/pagedserve/kernels; no torch headers and no build step at

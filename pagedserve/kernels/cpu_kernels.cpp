@@ -1,5 +1,9 @@
-// Paged decode attention for CPUs: one query token per sequence, reading keys and values
-// straight from their cache blocks through the block table (no gathered copy).
+// CPU kernels of pagedserve, in sections: paged decode attention; K/V writes; the GEMMs over
+// packed weights; fused element-wise layers; tiled prefill attention (bf16); one step's
+// attention (decode rows, then prefill chunks); every decoder layer in one call.
+//
+// Paged decode attention: one query token per sequence, reading keys and values straight
+// from their cache blocks through the block table (no gathered copy).
 //
 // Work is split over (sequence, KV head, context partition). The query heads that share
 // a KV head (GQA) are processed together, so each key and value is loaded once for all of

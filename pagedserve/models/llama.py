@@ -2,7 +2,10 @@
 
 Plain tensor math. q/k/v and gate/up projections are fused into single matrices
 so each layer runs four large matmuls; attention goes through a backend that
-reads and writes the paged KV cache.
+reads and writes the paged KV cache. On CPU, once the weights are packed, the
+whole layer loop runs as one compiled call over the same kernels
+(kernels.cpu.DecoderLayers); the Python loop below stays as its reference and
+for every other case.
 """
 from __future__ import annotations
 
