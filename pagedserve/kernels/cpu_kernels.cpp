@@ -480,6 +480,30 @@ void gemm_strips(const T *x, const T *w, const float *bias, T *y, int64_t M, int
     }
 }
 
+#ifdef __AVX512F__
+namespace {
+inline void store_masked(float *dst, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(dst, mask, v); }
+#ifdef __AVX512BF16__
+inline void store_masked(uint16_t *dst, __mmask16 mask, __m512 v) {
+    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+// A tile's float32 sums (MR rows x 32 columns from n0) plus bias, stored to columns < N of y
+// (rounded to bf16 where Y is bf16).
+template <int MR, typename Y>
+void store_tile(const __m512 (&acc)[MR][2], const float *bias, Y *y, int64_t ldy, int64_t n0, int64_t N) {
+    for (int half = 0; half < 2; half++) {
+        const int64_t n = n0 + 16 * half;
+        if (n >= N) break;
+        const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) store_masked(y + m * ldy + n, mask, _mm512_add_ps(acc[m][half], b));
+    }
+}
+}  // namespace
+#endif
+
 // ---- bf16 linear layers: y[M, N] = x[M, K] w[N, K]^T (+ bias) ---------------------------------
 // The weight is packed once at load into tiles of 16 output columns with K in pairs,
 // [N/16][K/2][16][2], the operand layout of the AVX512-BF16 dot-product instruction (bf16
@@ -489,12 +513,7 @@ void gemm_strips(const T *x, const T *w, const float *bias, T *y, int64_t M, int
 namespace {
 
 constexpr int64_t kPrefetchPairs = 32;   // weight K-pairs (64 bytes each) requested ahead of use
-inline void store_masked(uint16_t *dst, __mmask16 mask, __m512 v) {
-    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline void store_masked(float *dst, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(dst, mask, v); }
-
-template <int MR, typename Y = uint16_t>     // Y: the output type, bf16 or (attention scores) float32
+template <int MR, typename Y>     // Y: the output type, bf16 or (attention scores) float32
 void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, const float *bias,
                Y *y, int64_t ldy, int64_t n0, int64_t N) {
     __m512 acc[MR][2];
@@ -512,22 +531,13 @@ void gemm_tile(const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t 
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
         }
     }
-    for (int half = 0; half < 2; half++) {
-        const int64_t n = n0 + 16 * half;
-        if (n >= N) break;
-        const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < MR; m++) store_masked(y + m * ldy + n, mask, _mm512_add_ps(acc[m][half], b));
-    }
+    store_tile<MR>(acc, bias, y, ldy, n0, N);
 }
 
-using TileFn = void (*)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, const float *, uint16_t *,
-                        int64_t, int64_t, int64_t);
-constexpr TileFn kTiles[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
-                              gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>};
-template <typename Y>     // the same tiles with another output type
-constexpr void (*kTilesOut[9])(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, const float *, Y *,
-                               int64_t, int64_t, int64_t) = {
+// The tile for each row count 1..8; Y: bf16 output (linear layers) or float32 (attention scores).
+template <typename Y>
+constexpr void (*kTiles[9])(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, const float *, Y *,
+                            int64_t, int64_t, int64_t) = {
     nullptr, gemm_tile<1, Y>, gemm_tile<2, Y>, gemm_tile<3, Y>, gemm_tile<4, Y>,
     gemm_tile<5, Y>, gemm_tile<6, Y>, gemm_tile<7, Y>, gemm_tile<8, Y>};
 }  // namespace
@@ -536,7 +546,7 @@ constexpr void (*kTilesOut[9])(const uint16_t *, int64_t, const uint16_t *, cons
 // bias: float32 [N] or null. Returns 1 where the CPU lacks AVX512-BF16 (caller falls back).
 extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
                                   int64_t N, int64_t K) {
-    gemm_strips(x, w, bias, y, M, N, K, kTiles);
+    gemm_strips(x, w, bias, y, M, N, K, kTiles<uint16_t>);
     return 0;
 }
 #else
@@ -569,13 +579,7 @@ void gemm_tile_f32(const float *x, int64_t K, const float *w0, const float *w1, 
             acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
         }
     }
-    for (int half = 0; half < 2; half++) {
-        const int64_t n = n0 + 16 * half;
-        if (n >= N) break;
-        const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < MR; m++) _mm512_mask_storeu_ps(y + m * ldy + n, mask, _mm512_add_ps(acc[m][half], b));
-    }
+    store_tile<MR>(acc, bias, y, ldy, n0, N);
 }
 
 using TileF32 = void (*)(const float *, int64_t, const float *, const float *, const float *, float *, int64_t,
@@ -802,7 +806,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
             }
         for (int64_t r = 0; r < Rp; r += 8) {
             const int64_t rows = std::min<int64_t>(8, Rp - r);
-            kTilesOut<float>[rows](&qbuf[r * D], D, kpack.data(), kpack.data() + (D / 2) * 32, nullptr,
+            kTiles<float>[rows](&qbuf[r * D], D, kpack.data(), kpack.data() + (D / 2) * 32, nullptr,
                                    &sbuf[r * kKeyTile], kKeyTile, 0, kKeyTile);
         }
         // Online softmax per row; masked keys (past the row's causal end) get weight 0.
@@ -843,7 +847,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
         for (int64_t r = 0; r < Rp; r += 8) {
             const int64_t rows = std::min<int64_t>(8, Rp - r);
             for (int64_t n0 = 0; n0 < D; n0 += 32)
-                kTilesOut<float>[rows](&pbuf[r * kKeyTile], kKeyTile, vpack.data() + (n0 / 16) * kKeyTile * 16,
+                kTiles<float>[rows](&pbuf[r * kKeyTile], kKeyTile, vpack.data() + (n0 / 16) * kKeyTile * 16,
                                        vpack.data() + (n0 / 16 + 1) * kKeyTile * 16, nullptr, &tmp[r * D], D, n0, D);
         }
         for (int64_t i = 0; i < R * D; i += 16)
@@ -969,10 +973,6 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
                    const T *sin, T *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_) {
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
-    const int64_t G = m.heads / std::max<int64_t>(m.kv_heads, 1);
-    if (m.heads % m.kv_heads || G > kMaxGroup || m.head_dim > kMaxDim || c.block_size > kMaxBlock ||
-        c.partition_size > kMaxPartition)
-        return 1;                                  // before any work: the caller runs its own path
     thread_local std::vector<T> scratch;           // qkv, attention out, o/down out, gate_up, act
     const int64_t need = T_ * (qkv_size + q_size + H + 3 * I);
     if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
