@@ -91,3 +91,21 @@ def test_rope_in_place_equals_reference(dtype, rows):
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(qkv[:, :rotated].reshape(rows, -1, head_dim), expected, **tol)
     torch.testing.assert_close(qkv[:, rotated:], untouched, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 7), (3, 16), (5, 49152), (64, 1000), (2, 33)])
+def test_argmax_rows_equals_torch(rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=g)
+    # Ties (the first one wins), a row of -inf, a NaN (it counts as the maximum), a maximum in
+    # the scalar tail past the last group of 16.
+    x[0, cols // 2] = x[0, cols - 1] = 10.0
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, cols // 3] = float("nan")
+        x[2, cols - 1] = float("nan")
+    if rows > 3:
+        x[3, cols - 1] = 50.0
+    assert torch.equal(cpu.argmax_rows(x), x.max(dim=-1).indices)
+    assert torch.equal(cpu.argmax_rows(x.bfloat16()), x.bfloat16().max(dim=-1).indices)   # torch path

@@ -49,6 +49,7 @@ _SIGNATURES = {
     "rope_inplace_bf16": [_P] + [_I] * 4 + [_P] * 2,
     "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
     "silu_and_mul_bf16": [_P] * 2 + [_I] * 2,
+    "argmax_rows_f32": [_P] + [_I] * 2 + [_P],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -313,3 +314,13 @@ def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tens
         return False
     fn(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(), sin.data_ptr())
     return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum (a NaN counts as the maximum), as torch's
+    x.max(dim=-1).indices; x: [N, V] float32."""
+    if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()) or load() is None:
+        return x.max(dim=-1).indices
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.cpu import argmax_rows
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -82,7 +83,7 @@ class Sampler:
 
     # ---- sampling ------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        tokens = logits.max(dim=-1).indices     # the first maximum, as argmax; 1.7x faster on CPU
+        tokens = argmax_rows(logits)            # the first maximum, as argmax (a vectorised kernel on CPU)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             return tokens
@@ -99,7 +100,7 @@ class Sampler:
         for j, i in enumerate(rand):
             if rows[i].generator is not None:
                 noise[j].exponential_(generator=rows[i].generator)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = argmax_rows(probs / noise)
         return tokens
 
     @staticmethod
