@@ -169,7 +169,8 @@ def main() -> None:
     ap.add_argument("--no-single", action="store_true", help="skip the single-request decode run")
     ap.add_argument("--quick", action="store_true", help="few short requests: a smoke run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default="benchmarks/results/throughput.json")
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/throughput[_alpaca][_fp32][_quick].json, "
+                    "one file per workload and dtype")
     args = ap.parse_args()
 
     from pagedserve import LLM
@@ -231,7 +232,8 @@ def main() -> None:
               f"{s['bound_ms_per_token']:.2f} ms/token at {s['read_bytes_s'] / 1e9:.1f} GB/s (best of "
               f"{'/'.join(f'{b / 1e9:.1f}' for b in s['read_bytes_s_measured'])}) -> "
               f"{100 * s['fraction_of_bound']:.0f}% of bound")
-    out = Path(args.json)
+    out = Path(args.json or "benchmarks/results/throughput" + ("" if args.workload == "sharegpt" else f"_{args.workload}")
+               + ("_fp32" if args.dtype == "float32" else "") + ("_quick" if args.quick else "") + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
