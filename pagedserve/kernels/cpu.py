@@ -319,8 +319,9 @@ def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tens
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """The index of each row's first maximum (a NaN counts as the maximum), as torch's
     x.max(dim=-1).indices; x: [N, V] float32."""
-    if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()) or load() is None:
+    fn = _kernel("argmax_rows", x) if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() else None
+    if fn is None:
         return x.max(dim=-1).indices
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    fn(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
