@@ -149,11 +149,11 @@ def test_tiled_bf16_prefill_equals_dense(kernel_variant, block_size, num_heads, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (4, 4, 128), (8, 1, 256), (2, 1, 48)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (4, 4, 128), (8, 1, 256), (3, 1, 80), (2, 1, 48)])
 def test_each_kernel_variant_equals_dense(kernel_variant, dtype, num_heads, num_kv_heads, head_dim):
     """Every CPU kernel variant this CPU runs (AVX-512 with and without BF16, AVX2, scalar):
     decode rows, prefill chunks, contexts over a partition, in both storage types; head dims
-    with a vector path and one without (48)."""
+    with a vector path and one without (48: the scalar loops)."""
     specs = [(0, 1), (5, 1), (40, 1), (300, 1), (600, 1), (0, 13), (9, 7), (31, 32), (64, 20)]
     cache, q, k, v, meta, history = make_batch(specs, 16, num_kv_heads, head_dim, num_heads, num_blocks=150)
     cache = cache.to(dtype).transpose(2, 3).contiguous().transpose(2, 3)   # head-major, as the CPU runner

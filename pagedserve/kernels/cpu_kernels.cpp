@@ -106,6 +106,21 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
     }
 }
 
+// Where the key and value rows of tokens t0..t1 of KV head h are: walks the block table.
+template <typename T>
+void row_pointers(const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t t1, int64_t h, Layout L,
+                  int64_t B, const T **krow, const T **vrow) {
+    for (int64_t t = 0, pos = t0; pos < t1;) {
+        const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
+        const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
+        for (int64_t c = 0; c < count; c++, t++) {
+            krow[t] = kc + row + c * L.token;
+            vrow[t] = vc + row + c * L.token;
+        }
+        pos += count;
+    }
+}
+
 #ifdef __AVX512F__
 // ---- AVX-512 path: vector exp, 16 lanes of the head dimension per register --------------------
 inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
@@ -300,15 +315,7 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
     thread_local std::vector<uint16_t> weights_bf16;
     if (kBf16Weights && static_cast<int64_t>(weights_bf16.size()) < G * W) weights_bf16.resize(G * W);
 #endif
-    for (int64_t t = 0, pos = t0; pos < t1;) {          // walk the block table
-        const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
-        const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
-        for (int64_t c = 0; c < count; c++, t++) {
-            krow[t] = kc + row + c * L.token;
-            vrow[t] = vc + row + c * L.token;
-        }
-        pos += count;
-    }
+    row_pointers(kc, vc, table, t0, t1, h, L, B, krow.data(), vrow.data());
     for (int64_t t = n; t < padded; t++) krow[t] = krow[0], vrow[t] = vrow[0];   // weights 0 below
     for (int64_t t = 0; t < std::min(kAhead, n); t++)
         for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
@@ -486,6 +493,75 @@ using Vec = VPortable;
 template <class V> typename V::reg round_as_v(typename V::reg x, const float *) { return x; }
 template <class V> typename V::reg round_as_v(typename V::reg x, const uint16_t *) { return V::round_bf16(x); }
 
+
+// ---- decode attention over V: the partition kernel of the other builds -----------------------
+// (AVX2; AVX-512 at head dims without a kernel above.) Same results as attend_partition_avx512:
+// each query head's scores (q in float32, keys converted in registers), softmax weights by the
+// vector exp, then the weighted sums of values, each value row loaded and converted once per
+// 4 W dims for 2 heads at a time (12 sums and 4 rows in AVX2's 16 registers).
+template <class V, int D, typename T>
+void attend_partition_vec(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
+                          int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
+    using R = typename V::reg;
+    constexpr int W = V::W, NR = D / W, NV = NR < 4 ? NR : 4, C = 2;
+    float *m = p, *l = p + G, *acc = p + 2 * G;
+    const int64_t n = t1 - t0, padded = (n + W - 1) / W * W;
+    thread_local std::vector<const T *> krow, vrow;
+    thread_local std::vector<float> sbuf;
+    if (static_cast<int64_t>(krow.size()) < n) krow.resize(n), vrow.resize(n);
+    if (static_cast<int64_t>(sbuf.size()) < G * padded) sbuf.resize(G * padded);
+    row_pointers(kc, vc, table, t0, t1, h, L, B, krow.data(), vrow.data());
+    for (int64_t g = 0; g < G; g++) {
+        float qg[D], *s = sbuf.data() + g * padded;
+        for (int d = 0; d < D; d++) qg[d] = to_f32(q[g * D + d]) * scale;
+        for (int64_t t = 0; t < n; t++) {
+            if (g == 0 && t + kAhead < n)
+                for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+                    V::prefetch(reinterpret_cast<const char *>(krow[t + kAhead]) + b);
+                    V::prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b);
+                }
+            R a0 = V::zero(), a1 = V::zero();
+            for (int j = 0; j < NR; j += 2) {
+                a0 = V::fmadd(V::load(qg + j * W), V::load(krow[t] + j * W), a0);
+                if (j + 1 < NR) a1 = V::fmadd(V::load(qg + (j + 1) * W), V::load(krow[t] + (j + 1) * W), a1);
+            }
+            s[t] = V::reduce_add(V::add(a0, a1));
+        }
+        for (int64_t t = n; t < padded; t++) s[t] = -INFINITY;
+        R mxv = V::load(s);
+        for (int64_t t = W; t < padded; t += W) mxv = V::max(mxv, V::load(s + t));
+        const float mx = V::reduce_max(mxv);
+        R sum = V::zero();
+        for (int64_t t = 0; t < padded; t += W) {      // padding: e^-inf = 0
+            const R w = V::exp(V::sub(V::load(s + t), V::set1(mx)));
+            V::store(s + t, w);
+            sum = V::add(sum, w);
+        }
+        m[g] = mx;
+        l[g] = V::reduce_add(sum);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += C) {
+        const int64_t heads = std::min<int64_t>(C, G - g0);
+        for (int d0 = 0; d0 < D; d0 += NV * W) {
+            R a[C][NV];
+            for (auto &row : a)
+                for (auto &x : row) x = V::zero();
+            for (int64_t t = 0; t < n; t++) {
+                R v[NV];
+                for (int j = 0; j < NV; j++) v[j] = d0 + j * W < D ? V::load(vrow[t] + d0 + j * W) : V::zero();
+                for (int c = 0; c < C && c < heads; c++) {
+                    const R w = V::set1(sbuf[(g0 + c) * padded + t]);
+                    for (int j = 0; j < NV; j++)
+                        if (d0 + j * W < D) a[c][j] = V::fmadd(w, v[j], a[c][j]);
+                }
+            }
+            for (int c = 0; c < heads; c++)
+                for (int j = 0; j < NV; j++)
+                    if (d0 + j * W < D) V::store(acc + (g0 + c) * D + d0 + j * W, a[c][j]);
+        }
+    }
+}
+
 // The partition kernel for this head dim: vectorised where the CPU and head dim allow.
 template <typename T>
 auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, const T *, const int64_t *, int64_t,
@@ -496,6 +572,16 @@ auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, c
         case 64: return attend_partition_avx512<2, T>;
         case 128: return attend_partition_avx512<4, T>;
         case 256: return attend_partition_avx512<8, T>;
+    }
+#endif
+#if defined(__AVX2__)
+    switch (D) {
+        case 32: return attend_partition_vec<Vec, 32, T>;
+        case 64: return attend_partition_vec<Vec, 64, T>;
+        case 80: return attend_partition_vec<Vec, 80, T>;
+        case 96: return attend_partition_vec<Vec, 96, T>;
+        case 128: return attend_partition_vec<Vec, 128, T>;
+        case 256: return attend_partition_vec<Vec, 256, T>;
     }
 #endif
     return nullptr;
