@@ -929,30 +929,26 @@ void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t 
         const T *yr = y ? y + r * H : nullptr;
         float sq = 0.f;
         int64_t i = 0;
-#ifdef __AVX512F__
-        __m512 acc = _mm512_setzero_ps();
-        for (; i + 16 <= H; i += 16) {
-            __m512 v = load16(xr + i);
+        Vec::reg acc = Vec::zero();
+        for (; i + Vec::W <= H; i += Vec::W) {
+            Vec::reg v = Vec::load(xr + i);
             if (yr) {
-                v = round_to(_mm512_add_ps(v, load16(yr + i)), xr);
-                store16(xr + i, v);
+                v = round_as_v<Vec>(Vec::add(v, Vec::load(yr + i)), xr);
+                Vec::store(xr + i, v);
             }
-            acc = _mm512_fmadd_ps(v, v, acc);
+            acc = Vec::fmadd(v, v, acc);
         }
-        sq = _mm512_reduce_add_ps(acc);
-#endif
+        sq = Vec::reduce_add(acc);
         for (; i < H; i++) {
             if (yr) store(xr + i, to_f32(xr[i]) + to_f32(yr[i]));
             sq += to_f32(xr[i]) * to_f32(xr[i]);
         }
         const float inv = 1.f / std::sqrt(sq / H + eps);
         i = 0;
-#ifdef __AVX512F__
-        for (; i + 16 <= H; i += 16) {
-            const __m512 normed = round_to(_mm512_mul_ps(load16(xr + i), _mm512_set1_ps(inv)), xr);
-            store16(out + r * H + i, _mm512_mul_ps(load16(weight + i), normed));
+        for (; i + Vec::W <= H; i += Vec::W) {
+            const Vec::reg normed = round_as_v<Vec>(Vec::mul(Vec::load(xr + i), Vec::set1(inv)), xr);
+            Vec::store(out + r * H + i, Vec::mul(Vec::load(weight + i), normed));
         }
-#endif
         for (; i < H; i++) store(out + r * H + i, to_f32(weight[i]) * round_as(to_f32(xr[i]) * inv, xr));
     }
 }
@@ -967,14 +963,12 @@ void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
         const T *g = gate_up + r * 2 * I, *u = g + I;
         T *o = out + r * I;
         int64_t i = 0;
-#ifdef __AVX512F__
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = load16(g + i);
-            const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o);
-            store16(o + i, _mm512_mul_ps(sv, load16(u + i)));
+        for (; i + Vec::W <= I; i += Vec::W) {
+            const Vec::reg gv = Vec::load(g + i);
+            const Vec::reg e = Vec::exp_any(Vec::sub(Vec::zero(), gv));
+            const Vec::reg sv = round_as_v<Vec>(Vec::div(gv, Vec::add(Vec::set1(1.f), e)), o);
+            Vec::store(o + i, Vec::mul(sv, Vec::load(u + i)));
         }
-#endif
         for (; i < I; i++) {
             T rounded;
             store(&rounded, silu(to_f32(g[i])));
@@ -1058,6 +1052,15 @@ extern "C" int argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64
         }
         best = _mm512_reduce_max_ps(mx);
         nan = unordered != 0;
+#elif defined(__AVX2__)
+        __m256 mx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mx = _mm256_max_ps(mx, v);
+        }
+        best = V8::reduce_max(mx);
+        nan = _mm256_movemask_ps(unordered) != 0;
 #endif
         for (; i < cols; i++) {
             nan |= std::isnan(xr[i]);
@@ -1069,6 +1072,12 @@ extern "C" int argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64
         for (; i + 16 <= cols; i += 16) {   // stop at the first group of 16 that holds it
             const __m512 v = _mm512_loadu_ps(xr + i);
             if (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ)) break;
+        }
+#elif defined(__AVX2__)
+        const __m256 target = _mm256_set1_ps(best);
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            if (_mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ))) break;
         }
 #endif
         while (i < cols && !(nan ? std::isnan(xr[i]) : xr[i] == best)) i++;
