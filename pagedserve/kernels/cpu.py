@@ -1,12 +1,21 @@
-"""Hand-written CPU kernels (cpu_kernels.cpp), compiled once per machine, called via ctypes:
-paged attention (decode rows; prefill chunks in tiles of queries x keys in bf16, else token
-by token), writing K/V into their slots, bf16 and float32 GEMMs over weights packed once at
-load, the fused element-wise layers (residual add + RMSNorm, RoPE in place, SiLU-and-mul), and
-the loop over all decoder layers as one call (DecoderLayers). Vector paths use AVX-512
-(AVX512-BF16 for the bf16 GEMM and prefill tiles); other CPUs get the scalar paths or torch.
+"""Hand-written CPU kernels (cpu_kernels.cpp), compiled per CPU family, called via ctypes:
+paged attention (decode rows; prefill chunks in tiles of queries x keys where the build has
+them, else token by token), writing K/V into their slots, bf16 and float32 GEMMs over weights
+packed once at load, the fused element-wise layers (residual add + RMSNorm, RoPE in place,
+SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers).
 
-The source is compiled with the system C++ compiler for this CPU (-march=native) on first
-use and cached under ~/.cache/pagedserve/kernels; no torch headers and no build step at
+Variants (VARIANTS): the same source compiled with each family's target flags, which select
+its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
+attention), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
+8-lane float32 FMAs, bf16 converted in registers as llama.cpp does; prefill tokens go through
+the decode kernel), `scalar` (plain loops, the compiler's baseline target). The best one this
+CPU's flags allow is loaded at first use; $PAGEDSERVE_CPU_KERNELS=<name> forces one (refused
+if the CPU lacks its flags), and tests run every variant the CPU supports (using_variant).
+Every variant packs weights alike and computes in float32 (bf16 storage: rounded where the
+reference rounds), so `auto` keeps bf16 weights on every CPU with kernels (auto_keeps_bf16).
+
+Only the chosen variant is compiled, with the system C++ compiler on first use, and cached
+under ~/.cache/pagedserve/kernels by source and flags; no torch headers and no build step at
 install time. Where it cannot be built, callers fall back to plain torch (with a warning).
 """
 from __future__ import annotations
@@ -120,6 +129,18 @@ def choose_variant() -> str:
         raise RuntimeError(f"{ENV_VARIANT}={forced}: this CPU lacks {', '.join(missing_flags(forced))}; "
                            f"it supports {', '.join(supported_variants())}")
     return forced
+
+
+def describe() -> dict:
+    """What benchmarks record beside their numbers: the variant in use, the ones this CPU
+    supports, its model name and its vector feature flags."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return dict(cpu_kernels=variant(), cpu_kernels_supported=supported_variants(), cpu_model=model,
+                cpu_flags=sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))))
 
 
 def variant() -> str | None:
