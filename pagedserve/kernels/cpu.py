@@ -206,10 +206,16 @@ def load_variant(name: str) -> ctypes.CDLL | None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The active variant's library (chosen by choose_variant on first call); None if it
-    cannot be built."""
+    """The active variant's library (chosen by choose_variant on first call; where the best
+    one fails to build, e.g. a compiler without -mavx512bf16, the next one); None if none can
+    be built."""
     if _active is None:
-        use_variant(choose_variant())
+        chosen = choose_variant()
+        forced = os.environ.get(ENV_VARIANT, "").strip().lower() not in ("", "auto")
+        candidates = supported_variants()
+        for name in [chosen] if forced else candidates[candidates.index(chosen):]:
+            if use_variant(name) is not None:
+                break
     return _lib
 
 
