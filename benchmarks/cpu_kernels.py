@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,8 +97,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--json", default="benchmarks/results/cpu_kernels.json")
+    ap.add_argument("--cpu-kernels", default=None, choices=["auto", *(v.name for v in cpu.VARIANTS)],
+                    help="CPU kernel variant (default: $PAGEDSERVE_CPU_KERNELS, else the best this CPU runs)")
     args = ap.parse_args()
-    result = dict(threads=torch.get_num_threads(), linear=[], attention=[])
+    if args.cpu_kernels:
+        os.environ[cpu.ENV_VARIANT] = args.cpu_kernels
+    result = dict(threads=torch.get_num_threads(), **cpu.describe(), linear=[], attention=[])
+    print(f"CPU kernels: {result['cpu_kernels']} ({result['cpu_model']}; {' '.join(result['cpu_flags'])})")
     print(f"{torch.get_num_threads()} threads; 30 layers of the default model's shapes per call")
     for dtype in (torch.bfloat16, torch.float32):
         rows = bench_linear(dtype, args.rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import sys
 import time
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import TraceRequest, make_trace  # noqa: E402
+from pagedserve.kernels import cpu  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -171,7 +173,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="default: benchmarks/results/throughput[_alpaca][_fp32][_quick].json, "
                     "one file per workload and dtype")
+    ap.add_argument("--cpu-kernels", default=None, choices=["auto", *(v.name for v in cpu.VARIANTS)],
+                    help="CPU kernel variant (default: $PAGEDSERVE_CPU_KERNELS, else the best this CPU runs)")
     args = ap.parse_args()
+    if args.cpu_kernels:
+        os.environ[cpu.ENV_VARIANT] = args.cpu_kernels
 
     from pagedserve import LLM
     dtype = DTYPES[args.dtype]
@@ -185,7 +191,10 @@ def main() -> None:
             r.output_len = min(r.output_len, 16)
 
     print(f"calibrating: {torch.get_num_threads()} threads ...", flush=True)
-    rate = matmul_rate(dtype)
+    # The rate the run is held to: torch's matmul in the run's dtype, but float32 where our
+    # kernels compute bf16 in float32 (no AVX512-BF16: torch's own bf16 matmul there is a cliff).
+    rate_dtype = torch.float32 if dtype == torch.bfloat16 and cpu.variant() != "avx512bf16" else dtype
+    rate = matmul_rate(rate_dtype)
     bw = read_bandwidth()
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -197,14 +206,15 @@ def main() -> None:
     ours = run_pagedserve(llm, trace)
     # The VM's speed drifts: the rate is also measured right after the run, and the higher of
     # the two readings is the one the run is held to.
-    rates = [rate, matmul_rate(dtype)]
+    rates = [rate, matmul_rate(rate_dtype)]
     rate = max(rates)
     ours["flops"] = flops
     ours["fraction_of_matmul_rate"] = flops / ours["seconds"] / rate
     result = dict(workload=args.workload, num_requests=n, dtype=args.dtype, threads=torch.get_num_threads(),
-                  matmul_flop_s=rate, matmul_flop_s_measured=rates, read_bytes_s=bw, load_seconds=load_s,
+                  matmul_flop_s=rate, matmul_flop_s_measured=rates, matmul_dtype=str(rate_dtype),
+                  read_bytes_s=bw, load_seconds=load_s,
                   mean_prompt_len=ours["prompt_tokens"] / n, mean_output_len=ours["output_tokens"] / n,
-                  pagedserve=ours)
+                  pagedserve=ours, **cpu.describe())
     if not args.no_single:
         result["single_decode"] = run_single_decode(llm, 128, 16 if args.quick else 256, bw)
     if args.baseline == "hf":
@@ -214,9 +224,11 @@ def main() -> None:
         result["hf_static"] = hf_res
         result["speedup_output_tok_s"] = ours["output_tok_s"] / hf_res["output_tok_s"]
 
+    print(f"CPU kernels: {result['cpu_kernels']} ({result['cpu_model']}; {' '.join(result['cpu_flags'])})")
     print(f"\n{args.workload}: {n} requests, mean {result['mean_prompt_len']:.0f} in / "
           f"{result['mean_output_len']:.0f} out, {args.dtype}, {result['threads']} threads")
-    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s ({args.dtype}; best of {rates[0] / 1e9:.0f} before and "
+    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s ({str(rate_dtype).removeprefix('torch.')}; best of "
+          f"{rates[0] / 1e9:.0f} before and "
           f"{rates[1] / 1e9:.0f} after the run), read {bw / 1e9:.1f} GB/s; engine load {load_s:.1f}s")
     print(f"{'system':<28}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'% matmul':>10}")
     rows = [("pagedserve", ours)] + ([("transformers static (bs %d)" % args.hf_batch_size, result["hf_static"])]

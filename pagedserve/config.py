@@ -72,14 +72,14 @@ class EngineConfig:
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
-def resolve_dtype(name: str, model_default: torch.dtype | None) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype, with float16 turned into bfloat16 on CPU
-    (CPUs have fast bf16 matmuls, not fp16)."""
+def resolve_dtype(name: str, model_default: torch.dtype | None, bf16_is_fast: bool = True) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, with float16 turned into bfloat16 (CPUs have fast
+    bf16 paths, not fp16), and bfloat16 into float32 where `bf16_is_fast` says the device
+    has no fast bf16 matmul (kernels.cpu.auto_keeps_bf16 on CPU)."""
     if name != "auto":
         return _DTYPES[name]
-    if model_default in (None, torch.float16):
-        return torch.bfloat16
-    return model_default
+    dtype = torch.bfloat16 if model_default in (None, torch.float16) else model_default
+    return torch.float32 if dtype == torch.bfloat16 and not bf16_is_fast else dtype
 
 
 def cache_dir(*parts: str) -> Path:

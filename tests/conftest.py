@@ -164,3 +164,28 @@ PROMPTS = [
     "one",
     "Keys and values",
 ]
+
+
+def _run_kernel_variant(name: str):
+    """Make CPU kernel variant `name` the one pagedserve calls, for one test; skipped (naming
+    the missing CPU flags) where this CPU cannot run it."""
+    from pagedserve.kernels import cpu
+    missing = cpu.missing_flags(name)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (kernel variant {name})")
+    with cpu.using_variant(name) as lib:
+        assert lib is not None, f"kernel variant {name} failed to build"
+        assert lib.kernel_variant().decode().startswith(name)
+        yield name
+
+
+@pytest.fixture(params=["avx512bf16", "avx512", "avx2", "scalar"])
+def kernel_variant(request):
+    """Each CPU kernel variant in turn (kernels/cpu.py VARIANTS), for kernel-level tests."""
+    yield from _run_kernel_variant(request.param)
+
+
+@pytest.fixture
+def avx2_kernels():
+    """The AVX2 kernel variant, as a CPU without AVX-512 runs it."""
+    yield from _run_kernel_variant("avx2")

@@ -125,13 +125,13 @@ def test_long_contexts_split_and_merged(specs):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 64), (4, 4, 128), (6, 2, 32)])
-def test_tiled_bf16_prefill_equals_dense(block_size, num_heads, num_kv_heads, head_dim):
+def test_tiled_bf16_prefill_equals_dense(kernel_variant, block_size, num_heads, num_kv_heads, head_dim):
     """bf16 prefill chunks go through the tiled kernel (16 query tokens x 32 keys at a time,
     online softmax): chunks shorter and longer than a tile, with and without cached context,
     after decode rows. Without the per-token view the kernel has no fallback, so a result
     proves the tiled path ran."""
-    if not cpu._has_gemm(torch.bfloat16):
-        pytest.skip("this CPU lacks AVX512-BF16")
+    if kernel_variant not in cpu.TILED_PREFILL_VARIANTS:
+        pytest.skip(f"the {kernel_variant} kernels have no tiled prefill (prefill tokens use the decode kernel)")
     specs = [(5, 1), (300, 1), (0, 1), (0, 100), (37, 50), (300, 33), (15, 17), (0, 3)]   # decodes first
     cache, q, k, v, meta, history = make_batch(specs, block_size, num_kv_heads, head_dim, num_heads,
                                                num_blocks=1200 // block_size + 64)
@@ -146,3 +146,22 @@ def test_tiled_bf16_prefill_equals_dense(block_size, num_heads, num_kv_heads, he
         s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         ref = dense_reference(q[s:e].float(), history[i][0].bfloat16().float(), history[i][1].bfloat16().float(), scale)
         torch.testing.assert_close(out[s:e].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (4, 4, 128), (8, 1, 256), (3, 1, 80), (2, 1, 48)])
+def test_each_kernel_variant_equals_dense(kernel_variant, dtype, num_heads, num_kv_heads, head_dim):
+    """Every CPU kernel variant this CPU runs (AVX-512 with and without BF16, AVX2, scalar):
+    decode rows, prefill chunks, contexts over a partition, in both storage types; head dims
+    with a vector path and one without (48: the scalar loops)."""
+    specs = [(0, 1), (5, 1), (40, 1), (300, 1), (600, 1), (0, 13), (9, 7), (31, 32), (64, 20)]
+    cache, q, k, v, meta, history = make_batch(specs, 16, num_kv_heads, head_dim, num_heads, num_blocks=150)
+    cache = cache.to(dtype).transpose(2, 3).contiguous().transpose(2, 3)   # head-major, as the CPU runner
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = head_dim ** -0.5
+    out = CpuAttention().forward(q, k, v, cache, meta, scale)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for i in range(len(specs)):
+        s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        hk, hv = (t.to(dtype).float() for t in history[i])
+        torch.testing.assert_close(out[s:e].float(), dense_reference(q[s:e].float(), hk, hv, scale), **tol)

@@ -7,16 +7,38 @@ from pagedserve.kernels import cpu
 
 
 def test_kernels_compile_here():
-    """CI machines have g++: the compiled kernels must be what the CPU paths run."""
+    """CI machines have g++: the compiled kernels must be what the CPU paths run, the best
+    variant this CPU supports unless $PAGEDSERVE_CPU_KERNELS forces one."""
     assert cpu.load() is not None
+    assert cpu.variant() == cpu.choose_variant()
+    assert cpu.supported_variants()[-1] == "scalar"
+
+
+def test_each_variant_runs_its_own_code_paths(kernel_variant):
+    """A forced variant is really that build: the library reports the vector paths that the
+    compiler's target flags enabled."""
+    assert cpu.variant() == kernel_variant
+    assert cpu.load().kernel_variant().decode() == f"{kernel_variant} ({kernel_variant} paths)"
+
+
+def test_forcing_a_variant_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))
+    monkeypatch.setenv(cpu.ENV_VARIANT, "avx512bf16")
+    with pytest.raises(RuntimeError, match="lacks avx512_bf16, avx512bw, avx512dq, avx512f, avx512vl"):
+        cpu.choose_variant()
+    monkeypatch.setenv(cpu.ENV_VARIANT, "avx3")
+    with pytest.raises(ValueError, match="avx512bf16, avx512, avx2, scalar"):
+        cpu.choose_variant()
+    monkeypatch.setenv(cpu.ENV_VARIANT, "auto")
+    assert cpu.choose_variant() == "avx2"
+    monkeypatch.delenv(cpu.ENV_VARIANT)
+    assert cpu.choose_variant() == "avx2"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 37])
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 46), (1728, 1536), (33, 32), (7, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_bf16_linear_equals_float_reference(rows, n, k, bias):
-    if not cpu._has_gemm(torch.bfloat16):
-        pytest.skip("this CPU lacks AVX512-BF16: bf16 linears stay torch's")
+def test_packed_bf16_linear_equals_float_reference(kernel_variant, rows, n, k, bias):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
@@ -33,9 +55,7 @@ def test_packed_bf16_linear_equals_float_reference(rows, n, k, bias):
 
 @pytest.mark.parametrize("rows", [1, 5, 9, 64])
 @pytest.mark.parametrize("n,k", [(50, 96), (576, 576), (33, 7)])
-def test_packed_float32_linear_equals_torch(rows, n, k):
-    if not cpu._has_gemm(torch.float32):
-        pytest.skip("this CPU lacks AVX-512: float32 linears stay torch's")
+def test_packed_float32_linear_equals_torch(kernel_variant, rows, n, k):
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     packed = cpu.pack_weight(w)
     assert isinstance(packed, cpu.PackedWeight)
@@ -53,7 +73,7 @@ def test_plain_and_odd_width_weights_use_torch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (7, 100), (300, 576)])
-def test_fused_add_rms_norm_equals_torch(dtype, rows, width):
+def test_fused_add_rms_norm_equals_torch(kernel_variant, dtype, rows, width):
     g = torch.Generator().manual_seed(rows + width)
     x, y = torch.randn(rows, width, generator=g).to(dtype), torch.randn(rows, width, generator=g).to(dtype)
     w = torch.randn(width, generator=g).to(dtype)
@@ -68,7 +88,7 @@ def test_fused_add_rms_norm_equals_torch(dtype, rows, width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (5, 40), (129, 1536)])
-def test_fused_silu_and_mul_equals_torch(dtype, rows, width):
+def test_fused_silu_and_mul_equals_torch(kernel_variant, dtype, rows, width):
     gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 6).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -77,7 +97,7 @@ def test_fused_silu_and_mul_equals_torch(dtype, rows, width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 9, 300])
-def test_rope_in_place_equals_reference(dtype, rows):
+def test_rope_in_place_equals_reference(kernel_variant, dtype, rows):
     from pagedserve.models.layers import RotaryEmbedding, apply_rope
     heads, kv_heads, head_dim = 6, 2, 64
     g = torch.Generator().manual_seed(rows)
@@ -94,7 +114,7 @@ def test_rope_in_place_equals_reference(dtype, rows):
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 7), (3, 16), (5, 49152), (64, 1000), (2, 33)])
-def test_argmax_rows_equals_torch(rows, cols):
+def test_argmax_rows_equals_torch(kernel_variant, rows, cols):
     g = torch.Generator().manual_seed(rows * cols)
     x = torch.randn(rows, cols, generator=g)
     # Ties (the first one wins), a row of -inf, a NaN (it counts as the maximum), a maximum in

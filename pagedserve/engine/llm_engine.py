@@ -43,7 +43,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.device = resolve_device(config.device)
         attention = make_attention_backend(config.attention_backend, self.device)
-        model, args, dtype = load_model(path, config.dtype, attention, config.max_model_len)
+        model, args, dtype = load_model(path, config.dtype, attention, config.max_model_len, self.device)
         free_before_load = free_device_memory(self.device)
         model.to(self.device)
         if self.device.type == "cpu":

@@ -1,16 +1,26 @@
-"""Hand-written CPU kernels (cpu_kernels.cpp), compiled once per machine, called via ctypes:
-paged attention (decode rows; prefill chunks in tiles of queries x keys in bf16, else token
-by token), writing K/V into their slots, bf16 and float32 GEMMs over weights packed once at
-load, the fused element-wise layers (residual add + RMSNorm, RoPE in place, SiLU-and-mul), and
-the loop over all decoder layers as one call (DecoderLayers). Vector paths use AVX-512
-(AVX512-BF16 for the bf16 GEMM and prefill tiles); other CPUs get the scalar paths or torch.
+"""Hand-written CPU kernels (cpu_kernels.cpp), compiled per CPU family, called via ctypes:
+paged attention (decode rows; prefill chunks in tiles of queries x keys where the build has
+them, else token by token), writing K/V into their slots, bf16 and float32 GEMMs over weights
+packed once at load, the fused element-wise layers (residual add + RMSNorm, RoPE in place,
+SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers).
 
-The source is compiled with the system C++ compiler for this CPU (-march=native) on first
-use and cached under ~/.cache/pagedserve/kernels; no torch headers and no build step at
+Variants (VARIANTS): the same source compiled with each family's target flags, which select
+its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
+attention), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
+8-lane float32 FMAs, bf16 converted in registers as llama.cpp does; prefill tokens go through
+the decode kernel), `scalar` (plain loops, the compiler's baseline target). The best one this
+CPU's flags allow is loaded at first use; $PAGEDSERVE_CPU_KERNELS=<name> forces one (refused
+if the CPU lacks its flags), and tests run every variant the CPU supports (using_variant).
+Every variant packs weights alike and computes in float32 (bf16 storage: rounded where the
+reference rounds), so `auto` keeps bf16 weights on every CPU with kernels (auto_keeps_bf16).
+
+Only the chosen variant is compiled, with the system C++ compiler on first use, and cached
+under ~/.cache/pagedserve/kernels by source and flags; no torch headers and no build step at
 install time. Where it cannot be built, callers fall back to plain torch (with a warning).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -31,8 +41,34 @@ from pagedserve.config import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-semantic-interposition"]
 PARTITION_SIZE = 256      # context tokens per decode-attention work item
+ENV_VARIANT = "PAGEDSERVE_CPU_KERNELS"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of cpu_kernels.cpp: the compiler's target flags (they select the source's
+    code paths through __AVX512BF16__ / __AVX512F__ / __AVX2__) and the CPU flags (as
+    /proc/cpuinfo names them) it needs."""
+    name: str
+    target_flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+VARIANTS = (     # best first
+    Variant("avx512bf16", _AVX512 + ("-mavx512bf16",),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")),
+    Variant("avx512", _AVX512, ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")),
+    Variant("avx2", _AVX2, ("avx2", "fma", "f16c")),
+    Variant("scalar", (), ()),     # the compiler's baseline for this architecture (x86-64: SSE2)
+)
+_BY_NAME = {v.name: v for v in VARIANTS}
+TILED_PREFILL_VARIANTS = ("avx512bf16",)    # the others run prefill tokens through the decode kernel
+if platform.machine() not in ("x86_64", "AMD64"):
+    VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -53,47 +89,155 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
-_lib: ctypes.CDLL | None = None
-_load_failed = False
+_libs: dict[str, ctypes.CDLL | None] = {}     # per variant; None: it failed to build or load
+_active: str | None = None                    # the variant the wrappers below call
+_lib: ctypes.CDLL | None = None               # its library
 
 
-def _cpu_signature() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read:
+    then torch's own view of the CPU stands in)."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        return frozenset(line.split(":", 1)[1].split())
     except (OSError, StopIteration):
-        flags = ""
-    return platform.machine() + flags
+        capability = torch.backends.cpu.get_cpu_capability()      # "AVX512", "AVX2", "DEFAULT", ...
+        return frozenset(VARIANTS[1].cpu_flags if capability == "AVX512" else
+                         VARIANTS[2].cpu_flags if capability == "AVX2" else ())
+
+
+def supported_variants() -> list[str]:
+    """The variants this CPU can run, best first (always ends with `scalar`)."""
+    return [v.name for v in VARIANTS if set(v.cpu_flags) <= cpu_flags()]
+
+
+def missing_flags(name: str) -> list[str]:
+    """The CPU flags variant `name` needs that this CPU lacks."""
+    return sorted(set(_BY_NAME[name].cpu_flags) - cpu_flags())
+
+
+def choose_variant() -> str:
+    """$PAGEDSERVE_CPU_KERNELS if set (refused if this CPU cannot run it), else the best the
+    CPU supports."""
+    forced = os.environ.get(ENV_VARIANT, "").strip().lower()
+    if not forced or forced == "auto":
+        return supported_variants()[0]
+    if forced not in _BY_NAME:
+        raise ValueError(f"{ENV_VARIANT}={forced!r}: expected one of auto, {', '.join(_BY_NAME)}")
+    if missing_flags(forced):
+        raise RuntimeError(f"{ENV_VARIANT}={forced}: this CPU lacks {', '.join(missing_flags(forced))}; "
+                           f"it supports {', '.join(supported_variants())}")
+    return forced
+
+
+def describe() -> dict:
+    """What benchmarks record beside their numbers: the variant in use, the ones this CPU
+    supports, its model name and its vector feature flags."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return dict(cpu_kernels=variant(), cpu_kernels_supported=supported_variants(), cpu_model=model,
+                cpu_flags=sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))))
+
+
+def variant() -> str | None:
+    """The kernel variant in use (after load()), or None where none could be loaded."""
+    return _active if load() is not None else None
+
+
+# CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16): True keeps bf16 weights (half the
+# bytes to stream per token) with float32 arithmetic in our kernels; False stores float32.
+BF16_STORAGE_WITHOUT_BF16_ARITHMETIC = True
+
+
+def auto_keeps_bf16() -> bool:
+    """Whether dtype `auto` keeps a bf16 (or fp16) checkpoint in bf16 on this CPU: where our
+    kernels run (every variant has a bf16 GEMM; float32 arithmetic but for avx512bf16), per
+    BF16_STORAGE_WITHOUT_BF16_ARITHMETIC; without them only with native bf16, since torch's
+    own bf16 matmul elsewhere runs at ~1.5% of its float32 rate."""
+    if load() is None:
+        return "avx512_bf16" in cpu_flags()
+    return _active == "avx512bf16" or BF16_STORAGE_WITHOUT_BF16_ARITHMETIC
+
+
+def _build(v: Variant) -> Path:
+    """Compile variant v once (cached by source and flags; processes may race: atomic rename)."""
+    flags = [*COMMON_FLAGS, *v.target_flags, f"-DPAGEDSERVE_VARIANT=\"{v.name}\""]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
+    path = cache_dir("kernels") / f"cpu_kernels-{v.name}-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) found")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        tmp_so = Path(tmp) / path.name
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp_so)], check=True, capture_output=True,
+                       text=True)
+        os.replace(tmp_so, path)
+    return path
+
+
+def load_variant(name: str) -> ctypes.CDLL | None:
+    """Variant `name`'s library, compiled on first use; None (with a warning) if it cannot be
+    built. Raises where this CPU cannot run it."""
+    if name in _libs:
+        return _libs[name]
+    if missing_flags(name):
+        raise RuntimeError(f"CPU kernel variant {name!r} needs {', '.join(missing_flags(name))}, which this CPU lacks")
+    lib = None
+    try:
+        lib = ctypes.CDLL(str(_build(_BY_NAME[name])))
+        for fn_name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, fn_name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
+        lib.kernel_variant.restype = ctypes.c_char_p
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("CPU kernels (%s) unavailable, using slower torch paths: %s", name, detail[-2000:])
+        lib = None
+    _libs[name] = lib
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
-    """Compile (once per source and CPU) and load the library; None if impossible."""
-    global _lib, _load_failed
-    if _lib is not None or _load_failed:
-        return _lib
-    try:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
-        path = cache_dir("kernels") / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-        if not path.exists():
-            compiler = shutil.which("g++") or shutil.which("c++")
-            if compiler is None:
-                raise RuntimeError("no C++ compiler (g++) found")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:   # atomic: processes may race
-                tmp_so = Path(tmp) / path.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_so)], check=True,
-                               capture_output=True, text=True)
-                os.replace(tmp_so, path)
-        lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
-        _lib = lib
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("CPU kernels unavailable, using slower torch paths: %s", detail[-2000:])
-        _load_failed = True
+    """The active variant's library (chosen by choose_variant on first call; where the best
+    one fails to build, e.g. a compiler without -mavx512bf16, the next one); None if none can
+    be built."""
+    if _active is None:
+        chosen = choose_variant()
+        forced = os.environ.get(ENV_VARIANT, "").strip().lower() not in ("", "auto")
+        candidates = supported_variants()
+        for name in [chosen] if forced else candidates[candidates.index(chosen):]:
+            if use_variant(name) is not None:
+                break
     return _lib
+
+
+def use_variant(name: str) -> ctypes.CDLL | None:
+    """Make variant `name` the one every wrapper below calls (tests and benchmarks run each
+    variant the CPU supports). Weights packed before stay valid: every variant packs alike."""
+    global _active, _lib
+    _active, _lib = name, load_variant(name)
+    _compiled.cache_clear()
+    return _lib
+
+
+@contextlib.contextmanager
+def using_variant(name: str):
+    """Run a block with variant `name` active, then restore the previous one."""
+    previous = _active
+    use_variant(name)
+    try:
+        yield _lib
+    finally:
+        if previous is not None:
+            use_variant(previous)
 
 
 class AttentionRows(ctypes.Structure):
@@ -166,7 +310,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 class PackedWeight:
     """A linear layer's weight [N, K], packed once at load into the tiles of our GEMM: 16
     output columns at a time, bf16 as [N/16, K/2, 16, 2] (pairs along K, the operand of the
-    AVX512-BF16 dot product), float32 as [N/16, K, 16]; N padded to a multiple of 32."""
+    AVX512-BF16 dot product; other variants split each pair into even and odd K in registers),
+    float32 as [N/16, K, 16]; N padded to a multiple of 32. The same for every variant."""
     data: torch.Tensor
     out_features: int
     in_features: int
@@ -175,9 +320,9 @@ class PackedWeight:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     """`weight` [N, K] packed for repeated products (torch's GEMM repacks weights on every
     call: 1.2-2x slower over a model's weights at 1-1024 rows). The plain weight where our GEMM
-    does not run (another device or dtype, odd K in bf16, a CPU without the instructions)."""
+    does not run (another device or dtype, odd K in bf16, no compiled kernels)."""
     n, k = weight.shape
-    if not weight.is_cpu or not _has_gemm(weight.dtype) or (weight.dtype == torch.bfloat16 and k % 2):
+    if not weight.is_cpu or _kernel("linear_packed", weight) is None or (weight.dtype == torch.bfloat16 and k % 2):
         return weight
     padded = torch.zeros(-(-n // 32) * 32, k, dtype=weight.dtype)
     padded[:n] = weight
@@ -186,15 +331,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     else:
         tiles = padded.view(-1, 16, k).transpose(1, 2)
     return PackedWeight(tiles.contiguous(), n, k)
-
-
-@functools.cache
-def _has_gemm(dtype: torch.dtype) -> bool:
-    """Whether our GEMM for `dtype` runs here (AVX-512; AVX512-BF16 for bf16): one tiny product."""
-    x, w, y = torch.zeros(1, 2, dtype=dtype), torch.zeros(32, 2, dtype=dtype), \
-        torch.empty(1, 1, dtype=dtype)       # held: the kernel must not see freed memory
-    fn = _kernel("linear_packed", x)
-    return fn is not None and fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, 1, 2) == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

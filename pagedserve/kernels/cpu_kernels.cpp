@@ -20,9 +20,27 @@
 #include <vector>
 
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#ifndef PAGEDSERVE_VARIANT
+#define PAGEDSERVE_VARIANT "native"
+#endif
+// The build this is (kernels/cpu.py compiles one per CPU family and passes its name), and the
+// vector paths the compiler's target flags enabled: what tests check a forced variant ran.
+extern "C" const char *kernel_variant() {
+    return PAGEDSERVE_VARIANT
+#if defined(__AVX512BF16__)
+        " (avx512bf16 paths)";
+#elif defined(__AVX512F__)
+        " (avx512 paths)";
+#elif defined(__AVX2__)
+        " (avx2 paths)";
+#else
+        " (scalar paths)";
+#endif
+}
 
 namespace {
 
@@ -85,6 +103,21 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
             l[g] = sum;
         }
         start += n;
+    }
+}
+
+// Where the key and value rows of tokens t0..t1 of KV head h are: walks the block table.
+template <typename T>
+void row_pointers(const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t t1, int64_t h, Layout L,
+                  int64_t B, const T **krow, const T **vrow) {
+    for (int64_t t = 0, pos = t0; pos < t1;) {
+        const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
+        const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
+        for (int64_t c = 0; c < count; c++, t++) {
+            krow[t] = kc + row + c * L.token;
+            vrow[t] = vc + row + c * L.token;
+        }
+        pos += count;
     }
 }
 
@@ -282,15 +315,7 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
     thread_local std::vector<uint16_t> weights_bf16;
     if (kBf16Weights && static_cast<int64_t>(weights_bf16.size()) < G * W) weights_bf16.resize(G * W);
 #endif
-    for (int64_t t = 0, pos = t0; pos < t1;) {          // walk the block table
-        const int64_t off = pos % B, count = std::min(B - off, t1 - pos);
-        const int64_t row = table[pos / B] * L.block + off * L.token + h * L.head;
-        for (int64_t c = 0; c < count; c++, t++) {
-            krow[t] = kc + row + c * L.token;
-            vrow[t] = vc + row + c * L.token;
-        }
-        pos += count;
-    }
+    row_pointers(kc, vc, table, t0, t1, h, L, B, krow.data(), vrow.data());
     for (int64_t t = n; t < padded; t++) krow[t] = krow[0], vrow[t] = vrow[0];   // weights 0 below
     for (int64_t t = 0; t < std::min(kAhead, n); t++)
         for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
@@ -334,6 +359,209 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
 }
 #endif
 
+// ---- float32 vectors of each build, one interface ---------------------------------------------
+// Kernels written once over `V` (V16: AVX-512, V8: AVX2+FMA, VPortable: plain loops the compiler
+// vectorises as it can) run on every CPU family: W float32 lanes; bf16 values are converted in
+// registers (a 16-bit shift) and all arithmetic is float32, as on CPUs without bf16 arithmetic.
+// Softmax e^x for x <= 0 (exp) and for any x (exp_any): x = n ln2 + r (ln2 split in two so r
+// is exact), e^r by its Taylor series to degree 7 (relative error < 1e-8), times 2^n.
+struct VPortable {
+    static constexpr int W = 8;
+    struct reg { float v[W]; };
+    template <typename F> static reg map(F f) { reg r; for (int i = 0; i < W; i++) r.v[i] = f(i); return r; }
+    static reg zero() { return set1(0.f); }
+    static reg set1(float x) { return map([&](int) { return x; }); }
+    static reg load(const float *p) { return map([&](int i) { return p[i]; }); }
+    static reg load(const uint16_t *p) { return map([&](int i) { return to_f32(p[i]); }); }
+    static void load_pairs(const uint16_t *p, reg &even, reg &odd) {   // W (even, odd) bf16 pairs
+        even = map([&](int i) { return to_f32(p[2 * i]); });
+        odd = map([&](int i) { return to_f32(p[2 * i + 1]); });
+    }
+    static reg add(reg a, reg b) { return map([&](int i) { return a.v[i] + b.v[i]; }); }
+    static reg sub(reg a, reg b) { return map([&](int i) { return a.v[i] - b.v[i]; }); }
+    static reg mul(reg a, reg b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
+    static reg div(reg a, reg b) { return map([&](int i) { return a.v[i] / b.v[i]; }); }
+    static reg max(reg a, reg b) { return map([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+    static reg fmadd(reg a, reg b, reg c) { return map([&](int i) { return a.v[i] * b.v[i] + c.v[i]; }); }
+    static reg exp(reg x) { return map([&](int i) { return std::exp(x.v[i]); }); }
+    static reg exp_any(reg x) { return exp(x); }
+    static reg round_bf16(reg x) {
+        return map([&](int i) { uint16_t b; ::store(&b, x.v[i]); return to_f32(b); });
+    }
+    static void store(float *p, reg x) { for (int i = 0; i < W; i++) p[i] = x.v[i]; }
+    static void store(uint16_t *p, reg x) { for (int i = 0; i < W; i++) ::store(p + i, x.v[i]); }
+    static float reduce_add(reg x) { float s = 0.f; for (int i = 0; i < W; i++) s += x.v[i]; return s; }
+    static float reduce_max(reg x) { float s = x.v[0]; for (int i = 1; i < W; i++) s = std::max(s, x.v[i]); return s; }
+    static void prefetch(const void *p) { __builtin_prefetch(p, 0, 2); }
+};
+
+#ifdef __AVX2__
+struct V8 {
+    static constexpr int W = 8;
+    using reg = __m256;
+    static reg zero() { return _mm256_setzero_ps(); }
+    static reg set1(float x) { return _mm256_set1_ps(x); }
+    static reg load(const float *p) { return _mm256_loadu_ps(p); }
+    static reg load(const uint16_t *p) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    static void load_pairs(const uint16_t *p, reg &even, reg &odd) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+    static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+    static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+    static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+    static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+    static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+    static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+    // No scalef: 2^n is built in the exponent bits, so n stays >= -126 (x >= -87.3); below,
+    // e^x (< 1.2e-38) is flushed to 0, as e^-inf must be.
+    static reg exp(reg x) {
+        const reg keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+        x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+        const reg n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        reg r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+        r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.4286068203094172e-06f), r);
+        reg p = _mm256_set1_ps(1.f / 5040);
+        for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+    }
+    static reg exp_any(reg x) {        // n = 128 (x > 88.4) gives the exponent of +inf, as expf overflows
+        return exp(_mm256_min_ps(x, _mm256_set1_ps(89.f)));
+    }
+    static reg round_bf16(reg v) {     // to nearest even, kept as float32
+        __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+        return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+    static void store(float *p, reg x) { _mm256_storeu_ps(p, x); }
+    static void store(uint16_t *p, reg x) {
+        const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(x)), 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(p),
+                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+    }
+    static float reduce_add(reg x) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+    static float reduce_max(reg x) {
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+    }
+    static void prefetch(const void *p) { _mm_prefetch(reinterpret_cast<const char *>(p), _MM_HINT_T1); }
+};
+#endif
+
+#ifdef __AVX512F__
+struct V16 {
+    static constexpr int W = 16;
+    using reg = __m512;
+    static reg zero() { return _mm512_setzero_ps(); }
+    static reg set1(float x) { return _mm512_set1_ps(x); }
+    template <typename T> static reg load(const T *p) { return load16(p); }
+    static void load_pairs(const uint16_t *p, reg &even, reg &odd) { load32(p, even, odd); }
+    static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+    static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+    static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+    static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
+    static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+    static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+    static reg exp(reg x) { return exp16(x); }
+    static reg exp_any(reg x) { return exp16_any(x); }
+    static reg round_bf16(reg x) { return round_to(x, static_cast<const uint16_t *>(nullptr)); }
+    template <typename T> static void store(T *p, reg x) { store16(p, x); }
+    static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
+    static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
+    static void prefetch(const void *p) { _mm_prefetch(reinterpret_cast<const char *>(p), _MM_HINT_T1); }
+};
+using Vec = V16;          // the widest vectors of this build
+#elif defined(__AVX2__)
+using Vec = V8;
+#else
+using Vec = VPortable;
+#endif
+
+// Rounds to the storage type T (bf16: nearest even), kept as float32; identity for float32.
+template <class V> typename V::reg round_as_v(typename V::reg x, const float *) { return x; }
+template <class V> typename V::reg round_as_v(typename V::reg x, const uint16_t *) { return V::round_bf16(x); }
+
+
+// ---- decode attention over V: the partition kernel of the other builds -----------------------
+// (AVX2; AVX-512 at head dims without a kernel above.) Same results as attend_partition_avx512:
+// each query head's scores (q in float32, keys converted in registers), softmax weights by the
+// vector exp, then the weighted sums of values, each value row loaded and converted once per
+// 4 W dims for 2 heads at a time (12 sums and 4 rows in AVX2's 16 registers).
+template <class V, int D, typename T>
+void attend_partition_vec(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
+                          int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
+    using R = typename V::reg;
+    constexpr int W = V::W, NR = D / W, NV = NR < 4 ? NR : 4, C = 2;
+    float *m = p, *l = p + G, *acc = p + 2 * G;
+    const int64_t n = t1 - t0, padded = (n + W - 1) / W * W;
+    thread_local std::vector<const T *> krow, vrow;
+    thread_local std::vector<float> sbuf;
+    if (static_cast<int64_t>(krow.size()) < n) krow.resize(n), vrow.resize(n);
+    if (static_cast<int64_t>(sbuf.size()) < G * padded) sbuf.resize(G * padded);
+    row_pointers(kc, vc, table, t0, t1, h, L, B, krow.data(), vrow.data());
+    for (int64_t g = 0; g < G; g++) {
+        float qg[D], *s = sbuf.data() + g * padded;
+        for (int d = 0; d < D; d++) qg[d] = to_f32(q[g * D + d]) * scale;
+        for (int64_t t = 0; t < n; t++) {
+            if (g == 0 && t + kAhead < n)
+                for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+                    V::prefetch(reinterpret_cast<const char *>(krow[t + kAhead]) + b);
+                    V::prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b);
+                }
+            R a0 = V::zero(), a1 = V::zero();
+            for (int j = 0; j < NR; j += 2) {
+                a0 = V::fmadd(V::load(qg + j * W), V::load(krow[t] + j * W), a0);
+                if (j + 1 < NR) a1 = V::fmadd(V::load(qg + (j + 1) * W), V::load(krow[t] + (j + 1) * W), a1);
+            }
+            s[t] = V::reduce_add(V::add(a0, a1));
+        }
+        for (int64_t t = n; t < padded; t++) s[t] = -INFINITY;
+        R mxv = V::load(s);
+        for (int64_t t = W; t < padded; t += W) mxv = V::max(mxv, V::load(s + t));
+        const float mx = V::reduce_max(mxv);
+        R sum = V::zero();
+        for (int64_t t = 0; t < padded; t += W) {      // padding: e^-inf = 0
+            const R w = V::exp(V::sub(V::load(s + t), V::set1(mx)));
+            V::store(s + t, w);
+            sum = V::add(sum, w);
+        }
+        m[g] = mx;
+        l[g] = V::reduce_add(sum);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += C) {
+        const int64_t heads = std::min<int64_t>(C, G - g0);
+        for (int d0 = 0; d0 < D; d0 += NV * W) {
+            R a[C][NV];
+            for (auto &row : a)
+                for (auto &x : row) x = V::zero();
+            for (int64_t t = 0; t < n; t++) {
+                R v[NV];
+                for (int j = 0; j < NV; j++) v[j] = d0 + j * W < D ? V::load(vrow[t] + d0 + j * W) : V::zero();
+                for (int c = 0; c < C && c < heads; c++) {
+                    const R w = V::set1(sbuf[(g0 + c) * padded + t]);
+                    for (int j = 0; j < NV; j++)
+                        if (d0 + j * W < D) a[c][j] = V::fmadd(w, v[j], a[c][j]);
+                }
+            }
+            for (int c = 0; c < heads; c++)
+                for (int j = 0; j < NV; j++)
+                    if (d0 + j * W < D) V::store(acc + (g0 + c) * D + d0 + j * W, a[c][j]);
+        }
+    }
+}
+
 // The partition kernel for this head dim: vectorised where the CPU and head dim allow.
 template <typename T>
 auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, const T *, const int64_t *, int64_t,
@@ -344,6 +572,16 @@ auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, c
         case 64: return attend_partition_avx512<2, T>;
         case 128: return attend_partition_avx512<4, T>;
         case 256: return attend_partition_avx512<8, T>;
+    }
+#endif
+#if defined(__AVX2__)
+    switch (D) {
+        case 32: return attend_partition_vec<Vec, 32, T>;
+        case 64: return attend_partition_vec<Vec, 64, T>;
+        case 80: return attend_partition_vec<Vec, 80, T>;
+        case 96: return attend_partition_vec<Vec, 96, T>;
+        case 128: return attend_partition_vec<Vec, 128, T>;
+        case 256: return attend_partition_vec<Vec, 256, T>;
     }
 #endif
     return nullptr;
@@ -449,17 +687,14 @@ extern "C" int write_kv(const char *k, const char *v, int64_t k_stride_t, int64_
 // w is packed in strips of 32 output columns (two tiles of 16, K * 16 values each). Each
 // thread takes a range of strips and runs every tile of up to 8 rows of x over them, so each
 // weight byte streams from memory once per call whatever M is, and stays in cache across rows.
-template <typename T, typename Tile>
-void gemm_strips(const T *x, const T *w, const float *bias, T *y, int64_t M, int64_t N, int64_t K,
-                 const Tile *tiles) {
+template <typename X, typename Wt, typename Y, typename Tile>
+void gemm_strips(const X *x, const Wt *w, const float *bias, Y *y, int64_t M, int64_t N, int64_t K, Tile tile) {
     const int64_t strips = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < strips; s++) {
-        const T *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
-        for (int64_t m = 0; m < M; m += 8) {
-            const int64_t rows = std::min<int64_t>(8, M - m);
-            tiles[rows](x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
-        }
+        const Wt *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
+        for (int64_t m = 0; m < M; m += 8)
+            tile(std::min<int64_t>(8, M - m), x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
     }
 }
 
@@ -529,13 +764,8 @@ constexpr void (*kTiles[9])(const uint16_t *, int64_t, const uint16_t *, const u
 // bias: float32 [N] or null. Returns 1 where the CPU lacks AVX512-BF16 (caller falls back).
 extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
                                   int64_t N, int64_t K) {
-    gemm_strips(x, w, bias, y, M, N, K, kTiles<uint16_t>);
+    gemm_strips(x, w, bias, y, M, N, K, [](int64_t rows, auto... args) { kTiles<uint16_t>[rows](args...); });
     return 0;
-}
-#else
-extern "C" int linear_packed_bf16(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
-                                  int64_t) {
-    return 1;
 }
 #endif
 
@@ -573,12 +803,106 @@ constexpr TileF32 kTilesF32[9] = {nullptr, gemm_tile_f32<1>, gemm_tile_f32<2>, g
 
 extern "C" int linear_packed_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                                  int64_t K) {
-    gemm_strips(x, w, bias, y, M, N, K, kTilesF32);
+    gemm_strips(x, w, bias, y, M, N, K, [](int64_t rows, auto... args) { kTilesF32[rows](args...); });
     return 0;
 }
-#else
-extern "C" int linear_packed_f32(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t) {
-    return 1;
+#endif
+
+// ---- linear layers in float32 arithmetic, for builds without the tiles above -----------------
+// bf16 weights (without AVX512-BF16) are converted in registers, two bit operations per 2 W
+// values, and multiplied in float32 as llama.cpp does on AVX2; float32 weights as they are.
+// Same packing as above. A tile is one 16-column weight tile (16 / W vectors of sums per row)
+// for up to 4 rows (8 with AVX-512's 32 registers); x is float32, converted once per call.
+namespace {
+template <class V, int MR, typename Wt, typename Y>
+void fma_tile(const float *x, int64_t K, const Wt *w, const float *bias, Y *y, int64_t ldy, int64_t n0, int64_t N) {
+    constexpr int G = 16 / V::W;
+    constexpr bool kBf16 = std::is_same_v<Wt, uint16_t>;
+    constexpr int S = kBf16 && MR * G <= 4 ? 2 : 1;   // even and odd k summed apart: more chains for few rows
+    typename V::reg acc[MR][G][S];
+    for (auto &row : acc)
+        for (auto &sums : row)
+            for (auto &a : sums) a = V::zero();
+    if constexpr (kBf16) {
+        for (int64_t kp = 0; kp < K / 2; kp++) {       // 64 bytes of the tile per K pair
+            V::prefetch(w + (kp + 32) * 32);
+            for (int g = 0; g < G; g++) {
+                typename V::reg even, odd;
+                V::load_pairs(w + kp * 32 + g * 2 * V::W, even, odd);
+                for (int m = 0; m < MR; m++) {
+                    acc[m][g][0] = V::fmadd(V::set1(x[m * K + 2 * kp]), even, acc[m][g][0]);
+                    acc[m][g][S - 1] = V::fmadd(V::set1(x[m * K + 2 * kp + 1]), odd, acc[m][g][S - 1]);
+                }
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < K; k++) {               // 64 bytes of the tile per K step
+            V::prefetch(w + (k + 32) * 16);
+            for (int g = 0; g < G; g++) {
+                const typename V::reg b = V::load(w + k * 16 + g * V::W);
+                for (int m = 0; m < MR; m++) acc[m][g][0] = V::fmadd(V::set1(x[m * K + k]), b, acc[m][g][0]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int g = 0; g < G; g++) {
+            const int64_t n = n0 + g * V::W;
+            if (n >= N) break;
+            typename V::reg sum = acc[m][g][0];
+            if constexpr (S == 2) sum = V::add(sum, acc[m][g][1]);
+            if (N - n >= V::W) {
+                V::store(y + m * ldy + n, bias ? V::add(sum, V::load(bias + n)) : sum);
+            } else {
+                float part[V::W];
+                V::store(part, sum);
+                for (int64_t i = 0; i < N - n; i++) store(y + m * ldy + n + i, part[i] + (bias ? bias[n + i] : 0.f));
+            }
+        }
+}
+
+// Rows 1..MR through the tile of that many rows.
+template <class V, int MR, typename Wt, typename Y>
+void fma_tile_rows(int64_t rows, const float *x, int64_t K, const Wt *w, const float *bias, Y *y, int64_t ldy,
+                   int64_t n0, int64_t N) {
+    if (rows == MR) return fma_tile<V, MR>(x, K, w, bias, y, ldy, n0, N);
+    if constexpr (MR > 1) fma_tile_rows<V, MR - 1>(rows, x, K, w, bias, y, ldy, n0, N);
+}
+
+template <class V, typename T>
+void linear_fma(const T *x, const T *w, const float *bias, T *y, int64_t M, int64_t N, int64_t K) {
+    constexpr int kRows = V::W == 16 ? 8 : 4;
+    std::vector<float> converted;
+    const float *xf;
+    if constexpr (std::is_same_v<T, float>) {
+        xf = x;
+    } else {
+        converted.resize(M * K);
+        for (int64_t i = 0; i < M * K; i++) converted[i] = to_f32(x[i]);
+        xf = converted.data();
+    }
+    gemm_strips(xf, w, bias, y, M, N, K, [](int64_t rows, const float *xm, int64_t K, const T *w0, const T *w1,
+                                            const float *b, T *ym, int64_t ldy, int64_t n0, int64_t N) {
+        for (int64_t m = 0; m < rows; m += kRows) {
+            const int64_t r = std::min<int64_t>(kRows, rows - m);
+            fma_tile_rows<V, kRows>(r, xm + m * K, K, w0, b, ym + m * ldy, ldy, n0, N);
+            if (n0 + 16 < N) fma_tile_rows<V, kRows>(r, xm + m * K, K, w1, b, ym + m * ldy, ldy, n0 + 16, N);
+        }
+    });
+}
+}  // namespace
+
+#ifndef __AVX512BF16__
+extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
+                                  int64_t N, int64_t K) {
+    linear_fma<Vec>(x, w, bias, y, M, N, K);
+    return 0;
+}
+#endif
+#ifndef __AVX512F__
+extern "C" int linear_packed_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                                 int64_t K) {
+    linear_fma<Vec>(x, w, bias, y, M, N, K);
+    return 0;
 }
 #endif
 
@@ -605,30 +929,26 @@ void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t 
         const T *yr = y ? y + r * H : nullptr;
         float sq = 0.f;
         int64_t i = 0;
-#ifdef __AVX512F__
-        __m512 acc = _mm512_setzero_ps();
-        for (; i + 16 <= H; i += 16) {
-            __m512 v = load16(xr + i);
+        Vec::reg acc = Vec::zero();
+        for (; i + Vec::W <= H; i += Vec::W) {
+            Vec::reg v = Vec::load(xr + i);
             if (yr) {
-                v = round_to(_mm512_add_ps(v, load16(yr + i)), xr);
-                store16(xr + i, v);
+                v = round_as_v<Vec>(Vec::add(v, Vec::load(yr + i)), xr);
+                Vec::store(xr + i, v);
             }
-            acc = _mm512_fmadd_ps(v, v, acc);
+            acc = Vec::fmadd(v, v, acc);
         }
-        sq = _mm512_reduce_add_ps(acc);
-#endif
+        sq = Vec::reduce_add(acc);
         for (; i < H; i++) {
             if (yr) store(xr + i, to_f32(xr[i]) + to_f32(yr[i]));
             sq += to_f32(xr[i]) * to_f32(xr[i]);
         }
         const float inv = 1.f / std::sqrt(sq / H + eps);
         i = 0;
-#ifdef __AVX512F__
-        for (; i + 16 <= H; i += 16) {
-            const __m512 normed = round_to(_mm512_mul_ps(load16(xr + i), _mm512_set1_ps(inv)), xr);
-            store16(out + r * H + i, _mm512_mul_ps(load16(weight + i), normed));
+        for (; i + Vec::W <= H; i += Vec::W) {
+            const Vec::reg normed = round_as_v<Vec>(Vec::mul(Vec::load(xr + i), Vec::set1(inv)), xr);
+            Vec::store(out + r * H + i, Vec::mul(Vec::load(weight + i), normed));
         }
-#endif
         for (; i < H; i++) store(out + r * H + i, to_f32(weight[i]) * round_as(to_f32(xr[i]) * inv, xr));
     }
 }
@@ -643,14 +963,12 @@ void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
         const T *g = gate_up + r * 2 * I, *u = g + I;
         T *o = out + r * I;
         int64_t i = 0;
-#ifdef __AVX512F__
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = load16(g + i);
-            const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 sv = round_to(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o);
-            store16(o + i, _mm512_mul_ps(sv, load16(u + i)));
+        for (; i + Vec::W <= I; i += Vec::W) {
+            const Vec::reg gv = Vec::load(g + i);
+            const Vec::reg e = Vec::exp_any(Vec::sub(Vec::zero(), gv));
+            const Vec::reg sv = round_as_v<Vec>(Vec::div(gv, Vec::add(Vec::set1(1.f), e)), o);
+            Vec::store(o + i, Vec::mul(sv, Vec::load(u + i)));
         }
-#endif
         for (; i < I; i++) {
             T rounded;
             store(&rounded, silu(to_f32(g[i])));
@@ -734,6 +1052,15 @@ extern "C" int argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64
         }
         best = _mm512_reduce_max_ps(mx);
         nan = unordered != 0;
+#elif defined(__AVX2__)
+        __m256 mx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mx = _mm256_max_ps(mx, v);
+        }
+        best = V8::reduce_max(mx);
+        nan = _mm256_movemask_ps(unordered) != 0;
 #endif
         for (; i < cols; i++) {
             nan |= std::isnan(xr[i]);
@@ -745,6 +1072,12 @@ extern "C" int argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64
         for (; i + 16 <= cols; i += 16) {   // stop at the first group of 16 that holds it
             const __m512 v = _mm512_loadu_ps(xr + i);
             if (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ)) break;
+        }
+#elif defined(__AVX2__)
+        const __m256 target = _mm256_set1_ps(best);
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            if (_mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ))) break;
         }
 #endif
         while (i < cols && !(nan ? std::isnan(xr[i]) : xr[i] == best)) i++;

