@@ -7,7 +7,7 @@ plus, here, the prefix-cache index against the blocks and tables), and what
 only the scheduler knows: which requests may hold blocks (live sequences of
 running requests on the device, of swapped-out requests in swap space, nobody
 else, so nothing is held once a request ends), that every computed token has a
-slot, that each sequence's prefix-cache keys are those of its tokens. Given the
+slot, that each sequence's prefix-cache keys are those of its tokens (and salt). Given the
 `SchedulerOutput` of the step about to run, it also checks what that step
 writes: no block that another table holds, copy-on-write and swap-in copies
 into blocks their sequences hold, block tables handed to the worker up to date.
@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from pagedserve.kv.block_pool import block_key
+from pagedserve.kv.block_pool import prefix_block_keys
 from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.request import RequestStatus
 
@@ -93,9 +93,10 @@ def _check_queues(scheduler: "Scheduler", request_ids: Collection[str] | None) -
 def _check_tables(scheduler: "Scheduler") -> None:
     """Only live sequences of running requests hold blocks (so a finished, aborted or
     recompute-preempted request holds none); computed tokens have slots; prefix-cache
-    keys are those of the sequence's tokens."""
+    keys are those of the sequence's tokens and its request's cache salt."""
     kv, B = scheduler.kv, scheduler.block_size
     live = {s.seq_id: s for r in scheduler.running for s in r.live_seqs}
+    salts = {s.seq_id: r.cache_salt for r in scheduler.running for s in r.live_seqs}
     stray = set(kv.tables) - set(live)
     assert not stray, f"sequences {sorted(stray)} hold blocks but are not live in a running request"
     for seq_id, seq in live.items():
@@ -103,12 +104,12 @@ def _check_tables(scheduler: "Scheduler") -> None:
         assert cdiv(seq.num_computed_tokens, B) <= len(table) <= cdiv(seq.num_tokens, B), (
             f"sequence {seq_id}: {len(table)} blocks for {seq.num_computed_tokens} computed of "
             f"{seq.num_tokens} tokens")
-        keys = kv.keys.get(seq_id, ())
-        parent = None
-        for i, key in enumerate(keys):
-            expected = block_key(parent, tuple(seq.token_ids[i * B:(i + 1) * B]))
-            assert key == expected, f"sequence {seq_id}: prefix-cache key of block {i} is not its tokens'"
-            parent = key
+        keys = kv.keys.get(seq_id, [])
+        assert seq_id not in kv.salts or kv.salts[seq_id] == salts[seq_id], (
+            f"sequence {seq_id}: its cache salt is not its request's")
+        expected = prefix_block_keys(seq.token_ids, B, len(keys), salts[seq_id])
+        for i, (key, want) in enumerate(zip(keys, expected)):
+            assert key == want, f"sequence {seq_id}: prefix-cache key of block {i} is not its tokens' and salt's"
 
 
 def _check_swapped(scheduler: "Scheduler") -> None:

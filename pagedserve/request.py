@@ -67,6 +67,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    # Prefix-cache blocks are shared only between requests with the same salt (None: unsalted).
+    cache_salt: str | None = None
     # Set while a parallel-sampling request still has to split into best_of sequences.
     pending_fork: bool = False
     # Set when a multi-sequence request was preempted by recompute: its first sequence

@@ -276,8 +276,8 @@ class Scheduler:
         for seq in seqs:
             self.kv.set_max_len(seq.seq_id, prompt_len + req.max_tokens)
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
-            hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(tokens)
-            self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits)
+            hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(tokens, req.cache_salt)
+            self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits, cache_salt=req.cache_salt)
             seq.num_computed_tokens = len(hits) * self.block_size
         plan = self._plan(req, budget)
         copies = self._allocate(plan) if plan else None

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from pagedserve.kv.block_pool import BlockPool, NoFreeBlocksError, block_key, prefix_block_keys
 from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
 
 
@@ -86,6 +86,58 @@ def test_prefix_cache_hit_reuses_full_blocks_only():
     kv.check_invariants()
 
 
+def test_block_keys_are_equal_for_equal_prefixes_and_depend_on_every_earlier_token():
+    B, tokens = 4, list(range(100, 120))                 # five full blocks
+    keys = list(prefix_block_keys(tokens, B, 5))
+    assert keys == list(prefix_block_keys(tuple(tokens), B, 5))   # the same tokens: the same keys
+    assert len(set(keys)) == 5 and all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+    for pos in range(len(tokens)):                       # change any one token: every block from its on differs
+        changed = list(prefix_block_keys(tokens[:pos] + [tokens[pos] + 1] + tokens[pos + 1:], B, 5))
+        first = pos // B
+        assert changed[:first] == keys[:first]
+        assert all(c != k for c, k in zip(changed[first:], keys[first:])), pos
+    # The salt is part of the first key, so it reaches every later one.
+    salted = {salt: list(prefix_block_keys(tokens, B, 5, salt)) for salt in ("a", "b")}
+    assert salted["a"] == list(prefix_block_keys(tokens, B, 5, "a"))
+    assert all(len({keys[i], salted["a"][i], salted["b"][i]}) == 3 for i in range(5))
+    # The encoding is unambiguous: token count, parent and extra keys cannot trade places.
+    assert block_key(None, [1, 2]) != block_key(None, [1, 2, 0]) != block_key(None, [1, 2], ("x",))
+    assert block_key(keys[0], [1]) != block_key(None, [1])
+
+
+def test_colliding_python_hashes_do_not_let_a_prefix_take_another_prefixes_blocks():
+    """Keys used to chain Python's hash() of the parent key: hash(5) == hash(5 + 2**61 - 1), so
+    two different first blocks had the same child keys, and a request whose own first block was
+    cached took another prefix's second block as a hit. (Ids of a real vocabulary are smaller,
+    but 64-bit collisions of in-vocabulary blocks can be searched for the same way.)"""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    kv.allocate(1, [5, 6, 7, 8, 9], 0, 5)                # the victim's blocks [5, 6], [7, 8] are cached
+    twin = 5 + 2**61 - 1
+    kv.allocate(2, [twin, 6, 0], 0, 3)                   # the attacker's own first block is cached
+    hits = kv.lookup_prefix([twin, 6, 7, 8, 9])
+    assert hits == kv.tables[2][:1], "a block computed after another prefix was taken as a hit"
+
+
+def test_salted_sequences_share_blocks_only_with_the_same_salt():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(10))                             # two full blocks
+    kv.allocate(1, prompt, 0, 0, cache_salt="tenant-a")
+    kv.allocate(1, prompt, 0, 10)
+    assert kv.lookup_prefix(prompt) == [] and kv.lookup_prefix(prompt, "tenant-b") == []
+    assert kv.lookup_prefix(prompt, "tenant-a") == kv.tables[1][:2]
+    kv.fork(1, 2)                                        # a fork keeps the salt: its next full block is salted too
+    kv.allocate(2, prompt + [10, 11, 12], 10, 3)
+    assert kv.lookup_prefix(prompt + [10, 11, 12, 13], "tenant-a") == kv.tables[2][:3]
+    assert kv.lookup_prefix(prompt + [10, 11, 12, 13]) == []
+    kv.allocate(3, prompt, 0, 10)                        # unsalted: computes and caches its own copy
+    assert kv.lookup_prefix(prompt) == kv.tables[3][:2]
+    assert not {b.block_id for b in kv.tables[3]} & {b.block_id for b in kv.tables[1]}
+    kv.check_invariants()
+    for sid in (1, 2, 3):
+        kv.free(sid)
+    assert kv.num_free_blocks == 16 and not kv.salts
+
+
 def test_eviction_is_lru_and_uncached_blocks_go_first():
     pool = BlockPool(4, enable_caching=True)
     a, b, c, d = pool.allocate(4)
@@ -124,6 +176,8 @@ class KVMachine(RuleBasedStateMachine):
         self.seqs: dict[int, list[int]] = {}       # seq id -> tokens (all computed), on the device
         self.swapped: list[dict[int, list[int]]] = []   # groups swapped out together
         self.next_id = 0
+        self.salts: dict[int, str | None] = {}     # seq id -> cache salt (forks inherit it)
+        self.key_owner: dict[bytes, tuple] = {}    # prefix key -> (salt, the block's tokens) it stands for
         # A shadow of the KV memory: what token each slot of each block holds, on the
         # device and in swap space.
         self.content: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
@@ -144,21 +198,22 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    @rule(n=st.integers(1, 9), vocab=st.integers(1, 3), data=st.data())
-    def add(self, n, vocab, data):
+    @rule(n=st.integers(1, 9), vocab=st.integers(1, 3), salt=st.sampled_from([None, "a", "b"]), data=st.data())
+    def add(self, n, vocab, salt, data):
         tokens = data.draw(st.lists(st.integers(0, vocab), min_size=n, max_size=n))
         sid = self._new_id()
-        hits = self.kv.lookup_prefix(tokens)
+        hits = self.kv.lookup_prefix(tokens, salt)
         computed = len(hits) * self.kv.block_size
         need = self.kv.num_blocks_needed(sid, computed, n - computed, hits)
         if need > self.kv.num_free_blocks:
             return
         free_before = self.kv.num_free_blocks
-        self.kv.allocate(sid, tokens, 0, 0, prefix_blocks=hits)
+        self.kv.allocate(sid, tokens, 0, 0, prefix_blocks=hits, cache_salt=salt)
         copies = self.kv.allocate(sid, tokens, computed, n - computed)
         self._write(sid, tokens, computed, copies)
         assert free_before - self.kv.num_free_blocks <= need
         self.seqs[sid] = tokens
+        self.salts[sid] = salt
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -204,6 +259,7 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.fork(parent, child)
         assert self.kv.num_free_blocks == free_before
         self.seqs[child] = list(self.seqs[parent])
+        self.salts[child] = self.salts[parent]
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -280,10 +336,17 @@ class KVMachine(RuleBasedStateMachine):
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks
         if not self.swapped:
             assert self.kv.num_free_host_blocks == self.kv.host_pool.num_blocks
-        # The prefix-cache index only points at blocks holding exactly the key's tokens,
+        # A key stands for one salt and one block of tokens (after the same prefix), whichever
+        # sequence computed it: sequences with different salts never share a key ...
+        everyone = {**self.seqs, **{sid: t for group in self.swapped for sid, t in group.items()}}
+        for sid, keys in self.kv.keys.items():
+            for i, key in enumerate(keys):
+                owner = (self.salts[sid], everyone[sid][i * B:(i + 1) * B])
+                assert self.key_owner.setdefault(key, owner) == owner
+        # ... and the prefix-cache index only points at blocks holding exactly the key's tokens,
         # held or free: a cached block is never written, and it is uncached before reuse.
         for key, block in self.kv.pool.cached.items():
-            assert self.content[block.block_id] == list(key[1])
+            assert self.content[block.block_id] == self.key_owner[key][1]
         # The accounting: sharing saving = blocks saved / blocks needed without sharing.
         stats = self.kv.stats()
         held = {b.block_id for t in self.kv.tables.values() for b in t}

@@ -10,8 +10,11 @@ client faults: test_server_load.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -57,6 +60,8 @@ def reference(offline, prompt, **kw):
 # ---- basics -------------------------------------------------------------------------------------
 def test_health_version_models_tokenize(server, client, http):
     assert httpx.get(server.url + "/health").status_code == 200          # no key needed
+    head = httpx.head(server.url + "/health")                           # load balancers ask with HEAD
+    assert head.status_code == 200 and head.content == b""
     assert httpx.get(server.url + "/version").json()["version"]
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny", "t2"]
@@ -273,6 +278,28 @@ def test_concurrent_requests_complete_and_share_batches(server, http, offline):
     assert after[ok] - before[ok] == 8
 
 
+def test_cache_salt_separates_prefix_cache_tenants(http):
+    """cache_salt on completions and chat: a request hits the prefix cache only for blocks cached
+    under its own salt, and the answer does not depend on the salt."""
+    prompt = "Tenant separation: " + " ".join(f"w{i}" for i in range(40))   # several full blocks
+    messages = [{"role": "user", "content": prompt}]
+
+    def hits(path, body):
+        before = metrics(http)["pagedserve:prefix_cache_hits_total"]
+        r = http.post(path, json={**body, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return metrics(http)["pagedserve:prefix_cache_hits_total"] - before, choice.get("text", choice.get("message"))
+
+    for path, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": messages})):
+        cold, ref = hits(path, {**body, "cache_salt": "tenant-a"})
+        assert cold == 0
+        assert hits(path, {**body, "cache_salt": "tenant-b"}) == (0, ref)
+        assert hits(path, body) == (0, ref)
+        warm, out = hits(path, {**body, "cache_salt": "tenant-a"})
+        assert warm > 0 and out == ref
+
+
 def test_metrics_and_periodic_log(server, http):
     m = metrics(http)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
@@ -317,6 +344,74 @@ def test_503_while_starting_and_stopping(tiny_llama):
     state.shutting_down = True
     r = asyncio.run(get("/v1/completions", "POST"))
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_unexpected_error_is_one_500_that_closes_the_connection(tiny_llama, caplog):
+    """In process, with an injected fault: a failure nothing handles is logged once and answered
+    500 in OpenAI's shape with Connection: close (not re-raised into a second traceback)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.server.app import ServerState, build_app
+    from pagedserve.server.metrics import PrometheusStatLogger
+
+    state = ServerState(AsyncLLM(EngineConfig(model=tiny_llama.path)), ["tiny"], PrometheusStatLogger("tiny"))
+
+    def broken() -> str:
+        raise RuntimeError("injected fault")
+    state.metrics.render = broken
+
+    async def get():
+        transport = httpx.ASGITransport(app=build_app(state), raise_app_exceptions=True)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.get("/metrics")
+
+    with caplog.at_level(logging.INFO):
+        r = asyncio.run(get())
+    assert r.status_code == 500 and r.headers["connection"] == "close"
+    assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
+    assert [rec.getMessage() for rec in caplog.records if rec.exc_info] == ["unexpected error serving GET /metrics"]
+
+
+def test_sigterm_drains_answering_503_then_exits_zero(tiny_llama, tmp_path):
+    """After SIGTERM the server keeps listening: new requests (and /health, GET or HEAD) get 503
+    in OpenAI's shape while the requests in flight finish normally; then it exits 0. One request
+    in flight is held open by its unfinished body, so the drain lasts as long as the test needs."""
+    srv = launch_server(tiny_llama.path, tiny_server_args("--shutdown-timeout", "60"), tmp_path / "server.log")
+    host, port = srv.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}).encode()
+    try:
+        held = socket.create_connection((host, int(port)))
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+        stream = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=stream, timeout=60) as r:
+            lines = r.iter_lines()
+            first = [next(lines) for _ in range(2)]
+            srv.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while srv.health() != 503 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert httpx.head(srv.url + "/health").status_code == 503
+            refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 503, refused.text
+            err = refused.json()["error"]
+            assert err["type"] == "service_unavailable" and "shutting down" in err["message"], err
+            events = sse_events(first + list(lines))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"      # finished, not aborted
+        held.sendall(body[10:])                                            # the held request is answered too
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = held.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        held.close()
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(30) == 0, srv.log()[-3000:]
+        assert "new requests get 503" in srv.log()
+    finally:
+        srv.stop()
 
 
 def test_default_model_server(tmp_path):

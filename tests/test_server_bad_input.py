@@ -12,6 +12,8 @@ ones get 503 until the queue drains.
 from __future__ import annotations
 
 import json
+import socket
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -77,6 +79,34 @@ CATALOGUE = [
     Bad("stop-wrong-type", C, {"prompt": "x", "stop": 5}, 400, "stop"),
     Bad("stream-options-wrong-type", C, {"prompt": "x", "stream_options": "yes"}, 400, "stream_options"),
     Bad("messages-is-a-string", H, {"messages": "hi"}, 400, "messages"),
+    # Strict types, as OpenAI's API has them: nothing is coerced
+    Bad("max-tokens-bool", C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens", ["integer"]),
+    Bad("max-tokens-float", C, {"prompt": "x", "max_tokens": 16.0}, 400, "max_tokens", ["integer"]),
+    Bad("n-numeric-string", C, {"prompt": "x", "n": "2"}, 400, "n", ["integer"]),
+    Bad("chat-n-numeric-string", H, {"messages": USER, "n": "2"}, 400, "n", ["integer"]),
+    Bad("logprobs-bool", C, {"prompt": "x", "logprobs": True}, 400, "logprobs", ["integer"]),
+    Bad("chat-logprobs-int", H, {"messages": USER, "logprobs": 1}, 400, "logprobs", ["boolean"]),
+    Bad("top-k-numeric-string", C, {"prompt": "x", "top_k": "3"}, 400, "top_k", ["integer"]),
+    Bad("seed-numeric-string", C, {"prompt": "x", "seed": "7"}, 400, "seed", ["integer"]),
+    Bad("min-tokens-bool", C, {"prompt": "x", "min_tokens": False}, 400, "min_tokens", ["integer"]),
+    Bad("chat-max-completion-tokens-string", H, {"messages": USER, "max_completion_tokens": "5"}, 400,
+        "max_completion_tokens", ["integer"]),
+    Bad("chat-top-logprobs-bool", H, {"messages": USER, "logprobs": True, "top_logprobs": True}, 400,
+        "top_logprobs", ["integer"]),
+    Bad("temperature-numeric-string", C, {"prompt": "x", "temperature": "0.5"}, 400, "temperature", ["number"]),
+    Bad("top-p-bool", C, {"prompt": "x", "top_p": True}, 400, "top_p", ["number"]),
+    Bad("chat-presence-penalty-string", H, {"messages": USER, "presence_penalty": "1"}, 400, "presence_penalty"),
+    Bad("logit-bias-value-string", C, {"prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias"),
+    Bad("stream-int", C, {"prompt": "x", "stream": 1}, 400, "stream", ["boolean"]),
+    Bad("echo-string", C, {"prompt": "x", "echo": "true"}, 400, "echo", ["boolean"]),
+    Bad("ignore-eos-int", C, {"prompt": "x", "ignore_eos": 0}, 400, "ignore_eos", ["boolean"]),
+    Bad("use-beam-search-string", C, {"prompt": "x", "use_beam_search": "yes"}, 400, "use_beam_search"),
+    Bad("include-usage-int", C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+        "stream_options"),
+    Bad("prompt-list-of-bools", C, {"prompt": [True, False]}, 400, "prompt"),
+    Bad("stop-token-ids-bools", C, {"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+    Bad("chat-content-number", H, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    Bad("detokenize-bools", "/detokenize", {"tokens": [True]}, 400, "tokens"),
     Bad("message-without-role", H, {"messages": [{"content": "hi"}]}, 400, "messages"),
     # Values out of range
     Bad("max-tokens-negative", C, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", ["max_tokens", "-5"]),
@@ -92,6 +122,10 @@ CATALOGUE = [
     Bad("presence-penalty-5", C, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty", ["[-2, 2]"]),
     Bad("repetition-penalty-0", C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     Bad("n-zero", C, {"prompt": "x", "n": 0}, 400, "n", ["n must"]),
+    Bad("n-negative", C, {"prompt": "x", "n": -1}, 400, "n", ["n must"]),
+    Bad("chat-n-negative", H, {"messages": USER, "n": -1}, 400, "n", ["n must"]),
+    Bad("beam-search-n-negative", C, {"prompt": "x", "use_beam_search": True, "n": -2}, 400, "n", ["n must"]),
+    Bad("best-of-negative", C, {"prompt": "x", "best_of": -1}, 400, "best_of", ["best_of"]),
     Bad("n-huge", C, {"prompt": "x", "n": 10**6}, 400, "n", ["--max-num-seqs"]),
     Bad("best-of-over-max-num-seqs", C, {"prompt": "x", "n": 1, "best_of": 3, "temperature": 1}, 400, "best_of",
         ["--max-num-seqs"]),
@@ -111,6 +145,13 @@ CATALOGUE = [
     Bad("logit-bias-out-of-vocabulary", C, {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias",
         ["vocabulary"]),
     Bad("logit-bias-key-not-an-id", C, {"prompt": "x", "logit_bias": {"abc": 5}}, 400, "logit_bias", ["abc"]),
+    Bad("logit-bias-key-underscore", C, {"prompt": "x", "logit_bias": {"1_0": 5}}, 400, "logit_bias", ["1_0"]),
+    Bad("logit-bias-key-spaces", C, {"prompt": "x", "logit_bias": {" 10 ": 5}}, 400, "logit_bias", ["' 10 '"]),
+    Bad("logit-bias-key-arabic-digits", C, {"prompt": "x", "logit_bias": {"\u0661\u0660": 5}}, 400, "logit_bias",
+        ["\u0661\u0660"]),
+    Bad("logit-bias-key-plus-sign", C, {"prompt": "x", "logit_bias": {"+5": 5}}, 400, "logit_bias", ["+5"]),
+    Bad("cache-salt-empty", C, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    Bad("chat-cache-salt-number", H, {"messages": USER, "cache_salt": 5}, 400, "cache_salt"),
     Bad("logit-bias-value-1000", C, {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias", ["100"]),
     Bad("stop-token-ids-out-of-vocabulary", C, {"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**7]}, 400,
         "stop_token_ids", ["vocabulary"]),
@@ -163,6 +204,24 @@ def test_bad_request_gets_a_clear_openai_error(http, bad):
     assert err["param"] == bad.param, err
     for word in bad.words:
         assert word in err["message"], err
+
+
+def test_a_body_cut_short_is_a_client_disconnect_not_a_server_error(server):
+    """A client declares Content-Length: 1000, sends 30 bytes and leaves: one log line says so;
+    no 500, no traceback."""
+    host, port = server.url.removeprefix("http://").split(":")
+    start = len(server.log())
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n"
+                  + b'{"prompt": "cut short", "max_t')
+    deadline = time.monotonic() + 30
+    while "client disconnected" not in server.log()[start:] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)   # anything else it would log comes with it
+    new = server.log()[start:]
+    assert new.count("client disconnected before sending the whole request body: POST /v1/completions") == 1, new
+    assert "Traceback" not in new and "ERROR" not in new and "500" not in new, new
 
 
 def test_server_is_unharmed_by_the_catalogue(server, http, tiny_llama):

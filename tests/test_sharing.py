@@ -198,6 +198,41 @@ def test_a_prompt_served_twice_hits_the_cache_for_every_full_block(tiny_llama, p
     assert_no_blocks_held(llm)
 
 
+def test_cache_salt_keeps_identical_prompts_apart(tiny_llama, prompts):
+    """Requests share prefix-cache blocks only with the same cache_salt (none is a salt of its
+    own); salted or not, the outputs are those of the unsalted greedy run."""
+    llm = make_llm(tiny_llama, block_size=4)
+    p = prompts[5]
+    full = (len(p) - 1) // 4 * 4
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(prompt):
+        before = llm.kv_cache_stats()["prefix_cache_hits"]
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert llm.kv_cache_stats()["prefix_cache_hits"] - before == out.num_cached_tokens
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    hits, ref = run({"prompt_token_ids": p})
+    assert hits == 0
+    assert run({"prompt_token_ids": p, "cache_salt": "tenant-a"}) == (0, ref)
+    assert run({"prompt": PROMPTS[5], "cache_salt": "tenant-b"}) == (0, ref)
+    assert run({"prompt_token_ids": p, "cache_salt": "tenant-a"}) == (full, ref)
+    assert run({"prompt": PROMPTS[5], "cache_salt": "tenant-b"}) == (full, ref)
+    assert run({"prompt_token_ids": p}) == (full, ref)
+    # Beam search and parallel sampling keep the salt on every sequence.
+    beam = BeamSearchParams(beam_width=2, max_tokens=6)
+    cold = llm.beam_search([{"prompt_token_ids": p, "cache_salt": "tenant-c"}], beam)[0]
+    warm = llm.beam_search([{"prompt_token_ids": p, "cache_salt": "tenant-c"}], beam)[0]
+    assert [s.tokens for s in warm.sequences] == [s.tokens for s in cold.sequences]
+    out = llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-c"},
+                       SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens == full and [c.token_ids for c in out.outputs] == [ref] * 2
+    for bad in ("", 5, ["a"]):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate({"prompt_token_ids": p, "cache_salt": bad}, params, use_tqdm=False)
+    assert_no_blocks_held(llm)
+
+
 def test_prefix_caching_off_never_hits(tiny_llama, prompts):
     llm = make_llm(tiny_llama, block_size=4, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=4)

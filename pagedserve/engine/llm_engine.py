@@ -114,18 +114,27 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
+    @staticmethod
+    def prompt_cache_salt(prompt: PromptType) -> str | None:
+        """A prompt dict's `cache_salt`: its blocks are shared only with requests of the same salt."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string; got {salt!r}")
+        return salt
+
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams, arrival_time: float | None = None) -> Request:
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        salt = self.prompt_cache_salt(prompt)
         self.validate_prompt(ids)
         self.validate_params(params)
         n_prompt = len(ids)
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(request_id, text, ids, params, max_tokens)
+        req = Request(request_id, text, ids, params, max_tokens, cache_salt=salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         seq = Sequence(self.scheduler.new_seq_id(), 0, list(ids), n_prompt)

@@ -5,16 +5,48 @@ counts, never tensors: the worker owns the memory the ids point into.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-# A full block's identity for prefix caching: (parent block's hash, its token ids).
-# Chaining through the parent makes a key stand for the whole prefix up to the block.
-BlockKey = tuple[int | None, tuple[int, ...]]
+# A full block's identity for prefix caching: SHA-256 over (parent block's key, its token ids,
+# extra keys). Chaining through the parent makes a key stand for the whole prefix up to the
+# block, and a cryptographic hash makes it infeasible to craft a prompt whose blocks collide
+# with another request's (Python's 64-bit hash() of tuples can be collided on purpose).
+BlockKey = bytes
+
+_NO_PARENT = bytes(32)                  # the first block's parent: no SHA-256 output in practice
+_LENGTHS = struct.Struct("<II")         # token count, extra-key bytes: no two inputs encode alike
 
 
-def block_key(parent: BlockKey | None, token_ids: tuple[int, ...]) -> BlockKey:
-    return (None if parent is None else hash(parent), token_ids)
+def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> BlockKey:
+    """The key of a full block. `extra_keys` hold what changes a block's content besides its
+    tokens and prefix (a cache salt; a LoRA id or multimodal hashes would go here too)."""
+    extra = json.dumps(extra_keys).encode() if extra_keys else b""
+    tokens = array("q", token_ids).tobytes()
+    return hashlib.sha256(b"".join((parent or _NO_PARENT, _LENGTHS.pack(len(token_ids), len(extra)),
+                                    tokens, extra))).digest()
+
+
+def first_block_extra_keys(cache_salt: str | None) -> tuple[str, ...]:
+    """The cache salt is an extra key of a sequence's first block, so it reaches every later key
+    through the chain: requests with different salts never share a block."""
+    return () if cache_salt is None else ("cache_salt", cache_salt)
+
+
+def prefix_block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None = None,
+                      known: Sequence[BlockKey] = ()) -> Iterator[BlockKey]:
+    """Keys of full blocks len(known) .. num_blocks - 1 of a sequence, chained on from the keys
+    of its blocks before them (`known`)."""
+    parent = known[-1] if known else None
+    for i in range(len(known), num_blocks):
+        parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size],
+                           first_block_extra_keys(cache_salt) if i == 0 else ())
+        yield parent
 
 
 @dataclass(eq=False)

@@ -177,7 +177,7 @@ class ContiguousKVCacheManager:
         region = self.tables.get(seq_id)
         return 0 if region is None else region.num_blocks
 
-    def lookup_prefix(self, token_ids: list[int]) -> list:
+    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> list:
         return []   # no prefix caching without shared blocks
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -205,7 +205,7 @@ class ContiguousKVCacheManager:
 
     # ---- changes -----------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int], num_computed: int, num_new: int,
-                 prefix_blocks=()) -> list[tuple[int, int]]:
+                 prefix_blocks=(), cache_salt: str | None = None) -> list[tuple[int, int]]:
         """Reserve the sequence's whole region with its first tokens. Never copies."""
         assert not prefix_blocks, "contiguous allocators take no prefix-cache hits"
         region = self.tables.get(seq_id)

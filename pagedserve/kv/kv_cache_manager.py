@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, NoFreeBlocksError, block_key
+from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, NoFreeBlocksError, prefix_block_keys
 from pagedserve.kv.memory_usage import MemoryUsage
 
 
@@ -37,6 +37,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[int, list[KVBlock]] = {}
         self.keys: dict[int, list[BlockKey]] = {}   # keys of each sequence's full blocks (kept while swapped)
+        self.salts: dict[int, str | None] = {}       # each sequence's cache salt (part of its first key)
         self.prefix_stats = PrefixCacheStats()
         # Swap space: host blocks and the tables of swapped-out sequences.
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False)
@@ -55,8 +56,9 @@ class KVCacheManager:
     def num_held_blocks(self, seq_id: int) -> int:
         return len(self.tables.get(seq_id, ()))
 
-    def lookup_prefix(self, token_ids: list[int]) -> list[KVBlock]:
-        """The cached blocks of the longest cached prefix of token_ids.
+    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> list[KVBlock]:
+        """The cached blocks of the longest cached prefix of token_ids, cached under the same
+        salt (blocks of a request with another salt, or none, are never found).
 
         At most len-1 tokens are matched: the last token is always computed, since its
         logits are what the next token is sampled from.
@@ -64,15 +66,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         hits: list[KVBlock] = []
-        parent: BlockKey | None = None
-        B = self.block_size
-        for i in range((len(token_ids) - 1) // B):
-            key = block_key(parent, tuple(token_ids[i * B:(i + 1) * B]))
+        for key in prefix_block_keys(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size,
+                                     cache_salt):
             block = self.pool.lookup(key)
             if block is None:
                 break
             hits.append(block)
-            parent = key
         return hits
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -103,17 +102,20 @@ class KVCacheManager:
 
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int], num_computed: int, num_new: int,
-                 prefix_blocks: list[KVBlock] = ()) -> list[tuple[int, int]]:
+                 prefix_blocks: list[KVBlock] = (), cache_salt: str | None = None) -> list[tuple[int, int]]:
         """Make room for tokens [num_computed, num_computed + num_new) of a sequence.
 
         `prefix_blocks` (prefix-cache hits, only for a sequence with no table yet) are
-        taken by reference first. Returns the (src, dst) block copies the worker must do
-        before the step: copy-on-write for shared blocks this step writes into.
+        taken by reference first; `cache_salt`, read when the table is created, is the salt
+        they were looked up with (it keys all of the sequence's blocks). Returns the (src, dst)
+        block copies the worker must do before the step: copy-on-write for shared blocks this
+        step writes into.
         Call `num_blocks_needed` first: this raises if the pool runs dry half way.
         """
         assert seq_id not in self.host_tables, f"sequence {seq_id} is swapped out: swap it in first"
         table = self.tables.setdefault(seq_id, [])
         keys = self.keys.setdefault(seq_id, [])
+        self.salts.setdefault(seq_id, cache_salt)
         if prefix_blocks:
             assert not table, "prefix blocks only attach to an empty block table"
             self.pool.touch(list(prefix_blocks))
@@ -141,6 +143,7 @@ class KVCacheManager:
         self.pool.touch(blocks)
         self.tables[child_id] = list(blocks)
         self.keys[child_id] = list(self.keys[parent_id])
+        self.salts[child_id] = self.salts[parent_id]
 
     def free(self, seq_id: int) -> None:
         """Drop a sequence's table (on the device or in swap space). Tail blocks are released
@@ -148,6 +151,7 @@ class KVCacheManager:
         earlier ones."""
         table = self.tables.pop(seq_id, [])
         self.keys.pop(seq_id, None)
+        self.salts.pop(seq_id, None)
         self.pool.release(table[::-1])
         self.host_pool.release(self.host_tables.pop(seq_id, []))
 
@@ -218,11 +222,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         table, keys = self.tables[seq_id], self.keys[seq_id]
-        B = self.block_size
-        for i in range(len(keys), num_tokens // B):
-            key = block_key(keys[-1] if keys else None, tuple(token_ids[i * B:(i + 1) * B]))
-            keys.append(key)
+        new = list(prefix_block_keys(token_ids, self.block_size, num_tokens // self.block_size,
+                                     self.salts[seq_id], known=keys))
+        for i, key in enumerate(new, start=len(keys)):
             self.pool.cache(table[i], key)
+        keys.extend(new)
 
     # ---- accounting ------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -279,4 +283,4 @@ class KVCacheManager:
             assert block.key == key, f"cache index points at block {block.block_id} with another key"
         assert not self.host_pool.cached, "host blocks are never in the prefix cache"
         assert not set(self.tables) & set(self.host_tables), "a sequence is both on the device and swapped"
-        assert set(self.keys) == set(self.tables) | set(self.host_tables)
+        assert set(self.keys) == set(self.salts) == set(self.tables) | set(self.host_tables)

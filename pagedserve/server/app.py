@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM.
 
 The server listens at once and answers 503 until the model is loaded. SIGTERM
-(or Ctrl-C) stops new requests (503), gives the ones in flight
-`shutdown_timeout` seconds to finish, aborts the rest and exits 0.
+(or Ctrl-C) starts a drain: the server keeps listening but answers every new
+request 503 (/health too, so a load balancer stops sending), gives the requests
+in flight `shutdown_timeout` seconds to finish, aborts the rest and exits 0. A
+second signal exits at once (aborting what is left).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class ServerState:
     shutdown_timeout: float = 5.0
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutting_down: bool = False
+    num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
     loop: asyncio.AbstractEventLoop | None = None
     _tasks: list[Any] = field(default_factory=list)
@@ -58,21 +61,31 @@ class ServerState:
                                 f"{', '.join(map(repr, self.served_model_names))}", "model", "model_not_found")
         return self.model_name
 
-    def begin_shutdown(self) -> None:
-        """Refuse new requests; abort the ones still running after shutdown_timeout."""
+    def begin_shutdown(self, stop_server: Callable[[], None]) -> None:
+        """Refuse new requests (503) while the ones in flight finish, for up to shutdown_timeout
+        seconds; then abort what is left and stop the server (call on the event loop)."""
         if self.shutting_down:
             return
         self.shutting_down = True
         logger.info("shutting down: new requests get 503, requests in flight have %.1f s to finish",
                     self.shutdown_timeout)
-        if self.loop is not None:
-            self.loop.call_later(self.shutdown_timeout, self.llm.abort_all)
+        self._tasks.append(asyncio.ensure_future(self._drain(stop_server)))
+
+    async def _drain(self, stop_server: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_in_flight:
+            logger.info("aborting %d requests still in flight", self.num_in_flight)
+        self.llm.abort_all()
+        stop_server()
 
 
 class GateMiddleware:
     """503 while starting or shutting down, 401 without the API key, 413 for a body over
-    max_request_body_bytes (pure ASGI, so streaming responses and disconnects pass through
-    untouched)."""
+    max_request_body_bytes; counts the requests it lets in until they are answered (pure ASGI,
+    so streaming responses and disconnects pass through untouched)."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app = app
@@ -86,6 +99,12 @@ class GateMiddleware:
                 return
             if self.state.max_request_body_bytes:
                 receive = self._limited(receive, self.state.max_request_body_bytes)
+            self.state.num_in_flight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.state.num_in_flight -= 1
+            return
         await self.app(scope, receive, send)
 
     @staticmethod
@@ -149,7 +168,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(GateMiddleware, state=state)
     install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200)
 
@@ -223,20 +242,29 @@ async def _watch_start(state: ServerState) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: a signal starts our shutdown (503s, then aborts), and a clean shutdown
-    exits 0 (uvicorn would re-raise the signal once done, ending the process with 128+SIGTERM)."""
+    """uvicorn, plus: the first signal starts our drain (503s while the requests in flight
+    finish, then aborts) and only then stops uvicorn, which would otherwise stop listening at
+    once (new clients would be refused a connection, not answered 503); a second signal, or
+    one before the app has started, stops uvicorn at once. A clean shutdown exits 0 (uvicorn
+    would re-raise the signal once done, ending the process with 128+SIGTERM)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self._draining = False
 
     def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
+        if self._draining or self.state.loop is None:
+            super().handle_exit(sig, frame)
+        else:
+            self._draining = True
+            self.state.loop.call_soon_threadsafe(self.state.begin_shutdown, self.stop)
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
-        if self.state.loop is not None:
-            self.state.loop.call_soon_threadsafe(self.state.begin_shutdown)
+
+    def stop(self) -> None:
+        self.should_exit = True
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
@@ -258,8 +286,6 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                                timeout_graceful_shutdown=int(shutdown_timeout) + 5)
     server = _Server(uv_config, state)
 
-    def stop() -> None:
-        server.should_exit = True
-    state.on_start_failed = stop
+    state.on_start_failed = server.stop
     server.run()
     return 1 if llm.state == "failed" or not server.started else 0

@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status,
-for our own errors, malformed bodies, unknown routes and unexpected failures alike."""
+for our own errors, malformed bodies, unknown routes and unexpected failures alike. A client
+that disconnects before its whole body arrives is not an error of ours: one log line."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedserve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -38,8 +40,8 @@ class APIError(Exception):
                          param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -65,6 +67,39 @@ def invalid_body(exc: ValidationError) -> APIError:
     return APIError(400, message, param)
 
 
+class UnexpectedErrorMiddleware:
+    """The outermost of our middlewares: an exception nothing else handled is logged once (with
+    its traceback) and answered 500, with Connection: close since the request may not have been
+    read to its end. (Starlette's own handler would send the 500 and re-raise, so uvicorn logs a
+    second traceback and drops the connection without saying so.) A body cut short by the
+    client is logged in one line and answered with nothing: nobody is there to read it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked_send)
+        except ClientDisconnect:
+            logger.info("client disconnected before sending the whole request body: %s %s",
+                        scope["method"], scope["path"])
+        except Exception as exc:
+            if started:
+                raise   # mid-response: only closing the connection is left, which uvicorn does
+            logger.exception("unexpected error serving %s %s", scope["method"], scope["path"])
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+            await error.response(headers={"Connection": "close"})(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -83,7 +118,4 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
         return APIError(exc.status_code, message).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    app.add_middleware(UnexpectedErrorMiddleware)   # added last: outside the other middlewares

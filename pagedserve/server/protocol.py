@@ -1,7 +1,8 @@
 """The OpenAI API's request and response bodies (the parts pagedserve serves), plus
 vLLM's extra sampling fields. Unknown request fields are accepted and ignored, as
-vLLM does; values are checked where SamplingParams checks them, so the error
-names the value and the limit."""
+vLLM does. Types are strict, as OpenAI's API has them: nothing is coerced (`true`
+is not an integer, `"2"` is not a number; an integer is a valid float). Values are
+checked where SamplingParams checks them, so the error names the value and the limit."""
 from __future__ import annotations
 
 import time
@@ -21,7 +22,7 @@ def random_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     # JSON has no NaN or Infinity, yet parsers accept them (and 1e999): refuse them as values.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -56,6 +57,8 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's prefix-cache salt: requests share cached KV blocks only with requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class CompletionRequest(SamplingRequest):

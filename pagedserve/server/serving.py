@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -75,10 +76,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        # Plain ASCII digits only: int() would also take "1_0", " 10 " and other scripts' digits.
+        if not re.fullmatch(r"[0-9]+", key):
+            raise bad_request(f"logit_bias keys must be token ids in decimal digits, got {key!r}", "logit_bias")
+        token = int(key)
         if not 0 <= token < vocab_size:
             raise bad_request(f"logit_bias token id {token} is out of the vocabulary (size {vocab_size})",
                               "logit_bias")
@@ -238,7 +239,11 @@ class Serving:
         self.id = random_id(self.id_prefix)
         self.created = int(time.time())
         self.model = state.check_model(body.model)
-        self.n = body.n if isinstance(body.n, int) and body.n > 0 else 1
+        for name in ("n", "best_of"):   # checked first: both are sequence counts from here on
+            value = getattr(body, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be an integer >= 1, got {value}", name)
+        self.n = body.n
         self.texts = TokenTexts(self.llm.tokenizer)
         self.prompt_tokens: dict[int, int] = {}
         self._choices: dict[int, _ChoiceState] = {}
@@ -256,7 +261,8 @@ class Serving:
 
     # -- submit and wait --------------------------------------------------------------------------
     async def submit(self, items: list[tuple[str | None, list[int], Params]]) -> RequestStream:
-        engine_items = [(f"{self.id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
+        engine_items = [(f"{self.id}-{i}", {"prompt": text, "prompt_token_ids": ids,
+                                            "cache_salt": self.body.cache_salt}, params)
                         for i, (text, ids, params) in enumerate(items)]
         try:
             return await self.llm.add_requests(engine_items, self.arrival)
