@@ -374,6 +374,21 @@ class Scheduler:
         return True
 
     # ---- accounting ------------------------------------------------------------------------
+    def describe(self, max_listed: int = 16) -> str:
+        """The queues with each request's sequences (computed / total tokens), and the free
+        blocks: what to log when something is stuck."""
+        def request(r: Request) -> str:
+            seqs = " ".join(f"{s.num_computed_tokens}/{s.num_tokens}" for s in r.live_seqs)
+            flags = "".join(f" {f}" for f in ("pending_fork", "rejoin") if getattr(r, f))
+            return f"{r.request_id} [{seqs}]{flags}"
+        parts = []
+        for name, queue in (("running", self.running), ("swapped", self.swapped), ("waiting", self.waiting)):
+            listed = [request(r) for r in list(queue)[:max_listed]]
+            more = f", ... {len(queue) - max_listed} more" if len(queue) > max_listed else ""
+            parts.append(f"{name} ({len(queue)}): {', '.join(listed) or '-'}{more}")
+        parts.append(f"free blocks {self.kv.num_free_blocks}/{self.kv.pool.num_blocks}")
+        return "; ".join(parts)
+
     def memory_usage(self) -> MemoryUsage:
         """The KV cache's slots by what they hold now (kv/memory_usage.py). A sequence's final
         length is prompt + max_tokens; the first waiting request is the one free space must fit."""
