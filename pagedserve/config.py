@@ -31,6 +31,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"  # recompute | swap
+    # Watchdog: after this many steps in a row that compute nothing while requests wait (the
+    # scheduler's liveness argument says none should), fail those requests; 0 turns it off.
+    watchdog_steps: int = 100
     swap_space: int = 0                 # bytes of host memory for swapped-out blocks
     num_host_blocks_override: int | None = None  # exact number of swap-space blocks (tests, benchmarks)
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
@@ -50,6 +53,8 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode one token per step.
             self.max_num_batched_tokens = self.max_num_seqs
+        if self.watchdog_steps < 0:
+            raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_allocator not in KV_ALLOCATORS:

@@ -6,7 +6,8 @@ tables holding each block, free queues hold exactly the unreferenced blocks;
 plus, here, the prefix-cache index against the blocks and tables), and what
 only the scheduler knows: which requests may hold blocks (live sequences of
 running requests on the device, of swapped-out requests in swap space, nobody
-else, so nothing is held once a request ends), that every computed token has a
+else, so nothing is held once a request ends), that a waiting group will share
+its prompt again (its leader recomputes it alone), that every computed token has a
 slot, that each sequence's prefix-cache keys are those of its tokens (and salt). Given the
 `SchedulerOutput` of the step about to run, it also checks what that step
 writes: no block that another table holds, copy-on-write and swap-in copies
@@ -83,6 +84,14 @@ def _check_queues(scheduler: "Scheduler", request_ids: Collection[str] | None) -
             assert req.status == RequestStatus[name.upper()], (
                 f"request {req.request_id} is {name} with status {req.status}")
             assert name == "waiting" or req.live_seqs, f"{name} request {req.request_id} has no live sequence"
+            if name == "waiting":
+                # Waiting means computed from scratch on admission; a group's leader alone
+                # recomputes the shared prompt (each sequence on its own could need more
+                # blocks than the group was admitted for, and never fit).
+                assert all(s.num_computed_tokens == 0 for s in req.live_seqs), (
+                    f"waiting request {req.request_id} has computed tokens")
+                assert len(req.live_seqs) <= 1 or req.rejoin, (
+                    f"waiting request {req.request_id} has {len(req.live_seqs)} sequences that do not rejoin")
     if request_ids is not None:
         queued = {r.request_id for q in queues.values() for r in q}
         assert queued == set(request_ids), (

@@ -19,6 +19,30 @@ lock step: each sequence first catches up to one token short of its end, then
 all compute their last token in the same step, so they sample together.
 A parallel-sampling request runs as one sequence until only the last prompt
 token is left, then forks into best_of sequences sharing the prompt's blocks.
+
+Liveness: the oldest running request (the head of `running`, which is in admission
+order) computes at least one token in every step until it finishes, and a step with
+unfinished requests never schedules nothing. Why:
+1. `add_request` refuses a request that could not run alone: it needs at most
+   `num_blocks` blocks at its largest and at most `max_num_seqs` sequences, and
+   `max_num_batched_tokens >= max_num_seqs` (EngineConfig).
+2. The head is planned first, before anything is scheduled, with the token budget less
+   what the other running requests' decodes reserve. Running requests claim at most
+   `max_num_seqs` sequences in all, so that leaves at least the head's own sequences,
+   and a running request always has a token to compute: its plan is never empty.
+3. If blocks are short, the other running requests are preempted, newest first. Once
+   all are gone the head holds every block in use and, by 1, still fits: it is never
+   its own victim, and nothing can preempt it (scheduled requests are never victims).
+   So it computes a token, and, never preempted, never loses one: it finishes within
+   as many steps as it has tokens to compute.
+4. With nothing running, the oldest swapped request is swapped in, or else the first
+   waiting one admitted, with the whole pool and budget: by 1, it fits.
+5. A failed admission leaves the request exactly as it was before (no blocks, and a
+   group rejoins its leader, as after preemption by recompute), so failing never
+   turns a request into one that can no longer fit.
+So the head finishes, the next-oldest becomes the head, and by induction every
+request finishes. tests/test_scheduler.py checks 2-4 after every step of the fuzzer's
+runs (`test_the_oldest_request_advances_every_step`).
 """
 from __future__ import annotations
 
@@ -160,11 +184,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        # Decodes first (one token per sequence), then chunked prefills still in progress.
-        for req in sorted(self.running, key=lambda r: not self._is_decoding(r)):
+        # The oldest request first (it alone may preempt any other: the liveness argument
+        # above), leaving budget for the others' decodes; then decodes (one token per
+        # sequence), then chunked prefills still in progress.
+        head, rest = self.running[:1], sorted(self.running[1:], key=lambda r: not self._is_decoding(r))
+        reserve = sum(r.max_seqs for r in rest if self._is_decoding(r))
+        for req in head + rest:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            plan = self._plan(req, budget)
+            plan = self._plan(req, budget - reserve if req in head else budget)
             if not plan:
                 continue
             while (copies := self._allocate(plan)) is None:
@@ -279,12 +307,10 @@ class Scheduler:
             hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(tokens, req.cache_salt)
             self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits, cache_salt=req.cache_salt)
             seq.num_computed_tokens = len(hits) * self.block_size
-        plan = self._plan(req, budget)
+        plan = self._plan(req, budget)   # may fork or rejoin the group's followers
         copies = self._allocate(plan) if plan else None
         if copies is None:
-            for seq in req.seqs:
-                self.kv.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+            self._release_blocks(req)
             return None
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(req.seqs[0].num_computed_tokens, prompt_len)
@@ -315,13 +341,24 @@ class Scheduler:
 
     def _preempt_by_recompute(self, req: Request) -> None:
         """Free every block of the request and requeue it first."""
+        self.stats.num_recomputed_tokens += self._release_blocks(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _release_blocks(self, req: Request) -> int:
+        """Free every block of the request's sequences, to be computed again from the start.
+        A group with several live sequences rejoins: its leader recomputes the shared prompt
+        alone, the others take its blocks back by reference. (Without that, a group whose
+        admission failed after its followers forked or rejoined would have each sequence
+        recompute the prompt on its own: more blocks than the group may ever need, so it
+        could wait forever.) Returns the number of computed tokens thrown away."""
+        thrown_away = 0
         for seq in req.live_seqs:
-            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            thrown_away += seq.num_computed_tokens
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
         req.rejoin = len(req.live_seqs) > 1
-        self.waiting.appendleft(req)
+        return thrown_away
 
     def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
         """Bring a swapped request's blocks back if they fit, leaving a free block per
@@ -337,6 +374,21 @@ class Scheduler:
         return True
 
     # ---- accounting ------------------------------------------------------------------------
+    def describe(self, max_listed: int = 16) -> str:
+        """The queues with each request's sequences (computed / total tokens), and the free
+        blocks: what to log when something is stuck."""
+        def request(r: Request) -> str:
+            seqs = " ".join(f"{s.num_computed_tokens}/{s.num_tokens}" for s in r.live_seqs)
+            flags = "".join(f" {f}" for f in ("pending_fork", "rejoin") if getattr(r, f))
+            return f"{r.request_id} [{seqs}]{flags}"
+        parts = []
+        for name, queue in (("running", self.running), ("swapped", self.swapped), ("waiting", self.waiting)):
+            listed = [request(r) for r in list(queue)[:max_listed]]
+            more = f", ... {len(queue) - max_listed} more" if len(queue) > max_listed else ""
+            parts.append(f"{name} ({len(queue)}): {', '.join(listed) or '-'}{more}")
+        parts.append(f"free blocks {self.kv.num_free_blocks}/{self.kv.pool.num_blocks}")
+        return "; ".join(parts)
+
     def memory_usage(self) -> MemoryUsage:
         """The KV cache's slots by what they hold now (kv/memory_usage.py). A sequence's final
         length is prompt + max_tokens; the first waiting request is the one free space must fit."""

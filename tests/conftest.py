@@ -13,6 +13,42 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests. "ci", the default: derandomized (every run tries the same examples, so a
+# clean clone passes or fails the same way every time) with no example database; an
+# example that ever failed is pinned with @example on its test. "fuzz": the long random
+# run required before a change to the scheduler or a KV cache manager lands (README,
+# Tests); chosen by `-m fuzz` or PAGEDSERVE_FUZZ_EXAMPLES, with that many examples per
+# test (default 10,000). "dev": random, CI-sized (--hypothesis-seed works there).
+# HYPOTHESIS_PROFILE picks one explicitly.
+FUZZ_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES") or 10_000)
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("fuzz" if os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES") else "ci")
+settings.load_profile(PROFILE)
+
+
+def pytest_configure(config):
+    global PROFILE
+    markexpr = config.getoption("markexpr", "") or ""
+    if not os.environ.get("HYPOTHESIS_PROFILE") and "fuzz" in markexpr and "not fuzz" not in markexpr:
+        PROFILE = "fuzz"
+        settings.load_profile(PROFILE)
+
+
+def pytest_collection_modifyitems(config, items):
+    if PROFILE == "fuzz":   # thousands of examples take longer than the suite's per-test timeout
+        for item in items:
+            item.add_marker(pytest.mark.timeout(0))
+
+
+def examples(n: int) -> int:
+    """max_examples for a property test: n, or the fuzz profile's count in a fuzz run."""
+    return FUZZ_EXAMPLES if PROFILE == "fuzz" else n
+
 
 # Busy-waiting OpenMP threads are ruinous when other processes share the cores (a tiny
 # matmul on 2 spinning threads ran 15x slower than on 1 here); sleep instead. Must be set

@@ -17,7 +17,7 @@ from pagedserve.kv.kv_cache_manager import KVCacheManager
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.sampling_params import BeamSearchParams
 from pagedserve.scheduler import Scheduler
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, examples
 from tests.test_scheduler import add, fake_step, run_all
 
 # ---- the region allocator ------------------------------------------------------------------
@@ -51,7 +51,8 @@ def test_freeing_merges_neighbouring_holes():
         pool.free(2, 2)
 
 
-@settings(max_examples=50, deadline=None)
+@pytest.mark.fuzz
+@settings(max_examples=examples(50))
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))
 def test_allocator_keeps_holes_and_regions_tiling_the_space(ops):
     pool = RegionAllocator(20)
@@ -224,7 +225,8 @@ def test_a_request_waits_for_a_hole_although_enough_slots_are_free():
     run_all(sched)
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.fuzz
+@settings(max_examples=examples(40))
 @given(reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=8),
        policy=st.sampled_from(["max", "pow2", "oracle"]), num_blocks=st.integers(8, 40),
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(4, 40))

@@ -13,15 +13,15 @@ read back its own tokens through its block table. `check_paging_invariants`
 runs after `schedule()` (what the step writes) and after every rule; at the end
 every request is run to completion and no block may stay referenced.
 
-CI runs PAGEDSERVE_FUZZ_EXAMPLES (default 300) examples. A long local run:
-    PAGEDSERVE_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest tests/test_fuzz_paging.py -q
+CI runs 300 derandomized examples; the fuzz run (README, Tests) runs thousands:
+    PAGEDSERVE_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest -m fuzz -q
 """
 from __future__ import annotations
 
 import inspect
-import os
 import random
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -31,8 +31,11 @@ from pagedserve.invariants import check_paging_invariants
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
+from tests.conftest import examples
+from tests.test_scheduler import check_progress
 
-MAX_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "300"))
+pytestmark = pytest.mark.fuzz
+MAX_EXAMPLES = examples(300)
 EOS = 9
 VOCAB = [0, 1, 2, 3]      # few tokens: generated text repeats, so it hits the prefix cache too
 PREFIXES = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [1, 1, 1, 1, 2, 2, 2, 2], [3, 2, 1, 0, 3, 2]]
@@ -97,12 +100,13 @@ class PagingMachine(RuleBasedStateMachine):
 
     def _step(self, rng: random.Random) -> None:
         sched = self.sched
+        head, had_work = (sched.running[0] if sched.running else None), sched.num_unfinished > 0
         out = sched.schedule()
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(out.preempted)
         self.stats["copies"] += len(out.block_copies)
         check_paging_invariants(sched, out, self.requests)
-        assert not out.empty or out.preempted or not sched.num_unfinished, "no progress: nothing scheduled"
+        check_progress(out, head, had_work)
         self._run_on_shadow_memory(out)
 
         sampled: dict[str, list[Sequence]] = {}

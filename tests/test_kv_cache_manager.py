@@ -6,6 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedserve.kv.block_pool import BlockPool, NoFreeBlocksError, block_key, prefix_block_keys
 from pagedserve.kv.kv_cache_manager import KVCacheManager, cdiv
+from tests.conftest import examples
 
 
 def test_blocks_are_allocated_on_demand():
@@ -363,8 +364,8 @@ class KVMachine(RuleBasedStateMachine):
             self.kv.check_invariants()
 
 
-KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-test_kv_state_machine = KVMachine.TestCase
+KVMachine.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
+test_kv_state_machine = pytest.mark.fuzz(KVMachine.TestCase)
 
 
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.sampled_from([1, 2, 3, 16]))

@@ -123,3 +123,19 @@ def test_swap_needs_swap_space(tiny_llama):
         make_llm(tiny_llama, preemption_mode="evict")
     with pytest.raises(ValueError, match="preemption_mode='swap' needs kv_allocator='paged'"):
         make_llm(tiny_llama, preemption_mode="swap", swap_space=1 << 20, kv_allocator="max")
+
+
+def test_a_group_preempted_right_after_forking_comes_back(tiny_llama):
+    """Issue 19 through the engine: the n=3 request is preempted by recompute in the step it
+    forks; re-admitting it finds its whole prompt in the prefix cache and rejoins its
+    followers, but the blocks for their last tokens are short, so admission fails. That
+    failure used to leave three sequences no longer sharing their prompt, needing more
+    blocks than the cache has: the engine spun forever."""
+    llm = make_llm(tiny_llama, block_size=1, num_gpu_blocks_override=24, max_num_batched_tokens=33, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": [3] * 7}, {"prompt_token_ids": [4] * 15}],
+                        [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True),
+                         SamplingParams(n=3, max_tokens=1, temperature=1.0, ignore_eos=True)], use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 12
+    assert [len(c.token_ids) for c in outs[1].outputs] == [1, 1, 1]
+    assert llm.kv_cache_stats()["num_preemptions"] >= 1
+    assert_no_blocks_held(llm)

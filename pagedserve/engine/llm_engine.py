@@ -34,6 +34,16 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
+class EngineStalledError(RuntimeError):
+    """The engine made no progress for `EngineConfig.watchdog_steps` steps while requests
+    waited. Raised by `step()`; the caller fails those requests (`request_ids`) by aborting
+    them, as after any failed step (LLM raises it, AsyncLLM hands it to their streams)."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -76,6 +86,7 @@ class LLMEngine:
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._request_counter = 0
+        self._steps_without_progress = 0
 
     # ---- setup helpers -------------------------------------------------------------------
     @staticmethod
@@ -194,8 +205,10 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
-            self.runner.move_blocks(sched)   # a step can preempt (swap out) and run nothing
+            self.runner.move_blocks(sched)   # swaps move even in a step that runs nothing
+            self._watchdog()
             return []
+        self._steps_without_progress = 0
         now = time.monotonic()
         result = self.runner.execute(sched)
         for s in sched.scheduled:
@@ -229,6 +242,22 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants()
         return outputs
+
+    def _watchdog(self) -> None:
+        """Count steps that computed nothing while requests wait; after watchdog_steps in a
+        row, log the scheduler's state and raise EngineStalledError instead of spinning."""
+        if not self.requests:
+            return
+        self._steps_without_progress += 1
+        limit = self.config.watchdog_steps
+        if not limit or self._steps_without_progress < limit:
+            return
+        self._steps_without_progress = 0
+        ids = list(self.requests)
+        logger.error("watchdog: no progress in %d steps with %d requests unfinished; scheduler state: %s",
+                     limit, len(ids), self.scheduler.describe())
+        raise EngineStalledError(f"the engine made no progress in {limit} steps (a scheduler bug); failing "
+                                 f"the {len(ids)} unfinished requests", ids)
 
     def _append_token(self, req: Request, seq: Sequence, sample, row: int) -> None:
         p: SamplingParams = req.params
