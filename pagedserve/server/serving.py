@@ -43,7 +43,7 @@ Params = SamplingParams | BeamSearchParams
 # Request fields an error message may start with (SamplingParams names the value first).
 _PARAM_NAMES = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens", "min_tokens", "stop",
-                "stop_token_ids", "logprobs", "prompt_logprobs", "beam_width"}
+                "stop_token_ids", "logprobs", "prompt_logprobs", "beam_width", "length_penalty"}
 
 
 # ---- request -> engine --------------------------------------------------------------------------
