@@ -2,7 +2,10 @@
 
 The server listens at once and answers 503 until the model is loaded. SIGTERM
 (or Ctrl-C) stops new requests (503), gives the ones in flight
-`shutdown_timeout` seconds to finish, aborts the rest and exits 0.
+`shutdown_timeout` seconds to finish, aborts the rest and exits 0. If the
+engine dies (a fault it cannot recover from), /health and every request get
+503, the requests in flight fail, and the server exits 1 for a supervisor to
+restart it.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ class ServerState:
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutting_down: bool = False
     on_start_failed: Callable[[], None] = lambda: None
+    on_engine_dead: Callable[[], None] = lambda: None
     loop: asyncio.AbstractEventLoop | None = None
     _tasks: list[Any] = field(default_factory=list)
 
@@ -140,8 +144,11 @@ def build_app(state: ServerState) -> FastAPI:
         if state.llm.state == "created":
             state.llm.start()
         state._tasks.append(asyncio.create_task(_watch_start(state)))
+        state._tasks.append(asyncio.create_task(_watch_engine(state)))
         yield
         state.shutting_down = True
+        for task in state._tasks:
+            task.cancel()
         await state.llm.shutdown()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
@@ -222,6 +229,12 @@ async def _watch_start(state: ServerState) -> None:
     logger.info("ready to serve %s", ", ".join(state.served_model_names))
 
 
+async def _watch_engine(state: ServerState) -> None:
+    error = await state.llm.wait_dead()
+    logger.critical("%s; /health answers 503 and the server exits with status 1", error)
+    state.on_engine_dead()
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus: a signal starts our shutdown (503s, then aborts), and a clean shutdown
     exits 0 (uvicorn would re-raise the signal once done, ending the process with 128+SIGTERM)."""
@@ -261,5 +274,6 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     def stop() -> None:
         server.should_exit = True
     state.on_start_failed = stop
+    state.on_engine_dead = stop
     server.run()
-    return 1 if llm.state == "failed" or not server.started else 0
+    return 1 if llm.state in ("failed", "dead") or not server.started else 0

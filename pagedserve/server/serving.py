@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from pagedserve.engine.async_llm import EngineNotReadyError, EngineStepError, QueueFullError, RequestStream
+from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, QueueFullError,
+                                         RequestStream)
 from pagedserve.engine.llm import render_chat
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -289,7 +290,7 @@ class Serving:
                 if out.finished:
                     self._check_aborted(out)
                     finals[out.request_id] = out
-        except EngineStepError as e:
+        except (EngineStepError, EngineDeadError) as e:
             raise APIError(500, str(e)) from None
         finally:
             watcher.cancel()
@@ -354,7 +355,7 @@ class Serving:
                 yield _sse(self.usage_chunk())
         except APIError as e:
             yield _sse(e.body())
-        except EngineStepError as e:
+        except (EngineStepError, EngineDeadError) as e:
             yield _sse(APIError(500, str(e)).body())
         finally:
             watcher.cancel()
