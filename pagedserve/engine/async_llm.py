@@ -219,13 +219,18 @@ class AsyncLLM:
             raise
         return stream
 
+    def check_num_prompts(self, num_new: int) -> None:
+        """ValueError if one call could never be queued whole."""
+        cap = self.max_waiting_requests
+        if cap is not None and num_new > cap:
+            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
+                             f"(--max-waiting-requests)")
+
     def _check_queue(self, num_new: int, num_waiting: int) -> None:
         cap = self.max_waiting_requests
         if cap is None:
             return
-        if num_new > cap:
-            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
-                             f"(--max-waiting-requests)")
+        self.check_num_prompts(num_new)
         if num_waiting + num_new > cap:
             raise QueueFullError(f"the server is overloaded: {num_waiting} requests are already waiting "
                                  f"and at most {cap} may wait (--max-waiting-requests); retry later")

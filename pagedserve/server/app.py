@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import uvicorn
@@ -27,6 +28,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from pagedserve.server.prompts import PromptProcessor
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
 from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
@@ -55,6 +57,11 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    @cached_property
+    def prompts(self) -> PromptProcessor:
+        """Built on first use, once the engine is ready (the routes that use it need it ready)."""
+        return PromptProcessor(self.llm.tokenizer, self.llm.max_model_len, self.llm.check_num_prompts)
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.served_model_names:
@@ -149,6 +156,8 @@ def build_app(state: ServerState) -> FastAPI:
         state.shutting_down = True
         for task in state._tasks:
             task.cancel()
+        if "prompts" in state.__dict__:
+            state.prompts.close()
         await state.llm.shutdown()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
@@ -178,7 +187,7 @@ def build_app(state: ServerState) -> FastAPI:
     # (curl -d sends form encoding) and every parse error is a 400 in OpenAI's shape.
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        body = await parse_body(raw, CompletionRequest)
+        body = await parse_body(raw, CompletionRequest, state.prompts.precheck_completion_body)
         return await CompletionServing(state, body, raw).create()
 
     @app.post("/v1/chat/completions")
@@ -190,13 +199,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(raw: Request) -> dict:
         body = await parse_body(raw, TokenizeRequest)
         state.check_model(body.model)
-        tok = state.llm.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt or messages", "prompt")
         if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            (ids,) = await state.prompts.encode([body.prompt], add_special_tokens=body.add_special_tokens)
         else:
-            ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt)
+            ids = await state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -212,9 +220,13 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def parse_body(raw: Request, model: type[BaseModel]) -> BaseModel:
+async def parse_body(raw: Request, model: type[BaseModel],
+                     precheck: Callable[[bytes], None] | None = None) -> BaseModel:
+    data = await raw.body()
+    if precheck is not None:
+        precheck(data)
     try:
-        return model.model_validate_json(await raw.body())
+        return model.model_validate_json(data)
     except ValidationError as e:
         raise invalid_body(e) from None
 
