@@ -55,6 +55,21 @@ def test_a_fault_in_one_request_drops_it_and_the_step_goes_on(tiny_llama, monkey
     assert_no_blocks_held(llm)
 
 
+def test_offline_llm_after_a_failed_step_does_not_read_its_half_written_blocks(tiny_llama, monkeypatch):
+    """The failed step allocated blocks for the prompt's prefix (entering them in the prefix
+    cache) and never wrote them: a later prompt with that prefix must compute it."""
+    fault_server.install(monkeypatch.setattr)
+    prefix = "An operating system maps pages of virtual memory to physical frames. " * 3
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    llm = make_llm(tiny_llama, block_size=4)
+    with pytest.raises(fault_server.InjectedFault):
+        llm.generate(prefix + STEP_FAULT, params, use_tqdm=False)
+    assert_no_blocks_held(llm)
+    clean = prefix + "Continuous batching"
+    got = llm.generate(clean, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == make_llm(tiny_llama, block_size=4).generate(clean, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 # ---- the server: the engine goes on -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def faulty_server(tiny_llama, tmp_path_factory):
