@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Beam search's length_penalty: beyond this, len ** length_penalty only ranks by length.
+MAX_LENGTH_PENALTY = 100.0
 
 
 def _check(ok: bool, message: str) -> None:
@@ -106,3 +108,7 @@ class BeamSearchParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(self.temperature == 0.0, "beam search only supports temperature 0")
+        _check(isinstance(self.length_penalty, (int, float)) and
+               -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY,
+               f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+               f"got {self.length_penalty!r}")

@@ -156,6 +156,11 @@ CATALOGUE = [
     Bad("stop-token-ids-out-of-vocabulary", C, {"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**7]}, 400,
         "stop_token_ids", ["vocabulary"]),
     Bad("beam-search-with-stop", C, {"prompt": "x", "use_beam_search": True, "n": 2, "stop": "a"}, 400, "stop"),
+    # These two killed the engine thread (OverflowError / ZeroDivisionError in beam scoring).
+    Bad("beam-length-penalty-1e9", C, {"prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True,
+                                       "length_penalty": 1e9}, 400, "length_penalty", ["length_penalty", "100"]),
+    Bad("beam-length-penalty-minus-1e9", C, {"prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True,
+                                             "length_penalty": -1e9}, 400, "length_penalty", ["length_penalty"]),
     # Prompts
     Bad("prompt-longer-than-context", C, {"prompt": list(range(5, 605))}, 400, "prompt", ["600", "512"]),
     Bad("prompt-plus-max-tokens-over-context", C, {"prompt": list(range(5, 505)), "max_tokens": 100}, 400,

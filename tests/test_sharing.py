@@ -4,13 +4,16 @@
 Every engine here checks the paging invariants after each step (conftest sets
 PAGEDSERVE_CHECK_INVARIANTS) and each test ends with no block held.
 """
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from pagedserve import BeamSearchParams, SamplingParams
-from tests.beam_reference import check_beam_search
+from pagedserve.sampling.beam_search import beam_score
+from tests.beam_reference import beam_score as ref_beam_score
+from tests.beam_reference import check_beam_search, reference_beam_search
 from tests.conftest import CORPUS, PROMPTS
 from tests.test_engine import assert_no_blocks_held, greedy_tokens, make_llm
 
@@ -168,6 +171,38 @@ def test_beam_search_params_are_validated():
         BeamSearchParams(beam_width=0)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(beam_width=2, max_tokens=0)
+    for bad in (1e9, -1e9, float("inf"), float("nan"), 100.5):
+        with pytest.raises(ValueError, match="length_penalty must be a number in \\[-100, 100\\]"):
+            BeamSearchParams(beam_width=2, length_penalty=bad)
+
+
+def test_beam_score_ranks_like_the_formula_and_never_overflows():
+    """beam_score orders hypotheses as cum_logprob / len ** length_penalty does, computed in log
+    space: no length_penalty overflows it (1e9 raised OverflowError, -1e9 ZeroDivisionError)."""
+    rng = random.Random(0)
+    hyps = [([7] * rng.randint(1, 40), -rng.uniform(0.01, 80.0)) for _ in range(200)] + [([7, 7], 0.0)]
+    for penalty in (-100.0, -3.0, -1.0, 0.0, 0.5, 1.0, 2.0, 100.0):
+        ours = sorted(hyps, key=lambda h: -beam_score(h[0], h[1], 2, penalty))
+        formula = sorted(hyps, key=lambda h: -ref_beam_score(h[0], h[1], 2, penalty))
+        assert ours == formula, penalty
+    for penalty in (1e9, -1e9, 1e300, -1e300):
+        ranked = sorted(hyps, key=lambda h: -beam_score(h[0], h[1], 2, penalty))
+        lengths = [len(t) for t, _ in ranked[1:]]   # after the probability-1 hypothesis
+        assert lengths == sorted(lengths, reverse=penalty > 0), penalty   # length alone decides
+
+
+@pytest.mark.parametrize("penalty", [-100.0, 0.0, 2.0, 100.0])
+def test_beam_search_with_length_penalty_equals_the_textbook_definition(eos_heavy, penalty):
+    tm = eos_heavy
+    eos = tm.tokenizer.eos_token_id
+    prompts = [tm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    llm = make_llm(tm, block_size=4)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=penalty))
+    refs = reference_beam_search(tm.hf, prompts, 3, 10, eos, length_penalty=penalty, num_threads=1)
+    for out, (ref, _) in zip(outs, refs):
+        assert [s.tokens for s in out.sequences] == [t for t, _ in ref]
+    assert_no_blocks_held(llm)
 
 
 # ---- prefix caching ------------------------------------------------------------------------------

@@ -10,6 +10,14 @@ sleeps on an Event instead of spinning.
 
 Every HTTP request's prompts join the same running batch: continuous
 batching across clients comes from the scheduler seeing all of them.
+
+No exception ends the thread silently. One raised while handling a single
+request's results fails that request (EngineStepError) and the rest go on. A
+step that fails as a whole fails every request in flight and starts the KV
+bookkeeping afresh; MAX_STEP_FAILURES such steps in a row, or an exception
+anywhere else in the loop, mean the engine cannot go on: it is "dead", every
+request fails with EngineDeadError, new ones are refused, and wait_dead()
+returns (the server then answers 503 and exits non-zero).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger)
 from pagedserve.models.loader import load_tokenizer
@@ -36,13 +44,21 @@ logger = logging.getLogger(__name__)
 
 Params = SamplingParams | BeamSearchParams
 
+# Steps failing as a whole this many times in a row (no step succeeding between) mean a fault
+# that no request causes: the engine is declared dead rather than failing every request forever.
+MAX_STEP_FAILURES = 3
+
 
 class EngineNotReadyError(RuntimeError):
     """The engine is still starting, failed to start, or is shutting down."""
 
 
 class EngineStepError(RuntimeError):
-    """An engine step raised; the requests in flight were aborted."""
+    """The engine failed while running this request (it was dropped; the engine goes on)."""
+
+
+class EngineDeadError(EngineNotReadyError):
+    """The engine thread hit a fault it cannot recover from: every request fails."""
 
 
 class QueueFullError(RuntimeError):
@@ -84,6 +100,7 @@ class RequestStream:
         while self._unfinished:
             item = await self._queue.get()
             if isinstance(item, BaseException):
+                self.abort()   # the caller's other requests are of no use now
                 self._unfinished.clear()
                 raise item
             if item.finished:
@@ -115,8 +132,9 @@ class AsyncLLM:
         self._log = LoggingStatLogger(log_interval) if log_interval else None
         if self._log:
             self.stat_loggers.append(self._log)
-        self.state = "created"             # created | starting | ready | failed | stopped
+        self.state = "created"             # created | starting | ready | failed | stopped | dead
         self.startup_error: BaseException | None = None
+        self.fatal_error: BaseException | None = None
         # Set on the engine thread before `ready`, read-only afterwards.
         self.tokenizer: Any = None         # the front end's own tokenizer (not the engine's)
         self.max_model_len = 0
@@ -130,10 +148,12 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._progress: dict[str, _Progress] = {}
         self._beam_requests: dict[str, Request] = {}
+        self._step_failures = 0            # steps failed as a whole in a row
         self._thread: threading.Thread | None = None
         # Event-loop state.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
+        self._dead: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         # For the queue limit: requests sent to the engine thread (event loop), and what the engine
         # last reported: (requests waiting, requests it had taken off the command queue by then).
@@ -146,6 +166,7 @@ class AsyncLLM:
         """Start the engine thread (it loads the model); call from the event loop."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
+        self._dead = self._loop.create_future()
         self.state = "starting"
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
@@ -154,6 +175,11 @@ class AsyncLLM:
         """Wait until the model is loaded; raises the startup error if it failed."""
         assert self._started is not None, "start() first"
         await asyncio.shield(self._started)
+
+    async def wait_dead(self) -> BaseException:
+        """Return (the fault) once the engine has died; never returns while it is healthy."""
+        assert self._dead is not None, "start() first"
+        return await asyncio.shield(self._dead)
 
     @property
     def ready(self) -> bool:
@@ -193,13 +219,18 @@ class AsyncLLM:
             raise
         return stream
 
+    def check_num_prompts(self, num_new: int) -> None:
+        """ValueError if one call could never be queued whole."""
+        cap = self.max_waiting_requests
+        if cap is not None and num_new > cap:
+            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
+                             f"(--max-waiting-requests)")
+
     def _check_queue(self, num_new: int, num_waiting: int) -> None:
         cap = self.max_waiting_requests
         if cap is None:
             return
-        if num_new > cap:
-            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
-                             f"(--max-waiting-requests)")
+        self.check_num_prompts(num_new)
         if num_waiting + num_new > cap:
             raise QueueFullError(f"the server is overloaded: {num_waiting} requests are already waiting "
                                  f"and at most {cap} may wait (--max-waiting-requests); retry later")
@@ -242,6 +273,20 @@ class AsyncLLM:
             if stream is not None:
                 stream._put(error)
 
+    def _on_dead(self, error: EngineDeadError) -> None:
+        """On the event loop, once the engine thread has died: fail every stream and every add
+        still queued (add_requests refuses new ones, since the state is dead)."""
+        self._fail(list(self._streams), error)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                self._resolve(command[3], error)
+        if not self._dead.done():
+            self._dead.set_result(error)
+
     @staticmethod
     def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
         if future.done():
@@ -280,6 +325,14 @@ class AsyncLLM:
         self._publish(None)
         logger.info("engine ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_path,
                     self.max_model_len, self.num_blocks, self.config.block_size)
+        try:
+            self._serve()
+        except BaseException as e:   # noqa: BLE001 - the engine cannot go on: say so, never hang
+            self._die(e)
+            return
+        self.state = "stopped"
+
+    def _serve(self) -> None:
         running = True
         while running:
             self._wake.clear()
@@ -289,8 +342,17 @@ class AsyncLLM:
             elif running:
                 self._wake.wait(self._log.seconds_until_due() if self._log else None)
             if self._log:
-                self._log.maybe_log()
-        self.state = "stopped"
+                try:
+                    self._log.maybe_log()
+                except Exception:   # noqa: BLE001 - logging must never stop the engine
+                    logger.exception("the stats log failed")
+
+    def _die(self, error: BaseException) -> None:
+        logger.critical("the engine thread failed and cannot go on; every request fails from now on",
+                        exc_info=error)
+        self.fatal_error = error
+        self.state = "dead"   # before the callback: add_requests refuses from now on
+        self._call_soon(self._on_dead, EngineDeadError(f"the engine failed and cannot go on: {error!r}"))
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -349,28 +411,47 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
-        except Exception as e:   # noqa: BLE001 - a bug must not take the server down
-            logger.exception("an engine step failed; aborting the %d requests in flight",
-                             len(self.engine.requests))
-            rids = list(self.engine.requests)
-            for rid in rids:
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:   # noqa: BLE001
-                    logger.exception("could not abort request %s", rid)
-                self._progress.pop(rid, None)
-                self._beam_requests.pop(rid, None)
-            self._call_soon(self._fail, rids, EngineStepError(f"the engine step failed: {e!r}"))
+            try:
+                outputs = self.engine.step()
+            except RequestsFailed as e:
+                self._fail_requests(e.failures)
+                self.engine.check_paging_invariants()   # dropping them left the KV cache consistent
+                outputs = e.outputs
+        except Exception as e:   # noqa: BLE001 - the step failed as a whole
+            self._step_failures += 1
+            if self._step_failures >= MAX_STEP_FAILURES:
+                raise RuntimeError(f"{self._step_failures} engine steps in a row failed") from e
+            logger.exception("an engine step failed; failing the %d requests in flight and starting the KV "
+                             "cache afresh", len(self.engine.requests))
+            rids = self.engine.reset()
+            self._fail_requests({rid: e for rid in rids})
             self._publish(None)
             return
-        outputs = [self._with_beams(out) for out in outputs]
+        self._step_failures = 0
         iteration = IterationStats()
+        handed = []
         for out in outputs:
-            self._account(out, iteration)
-        if outputs:
-            self._call_soon(self._dispatch, outputs)
+            try:
+                out = self._with_beams(out)
+                self._account(out, iteration)
+            except Exception as e:   # noqa: BLE001 - fails this request only
+                self._fail_requests({out.request_id: e})
+                continue
+            handed.append(out)
+        if handed:
+            self._call_soon(self._dispatch, handed)
         self._publish(iteration)
+
+    def _fail_requests(self, failures: dict[str, BaseException]) -> None:
+        """Drop the requests (if the engine still has them) and fail their streams."""
+        for rid, error in failures.items():
+            logger.error("request %s failed in the engine: %r", rid, error, exc_info=error)
+            if rid in self.engine.requests:
+                self.engine.abort_request(rid)
+            self._progress.pop(rid, None)
+            self._beam_requests.pop(rid, None)
+            self._call_soon(self._fail, [rid], EngineStepError(f"the engine failed while running this request: "
+                                                               f"{error!r}"))
 
     def _with_beams(self, out: RequestOutput) -> RequestOutput:
         """A finished beam-search request's outputs are its best hypotheses, best first."""

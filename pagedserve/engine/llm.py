@@ -7,7 +7,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -85,9 +85,14 @@ class LLM:
                         n_out += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s")
-        except BaseException:
-            for rid in ids:   # a failed step (or Ctrl-C) leaves nothing behind: the LLM stays usable
+        except RequestsFailed:
+            for rid in ids:   # the failed requests are gone already; the others go with them
                 engine.abort_request(rid)
+            raise
+        except BaseException:
+            # A step failed half way (or Ctrl-C): the blocks it was writing may already be in the
+            # prefix cache, so the KV bookkeeping starts afresh (all requests here are ours).
+            engine.reset()
             raise
         finally:
             bar.close()

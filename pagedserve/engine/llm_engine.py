@@ -44,6 +44,16 @@ class EngineStalledError(RuntimeError):
         self.request_ids = request_ids
 
 
+class RequestsFailed(Exception):
+    """Handling some requests' part of a step raised: those requests were dropped (their
+    blocks freed) and the step went on for the others, whose outputs this carries."""
+
+    def __init__(self, failures: dict[str, Exception], outputs: list[RequestOutput]) -> None:
+        super().__init__("; ".join(f"request {rid}: {e!r}" for rid, e in failures.items()))
+        self.failures = failures
+        self.outputs = outputs
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -79,6 +89,7 @@ class LLMEngine:
             if num_host_blocks < 1:
                 raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
                                  f"block of {block_bytes} bytes; got {config.swap_space}")
+        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks)
         self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
                                   self.device, num_host_blocks)
@@ -189,12 +200,27 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        for seq in req.live_seqs:
-            seq.finish_reason = "abort"
-        self.scheduler.finish_request(req)
+        self._release(req)
         if self.check_invariants:
             self.check_paging_invariants()
         return self._output(req, finished=True)
+
+    def _release(self, req: Request) -> None:
+        """Finish a request that is already out of self.requests, freeing its blocks."""
+        for seq in req.live_seqs:
+            seq.finish_reason = "abort"
+        self.scheduler.finish_request(req)
+
+    def reset(self) -> list[str]:
+        """Drop every request and start the scheduler and the KV bookkeeping afresh; returns
+        the ids dropped. For after a step that failed half way: the blocks it was writing may
+        be registered in the prefix cache with partial contents, so no block is kept."""
+        dropped = list(self.requests)
+        stats = self.scheduler.stats
+        self.scheduler = Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks)
+        self.scheduler.stats = stats
+        self.requests.clear()
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -217,30 +243,33 @@ class LLMEngine:
                 s.request.first_scheduled_time = now
         self._record_prompt_logprobs(result.prompt_logprobs)
 
+        # From here on each request's part runs on its own: one that raises fails that request
+        # alone (RequestsFailed), the others' tokens are kept.
         now = time.monotonic()
         touched: dict[str, Request] = {}
         beam_rows: dict[str, list[int]] = {}
+        failed: dict[str, Exception] = {}
         for i, s in enumerate(result.sampled):
             req = s.request
             touched[req.request_id] = req
             if req.is_beam_search:
                 beam_rows.setdefault(req.request_id, []).append(i)
             else:
-                self._append_token(req, s.seq, result.sample, i)
+                self._isolated(failed, req, self._append_token, req, s.seq, result.sample, i)
         for rid, rows in beam_rows.items():
-            self._beam_step(touched[rid], [result.sampled[i].seq for i in rows], result.sample, rows)
+            self._isolated(failed, touched[rid], self._beam_step, touched[rid], [result.sampled[i].seq for i in rows],
+                           result.sample, rows)
 
-        outputs = []
+        outputs: list[RequestOutput] = []
         for req in touched.values():
-            req.first_token_time = req.first_token_time or now
-            req.last_token_time = now
-            done = not req.live_seqs
-            if done:
-                self.scheduler.finish_request(req)
-                del self.requests[req.request_id]
-            outputs.append(self._output(req, finished=done))
+            self._isolated(failed, req, self._finish_step, req, now, outputs)
+        for rid in failed:
+            if self.requests.pop(rid, None) is not None:
+                self._release(touched[rid])
         if self.check_invariants:
             self.check_paging_invariants()
+        if failed:
+            raise RequestsFailed(failed, outputs)
         return outputs
 
     def _watchdog(self) -> None:
@@ -258,6 +287,26 @@ class LLMEngine:
                      limit, len(ids), self.scheduler.describe())
         raise EngineStalledError(f"the engine made no progress in {limit} steps (a scheduler bug); failing "
                                  f"the {len(ids)} unfinished requests", ids)
+
+    @staticmethod
+    def _isolated(failed: dict[str, Exception], req: Request, fn, *args) -> None:
+        """fn(*args) for one request's part of the step; an exception marks the request failed."""
+        if req.request_id in failed:
+            return
+        try:
+            fn(*args)
+        except Exception as e:   # noqa: BLE001 - the caller fails this request only
+            failed[req.request_id] = e
+
+    def _finish_step(self, req: Request, now: float, outputs: list[RequestOutput]) -> None:
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+        done = not req.live_seqs
+        output = self._output(req, finished=done)
+        if done:
+            self.scheduler.finish_request(req)
+            del self.requests[req.request_id]
+        outputs.append(output)
 
     def _append_token(self, req: Request, seq: Sequence, sample, row: int) -> None:
         p: SamplingParams = req.params

@@ -8,6 +8,7 @@ those are all the sampler reports.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -31,7 +32,14 @@ def select_candidates(cum_logprobs: list[float], top_ids: list[list[int]], top_l
 
 
 def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
-    """vLLM's ranking of finished hypotheses: cum_logprob / len ** length_penalty, with len
-    counting prompt and generated tokens but not a final EOS."""
+    """vLLM's ranking of finished hypotheses, cum_logprob / len ** length_penalty (len counting
+    prompt and generated tokens but not a final EOS), as a key that orders hypotheses the same
+    way, computed in log space: len ** length_penalty overflows (or underflows to 0) for large
+    |length_penalty|. cum_logprob <= 0, so the score is -exp(log(-cum_logprob) - length_penalty *
+    log(len)), which orders like -(log(-cum_logprob) - length_penalty * log(len)): finite for any
+    finite length_penalty, +inf for a hypothesis of probability 1."""
     length = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
-    return cum_logprob / (length ** length_penalty)
+    magnitude = -min(cum_logprob, 0.0)
+    if magnitude == 0.0:
+        return math.inf
+    return length_penalty * math.log(max(length, 1)) - math.log(magnitude)

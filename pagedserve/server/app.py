@@ -5,6 +5,9 @@ The server listens at once and answers 503 until the model is loaded. SIGTERM
 request 503 (/health too, so a load balancer stops sending), gives the requests
 in flight `shutdown_timeout` seconds to finish, aborts the rest and exits 0. A
 second signal exits at once (aborting what is left).
+If the engine dies (a fault it cannot recover from), /health and every request get
+503, the requests in flight fail, and the server exits 1 for a supervisor to
+restart it.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import contextlib
 import hmac
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import uvicorn
@@ -26,6 +30,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from pagedserve.server.prompts import PromptProcessor
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
 from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
@@ -48,12 +53,18 @@ class ServerState:
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
+    on_engine_dead: Callable[[], None] = lambda: None
     loop: asyncio.AbstractEventLoop | None = None
     _tasks: list[Any] = field(default_factory=list)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    @cached_property
+    def prompts(self) -> PromptProcessor:
+        """Built on first use, once the engine is ready (the routes that use it need it ready)."""
+        return PromptProcessor(self.llm.tokenizer, self.llm.max_model_len, self.llm.check_num_prompts)
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.served_model_names:
@@ -159,8 +170,13 @@ def build_app(state: ServerState) -> FastAPI:
         if state.llm.state == "created":
             state.llm.start()
         state._tasks.append(asyncio.create_task(_watch_start(state)))
+        state._tasks.append(asyncio.create_task(_watch_engine(state)))
         yield
         state.shutting_down = True
+        for task in state._tasks:
+            task.cancel()
+        if "prompts" in state.__dict__:
+            state.prompts.close()
         await state.llm.shutdown()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
@@ -190,7 +206,7 @@ def build_app(state: ServerState) -> FastAPI:
     # (curl -d sends form encoding) and every parse error is a 400 in OpenAI's shape.
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        body = await parse_body(raw, CompletionRequest)
+        body = await parse_body(raw, CompletionRequest, state.prompts.precheck_completion_body)
         return await CompletionServing(state, body, raw).create()
 
     @app.post("/v1/chat/completions")
@@ -202,13 +218,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(raw: Request) -> dict:
         body = await parse_body(raw, TokenizeRequest)
         state.check_model(body.model)
-        tok = state.llm.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt or messages", "prompt")
         if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            (ids,) = await state.prompts.encode([body.prompt], add_special_tokens=body.add_special_tokens)
         else:
-            ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt)
+            ids = await state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -224,9 +239,13 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def parse_body(raw: Request, model: type[BaseModel]) -> BaseModel:
+async def parse_body(raw: Request, model: type[BaseModel],
+                     precheck: Callable[[bytes], None] | None = None) -> BaseModel:
+    data = await raw.body()
+    if precheck is not None:
+        precheck(data)
     try:
-        return model.model_validate_json(await raw.body())
+        return model.model_validate_json(data)
     except ValidationError as e:
         raise invalid_body(e) from None
 
@@ -239,6 +258,12 @@ async def _watch_start(state: ServerState) -> None:
         state.on_start_failed()
         return
     logger.info("ready to serve %s", ", ".join(state.served_model_names))
+
+
+async def _watch_engine(state: ServerState) -> None:
+    error = await state.llm.wait_dead()
+    logger.critical("%s; /health answers 503 and the server exits with status 1", error)
+    state.on_engine_dead()
 
 
 class _Server(uvicorn.Server):
@@ -287,5 +312,6 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     server = _Server(uv_config, state)
 
     state.on_start_failed = server.stop
+    state.on_engine_dead = server.stop
     server.run()
-    return 1 if llm.state == "failed" or not server.started else 0
+    return 1 if llm.state in ("failed", "dead") or not server.started else 0

@@ -69,9 +69,10 @@ class ServerProcess:
 
 def launch_server(model: str | None, args: list[str], log_path: str | Path, host: str = "127.0.0.1",
                   port: int | None = None, env: dict | None = None, wait: bool = True,
-                  timeout: float = 180.0) -> ServerProcess:
+                  timeout: float = 180.0, module: str = "pagedserve.cli") -> ServerProcess:
+    """`python -m <module> serve ...`: `module` is the CLI, or a test's wrapper of it."""
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([model] if model else []),
+    cmd = [sys.executable, "-m", module, "serve", *([model] if model else []),
            "--host", host, "--port", str(port), *args]
     log_path = Path(log_path)
     with open(log_path, "wb") as log:

@@ -23,11 +23,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from pagedserve.engine.async_llm import EngineNotReadyError, EngineStepError, QueueFullError, RequestStream
+from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, QueueFullError,
+                                         RequestStream)
 from pagedserve.engine.llm import render_chat
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.prompts import context_length_error
 from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                                         ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -44,7 +46,7 @@ Params = SamplingParams | BeamSearchParams
 # Request fields an error message may start with (SamplingParams names the value first).
 _PARAM_NAMES = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens", "min_tokens", "stop",
-                "stop_token_ids", "logprobs", "prompt_logprobs", "beam_width"}
+                "stop_token_ids", "logprobs", "prompt_logprobs", "beam_width", "length_penalty"}
 
 
 # ---- request -> engine --------------------------------------------------------------------------
@@ -58,9 +60,7 @@ def resolve_max_tokens(requested: int | None, explicit: bool, prompt_len: int, m
     """None means up to the context length. An explicit max_tokens that does not fit is an
     error (as in OpenAI's API); a default one is cut to what fits."""
     if prompt_len >= max_model_len:
-        raise bad_request(f"the prompt is {prompt_len} tokens long; this model's maximum context length is "
-                          f"{max_model_len} tokens, which must also hold at least one generated token",
-                          prompt_param, "context_length_exceeded")
+        raise context_length_error(prompt_len, max_model_len, prompt_param)
     if requested is None or requested < 1:
         return requested   # < 1: SamplingParams says what is wrong
     if explicit and prompt_len + requested > max_model_len:
@@ -295,7 +295,7 @@ class Serving:
                 if out.finished:
                     self._check_aborted(out)
                     finals[out.request_id] = out
-        except EngineStepError as e:
+        except (EngineStepError, EngineDeadError) as e:
             raise APIError(500, str(e)) from None
         finally:
             watcher.cancel()
@@ -360,7 +360,7 @@ class Serving:
                 yield _sse(self.usage_chunk())
         except APIError as e:
             yield _sse(e.body())
-        except EngineStepError as e:
+        except (EngineStepError, EngineDeadError) as e:
             yield _sse(APIError(500, str(e)).body())
         finally:
             watcher.cancel()
@@ -382,9 +382,12 @@ class CompletionServing(Serving):
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         items = []
         self.prompt_texts: list[str] = []
-        for prompt in completion_prompts(body.prompt):
+        prompts = completion_prompts(body.prompt)
+        self.state.prompts.check_num_prompts(len(prompts))
+        encoded = iter(await self.state.prompts.encode([p for p in prompts if isinstance(p, str)]))
+        for prompt in prompts:
             if isinstance(prompt, str):
-                text, ids = prompt, llm.tokenizer.encode(prompt)
+                text, ids = prompt, next(encoded)
             else:
                 text, ids = None, list(prompt)
             max_tokens = resolve_max_tokens(body.max_tokens, explicit, len(ids), llm.max_model_len, "prompt")
@@ -446,7 +449,7 @@ class ChatServing(Serving):
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
-        ids = chat_prompt_ids(llm.tokenizer, body.messages, body.add_generation_prompt)
+        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = resolve_max_tokens(requested, explicit, len(ids), llm.max_model_len, "messages")

@@ -1,0 +1,59 @@
+"""Faults injected into the engine, for the tests and the reliability benchmark.
+
+A request whose prompt text contains one of the markers below meets a fault:
+REQUEST_FAULT raises while its own tokens are handled (after its second token),
+STEP_FAULT raises in the model step that runs it (the whole step fails), and
+FATAL_FAULT breaks the engine outside any request (reading the KV stats raises
+once it is queued). `install()` patches the classes of this process;
+`python -m tests.fault_server serve ...` runs the server with them installed.
+"""
+from __future__ import annotations
+
+import sys
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.worker.model_runner import ModelRunner
+
+REQUEST_FAULT = "FAULT-IN-ONE-REQUEST"
+STEP_FAULT = "FAULT-IN-THE-STEP"
+FATAL_FAULT = "FAULT-OUTSIDE-ANY-REQUEST"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _marked(req, marker: str) -> bool:
+    return marker in (req.prompt or "")
+
+
+def install(patch=None) -> None:
+    """Patch LLMEngine and ModelRunner; `patch(obj, name, value)` (pytest's monkeypatch.setattr)
+    undoes it after a test, setattr makes it for good."""
+    patch = patch or setattr
+    append_token, execute, kv_cache_stats = LLMEngine._append_token, ModelRunner.execute, LLMEngine.kv_cache_stats
+
+    def faulty_append_token(self, req, seq, sample, row):
+        if _marked(req, REQUEST_FAULT) and seq.num_output_tokens >= 2:
+            raise InjectedFault("injected fault in one request")
+        return append_token(self, req, seq, sample, row)
+
+    def faulty_execute(self, sched):
+        if any(_marked(s.request, STEP_FAULT) for s in sched.scheduled):
+            raise InjectedFault("injected fault in a model step")
+        return execute(self, sched)
+
+    def faulty_kv_cache_stats(self):
+        if any(_marked(req, FATAL_FAULT) for req in self.requests.values()):
+            raise InjectedFault("injected fault outside any request")
+        return kv_cache_stats(self)
+
+    patch(LLMEngine, "_append_token", faulty_append_token)
+    patch(ModelRunner, "execute", faulty_execute)
+    patch(LLMEngine, "kv_cache_stats", faulty_kv_cache_stats)
+
+
+if __name__ == "__main__":
+    from pagedserve.cli import main
+    install()
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Large inputs on the real server (a subprocess on the tiny model): what can be refused
+without tokenizing is refused first, and tokenizing and chat templating run off the event
+loop, so one client's huge request never stalls /health or another client's stream.
+
+The one timing in these tests is a generous correctness bound for "not blocked": while the
+large requests are in flight, another stream never goes a second without a chunk (before,
+tokenizing on the event loop froze every stream for seconds).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.server.launcher import launch_server
+from tests.server_utils import KV_BLOCKS, PROMPT, sse_events, tiny_server_args, wait_idle
+
+MAX_WAITING = 1024
+TEN_MB = "Paged attention stores keys and values in fixed-size blocks. " * 170_000   # 10.5 MB
+USER = "user"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = launch_server(tiny_llama.path, tiny_server_args("--max-waiting-requests", str(MAX_WAITING)),
+                        tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def large_requests(tiny_llama) -> list[tuple[str, str, dict, str, str]]:
+    """(name, path, body, the error's param, a word of its message): each is refused with a 400."""
+    longest = max(len(t) for t in tiny_llama.tokenizer.get_vocab())
+    fits_in_chars = TEN_MB[:512 * longest]   # may fit by its length, is too long once tokenized
+    return [
+        ("10-MB-prompt", "/v1/completions", {"prompt": TEN_MB, "max_tokens": 1}, "prompt", "characters"),
+        ("250k-prompts", "/v1/completions", {"prompt": ["x"] * 250_000, "max_tokens": 1}, "prompt",
+         "--max-waiting-requests"),
+        ("1M-token-ids", "/v1/completions", {"prompt": [5] * 1_000_000, "max_tokens": 1}, "prompt", "512"),
+        ("10-MB-chat", "/v1/chat/completions", {"messages": [{"role": USER, "content": TEN_MB}]}, "messages",
+         "characters"),
+        ("10-MB-tokenize", "/tokenize", {"prompt": TEN_MB}, "prompt", "characters"),
+        # Within the cheap limits, so all of it is tokenized (seconds of work) before the 400.
+        ("1024-long-prompts", "/v1/completions", {"prompt": [fits_in_chars] * MAX_WAITING, "max_tokens": 1},
+         "prompt", "512"),
+    ]
+
+
+def test_large_inputs_are_refused_with_clear_errors(server, tiny_llama):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for name, path, body, param, word in large_requests(tiny_llama):
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (name, r.text[:500])
+            err = r.json()["error"]
+            assert err["param"] == param and word in err["message"], (name, err)
+        assert wait_idle(http)["pagedserve:kv_cache_usage_perc"] == 0
+
+
+def test_large_requests_do_not_stall_other_clients(server, tiny_llama):
+    ids = tiny_llama.tokenizer.encode(PROMPT)
+    ref = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=KV_BLOCKS).generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=480, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    requests = large_requests(tiny_llama)
+    done = threading.Event()
+    statuses, health = [], []
+
+    def send_large():
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            for _, path, body, _, _ in requests:
+                statuses.append(http.post(path, json=body).status_code)
+        done.set()
+
+    def poll_health():
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            while not done.is_set():
+                health.append(http.get("/health").status_code)
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=send_large), threading.Thread(target=poll_health)]
+    gaps, texts = [], []
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        # Streams one after another (token-id prompts: nothing to tokenize) until the large
+        # requests are done; every chunk's arrival time is recorded.
+        body = {"prompt": ids, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+        last = None
+        while not done.is_set():
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    now = time.monotonic()
+                    if line and last is not None and threads[0].is_alive():
+                        gaps.append(now - last)
+                    last = now
+                    lines.append(line)
+                    if len(lines) == 3 and not threads[0].is_alive() and not done.is_set():
+                        for t in threads:
+                            t.start()
+            events = sse_events(lines)
+            texts.append("".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)))
+    for t in threads:
+        t.join()
+    assert gaps and max(gaps) < 1.0, f"a stream waited {max(gaps):.2f} s for its next chunk"
+    assert health and set(health) == {200}
+    assert statuses == [400] * len(requests)
+    assert texts and all(text == ref for text in texts)
