@@ -4,12 +4,14 @@ A request whose prompt text contains one of the markers below meets a fault:
 REQUEST_FAULT raises while its own tokens are handled (after its second token),
 STEP_FAULT raises in the model step that runs it (the whole step fails), and
 FATAL_FAULT breaks the engine outside any request (reading the KV stats raises
-once it is queued). `install()` patches the classes of this process;
+once it is queued). SLOW_STEPS is no fault: every model step that runs such a request
+takes at least 20 ms longer, so a test can hold requests running for a known time. `install()` patches the classes of this process;
 `python -m tests.fault_server serve ...` runs the server with them installed.
 """
 from __future__ import annotations
 
 import sys
+import time
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.worker.model_runner import ModelRunner
@@ -17,6 +19,8 @@ from pagedserve.worker.model_runner import ModelRunner
 REQUEST_FAULT = "FAULT-IN-ONE-REQUEST"
 STEP_FAULT = "FAULT-IN-THE-STEP"
 FATAL_FAULT = "FAULT-OUTSIDE-ANY-REQUEST"
+SLOW_STEPS = "SLOW-STEPS"
+SLOW_STEP_SECONDS = 0.02
 
 
 class InjectedFault(RuntimeError):
@@ -41,6 +45,8 @@ def install(patch=None) -> None:
     def faulty_execute(self, sched):
         if any(_marked(s.request, STEP_FAULT) for s in sched.scheduled):
             raise InjectedFault("injected fault in a model step")
+        if any(_marked(s.request, SLOW_STEPS) for s in sched.scheduled):
+            time.sleep(SLOW_STEP_SECONDS)
         return execute(self, sched)
 
     def faulty_kv_cache_stats(self):

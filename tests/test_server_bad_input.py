@@ -21,6 +21,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.server.launcher import launch_server
+from tests.fault_server import SLOW_STEPS
 from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, tiny_server_args, wait_idle
 
 MAX_BODY = 64 * 1024
@@ -33,7 +34,8 @@ def server(tiny_llama, tmp_path_factory):
     srv = launch_server(tiny_llama.path, tiny_server_args(
         "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
         "--max-num-seqs", str(MAX_SEQS), "--max-waiting-requests", str(MAX_WAITING),
-        "--max-request-body-bytes", str(MAX_BODY)), tmp_path_factory.mktemp("server") / "server.log")
+        "--max-request-body-bytes", str(MAX_BODY)), tmp_path_factory.mktemp("server") / "server.log",
+        module="tests.fault_server")   # for SLOW_STEPS: the catalogue meets no fault
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -257,8 +259,9 @@ def test_body_limit_applies_to_chunked_bodies_too(http):
 
 
 def test_queue_limit_gives_503_until_it_drains(server, http):
-    """max-num-seqs 2 run, max-waiting-requests 2 wait; the next request gets 503 at once."""
-    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    """max-num-seqs 2 run, max-waiting-requests 2 wait; the next request gets 503 at once.
+    Slowed steps hold the running two for 400 x 20 ms: they cannot finish before the checks."""
+    body = {"prompt": f"{PROMPT} {SLOW_STEPS}", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     streams, opened = [], []
     try:
         for i in range(MAX_SEQS + MAX_WAITING):
