@@ -12,7 +12,8 @@ Both engines load one HF directory, written once from the default GGUF model (de
 transformers) under ~/.cache/pagedserve/hf/. Per engine and run it measures offline output
 tokens/s over the ShareGPT-like (64 requests) and Alpaca-like (256 requests) traces of
 benchmarks/workloads.py (all requests at t=0, EOS ignored, greedy), and single-stream decode
-(128-token prompt: (time of 257 tokens - time of 1 token) / 256). pagedserve runs in its
+(128-token prompt: (time of 257 tokens - time of 1 token) / 256). Each run is one process per
+engine measuring every workload after a warm-up (start-up and compilation are not timed). pagedserve runs in its
 default dtype (`auto`); vLLM in bfloat16 where the CPU has AVX512-BF16, else float32 (its
 fast paths). Writes benchmarks/results/vs_vllm.json and prints a table with the ratios.
 """
@@ -66,7 +67,7 @@ def hf_model_dir() -> Path:
 
 # ---- the child: one engine, one measurement, a JSON line on stdout ---------------------------
 
-def child(engine: str, model: str, dtype: str, what: str) -> dict:
+def child(engine: str, model: str, dtype: str, whats: list[str]) -> dict:
     if engine == "vllm":
         from vllm import LLM, SamplingParams
         llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
@@ -87,26 +88,31 @@ def child(engine: str, model: str, dtype: str, what: str) -> dict:
 
     warm = make_trace("alpaca", 8, seed=99, vocab_size=vocab)
     run([r.prompt_token_ids for r in warm], [r.output_len for r in warm])    # compile, caches, threads
-    if what == "single":
-        prompt = make_trace("sharegpt", 1, seed=1, vocab_size=vocab)[0].prompt_token_ids
-        prompt = (prompt * 64)[:128]
-        first = min(run([prompt], [1]) for _ in range(3))
-        full = min(run([prompt], [257]) for _ in range(2))
-        return dict(ms_per_token=(full - first) / 256 * 1e3, tok_s=256 / (full - first))
-    trace = make_trace(what, WORKLOADS[what], seed=0, vocab_size=vocab)
-    seconds = run([r.prompt_token_ids for r in trace], [r.output_len for r in trace])
-    n_out = sum(r.output_len for r in trace)
-    return dict(seconds=seconds, output_tokens=n_out, output_tok_s=n_out / seconds)
+    results = {}
+    for what in whats:
+        if what == "single":
+            prompt = make_trace("sharegpt", 1, seed=1, vocab_size=vocab)[0].prompt_token_ids
+            prompt = (prompt * 64)[:128]
+            first = min(run([prompt], [1]) for _ in range(3))
+            full = min(run([prompt], [257]) for _ in range(2))
+            results[what] = dict(ms_per_token=(full - first) / 256 * 1e3, tok_s=256 / (full - first))
+            continue
+        trace = make_trace(what, WORKLOADS[what], seed=0, vocab_size=vocab)
+        seconds = run([r.prompt_token_ids for r in trace], [r.output_len for r in trace])
+        n_out = sum(r.output_len for r in trace)
+        results[what] = dict(seconds=seconds, output_tokens=n_out, output_tok_s=n_out / seconds)
+    return results
 
 
 # ---- the parent --------------------------------------------------------------------------------
 
-def measure(python: str, engine: str, model: str, dtype: str, what: str, env: dict) -> dict:
-    cmd = [python, __file__, "--child", engine, "--model", model, "--dtype", dtype, "--what", what]
+def measure(python: str, engine: str, model: str, dtype: str, whats: list[str], env: dict) -> dict:
+    """One process of `engine` measuring every workload in `whats` (one start-up per run)."""
+    cmd = [python, __file__, "--child", engine, "--model", model, "--dtype", dtype, "--what", *whats]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{engine} {what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{engine} {whats} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -124,7 +130,7 @@ def main() -> None:
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.model, args.dtype, args.what[0])), flush=True)
+        print("RESULT " + json.dumps(child(args.child, args.model, args.dtype, args.what)), flush=True)
         return
     if not args.vllm_python:
         ap.error("--vllm-python is required (see the docstring for the venv)")
@@ -138,9 +144,8 @@ def main() -> None:
     engines = {"pagedserve": (sys.executable, args.pagedserve_dtype), "vllm": (args.vllm_python, vllm_dtype)}
     runs: dict[str, dict[str, list[dict]]] = {w: {e: [] for e in engines} for w in args.what}
     for rep in range(args.repeats):
-        for what in args.what:
-            for engine, (python, dtype) in engines.items():
-                r = measure(python, engine, model, dtype, what, env)
+        for engine, (python, dtype) in engines.items():
+            for what, r in measure(python, engine, model, dtype, args.what, env).items():
                 runs[what][engine].append(r)
                 print(f"[{rep}] {what:<9}{engine:<11}{json.dumps(r)}", flush=True)
 
