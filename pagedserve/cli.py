@@ -1,4 +1,4 @@
-"""Command line: pagedserve generate | chat | serve | bench."""
+"""Command line: pagedserve generate | chat | serve."""
 from __future__ import annotations
 
 import argparse

@@ -100,7 +100,6 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0            # kept for vLLM compatibility; beam search is deterministic
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.beam_width, int) and self.beam_width >= 1,

@@ -131,7 +131,8 @@ def test_a_dead_engine_fails_everything_at_once_and_health_says_503(tiny_llama, 
     the request in flight gets a 500, /health and new requests 503, and the server is told to stop."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
-    from pagedserve.server.app import ServerState, build_app
+    from pagedserve.server.app import build_app
+    from pagedserve.server.state import ServerState
     from pagedserve.server.metrics import PrometheusStatLogger
 
     fault_server.install(monkeypatch.setattr)

@@ -327,7 +327,8 @@ def test_503_while_starting_and_stopping(tiny_llama):
     """In process: an app whose engine has not started (or is stopping) answers 503, OpenAI-shaped."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
-    from pagedserve.server.app import ServerState, build_app
+    from pagedserve.server.app import build_app
+    from pagedserve.server.state import ServerState
     from pagedserve.server.metrics import PrometheusStatLogger
 
     state = ServerState(AsyncLLM(EngineConfig(model=tiny_llama.path)), ["tiny"], PrometheusStatLogger("tiny"))
@@ -351,7 +352,8 @@ def test_unexpected_error_is_one_500_that_closes_the_connection(tiny_llama, capl
     500 in OpenAI's shape with Connection: close (not re-raised into a second traceback)."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
-    from pagedserve.server.app import ServerState, build_app
+    from pagedserve.server.app import build_app
+    from pagedserve.server.state import ServerState
     from pagedserve.server.metrics import PrometheusStatLogger
 
     state = ServerState(AsyncLLM(EngineConfig(model=tiny_llama.path)), ["tiny"], PrometheusStatLogger("tiny"))

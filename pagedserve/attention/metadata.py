@@ -30,10 +30,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
     @cached_property
     def per_token(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables [T, max_blocks], seq_lens [T]): every query token as a sequence of

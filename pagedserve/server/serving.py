@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,9 +34,7 @@ from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
                                         CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                                         SamplingRequest, TopLogprob, UsageInfo, random_id)
-
-if TYPE_CHECKING:
-    from pagedserve.server.app import ServerState
+from pagedserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +98,7 @@ def make_params(req: SamplingRequest, max_tokens: int | None, prompt_len: int, m
                 raise bad_request(f"best_of ({width}) must be >= n ({req.n})", "best_of")
             return BeamSearchParams(beam_width=width,
                                     max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
-                                    ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
-                                    include_stop_str_in_output=req.include_stop_str_in_output)
+                                    ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
         return SamplingParams(
             n=req.n, best_of=req.best_of,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -230,7 +226,7 @@ class Serving:
     id_prefix = "cmpl"
     prompt_param = "prompt"
 
-    def __init__(self, state: "ServerState", body: SamplingRequest, raw: Request) -> None:
+    def __init__(self, state: ServerState, body: SamplingRequest, raw: Request) -> None:
         self.state = state
         self.llm = state.llm
         self.body = body

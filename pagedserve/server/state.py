@@ -1,0 +1,73 @@
+"""What the server's routes share: the engine, served names, limits, and the shutdown drain.
+
+Its own module so that the routes (app.py) and the request handlers (serving.py) both
+import it without importing each other.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.server.errors import APIError
+from pagedserve.server.metrics import PrometheusStatLogger
+from pagedserve.server.prompts import PromptProcessor
+
+logger = logging.getLogger("pagedserve.server")
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    served_model_names: list[str]
+    metrics: PrometheusStatLogger
+    api_key: str | None = None
+    shutdown_timeout: float = 5.0
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutting_down: bool = False
+    num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
+    on_start_failed: Callable[[], None] = lambda: None
+    on_engine_dead: Callable[[], None] = lambda: None
+    loop: asyncio.AbstractEventLoop | None = None
+    _tasks: list[Any] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @cached_property
+    def prompts(self) -> PromptProcessor:
+        """Built on first use, once the engine is ready (the routes that use it need it ready)."""
+        return PromptProcessor(self.llm.tokenizer, self.llm.max_model_len, self.llm.check_num_prompts)
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.served_model_names))}", "model", "model_not_found")
+        return self.model_name
+
+    def begin_shutdown(self, stop_server: Callable[[], None]) -> None:
+        """Refuse new requests (503) while the ones in flight finish, for up to shutdown_timeout
+        seconds; then abort what is left and stop the server (call on the event loop)."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        logger.info("shutting down: new requests get 503, requests in flight have %.1f s to finish",
+                    self.shutdown_timeout)
+        self._tasks.append(asyncio.ensure_future(self._drain(stop_server)))
+
+    async def _drain(self, stop_server: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_in_flight:
+            logger.info("aborting %d requests still in flight", self.num_in_flight)
+        self.llm.abort_all()
+        stop_server()
