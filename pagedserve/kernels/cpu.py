@@ -66,7 +66,7 @@ VARIANTS = (     # best first
     Variant("scalar", (), ()),     # the compiler's baseline for this architecture (x86-64: SSE2)
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
-TILED_PREFILL_VARIANTS = ("avx512bf16",)    # the others run prefill tokens through the decode kernel
+TILED_PREFILL_VARIANTS = ("avx512bf16", "avx512", "avx2")    # scalar runs prefill tokens through the decode kernel
 if platform.machine() not in ("x86_64", "AMD64"):
     VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 
