@@ -1147,6 +1147,15 @@ extern "C" int argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64
 namespace {
 constexpr int64_t kQueryTokens = 16, kKeyTile = 32;
 
+// Where the key and value rows of keys t0..t0+nk (nk <= 32) of KV head h are; the slots past
+// nk repeat a real row (the caller masks their scores).
+template <typename T>
+void key_tile_rows(const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t nk, int64_t h, Layout L,
+                   int64_t B, const T **krow, const T **vrow) {
+    row_pointers(kc, vc, table, t0, t0 + nk, h, L, B, krow, vrow);
+    for (int64_t c = nk; c < kKeyTile; c++) krow[c] = krow[nk - 1], vrow[c] = vrow[nk - 1];
+}
+
 #ifdef __AVX512BF16__
 // The queries of (sequence i, KV head h, tokens j0..j0+nq): rows r = j * G + g, causal:
 // token j sees the first base + j + 1 keys.
@@ -1171,12 +1180,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
     const uint16_t *krow[kKeyTile], *vrow[kKeyTile];
     for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
         const int64_t nk = std::min(kKeyTile, kend - t0);
-        for (int64_t c = 0; c < kKeyTile; c++) {
-            const int64_t pos = t0 + std::min(c, nk - 1);              // past the end: a real row, masked
-            const int64_t row = table[pos / B] * L.block + (pos % B) * L.token + h * L.head;
-            krow[c] = kc + row;
-            vrow[c] = vc + row;
-        }
+        key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
         // K as a weight [32 keys][D]: tiles of 16 keys, [D/2][16][2]: a 16 x 16 transpose of
         // (bf16 pair) dwords per 16 keys and 16 pairs.
         for (int64_t c0 = 0; c0 < kKeyTile; c0 += 16)
@@ -1272,12 +1276,7 @@ void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, co
     const T *krow[kKeyTile], *vrow[kKeyTile];
     for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
         const int64_t nk = std::min(kKeyTile, kend - t0);
-        for (int64_t c = 0; c < kKeyTile; c++) {
-            const int64_t pos = t0 + std::min(c, nk - 1);              // past the end: a real row, masked
-            const int64_t row = table[pos / B] * L.block + (pos % B) * L.token + h * L.head;
-            krow[c] = kc + row;
-            vrow[c] = vc + row;
-        }
+        key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
         for (int64_t c0 = 0; c0 < kKeyTile; c0 += W)
             for (int64_t d0 = 0; d0 < D; d0 += W) {
                 Reg r[W];
