@@ -1251,14 +1251,15 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
 
 // The same item in float32 arithmetic over vectors V (q scaled and converted once; K^T packed
 // through W x W register transposes, V by plain copies, both converted to float32), the GEMMs
-// on fma_tile: MR rows x 16 columns, 2 MR sums + 2 weight vectors + a broadcast in AVX2's 16
-// registers (8 rows of one vector on AVX-512). Needs D a multiple of 16.
+// on fma_tile: MR rows x 16 columns. On AVX2 5 rows: the compiler keeps each row's broadcast
+// x value for both weight vectors, so 10 sums + 5 broadcasts + a weight vector fill the 16
+// registers (6 rows spill sums to the stack); AVX-512 has room for 8. Needs D % 16 == 0.
 template <class V, typename T>
 void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *table, int64_t base,
                       int64_t j0, int64_t nq, int64_t h, int64_t G, int64_t D, int64_t B, Layout L, float scale,
                       T *out, int64_t out_stride) {
     using Reg = typename V::reg;
-    constexpr int W = V::W, MR = W == 8 ? 6 : 8;
+    constexpr int W = V::W, MR = W == 8 ? 5 : 8;
     const int64_t R = nq * G;
     thread_local std::vector<float> qbuf, kpack, vpack, sbuf, obuf, tmp, mrow, lrow;
     qbuf.resize(R * D);
