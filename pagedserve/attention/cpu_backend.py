@@ -1,8 +1,8 @@
 """The CPU attention backend: one compiled paged-attention call (pagedserve/kernels) per layer
 for the whole batch, reading keys and values in place from their blocks: decode tokens through
-the decode kernel, prefill chunks (bf16) through a tiled kernel that meets 16 query tokens with
-32 keys at a time; elsewhere each prefill token goes through the decode kernel as a query over
-its own causal prefix (AttentionMetadata.per_token). No gathered copy of the context. Falls
+the decode kernel, prefill chunks (AVX2 and up) through a tiled kernel that meets 16 query
+tokens with 32 keys at a time; elsewhere each prefill token goes through the decode kernel as a
+query over its own causal prefix (AttentionMetadata.per_token). No gathered copy of the context. Falls
 back to the torch reference where the kernel cannot run."""
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Hand-written CPU kernels (cpu_kernels.cpp), compiled per CPU family, called via ctypes:
-paged attention (decode rows; prefill chunks in tiles of queries x keys where the build has
-them, else token by token), writing K/V into their slots, bf16 and float32 GEMMs over weights
+paged attention (decode rows; prefill chunks in tiles of queries x keys on AVX2 and up, token
+by token in the scalar build), writing K/V into their slots, bf16 and float32 GEMMs over weights
 packed once at load, the fused element-wise layers (residual add + RMSNorm, RoPE in place,
 SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers).
 
 Variants (VARIANTS): the same source compiled with each family's target flags, which select
 its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
 attention), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
-8-lane float32 FMAs, bf16 converted in registers as llama.cpp does; prefill tokens go through
-the decode kernel), `scalar` (plain loops, the compiler's baseline target). The best one this
+8-lane float32 FMAs, bf16 converted in registers as llama.cpp does), `scalar` (plain loops, the compiler's baseline target). The best one this
 CPU's flags allow is loaded at first use; $PAGEDSERVE_CPU_KERNELS=<name> forces one (refused
 if the CPU lacks its flags), and tests run every variant the CPU supports (using_variant).
 Every variant packs weights alike and computes in float32 (bf16 storage: rounded where the
@@ -66,7 +65,7 @@ VARIANTS = (     # best first
     Variant("scalar", (), ()),     # the compiler's baseline for this architecture (x86-64: SSE2)
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
-TILED_PREFILL_VARIANTS = ("avx512bf16",)    # the others run prefill tokens through the decode kernel
+TILED_PREFILL_VARIANTS = ("avx512bf16", "avx512", "avx2")    # scalar runs prefill tokens through the decode kernel
 if platform.machine() not in ("x86_64", "AMD64"):
     VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 

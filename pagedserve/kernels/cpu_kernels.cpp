@@ -1,6 +1,6 @@
 // CPU kernels of pagedserve, in sections: paged decode attention; K/V writes; the GEMMs over
-// packed weights; fused element-wise layers; greedy sampling's argmax; tiled prefill attention
-// (bf16); one step's attention (decode rows, then prefill chunks); every decoder layer in one call.
+// packed weights; fused element-wise layers; greedy sampling's argmax; tiled prefill attention;
+// one step's attention (decode rows, then prefill chunks); every decoder layer in one call.
 //
 // Paged decode attention: one query token per sequence, reading keys and values straight
 // from their cache blocks through the block table (no gathered copy).
@@ -173,6 +173,30 @@ inline __m512 transpose_sum16(const __m512 *v) {
         y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// In place: r[i] element j <- r[j] element i, for 32-bit elements (4 rounds of 16 shuffles).
+inline void transpose16_epi32(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int m = 0; m < 4; m++) {          // u[4m + c] lane L: column 4L + c of rows 4m..4m+3
+        u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
+        u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; c++) {          // column 4L + c gathers lane L of u[c], u[4+c], u[8+c], u[12+c]
+        const __m512i w01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i x01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
+                      x23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(w01, x01, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(w01, x01, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(w23, x23, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(w23, x23, 0xDD);
+    }
 }
 
 // q . k in 16 float32 lanes (to be summed), for each storage type.
@@ -457,6 +481,24 @@ struct V8 {
         return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
     }
     static void prefetch(const void *p) { _mm_prefetch(reinterpret_cast<const char *>(p), _MM_HINT_T1); }
+    // In place: r[i] lane j <- r[j] lane i (3 rounds of 8 shuffles, as transpose16_epi32).
+    static void transpose(reg *r) {
+        reg t[8], u[8];
+        for (int k = 0; k < 4; k++) {
+            t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+            t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+        }
+        for (int m = 0; m < 2; m++) {      // u[4m + c], 128-bit half L: column 4L + c of rows 4m..4m+3
+            u[4 * m] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
+            u[4 * m + 1] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
+            u[4 * m + 2] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
+            u[4 * m + 3] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
+        }
+        for (int c = 0; c < 4; c++) {
+            r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+            r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+        }
+    }
 };
 #endif
 
@@ -481,6 +523,12 @@ struct V16 {
     static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
     static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
     static void prefetch(const void *p) { _mm_prefetch(reinterpret_cast<const char *>(p), _MM_HINT_T1); }
+    static void transpose(reg *r) {      // r[i] lane j <- r[j] lane i
+        __m512i x[16];
+        for (int i = 0; i < 16; i++) x[i] = _mm512_castps_si512(r[i]);
+        transpose16_epi32(x);
+        for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(x[i]);
+    }
 };
 using Vec = V16;          // the widest vectors of this build
 #elif defined(__AVX2__)
@@ -1086,41 +1134,29 @@ extern "C" int argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64
     return 0;
 }
 
-// ---- prefill attention, bf16: tiles of queries against tiles of keys ------------------------
+// ---- prefill attention: tiles of queries against tiles of keys -------------------------------
 // The decode kernel serves prefill tokens one query at a time, each re-reading its whole
 // prefix: at a 2000-token prompt that is half of the prefill's time. Here the queries of one
 // sequence's chunk (up to 16 tokens x the G heads of a KV head) meet 32 keys at a time as two
 // small GEMMs on the GEMM tiles above: scores = Q K^T (K packed like a weight), then
-// O += P V (V packed likewise), with an online softmax between (as flash attention). The
-// softmax weights P are rounded to bf16 for the second product, as flash attention does.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// O += P V (V packed likewise), with an online softmax between (as flash attention).
+// bf16 with AVX512-BF16: bf16 dot products, P rounded to bf16 for the second product as flash
+// attention does. Otherwise (AVX2, AVX-512, either storage type): float32 FMAs over `Vec`,
+// keys and values converted to float32 as they are packed.
+#ifdef __AVX2__
 namespace {
 constexpr int64_t kQueryTokens = 16, kKeyTile = 32;
 
-// In place: r[i] element j <- r[j] element i, for 32-bit elements (4 rounds of 16 shuffles).
-inline void transpose16_epi32(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int k = 0; k < 8; k++) {
-        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-    }
-    for (int m = 0; m < 4; m++) {          // u[4m + c] lane L: column 4L + c of rows 4m..4m+3
-        u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
-        u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
-        u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
-        u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
-    }
-    for (int c = 0; c < 4; c++) {          // column 4L + c gathers lane L of u[c], u[4+c], u[8+c], u[12+c]
-        const __m512i w01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i x01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
-                      x23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(w01, x01, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(w01, x01, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(w23, x23, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(w23, x23, 0xDD);
-    }
+// Where the key and value rows of keys t0..t0+nk (nk <= 32) of KV head h are; the slots past
+// nk repeat a real row (the caller masks their scores).
+template <typename T>
+void key_tile_rows(const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t nk, int64_t h, Layout L,
+                   int64_t B, const T **krow, const T **vrow) {
+    row_pointers(kc, vc, table, t0, t0 + nk, h, L, B, krow, vrow);
+    for (int64_t c = nk; c < kKeyTile; c++) krow[c] = krow[nk - 1], vrow[c] = vrow[nk - 1];
 }
 
+#ifdef __AVX512BF16__
 // The queries of (sequence i, KV head h, tokens j0..j0+nq): rows r = j * G + g, causal:
 // token j sees the first base + j + 1 keys.
 void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
@@ -1144,12 +1180,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
     const uint16_t *krow[kKeyTile], *vrow[kKeyTile];
     for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
         const int64_t nk = std::min(kKeyTile, kend - t0);
-        for (int64_t c = 0; c < kKeyTile; c++) {
-            const int64_t pos = t0 + std::min(c, nk - 1);              // past the end: a real row, masked
-            const int64_t row = table[pos / B] * L.block + (pos % B) * L.token + h * L.head;
-            krow[c] = kc + row;
-            vrow[c] = vc + row;
-        }
+        key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
         // K as a weight [32 keys][D]: tiles of 16 keys, [D/2][16][2]: a 16 x 16 transpose of
         // (bf16 pair) dwords per 16 keys and 16 pairs.
         for (int64_t c0 = 0; c0 < kKeyTile; c0 += 16)
@@ -1216,14 +1247,102 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
     }
 }
 
+#endif  // __AVX512BF16__
+
+// The same item in float32 arithmetic over vectors V (q scaled and converted once; K^T packed
+// through W x W register transposes, V by plain copies, both converted to float32), the GEMMs
+// on fma_tile: MR rows x 16 columns. On AVX2 5 rows: the compiler keeps each row's broadcast
+// x value for both weight vectors, so 10 sums + 5 broadcasts + a weight vector fill the 16
+// registers (6 rows spill sums to the stack); AVX-512 has room for 8. Needs D % 16 == 0.
+template <class V, typename T>
+void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *table, int64_t base,
+                      int64_t j0, int64_t nq, int64_t h, int64_t G, int64_t D, int64_t B, Layout L, float scale,
+                      T *out, int64_t out_stride) {
+    using Reg = typename V::reg;
+    constexpr int W = V::W, MR = W == 8 ? 5 : 8;
+    const int64_t R = nq * G;
+    thread_local std::vector<float> qbuf, kpack, vpack, sbuf, obuf, tmp, mrow, lrow;
+    qbuf.resize(R * D);
+    kpack.resize(kKeyTile * D);     // [32 / 16][D][16]: K^T as two weight tiles of 16 keys
+    vpack.resize(kKeyTile * D);     // [D / 16][32][16]: V as D / 16 weight tiles of 16 dims
+    sbuf.resize(R * kKeyTile);      // scores, then softmax weights, row by row
+    tmp.resize(R * D);
+    obuf.assign(R * D, 0.f);
+    mrow.assign(R, -INFINITY);
+    lrow.assign(R, 0.f);
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t d = 0; d < G * D; d++)
+            qbuf[j * G * D + d] = to_f32(q[(j0 + j) * q_stride + h * G * D + d]) * scale;
+    const int64_t kend = base + j0 + nq;     // keys the last query token sees
+    const T *krow[kKeyTile], *vrow[kKeyTile];
+    for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
+        const int64_t nk = std::min(kKeyTile, kend - t0);
+        key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
+        for (int64_t c0 = 0; c0 < kKeyTile; c0 += W)
+            for (int64_t d0 = 0; d0 < D; d0 += W) {
+                Reg r[W];
+                for (int i = 0; i < W; i++) r[i] = V::load(krow[c0 + i] + d0);
+                V::transpose(r);
+                float *dst = kpack.data() + (c0 / 16) * D * 16 + d0 * 16 + c0 % 16;
+                for (int i = 0; i < W; i++) V::store(dst + i * 16, r[i]);
+            }
+        for (int64_t r = 0; r < R; r += MR)
+            for (int64_t c0 = 0; c0 < kKeyTile; c0 += 16)
+                fma_tile_rows<V, MR>(std::min<int64_t>(MR, R - r), &qbuf[r * D], D, kpack.data() + (c0 / 16) * D * 16,
+                                     nullptr, &sbuf[r * kKeyTile], kKeyTile, c0, kKeyTile);
+        // Online softmax per row; masked keys (past the row's causal end) get weight 0.
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t valid = std::min(nk, base + j0 + r / G + 1 - t0);
+            float *s = &sbuf[r * kKeyTile];
+            if (valid <= 0) {
+                std::memset(s, 0, kKeyTile * sizeof(float));
+                continue;
+            }
+            for (int64_t c = valid; c < kKeyTile; c++) s[c] = -INFINITY;
+            Reg mx = V::load(s);
+            for (int64_t c = W; c < kKeyTile; c += W) mx = V::max(mx, V::load(s + c));
+            const float m = std::max(mrow[r], V::reduce_max(mx));
+            const float alpha = std::exp(mrow[r] - m);                  // 0 on the first tile
+            Reg sum = V::zero();
+            for (int64_t c = 0; c < kKeyTile; c += W) {
+                const Reg w = V::exp(V::sub(V::load(s + c), V::set1(m)));
+                V::store(s + c, w);
+                sum = V::add(sum, w);
+            }
+            lrow[r] = lrow[r] * alpha + V::reduce_add(sum);
+            mrow[r] = m;
+            if (alpha != 1.f)
+                for (int64_t d = 0; d < D; d += W) V::store(&obuf[r * D + d], V::mul(V::load(&obuf[r * D + d]), V::set1(alpha)));
+        }
+        for (int64_t c = 0; c < kKeyTile; c++)
+            for (int64_t d = 0; d < D; d += W) V::store(vpack.data() + (d / 16) * kKeyTile * 16 + c * 16 + d % 16, V::load(vrow[c] + d));
+        for (int64_t r = 0; r < R; r += MR)
+            for (int64_t d0 = 0; d0 < D; d0 += 16)
+                fma_tile_rows<V, MR>(std::min<int64_t>(MR, R - r), &sbuf[r * kKeyTile], kKeyTile,
+                                     vpack.data() + (d0 / 16) * kKeyTile * 16, nullptr, &tmp[r * D], D, d0, D);
+        for (int64_t i = 0; i < R * D; i += W) V::store(&obuf[i], V::add(V::load(&obuf[i]), V::load(&tmp[i])));
+    }
+    for (int64_t r = 0; r < R; r++) {
+        T *dst = out + (j0 + r / G) * out_stride + (h * G + r % G) * D;
+        const Reg inv = V::set1(1.f / lrow[r]);
+        for (int64_t d = 0; d < D; d += W) V::store(dst + d, V::mul(V::load(&obuf[r * D + d]), inv));
+    }
+}
+
 // q, out: the rows of the prefill tokens [T, Hq, D] (q with row stride q_stride, out
 // contiguous); sequence i's chunk is rows query_start[i]..query_start[i+1] (counted from
 // query_start[0]) and ends at context length seq_lens[i]. Returns 1 for shapes it does not
 // take (the caller then runs the decode kernel per token).
-int paged_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
-                  int64_t table_stride, const int64_t *seq_lens, const int64_t *query_start, int64_t S,
-                  uint16_t *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale) {
-    if (D % 32 || D > kMaxDim || Hq % Hkv || Hq / Hkv > kMaxGroup) return 1;
+template <typename T>
+int paged_prefill(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
+                  const int64_t *seq_lens, const int64_t *query_start, int64_t S, T *out, int64_t Hq, int64_t Hkv,
+                  int64_t D, int64_t B, Layout L, float scale) {
+#ifdef __AVX512BF16__
+    constexpr bool kBf16Dots = std::is_same_v<T, uint16_t>;
+#else
+    constexpr bool kBf16Dots = false;
+#endif
+    if (D % (kBf16Dots ? 32 : 16) || D > kMaxDim || Hq % Hkv || Hq / Hkv > kMaxGroup) return 1;
     const int64_t G = Hq / Hkv, q0 = query_start[0];
     struct Item { int64_t seq, j0, h; };
     std::vector<Item> items;
@@ -1235,8 +1354,17 @@ int paged_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
         const Item &it = items[k];
         const int64_t n = query_start[it.seq + 1] - query_start[it.seq];
         const int64_t row = query_start[it.seq] - q0;
-        prefill_item(q + row * q_stride, q_stride, kc, vc, tables + it.seq * table_stride, seq_lens[it.seq] - n,
-                     it.j0, std::min(kQueryTokens, n - it.j0), it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D);
+        const auto item = [&](auto fn) {
+            fn(q + row * q_stride, q_stride, kc, vc, tables + it.seq * table_stride, seq_lens[it.seq] - n, it.j0,
+               std::min(kQueryTokens, n - it.j0), it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D);
+        };
+#ifdef __AVX512BF16__
+        if constexpr (kBf16Dots) {
+            item(prefill_item);
+            continue;
+        }
+#endif
+        item(prefill_item_vec<Vec, T>);
     }
     return 0;
 }
@@ -1255,25 +1383,24 @@ struct AttentionRows {   // laid out by kernels/cpu.py (AttentionRows) from the 
     const int64_t *token_lens;
 };
 
-// Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel in
-// bf16, else each prefill token through the decode kernel.
+// Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel where
+// the build has one (AVX2 and up) and the shape fits, else each prefill token through the
+// decode kernel.
 template <typename T>
 int attend(const T *q, int64_t q_stride, const T *kc, const T *vc, const AttentionRows &a, int64_t num_tokens, T *out,
            int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale, int64_t partition_size) {
     if (a.num_decodes == a.num_seqs)
         return paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, num_tokens, Hq, Hkv, D, B,
                             L, scale, partition_size);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, uint16_t>) {
-        const int64_t nd = a.num_decodes;
-        if (nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq, Hkv, D, B, L,
-                               scale, partition_size))
-            return 1;
-        if (paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
-                          a.seq_lens + nd, a.query_start + nd, a.num_seqs - nd, out + nd * Hq * D, Hq, Hkv, D, B, L,
-                          scale) == 0)
-            return 0;
-    }
+#ifdef __AVX2__
+    const int64_t nd = a.num_decodes;
+    if (nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq, Hkv, D, B, L,
+                           scale, partition_size))
+        return 1;
+    if (paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
+                      a.seq_lens + nd, a.query_start + nd, a.num_seqs - nd, out + nd * Hq * D, Hq, Hkv, D, B, L,
+                      scale) == 0)
+        return 0;
 #endif
     if (a.token_tables == nullptr) return 1;
     return paged_decode(q, q_stride, kc, vc, a.token_tables, a.token_table_stride, a.token_lens, out, num_tokens, Hq,
