@@ -428,7 +428,7 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
-        stats = self.scheduler.kv.stats()
+        stats = self.scheduler.kv.stats().as_dict()
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
                      sharing_saving_avg=sched.sharing_saving_avg)
