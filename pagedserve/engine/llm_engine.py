@@ -12,21 +12,18 @@ import os
 import time
 from pathlib import Path
 
-from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
-from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
+from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
                                 RequestMetrics, RequestOutput)
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import beam_score, select_candidates
-from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
-from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
-from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedserve.worker.worker import Worker
 import torch
 
 logger = logging.getLogger(__name__)
@@ -61,38 +58,16 @@ class LLMEngine:
         path = config.model or default_model_path()
         self.model_path = path
         self.tokenizer = load_tokenizer(config.tokenizer or path)
-        self.device = resolve_device(config.device)
-        attention = make_attention_backend(config.attention_backend, self.device)
-        model, args, dtype = load_model(path, config.dtype, attention, config.max_model_len, self.device)
-        free_before_load = free_device_memory(self.device)
-        model.to(self.device)
-        if self.device.type == "cpu":
-            model.pack_linear_weights()
-        self.model_args = args
-        self.dtype = dtype
-        self.max_model_len = self._resolve_max_model_len(config.max_model_len, args)
-        self.vocab_size = args.vocab_size
         self.eos_token_ids = self._eos_token_ids(path)
         self.eos_token_id = self.tokenizer.eos_token_id
-
-        block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads,
-                                               args.head_dim, dtype)
-        kv_memory = config.kv_cache_memory or \
-            default_kv_cache_memory(self.device, free_before_load, config.gpu_memory_utilization)
-        num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
-                             f"{config.block_size} tokens takes {block_bytes} bytes")
-        num_host_blocks = 0
-        if config.preemption_mode == "swap":
-            num_host_blocks = config.num_host_blocks_override or config.swap_space // block_bytes
-            if num_host_blocks < 1:
-                raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
-                                 f"block of {block_bytes} bytes; got {config.swap_space}")
-        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
-                                  self.device, num_host_blocks)
+        # The worker owns the device: it loads the model there and sizes the KV cache.
+        worker = Worker.load(config, path, self.eos_token_ids)
+        self.runner, self.device = worker.runner, worker.device
+        self.model_args, self.dtype = worker.model_args, worker.dtype
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, worker.model_args)
+        self.vocab_size = worker.model_args.vocab_size
+        self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
+        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
