@@ -24,7 +24,8 @@ Liveness: the oldest running request (the head of `running`, which is in admissi
 order) computes at least one token in every step until it finishes, and a step with
 unfinished requests never schedules nothing. Why:
 1. `add_request` refuses a request that could not run alone: it needs at most
-   `num_blocks` blocks at its largest and at most `max_num_seqs` sequences, and
+   `num_blocks` blocks at its largest (the KV cache's `check_request`) and at most
+   `max_num_seqs` sequences, and
    `max_num_batched_tokens >= max_num_seqs` (EngineConfig).
 2. The head is planned first, before anything is scheduled, with the token budget less
    what the other running requests' decodes reserve. Running requests claim at most
@@ -51,6 +52,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineConfig
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -133,11 +135,17 @@ class Scheduler:
         return self._next_seq_id
 
     def add_request(self, req: Request) -> None:
-        if req.max_seqs > self.config.max_num_seqs:
+        """Queue a request the engine validated (LLMEngine.validate_request), after the checks
+        that only the scheduler and the KV cache can make: InvalidRequestError for a request that
+        could never run (more sequences than max_num_seqs, more blocks than the cache holds)."""
+        limit = self.config.max_num_seqs
+        if req.max_seqs > limit:
             # Its sequences run together, so it could never be admitted (and would block the queue).
-            raise ValueError(
-                f"request {req.request_id} needs {req.max_seqs} sequences at once (n, best_of or beam width) "
-                f"but the engine runs at most max_num_seqs={self.config.max_num_seqs}")
+            p = req.params
+            param = "best_of" if not req.is_beam_search and p.best_of > p.n else "n"
+            raise InvalidRequestError(
+                f"{param} is {req.max_seqs}, but the engine runs at most max_num_seqs={limit} sequences at once "
+                f"(--max-num-seqs on the server)", param)
         self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
                               req.max_seqs > 1 or req.is_beam_search)
         self.waiting.append(req)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
@@ -109,28 +110,28 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+        raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict; got "
+                                  f"{type(prompt).__name__}", "prompt")
 
     @staticmethod
     def prompt_cache_salt(prompt: PromptType) -> str | None:
         """A prompt dict's `cache_salt`: its blocks are shared only with requests of the same salt."""
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError(f"cache_salt must be a non-empty string; got {salt!r}")
+            raise InvalidRequestError(f"cache_salt must be a non-empty string; got {salt!r}", "cache_salt")
         return salt
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams, arrival_time: float | None = None) -> Request:
+        """Queue a request. Everything about it is validated here, once, before anything is
+        allocated: InvalidRequestError (a ValueError) names the parameter at fault."""
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         salt = self.prompt_cache_salt(prompt)
-        self.validate_prompt(ids)
-        self.validate_params(params)
+        max_tokens = self.validate_request(ids, params)
         n_prompt = len(ids)
-        room = self.max_model_len - n_prompt
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(request_id, text, ids, params, max_tokens, cache_salt=salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -147,19 +148,35 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
         req.seqs.append(seq)
-        self.scheduler.add_request(req)   # raises if it could never fit in the cache
+        self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
         self.requests[request_id] = req
         return req
 
+    def validate_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
+        """Check a request against this engine: its prompt, and token ids in its parameters (the
+        parameters checked themselves when built; Scheduler.add_request adds what depends on
+        its capacity). Returns its max_tokens: the requested number (None: no limit) cut to what
+        the context holds after the prompt. The one place max_tokens is resolved."""
+        self.validate_prompt(ids)
+        self.validate_params(params)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if isinstance(params, SamplingParams) and params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({max_tokens})",
+                                      "min_tokens")
+        return max_tokens
+
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens long; this model's maximum context length is "
-                             f"{self.max_model_len} tokens, which must also hold at least one generated token")
+            raise InvalidRequestError(
+                f"the prompt is {len(ids)} tokens long; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which must also hold at least one generated token", "prompt",
+                "context_length_exceeded")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+            raise InvalidRequestError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", "prompt")
 
     def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
         """Token ids in the parameters index the logits: one outside the vocabulary would fail
@@ -169,7 +186,8 @@ class LLMEngine:
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+                raise InvalidRequestError(
+                    f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", name)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)

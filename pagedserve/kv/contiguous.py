@@ -33,12 +33,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from pagedserve.config import CONTIGUOUS_POLICIES
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import NoFreeBlocksError
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.kv_cache_manager import PrefixCacheStats, cdiv
 from pagedserve.kv.memory_usage import MemoryUsage
-
-POLICIES = ("max", "pow2", "oracle")
 
 
 def next_pow2(n: int) -> int:
@@ -124,8 +124,8 @@ class ContiguousKVCacheManager:
     swap = None          # no swap space: a running sequence never needs more memory
 
     def __init__(self, num_blocks: int, block_size: int, policy: str, max_model_len: int | None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"contiguous policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if policy not in CONTIGUOUS_POLICIES:
+            raise ValueError(f"contiguous policy must be one of {', '.join(CONTIGUOUS_POLICIES)}; got {policy!r}")
         if policy == "max" and max_model_len is None:
             raise ValueError("the 'max' allocator reserves max_model_len slots per request: give max_model_len")
         self.policy = policy
@@ -151,12 +151,12 @@ class ContiguousKVCacheManager:
 
     def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int = 1, shares_blocks: bool = False) -> None:
         if shares_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"kv_allocator={self.policy!r} reserves one private contiguous region per sequence and "
                 "cannot share blocks: n > 1, best_of > 1 and beam search need kv_allocator='paged'")
         need = self.reservation_blocks(prompt_len + max_tokens)
         if need > self.pool.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request can never fit in the KV cache: kv_allocator={self.policy!r} reserves "
                 f"{self.reservation_slots(prompt_len + max_tokens)} slots ({need} blocks of {self.block_size}) "
                 f"for a {prompt_len}-token prompt with max_tokens={max_tokens}, and the cache has "

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, prefix_block_keys
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -110,7 +111,7 @@ class KVCacheManager:
     def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int = 1, shares_blocks: bool = False) -> None:
         needed = self.max_blocks_needed(prompt_len, max_tokens, max_seqs)
         if needed > self.pool.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request can never fit in the KV cache: its prompt ({prompt_len} tokens) plus max_tokens "
                 f"({max_tokens}) {'over ' + str(max_seqs) + ' sequences ' if max_seqs > 1 else ''}"
                 f"needs {needed} blocks of {self.block_size} tokens, and the cache has "
@@ -274,7 +275,8 @@ class KVCacheManager:
             table = self.tables.get(seq_id) or host_tables.get(seq_id, [])
             assert len(keys) <= len(table), f"sequence {seq_id}: more prefix keys than blocks"
             for block, key in zip(table, keys):
-                assert block.key in (None, key), f"sequence {seq_id}: block {block.block_id} is cached under another prefix"
+                assert block.key in (None, key), (
+                    f"sequence {seq_id}: block {block.block_id} is cached under another prefix")
 
     def _check_tables(self, live: dict[int, SeqState]) -> None:
         """Only live sequences of running requests hold device blocks (so a finished, aborted or
