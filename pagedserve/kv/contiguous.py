@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pagedserve.config import CONTIGUOUS_POLICIES
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import NoFreeBlocksError
-from pagedserve.kv.interface import BlockCopy, KVCacheStats, SeqState, SlotRequest, StepWrite
+from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.kv_cache_manager import PrefixCacheStats, cdiv
 from pagedserve.kv.memory_usage import MemoryUsage
 
@@ -117,7 +117,7 @@ class Region:
     num_blocks: int
 
 
-class ContiguousKVCacheManager:
+class ContiguousKVCacheManager(PoolCapacity):
     """Reserves one contiguous region per sequence when its first tokens are allocated."""
 
     enable_caching = False
@@ -166,19 +166,7 @@ class ContiguousKVCacheManager:
         """At admission: the most tokens the sequence can reach, which sizes its region."""
         self.max_lens[seq_id] = max_len
 
-    # ---- queries -----------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free_blocks
-
+    # ---- queries (num_blocks, num_free_blocks, num_used_blocks: PoolCapacity) ----------------
     @property
     def num_logical_blocks(self) -> int:
         return self.num_used_blocks    # nothing is shared

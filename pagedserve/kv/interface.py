@@ -9,7 +9,7 @@ paged manager has.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pagedserve.kv.memory_usage import MemoryUsage
@@ -72,6 +72,24 @@ class KVCacheStats:
         out = {k: v for k, v in asdict(self).items() if v is not None}
         out.update(usage=self.usage, sharing_saving=self.sharing_saving)
         return out
+
+
+class PoolCapacity:
+    """Capacity counters of whatever holds blocks in `self.pool` (a BlockPool or a region
+    allocator), for the classes built on one."""
+    pool: Any
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks
 
 
 class KVCache(Protocol):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, prefix_block_keys
-from pagedserve.kv.interface import BlockCopy, KVCacheStats, SeqState, SlotRequest, StepWrite
+from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.swap import SwapSpace
 
@@ -32,7 +32,7 @@ class PrefixCacheStats:
     hits: int = 0      # of those, tokens found in the cache
 
 
-class KVCacheManager:
+class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0) -> None:
         self.block_size = block_size
@@ -45,19 +45,7 @@ class KVCacheManager:
         self.num_logical_blocks = 0                  # entries of all device tables, kept as they change
         self.swap = SwapSpace(self, num_host_blocks)
 
-    # ---- queries -------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free_blocks
-
+    # ---- queries (num_blocks, num_free_blocks, num_used_blocks: PoolCapacity) --------------
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 

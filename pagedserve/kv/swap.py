@@ -10,27 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedserve.kv.block_pool import BlockPool, KVBlock, NoFreeBlocksError
-from pagedserve.kv.interface import BlockCopy
+from pagedserve.kv.interface import BlockCopy, PoolCapacity
 
 if TYPE_CHECKING:
     from pagedserve.kv.kv_cache_manager import KVCacheManager
 
 
-class SwapSpace:
+class SwapSpace(PoolCapacity):
     def __init__(self, device: KVCacheManager, num_host_blocks: int) -> None:
         self.device = device
         self.pool = BlockPool(num_host_blocks, enable_caching=False)
         self.tables: dict[int, list[KVBlock]] = {}     # swapped-out sequences' host blocks
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
 
     def num_blocks_to_swap(self, seq_ids: list[int]) -> int:
         """Distinct blocks the sequences hold, on the device or in swap space: what moving
