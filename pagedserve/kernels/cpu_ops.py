@@ -34,8 +34,8 @@ class CpuOps(TorchOps):
         if isinstance(model.attention, CpuAttention) and cpu.DecoderLayers.supports(model):
             model.compiled_layers = CpuDecoderLayers(model)
 
-    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu.linear(x, weight, bias)
+    linear = staticmethod(cpu.linear)     # plain or packed weights (prepare_weights packs them)
+    argmax = staticmethod(cpu.argmax_rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and (normed := cpu.add_rms_norm(x, None, weight, eps)) is not None:
@@ -63,9 +63,6 @@ class CpuOps(TorchOps):
             return super().rotate_queries_and_keys(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
         qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:]
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu.argmax_rows(x)
 
 
 class CpuDecoderLayers:

@@ -64,11 +64,10 @@ class TorchOps:
     def describe(self) -> str:
         return ""
 
+    linear = staticmethod(F.linear)       # called directly: no wrapper frame per matmul
+
     def prepare_weights(self, model) -> None:
         pass
-
-    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalise in float32, cast back, then scale: the reference implementation's order.
