@@ -120,8 +120,8 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
-                                        config.enable_prefix_caching, max_model_len or config.max_model_len,
-                                        num_host_blocks)
+                                                 config.enable_prefix_caching,
+                                                 max_model_len or config.max_model_len, num_host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
