@@ -70,7 +70,7 @@ def simulate_saturation(allocator: str, lengths: list[tuple[int, int]], block_si
             saturated += 1
             batch_sum += batch
             usage += sched.memory_usage()
-    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks, "KV blocks leaked"
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks, "KV blocks leaked"
     return MemorySimResult(allocator, len(lengths), steps, saturated,
                            batch_sum / saturated if saturated else float("nan"), usage.as_dict(),
                            sched.stats.num_preemptions)

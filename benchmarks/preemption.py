@@ -60,11 +60,11 @@ def micro(args) -> list[dict]:
         for _ in range(args.repeats):   # interleaved, so a busy machine slows both alike
             kv.allocate(1, tokens, 0, len(tokens))      # the request's table, as after its prefill
             n_blocks = kv.num_held_blocks(1)
-            mapping = kv.swap_out([1])                  # what the scheduler emits ...
+            mapping = kv.swap.swap_out([1])                  # what the scheduler emits ...
             start = time.perf_counter()
             runner.move_blocks(SchedulerOutput(swap_out=mapping))   # ... and the worker runs
             outs.append(time.perf_counter() - start)
-            mapping = kv.swap_in([1])
+            mapping = kv.swap.swap_in([1])
             start = time.perf_counter()
             runner.move_blocks(SchedulerOutput(swap_in=mapping))
             ins.append(time.perf_counter() - start)

@@ -76,14 +76,14 @@ def main() -> None:
     t["output processing"] = total - sum(t.values())
 
     # Inside the forward: on CPU all layers are one compiled call, so the split comes from
-    # the same steps run layer by layer in Python over the same kernels (llama.py's loop;
-    # wrapping adds ~1 us per call). Its step time shows what the compiled loop saves.
-    from pagedserve.models import llama
+    # the same steps run layer by layer in Python over the same kernels (llama.py's loop over
+    # the model's ops; wrapping adds ~1 us per call). Its step time shows what the compiled
+    # loop saves.
     compiled = runner.model.compiled_layers
     runner.model.compiled_layers = None
     ops = Timers()
     for name in ("linear", "add_rms_norm", "rotate_queries_and_keys", "silu_and_mul"):
-        ops.wrap(llama, name, name)
+        ops.wrap(runner.model.ops, name, name)
     ops.wrap(runner.model.attention, "forward", "attention")
     start = time.perf_counter()
     for _ in range(args.steps):

@@ -7,25 +7,26 @@ import os
 import sys
 import time
 
+from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as `vllm serve` names them."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--kv-allocator", default="paged", choices=["paged", "max", "pow2", "oracle"],
+    p.add_argument("--kv-allocator", default="paged", choices=KV_ALLOCATORS,
                    help="paged, or a baseline reserving one contiguous region per request")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     p.add_argument("--swap-space", type=int, default=0, help="bytes of host memory for swapped blocks")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
-    p.add_argument("--attention-backend", default=None, choices=["cpu", "torch", "triton"],
+    p.add_argument("--device", default=None, help=f"{' | '.join(DEVICES)} (default: cuda when available)")
+    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                    help="default: triton on cuda, cpu (the C++ kernel) on cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="without --kv-cache-memory on CUDA: share of free GPU memory for weights + KV cache")

@@ -7,9 +7,20 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kv.factory import KV_ALLOCATORS
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The choices of the settings below, defined once: EngineConfig checks them, the CLI offers them.
+DTYPES = ("auto", *_DTYPES)
+DEVICES = ("cpu", "cuda", "cuda:N")                      # cuda:N for any device index N
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")        # kv/contiguous.py: the paper's baselines
+KV_ALLOCATORS = ("paged", *CONTIGUOUS_POLICIES)
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def _one_of(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass
@@ -44,8 +55,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9     # CUDA, kv_cache_memory unset: KV gets this share of free memory, less the weights
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        _one_of("dtype", self.dtype, DTYPES)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -55,10 +65,8 @@ class EngineConfig:
             self.max_num_batched_tokens = self.max_num_seqs
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.kv_allocator not in KV_ALLOCATORS:
-            raise ValueError(f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}; got {self.kv_allocator!r}")
+        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.kv_allocator != "paged":
@@ -67,9 +75,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.attention_backend not in (None, "cpu", "torch", "triton"):
-            raise ValueError(f"attention_backend must be one of cpu, torch, triton; got {self.attention_backend!r}")
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.attention_backend is not None:
+            _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

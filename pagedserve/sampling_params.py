@@ -1,16 +1,19 @@
-"""Sampling parameters, validated at construction with errors that name the value and the limit."""
+"""Sampling parameters, validated at construction with errors that name the value and the limit
+(InvalidRequestError, whose `param` is the parameter at fault)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pagedserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 # Beam search's length_penalty: beyond this, len ** length_penalty only ranks by length.
 MAX_LENGTH_PENALTY = 100.0
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(param: str, ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InvalidRequestError(message, param)
 
 
 @dataclass
@@ -38,50 +41,50 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check("n", isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is None:
             self.best_of = self.n
-        _check(isinstance(self.best_of, int) and self.best_of >= self.n,
-               f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check("best_of", isinstance(self.best_of, int) and self.best_of >= self.n,
+                          f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        _check("temperature", self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**63,
-               f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _check("top_k", isinstance(self.top_k, int) and 0 <= self.top_k < 2**63,
+                        f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
+        _check("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+                                   f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+                                    f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check("repetition_penalty", self.repetition_penalty > 0.0,
+                                     f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+                             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+            _check(name, value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                         f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check("seed", self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:
             self.stop_strings = list(self.stop or [])
-        _check(all(isinstance(s, str) and s for s in self.stop_strings),
-               f"stop must be non-empty strings, got {self.stop!r}")
+        _check("stop", all(isinstance(s, str) and s for s in self.stop_strings),
+                       f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            _check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
-                   "logit_bias values must be in [-100, 100]")
+            _check("logit_bias", all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                                 "logit_bias values must be in [-100, 100]")
         if self.greedy:
             # Greedy sampling would give best_of identical copies; vLLM refuses it too.
-            _check(self.best_of == 1 or self.n == self.best_of,
-                   f"best_of ({self.best_of}) > n ({self.n}) needs temperature > 0")
+            _check("best_of", self.best_of == 1 or self.n == self.best_of,
+                              f"best_of ({self.best_of}) > n ({self.n}) needs temperature > 0")
 
     @property
     def greedy(self) -> bool:
@@ -96,18 +99,19 @@ class SamplingParams:
 @dataclass
 class BeamSearchParams:
     beam_width: int
-    max_tokens: int = 16
+    max_tokens: int | None = 16         # None: up to the context length
     ignore_eos: bool = False
     temperature: float = 0.0            # kept for vLLM compatibility; beam search is deterministic
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.beam_width, int) and self.beam_width >= 1,
-               f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.temperature == 0.0, "beam search only supports temperature 0")
-        _check(isinstance(self.length_penalty, (int, float)) and
-               -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY,
-               f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
-               f"got {self.length_penalty!r}")
+        _check("beam_width", isinstance(self.beam_width, int) and self.beam_width >= 1,
+                             f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        _check("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check("temperature", self.temperature == 0.0, "beam search only supports temperature 0")
+        limit = MAX_LENGTH_PENALTY
+        _check("length_penalty", isinstance(self.length_penalty, (int, float)) and
+                                 -limit <= self.length_penalty <= limit,
+                                 f"length_penalty must be a number in [-{limit:g}, {limit:g}], "
+                                 f"got {self.length_penalty!r}")

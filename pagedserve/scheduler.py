@@ -24,7 +24,8 @@ Liveness: the oldest running request (the head of `running`, which is in admissi
 order) computes at least one token in every step until it finishes, and a step with
 unfinished requests never schedules nothing. Why:
 1. `add_request` refuses a request that could not run alone: it needs at most
-   `num_blocks` blocks at its largest and at most `max_num_seqs` sequences, and
+   `num_blocks` blocks at its largest (the KV cache's `check_request`) and at most
+   `max_num_seqs` sequences, and
    `max_num_batched_tokens >= max_num_seqs` (EngineConfig).
 2. The head is planned first, before anything is scheduled, with the token budget less
    what the other running requests' decodes reserve. Running requests claim at most
@@ -51,8 +52,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineConfig
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.factory import make_kv_cache_manager
-from pagedserve.kv.kv_cache_manager import cdiv
+from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.request import Request, RequestStatus, Sequence
 
@@ -93,7 +95,9 @@ class SchedulerOutput:
 
 
 @dataclass
-class SchedulerStats:
+class SchedulerCounters:
+    """Cumulative counters of the scheduler (engine/stats.py's SchedulerStats is the snapshot
+    stat loggers receive)."""
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0     # computed tokens thrown away by preemption
     # Block tables' entries and physical blocks in use, summed over steps: their ratio is
@@ -115,13 +119,13 @@ class Scheduler:
                  num_host_blocks: int = 0) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.kv = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
-                                        config.enable_prefix_caching, max_model_len or config.max_model_len,
-                                        num_host_blocks)
+        self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
+                                                 config.enable_prefix_caching,
+                                                 max_model_len or config.max_model_len, num_host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
-        self.stats = SchedulerStats()
+        self.stats = SchedulerCounters()
         self._next_seq_id = 0
         self._warned_preemption = False
 
@@ -130,28 +134,20 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id
 
-    def max_blocks_needed(self, req: Request) -> int:
-        """Blocks a request needs at its largest (its sequences share the prompt's blocks)."""
-        prompt = len(req.prompt_token_ids)
-        if req.max_seqs == 1:
-            return cdiv(prompt + req.max_tokens, self.block_size)
-        return cdiv(prompt, self.block_size) + req.max_seqs * (cdiv(req.max_tokens, self.block_size) + 1)
-
     def add_request(self, req: Request) -> None:
-        self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs > 1 or req.is_beam_search)
-        if req.max_seqs > self.config.max_num_seqs:
+        """Queue a request the engine validated (LLMEngine.validate_request), after the checks
+        that only the scheduler and the KV cache can make: InvalidRequestError for a request that
+        could never run (more sequences than max_num_seqs, more blocks than the cache holds)."""
+        limit = self.config.max_num_seqs
+        if req.max_seqs > limit:
             # Its sequences run together, so it could never be admitted (and would block the queue).
-            raise ValueError(
-                f"request {req.request_id} needs {req.max_seqs} sequences at once (n, best_of or beam width) "
-                f"but the engine runs at most max_num_seqs={self.config.max_num_seqs}")
-        needed = self.max_blocks_needed(req)
-        if needed > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request {req.request_id} can never fit in the KV cache: its prompt "
-                f"({len(req.prompt_token_ids)} tokens) plus max_tokens ({req.max_tokens}) "
-                f"{'over ' + str(req.max_seqs) + ' sequences ' if req.max_seqs > 1 else ''}"
-                f"needs {needed} blocks of {self.block_size} tokens, and the cache has "
-                f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens")
+            p = req.params
+            param = "best_of" if not req.is_beam_search and p.best_of > p.n else "n"
+            raise InvalidRequestError(
+                f"{param} is {req.max_seqs}, but the engine runs at most max_num_seqs={limit} sequences at once "
+                f"(--max-num-seqs on the server)", param)
+        self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
+                              req.max_seqs > 1 or req.is_beam_search)
         self.waiting.append(req)
 
     def free_seq(self, seq: Sequence) -> None:
@@ -237,9 +233,8 @@ class Scheduler:
         return out
 
     def _record_usage(self) -> None:
-        kv = self.kv.stats()
-        self.stats.logical_block_steps += kv.get("num_logical_blocks", 0)
-        self.stats.physical_block_steps += kv.get("num_used_blocks", 0)
+        self.stats.logical_block_steps += self.kv.num_logical_blocks
+        self.stats.physical_block_steps += self.kv.num_used_blocks
 
     def _add(self, out: SchedulerOutput, req: Request, plan: Plan, copies: list) -> int:
         out.block_copies.extend(copies)
@@ -288,13 +283,7 @@ class Scheduler:
 
     def _allocate(self, plan: Plan) -> list[tuple[int, int]] | None:
         """Reserve the slots of a plan, all or nothing; returns the copy-on-write copies."""
-        kv = self.kv
-        if not kv.can_allocate([(s.seq_id, s.num_computed_tokens, n) for s, n in plan]):
-            return None
-        copies = []
-        for seq, n in plan:
-            copies += kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, n)
-        return copies
+        return self.kv.allocate_slots([(s.seq_id, s.token_ids, s.num_computed_tokens, n) for s, n in plan])
 
     def _admit(self, req: Request, budget: int) -> tuple[Plan, list] | None:
         """Take prefix-cache hits, then reserve the first step's slots; undo all if short."""
@@ -302,11 +291,9 @@ class Scheduler:
         # A leader-only request shares only prompt blocks with its followers later.
         seqs = req.live_seqs[:1] if req.leader_only else req.live_seqs
         for seq in seqs:
-            self.kv.set_max_len(seq.seq_id, prompt_len + req.max_tokens)
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
-            hits = [] if req.wants_prompt_logprobs else self.kv.lookup_prefix(tokens, req.cache_salt)
-            self.kv.allocate(seq.seq_id, seq.token_ids, 0, 0, prefix_blocks=hits, cache_salt=req.cache_salt)
-            seq.num_computed_tokens = len(hits) * self.block_size
+            seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens, req.cache_salt,
+                                                    use_prefix_cache=not req.wants_prompt_logprobs)
         plan = self._plan(req, budget)   # may fork or rejoin the group's followers
         copies = self._allocate(plan) if plan else None
         if copies is None:
@@ -323,9 +310,10 @@ class Scheduler:
         self.running.remove(req)
         out.preempted.append(req)
         ids = [s.seq_id for s in req.live_seqs]
-        swap = self.config.preemption_mode == "swap" and self.kv.can_swap_out(ids)
+        swap_space = self.kv.swap
+        swap = self.config.preemption_mode == "swap" and swap_space is not None and swap_space.can_swap_out(ids)
         if swap:
-            out.swap_out.extend(self.kv.swap_out(ids))
+            out.swap_out.extend(swap_space.swap_out(ids))
             req.status = RequestStatus.SWAPPED
             self.swapped = deque(sorted([*self.swapped, req], key=lambda r: r.arrival_time))
         else:
@@ -337,7 +325,7 @@ class Scheduler:
             logger.warning(
                 "Request %s was preempted (%s): all %d KV cache blocks were in use. Throughput suffers "
                 "when this happens often; give the engine more kv_cache_memory or lower max_num_seqs.",
-                req.request_id, "swapped to host memory" if swap else "to be recomputed", self.kv.pool.num_blocks)
+                req.request_id, "swapped to host memory" if swap else "to be recomputed", self.kv.num_blocks)
 
     def _preempt_by_recompute(self, req: Request) -> None:
         """Free every block of the request and requeue it first."""
@@ -364,11 +352,11 @@ class Scheduler:
         """Bring a swapped request's blocks back if they fit, leaving a free block per
         sequence for its next token when others run (so it does not bounce straight back)."""
         ids = [s.seq_id for s in req.live_seqs]
-        needed = self.kv.num_blocks_to_swap(ids) + (len(ids) if self.running else 0)
+        needed = self.kv.swap.num_blocks_to_swap(ids) + (len(ids) if self.running else 0)
         if needed > self.kv.num_free_blocks:
             return False
         self.swapped.popleft()
-        out.swap_in.extend(self.kv.swap_in(ids))
+        out.swap_in.extend(self.kv.swap.swap_in(ids))
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         return True
@@ -386,7 +374,7 @@ class Scheduler:
             listed = [request(r) for r in list(queue)[:max_listed]]
             more = f", ... {len(queue) - max_listed} more" if len(queue) > max_listed else ""
             parts.append(f"{name} ({len(queue)}): {', '.join(listed) or '-'}{more}")
-        parts.append(f"free blocks {self.kv.num_free_blocks}/{self.kv.pool.num_blocks}")
+        parts.append(f"free blocks {self.kv.num_free_blocks}/{self.kv.num_blocks}")
         return "; ".join(parts)
 
     def memory_usage(self) -> MemoryUsage:

@@ -226,8 +226,7 @@ class PagingMachine(RuleBasedStateMachine):
         assert not self.sched.num_unfinished, "requests never finished"
         kv = self.sched.kv
         assert kv.num_free_blocks == kv.pool.num_blocks and not kv.tables, "blocks leaked"
-        host_pool = getattr(kv, "host_pool", None)
-        assert host_pool is None or host_pool.num_free_blocks == host_pool.num_blocks, "host blocks leaked"
+        assert kv.swap is None or kv.swap.num_free_blocks == kv.swap.num_blocks, "host blocks leaked"
         for req in self.done:
             assert req.status == RequestStatus.FINISHED and not req.live_seqs
             if req.request_id in self.aborted:

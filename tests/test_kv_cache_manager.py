@@ -276,16 +276,16 @@ class KVMachine(RuleBasedStateMachine):
         not fit there, nothing changes."""
         group = data.draw(st.lists(st.sampled_from(sorted(self.seqs)), min_size=1, unique=True))
         distinct = {b.block_id for sid in group for b in self.kv.tables[sid]}
-        assert self.kv.num_blocks_to_swap(group) == len(distinct)
-        if not self.kv.can_swap_out(group):
+        assert self.kv.swap.num_blocks_to_swap(group) == len(distinct)
+        if not self.kv.swap.can_swap_out(group):
             with pytest.raises(NoFreeBlocksError):
-                self.kv.swap_out(group)
+                self.kv.swap.swap_out(group)
             return
-        free, host_free = self.kv.num_free_blocks, self.kv.num_free_host_blocks
+        free, host_free = self.kv.num_free_blocks, self.kv.swap.num_free_blocks
         still_held = {b.block_id for sid in set(self.seqs) - set(group) for b in self.kv.tables[sid]}
-        moved = self.kv.swap_out(group)
+        moved = self.kv.swap.swap_out(group)
         assert sorted(d for d, _ in moved) == sorted(distinct)          # each block once
-        assert self.kv.num_free_host_blocks == host_free - len(distinct)
+        assert self.kv.swap.num_free_blocks == host_free - len(distinct)
         assert self.kv.num_free_blocks == free + len(distinct - still_held)
         for dev, host in moved:
             self.host_content[host] = list(self.content[dev])
@@ -296,9 +296,9 @@ class KVMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         i = data.draw(st.integers(0, len(self.swapped) - 1))
         group = sorted(self.swapped[i])
-        if self.kv.num_blocks_to_swap(group) > self.kv.num_free_blocks:
+        if self.kv.swap.num_blocks_to_swap(group) > self.kv.num_free_blocks:
             return
-        for host, dev in self.kv.swap_in(group):
+        for host, dev in self.kv.swap.swap_in(group):
             self.content[dev] = list(self.host_content[host])
         self.seqs.update(self.swapped.pop(i))
 
@@ -330,13 +330,13 @@ class KVMachine(RuleBasedStateMachine):
         for group in self.swapped:
             for sid, tokens in group.items():
                 assert self.kv.num_held_blocks(sid) == 0
-                table = self.kv.host_tables[sid]
+                table = self.kv.swap.tables[sid]
                 assert len(table) == cdiv(len(tokens), B)
                 assert [self.host_content[table[p // B].block_id][p % B] for p in range(len(tokens))] == tokens
         if not self.seqs:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks
         if not self.swapped:
-            assert self.kv.num_free_host_blocks == self.kv.host_pool.num_blocks
+            assert self.kv.swap.num_free_blocks == self.kv.swap.num_blocks
         # A key stands for one salt and one block of tokens (after the same prefix), whichever
         # sequence computed it: sequences with different salts never share a key ...
         everyone = {**self.seqs, **{sid: t for group in self.swapped for sid, t in group.items()}}
@@ -349,7 +349,7 @@ class KVMachine(RuleBasedStateMachine):
         for key, block in self.kv.pool.cached.items():
             assert self.content[block.block_id] == self.key_owner[key][1]
         # The accounting: sharing saving = blocks saved / blocks needed without sharing.
-        stats = self.kv.stats()
+        stats = self.kv.stats().as_dict()
         held = {b.block_id for t in self.kv.tables.values() for b in t}
         logical = sum(len(t) for t in self.kv.tables.values())
         assert stats["num_used_blocks"] == len(held) and stats["num_logical_blocks"] == logical
@@ -360,7 +360,7 @@ class KVMachine(RuleBasedStateMachine):
             for sid in [*self.seqs, *(sid for group in self.swapped for sid in group)]:
                 self.kv.free(sid)
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks
-            assert self.kv.num_free_host_blocks == self.kv.host_pool.num_blocks
+            assert self.kv.swap.num_free_blocks == self.kv.swap.num_blocks
             self.kv.check_invariants()
 
 

@@ -8,6 +8,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.cpu_backend import CpuAttention
 from pagedserve.attention.torch_backend import TorchAttention
 from pagedserve.kernels.cpu import PackedWeight
+from pagedserve.kernels.cpu_ops import CpuOps
 from pagedserve.models.loader import load_model
 from pagedserve.request import Request, Sequence
 from pagedserve.scheduler import ScheduledSeq
@@ -131,7 +132,7 @@ def test_compiled_layers_equal_the_layer_by_layer_path(kernel_variant, tiny_mode
     """On CPU all decoder layers run as one compiled call (kernels.cpu.DecoderLayers); it must
     give bit for bit what the Python loop over the same kernels gives, and match transformers."""
     tm = tiny_models(name)
-    model, _, _ = load_model(tm.path, dtype, CpuAttention())
+    model, _, _ = load_model(tm.path, dtype, CpuAttention(), ops=CpuOps())
     model.pack_linear_weights()
     compiled = model.compiled_layers
     if compiled is None:

@@ -30,8 +30,8 @@ class ShadowWorker:
     def __init__(self, sched: Scheduler) -> None:
         B = sched.block_size
         self.device = {i: [None] * B for i in range(sched.kv.pool.num_blocks)}
-        host_pool = getattr(sched.kv, "host_pool", None)     # contiguous baselines have no swap space
-        self.host = {i: [None] * B for i in range(host_pool.num_blocks if host_pool else 0)}
+        swap = sched.kv.swap     # contiguous baselines have no swap space
+        self.host = {i: [None] * B for i in range(swap.num_blocks if swap else 0)}
 
     def run(self, out) -> None:
         for dev, host in out.swap_out:
@@ -111,8 +111,8 @@ def run_all(sched, max_steps=10_000):
         steps += 1
         assert steps < max_steps, "the scheduler made no progress"
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
-    if hasattr(sched.kv, "host_pool"):
-        assert sched.kv.num_free_host_blocks == sched.kv.host_pool.num_blocks
+    if sched.kv.swap is not None:
+        assert sched.kv.swap.num_free_blocks == sched.kv.swap.num_blocks
     return steps
 
 
@@ -227,7 +227,7 @@ def test_swap_preemption_moves_blocks_out_and_back_without_recomputing():
             saw_swapped = True
     assert saw_swapped and sched.stats.num_preemptions > 0
     assert sched.stats.num_recomputed_tokens == 0
-    stats = sched.kv.stats()
+    stats = sched.kv.stats().as_dict()
     assert stats["num_swapped_out_blocks"] == swapped_out == stats["num_swapped_in_blocks"] == swapped_in > 0
     assert old.seqs[0].num_output_tokens == 8 and new.seqs[0].num_output_tokens == 8
 
@@ -241,12 +241,12 @@ def test_a_group_is_swapped_as_a_whole_keeping_its_sharing():
     fake_step(sched)
     fake_step(sched)                          # forked: 2 shared full blocks + 3 private partial ones
     ids = [s.seq_id for s in req.seqs]
-    assert sched.kv.num_blocks_to_swap(ids) == 2 + 3
+    assert sched.kv.swap.num_blocks_to_swap(ids) == 2 + 3
     so = SchedulerOutput()
     sched._preempt(req, so)                   # by hand, as the scheduler does when blocks run out
     _workers[sched].run(so)
-    assert len(so.swap_out) == 5 and sched.kv.num_free_host_blocks == 64 - 5
-    host = [sched.kv.host_tables[i] for i in ids]
+    assert len(so.swap_out) == 5 and sched.kv.swap.num_free_blocks == 64 - 5
+    host = [sched.kv.swap.tables[i] for i in ids]
     assert host[0][:2] == host[1][:2] == host[2][:2]
     out = fake_step(sched)                    # swapped back in (and run) at the next step
     assert len(out.swap_in) == 5 and req.status == RequestStatus.RUNNING
@@ -262,7 +262,7 @@ def test_swap_space_exhaustion_falls_back_to_recompute():
     add(sched, "new", 4, 8)
     run_all(sched)
     assert sched.stats.num_preemptions > 0 and sched.stats.num_recomputed_tokens > 0
-    assert sched.kv.stats()["num_swapped_out_blocks"] == 0
+    assert sched.kv.stats().as_dict()["num_swapped_out_blocks"] == 0
 
 
 def test_aborting_a_swapped_request_frees_its_host_blocks():
@@ -272,9 +272,9 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
     new = add(sched, "new", 4, 8)
     while new.status != RequestStatus.SWAPPED:
         fake_step(sched)
-    assert sched.kv.num_free_host_blocks < 8
+    assert sched.kv.swap.num_free_blocks < 8
     sched.finish_request(new)
-    assert sched.kv.num_free_host_blocks == 8 and not sched.swapped
+    assert sched.kv.swap.num_free_blocks == 8 and not sched.swapped
     run_all(sched)
 
 

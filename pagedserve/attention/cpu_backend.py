@@ -21,15 +21,23 @@ class CpuAttention(TorchAttention):
         self.lib = cpu_kernels.load()
         self._rows: tuple[AttentionMetadata, cpu_kernels.AttentionRows] | None = None
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.kernel_rows(meta)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if not cpu_kernels.write_kv(kv_cache, k, v, slot_mapping):
+            write_kv(kv_cache, k, v, slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not cpu_kernels.write_kv(kv_cache, k, v, meta.slot_mapping):
-            write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale)
         return out if out is not None else super().forward(q, k, v, kv_cache, meta, scale)
 
     def kernel_rows(self, meta: AttentionMetadata) -> cpu_kernels.AttentionRows:
-        """The step's query rows as the kernel reads them; built once per step, used by every layer."""
+        """The step's query rows as the kernel reads them; built once per step (`prepare`), used by
+        every layer."""
         if self._rows is None or self._rows[0] is not meta:
             prefills = meta.num_decodes < meta.num_seqs
             self._rows = (meta, cpu_kernels.AttentionRows.of(meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-BACKENDS = ("cpu", "torch", "triton")
+from pagedserve.config import ATTENTION_BACKENDS as BACKENDS
 
 
 def make_attention_backend(name: str | None, device: torch.device):

@@ -32,11 +32,24 @@ def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torc
 
 class TorchAttention:
     name = "torch"
+    head_major_cache = False
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
+
+    @staticmethod
+    def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+        src, dst = zip(*copies)
+        kv_cache[:, :, list(dst)] = kv_cache[:, :, list(src)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, Hq, D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, kv_cache, meta, scale)     # all decodes: no extra copy

@@ -13,15 +13,23 @@ from pagedserve.attention.triton_prefill import paged_prefill_attention
 
 class TritonAttention:
     name = "triton"
+    head_major_cache = False
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         check_device(_decode_kernel, torch.device(device))   # fail now, not in the first step
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens; kv_cache: one layer's
         [2, num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -12,21 +12,19 @@ import os
 import time
 from pathlib import Path
 
-from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
-from pagedserve.models.loader import default_model_path, is_gguf, load_model, load_tokenizer
+from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
                                 RequestMetrics, RequestOutput)
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import beam_score, select_candidates
-from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
-from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
-from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedserve.worker.worker import Worker
 import torch
 
 logger = logging.getLogger(__name__)
@@ -61,38 +59,16 @@ class LLMEngine:
         path = config.model or default_model_path()
         self.model_path = path
         self.tokenizer = load_tokenizer(config.tokenizer or path)
-        self.device = resolve_device(config.device)
-        attention = make_attention_backend(config.attention_backend, self.device)
-        model, args, dtype = load_model(path, config.dtype, attention, config.max_model_len, self.device)
-        free_before_load = free_device_memory(self.device)
-        model.to(self.device)
-        if self.device.type == "cpu":
-            model.pack_linear_weights()
-        self.model_args = args
-        self.dtype = dtype
-        self.max_model_len = self._resolve_max_model_len(config.max_model_len, args)
-        self.vocab_size = args.vocab_size
         self.eos_token_ids = self._eos_token_ids(path)
         self.eos_token_id = self.tokenizer.eos_token_id
-
-        block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads,
-                                               args.head_dim, dtype)
-        kv_memory = config.kv_cache_memory or \
-            default_kv_cache_memory(self.device, free_before_load, config.gpu_memory_utilization)
-        num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
-                             f"{config.block_size} tokens takes {block_bytes} bytes")
-        num_host_blocks = 0
-        if config.preemption_mode == "swap":
-            num_host_blocks = config.num_host_blocks_override or config.swap_space // block_bytes
-            if num_host_blocks < 1:
-                raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
-                                 f"block of {block_bytes} bytes; got {config.swap_space}")
-        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, Sampler(self.eos_token_ids, config.seed),
-                                  self.device, num_host_blocks)
+        # The worker owns the device: it loads the model there and sizes the KV cache.
+        worker = Worker.load(config, path, self.eos_token_ids)
+        self.runner, self.device = worker.runner, worker.device
+        self.model_args, self.dtype = worker.model_args, worker.dtype
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, worker.model_args)
+        self.vocab_size = worker.model_args.vocab_size
+        self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
+        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -134,28 +110,28 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+        raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict; got "
+                                  f"{type(prompt).__name__}", "prompt")
 
     @staticmethod
     def prompt_cache_salt(prompt: PromptType) -> str | None:
         """A prompt dict's `cache_salt`: its blocks are shared only with requests of the same salt."""
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError(f"cache_salt must be a non-empty string; got {salt!r}")
+            raise InvalidRequestError(f"cache_salt must be a non-empty string; got {salt!r}", "cache_salt")
         return salt
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams, arrival_time: float | None = None) -> Request:
+        """Queue a request. Everything about it is validated here, once, before anything is
+        allocated: InvalidRequestError (a ValueError) names the parameter at fault."""
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         salt = self.prompt_cache_salt(prompt)
-        self.validate_prompt(ids)
-        self.validate_params(params)
+        max_tokens = self.validate_request(ids, params)
         n_prompt = len(ids)
-        room = self.max_model_len - n_prompt
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(request_id, text, ids, params, max_tokens, cache_salt=salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -172,19 +148,35 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
         req.seqs.append(seq)
-        self.scheduler.add_request(req)   # raises if it could never fit in the cache
+        self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
         self.requests[request_id] = req
         return req
 
+    def validate_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
+        """Check a request against this engine: its prompt, and token ids in its parameters (the
+        parameters checked themselves when built; Scheduler.add_request adds what depends on
+        its capacity). Returns its max_tokens: the requested number (None: no limit) cut to what
+        the context holds after the prompt. The one place max_tokens is resolved."""
+        self.validate_prompt(ids)
+        self.validate_params(params)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if isinstance(params, SamplingParams) and params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({max_tokens})",
+                                      "min_tokens")
+        return max_tokens
+
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens long; this model's maximum context length is "
-                             f"{self.max_model_len} tokens, which must also hold at least one generated token")
+            raise InvalidRequestError(
+                f"the prompt is {len(ids)} tokens long; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which must also hold at least one generated token", "prompt",
+                "context_length_exceeded")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+            raise InvalidRequestError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", "prompt")
 
     def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
         """Token ids in the parameters index the logits: one outside the vocabulary would fail
@@ -194,7 +186,8 @@ class LLMEngine:
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}")
+                raise InvalidRequestError(
+                    f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", name)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -428,7 +421,7 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
-        stats = self.scheduler.kv.stats()
+        stats = self.scheduler.kv.stats().as_dict()
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
                      sharing_saving_avg=sched.sharing_saving_avg)

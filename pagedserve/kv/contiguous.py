@@ -25,19 +25,20 @@ blocks the rounding shows up as internal fragmentation. Nothing is shared: no
 fork, no prefix caching, and a running sequence never needs more memory, so it is
 never preempted.
 
-Same interface as `KVCacheManager`, so the same scheduler, model and attention run
-on top.
+The same `KVCache` interface (kv/interface.py) as `KVCacheManager`, so the same
+scheduler, model and attention run on top.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
 
+from pagedserve.config import CONTIGUOUS_POLICIES
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import NoFreeBlocksError
+from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.kv_cache_manager import PrefixCacheStats, cdiv
 from pagedserve.kv.memory_usage import MemoryUsage
-
-POLICIES = ("max", "pow2", "oracle")
 
 
 def next_pow2(n: int) -> int:
@@ -116,14 +117,15 @@ class Region:
     num_blocks: int
 
 
-class ContiguousKVCacheManager:
+class ContiguousKVCacheManager(PoolCapacity):
     """Reserves one contiguous region per sequence when its first tokens are allocated."""
 
     enable_caching = False
+    swap = None          # no swap space: a running sequence never needs more memory
 
     def __init__(self, num_blocks: int, block_size: int, policy: str, max_model_len: int | None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"contiguous policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if policy not in CONTIGUOUS_POLICIES:
+            raise ValueError(f"contiguous policy must be one of {', '.join(CONTIGUOUS_POLICIES)}; got {policy!r}")
         if policy == "max" and max_model_len is None:
             raise ValueError("the 'max' allocator reserves max_model_len slots per request: give max_model_len")
         self.policy = policy
@@ -147,14 +149,14 @@ class ContiguousKVCacheManager:
     def reservation_blocks(self, max_len: int) -> int:
         return cdiv(self.reservation_slots(max_len), self.block_size)
 
-    def check_request(self, prompt_len: int, max_tokens: int, shares_blocks: bool) -> None:
+    def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int = 1, shares_blocks: bool = False) -> None:
         if shares_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"kv_allocator={self.policy!r} reserves one private contiguous region per sequence and "
                 "cannot share blocks: n > 1, best_of > 1 and beam search need kv_allocator='paged'")
         need = self.reservation_blocks(prompt_len + max_tokens)
         if need > self.pool.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request can never fit in the KV cache: kv_allocator={self.policy!r} reserves "
                 f"{self.reservation_slots(prompt_len + max_tokens)} slots ({need} blocks of {self.block_size}) "
                 f"for a {prompt_len}-token prompt with max_tokens={max_tokens}, and the cache has "
@@ -164,10 +166,10 @@ class ContiguousKVCacheManager:
         """At admission: the most tokens the sequence can reach, which sizes its region."""
         self.max_lens[seq_id] = max_len
 
-    # ---- queries -----------------------------------------------------------------------------
+    # ---- queries (num_blocks, num_free_blocks, num_used_blocks: PoolCapacity) ----------------
     @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+    def num_logical_blocks(self) -> int:
+        return self.num_used_blocks    # nothing is shared
 
     def block_ids(self, seq_id: int) -> list[int]:
         region = self.tables.get(seq_id)
@@ -177,8 +179,12 @@ class ContiguousKVCacheManager:
         region = self.tables.get(seq_id)
         return 0 if region is None else region.num_blocks
 
-    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> list:
-        return []   # no prefix caching without shared blocks
+    def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
+              use_prefix_cache: bool = True) -> int:
+        """Note the most tokens the sequence can reach (its region's size); no prefix caching
+        without shared blocks, so nothing is cached."""
+        self.set_max_len(seq_id, max_len)
+        return 0
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens
@@ -204,6 +210,13 @@ class ContiguousKVCacheManager:
         return True
 
     # ---- changes -----------------------------------------------------------------------------
+    def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
+        if not self.can_allocate([(seq_id, computed, new) for seq_id, _, computed, new in requests]):
+            return None
+        for seq_id, token_ids, computed, new in requests:
+            self.allocate(seq_id, token_ids, computed, new)
+        return []
+
     def allocate(self, seq_id: int, token_ids: list[int], num_computed: int, num_new: int,
                  prefix_blocks=(), cache_salt: str | None = None) -> list[tuple[int, int]]:
         """Reserve the sequence's whole region with its first tokens. Never copies."""
@@ -243,27 +256,18 @@ class ContiguousKVCacheManager:
         usage.free = free
         return usage
 
-    def stats(self) -> dict:
+    def stats(self) -> KVCacheStats:
         pool = self.pool
-        used = pool.num_blocks - pool.num_free_blocks
-        return {
-            "num_blocks": pool.num_blocks,
-            "block_size": self.block_size,
-            "num_free_blocks": pool.num_free_blocks,
-            "num_used_blocks": used,
-            "usage": used / max(1, pool.num_blocks),
-            "num_cached_blocks": 0,
-            "prefix_cache_queries": self.prefix_stats.queries,
-            "prefix_cache_hits": self.prefix_stats.hits,
-            "num_logical_blocks": used,
-            "sharing_saving": 0.0,
-            "kv_allocator": self.policy,
-            "num_holes": len(pool.holes),
-            "largest_hole_blocks": pool.largest_hole,
-        }
+        return KVCacheStats(
+            num_blocks=pool.num_blocks, block_size=self.block_size, num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=self.num_used_blocks, num_cached_blocks=0,
+            prefix_cache_queries=self.prefix_stats.queries, prefix_cache_hits=self.prefix_stats.hits,
+            num_logical_blocks=self.num_used_blocks, kv_allocator=self.policy, num_holes=len(pool.holes),
+            largest_hole_blocks=pool.largest_hole)
 
-    def check_invariants(self) -> None:
-        """Regions and holes tile the block space exactly, with no overlap."""
+    def check_invariants(self, live: dict[int, SeqState] | None = None, swapped: set[int] = frozenset()) -> None:
+        """Regions and holes tile the block space exactly, with no overlap; with `live`, only
+        live sequences hold a region, big enough for their computed tokens."""
         self.pool.check()
         spans = sorted([(r.start, r.num_blocks) for r in self.tables.values()] +
                        [(s, n) for s, n in self.pool.holes])
@@ -274,3 +278,19 @@ class ContiguousKVCacheManager:
             pos = start + n
         assert pos == self.pool.num_blocks, f"blocks [{pos}, {self.pool.num_blocks}) are unaccounted for"
         assert set(self.max_lens) >= set(self.tables)
+        if live is not None:
+            stray = set(self.tables) - set(live)
+            assert not stray, f"sequences {sorted(stray)} hold blocks but are not live in a running request"
+            for seq_id, seq in live.items():
+                assert seq.num_computed_tokens <= self.num_held_blocks(seq_id) * self.block_size, (
+                    f"sequence {seq_id}: {seq.num_computed_tokens} computed tokens without slots")
+            assert not swapped, "the contiguous baselines have no swap space"
+
+    def check_step(self, writes: list[StepWrite], block_copies: list[BlockCopy], swap_out: list[BlockCopy],
+                   swap_in: list[BlockCopy]) -> None:
+        """Regions are private: the step writes only into its sequences' own, current regions."""
+        for w in writes:
+            assert w.block_ids == self.block_ids(w.seq_id), f"sequence {w.seq_id}: stale block table in the step"
+            assert w.start + w.num_new_tokens <= len(w.block_ids) * self.block_size, (
+                f"sequence {w.seq_id}: no slot for its tokens")
+        assert not (block_copies or swap_out or swap_in), "the contiguous baselines copy and swap nothing"

@@ -1,20 +1,19 @@
 """Pick the KV cache manager: paged (the engine's own) or a contiguous-reservation baseline."""
 from __future__ import annotations
 
-from pagedserve.kv.contiguous import POLICIES, ContiguousKVCacheManager
+from pagedserve.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
+from pagedserve.kv.contiguous import ContiguousKVCacheManager
+from pagedserve.kv.interface import KVCache
 from pagedserve.kv.kv_cache_manager import KVCacheManager
-
-KV_ALLOCATORS = ("paged", *POLICIES)
 
 
 def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
-                          max_model_len: int | None, num_host_blocks: int = 0
-                          ) -> KVCacheManager | ContiguousKVCacheManager:
+                          max_model_len: int | None, num_host_blocks: int = 0) -> KVCache:
     """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has."""
     if kind == "paged":
         return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks)
     if num_host_blocks:
         raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged', not {kind!r}")
-    if kind in POLICIES:
+    if kind in CONTIGUOUS_POLICIES:
         return ContiguousKVCacheManager(num_blocks, block_size, kind, max_model_len)
     raise ValueError(f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}; got {kind!r}")

@@ -5,18 +5,21 @@ One block table per sequence maps logical block i (token positions
 needs one, shared by reference count (fork), copied before a write into a
 shared block (copy-on-write), and full blocks are registered in the prefix
 cache so later sequences with the same prefix can reuse them.
-Swap space (preemption_mode="swap") is a second block pool, in host memory, with
-tables of its own: swapping a group of sequences out moves their tables there, one
-host block per distinct device block, so the group's sharing survives the trip.
-Pure Python: no tensors here.
+Swap space (preemption_mode="swap") is a collaborator, `self.swap` (kv/swap.py).
+The scheduler uses the `KVCache` interface (kv/interface.py); the per-sequence
+methods below it (`lookup_prefix`, `allocate`, `num_blocks_needed`) are this
+manager's own. Pure Python: no tensors here.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
 
-from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, NoFreeBlocksError, prefix_block_keys
+from pagedserve.errors import InvalidRequestError
+from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, prefix_block_keys
+from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.kv.swap import SwapSpace
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,7 +32,7 @@ class PrefixCacheStats:
     hits: int = 0      # of those, tokens found in the cache
 
 
-class KVCacheManager:
+class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0) -> None:
         self.block_size = block_size
@@ -39,17 +42,10 @@ class KVCacheManager:
         self.keys: dict[int, list[BlockKey]] = {}   # keys of each sequence's full blocks (kept while swapped)
         self.salts: dict[int, str | None] = {}       # each sequence's cache salt (part of its first key)
         self.prefix_stats = PrefixCacheStats()
-        # Swap space: host blocks and the tables of swapped-out sequences.
-        self.host_pool = BlockPool(num_host_blocks, enable_caching=False)
-        self.host_tables: dict[int, list[KVBlock]] = {}
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+        self.num_logical_blocks = 0                  # entries of all device tables, kept as they change
+        self.swap = SwapSpace(self, num_host_blocks)
 
-    # ---- queries -------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
+    # ---- queries (num_blocks, num_free_blocks, num_used_blocks: PoolCapacity) --------------
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
@@ -93,12 +89,38 @@ class KVCacheManager:
         """Whether `allocate` can give every (seq_id, num_computed, num_new) its slots at once."""
         return sum(self.num_blocks_needed(*r) for r in requests) <= self.num_free_blocks
 
-    # Hooks for allocators that reserve memory ahead (kv/contiguous.py); paging needs neither.
-    def check_request(self, prompt_len: int, max_tokens: int, shares_blocks: bool) -> None:
-        """Refuse a request this allocator cannot serve (the scheduler checks the block count)."""
+    def max_blocks_needed(self, prompt_len: int, max_tokens: int, max_seqs: int) -> int:
+        """Blocks a request needs at its largest (its sequences share the prompt's blocks)."""
+        B = self.block_size
+        if max_seqs == 1:
+            return cdiv(prompt_len + max_tokens, B)
+        return cdiv(prompt_len, B) + max_seqs * (cdiv(max_tokens, B) + 1)
 
-    def set_max_len(self, seq_id: int, max_len: int) -> None:
-        """At admission: the most tokens the sequence can reach. Paging reserves nothing ahead."""
+    def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int = 1, shares_blocks: bool = False) -> None:
+        needed = self.max_blocks_needed(prompt_len, max_tokens, max_seqs)
+        if needed > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"request can never fit in the KV cache: its prompt ({prompt_len} tokens) plus max_tokens "
+                f"({max_tokens}) {'over ' + str(max_seqs) + ' sequences ' if max_seqs > 1 else ''}"
+                f"needs {needed} blocks of {self.block_size} tokens, and the cache has "
+                f"{self.pool.num_blocks}; raise kv_cache_memory or lower max_tokens")
+
+    # ---- the scheduler's calls (kv/interface.py) -------------------------------------------
+    def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
+              use_prefix_cache: bool = True) -> int:
+        """Start the sequence's table with the cached blocks of its longest cached prefix of
+        `token_ids`; returns the tokens they hold. Paging reserves nothing ahead (`max_len`)."""
+        hits = self.lookup_prefix(token_ids, cache_salt) if use_prefix_cache else []
+        self.allocate(seq_id, token_ids, 0, 0, prefix_blocks=hits, cache_salt=cache_salt)
+        return len(hits) * self.block_size
+
+    def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
+        if not self.can_allocate([(seq_id, computed, new) for seq_id, _, computed, new in requests]):
+            return None
+        copies = []
+        for seq_id, token_ids, computed, new in requests:
+            copies += self.allocate(seq_id, token_ids, computed, new)
+        return copies
 
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int], num_computed: int, num_new: int,
@@ -112,8 +134,9 @@ class KVCacheManager:
         step writes into.
         Call `num_blocks_needed` first: this raises if the pool runs dry half way.
         """
-        assert seq_id not in self.host_tables, f"sequence {seq_id} is swapped out: swap it in first"
+        assert seq_id not in self.swap.tables, f"sequence {seq_id} is swapped out: swap it in first"
         table = self.tables.setdefault(seq_id, [])
+        held = len(table)
         keys = self.keys.setdefault(seq_id, [])
         self.salts.setdefault(seq_id, cache_salt)
         if prefix_blocks:
@@ -132,6 +155,7 @@ class KVCacheManager:
         missing = cdiv(num_computed + num_new, self.block_size) - len(table)
         if missing > 0:
             table.extend(self.pool.allocate(missing))
+        self.num_logical_blocks += len(table) - held
         # Invariant 2: a block with more than one reference is never written.
         assert not self._shared_write_targets(table, num_computed, num_new)
         self._cache_full_blocks(seq_id, token_ids, num_computed + num_new)
@@ -142,6 +166,7 @@ class KVCacheManager:
         blocks = self.tables[parent_id]
         self.pool.touch(blocks)
         self.tables[child_id] = list(blocks)
+        self.num_logical_blocks += len(blocks)
         self.keys[child_id] = list(self.keys[parent_id])
         self.salts[child_id] = self.salts[parent_id]
 
@@ -152,63 +177,9 @@ class KVCacheManager:
         table = self.tables.pop(seq_id, [])
         self.keys.pop(seq_id, None)
         self.salts.pop(seq_id, None)
+        self.num_logical_blocks -= len(table)
         self.pool.release(table[::-1])
-        self.host_pool.release(self.host_tables.pop(seq_id, []))
-
-    # ---- swap space ------------------------------------------------------------------------
-    @property
-    def num_free_host_blocks(self) -> int:
-        return self.host_pool.num_free_blocks
-
-    def num_blocks_to_swap(self, seq_ids: list[int]) -> int:
-        """Distinct blocks the sequences hold, on the device or in swap space: what moving
-        them as a group costs (shared blocks move once)."""
-        return len({id(b) for sid in seq_ids
-                    for b in self.tables.get(sid, self.host_tables.get(sid, ()))})
-
-    def can_swap_out(self, seq_ids: list[int]) -> bool:
-        return self.num_blocks_to_swap(seq_ids) <= self.host_pool.num_free_blocks
-
-    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move the sequences' tables to swap space; returns the (device, host) block copies
-        the worker must do before this step's forward (the device blocks are free from now,
-        and a cached one stays findable by its key). Check `can_swap_out` first."""
-        moved = self._move(seq_ids, self.tables, self.host_tables, self.pool, self.host_pool)
-        self.num_swapped_out_blocks += len(moved)
-        return moved
-
-    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move swapped-out tables back to device blocks; returns the (host, device) copies
-        to do before the step's forward. Needs `num_blocks_to_swap` free device blocks."""
-        moved = self._move(seq_ids, self.host_tables, self.tables, self.host_pool, self.pool)
-        for sid in seq_ids:   # the new blocks hold the same full blocks: cache them again
-            for block, key in zip(self.tables.get(sid, ()), self.keys.get(sid, ())):
-                self.pool.cache(block, key)
-        self.num_swapped_in_blocks += len(moved)
-        return moved
-
-    @staticmethod
-    def _move(seq_ids: list[int], src_tables: dict, dst_tables: dict, src_pool: BlockPool,
-              dst_pool: BlockPool) -> list[tuple[int, int]]:
-        """Give each sequence a table in `dst_pool` mirroring its table in `src_pool`: one new
-        block per distinct source block, shared by the same sequences as before."""
-        seq_ids = [sid for sid in seq_ids if sid in src_tables]
-        distinct = {b.block_id for sid in seq_ids for b in src_tables[sid]}
-        if len(distinct) > dst_pool.num_free_blocks:
-            raise NoFreeBlocksError(f"moving {len(distinct)} blocks, {dst_pool.num_free_blocks} free")
-        new: dict[int, KVBlock] = {}
-        for sid in seq_ids:
-            src = src_tables.pop(sid)
-            dst = []
-            for block in src:
-                if block.block_id in new:
-                    dst_pool.touch([new[block.block_id]])
-                else:
-                    (new[block.block_id],) = dst_pool.allocate(1)
-                dst.append(new[block.block_id])
-            src_pool.release(src[::-1])
-            dst_tables[sid] = dst
-        return [(src_id, block.block_id) for src_id, block in new.items()]
+        self.swap.free(seq_id)
 
     # ---- internals -------------------------------------------------------------------------
     def _shared_write_targets(self, table, num_computed: int, num_new: int) -> list[int]:
@@ -229,28 +200,15 @@ class KVCacheManager:
         keys.extend(new)
 
     # ---- accounting ------------------------------------------------------------------------
-    def stats(self) -> dict:
-        pool = self.pool
-        logical = sum(len(t) for t in self.tables.values())
-        physical = pool.num_blocks - pool.num_free_blocks
-        return {
-            "num_blocks": pool.num_blocks,
-            "block_size": self.block_size,
-            "num_free_blocks": pool.num_free_blocks,
-            "num_used_blocks": physical,
-            "usage": physical / max(1, pool.num_blocks),
-            "num_cached_blocks": len(pool.cached),
-            "num_evicted_blocks": pool.num_evictions,
-            "prefix_cache_queries": self.prefix_stats.queries,
-            "prefix_cache_hits": self.prefix_stats.hits,
-            # Sharing as the paper measures it: blocks saved / blocks needed without sharing.
-            "num_logical_blocks": logical,
-            "sharing_saving": (logical - physical) / logical if logical else 0.0,
-            "num_host_blocks": self.host_pool.num_blocks,
-            "num_free_host_blocks": self.host_pool.num_free_blocks,
-            "num_swapped_out_blocks": self.num_swapped_out_blocks,
-            "num_swapped_in_blocks": self.num_swapped_in_blocks,
-        }
+    def stats(self) -> KVCacheStats:
+        pool, swap = self.pool, self.swap
+        return KVCacheStats(
+            num_blocks=pool.num_blocks, block_size=self.block_size, num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=self.num_used_blocks, num_cached_blocks=len(pool.cached),
+            prefix_cache_queries=self.prefix_stats.queries, prefix_cache_hits=self.prefix_stats.hits,
+            num_logical_blocks=self.num_logical_blocks, num_evicted_blocks=pool.num_evictions,
+            num_host_blocks=swap.num_blocks, num_free_host_blocks=swap.num_free_blocks,
+            num_swapped_out_blocks=swap.num_swapped_out_blocks, num_swapped_in_blocks=swap.num_swapped_in_blocks)
 
     def memory_usage(self, seqs: list[tuple[int, int, int]], waiting_max_len: int | None = None) -> MemoryUsage:
         """Slots by category (see memory_usage.py) for the sequences (seq_id, computed tokens,
@@ -267,9 +225,12 @@ class KVCacheManager:
         usage.free = self.pool.num_free_blocks * B
         return usage
 
-    def check_invariants(self) -> None:
-        """Invariants 1 and 3 of DESIGN.md, in both pools, plus the free queues and cache index."""
-        for pool, tables in ((self.pool, self.tables), (self.host_pool, self.host_tables)):
+    # ---- invariants (pagedserve/invariants.py calls these) ---------------------------------
+    def check_invariants(self, live: dict[int, SeqState] | None = None, swapped: set[int] = frozenset()) -> None:
+        """Invariants 1 and 3 of DESIGN.md, in both pools, plus the free queues and the prefix-cache
+        index; with `live` and `swapped`, who may hold blocks and that computed tokens have slots."""
+        host_tables = self.swap.tables
+        for pool, tables in ((self.pool, self.tables), (self.swap.pool, host_tables)):
             holders = Counter(b.block_id for t in tables.values() for b in t)
             for t in tables.values():
                 assert len({b.block_id for b in t}) == len(t), "a block appears twice in one table"
@@ -281,6 +242,88 @@ class KVCacheManager:
                     f"block {block.block_id}: ref_cnt {block.ref_cnt} but free-queue membership wrong")
         for key, block in self.pool.cached.items():
             assert block.key == key, f"cache index points at block {block.block_id} with another key"
-        assert not self.host_pool.cached, "host blocks are never in the prefix cache"
-        assert not set(self.tables) & set(self.host_tables), "a sequence is both on the device and swapped"
-        assert set(self.keys) == set(self.salts) == set(self.tables) | set(self.host_tables)
+        assert not self.swap.pool.cached, "host blocks are never in the prefix cache"
+        assert not set(self.tables) & set(host_tables), "a sequence is both on the device and swapped"
+        assert set(self.keys) == set(self.salts) == set(self.tables) | set(host_tables)
+        self._check_prefix_index(host_tables)
+        if live is not None:
+            self._check_tables(live)
+            self._check_swapped(set(swapped), host_tables)
+        assert self.num_logical_blocks == sum(len(t) for t in self.tables.values()), "logical block count drifted"
+
+    def _check_prefix_index(self, host_tables: dict) -> None:
+        """The prefix-cache index and the blocks agree, and each table's keys match its blocks."""
+        pool = self.pool
+        assert all(pool.blocks[i] is b for i, b in pool.free_queue.items()), "free queue entry under a wrong id"
+        for block in pool.blocks:
+            assert block.key is None or pool.cached.get(block.key) is block, (
+                f"block {block.block_id} has a prefix key but the cache index does not point at it")
+        assert self.enable_caching or not pool.cached, "blocks cached with prefix caching off"
+        for seq_id, keys in self.keys.items():
+            table = self.tables.get(seq_id) or host_tables.get(seq_id, [])
+            assert len(keys) <= len(table), f"sequence {seq_id}: more prefix keys than blocks"
+            for block, key in zip(table, keys):
+                assert block.key in (None, key), (
+                    f"sequence {seq_id}: block {block.block_id} is cached under another prefix")
+
+    def _check_tables(self, live: dict[int, SeqState]) -> None:
+        """Only live sequences of running requests hold device blocks (so a finished, aborted or
+        recompute-preempted request holds none); computed tokens have slots; prefix-cache keys
+        are those of the sequence's tokens and its request's cache salt."""
+        B = self.block_size
+        stray = set(self.tables) - set(live)
+        assert not stray, f"sequences {sorted(stray)} hold blocks but are not live in a running request"
+        for seq_id, seq in live.items():
+            table = self.tables.get(seq_id, ())
+            assert cdiv(seq.num_computed_tokens, B) <= len(table) <= cdiv(len(seq.token_ids), B), (
+                f"sequence {seq_id}: {len(table)} blocks for {seq.num_computed_tokens} computed of "
+                f"{len(seq.token_ids)} tokens")
+            keys = self.keys.get(seq_id, [])
+            assert seq_id not in self.salts or self.salts[seq_id] == seq.cache_salt, (
+                f"sequence {seq_id}: its cache salt is not its request's")
+            expected = prefix_block_keys(seq.token_ids, B, len(keys), seq.cache_salt)
+            for i, (key, want) in enumerate(zip(keys, expected)):
+                assert key == want, f"sequence {seq_id}: prefix-cache key of block {i} is not its tokens' and salt's"
+
+    def _check_swapped(self, swapped: set[int], host_tables: dict) -> None:
+        """Only live sequences of swapped-out requests hold host blocks, and those hold no
+        device blocks."""
+        stray = set(host_tables) - swapped
+        assert not stray, f"sequences {sorted(stray)} hold host blocks but are not live in a swapped request"
+        on_device = swapped & set(self.tables)
+        assert not on_device, f"swapped-out sequences {sorted(on_device)} still hold device blocks"
+
+    def check_step(self, writes: list[StepWrite], block_copies: list[BlockCopy], swap_out: list[BlockCopy],
+                   swap_in: list[BlockCopy]) -> None:
+        """The step about to run writes only blocks its sequence alone holds.
+
+        One exception is safe and expected: a block registered in the prefix cache while this
+        step fills it (by its writes, after a copy-on-write copy) may be picked up by a request
+        admitted later in the same step. Every holder then expects exactly the tokens being
+        written (they share the block's key), and each layer writes the whole batch's keys and
+        values before attending.
+        """
+        B = self.block_size
+        written: set[int] = set()
+        for w in writes:
+            table = self.tables.get(w.seq_id, [])
+            assert w.block_ids == [b.block_id for b in table], f"sequence {w.seq_id}: stale block table in the step"
+            assert len(table) >= cdiv(w.start + w.num_new_tokens, B), f"sequence {w.seq_id}: no slot for its tokens"
+            for i in range(w.start // B, (w.start + w.num_new_tokens - 1) // B + 1):
+                block = table[i]
+                written.add(block.block_id)
+                if block.ref_cnt > 1:
+                    holders = [sid for sid, t in self.tables.items() if i < len(t) and t[i] is block]
+                    assert block.key is not None and len(holders) == block.ref_cnt and all(
+                        i < len(self.keys[h]) and self.keys[h][i] == block.key for h in holders), (
+                        f"sequence {w.seq_id} writes block {block.block_id} (logical {i}), which "
+                        f"{block.ref_cnt} tables hold")
+        dsts = [dst for _, dst in block_copies]
+        assert len(set(dsts)) == len(dsts), "two copies into one block"
+        for src, dst in block_copies:   # (whether dst may be shared was checked with the writes)
+            assert src != dst and dst in written, f"copy-on-write {src} -> {dst}: the copy is not written this step"
+        # Swaps run before the copies: each lands in a distinct block that a table holds.
+        for name, pool, moves in (("swap_out", self.swap.pool, swap_out), ("swap_in", self.pool, swap_in)):
+            dsts = [dst for _, dst in moves]
+            assert len(set(dsts)) == len(dsts), f"{name}: two blocks moved into one"
+            assert all(pool.blocks[d].ref_cnt > 0 for d in dsts), f"{name}: a block moved into a free block"

@@ -1,38 +1,9 @@
-"""Building blocks of Llama-family models: RMSNorm, rotary embeddings, gated MLP activation."""
+"""Building blocks of Llama-family models: rotary embeddings (the dense ops are in ops.py)."""
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
-
-from pagedserve.kernels import cpu as cpu_kernels
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dim() == 2 and (normed := cpu_kernels.add_rms_norm(x, None, weight, eps)) is not None:
-        return normed
-    # Normalise in float32, cast back, then scale: the reference implementation's order.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream x plus a layer's output y, and its normalisation: (x + y, norm).
-    On CPU one fused kernel that updates x in place."""
-    normed = cpu_kernels.add_rms_norm(x, y, weight, eps)
-    if normed is not None:
-        return x, normed
-    x = x + y
-    return x, rms_norm(x, weight, eps)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    out = cpu_kernels.silu_and_mul(gate_up)
-    if out is not None:
-        return out
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -77,14 +48,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-
-def rotate_queries_and_keys(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] of a fused qkv projection [T, (Hq + 2 Hkv) D], with RoPE
-    applied: in place in qkv on CPU (one kernel), as a new tensor elsewhere."""
-    num_tokens, heads = qkv.shape[0], num_heads + num_kv_heads
-    qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
-    if not cpu_kernels.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, head_dim),
-                                    sin.view(num_tokens, head_dim)):
-        qk = apply_rope(qk, cos, sin)
-    return qk[:, :num_heads], qk[:, num_heads:]

@@ -1,11 +1,12 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat, unpadded batch.
 
 Plain tensor math. q/k/v and gate/up projections are fused into single matrices
-so each layer runs four large matmuls; attention goes through a backend that
-reads and writes the paged KV cache. On CPU, once the weights are packed, the
-whole layer loop runs as one compiled call over the same kernels
-(kernels.cpu.DecoderLayers); the Python loop below stays as its reference and
-for every other case.
+so each layer runs four large matmuls; the dense ops go through an ops object
+(models/ops.py: CPU kernels or torch, chosen once at load) and attention through a
+backend that reads and writes the paged KV cache (attention/backend.py). Where the
+ops offer it (CPU kernels with the CPU attention backend), the whole layer loop runs
+as one compiled call (`compiled_layers`); the Python loop below stays as its
+reference and for every other case.
 """
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.cpu_backend import CpuAttention
-from pagedserve.kernels.cpu import DecoderLayers, linear, pack_weight
-from pagedserve.models.layers import (RotaryEmbedding, add_rms_norm, rms_norm, rotate_queries_and_keys,
-                                     silu_and_mul)
+from pagedserve.models.layers import RotaryEmbedding
+from pagedserve.models.ops import CompiledLayers, ModelOps, TorchOps
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -55,19 +55,21 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, attention, max_positions: int) -> None:
+                 norm: torch.Tensor, lm_head: torch.Tensor, attention: AttentionBackend, max_positions: int,
+                 ops: ModelOps | None = None) -> None:
         self.args = args
         self.embed = embed
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
         self.attention = attention
+        self.ops: ModelOps = ops or TorchOps()
         self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
                                     embed.dtype)
         self.scale = args.head_dim ** -0.5
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.compiled_layers: DecoderLayers | None = None    # set by pack_linear_weights on CPU
+        self.compiled_layers: CompiledLayers | None = None    # set by pack_linear_weights, where the ops offer it
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,14 +90,9 @@ class LlamaModel:
         return self
 
     def pack_linear_weights(self) -> "LlamaModel":
-        """On CPU: every matmul weight packed once into the tiles of our GEMMs (see
-        kernels.cpu.pack_weight). A tied LM head gets its own packed copy; the embedding table
-        stays plain for lookups."""
-        for w in self.layers:
-            w.qkv, w.o, w.gate_up, w.down = (pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
-        self.lm_head = pack_weight(self.lm_head)
-        if isinstance(self.attention, CpuAttention) and DecoderLayers.supports(self):
-            self.compiled_layers = DecoderLayers(self)
+        """Once, on the model's device: let the ops repack the matmul weights for their GEMMs
+        (and set `compiled_layers` where they run the layer loop as one call)."""
+        self.ops.prepare_weights(self)
         return self
 
     @torch.inference_mode()
@@ -103,27 +100,30 @@ class LlamaModel:
                 kv_caches: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, Hkv, D].
         Returns the final hidden states [T, hidden] (normalised)."""
-        a = self.args
+        a, ops = self.args, self.ops
         num_tokens = input_ids.shape[0]
+        self.attention.prepare(meta)
         x = F.embedding(input_ids, self.embed)        # the residual stream
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
-        h = rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
+        h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
         if self.compiled_layers is not None and self.compiled_layers.forward(
-                x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta.slot_mapping,
-                self.attention.kernel_rows(meta)):
+                x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta):
             return h
+        linear = ops.linear
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
-            q, k = rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
+            q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
-            x, h = add_rms_norm(x, linear(attn.reshape(num_tokens, self.q_size), w.o), w.post_norm, a.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, linear(attn.reshape(num_tokens, self.q_size), w.o), w.post_norm,
+                                    a.rms_norm_eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x, h = add_rms_norm(x, linear(silu_and_mul(linear(h, w.gate_up)), w.down), next_norm, a.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down), next_norm,
+                                    a.rms_norm_eps)
         return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled (the LM head runs only on those)."""
-        return linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()

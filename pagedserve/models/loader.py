@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from pagedserve.config import cache_dir, resolve_dtype
-from pagedserve.kernels import cpu as cpu_kernels
 from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
+from pagedserve.models.ops import ModelOps, TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _gguf_weights(reader, args: ModelArgs) -> dict[str, torch.Tensor]:
 
 
 def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, attention,
-                max_positions: int) -> LlamaModel:
+                max_positions: int, ops: ModelOps | None = None) -> LlamaModel:
     def w(name: str) -> torch.Tensor:
         if name not in weights:
             raise KeyError(f"checkpoint has no tensor {name!r}")
@@ -182,7 +182,7 @@ def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.
         ))
     embed = w("embed_tokens.weight")
     lm_head = embed if args.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-    return LlamaModel(args, embed, layers, w("norm.weight"), lm_head, attention, max_positions)
+    return LlamaModel(args, embed, layers, w("norm.weight"), lm_head, attention, max_positions, ops)
 
 
 def _file_key(path: str) -> str:
@@ -212,9 +212,11 @@ def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
 
 
 def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None,
-               device: torch.device | str = "cpu"):
-    """Returns (model, args, dtype). Logs the dtype `dtype_name` resolved to (and on CPU the
-    kernel variant that will run)."""
+               ops: ModelOps | None = None):
+    """Returns (model, args, dtype). `ops`: the dense ops the model runs (default plain torch),
+    which also say whether dtype `auto` may keep bf16. Logs the dtype `dtype_name` resolved
+    to (and what the ops say of themselves, e.g. the CPU kernel variant that will run)."""
+    ops = ops or TorchOps()
     if is_gguf(path):
         args, weights = _load_gguf(path)
         checkpoint_dtype = None
@@ -226,13 +228,11 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         args = args_from_hf_config(cfg)
         weights = _hf_weights(p)
         checkpoint_dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), None)
-    on_cpu = torch.device(device).type == "cpu"
-    dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=not on_cpu or cpu_kernels.auto_keeps_bf16())
-    logger.info("dtype %s -> %s%s", dtype_name, str(dtype).removeprefix("torch."),
-                f"; CPU kernels: {cpu_kernels.variant() or 'none (torch fallbacks)'} (CPU supports "
-                f"{', '.join(cpu_kernels.supported_variants())})" if on_cpu else "")
+    dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=ops.bf16_is_fast)
+    note = ops.describe()
+    logger.info("dtype %s -> %s%s", dtype_name, str(dtype).removeprefix("torch."), f"; {note}" if note else "")
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
-    model = build_model(args, weights, dtype, attention, max_positions)
+    model = build_model(args, weights, dtype, attention, max_positions, ops)
     return model, args, dtype
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.cpu import argmax_rows
+from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -36,9 +36,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: set[int], seed: int = 0, ops: ModelOps | None = None) -> None:
+        """ops: where argmax runs (a vectorised kernel on the CPU; the logits are host tensors)."""
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
+        self.argmax = (ops or TorchOps()).argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [N, V] float32 (modified in place)."""
@@ -83,7 +85,7 @@ class Sampler:
 
     # ---- sampling ------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        tokens = argmax_rows(logits)            # the first maximum, as argmax (a vectorised kernel on CPU)
+        tokens = self.argmax(logits)            # the first maximum, as torch's argmax
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             return tokens
@@ -100,7 +102,7 @@ class Sampler:
         for j, i in enumerate(rand):
             if rows[i].generator is not None:
                 noise[j].exponential_(generator=rows[i].generator)
-        tokens[idx] = argmax_rows(probs / noise)
+        tokens[idx] = self.argmax(probs / noise)
         return tokens
 
     @staticmethod

@@ -25,10 +25,10 @@ from pydantic import BaseModel
 from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, QueueFullError,
                                          RequestStream)
 from pagedserve.engine.llm import render_chat
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.server.errors import APIError, bad_request
-from pagedserve.server.prompts import context_length_error
 from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                                         ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -40,35 +40,20 @@ logger = logging.getLogger(__name__)
 
 Params = SamplingParams | BeamSearchParams
 
-# Request fields an error message may start with (SamplingParams names the value first).
-_PARAM_NAMES = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "max_tokens", "min_tokens", "stop",
-                "stop_token_ids", "logprobs", "prompt_logprobs", "beam_width", "length_penalty"}
-
-
 # ---- request -> engine --------------------------------------------------------------------------
-def _param_of(message: str) -> str | None:
-    first = message.split(" ", 1)[0]
-    return first if first in _PARAM_NAMES else None
-
-
-def resolve_max_tokens(requested: int | None, explicit: bool, prompt_len: int, max_model_len: int,
-                       prompt_param: str) -> int | None:
-    """None means up to the context length. An explicit max_tokens that does not fit is an
-    error (as in OpenAI's API); a default one is cut to what fits."""
-    if prompt_len >= max_model_len:
-        raise context_length_error(prompt_len, max_model_len, prompt_param)
-    if requested is None or requested < 1:
-        return requested   # < 1: SamplingParams says what is wrong
-    if explicit and prompt_len + requested > max_model_len:
+def check_max_tokens(requested: int | None, explicit: bool, prompt_len: int, max_model_len: int) -> None:
+    """An explicit max_tokens that does not fit with the prompt is an error, as in OpenAI's API
+    (the engine cuts a default one to what fits, and refuses a prompt that leaves no room)."""
+    if explicit and requested is not None and requested >= 1 and prompt_len < max_model_len \
+            and prompt_len + requested > max_model_len:
         raise bad_request(f"this model's maximum context length is {max_model_len} tokens, but "
                           f"{prompt_len + requested} were requested: {prompt_len} in the prompt and "
                           f"{requested} for the completion; shorten the prompt or lower max_tokens",
                           "max_tokens", "context_length_exceeded")
-    return min(requested, max_model_len - prompt_len)
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON keys are strings: token ids in decimal digits (the engine checks the vocabulary)."""
     if not bias:
         return None
     out = {}
@@ -76,29 +61,25 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         # Plain ASCII digits only: int() would also take "1_0", " 10 " and other scripts' digits.
         if not re.fullmatch(r"[0-9]+", key):
             raise bad_request(f"logit_bias keys must be token ids in decimal digits, got {key!r}", "logit_bias")
-        token = int(key)
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias token id {token} is out of the vocabulary (size {vocab_size})",
-                              "logit_bias")
-        out[token] = value
+        out[int(key)] = value
     return out
 
 
-def make_params(req: SamplingRequest, max_tokens: int | None, prompt_len: int, max_model_len: int,
-                vocab_size: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                logprobs_param: str = "logprobs") -> Params:
+def make_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None, logprobs_param: str = "logprobs") -> Params:
+    """The request's sampling (or beam search) parameters; max_tokens None: up to the context."""
+    if req.use_beam_search:
+        if req.stop or req.stop_token_ids:
+            raise bad_request("stop and stop_token_ids are not supported with use_beam_search", "stop")
+        if logprobs is not None:
+            raise bad_request("logprobs are not supported with use_beam_search", logprobs_param)
+        width = req.best_of or req.n
+        if width < req.n:
+            raise bad_request(f"best_of ({width}) must be >= n ({req.n})", "best_of")
     try:
         if req.use_beam_search:
-            if req.stop or req.stop_token_ids:
-                raise bad_request("stop and stop_token_ids are not supported with use_beam_search", "stop")
-            if logprobs is not None:
-                raise bad_request("logprobs are not supported with use_beam_search", logprobs_param)
-            width = req.best_of or req.n
-            if width < req.n:
-                raise bad_request(f"best_of ({width}) must be >= n ({req.n})", "best_of")
-            return BeamSearchParams(beam_width=width,
-                                    max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
-                                    ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+            return BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                    length_penalty=req.length_penalty)
         return SamplingParams(
             n=req.n, best_of=req.best_of,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -109,16 +90,13 @@ def make_params(req: SamplingRequest, max_tokens: int | None, prompt_len: int, m
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias, vocab_size),
+            logit_bias=_logit_bias(req.logit_bias),
             max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
-    except ValueError as e:
-        param = _param_of(str(e))
-        if param == "logprobs":
-            param = logprobs_param
-        raise bad_request(str(e), param) from None
+    except InvalidRequestError as e:
+        raise bad_request(e.message, logprobs_param if e.param == "logprobs" else e.param, e.code) from None
 
 
 def completion_prompts(prompt: str | list) -> list[str | list[int]]:
@@ -239,6 +217,8 @@ class Serving:
             value = getattr(body, name)
             if value is not None and value < 1:
                 raise bad_request(f"{name} must be an integer >= 1, got {value}", name)
+        # (More sequences than the engine runs at once: refused by the engine, like every check
+        # that depends on its configuration.)
         self.n = body.n
         self.texts = TokenTexts(self.llm.tokenizer)
         self.prompt_tokens: dict[int, int] = {}
@@ -248,12 +228,6 @@ class Serving:
         self.continuous_usage = bool(self.stream_usage and body.stream_options.continuous_usage_stats)
         if body.stream and body.best_of is not None and body.best_of > body.n and not body.use_beam_search:
             raise bad_request("best_of > n is not supported with stream", "best_of")
-        # The engine runs a request's sequences together: more than max_num_seqs could never start.
-        param = "best_of" if (body.best_of or 0) > body.n else "n"
-        width, limit = getattr(body, param), self.llm.config.max_num_seqs
-        if width > limit:
-            raise bad_request(f"{param} is {width}, but this server runs at most {limit} sequences at once "
-                              f"(--max-num-seqs)", param)
 
     # -- submit and wait --------------------------------------------------------------------------
     async def submit(self, items: list[tuple[str | None, list[int], Params]]) -> RequestStream:
@@ -266,8 +240,11 @@ class Serving:
             raise APIError(503, f"the server cannot take requests now: {e}") from None
         except QueueFullError as e:
             raise APIError(503, str(e)) from None
-        except ValueError as e:
-            raise bad_request(str(e), _param_of(str(e)) or self.prompt_param) from None
+        except InvalidRequestError as e:   # the engine's validation: param None or "prompt" is our prompt field
+            param = self.prompt_param if e.param in (None, "prompt") else e.param
+            raise bad_request(e.message, param, e.code) from None
+        except ValueError as e:            # the front end's own limits (e.g. prompts per request)
+            raise bad_request(str(e), self.prompt_param) from None
 
     async def _abort_on_disconnect(self, stream: RequestStream) -> None:
         while True:
@@ -386,9 +363,8 @@ class CompletionServing(Serving):
                 text, ids = prompt, next(encoded)
             else:
                 text, ids = None, list(prompt)
-            max_tokens = resolve_max_tokens(body.max_tokens, explicit, len(ids), llm.max_model_len, "prompt")
-            params = make_params(body, max_tokens, len(ids), llm.max_model_len, llm.vocab_size, body.logprobs,
-                                 prompt_logprobs)
+            check_max_tokens(body.max_tokens, explicit, len(ids), llm.max_model_len)
+            params = make_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
             items.append((text, ids, params))
         stream = await self.submit(items)
         for text, ids, _ in items:
@@ -448,9 +424,8 @@ class ChatServing(Serving):
         ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = resolve_max_tokens(requested, explicit, len(ids), llm.max_model_len, "messages")
-        params = make_params(body, max_tokens, len(ids), llm.max_model_len, llm.vocab_size, self.top,
-                             logprobs_param="top_logprobs")
+        check_max_tokens(requested, explicit, len(ids), llm.max_model_len)
+        params = make_params(body, requested, self.top, logprobs_param="top_logprobs")
         stream = await self.submit([(None, ids, params)])
         if body.stream:
             return self.streaming_response(stream)

@@ -51,7 +51,7 @@ class ModelRunner:
         # The CPU backend stores it head-major within a block (a view of [..., kv_heads,
         # block_size, head_dim]): one head's keys of a block are then 2 KB in a row, which the
         # CPU prefetches well; its kernels read strides. The others want it contiguous.
-        head_major = getattr(model.attention, "head_major_cache", False)
+        head_major = model.attention.head_major_cache
         self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major)
         # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
         self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
@@ -74,12 +74,8 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before the step."""
-        backend_copy = getattr(self.model.attention, "copy_blocks", None)   # a kernel, on GPU backends
-        if copies and backend_copy is not None:
-            backend_copy(self.kv_cache, copies)
-        elif copies:
-            src, dst = zip(*copies)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+        if copies:
+            self.model.attention.copy_blocks(self.kv_cache, copies)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -1,0 +1,77 @@
+"""ModelOps on the CPU: the compiled kernels of kernels/cpu.py.
+
+Each call goes to the active kernel variant (avx512bf16, avx512, avx2 or scalar, chosen
+at run time; `cpu.use_variant` switches it for every call after). Where a kernel does
+not apply to a call (a dtype without a kernel, strides it does not take, no compiler to
+build the kernels) the torch reference (TorchOps) runs instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.cpu_backend import CpuAttention
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kernels import cpu
+from pagedserve.models.ops import TorchOps
+
+
+class CpuOps(TorchOps):
+    @property
+    def bf16_is_fast(self) -> bool:
+        return cpu.auto_keeps_bf16()
+
+    def describe(self) -> str:
+        return (f"CPU kernels: {cpu.variant() or 'none (torch fallbacks)'} "
+                f"(CPU supports {', '.join(cpu.supported_variants())})")
+
+    def prepare_weights(self, model) -> None:
+        """Every matmul weight packed once into the tiles of our GEMMs (see cpu.pack_weight). A
+        tied LM head gets its own packed copy; the embedding table stays plain for lookups.
+        With the CPU attention backend, the whole layer loop then runs as one compiled call."""
+        for w in model.layers:
+            w.qkv, w.o, w.gate_up, w.down = (cpu.pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+        model.lm_head = cpu.pack_weight(model.lm_head)
+        if isinstance(model.attention, CpuAttention) and cpu.DecoderLayers.supports(model):
+            model.compiled_layers = CpuDecoderLayers(model)
+
+    linear = staticmethod(cpu.linear)     # plain or packed weights (prepare_weights packs them)
+    argmax = staticmethod(cpu.argmax_rows)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and (normed := cpu.add_rms_norm(x, None, weight, eps)) is not None:
+            return normed
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One fused kernel that updates x in place."""
+        normed = cpu.add_rms_norm(x, y, weight, eps)
+        if normed is not None:
+            return x, normed
+        x = x + y
+        return x, self.rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = cpu.silu_and_mul(gate_up)
+        return out if out is not None else super().silu_and_mul(gate_up)
+
+    def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE in place in qkv (one kernel)."""
+        num_tokens, heads = qkv.shape[0], num_heads + num_kv_heads
+        if not cpu.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim)):
+            return super().rotate_queries_and_keys(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
+        qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
+        return qk[:, :num_heads], qk[:, num_heads:]
+
+
+class CpuDecoderLayers:
+    """The compiled layer loop (cpu.DecoderLayers) fed the CPU attention backend's query rows."""
+
+    def __init__(self, model) -> None:
+        self.layers = cpu.DecoderLayers(model)
+        self.attention: CpuAttention = model.attention
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return self.layers.forward(x, h, cos, sin, kv_caches, meta.slot_mapping, self.attention.kernel_rows(meta))

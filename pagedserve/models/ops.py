@@ -1,0 +1,92 @@
+"""The tensor operations a model runs, behind one object chosen once at load.
+
+`ModelOps` is what models call for their dense math (linear layers, RMSNorm, RoPE,
+SiLU-and-mul) and what the sampler calls for argmax. `TorchOps` is the device-agnostic
+reference in plain torch; the CPU implementation (kernels/cpu_ops.py) calls the compiled
+kernels. The worker picks one per device (worker/worker.py `make_ops`), so the model
+itself never asks which device or kernels it runs on.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.models.layers import apply_rope
+
+if TYPE_CHECKING:
+    from pagedserve.attention.metadata import AttentionMetadata
+
+
+class CompiledLayers(Protocol):
+    """Every decoder layer of a model as one call (an ops implementation may offer it)."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """x (residual), h (first layer's normalised input) [T, H] updated in place to the final
+        residual and normalised hidden state; cos, sin [T, D]. False (nothing done) where it
+        does not apply."""
+
+
+class ModelOps(Protocol):
+    bf16_is_fast: bool          # dtype "auto" may keep a bf16 checkpoint in bf16
+
+    def describe(self) -> str:
+        """What the load log says about these ops (empty for plain torch)."""
+
+    def prepare_weights(self, model) -> None:
+        """Once, after the model moved to its device: repack weights for `linear`, and set
+        `model.compiled_layers` where the whole layer loop runs as one call."""
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x plus a layer's output y, and its normalisation: (x + y, norm)."""
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] of a fused qkv projection [T, (Hq + 2 Hkv) D], RoPE applied."""
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """The index of each row's first maximum (a NaN counts as the maximum), as x.max(-1).indices."""
+
+
+class TorchOps:
+    """Plain torch, on any device: the reference the kernels are tested against."""
+    bf16_is_fast = True
+
+    def describe(self) -> str:
+        return ""
+
+    linear = staticmethod(F.linear)       # called directly: no wrapper frame per matmul
+
+    def prepare_weights(self, model) -> None:
+        pass
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32, cast back, then scale: the reference implementation's order.
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + y
+        return x, self.rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(qkv.shape[0], num_heads + num_kv_heads, head_dim)
+        qk = apply_rope(qk, cos, sin)
+        return qk[:, :num_heads], qk[:, num_heads:]
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.max(dim=-1).indices

@@ -1,0 +1,74 @@
+"""Setting up the worker, which owns the device: the model's ops and attention backend,
+the model loaded onto the device, the KV cache sized to the memory there, and the
+ModelRunner that runs steps. The engine gets back what it needs to plan: the number of
+device and host blocks and the model's shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.attention.selector import make_attention_backend
+from pagedserve.config import EngineConfig
+from pagedserve.models.llama import ModelArgs
+from pagedserve.models.loader import load_model
+from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.sampling.sampler import Sampler
+from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
+from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+
+def make_ops(device: torch.device) -> ModelOps:
+    """The CPU kernels on the CPU (each call falls back to torch where its kernel does not
+    apply), plain torch elsewhere."""
+    if device.type == "cpu":
+        from pagedserve.kernels.cpu_ops import CpuOps
+        return CpuOps()
+    return TorchOps()
+
+
+def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+                  free_before_load: int | None) -> tuple[int, int]:
+    """(device blocks, host swap-space blocks) for the KV cache: kv_cache_memory (or, on a
+    GPU, gpu_memory_utilization of what was free) and swap_space, in blocks of this model."""
+    block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim,
+                                           dtype)
+    kv_memory = config.kv_cache_memory or \
+        default_kv_cache_memory(device, free_before_load, config.gpu_memory_utilization)
+    num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
+                         f"{config.block_size} tokens takes {block_bytes} bytes")
+    num_host_blocks = 0
+    if config.preemption_mode == "swap":
+        num_host_blocks = config.num_host_blocks_override or config.swap_space // block_bytes
+        if num_host_blocks < 1:
+            raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
+                             f"block of {block_bytes} bytes; got {config.swap_space}")
+    return num_blocks, num_host_blocks
+
+
+@dataclass
+class Worker:
+    runner: ModelRunner
+    device: torch.device
+    model_args: ModelArgs
+    dtype: torch.dtype
+    num_blocks: int
+    num_host_blocks: int
+
+    @classmethod
+    def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> "Worker":
+        """Load the model onto the configured device, size its KV cache and build the runner."""
+        device = resolve_device(config.device)
+        attention = make_attention_backend(config.attention_backend, device)
+        ops = make_ops(device)
+        model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops)
+        free_before_load = free_device_memory(device)
+        model.to(device)
+        model.pack_linear_weights()
+        num_blocks, num_host_blocks = num_kv_blocks(config, args, dtype, device, free_before_load)
+        # Sampling runs on host tensors: its argmax takes the host's ops.
+        sampler = Sampler(eos_token_ids, config.seed, make_ops(torch.device("cpu")))
+        runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
+        return cls(runner, device, args, dtype, num_blocks, num_host_blocks)

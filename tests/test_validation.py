@@ -1,0 +1,65 @@
+"""One validation path: every refusal of a request is an InvalidRequestError naming the
+OpenAI parameter at fault (None: the prompt as a whole), raised before anything is allocated."""
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import BeamSearchParams
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(n=2, best_of=1), "best_of"), (dict(top_k=-5), "top_k"), (dict(min_p=2.0), "min_p"),
+    (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(frequency_penalty=3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(stop=[""]), "stop"), (dict(logit_bias={1: 500}), "logit_bias"), (dict(seed="x"), "seed"),
+    (dict(n=1, best_of=2, temperature=0), "best_of"),
+])
+def test_sampling_params_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(param)
+
+
+@pytest.mark.parametrize("kwargs,param", [(dict(beam_width=0), "beam_width"), (dict(beam_width=2, max_tokens=0),
+                                          "max_tokens"), (dict(beam_width=2, length_penalty=1e9), "length_penalty")])
+def test_beam_search_params_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        BeamSearchParams(**kwargs)
+    assert e.value.param == param
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=16, block_size=4, max_model_len=64,
+               max_num_seqs=2)
+
+
+@pytest.mark.parametrize("prompt,params,param,code,words", [
+    ([5] * 64, SamplingParams(), "prompt", "context_length_exceeded", ["64 tokens"]),
+    ([], SamplingParams(), "prompt", None, ["empty"]),
+    ([1, 10**6], SamplingParams(), "prompt", None, ["vocabulary"]),
+    ([1, 2], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids", None, ["vocabulary"]),
+    ([1, 2], SamplingParams(logit_bias={10**6: 1}), "logit_bias", None, ["vocabulary"]),
+    ([1, 2], SamplingParams(n=3, temperature=1), "n", None, ["max_num_seqs=2"]),
+    ([1, 2], SamplingParams(n=1, best_of=3, temperature=1), "best_of", None, ["max_num_seqs=2"]),
+    ([1, 2], BeamSearchParams(beam_width=3), "n", None, ["max_num_seqs=2"]),
+    ([1] * 20, SamplingParams(n=2, temperature=1, max_tokens=40), None, None, ["never fit", "has 16"]),
+    ([1] * 60, SamplingParams(max_tokens=None, min_tokens=10), "min_tokens", None, ["max_tokens (4)"]),
+])
+def test_the_engine_refuses_with_the_parameter_named(llm, prompt, params, param, code, words):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    assert (e.value.param, e.value.code) == (param, code)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not llm.engine.has_unfinished_requests() and llm.kv_cache_stats()["num_used_blocks"] == 0
+
+
+def test_max_tokens_is_resolved_in_one_place(llm):
+    """None means up to the context, for sampling and beam search alike; a larger number is cut."""
+    for params in (SamplingParams(max_tokens=None), SamplingParams(max_tokens=1000),
+                   BeamSearchParams(beam_width=1, max_tokens=None)):
+        req = llm.engine.add_request(None, {"prompt_token_ids": [1] * 10}, params)
+        assert req.max_tokens == 64 - 10
+        llm.engine.abort_request(req.request_id)
