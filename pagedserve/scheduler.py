@@ -129,7 +129,7 @@ class StepUpdate:
     """What one step did to the requests, for the engine's outputs."""
     progressed: list[Request] = field(default_factory=list)   # got tokens this step, in order
     finished: set[str] = field(default_factory=set)            # ids of those now finished and removed
-    failed: dict[str, tuple[Request, Exception]] = field(default_factory=dict)   # dropped, blocks freed
+    failed: dict[str, Exception] = field(default_factory=dict)   # ids of requests dropped (blocks freed)
 
 
 Plan = list[tuple[Sequence, int]]
@@ -482,7 +482,7 @@ class Scheduler:
         touched: dict[str, Request] = {}
         beams: dict[str, tuple[list[Sequence], list[int]]] = {}
         sample = result.sample
-        assert len(result.sampled_seq_ids) == len(out.sampled), "the worker sampled other sequences"
+        assert result.sampled_seq_ids == [s.seq.seq_id for s in out.sampled], "the worker sampled other sequences"
         for row, s in enumerate(out.sampled):
             req = s.request
             touched[req.request_id] = req
@@ -505,7 +505,8 @@ class Scheduler:
             if not req.live_seqs:
                 self.finish_request(req)
                 update.finished.add(rid)
-        for req, _ in update.failed.values():
+        for rid in update.failed:
+            req = touched[rid]
             for seq in req.live_seqs:
                 seq.finish_reason = "abort"
             if not req.finished:
@@ -520,7 +521,7 @@ class Scheduler:
         try:
             fn(*args)
         except Exception as e:   # noqa: BLE001 - the caller fails this request only
-            update.failed[req.request_id] = (req, e)
+            update.failed[req.request_id] = e
 
     def _length_done(self, req: Request, seq: Sequence) -> bool:
         return seq.num_output_tokens >= req.max_tokens or \

@@ -245,7 +245,7 @@ class LLMEngine:
         update = self.scheduler.update_from_output(sched, result)
 
         # Building one request's output may raise too: that fails this request alone.
-        failed = {rid: e for rid, (_, e) in update.failed.items()}
+        failed = dict(update.failed)
         outputs: list[RequestOutput] = []
         for req in update.progressed:
             try:
