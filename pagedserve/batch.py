@@ -9,10 +9,6 @@ decode step of 64 sequences pickles to a few kilobytes; tests/test_batch.py chec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagedserve.sampling.sampler import SamplerOutput
 
 
 @dataclass(frozen=True)
@@ -97,7 +93,21 @@ class PromptTokenLogprob:
 
 
 @dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None           # of each sampled token
+    top_ids: list[list[int]] | None        # per row, the top num_logprobs token ids ...
+    top_logprobs: list[list[float]] | None  # ... and their logprobs
+    ranks: list[int] | None                # rank of each sampled token (1 = most likely)
+
+
+@dataclass
 class RunnerOutput:
     sampled_seq_ids: list[int]             # the sequences that sampled, in the sampler's row order
     sample: SamplerOutput | None
-    prompt_logprobs: dict[int, list[PromptTokenLogprob]]   # seq_id -> per scored position
+    prompt_logprobs: dict[int, list[PromptTokenLogprob]] = field(default_factory=dict)   # seq_id -> per position
+
+    @classmethod
+    def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":
+        """These tokens sampled, no logprobs: for simulations that run no model."""
+        return cls(seq_ids, SamplerOutput(token_ids, None, None, None, None) if seq_ids else None)

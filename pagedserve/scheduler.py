@@ -58,8 +58,8 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplingSettings,
-                              ScheduledTokens, StepBatch)
+from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplerOutput,
+                              SamplingSettings, ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.kv_cache_manager import cdiv
@@ -67,7 +67,6 @@ from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.outputs import Logprob
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import select_candidates
-from pagedserve.sampling.sampler import SamplerOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -29,11 +29,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.batch import RunnerOutput
+from pagedserve.batch import RunnerOutput, SamplerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.request import Request, RequestStatus, Sequence
-from pagedserve.sampling.sampler import SamplerOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from tests.conftest import examples

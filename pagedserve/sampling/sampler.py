@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.batch import SamplingSettings
+from pagedserve.batch import SamplerOutput, SamplingSettings
 from pagedserve.kernels.cpu import argmax_rows
 
 
@@ -31,15 +31,6 @@ class SamplingRow:
     @property
     def needs_logprob(self) -> bool:        # the sampled token's logprob is wanted
         return self.params.needs_logprob
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None           # of each sampled token
-    top_ids: list[list[int]] | None        # per row, the top num_logprobs token ids ...
-    top_logprobs: list[list[float]] | None  # ... and their logprobs
-    ranks: list[int] | None                # rank of each sampled token (1 = most likely)
 
 
 class Sampler:
