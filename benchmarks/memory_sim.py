@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.batch import RunnerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.request import Request, Sequence
@@ -54,17 +55,9 @@ def simulate_saturation(allocator: str, lengths: list[tuple[int, int]], block_si
         out = sched.schedule()
         if out.empty:
             raise RuntimeError("the scheduler made no progress")
-        finished = []
-        for s in out.scheduled:   # what the engine does once the model has run
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                s.seq.token_ids.append(0)
-                if s.seq.num_output_tokens >= s.request.max_tokens:
-                    s.seq.finish_reason = "length"
-                    finished.append(s.request)
         batch = len(sched.running)
-        for req in finished:
-            sched.finish_request(req)
+        ids = [s.seq.seq_id for s in out.sampled]   # a "model" that samples token 0
+        sched.update_from_output(out, RunnerOutput.of_tokens(ids, [0] * len(ids)))
         steps += 1
         if sched.waiting:
             saturated += 1

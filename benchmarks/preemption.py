@@ -46,8 +46,8 @@ def best_of(fn, repeats: int) -> float:
 
 def micro(args) -> list[dict]:
     from pagedserve import LLM, SamplingParams
+    from pagedserve.batch import StepBatch
     from pagedserve.kv.kv_cache_manager import cdiv
-    from pagedserve.scheduler import SchedulerOutput
     rows = []
     tokens = list(range(100, 100 + args.context))
     for B in args.block_sizes:
@@ -62,11 +62,11 @@ def micro(args) -> list[dict]:
             n_blocks = kv.num_held_blocks(1)
             mapping = kv.swap.swap_out([1])                  # what the scheduler emits ...
             start = time.perf_counter()
-            runner.move_blocks(SchedulerOutput(swap_out=mapping))   # ... and the worker runs
+            runner.move_blocks(StepBatch(swap_out=mapping))   # ... and the worker runs
             outs.append(time.perf_counter() - start)
             mapping = kv.swap.swap_in([1])
             start = time.perf_counter()
-            runner.move_blocks(SchedulerOutput(swap_in=mapping))
+            runner.move_blocks(StepBatch(swap_in=mapping))
             ins.append(time.perf_counter() - start)
             kv.free(1)
             recomputes.append(best_of(lambda: llm.generate({"prompt_token_ids": tokens}, one, use_tqdm=False), 1))

@@ -49,6 +49,7 @@ def check_paging_invariants(scheduler: "Scheduler", out: "SchedulerOutput | None
     kv.check_invariants(live, swapped)
     if out is not None:
         kv.check_step(_check_step(out), out.block_copies, out.swap_out, out.swap_in)
+        _check_batch(scheduler, out)
 
 
 def _check_queues(scheduler: "Scheduler", request_ids: Collection[str] | None) -> None:
@@ -91,3 +92,20 @@ def _check_step(out: "SchedulerOutput") -> list[StepWrite]:
         assert s.start + s.num_new_tokens <= s.seq.num_tokens, f"sequence {seq_id} computes tokens it lacks"
         writes.append(StepWrite(seq_id, s.start, s.num_new_tokens, s.block_ids))
     return writes
+
+
+def _check_batch(scheduler: "Scheduler", out: "SchedulerOutput") -> None:
+    """The worker's copy of the step (`out.batch`, plain data) says what the step does:
+    the same sequences, tokens, current block tables, sampling rows and block moves."""
+    batch = out.batch
+    by_id = {s.seq.seq_id: s for s in out.scheduled}
+    assert sorted(by_id) == sorted(t.seq_id for t in batch.seqs), "the batch names other sequences than the step"
+    for t in batch.seqs:
+        s = by_id[t.seq_id]
+        assert t.start == s.start and t.token_ids == s.seq.token_ids[s.start:s.start + s.num_new_tokens], (
+            f"sequence {t.seq_id}: the batch computes other tokens")
+        assert t.block_ids == scheduler.kv.block_ids(t.seq_id), f"sequence {t.seq_id}: stale block table in the batch"
+        assert (t.sample is not None) == s.samples, f"sequence {t.seq_id}: the batch samples where the step does not"
+    assert [s.seq.seq_id for s in out.sampled] == [t.seq_id for t in batch.seqs if t.sample is not None]
+    assert (batch.swap_out, batch.swap_in, batch.block_copies) == (out.swap_out, out.swap_in, out.block_copies), \
+        "the batch moves other blocks than the step"

@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from pagedserve.batch import SamplingSettings
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -36,7 +35,6 @@ class Sequence:
     logprobs: list[dict[int, Any]] | None = None
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     stop_reason: int | str | None = None     # the stop token id or stop string that fired
-    generator: torch.Generator | None = None
     detokenizer: Any = None                  # engine-side incremental detokenizer
 
     @property
@@ -81,6 +79,7 @@ class Request:
     last_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    sampling: SamplingSettings | None = None  # the sampler's view of params (set by the scheduler)
 
     @property
     def is_beam_search(self) -> bool:
@@ -113,9 +112,7 @@ class Request:
 
     def fork_seq(self, parent: Sequence, seq_id: int, index: int) -> Sequence:
         """A new sequence that continues from where `parent` is (its blocks are shared by
-        the KV cache manager). A seeded request gives each sequence its own generator,
-        seeded with seed + index, so every output is reproducible on its own."""
-        seed = getattr(self.params, "seed", None)
+        the KV cache manager)."""
         child = Sequence(
             seq_id=seq_id,
             index=index,
@@ -124,7 +121,6 @@ class Request:
             num_computed_tokens=parent.num_computed_tokens,
             cumulative_logprob=parent.cumulative_logprob,
             logprobs=None if parent.logprobs is None else list(parent.logprobs),
-            generator=None if seed is None else torch.Generator().manual_seed(seed + index),
             detokenizer=None if parent.detokenizer is None else parent.detokenizer.fork(),
         )
         self.seqs.append(child)

@@ -14,6 +14,12 @@ the prefix cache). By swap: its blocks are copied to host memory and it waits in
 waiting request is admitted. When swap space is short, preemption falls back to
 recompute.
 
+After the worker has run a step, `update_from_output` applies its result: computed
+counts advance, sampled tokens are appended, stop conditions are checked, beams are
+forked and pruned, and finished sequences and requests let go of their blocks. The
+scheduler is the one owner of a sequence's life; the engine only drives steps and builds
+outputs. What the worker receives is `SchedulerOutput.batch`, plain data (batch.py).
+
 Requests with several sequences (parallel sampling, beam search) advance in
 lock step: each sequence first catches up to one token short of its end, then
 all compute their last token in the same step, so they sample together.
@@ -48,15 +54,22 @@ runs (`test_the_oldest_request_advances_every_step`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplerOutput,
+                              SamplingSettings, ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.outputs import Logprob
 from pagedserve.request import Request, RequestStatus, Sequence
+from pagedserve.sampling.beam_search import select_candidates
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +97,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # What the worker gets (data only), and the scheduled sequences in its sampling order.
+    batch: StepBatch = field(default_factory=StepBatch)
+    sampled: list[ScheduledSeq] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -111,23 +127,49 @@ class SchedulerCounters:
         return (logical - self.physical_block_steps) / logical if logical else 0.0
 
 
+@dataclass
+class StepUpdate:
+    """What one step did to the requests, for the engine's outputs."""
+    progressed: list[Request] = field(default_factory=list)   # got tokens this step, in order
+    finished: set[str] = field(default_factory=set)            # ids of those now finished and removed
+    failed: dict[str, Exception] = field(default_factory=dict)   # ids of requests dropped (blocks freed)
+
+
 Plan = list[tuple[Sequence, int]]
+
+
+def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSettings:
+    """The sampler's view of a request's parameters. Beam search ranks candidates by the raw
+    logprobs (beam_width of them per beam); its sampled token itself is unused."""
+    if isinstance(params, BeamSearchParams):
+        return SamplingSettings(temperature=0.0, ignore_eos=True, num_logprobs=params.beam_width,
+                                needs_logprob=True)
+    p = params
+    return SamplingSettings(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+                            p.repetition_penalty, p.logit_bias or None, p.min_tokens, tuple(p.stop_token_ids or ()),
+                            p.ignore_eos, p.logprobs or 0, p.needs_logprobs)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
+                 decode_token: Callable[[int], str] | None = None) -> None:
+        """eos_token_ids: every EOS id of the model (tokenizer and generation config), for
+        sampling and beam search alike; decode_token: a token's text, for logprob entries."""
         self.config = config
         self.block_size = config.block_size
+        self.max_model_len = max_model_len or config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode_token = decode_token
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
-                                                 config.enable_prefix_caching,
-                                                 max_model_len or config.max_model_len, num_host_blocks)
+                                                 config.enable_prefix_caching, self.max_model_len, num_host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
         self.stats = SchedulerCounters()
         self._next_seq_id = 0
         self._warned_preemption = False
+        self._finished_seq_ids: list[int] = []   # for the next batch: the worker forgets them
 
     # ---- requests in and out ---------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -148,10 +190,12 @@ class Scheduler:
                 f"(--max-num-seqs on the server)", param)
         self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
                               req.max_seqs > 1 or req.is_beam_search)
+        req.sampling = sampling_settings(req.params)
         self.waiting.append(req)
 
     def free_seq(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
+        self._finished_seq_ids.append(seq.seq_id)
 
     def fork_seq(self, req: Request, parent: Sequence) -> Sequence:
         child = req.fork_seq(parent, self.new_seq_id(), index=len(req.seqs))
@@ -168,6 +212,7 @@ class Scheduler:
             self.swapped.remove(req)
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
+            self._finished_seq_ids.append(seq.seq_id)
         req.status = RequestStatus.FINISHED
 
     @property
@@ -188,6 +233,7 @@ class Scheduler:
         for req in head + rest:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
+            self._fork_if_ready(req)
             plan = self._plan(req, budget - reserve if req in head else budget)
             if not plan:
                 continue
@@ -208,6 +254,8 @@ class Scheduler:
             if num_seqs + req.max_seqs > self.config.max_num_seqs or not self._swap_in(req, out):
                 break
             num_seqs += req.max_seqs
+            if budget > 0:
+                self._fork_if_ready(req)
             plan = self._plan(req, budget) if budget > 0 else []
             copies = self._allocate(plan) if plan else None
             if copies is not None:
@@ -230,7 +278,44 @@ class Scheduler:
             num_seqs += req.max_seqs
             budget -= self._add(out, req, plan, copies)
         self._record_usage()
+        self._make_batch(out)
         return out
+
+    def _make_batch(self, out: SchedulerOutput) -> None:
+        """The worker's copy of the step: data only, decodes first (attention batches them)."""
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        seqs = []
+        for s in order:
+            seq = s.seq
+            seqs.append(ScheduledTokens(
+                seq.seq_id, seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_ids,
+                self._sample_row(s.request, seq) if s.samples else None,
+                self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None))
+        out.sampled = [s for s in order if s.samples]
+        out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
+        self._finished_seq_ids = []
+
+    @staticmethod
+    def _sample_row(req: Request, seq: Sequence) -> SampleRow:
+        """A seeded request gives each sequence its own seed, seed + its index, so every
+        output is reproducible on its own."""
+        settings = req.sampling
+        seed = getattr(req.params, "seed", None)
+        return SampleRow(settings, None if seed is None else seed + seq.index, seq.num_output_tokens,
+                         seq.output_token_ids if settings.has_penalties else None,
+                         req.prompt_token_ids if settings.repetition_penalty != 1.0 else None)
+
+    @staticmethod
+    def _prompt_logprobs_range(s: ScheduledSeq) -> PromptLogprobsRange | None:
+        """Prompt positions this chunk scores: those not yet recorded, up to the prompt's
+        second-to-last (the last one's next token is generated, not part of the prompt)."""
+        req, seq = s.request, s.seq
+        n_prompt = seq.num_prompt_tokens
+        if seq is not req.seqs[0] or s.start >= n_prompt - 1 or len(req.prompt_logprobs) != s.start + 1:
+            return None
+        end = min(s.start + s.num_new_tokens, n_prompt - 1)
+        k = getattr(req.params, "prompt_logprobs", None) or 0
+        return PromptLogprobsRange(k, seq.token_ids[s.start + 1:end + 1])
 
     def _record_usage(self) -> None:
         self.stats.logical_block_steps += self.kv.num_logical_blocks
@@ -245,15 +330,13 @@ class Scheduler:
         return all(s.num_computed_tokens >= s.num_tokens - 1 for s in req.live_seqs)
 
     def _plan(self, req: Request, budget: int) -> Plan:
-        """How many tokens each live sequence of the request computes this step."""
+        """How many tokens each live sequence of the request computes this step (changes nothing)."""
         live = req.live_seqs
         if req.leader_only:
             leader = live[0]
             short = leader.num_prompt_tokens - 1 - leader.num_computed_tokens
-            if short > 0:
-                return [(leader, min(short, budget))]
-            self._attach_followers(req, leader)
-            live = req.live_seqs
+            assert short > 0, "_fork_if_ready attaches the followers first"
+            return [(leader, min(short, budget))]
         if len(live) == 1:
             seq = live[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -268,9 +351,14 @@ class Scheduler:
             return plan
         return [(seq, 1) for seq in live]   # all sample together
 
-    def _attach_followers(self, req: Request, leader: Sequence) -> None:
-        """The leader has computed all but the last prompt token: the other sequences
-        share its blocks from here (parallel sampling forks them now)."""
+    def _fork_if_ready(self, req: Request) -> None:
+        """Once a leader-only group's leader has computed all but the last prompt token, the
+        other sequences share its blocks from here (parallel sampling forks them now)."""
+        if not req.leader_only:
+            return
+        leader = req.live_seqs[0]
+        if leader.num_computed_tokens < leader.num_prompt_tokens - 1:
+            return
         if req.pending_fork:
             for _ in range(1, req.params.best_of):
                 self.fork_seq(req, leader)
@@ -294,7 +382,8 @@ class Scheduler:
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens, req.cache_salt,
                                                     use_prefix_cache=not req.wants_prompt_logprobs)
-        plan = self._plan(req, budget)   # may fork or rejoin the group's followers
+        self._fork_if_ready(req)   # prefix hits may have brought the leader that far
+        plan = self._plan(req, budget)
         copies = self._allocate(plan) if plan else None
         if copies is None:
             self._release_blocks(req)
@@ -360,6 +449,149 @@ class Scheduler:
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         return True
+
+    # ---- after the step ----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> StepUpdate:
+        """Apply a step's result: computed counts advance, prompt logprobs are recorded, each
+        sampled token is appended and checked against the stop conditions, beams are forked
+        and pruned; finished sequences and requests free their blocks. Each request's part
+        runs on its own: one that raises is dropped (its blocks freed) and reported in
+        `failed`, the others' tokens are kept."""
+        now = time.monotonic()
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(out, result.prompt_logprobs)
+
+        update = StepUpdate()
+        touched: dict[str, Request] = {}
+        beams: dict[str, tuple[list[Sequence], list[int]]] = {}
+        sample = result.sample
+        assert result.sampled_seq_ids == [s.seq.seq_id for s in out.sampled], "the worker sampled other sequences"
+        for row, s in enumerate(out.sampled):
+            req = s.request
+            touched[req.request_id] = req
+            if req.is_beam_search:
+                group = beams.setdefault(req.request_id, ([], []))
+                group[0].append(s.seq)
+                group[1].append(row)
+            else:
+                self._isolated(update, req, self._append_token, req, s.seq, sample, row)
+        for rid, (seqs, rows) in beams.items():
+            self._isolated(update, touched[rid], self._beam_step, touched[rid], seqs, sample, rows)
+
+        now = time.monotonic()
+        for rid, req in touched.items():
+            if rid in update.failed:
+                continue
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            update.progressed.append(req)
+            if not req.live_seqs:
+                self.finish_request(req)
+                update.finished.add(rid)
+        for rid in update.failed:
+            req = touched[rid]
+            for seq in req.live_seqs:
+                seq.finish_reason = "abort"
+            if not req.finished:
+                self.finish_request(req)
+        return update
+
+    @staticmethod
+    def _isolated(update: StepUpdate, req: Request, fn, *args) -> None:
+        """fn(*args) for one request's part of the step; an exception marks the request failed."""
+        if req.request_id in update.failed:
+            return
+        try:
+            fn(*args)
+        except Exception as e:   # noqa: BLE001 - the caller fails this request only
+            update.failed[req.request_id] = e
+
+    def _length_done(self, req: Request, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= req.max_tokens or \
+            (self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
+
+    def _append_token(self, req: Request, seq: Sequence, sample: SamplerOutput, row: int) -> None:
+        p: SamplingParams = req.params
+        token = sample.token_ids[row]
+        seq.token_ids.append(token)
+        if sample.logprobs is not None:
+            seq.cumulative_logprob += sample.logprobs[row]
+        if seq.logprobs is not None:
+            # logprobs=0 asks for the sampled token's logprob only: no top-k lists come back.
+            top_ids = sample.top_ids[row] if sample.top_ids is not None else []
+            top_lps = sample.top_logprobs[row] if sample.top_logprobs is not None else []
+            seq.logprobs.append(self._position_logprobs(token, sample.logprobs[row], sample.ranks[row],
+                                                        top_ids, top_lps))
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= p.min_tokens
+        stop_str = None if seq.detokenizer is None else seq.detokenizer.add_token(token, check_stop=may_stop)
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif may_stop and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif self._length_done(req, seq):
+            seq.finish_reason = "length"
+        if seq.finished:
+            self.free_seq(seq)
+
+    def _beam_step(self, req: Request, beams: list[Sequence], sample: SamplerOutput, rows: list[int]) -> None:
+        """Replace the live beams by the best extensions: forking a beam shares its blocks,
+        pruning one releases them. A candidate ending in any EOS id (unless ignore_eos)
+        becomes a finished hypothesis, which holds no blocks."""
+        p: BeamSearchParams = req.params
+        chosen = select_candidates([b.cumulative_logprob for b in beams],
+                                   [sample.top_ids[r] for r in rows], [sample.top_logprobs[r] for r in rows],
+                                   p.beam_width)
+        by_parent: dict[int, list] = {}
+        for c in chosen:
+            by_parent.setdefault(c.parent, []).append(c)
+        new_beams: list[tuple[Sequence, object]] = []
+        for b, parent in enumerate(beams):
+            cands = by_parent.get(b, [])
+            live = [c for c in cands if p.ignore_eos or c.token_id not in self.eos_token_ids]
+            for c in cands:
+                if c not in live:   # a finished hypothesis
+                    hyp = req.fork_seq(parent, self.new_seq_id(), index=len(req.seqs))
+                    hyp.token_ids.append(c.token_id)
+                    hyp.cumulative_logprob = c.cum_logprob
+                    hyp.finish_reason = "stop"
+            if not live:
+                req.seqs.remove(parent)        # pruned
+                self.free_seq(parent)
+                continue
+            new_beams += [(self.fork_seq(req, parent), c) for c in live[1:]]
+            new_beams.append((parent, live[0]))
+        for seq, c in new_beams:
+            seq.token_ids.append(c.token_id)
+            seq.cumulative_logprob = c.cum_logprob
+            if self._length_done(req, seq):
+                seq.finish_reason = "length"
+                self.free_seq(seq)
+
+    def _position_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_lps) -> dict[int, Logprob]:
+        decode = self.decode_token or (lambda t: None)
+        out = {token: Logprob(logprob, rank, decode(token))}
+        for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            if t not in out:
+                out[t] = Logprob(lp, r, decode(t))
+        return out
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, by_seq: dict[int, list[PromptTokenLogprob]]) -> None:
+        for s in out.scheduled:
+            scores = by_seq.get(s.seq.seq_id)
+            req = s.request
+            if scores is None or req.prompt_logprobs is None:
+                continue
+            for x in scores:
+                pos = len(req.prompt_logprobs)
+                req.prompt_logprobs.append(
+                    self._position_logprobs(req.prompt_token_ids[pos], x.logprob, x.rank, x.top_ids, x.top_logprobs))
 
     # ---- accounting ------------------------------------------------------------------------
     def describe(self, max_listed: int = 16) -> str:

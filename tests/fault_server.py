@@ -14,6 +14,7 @@ import sys
 import time
 
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.scheduler import Scheduler
 from pagedserve.worker.model_runner import ModelRunner
 
 REQUEST_FAULT = "FAULT-IN-ONE-REQUEST"
@@ -32,29 +33,40 @@ def _marked(req, marker: str) -> bool:
 
 
 def install(patch=None) -> None:
-    """Patch LLMEngine and ModelRunner; `patch(obj, name, value)` (pytest's monkeypatch.setattr)
-    undoes it after a test, setattr makes it for good."""
+    """Patch the Scheduler (which appends tokens), ModelRunner and LLMEngine; `patch(obj, name,
+    value)` (pytest's monkeypatch.setattr) undoes it after a test, setattr makes it for good.
+    The worker sees only seq ids, so the step faults find their requests by the sequences
+    the batch names."""
     patch = patch or setattr
-    append_token, execute, kv_cache_stats = LLMEngine._append_token, ModelRunner.execute, LLMEngine.kv_cache_stats
+    append_token, execute, kv_cache_stats = Scheduler._append_token, ModelRunner.execute, LLMEngine.kv_cache_stats
+    marked: dict[str, set[int]] = {}   # marker -> seq ids of marked requests in the latest schedule()
+    schedule = Scheduler.schedule
 
     def faulty_append_token(self, req, seq, sample, row):
         if _marked(req, REQUEST_FAULT) and seq.num_output_tokens >= 2:
             raise InjectedFault("injected fault in one request")
         return append_token(self, req, seq, sample, row)
 
-    def faulty_execute(self, sched):
-        if any(_marked(s.request, STEP_FAULT) for s in sched.scheduled):
+    def marking_schedule(self):
+        out = schedule(self)
+        for marker in (STEP_FAULT, SLOW_STEPS):
+            marked[marker] = {s.seq.seq_id for s in out.scheduled if _marked(s.request, marker)}
+        return out
+
+    def faulty_execute(self, batch):
+        if any(s.seq_id in marked[STEP_FAULT] for s in batch.seqs):
             raise InjectedFault("injected fault in a model step")
-        if any(_marked(s.request, SLOW_STEPS) for s in sched.scheduled):
+        if any(s.seq_id in marked[SLOW_STEPS] for s in batch.seqs):
             time.sleep(SLOW_STEP_SECONDS)
-        return execute(self, sched)
+        return execute(self, batch)
 
     def faulty_kv_cache_stats(self):
         if any(_marked(req, FATAL_FAULT) for req in self.requests.values()):
             raise InjectedFault("injected fault outside any request")
         return kv_cache_stats(self)
 
-    patch(LLMEngine, "_append_token", faulty_append_token)
+    patch(Scheduler, "_append_token", faulty_append_token)
+    patch(Scheduler, "schedule", marking_schedule)
     patch(ModelRunner, "execute", faulty_execute)
     patch(LLMEngine, "kv_cache_stats", faulty_kv_cache_stats)
 

@@ -9,7 +9,10 @@ scheduler has swap mode (Scheduler(..., num_host_blocks=...)), swaps to a tiny h
 pool in half the examples. A shadow of the KV memory records the token each
 slot holds: swaps and copy-on-write copies first, then each scheduled token's
 write, exactly as the worker does, after which every scheduled sequence must
-read back its own tokens through its block table. `check_paging_invariants`
+read back its own tokens through its block table. The "model" then returns random
+tokens and, for beams, random ranked candidates, and the scheduler's own
+`update_from_output` appends them, stops sequences, forks and prunes beams (the
+engine's code path, not a copy of it). `check_paging_invariants`
 runs after `schedule()` (what the step writes) and after every rule; at the end
 every request is run to completion and no block may stay referenced.
 
@@ -26,6 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedserve.batch import RunnerOutput, SamplerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.request import Request, RequestStatus, Sequence
@@ -51,8 +55,7 @@ class PagingMachine(RuleBasedStateMachine):
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                               enable_prefix_caching=caching,
                               preemption_mode="swap" if num_host_blocks else "recompute")
-        self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks) if HAS_SWAP \
-            else Scheduler(config, num_blocks)
+        self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})
         self.host: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
         self.requests: dict[str, Request] = {}   # unfinished, as the engine keeps them
         self.done: list[Request] = []
@@ -110,23 +113,31 @@ class PagingMachine(RuleBasedStateMachine):
         self._run_on_shadow_memory(out)
 
         sampled: dict[str, list[Sequence]] = {}
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                sampled.setdefault(s.request.request_id, []).append(s.seq)
+        for s in out.sampled:
+            sampled.setdefault(s.request.request_id, []).append(s.seq)
         for rid, seqs in sampled.items():
             req = self.requests[rid]
             if len(req.live_seqs) > 1 or len(seqs) > 1:
                 # Sequences of one request advance in lock step: all sample together.
                 assert {s.seq_id for s in seqs} == {s.seq_id for s in req.live_seqs}, f"{rid} out of lock step"
-            if req.is_beam_search:
-                self._beam_step(req, seqs, rng)
-            else:
-                for seq in seqs:
-                    self._append(req, seq, EOS if rng.random() < 0.1 else rng.choice(VOCAB))
-            if not req.live_seqs:
-                sched.finish_request(req)
-                self._retire(req)
+        update = sched.update_from_output(out, self._model_output(out, rng))
+        assert not update.failed, update.failed
+        for rid in update.finished:
+            self._retire(self.requests[rid])
+
+    @staticmethod
+    def _model_output(out: SchedulerOutput, rng: random.Random) -> RunnerOutput:
+        """Random tokens (EOS one time in ten) and, per row, a random ranked top list of
+        distinct tokens, as many as a beam asks for (beams pick among them)."""
+        tokens, logprobs, top_ids, top_lps = [], [], [], []
+        for s in out.sampled:
+            tokens.append(EOS if rng.random() < 0.1 else rng.choice(VOCAB))
+            logprobs.append(-rng.random())
+            k = s.request.params.beam_width if s.request.is_beam_search else 1
+            top_ids.append(rng.sample(VOCAB + [EOS], k))
+            top_lps.append(sorted((-3 * rng.random() for _ in range(k)), reverse=True))
+        sample = SamplerOutput(tokens, logprobs, top_ids, top_lps, [1] * len(tokens)) if tokens else None
+        return RunnerOutput([s.seq.seq_id for s in out.sampled], sample, {})
 
     def _run_on_shadow_memory(self, out) -> None:
         """The worker's view: swaps, copies, then writes; then each sequence reads its tokens back."""
@@ -144,40 +155,6 @@ class PagingMachine(RuleBasedStateMachine):
             end = s.start + s.num_new_tokens
             seen = [self.content[s.block_ids[p // B]][p % B] for p in range(end)]
             assert seen == s.seq.token_ids[:end], f"sequence {s.seq.seq_id} reads wrong KV through its blocks"
-
-    def _append(self, req: Request, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
-        if token == EOS:
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= req.max_tokens:
-            seq.finish_reason = "length"
-        if seq.finished:
-            self.sched.free_seq(seq)
-
-    def _beam_step(self, req: Request, beams: list[Sequence], rng: random.Random) -> None:
-        """What the engine's beam step does to the paging state: each beam keeps some of the
-        beam_width candidates (forks for the extra ones), beams with none are pruned, and a
-        candidate ending in EOS becomes a finished hypothesis holding no blocks."""
-        sched = self.sched
-        chosen = [(rng.randrange(len(beams)), rng.random() < 0.15) for _ in range(req.params.beam_width)]
-        new_beams: list[Sequence] = []
-        for b, parent in enumerate(beams):
-            mine = [eos for p, eos in chosen if p == b]
-            for _ in range(sum(mine)):
-                hyp = req.fork_seq(parent, sched.new_seq_id(), index=len(req.seqs))
-                hyp.token_ids.append(EOS)
-                hyp.finish_reason = "stop"
-            live = len(mine) - sum(mine)
-            if not live:
-                req.seqs.remove(parent)
-                sched.free_seq(parent)
-                continue
-            new_beams += [sched.fork_seq(req, parent) for _ in range(live - 1)] + [parent]
-        for seq in new_beams:
-            seq.token_ids.append(rng.choice(VOCAB))
-            if seq.num_output_tokens >= req.max_tokens:
-                seq.finish_reason = "length"
-                sched.free_seq(seq)
 
     def _retire(self, req: Request) -> None:
         del self.requests[req.request_id]

@@ -75,6 +75,14 @@ def test_a_stale_block_table_in_the_step_is_caught():
         check_paging_invariants(sched, out)
 
 
+def test_a_stale_block_table_in_the_workers_batch_is_caught():
+    sched, req = scheduler_with_a_running_pair()
+    out = sched.schedule()
+    out.batch.seqs[0].block_ids = list(reversed(out.batch.seqs[0].block_ids))
+    with pytest.raises(AssertionError, match="stale block table in the batch"):
+        check_paging_invariants(sched, out)
+
+
 def test_a_swapped_out_request_holding_device_blocks_is_caught():
     sched, req = scheduler_with_a_running_pair()
     sched.running.remove(req)                      # "swapped out", but its device table kept

@@ -10,8 +10,7 @@ from pagedserve.attention.torch_backend import TorchAttention
 from pagedserve.kernels.cpu import PackedWeight
 from pagedserve.kernels.cpu_ops import CpuOps
 from pagedserve.models.loader import load_model
-from pagedserve.request import Request, Sequence
-from pagedserve.scheduler import ScheduledSeq
+from pagedserve.batch import ScheduledTokens
 from pagedserve.worker.model_runner import ModelRunner
 from tests.conftest import PROMPTS, VARIANTS, hf_greedy
 
@@ -25,13 +24,10 @@ def paged_logits(model, prompt: list[int], chunk: int, num_blocks: int = 64, blo
     blocks = list(range(num_blocks))
     random.Random(0).shuffle(blocks)
     table = blocks[: -(-len(prompt) // block)]
-    seq = Sequence(1, 0, list(prompt), len(prompt))
-    req = Request("r", None, prompt, SamplingParams(), 1)
     rows = []
     for start in range(0, len(prompt), chunk):
         n = min(chunk, len(prompt) - start)
-        seq.num_computed_tokens = start
-        ids, pos, meta = runner._prepare([ScheduledSeq.of(req, seq, n, table)])
+        ids, pos, meta = runner._prepare([ScheduledTokens(1, prompt[start:start + n], start, table)])
         hidden = model.forward(ids, pos, meta, runner.kv_cache)
         rows.append(model.compute_logits(hidden))
     return torch.cat(rows)

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import pytest
 
+from pagedserve.batch import RunnerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.request import Request, RequestStatus, Sequence
@@ -76,8 +77,8 @@ def check_progress(out: SchedulerOutput, head: Request | None, had_work: bool) -
 
 
 def fake_step(sched):
-    """What the engine does after the model runs: advance counts, append a token to each
-    sequence that sampled, finish requests that reached max_tokens. Checks progress too."""
+    """A step with a "model" that always samples token 1, applied by the scheduler's own
+    update_from_output (requests end at max_tokens). Checks progress too."""
     head, had_work = (sched.running[0] if sched.running else None), sched.num_unfinished > 0
     out = sched.schedule()
     check_paging_invariants(sched, out)
@@ -85,21 +86,8 @@ def fake_step(sched):
     if sched not in _workers:
         _workers[sched] = ShadowWorker(sched)
     _workers[sched].run(out)
-    sampled = []
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            s.seq.token_ids.append(1)
-            sampled.append(s)
-    done = set()
-    for s in sampled:
-        if s.seq.num_output_tokens >= s.request.max_tokens:
-            s.seq.finish_reason = "length"
-            sched.free_seq(s.seq)
-            if not s.request.live_seqs:
-                done.add(s.request)
-    for req in done:
-        sched.finish_request(req)
+    ids = [s.seq.seq_id for s in out.sampled]
+    assert not sched.update_from_output(out, RunnerOutput.of_tokens(ids, [1] * len(ids))).failed
     check_paging_invariants(sched)
     return out
 

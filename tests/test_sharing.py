@@ -149,6 +149,48 @@ def test_beam_search_with_frequent_eos_equals_the_textbook_definition(eos_heavy)
     assert_no_blocks_held(llm)
 
 
+def test_beam_search_stops_on_every_eos_id_of_the_generation_config(tiny_llama, tmp_path):
+    """A model whose generation config lists two EOS ids: beam search ends a hypothesis on
+    either, as sampling stops on either. The second id is a token the best beam generates
+    mid-way when only the tokenizer's EOS counts, so it would run through it."""
+    prompt = tiny_llama.tokenizer.encode(PROMPTS[5])
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    eos = tiny_llama.tokenizer.eos_token_id
+    best = make_llm(tiny_llama, block_size=4).beam_search([{"prompt_token_ids": prompt}], params)[0].sequences[0]
+    generated = best.tokens[len(prompt):]
+    second_eos = next(t for t in generated[2:-1] if t != eos)
+
+    path = tmp_path / "two_eos"
+    path.mkdir()
+    for f in Path(tiny_llama.path).iterdir():
+        if f.name != "generation_config.json":
+            (path / f.name).symlink_to(f)
+    (path / "generation_config.json").write_text(f'{{"eos_token_id": [{eos}, {second_eos}]}}')
+    llm = make_llm(type(tiny_llama)(str(path), tiny_llama.hf, tiny_llama.tokenizer, "two_eos"), block_size=4)
+
+    out = llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
+    ended = []
+    for s in out.sequences:
+        gen = s.tokens[len(prompt):]
+        assert not {eos, second_eos} & set(gen[:-1]), f"a hypothesis ran through an EOS id: {gen}"
+        if gen[-1] in (eos, second_eos):
+            ended.append(gen)
+            assert s.finish_reason == "stop"
+    assert any(g[-1] == second_eos for g in ended)
+    # The engine's own output for a beam request is those beams, best first.
+    req = llm.engine.add_request("beams", {"prompt_token_ids": prompt}, params)
+    finals = [o for _ in range(100) for o in llm.engine.step() if o.finished]
+    assert [c.token_ids for c in finals[0].outputs] == [s.tokens[len(prompt):] for s in out.sequences]
+    assert [c.cumulative_logprob for c in finals[0].outputs] == [s.cum_logprob for s in out.sequences]
+    assert req.finished
+    # Sampling stops on it too (made the likeliest token by a logit bias).
+    sampled = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12,
+                                                                          logit_bias={second_eos: 100.0}),
+                           use_tqdm=False)[0].outputs[0]
+    assert sampled.finish_reason == "stop" and sampled.token_ids == [second_eos]
+    assert_no_blocks_held(llm)
+
+
 def test_beams_share_blocks_and_pruned_beams_free_them(tiny_llama, prompts):
     llm = make_llm(tiny_llama, block_size=4, enable_prefix_caching=False)
     engine = llm.engine

@@ -22,7 +22,6 @@ returns (the server then answers 503 and exits non-zero).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -36,7 +35,7 @@ from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger)
 from pagedserve.models.loader import load_tokenizer
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -147,7 +146,6 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._progress: dict[str, _Progress] = {}
-        self._beam_requests: dict[str, Request] = {}
         self._step_failures = 0            # steps failed as a whole in a row
         self._thread: threading.Thread | None = None
         # Event-loop state.
@@ -392,8 +390,6 @@ class AsyncLLM:
             return
         for req in added:
             self._progress[req.request_id] = _Progress(len(req.prompt_token_ids))
-            if req.is_beam_search:
-                self._beam_requests[req.request_id] = req
         self._call_soon(self._resolve, done, None)
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -401,7 +397,6 @@ class AsyncLLM:
         iteration = IterationStats()
         for rid in request_ids:
             out = self.engine.abort_request(rid)
-            self._beam_requests.pop(rid, None)
             if out is not None:
                 outputs.append(out)
                 self._account(out, iteration)
@@ -432,7 +427,6 @@ class AsyncLLM:
         handed = []
         for out in outputs:
             try:
-                out = self._with_beams(out)
                 self._account(out, iteration)
             except Exception as e:   # noqa: BLE001 - fails this request only
                 self._fail_requests({out.request_id: e})
@@ -449,22 +443,8 @@ class AsyncLLM:
             if rid in self.engine.requests:
                 self.engine.abort_request(rid)
             self._progress.pop(rid, None)
-            self._beam_requests.pop(rid, None)
             self._call_soon(self._fail, [rid], EngineStepError(f"the engine failed while running this request: "
                                                                f"{error!r}"))
-
-    def _with_beams(self, out: RequestOutput) -> RequestOutput:
-        """A finished beam-search request's outputs are its best hypotheses, best first."""
-        req = self._beam_requests.get(out.request_id)
-        if req is None or not out.finished:
-            return out
-        del self._beam_requests[out.request_id]
-        n_prompt = len(req.prompt_token_ids)
-        beams = self.engine.beam_search_output(req).sequences
-        return dataclasses.replace(out, outputs=[
-            CompletionOutput(index=i, text=s.text, token_ids=s.tokens[n_prompt:], cumulative_logprob=s.cum_logprob,
-                             logprobs=None, finish_reason=s.finish_reason)
-            for i, s in enumerate(beams)])
 
     def _account(self, out: RequestOutput, it: IterationStats) -> None:
         """Fold one output into the step's stats. Generated tokens are counted over all the

@@ -1,8 +1,9 @@
 """LLMEngine: the synchronous step loop.
 
-add_request() tokenizes and validates; step() schedules one iteration, runs
-it, appends the sampled tokens, checks stop conditions, frees what finished
-and returns the outputs of every request that made progress.
+add_request() tokenizes and validates; step() drives one iteration: the scheduler
+plans it, the worker runs it (on plain data, `SchedulerOutput.batch`), the scheduler
+applies the result (`update_from_output`: tokens, stops, beams, freeing), and the
+engine returns the outputs of every request that made progress.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
-from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
+from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                 RequestMetrics, RequestOutput)
-from pagedserve.request import Request, RequestStatus, Sequence
-from pagedserve.sampling.beam_search import beam_score, select_candidates
+from pagedserve.request import Request, Sequence
+from pagedserve.sampling.beam_search import beam_score
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.worker.worker import Worker
@@ -68,7 +69,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, worker.model_args)
         self.vocab_size = worker.model_args.vocab_size
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
-        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.num_host_blocks)
+        self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -76,6 +77,10 @@ class LLMEngine:
         self._steps_without_progress = 0
 
     # ---- setup helpers -------------------------------------------------------------------
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
+                         self.eos_token_ids, self.tokenizer.convert_ids_to_tokens)
+
     @staticmethod
     def _resolve_max_model_len(requested: int | None, args) -> int:
         limit = args.max_position_embeddings
@@ -137,8 +142,6 @@ class LLMEngine:
             req.arrival_time = arrival_time
         seq = Sequence(self.scheduler.new_seq_id(), 0, list(ids), n_prompt)
         if isinstance(params, SamplingParams):
-            if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed)
             seq.detokenizer = IncrementalDetokenizer(
                 self._backend_tokenizer, ids, params.skip_special_tokens, params.stop_strings,
                 params.include_stop_str_in_output)
@@ -200,6 +203,8 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         """Finish a request that is already out of self.requests, freeing its blocks."""
+        if req.finished:
+            return
         for seq in req.live_seqs:
             seq.finish_reason = "abort"
         self.scheduler.finish_request(req)
@@ -210,8 +215,9 @@ class LLMEngine:
         be registered in the prefix cache with partial contents, so no block is kept."""
         dropped = list(self.requests)
         stats = self.scheduler.stats
-        self.scheduler = Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks)
+        self.scheduler = self._new_scheduler()
         self.scheduler.stats = stats
+        self.runner.forget_sequences()   # seq ids start afresh
         self.requests.clear()
         return dropped
 
@@ -224,41 +230,24 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
-            self.runner.move_blocks(sched)   # swaps move even in a step that runs nothing
+            self.runner.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
             self._watchdog()
             return []
         self._steps_without_progress = 0
-        now = time.monotonic()
-        result = self.runner.execute(sched)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-        self._record_prompt_logprobs(result.prompt_logprobs)
+        result = self.runner.execute(sched.batch)
+        update = self.scheduler.update_from_output(sched, result)
 
-        # From here on each request's part runs on its own: one that raises fails that request
-        # alone (RequestsFailed), the others' tokens are kept.
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        beam_rows: dict[str, list[int]] = {}
-        failed: dict[str, Exception] = {}
-        for i, s in enumerate(result.sampled):
-            req = s.request
-            touched[req.request_id] = req
-            if req.is_beam_search:
-                beam_rows.setdefault(req.request_id, []).append(i)
-            else:
-                self._isolated(failed, req, self._append_token, req, s.seq, result.sample, i)
-        for rid, rows in beam_rows.items():
-            self._isolated(failed, touched[rid], self._beam_step, touched[rid], [result.sampled[i].seq for i in rows],
-                           result.sample, rows)
-
+        # Building one request's output may raise too: that fails this request alone.
+        failed = dict(update.failed)
         outputs: list[RequestOutput] = []
-        for req in touched.values():
-            self._isolated(failed, req, self._finish_step, req, now, outputs)
-        for rid in failed:
-            if self.requests.pop(rid, None) is not None:
-                self._release(touched[rid])
+        for req in update.progressed:
+            try:
+                outputs.append(self._output(req, finished=req.request_id in update.finished))
+            except Exception as e:   # noqa: BLE001 - the caller fails this request only
+                failed[req.request_id] = e
+                self._release(req)
+        for rid in update.finished | failed.keys():
+            self.requests.pop(rid, None)
         if self.check_invariants:
             self.check_paging_invariants()
         if failed:
@@ -281,108 +270,11 @@ class LLMEngine:
         raise EngineStalledError(f"the engine made no progress in {limit} steps (a scheduler bug); failing "
                                  f"the {len(ids)} unfinished requests", ids)
 
-    @staticmethod
-    def _isolated(failed: dict[str, Exception], req: Request, fn, *args) -> None:
-        """fn(*args) for one request's part of the step; an exception marks the request failed."""
-        if req.request_id in failed:
-            return
-        try:
-            fn(*args)
-        except Exception as e:   # noqa: BLE001 - the caller fails this request only
-            failed[req.request_id] = e
-
-    def _finish_step(self, req: Request, now: float, outputs: list[RequestOutput]) -> None:
-        req.first_token_time = req.first_token_time or now
-        req.last_token_time = now
-        done = not req.live_seqs
-        output = self._output(req, finished=done)
-        if done:
-            self.scheduler.finish_request(req)
-            del self.requests[req.request_id]
-        outputs.append(output)
-
-    def _append_token(self, req: Request, seq: Sequence, sample, row: int) -> None:
-        p: SamplingParams = req.params
-        token = sample.token_ids[row]
-        seq.token_ids.append(token)
-        if sample.logprobs is not None:
-            seq.cumulative_logprob += sample.logprobs[row]
-        if seq.logprobs is not None:
-            # logprobs=0 asks for the sampled token's logprob only: no top-k lists come back.
-            top_ids = sample.top_ids[row] if sample.top_ids is not None else []
-            top_lps = sample.top_logprobs[row] if sample.top_logprobs is not None else []
-            seq.logprobs.append(self._position_logprobs(token, sample.logprobs[row], sample.ranks[row],
-                                                        top_ids, top_lps))
-        n_out = seq.num_output_tokens
-        may_stop = n_out >= p.min_tokens
-        stop_str = seq.detokenizer.add_token(token, check_stop=may_stop)
-        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif may_stop and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif n_out >= req.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finished:
-            self.scheduler.free_seq(seq)
-
-    def _beam_step(self, req: Request, beams: list[Sequence], sample, rows: list[int]) -> None:
-        """Replace the live beams by the best extensions: forking a beam shares its blocks,
-        pruning one releases them."""
-        p: BeamSearchParams = req.params
-        chosen = select_candidates([b.cumulative_logprob for b in beams],
-                                   [sample.top_ids[r] for r in rows], [sample.top_logprobs[r] for r in rows],
-                                   p.beam_width)
-        by_parent: dict[int, list] = {}
-        for c in chosen:
-            by_parent.setdefault(c.parent, []).append(c)
-        new_beams: list[tuple[Sequence, object]] = []
-        for b, parent in enumerate(beams):
-            cands = by_parent.get(b, [])
-            live = [c for c in cands if p.ignore_eos or c.token_id != self.eos_token_id]
-            for c in cands:
-                if c not in live:   # a finished hypothesis: needs no KV blocks
-                    hyp = req.fork_seq(parent, self.scheduler.new_seq_id(), index=len(req.seqs))
-                    hyp.token_ids.append(c.token_id)
-                    hyp.cumulative_logprob = c.cum_logprob
-                    hyp.finish_reason = "stop"
-            if not live:
-                req.seqs.remove(parent)        # pruned
-                self.scheduler.free_seq(parent)
-                continue
-            new_beams += [(self.scheduler.fork_seq(req, parent), c) for c in live[1:]]
-            new_beams.append((parent, live[0]))
-        for seq, c in new_beams:
-            seq.token_ids.append(c.token_id)
-            seq.cumulative_logprob = c.cum_logprob
-            if seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-                self.scheduler.free_seq(seq)
-
     # ---- outputs -------------------------------------------------------------------------
-    def _position_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_lps) -> dict:
-        decode = self.tokenizer.convert_ids_to_tokens
-        out = {token: Logprob(logprob, rank, decode(token))}
-        for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
-            if t not in out:
-                out[t] = Logprob(lp, r, decode(t))
-        return out
-
-    def _record_prompt_logprobs(self, by_seq: dict) -> None:
-        if not by_seq:
-            return
-        for req in self.requests.values():
-            if req.prompt_logprobs is None or req.seqs[0].seq_id not in by_seq:
-                continue
-            for top_ids, top_lps, lp, rank in by_seq[req.seqs[0].seq_id]:
-                pos = len(req.prompt_logprobs)
-                req.prompt_logprobs.append(
-                    self._position_logprobs(req.prompt_token_ids[pos], lp, rank, top_ids, top_lps))
-
     def _output(self, req: Request, finished: bool) -> RequestOutput:
         if req.is_beam_search:
-            outputs = []   # beam results come from beam_search_output() at the end
+            # Beam search has a result only at the end: its best hypotheses, best first.
+            outputs = self._beam_completions(req) if finished else []
         else:
             seqs = sorted(req.seqs, key=lambda s: s.index)
             if finished and req.params.best_of > req.params.n:
@@ -406,18 +298,25 @@ class LLMEngine:
         )
 
     def beam_search_output(self, req: Request) -> BeamSearchOutput:
+        """A finished beam-search request's best hypotheses, best first (vLLM's LLM.beam_search)."""
         p: BeamSearchParams = req.params
         hyps = [s for s in req.seqs if s.finished]
-        hyps.sort(key=lambda s: -beam_score(s.token_ids, s.cumulative_logprob, self.eos_token_id,
+        hyps.sort(key=lambda s: -beam_score(s.token_ids, s.cumulative_logprob, self.eos_token_ids,
                                             p.length_penalty))
         out = BeamSearchOutput()
         for s in hyps[:p.beam_width]:
             gen = s.output_token_ids
-            if gen and gen[-1] == self.eos_token_id and not p.ignore_eos:
+            if gen and gen[-1] in self.eos_token_ids and not p.ignore_eos:
                 gen = gen[:-1]
             text = self.tokenizer.decode(gen, skip_special_tokens=True)
             out.sequences.append(BeamSearchSequence(list(s.token_ids), s.cumulative_logprob, text, s.finish_reason))
         return out
+
+    def _beam_completions(self, req: Request) -> list[CompletionOutput]:
+        n_prompt = len(req.prompt_token_ids)
+        return [CompletionOutput(index=i, text=s.text, token_ids=s.tokens[n_prompt:], cumulative_logprob=s.cum_logprob,
+                                 logprobs=None, finish_reason=s.finish_reason)
+                for i, s in enumerate(self.beam_search_output(req).sequences)]
 
     # ---- introspection -------------------------------------------------------------------
     def kv_cache_stats(self) -> dict:

@@ -12,27 +12,25 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.batch import SamplerOutput, SamplingSettings
 from pagedserve.models.ops import ModelOps, TorchOps
-from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingRow:
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    params: SamplingSettings
+    num_output_tokens: int
+    output_token_ids: list[int] | None      # needed only with penalties
+    prompt_token_ids: list[int] | None      # needed only with a repetition penalty
     generator: torch.Generator | None
-    num_logprobs: int          # top-k logprobs wanted for this row (0: none)
-    needs_logprob: bool        # the sampled token's logprob is wanted
 
+    @property
+    def num_logprobs(self) -> int:          # top-k logprobs wanted for this row (0: none)
+        return self.params.num_logprobs
 
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None           # of each sampled token
-    top_ids: list[list[int]] | None        # per row, the top num_logprobs token ids ...
-    top_logprobs: list[list[float]] | None  # ... and their logprobs
-    ranks: list[int] | None                # rank of each sampled token (1 = most likely)
+    @property
+    def needs_logprob(self) -> bool:        # the sampled token's logprob is wanted
+        return self.params.needs_logprob
 
 
 class Sampler:
@@ -59,13 +57,12 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
-            if len(r.output_token_ids) < p.min_tokens:
-                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, banned] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        idx = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
-               or r.params.repetition_penalty != 1.0]
+        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not idx:
             return
         vocab = logits.shape[1]
@@ -106,7 +103,7 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _truncate(x: torch.Tensor, params: list[SamplingSettings]) -> torch.Tensor:
         """min_p, top_k and top_p: mask the tokens each row may not sample."""
         min_p = [p.min_p for p in params]
         if any(min_p):

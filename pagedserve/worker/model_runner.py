@@ -1,30 +1,20 @@
-"""The worker: owns the KV cache tensor, turns a SchedulerOutput into one flat batch,
-runs the model and samples.
+"""The worker: owns the KV cache tensor, turns a StepBatch into one flat batch, runs the
+model and samples.
 
-It knows nothing of scheduling policy: it is told which tokens of which
-sequences to compute, which blocks to copy first, and it reports the sampled
-tokens back.
+It knows nothing of scheduling policy or of requests: it receives plain data
+(pagedserve/batch.py) naming which tokens of which sequences to compute, which blocks
+to move first and how to sample, and it reports the sampled tokens back. The one thing
+it keeps between steps is each seeded sequence's random generator, keyed by seq id,
+created from the seed the first time the sequence samples and dropped when a batch lists
+the sequence as finished.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler import ScheduledSeq, SchedulerOutput
-
-# Beam search ranks candidates by the raw logprobs; the sampled token itself is unused.
-_BEAM_ROW_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
-
-
-@dataclass
-class RunnerOutput:
-    sampled: list[ScheduledSeq]                 # the sequences that got a token, in order
-    sample: SamplerOutput | None
-    prompt_logprobs: dict[int, list[tuple[list[int], list[float], float, int]]]  # seq_id -> per position
+from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch
+from pagedserve.sampling.sampler import Sampler, SamplingRow
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -56,6 +46,7 @@ class ModelRunner:
         # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
         self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
                                          pin_memory=torch.device(device).type == "cuda")
+        self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
 
     @staticmethod
     def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
@@ -65,12 +56,18 @@ class ModelRunner:
                             pin_memory=pin_memory)
         return cache.transpose(3, 4) if head_major else cache
 
-    def move_blocks(self, sched: SchedulerOutput) -> None:
+    def move_blocks(self, batch: StepBatch) -> None:
         """The step's memory operations, before its forward: swap out (those device blocks may
-        be reused in this very step), swap in, then copy-on-write."""
-        swap_blocks(self.kv_cache, self.host_cache, sched.swap_out)
-        swap_blocks(self.host_cache, self.kv_cache, sched.swap_in)
-        self.copy_blocks(sched.block_copies)
+        be reused in this very step), swap in, then copy-on-write. Also forgets finished sequences."""
+        for seq_id in batch.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        swap_blocks(self.kv_cache, self.host_cache, batch.swap_out)
+        swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
+        self.copy_blocks(batch.block_copies)
+
+    def forget_sequences(self) -> None:
+        """Drop every sequence's state (after the engine dropped all requests)."""
+        self.generators.clear()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before the step."""
@@ -78,23 +75,22 @@ class ModelRunner:
             self.model.attention.copy_blocks(self.kv_cache, copies)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self.move_blocks(sched)
-        # Decodes (one new token) first, so attention can batch them.
-        batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta = self._prepare(batch)
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        self.move_blocks(batch)
+        seqs = batch.seqs      # decodes first, so attention can batch them
+        input_ids, positions, meta = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
 
-        last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
-        sampled = [s for s in batch if s.samples]
+        last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None]
+        sampled = [s for s in seqs if s.sample is not None]
         sample = None
         if sampled:
             logits = self.model.compute_logits(hidden[last]).cpu()
-            sample = self.sampler(logits, [self._sampling_row(s) for s in sampled])
-        prompt_lps = self._prompt_logprobs(batch, hidden, meta)
-        return RunnerOutput(sampled, sample, prompt_lps)
+            sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled])
+        prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
+        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps)
 
-    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, batch: list[ScheduledTokens]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         B = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -103,13 +99,14 @@ class ModelRunner:
         seq_lens = []
         tables = []
         for s in batch:
-            start, end = s.start, s.start + s.num_new_tokens
+            n = len(s.token_ids)
+            start, end = s.start, s.start + n
             table = s.block_ids
-            ids.extend(s.seq.token_ids[start:end])
+            ids.extend(s.token_ids)
             rng = range(start, end)
             pos.extend(rng)
             slots.extend(table[p // B] * B + p % B for p in rng)
-            qsl.append(qsl[-1] + s.num_new_tokens)
+            qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             tables.append(table)
         width = max(len(t) for t in tables)
@@ -120,41 +117,37 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             block_tables=block_tables,
-            num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
+            num_decodes=sum(1 for s in batch if len(s.token_ids) == 1),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             max_seq_len=max(seq_lens),
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
 
-    @staticmethod
-    def _sampling_row(s: ScheduledSeq) -> SamplingRow:
-        req, seq = s.request, s.seq
-        if req.is_beam_search:
-            return SamplingRow(_BEAM_ROW_PARAMS, req.prompt_token_ids, seq.output_token_ids, None,
-                               num_logprobs=req.params.beam_width, needs_logprob=True)
-        p = req.params
-        return SamplingRow(p, req.prompt_token_ids, seq.output_token_ids, seq.generator,
-                           num_logprobs=p.logprobs or 0, needs_logprob=p.needs_logprobs)
+    def _sampling_row(self, seq_id: int, row: SampleRow) -> SamplingRow:
+        generator = None
+        if row.seed is not None and not row.settings.greedy:
+            generator = self.generators.get(seq_id)
+            if generator is None:
+                generator = self.generators[seq_id] = torch.Generator().manual_seed(row.seed)
+        return SamplingRow(row.settings, row.num_output_tokens, row.output_token_ids, row.prompt_token_ids,
+                           generator)
 
-    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, meta: AttentionMetadata):
-        """For requests that asked for prompt_logprobs: the logprob of each prompt token
-        given the tokens before it, computed from this chunk's hidden states."""
+    def _prompt_logprobs(self, batch: list[ScheduledTokens], hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> dict[int, list[PromptTokenLogprob]]:
+        """For the ranges the batch names: the logprob of each prompt token given the tokens
+        before it, computed from this chunk's hidden states."""
         out = {}
         for i, s in enumerate(batch):
-            k = getattr(s.request.params, "prompt_logprobs", None)
-            n_prompt = s.seq.num_prompt_tokens
-            if k is None or s.start >= n_prompt - 1 or s.request.prompt_logprobs is None \
-                    or len(s.request.prompt_logprobs) != s.start + 1:
-                continue   # not wanted, already past the prompt, or already recorded
-            end = min(s.start + s.num_new_tokens, n_prompt - 1)
-            rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + end - s.start]
+            r = s.prompt_logprobs
+            if r is None:
+                continue
+            k, n = r.num_logprobs, len(r.target_token_ids)
+            rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + n]
             lps = torch.log_softmax(self.model.compute_logits(rows).cpu(), dim=-1)
-            targets = torch.tensor(s.seq.token_ids[s.start + 1:end + 1])
-            chosen = lps.gather(1, targets[:, None])
+            chosen = lps.gather(1, torch.tensor(r.target_token_ids)[:, None])
             ranks = ((lps > chosen).sum(-1) + 1).tolist()
             top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-            out[s.seq.seq_id] = [
-                (top_ids[j].tolist(), top_lps[j].tolist(), chosen[j, 0].item(), ranks[j])
-                for j in range(end - s.start)]
+            out[s.seq_id] = [PromptTokenLogprob(top_ids[j].tolist(), top_lps[j].tolist(), chosen[j, 0].item(), ranks[j])
+                             for j in range(n)]
         return out

@@ -1,0 +1,113 @@
+"""What the scheduler hands the worker for one step, and what the worker hands back: data only.
+
+No `Request` or `Sequence` crosses this line: the worker is told, per sequence, the token
+ids to compute, where they start, the block table and, if the step samples from it, a
+sampling row resolved by the scheduler. Everything here is plain dataclasses of ints,
+floats and lists, so a batch can be pickled and sent to workers in other processes (a
+decode step of 64 sequences pickles to a few kilobytes; tests/test_batch.py checks it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """A request's sampling parameters as the sampler needs them, resolved once when the
+    request is added (beam search: greedy, with beam_width logprobs)."""
+    temperature: float = 0.0               # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                         # 0: all
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0                    # below it, stop ids and (unless ignore_eos) EOS are banned
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    num_logprobs: int = 0                  # top-k logprobs wanted per sampled token
+    needs_logprob: bool = False            # the sampled token's own logprob is wanted
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5     # as SamplingParams.greedy
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class SampleRow:
+    """One sequence's sampling inputs for this step."""
+    settings: SamplingSettings
+    seed: int | None                       # the sequence's own seed; the worker keeps its generator
+    num_output_tokens: int
+    output_token_ids: list[int] | None = None   # only with penalties
+    prompt_token_ids: list[int] | None = None   # only with a repetition penalty
+
+
+@dataclass
+class PromptLogprobsRange:
+    """Score prompt positions start .. start + len(target_token_ids) - 1 of this chunk: the
+    logprob of each following prompt token, and the top num_logprobs."""
+    num_logprobs: int
+    target_token_ids: list[int]
+
+
+@dataclass
+class ScheduledTokens:
+    """One sequence's part of the step."""
+    seq_id: int
+    token_ids: list[int]                   # the tokens to compute, at positions start, start + 1, ...
+    start: int
+    block_ids: list[int]                   # the sequence's block table
+    sample: SampleRow | None = None        # the step reaches its last token: sample from it
+    prompt_logprobs: PromptLogprobsRange | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepBatch:
+    seqs: list[ScheduledTokens] = field(default_factory=list)       # decodes (one token) first
+    # Before the forward, in this order: swap out (device, host), swap in (host, device),
+    # copy-on-write (src, dst).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Sequences that ended since the last batch: the worker drops what it keeps for them.
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PromptTokenLogprob:
+    """One prompt position's score: the actual next token's logprob and rank, and the top k."""
+    top_ids: list[int]
+    top_logprobs: list[float]
+    logprob: float
+    rank: int
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None           # of each sampled token
+    top_ids: list[list[int]] | None        # per row, the top num_logprobs token ids ...
+    top_logprobs: list[list[float]] | None  # ... and their logprobs
+    ranks: list[int] | None                # rank of each sampled token (1 = most likely)
+
+
+@dataclass
+class RunnerOutput:
+    sampled_seq_ids: list[int]             # the sequences that sampled, in the sampler's row order
+    sample: SamplerOutput | None
+    prompt_logprobs: dict[int, list[PromptTokenLogprob]] = field(default_factory=dict)   # seq_id -> per position
+
+    @classmethod
+    def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":
+        """These tokens sampled, no logprobs: for simulations that run no model."""
+        return cls(seq_ids, SamplerOutput(token_ids, None, None, None, None) if seq_ids else None)

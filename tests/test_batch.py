@@ -1,0 +1,114 @@
+"""The worker's input is plain data: a real step's batch pickles small, holds no Request
+or Sequence, and is all the worker needs (outputs are identical when every batch goes
+through pickle first, as it will to a worker in another process)."""
+import ast
+import pickle
+from pathlib import Path
+
+import torch
+
+from pagedserve import BeamSearchParams, SamplingParams
+from pagedserve.batch import StepBatch
+from pagedserve.request import Request, Sequence
+from pagedserve.worker.model_runner import ModelRunner
+from tests.conftest import PROMPTS
+from tests.test_engine import assert_no_blocks_held, make_llm
+
+WORKER = Path(__file__).parent.parent / "pagedserve" / "worker"
+FORBIDDEN = ("pagedserve.scheduler", "pagedserve.engine", "pagedserve.request")
+
+
+def _pagedserve_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        found |= {n for n in names if n.startswith("pagedserve.")}
+    return found
+
+
+def test_the_worker_imports_no_scheduler_engine_or_request():
+    """Not directly, nor through the modules it imports (the top-level package's __init__,
+    the public API, aside)."""
+    root = WORKER.parent.parent
+    todo = [f"pagedserve.worker.{p.stem}" for p in WORKER.glob("*.py")]
+    seen: set[str] = set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        assert not mod.startswith(FORBIDDEN), f"the worker reaches {mod}"
+        path = root / (mod.replace(".", "/") + ".py")
+        if not path.exists():
+            path = root / mod.replace(".", "/") / "__init__.py"
+        todo += _pagedserve_imports(path)
+    assert "pagedserve.batch" in seen
+
+
+class _NoLiveObjects(pickle.Pickler):
+    def persistent_id(self, obj):
+        assert not isinstance(obj, (Request, Sequence, torch.Tensor, torch.Generator)), \
+            f"the batch holds a {type(obj).__name__}"
+        return None
+
+
+def _workload():
+    """Prompts with every kind of request the sampler and the worker see."""
+    return [
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        (PROMPTS[1], SamplingParams(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, seed=7, max_tokens=12,
+                                    ignore_eos=True, logprobs=2)),
+        (PROMPTS[2], SamplingParams(temperature=1.0, n=2, best_of=3, seed=3, max_tokens=10, ignore_eos=True,
+                                    presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)),
+        (PROMPTS[3], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, prompt_logprobs=2,
+                                    logit_bias={5: 2.0})),
+        (PROMPTS[5], BeamSearchParams(beam_width=3, max_tokens=8)),
+    ]
+
+
+def _run(llm, round_trip: bool, batches: list, monkeypatch) -> list:
+    execute = ModelRunner.execute
+
+    def execute_data(self, batch: StepBatch):
+        batches.append(batch)
+        if round_trip:
+            batch = pickle.loads(pickle.dumps(batch))
+        return execute(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute_data)
+    engine = llm.engine
+    for i, (prompt, params) in enumerate(_workload()):
+        engine.add_request(str(i), prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = [(c.token_ids, c.cumulative_logprob, c.logprobs) for c in out.outputs] + \
+                    [out.prompt_logprobs]
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    return [finals[str(i)] for i in range(len(_workload()))]
+
+
+def test_a_real_steps_batch_is_data_only_small_and_all_the_worker_needs(tiny_llama, monkeypatch):
+    direct, round_tripped = [], []
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=512, seed=1)
+    expected = _run(llm, False, direct, monkeypatch)
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=512, seed=1)
+    assert _run(llm, True, round_tripped, monkeypatch) == expected
+    assert_no_blocks_held(llm)
+    assert len(direct) == len(round_tripped) > 5
+    for batch in direct:
+        data = _pickle_checked(batch)
+        # Per sequence: its new tokens, its block table, a sampling row; no prompt or history
+        # beyond what a penalty needs (one request here has penalties, the prompt is short).
+        assert len(data) < 600 + 250 * len(batch.seqs), (len(data), len(batch.seqs))
+    decodes = [b for b in direct if all(s.num_new_tokens == 1 for s in b.seqs)]
+    assert decodes and all(len(_pickle_checked(b)) < 3000 for b in decodes)
+
+
+def _pickle_checked(batch: StepBatch) -> bytes:
+    import io
+    buf = io.BytesIO()
+    _NoLiveObjects(buf).dump(batch)
+    return buf.getvalue()
