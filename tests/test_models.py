@@ -94,16 +94,20 @@ def test_bfloat16_engine_runs_on_avx2_kernels(avx2_kernels, tiny_llama):
 
 
 def test_auto_dtype_fits_the_cpu(avx2_kernels, monkeypatch):
-    """`auto` keeps a bf16 checkpoint in bf16 where our kernels compute it (float32 arithmetic
-    on AVX2), and falls back to float32 where only torch's bf16 matmul would."""
+    """`auto` keeps a bf16 checkpoint in bf16 only where the CPU has bf16 arithmetic; on AVX2
+    it stores float32 (faster for batches, measured), and an explicit bfloat16 still runs."""
     from pagedserve.config import resolve_dtype
     from pagedserve.kernels import cpu
-    assert cpu.auto_keeps_bf16() is cpu.BF16_STORAGE_WITHOUT_BF16_ARITHMETIC
-    assert resolve_dtype("auto", None, cpu.auto_keeps_bf16()) == torch.bfloat16
-    assert resolve_dtype("auto", torch.bfloat16, bf16_is_fast=False) == torch.float32
-    assert resolve_dtype("bfloat16", torch.float32, bf16_is_fast=False) == torch.bfloat16
-    monkeypatch.setattr(cpu, "BF16_STORAGE_WITHOUT_BF16_ARITHMETIC", False)
+    assert cpu.auto_keeps_bf16() is cpu.BF16_STORAGE_WITHOUT_BF16_ARITHMETIC is False
+    assert resolve_dtype("auto", torch.bfloat16, cpu.auto_keeps_bf16()) == torch.float32
     assert resolve_dtype("auto", torch.float16, cpu.auto_keeps_bf16()) == torch.float32
+    assert resolve_dtype("bfloat16", torch.float32, cpu.auto_keeps_bf16()) == torch.bfloat16
+    monkeypatch.setattr(cpu, "BF16_STORAGE_WITHOUT_BF16_ARITHMETIC", True)    # the one-line switch
+    assert resolve_dtype("auto", torch.bfloat16, cpu.auto_keeps_bf16()) == torch.bfloat16
+    if "avx512bf16" in cpu.supported_variants():
+        monkeypatch.setattr(cpu, "BF16_STORAGE_WITHOUT_BF16_ARITHMETIC", False)
+        with cpu.using_variant("avx512bf16"):
+            assert resolve_dtype("auto", torch.bfloat16, cpu.auto_keeps_bf16()) == torch.bfloat16
 
 
 def test_unknown_architecture_is_refused_by_name(tmp_path):

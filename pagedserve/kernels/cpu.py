@@ -11,7 +11,9 @@ attention), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2`
 CPU's flags allow is loaded at first use; $PAGEDSERVE_CPU_KERNELS=<name> forces one (refused
 if the CPU lacks its flags), and tests run every variant the CPU supports (using_variant).
 Every variant packs weights alike and computes in float32 (bf16 storage: rounded where the
-reference rounds), so `auto` keeps bf16 weights on every CPU with kernels (auto_keeps_bf16).
+reference rounds). `auto` keeps a bf16 checkpoint in bf16 where the CPU has bf16 arithmetic
+(avx512bf16) and stores float32 elsewhere, the faster for batches there (auto_keeps_bf16;
+dtype="bfloat16" still runs bf16 weights through every variant).
 
 Only the chosen variant is compiled, with the system C++ compiler on first use, and cached
 under ~/.cache/pagedserve/kernels by source and flags; no torch headers and no build step at
@@ -149,7 +151,11 @@ def variant() -> str | None:
 
 # CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16): True keeps bf16 weights (half the
 # bytes to stream per token) with float32 arithmetic in our kernels; False stores float32.
-BF16_STORAGE_WITHOUT_BF16_ARITHMETIC = True
+# Measured on the avx2 build (benchmarks/RESULTS.md, AVX2): float32 storage gives 1.17x (ShareGPT-
+# like) and 1.46x (Alpaca-like) the batched throughput of bf16 storage, whose in-register
+# conversions cost more than its halved bytes save once a step is compute-bound; bf16 decodes a
+# single stream 1.3x faster. Serving is batched, so float32.
+BF16_STORAGE_WITHOUT_BF16_ARITHMETIC = False
 
 
 def auto_keeps_bf16() -> bool:
