@@ -215,6 +215,15 @@ class Scheduler:
             self._finished_seq_ids.append(seq.seq_id)
         req.status = RequestStatus.FINISHED
 
+    def abort_request(self, req: Request) -> None:
+        """End a request before its time (client abort, or a failure in its part of a step):
+        its live sequences finish with "abort" and every block it holds is freed."""
+        if req.finished:
+            return
+        for seq in req.live_seqs:
+            seq.finish_reason = "abort"
+        self.finish_request(req)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -493,11 +502,7 @@ class Scheduler:
                 self.finish_request(req)
                 update.finished.add(rid)
         for rid in update.failed:
-            req = touched[rid]
-            for seq in req.live_seqs:
-                seq.finish_reason = "abort"
-            if not req.finished:
-                self.finish_request(req)
+            self.abort_request(touched[rid])
         return update
 
     @staticmethod

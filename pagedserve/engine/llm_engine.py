@@ -196,18 +196,10 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self._release(req)
+        self.scheduler.abort_request(req)
         if self.check_invariants:
             self.check_paging_invariants()
         return self._output(req, finished=True)
-
-    def _release(self, req: Request) -> None:
-        """Finish a request that is already out of self.requests, freeing its blocks."""
-        if req.finished:
-            return
-        for seq in req.live_seqs:
-            seq.finish_reason = "abort"
-        self.scheduler.finish_request(req)
 
     def reset(self) -> list[str]:
         """Drop every request and start the scheduler and the KV bookkeeping afresh; returns
@@ -245,7 +237,7 @@ class LLMEngine:
                 outputs.append(self._output(req, finished=req.request_id in update.finished))
             except Exception as e:   # noqa: BLE001 - the caller fails this request only
                 failed[req.request_id] = e
-                self._release(req)
+                self.scheduler.abort_request(req)
         for rid in update.finished | failed.keys():
             self.requests.pop(rid, None)
         if self.check_invariants:
