@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -81,6 +83,11 @@ class StepBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Sequences that ended since the last batch: the worker drops what it keeps for them.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Structured outputs: for the sampling rows listed in grammar_rows (indices among the seqs
+    # that sample, in order), the tokens each may sample, packed: row i of grammar_bitmask is
+    # int32 words whose bit t (word t // 32, bit t % 32) is set where token t is allowed.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -80,6 +80,13 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
     sampling: SamplingSettings | None = None  # the sampler's view of params (set by the scheduler)
+    # Structured outputs: the grammar's compile and each sequence's matcher (structured/manager.py).
+    structured: Any = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling: the scheduler admits it only once it is ready."""
+        return self.structured is not None and not self.structured.ready
 
     @property
     def is_beam_search(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 # Beam search's length_penalty: beyond this, len ** length_penalty only ranks by length.
@@ -38,6 +39,8 @@ class SamplingParams:
     logprobs: int | None = None         # top-k logprobs per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (pagedserve/structured/).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -81,6 +84,12 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             _check("logit_bias", all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
                                  "logit_bias values must be in [-100, 100]")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check("structured_outputs", self.structured_outputs is None or
+                                     isinstance(self.structured_outputs, StructuredOutputsParams),
+                                     f"structured_outputs must be a StructuredOutputsParams, got "
+                                     f"{type(self.structured_outputs).__name__}")
         if self.greedy:
             # Greedy sampling would give best_of identical copies; vLLM refuses it too.
             _check("best_of", self.best_of == 1 or self.n == self.best_of,

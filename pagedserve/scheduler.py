@@ -70,6 +70,7 @@ from pagedserve.outputs import Logprob
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.structured.manager import fill_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +194,17 @@ class Scheduler:
         req.sampling = sampling_settings(req.params)
         self.waiting.append(req)
 
-    def free_seq(self, seq: Sequence) -> None:
+    def free_seq(self, seq: Sequence, req: Request) -> None:
         self.kv.free(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
+        if req.structured is not None:
+            req.structured.drop(seq.seq_id)
 
     def fork_seq(self, req: Request, parent: Sequence) -> Sequence:
         child = req.fork_seq(parent, self.new_seq_id(), index=len(req.seqs))
         self.kv.fork(parent.seq_id, child.seq_id)
+        if req.structured is not None:
+            req.structured.fork(parent.seq_id, child.seq_id)
         return child
 
     def finish_request(self, req: Request) -> None:
@@ -213,6 +218,7 @@ class Scheduler:
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)
+        req.structured = None   # its matchers go with it
         req.status = RequestStatus.FINISHED
 
     def abort_request(self, req: Request) -> None:
@@ -272,9 +278,14 @@ class Scheduler:
                 budget -= self._add(out, req, plan, copies)
 
         # Then waiting requests, first come first served, while nothing had to be preempted
-        # and nothing waits in swap space (it would starve).
+        # and nothing waits in swap space (it would starve). One whose grammar is still
+        # compiling keeps its place and is passed over until the grammar is ready.
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                compiling.append(self.waiting.popleft())
+                continue
             if num_seqs + req.max_seqs > self.config.max_num_seqs:
                 break
             admitted = self._admit(req, budget)
@@ -286,6 +297,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             num_seqs += req.max_seqs
             budget -= self._add(out, req, plan, copies)
+        self.waiting.extendleft(reversed(compiling))
         self._record_usage()
         self._make_batch(out)
         return out
@@ -303,6 +315,11 @@ class Scheduler:
         out.sampled = [s for s in order if s.samples]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
         self._finished_seq_ids = []
+        constrained = [(row, s) for row, s in enumerate(out.sampled) if s.request.structured is not None]
+        if constrained:
+            out.batch.grammar_rows = [row for row, _ in constrained]
+            out.batch.grammar_bitmask = fill_bitmask([(s.request.structured, s.seq.seq_id, s.seq.output_token_ids)
+                                                      for _, s in constrained])
 
     @staticmethod
     def _sample_row(req: Request, seq: Sequence) -> SampleRow:
@@ -531,6 +548,9 @@ class Scheduler:
             top_lps = sample.top_logprobs[row] if sample.top_logprobs is not None else []
             seq.logprobs.append(self._position_logprobs(token, sample.logprobs[row], sample.ranks[row],
                                                         top_ids, top_lps))
+        # The grammar's matcher takes the token (it was sampled under the grammar's mask); where
+        # the grammar ends, so does the sequence.
+        grammar_ended = req.structured is not None and req.structured.accept(seq.seq_id, seq.output_token_ids)
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
         stop_str = None if seq.detokenizer is None else seq.detokenizer.add_token(token, check_stop=may_stop)
@@ -540,10 +560,12 @@ class Scheduler:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif grammar_ended:
+            seq.finish_reason = "stop"
         elif self._length_done(req, seq):
             seq.finish_reason = "length"
         if seq.finished:
-            self.free_seq(seq)
+            self.free_seq(seq, req)
 
     def _beam_step(self, req: Request, beams: list[Sequence], sample: SamplerOutput, rows: list[int]) -> None:
         """Replace the live beams by the best extensions: forking a beam shares its blocks,
@@ -568,7 +590,7 @@ class Scheduler:
                     hyp.finish_reason = "stop"
             if not live:
                 req.seqs.remove(parent)        # pruned
-                self.free_seq(parent)
+                self.free_seq(parent, req)
                 continue
             new_beams += [(self.fork_seq(req, parent), c) for c in live[1:]]
             new_beams.append((parent, live[0]))
@@ -577,7 +599,7 @@ class Scheduler:
             seq.cumulative_logprob = c.cum_logprob
             if self._length_done(req, seq):
                 seq.finish_reason = "length"
-                self.free_seq(seq)
+                self.free_seq(seq, req)
 
     def _position_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_lps) -> dict[int, Logprob]:
         decode = self.decode_token or (lambda t: None)

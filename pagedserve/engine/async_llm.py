@@ -304,6 +304,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
+            self.engine.on_grammar_ready = self._wake.set   # a compile ended: look at the queue again
             path = self.engine.model_path
             self.tokenizer = load_tokenizer(self.config.tokenizer or path)
             self.max_model_len = self.engine.max_model_len
@@ -335,7 +336,7 @@ class AsyncLLM:
         while running:
             self._wake.clear()
             running = self._apply_commands()
-            if running and self.engine.has_unfinished_requests():
+            if running and self.engine.has_unfinished_requests() and not self.engine.only_waiting_for_grammars():
                 self._step()
             elif running:
                 self._wake.wait(self._log.seconds_until_due() if self._log else None)

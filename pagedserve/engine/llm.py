@@ -79,6 +79,9 @@ class LLM:
         start, n_out = time.perf_counter(), 0
         try:
             while engine.has_unfinished_requests():
+                if engine.only_waiting_for_grammars():
+                    engine.wait_for_grammars()
+                    continue
                 for out in engine.step():
                     if out.finished:
                         finals[out.request_id] = out

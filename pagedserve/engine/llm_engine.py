@@ -7,10 +7,12 @@ engine returns the outputs of every request that made progress.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.config import EngineConfig
@@ -25,6 +27,7 @@ from pagedserve.request import Request, Sequence
 from pagedserve.sampling.beam_search import beam_score
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
+from pagedserve.structured.manager import GrammarCompiler
 from pagedserve.worker.worker import Worker
 import torch
 
@@ -75,6 +78,16 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._request_counter = 0
         self._steps_without_progress = 0
+        self._grammars: GrammarCompiler | None = None   # built on the first structured request
+        self.on_grammar_ready: Callable[[], None] = lambda: None   # AsyncLLM wakes its thread
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output grammars off this thread (structured/manager.py)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars.on_ready = lambda: self.on_grammar_ready()
+        return self._grammars
 
     # ---- setup helpers -------------------------------------------------------------------
     def _new_scheduler(self) -> Scheduler:
@@ -152,6 +165,8 @@ class LLMEngine:
                 req.prompt_logprobs = [None]
         req.seqs.append(seq)
         self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            req.structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
         self.requests[request_id] = req
         return req
 
@@ -216,13 +231,38 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar to compile: a step would do nothing
+        (wait_for_grammars, or AsyncLLM sleeps until on_grammar_ready)."""
+        s = self.scheduler
+        return bool(s.waiting) and not s.running and not s.swapped and all(r.waiting_for_grammar for r in s.waiting)
+
+    def wait_for_grammars(self, timeout: float | None = None) -> None:
+        """Block until one of the grammars being compiled is ready (or timeout seconds)."""
+        pending = [r.structured.compiled for r in self.scheduler.waiting if r.waiting_for_grammar]
+        if pending:
+            concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _drop_failed_grammars(self) -> dict[str, Exception]:
+        """Requests whose grammar failed to compile end with that error, before they run."""
+        failed = {}
+        for req in list(self.scheduler.waiting):
+            if req.structured is not None and req.structured.error is not None:
+                failed[req.request_id] = req.structured.error
+                self.scheduler.abort_request(req)
+                self.requests.pop(req.request_id, None)
+        return failed
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        grammar_failures = self._drop_failed_grammars()
         sched = self.scheduler.schedule()
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
             self.runner.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
+            if grammar_failures:
+                raise RequestsFailed(grammar_failures, [])
             self._watchdog()
             return []
         self._steps_without_progress = 0
@@ -230,7 +270,7 @@ class LLMEngine:
         update = self.scheduler.update_from_output(sched, result)
 
         # Building one request's output may raise too: that fails this request alone.
-        failed = dict(update.failed)
+        failed = {**grammar_failures, **update.failed}
         outputs: list[RequestOutput] = []
         for req in update.progressed:
             try:
@@ -248,8 +288,9 @@ class LLMEngine:
 
     def _watchdog(self) -> None:
         """Count steps that computed nothing while requests wait; after watchdog_steps in a
-        row, log the scheduler's state and raise EngineStalledError instead of spinning."""
-        if not self.requests:
+        row, log the scheduler's state and raise EngineStalledError instead of spinning. (Waiting
+        for a grammar to compile is no stall.)"""
+        if not self.requests or any(r.waiting_for_grammar for r in self.scheduler.waiting):
             return
         self._steps_without_progress += 1
         limit = self.config.watchdog_steps

@@ -1,7 +1,8 @@
 """Turn one step's logits into tokens, vectorised over the batch.
 
-Order (as in vLLM): logit bias, min_tokens, penalties, then greedy argmax or
-temperature -> min_p -> top_k / top_p -> sampling. Logprobs are those of the
+Order (as in vLLM): logit bias, min_tokens, penalties, the grammar's token bitmask
+(structured outputs: disallowed tokens to -inf, by xgrammar's CPU kernel), then greedy
+argmax or temperature -> min_p -> top_k / top_p -> sampling. Logprobs are those of the
 model's raw distribution. Random rows draw exponential noise and take
 argmax(p / noise), which samples from p; a seeded request draws its noise from
 its own generator, so its text does not depend on the rest of the batch.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.batch import SamplerOutput, SamplingSettings
@@ -40,24 +42,42 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.argmax = (ops or TorchOps()).argmax
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [N, V] float32 (modified in place)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: list[int] = (),
+                 grammar_bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """logits: [N, V] float32 (modified in place). grammar_bitmask: the allowed tokens of the
+        rows listed in grammar_rows, packed 32 to an int32 word (StepBatch.grammar_bitmask)."""
         raw_logprobs = None
         if any(r.needs_logprob or r.num_logprobs for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        self._apply_bias_and_min_tokens(logits, rows)
+        self._apply_bias_and_min_tokens(logits, rows, set(grammar_rows))
         self._apply_penalties(logits, rows)
+        if grammar_rows:
+            self._apply_grammar(logits, list(grammar_rows), grammar_bitmask)
         tokens = self._sample(logits, rows)
         return self._gather_logprobs(raw_logprobs, tokens, rows)
 
     # ---- logits processors ---------------------------------------------------------------
-    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, idx: list[int], bitmask: np.ndarray) -> None:
+        """Disallowed tokens of the constrained rows to -inf (xgrammar's CPU kernel)."""
+        from xgrammar import apply_token_bitmask_inplace
+        mask = torch.from_numpy(bitmask)
+        if idx == list(range(logits.shape[0])):
+            apply_token_bitmask_inplace(logits, mask)
+            return
+        full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32)
+        full[idx] = mask
+        apply_token_bitmask_inplace(logits, full, indices=idx)
+
+    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow],
+                                   constrained: set[int]) -> None:
         for i, r in enumerate(rows):
             p = r.params
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
-            if r.num_output_tokens < p.min_tokens:
+            # A grammar decides where its output ends: min_tokens does not ban its stop tokens.
+            if r.num_output_tokens < p.min_tokens and i not in constrained:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, banned] = float("-inf")
 

@@ -86,7 +86,8 @@ class ModelRunner:
         sample = None
         if sampled:
             logits = self.model.compute_logits(hidden[last]).cpu()
-            sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled])
+            sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled],
+                                  batch.grammar_rows, batch.grammar_bitmask)
         prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps)
 

@@ -1,0 +1,126 @@
+"""StructuredOutputsParams: what a request's output must match (vLLM's shape), checked when built.
+
+Exactly one constraint: `json` (a JSON schema, as a dict or its text), `regex`, `choice` (one of
+these strings), `grammar` (EBNF, xgrammar's dialect of GBNF) or `json_object` (any JSON object).
+Building one parses the constraint (jsonschema checks a schema against its meta-schema, then
+xgrammar converts it; a regex or grammar is parsed by xgrammar), so a bad one is refused with an
+InvalidRequestError naming the field before the request reaches the engine. Compiling it against
+the vocabulary happens later, off the engine thread (structured/compiler.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.errors import InvalidRequestError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # Let the model put any whitespace between JSON tokens (vLLM's default). Off here: JSON comes in
+    # one compact layout, so a small model at a high temperature cannot ramble in whitespace.
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured outputs need exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(given) or 'none'}", "structured_outputs")
+        kind = self.kind
+        if kind == "json":
+            self.json = _parse_schema(self.json)
+        elif kind == "choice":
+            if not isinstance(self.choice, list) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidRequestError("choice must be a non-empty list of non-empty strings",
+                                          "structured_outputs.choice")
+        elif kind in ("regex", "grammar"):
+            text = getattr(self, kind)
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError(f"{kind} must be a non-empty string", f"structured_outputs.{kind}")
+        elif self.json_object is not True:
+            raise InvalidRequestError("json_object must be true", "structured_outputs.json_object")
+        self.grammar_text()   # parse it now: a bad regex or grammar is the caller's error
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar is cached by."""
+        kind = self.kind
+        if kind == "json":
+            return (f"json/{self.any_whitespace}", json.dumps(self.json, sort_keys=True))
+        if kind == "choice":
+            return ("choice", json.dumps(self.choice))
+        if kind == "json_object":
+            return (f"json_object/{self.any_whitespace}", "")
+        return (kind, getattr(self, kind))
+
+    def grammar_text(self) -> str:
+        """The constraint as an xgrammar EBNF grammar (parsing it: InvalidRequestError if bad)."""
+        import xgrammar as xgr
+        kind = self.kind
+        param = f"structured_outputs.{kind}"
+        try:
+            if kind == "json":
+                grammar = xgr.Grammar.from_json_schema(json.dumps(self.json), **self._json_layout())
+            elif kind == "json_object":
+                grammar = xgr.Grammar.from_json_schema('{"type": "object"}', **self._json_layout())
+            elif kind == "regex":
+                grammar = xgr.Grammar.from_regex(self.regex)
+            elif kind == "choice":
+                grammar = xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(c) for c in self.choice))
+            else:
+                grammar = xgr.Grammar.from_ebnf(self.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InvalidRequestError(f"invalid {kind}: {_first_line(e)}", param) from None
+        return str(grammar)
+
+    def _json_layout(self) -> dict[str, Any]:
+        if self.any_whitespace:
+            return {"any_whitespace": True}
+        return {"any_whitespace": False, "separators": (", ", ": ")}
+
+
+def _parse_schema(schema: Any) -> dict:
+    param = "structured_outputs.json"
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}", param)
+    import jsonschema
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise InvalidRequestError(f"invalid JSON schema{' at ' + where if where else ''}: {e.message}",
+                                  param) from None
+    return schema
+
+
+def _ebnf_string(text: str) -> str:
+    """A string literal of xgrammar's EBNF (JSON's escapes are a subset of what it reads)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _first_line(e: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:94: ")."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else type(e).__name__
