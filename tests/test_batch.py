@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve import BeamSearchParams, SamplingParams
+from pagedserve import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedserve.batch import StepBatch
 from pagedserve.request import Request, Sequence
 from pagedserve.worker.model_runner import ModelRunner
@@ -64,6 +64,9 @@ def _workload():
         (PROMPTS[3], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, prompt_logprobs=2,
                                     logit_bias={5: 2.0})),
         (PROMPTS[5], BeamSearchParams(beam_width=3, max_tokens=8)),
+        # Structured outputs: the grammar's token bitmask travels in the batch as a numpy array.
+        (PROMPTS[4], SamplingParams(temperature=0.8, seed=5, max_tokens=8,
+                                    structured_outputs=StructuredOutputsParams(regex="[a-z]+( [a-z]+)*"))),
     ]
 
 
@@ -103,6 +106,7 @@ def test_a_real_steps_batch_is_data_only_small_and_all_the_worker_needs(tiny_lla
         # Per sequence: its new tokens, its block table, a sampling row; no prompt or history
         # beyond what a penalty needs (one request here has penalties, the prompt is short).
         assert len(data) < 600 + 250 * len(batch.seqs), (len(data), len(batch.seqs))
+    assert any(b.grammar_bitmask is not None for b in direct)
     decodes = [b for b in direct if all(s.num_new_tokens == 1 for s in b.seqs)]
     assert decodes and all(len(_pickle_checked(b)) < 3000 for b in decodes)
 
