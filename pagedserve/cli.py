@@ -101,6 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.app import run_server
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     model = args.model_tag or args.model
     config = EngineConfig(model=model, **engine_kwargs(args))
     return run_server(config, host=args.host, port=args.port, served_model_names=args.served_model_name,
@@ -108,7 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_waiting_requests=args.max_waiting_requests,
                       max_request_body_bytes=args.max_request_body_bytes,
                       log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                      access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
+                      access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level,
+                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -129,6 +133,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted; larger ones get 413 (<= 0: no limit)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stat lines")
     p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" (the default with tools) find calls in the output; needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="the format of tool calls in the output for tool_choice auto (hermes: <tool_call>{...}</tool_call>)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"])

@@ -102,14 +102,17 @@ class LLM:
         return [finals[rid] for rid in ids]
 
 
-def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template."""
+def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template (with the tool
+    definitions, for templates that show them)."""
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"each message needs a role of system, user, assistant or tool; got {m!r}")
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        tools=tools or None)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

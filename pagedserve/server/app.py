@@ -243,7 +243,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                shutdown_timeout: float = 5.0, log_stats_interval: float | None = 10.0,
                access_log: bool = True, log_level: str = "info",
                max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> int:
+               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load).
     A limit of None or <= 0 turns it off."""
     names = served_model_names or [config.model or DEFAULT_MODEL_NAME]
@@ -251,7 +252,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM(config, [metrics], log_interval=log_stats_interval, max_waiting_requests=max_waiting_requests)
     state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout,
                         max_request_body_bytes=max_request_body_bytes if max_request_body_bytes and
-                        max_request_body_bytes > 0 else None)
+                        max_request_body_bytes > 0 else None,
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                timeout_graceful_shutdown=int(shutdown_timeout) + 5)

@@ -59,6 +59,13 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     # vLLM's prefix-cache salt: requests share cached KV blocks only with requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # Structured outputs (server/structured.py): OpenAI's, vLLM's, and vLLM's older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -73,6 +80,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None    # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool's answer to one of them
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -83,8 +92,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(OpenAIModel):
@@ -156,9 +165,33 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                          # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -181,6 +214,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

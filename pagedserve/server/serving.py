@@ -35,6 +35,9 @@ from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                                         SamplingRequest, TopLogprob, UsageInfo, random_id)
 from pagedserve.server.state import ServerState
+from pagedserve.server.structured import build_constraint, requested_constraint
+from pagedserve.server.tools import ToolStreamer, parse_tool_calls, plan_tools
+from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +69,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def make_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None, logprobs_param: str = "logprobs") -> Params:
+                prompt_logprobs: int | None = None, logprobs_param: str = "logprobs",
+                structured: StructuredOutputsParams | None = None) -> Params:
     """The request's sampling (or beam search) parameters; max_tokens None: up to the context."""
+    if req.use_beam_search and structured is not None:
+        raise bad_request("structured outputs and tools are not supported with use_beam_search", "use_beam_search")
     if req.use_beam_search:
         if req.stop or req.stop_token_ids:
             raise bad_request("stop and stop_token_ids are not supported with use_beam_search", "stop")
@@ -94,7 +100,8 @@ def make_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | No
             max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured)
     except InvalidRequestError as e:
         raise bad_request(e.message, logprobs_param if e.param == "logprobs" else e.param, e.code) from None
 
@@ -107,7 +114,8 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
     conversation = []
     for m in messages:
         content = m.content
@@ -119,9 +127,13 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
                                       "messages")
                 texts.append(str(part.get("text", "")))
             content = "\n".join(texts)
-        conversation.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):   # the template decides what to show
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        conversation.append(message)
     try:
-        return render_chat(tokenizer, conversation, add_generation_prompt)
+        return render_chat(tokenizer, conversation, add_generation_prompt, tools)
     except (ValueError, TemplateError) as e:
         raise bad_request(f"could not render the chat template: {e}", "messages") from None
 
@@ -228,6 +240,17 @@ class Serving:
         self.continuous_usage = bool(self.stream_usage and body.stream_options.continuous_usage_stats)
         if body.stream and body.best_of is not None and body.best_of > body.n and not body.use_beam_search:
             raise bad_request("best_of > n is not supported with stream", "best_of")
+
+    async def constraint(self, extra: tuple[str, dict] | None = None) -> StructuredOutputsParams | None:
+        """The request's output constraint (response_format, structured_outputs, guided_*, or
+        `extra` from its tools), parsed off the event loop; 400 naming the field if bad."""
+        found = requested_constraint(self.body)
+        if found is not None and extra is not None:
+            raise bad_request(f"{found[0]} cannot be combined with a tool_choice that calls a tool", found[0])
+        found = found or extra
+        if found is None:
+            return None
+        return await asyncio.to_thread(build_constraint, *found)
 
     # -- submit and wait --------------------------------------------------------------------------
     async def submit(self, items: list[tuple[str | None, list[int], Params]]) -> RequestStream:
@@ -357,6 +380,7 @@ class CompletionServing(Serving):
         self.prompt_texts: list[str] = []
         prompts = completion_prompts(body.prompt)
         self.state.prompts.check_num_prompts(len(prompts))
+        structured = await self.constraint()
         encoded = iter(await self.state.prompts.encode([p for p in prompts if isinstance(p, str)]))
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -364,7 +388,7 @@ class CompletionServing(Serving):
             else:
                 text, ids = None, list(prompt)
             check_max_tokens(body.max_tokens, explicit, len(ids), llm.max_model_len)
-            params = make_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+            params = make_params(body, body.max_tokens, body.logprobs, prompt_logprobs, structured=structured)
             items.append((text, ids, params))
         stream = await self.submit(items)
         for text, ids, _ in items:
@@ -414,29 +438,39 @@ class ChatServing(Serving):
 
     async def create(self) -> JSONResponse | StreamingResponse:
         body, llm = self.body, self.llm
-        if body.tools or (body.tool_choice not in (None, "none")):
-            raise bad_request("tools are not supported", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad_request("only the text response_format is supported", "response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
-        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
+        self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
+        self._streamers: dict[int, ToolStreamer] = {}
+        tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
+        structured = await self.constraint(tool_constraint)
+        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt,
+                                                   self.tools.tools if self.tools else None)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         check_max_tokens(requested, explicit, len(ids), llm.max_model_len)
-        params = make_params(body, requested, self.top, logprobs_param="top_logprobs")
+        params = make_params(body, requested, self.top, logprobs_param="top_logprobs", structured=structured)
         stream = await self.submit([(None, ids, params)])
         if body.stream:
             return self.streaming_response(stream)
         (final,) = await self.final_outputs(stream)
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(c, slice(0, len(c.token_ids))),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in self.returned(final)]
+        choices = [self._choice(c) for c in self.returned(final)]
         response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.usage([final]))
         return JSONResponse(response.model_dump())
+
+    def _choice(self, c: CompletionOutput) -> ChatChoice:
+        content, calls = c.text, []
+        if self.tools is not None:
+            content, calls = parse_tool_calls(self.tools, c.text)
+        return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                          logprobs=self._logprobs(c, slice(0, len(c.token_ids))),
+                          finish_reason=self._finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
+
+    @staticmethod
+    def _finish_reason(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
 
     def _logprobs(self, c: CompletionOutput, new: slice) -> ChatLogprobs | None:
         if self.top is None:
@@ -445,9 +479,16 @@ class ChatServing(Serving):
 
     def chunk_for(self, delta: ChoiceDelta) -> BaseModel:
         c = delta.output
-        message = DeltaMessage(role="assistant" if delta.first else None, content=delta.text)
+        content, calls = delta.text, None
+        finish_reason = c.finish_reason
+        if self.tools is not None:
+            streamer = self._streamers.setdefault(delta.index, ToolStreamer(self.tools))
+            content, calls = streamer.feed(delta.text, delta.finished)
+            calls = calls or None
+            finish_reason = self._finish_reason(finish_reason, streamer.calls > 0)
+        message = DeltaMessage(role="assistant" if delta.first else None, content=content, tool_calls=calls)
         choice = ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(c, delta.new_tokens),
-                                  finish_reason=c.finish_reason if delta.finished else None,
+                                  finish_reason=finish_reason if delta.finished else None,
                                   stop_reason=c.stop_reason if delta.finished else None)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 

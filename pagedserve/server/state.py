@@ -30,6 +30,9 @@ class ServerState:
     api_key: str | None = None
     shutdown_timeout: float = 5.0
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Tool calling: tool_choice "auto" needs both (server/tools.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
