@@ -180,8 +180,13 @@ CATALOGUE = [
     Bad("chat-prompt-longer-than-context", H, {"messages": [{"role": "user", "content": "x " * 600}]}, 400,
         "messages", ["512"]),
     Bad("chat-tools", H, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
-    Bad("chat-json-response-format", H, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
-        "response_format"),
+    Bad("chat-invalid-json-schema", H, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": "a"}}}}, 400,
+        "response_format", ["schema"]),
+    Bad("completion-bad-regex", C, {"prompt": "x", "guided_regex": "a{2"}, 400, "guided_regex", ["regex"]),
+    Bad("chat-empty-choice", H, {"messages": USER, "structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+    Bad("chat-auto-tools-without-parser", H, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", ["--enable-auto-tool-choice"]),
     Bad("chat-max-completion-tokens-zero", H, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
     # Model, key, route
     Bad("unknown-model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model", ["gpt-4"]),
