@@ -106,8 +106,9 @@ def decode_steps(llm: LLM, batch: int, steps: int, constraint: StructuredOutputs
 
 def compile_times(llm: LLM) -> dict:
     engine = llm.engine
-    t = time.perf_counter()
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    t = time.perf_counter()
+    compiler._xgrammar_compiler()
     info_s = time.perf_counter() - t
     params = StructuredOutputsParams(json=TYPICAL_SCHEMA)
     t = time.perf_counter()

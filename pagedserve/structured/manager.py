@@ -41,13 +41,13 @@ class GrammarCompiler:
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                        stop_token_ids=self.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        self._tokenizer = tokenizer
+        self._compiler = None     # xgrammar's, over its view of the vocabulary: built on a pool thread
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="pagedserve-grammar")
         self._cache: dict[tuple[str, str], Future] = {}
         self._max_cached = max_cached
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # the cache (engine thread, briefly)
+        self._build_lock = threading.Lock()      # the xgrammar compiler (pool threads)
         self.on_ready: Callable[[], None] = lambda: None   # called (on a pool thread) when a compile ends
         self.num_compiles = 0
 
@@ -66,7 +66,17 @@ class GrammarCompiler:
         return future
 
     def _compile(self, ebnf: str):
-        return self._compiler.compile_grammar(self._xgr.Grammar.from_ebnf(ebnf))
+        return self._xgrammar_compiler().compile_grammar(self._xgr.Grammar.from_ebnf(ebnf))
+
+    def _xgrammar_compiler(self):
+        """Built by the first compile (reading the vocabulary takes a while), not on the engine thread."""
+        with self._build_lock:
+            if self._compiler is None:
+                xgr = self._xgr
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
 
     def new_state(self, params: StructuredOutputsParams) -> "StructuredState":
         return StructuredState(self.compile(params), self.stop_token_ids, bitmask_width(self.vocab_size))
