@@ -96,7 +96,8 @@ def _check_step(out: "SchedulerOutput") -> list[StepWrite]:
 
 def _check_batch(scheduler: "Scheduler", out: "SchedulerOutput") -> None:
     """The worker's copy of the step (`out.batch`, plain data) says what the step does:
-    the same sequences, tokens, current block tables, sampling rows and block moves."""
+    the same sequences, tokens, current block tables, sampling rows, block moves, and a
+    grammar bitmask row for each constrained sampling row."""
     batch = out.batch
     by_id = {s.seq.seq_id: s for s in out.scheduled}
     assert sorted(by_id) == sorted(t.seq_id for t in batch.seqs), "the batch names other sequences than the step"
@@ -109,3 +110,8 @@ def _check_batch(scheduler: "Scheduler", out: "SchedulerOutput") -> None:
     assert [s.seq.seq_id for s in out.sampled] == [t.seq_id for t in batch.seqs if t.sample is not None]
     assert (batch.swap_out, batch.swap_in, batch.block_copies) == (out.swap_out, out.swap_in, out.block_copies), \
         "the batch moves other blocks than the step"
+    constrained = [row for row, s in enumerate(out.sampled) if s.request.structured is not None]
+    assert batch.grammar_rows == constrained, "the batch masks other rows than the constrained ones"
+    assert (batch.grammar_bitmask is None) == (not constrained) and \
+        (batch.grammar_bitmask is None or batch.grammar_bitmask.shape[0] == len(constrained)), \
+        "the batch's grammar bitmask does not have one row per constrained row"
