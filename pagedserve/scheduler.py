@@ -43,7 +43,9 @@ unfinished requests never schedules nothing. Why:
    So it computes a token, and, never preempted, never loses one: it finishes within
    as many steps as it has tokens to compute.
 4. With nothing running, the oldest swapped request is swapped in, or else the first
-   waiting one admitted, with the whole pool and budget: by 1, it fits.
+   waiting one admitted, with the whole pool and budget: by 1, it fits. (A request whose
+   grammar is still compiling is passed over, keeping its place; a compile ends, and then
+   the request is admitted like any other, or failed by the engine if it did not compile.)
 5. A failed admission leaves the request exactly as it was before (no blocks, and a
    group rejoins its leader, as after preemption by recompute), so failing never
    turns a request into one that can no longer fit.
