@@ -122,6 +122,20 @@ def compile_times(llm: LLM) -> dict:
     return {"tokenizer_info_ms": info_s * 1e3, "first_compile_ms": first_s * 1e3, "cached_ms": cached_s * 1e3}
 
 
+def run(llm: LLM, batch_sizes: list[int], steps: int) -> dict:
+    constraint = StructuredOutputsParams(json=OPEN_SCHEMA)
+    decode_steps(llm, 1, 2, constraint)   # warm up: the compiler, the kernels
+    rows = []
+    for batch in batch_sizes:
+        free = decode_steps(llm, batch, steps, None)
+        bound = decode_steps(llm, batch, steps, constraint)
+        mask_ms = bound["fill_ms"] + bound["apply_ms"]
+        rows.append({"batch": batch, "unconstrained": free, "constrained": bound,
+                     "bitmask_share": mask_ms / bound["step_ms"],
+                     "slowdown": bound["step_ms"] / free["step_ms"]})
+    return {"steps": steps, "rows": rows, "compile": compile_times(llm)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
@@ -133,18 +147,9 @@ def main() -> None:
     if args.smoke:
         args.batch_sizes, args.steps = [1, 4], 6
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes))
-    constraint = StructuredOutputsParams(json=OPEN_SCHEMA)
-    decode_steps(llm, 1, 2, constraint)   # warm up: the compiler, the kernels
-    rows = []
-    for batch in args.batch_sizes:
-        free = decode_steps(llm, batch, args.steps, None)
-        bound = decode_steps(llm, batch, args.steps, constraint)
-        mask_ms = bound["fill_ms"] + bound["apply_ms"]
-        rows.append({"batch": batch, "unconstrained": free, "constrained": bound,
-                     "bitmask_share": mask_ms / bound["step_ms"],
-                     "slowdown": bound["step_ms"] / free["step_ms"]})
-    compiles = compile_times(llm)
-    result = {"steps": args.steps, "smoke": args.smoke, "rows": rows, "compile": compiles}
+    result = run(llm, args.batch_sizes, args.steps)
+    result["smoke"] = args.smoke
+    rows, compiles = result["rows"], result["compile"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -201,3 +201,29 @@ def test_the_sampler_applies_the_bitmask_to_its_rows_only():
     rows = [SamplingRow(settings, 0, None, None, None) for _ in range(2)]
     out = Sampler(set()).__call__(logits, rows, [0], bitmask)
     assert out.token_ids == [37, 3]
+
+
+def test_the_benchmark_runs(llm):
+    """benchmarks/structured.py on a tiny setting (no timing is checked): the constrained runs
+    fill and apply a bitmask every decode step, the unconstrained ones never."""
+    from benchmarks.structured import run as run_benchmark
+    result = run_benchmark(llm, [1, 2], 3)
+    for row in result["rows"]:
+        assert row["unconstrained"]["fill_ms"] == row["unconstrained"]["apply_ms"] == 0
+        assert row["constrained"]["fill_ms"] > 0 and row["constrained"]["apply_ms"] > 0
+    assert set(result["compile"]) == {"tokenizer_info_ms", "first_compile_ms", "cached_ms"}
+    assert_no_blocks_held(llm)
+
+
+def test_chat_shows_tools_to_templates_that_take_them(llm):
+    import copy
+    from pagedserve.engine.llm import render_chat
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    conv = [{"role": "user", "content": "Weather?"}]
+    tok = copy.deepcopy(llm.get_tokenizer())
+    tok.chat_template = "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    assert tok.decode(render_chat(tok, conv, tools=tools)) == "get_weather;Weather?"
+    assert tok.decode(render_chat(tok, conv)) == "Weather?"
+    (out,) = llm.chat(conv, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False, tools=tools)
+    assert out.finished

@@ -39,10 +39,14 @@ class LLM:
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """tools: function definitions for chat templates that show them (to make the model call
+        one, constrain the output to its parameters with structured_outputs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": render_chat(tok, conv, add_generation_prompt)} for conv in conversations]
+        prompts = [{"prompt_token_ids": render_chat(tok, conv, add_generation_prompt, tools)}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
