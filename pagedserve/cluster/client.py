@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from pagedserve.cluster.replica import EngineReplica, PollResult, ReplicaInfo, rebuild_error
 from pagedserve.cluster.routing import NoReplicaError, Router
@@ -36,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.02          # seconds between a replica's polls (KV events and stats)
 MAX_RESTARTS = 4              # Ray restarts a dead replica actor this often
-STARTS_BEFORE_GIVING_UP = 3   # failed engine starts of one replica before it is given up
+COMEBACK_TIMEOUT = 300.0      # seconds a down replica may keep failing to start before it is given up
+RAY_NAMESPACE = "pagedserve"
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
@@ -120,6 +123,7 @@ class DataParallelLLM:
             else None
         self._replica_options = dict(num_cpus=num_cpus_per_replica, max_restarts=MAX_RESTARTS, max_task_retries=0)
         self._log_interval = log_interval
+        self.name = f"dp-{os.getpid()}-{uuid.uuid4().hex[:6]}"   # prefix of the replicas' actor names
         self.state = "created"
         self.tokenizer: Any = None
         self.max_model_len = 0
@@ -148,6 +152,12 @@ class DataParallelLLM:
         self._actual = Counter(PREFIX + "router_actual_prefix_hit_tokens",
                                "Prompt tokens the chosen replica's prefix cache served.",
                                ["model_name"], registry=r).labels(name)
+        up = Gauge(PREFIX + "router_replica_up", "1 while the replica takes requests, 0 while it is down.",
+                   ["model_name", "engine"], registry=r)
+        indexed = Gauge(PREFIX + "router_indexed_blocks", "Blocks of the replica's prefix cache in the router's index.",
+                        ["model_name", "engine"], registry=r)
+        self._up = [up.labels(name, str(i)) for i in range(self.num_replicas)]
+        self._indexed = [indexed.labels(name, str(i)) for i in range(self.num_replicas)]
         self._rerouted = Counter(PREFIX + "router_rerouted_requests",
                                  "Requests sent again because their replica failed before taking them.",
                                  ["model_name"], registry=r).labels(name)
@@ -166,8 +176,10 @@ class DataParallelLLM:
             self._ray_started = await asyncio.to_thread(init_ray, self.ray_address, self.ray_num_cpus)
             actor_cls = ray.remote(EngineReplica)
             share = self.max_waiting_requests and -(-self.max_waiting_requests // self.num_replicas)
-            self.actors = [actor_cls.options(**self._replica_options, name=None).remote(
-                self.config, share, self._log_interval) for _ in range(self.num_replicas)]
+            # Named (in Ray's "pagedserve" namespace) so that operators and tests can find a replica.
+            self.actors = [actor_cls.options(**self._replica_options, name=f"{self.name}-replica-{i}",
+                                             namespace=RAY_NAMESPACE).remote(self.config, share, self._log_interval)
+                           for i in range(self.num_replicas)]
             self.infos = list(await asyncio.gather(*(a.start.remote() for a in self.actors)))
             info = self.infos[0]
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer or info.model_path)
@@ -315,26 +327,29 @@ class DataParallelLLM:
         if self.router.replicas[i].alive:
             logger.error("replica %d is down: its requests fail, new ones go to the others", i)
             self.router.set_alive(i, False)
+            self._up[i].set(0)
+            self._indexed[i].set(0)
 
     async def _monitor(self, i: int) -> None:
         """Poll replica i; when it is gone, wait for Ray to restart it and start its engine."""
         from ray.exceptions import RayActorError
-        actor, failed_starts = self.actors[i], 0
+        actor, down_since = self.actors[i], None
         while True:
             try:
                 result: PollResult = await actor.poll.remote()
             except RayActorError:
                 self._replica_down(i)
+                down_since = down_since or time.monotonic()
                 try:
-                    info = await actor.start.remote()   # queued until Ray has restarted the actor
-                except Exception as e:   # noqa: BLE001
-                    failed_starts += 1
-                    if failed_starts >= STARTS_BEFORE_GIVING_UP:
-                        logger.error("replica %d cannot come back (%r): given up", i, e)
+                    info = await actor.start.remote()   # runs once Ray has restarted the actor
+                except Exception as e:   # noqa: BLE001 - still restarting, or its engine failed to start
+                    if time.monotonic() - down_since > COMEBACK_TIMEOUT:
+                        logger.error("replica %d has not come back in %.0f s (%r): given up", i, COMEBACK_TIMEOUT, e)
                         self._given_up(i)
                         return
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(0.5)
                     continue
+                down_since = None
                 self._rejoin(i, info)
                 continue
             if result.incarnation != self.infos[i].incarnation:   # restarted between two polls
@@ -342,6 +357,8 @@ class DataParallelLLM:
                 self._rejoin(i, await actor.start.remote())
                 continue
             self.router.apply_events(i, result.events)
+            self._indexed[i].set(len(self.router.index.keys[i]))
+            self._up[i].set(1 if self.router.replicas[i].alive else 0)
             for it in result.iterations:
                 self.metrics.record_engine(i, result.stats, it)
             if result.stats is not None and not result.iterations:
