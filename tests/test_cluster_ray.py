@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from pagedserve.server.launcher import launch_server
 from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, sse_events, tiny_server_args
 
@@ -61,14 +61,20 @@ def wait_for(cond, what: str, timeout: float = 120.0):
     return value
 
 
-def wait_synced(http) -> dict:
-    """Both replicas idle and the router's index as large as each replica's real cache."""
+def finished(m: dict) -> float:
+    """Requests the replicas have finished (any reason), from their stats."""
+    return sum(v for k, v in m.items() if k.startswith("pagedserve:request_success_total"))
+
+
+def wait_synced(http, num_finished: float | None = None) -> dict:
+    """Both replicas idle, the router's index as large as each replica's real cache, and (if
+    given) num_finished requests finished: the polls have caught up with the replicas."""
     def synced():
         m = metrics(http)
         sizes = ray.get([r.cached_block_keys.remote() for r in replicas()])
         ok = all(engine(m, "num_requests_running", i) == 0 and engine(m, "kv_cache_usage_perc", i) == 0
                  and engine(m, "router_indexed_blocks", i) == len(sizes[i]) for i in range(2))
-        return m if ok else None
+        return m if ok and (num_finished is None or finished(m) == num_finished) else None
     return wait_for(synced, "the router's index to catch up")
 
 
@@ -88,6 +94,16 @@ def test_streaming_n2_chat_tokenize_and_metrics_through_the_router(server, clien
                                            max_tokens=8, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
     assert http.post("/tokenize", json={"prompt": PROMPT}).json()["count"] == len(ref.prompt_token_ids)
+    # Beam search and logprobs come back from the replica as the offline engine gives them.
+    beams = offline.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, n=2, best_of=3,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in r.choices] == [s.text for s in beams.sequences[:2]]
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    got = r.choices[0].logprobs.token_logprobs
+    assert got == pytest.approx([lp[t].logprob for t, lp in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)],
+                                abs=1e-4)
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     bad = client.with_options(max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:       # the replica's validation, as a 400 naming the param
@@ -102,13 +118,13 @@ def test_streaming_n2_chat_tokenize_and_metrics_through_the_router(server, clien
 
 def test_repeated_long_prefix_lands_on_the_replica_that_holds_it(http, client):
     system = "You are a careful assistant who answers in full sentences. " * 12
+    done = finished(wait_synced(http))
     client.completions.create(model="tiny", prompt=system + "First question?", max_tokens=2, temperature=0)
-    before = wait_synced(http)
+    before = wait_synced(http, done + 1)
     holder = max(range(2), key=lambda i: engine(before, "router_indexed_blocks", i))
-    for q in ("Second question?", "A third one.", "And the last"):
+    for k, q in enumerate(("Second question?", "A third one.", "And the last")):
         client.completions.create(model="tiny", prompt=system + q, max_tokens=2, temperature=0)
-        wait_synced(http)
-    after = metrics(http)
+        after = wait_synced(http, done + 2 + k)
     hits = [engine(after, "prefix_cache_hits_total", i) - engine(before, "prefix_cache_hits_total", i)
             for i in range(2)]
     assert hits[holder] >= 3 * 16 * 10 and hits[1 - holder] == 0, hits
@@ -153,7 +169,7 @@ def test_a_killed_replica_fails_its_requests_only_and_rejoins(http, client, serv
         assert out.choices[0].finish_reason == "length"
     # The restarted replica rejoins (a fresh engine) and takes requests again.
     wait_for(lambda: engine(metrics(http), "router_replica_up", victim) == 1, "the replica to rejoin", timeout=240)
-    before = metrics(http)
+    before = wait_synced(http)
     threads = [threading.Thread(target=client.completions.create,
                                 kwargs=dict(model="tiny", prompt=p, max_tokens=24, temperature=0,
                                             extra_body={"ignore_eos": True}))
@@ -162,7 +178,7 @@ def test_a_killed_replica_fails_its_requests_only_and_rejoins(http, client, serv
         t.start()
     for t in threads:
         t.join(120)
-    after = wait_synced(http)
+    after = wait_synced(http, finished(before) + 2)
     done = [engine(after, "request_success_total", i, finished_reason="length")
             - engine(before, "request_success_total", i, finished_reason="length") for i in range(2)]
     assert done == [1, 1], done

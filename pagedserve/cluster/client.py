@@ -44,7 +44,8 @@ RAY_NAMESPACE = "pagedserve"
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     """Join the Ray cluster at `address` ("auto": the one this node belongs to), or start a
-    local instance; returns whether this call started Ray."""
+    local instance; returns whether this call connected this process (False: it already was).
+    ray.shutdown() then disconnects, and stops the instance only if it started it."""
     import ray
     if ray.is_initialized():
         return False
@@ -109,8 +110,9 @@ class DataParallelLLM:
     def __init__(self, config: EngineConfig, metrics: PrometheusStatLogger | None = None,
                  max_waiting_requests: int | None = None, log_interval: float | None = None,
                  num_cpus_per_replica: float = 1, ray_num_cpus: int | None = None) -> None:
-        """config.data_parallel_size replicas, routed by config.routing_policy, on the Ray cluster
-        at config.ray_address (None: a local instance with `ray_num_cpus`, default all)."""
+        """config.data_parallel_size replicas, routed by config.routing_policy. Connect the process
+        to Ray first (init_ray, on the main thread, as run_server does); if it is not, start()
+        joins config.ray_address (None: a local instance with `ray_num_cpus`, default all)."""
         self.num_replicas = num_replicas = config.data_parallel_size
         self.routing_policy = config.routing_policy
         self.config = dataclasses.replace(config, data_parallel_size=1)   # what each replica runs
@@ -132,7 +134,7 @@ class DataParallelLLM:
         self.num_blocks = 0
         self.actors: list[Any] = []
         self.infos: list[ReplicaInfo | None] = [None] * num_replicas
-        self._ray_started = False
+        self._ray_connected = False   # this client connected the process to Ray (and disconnects it)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
         self._dead: asyncio.Future | None = None
@@ -173,7 +175,7 @@ class DataParallelLLM:
     async def _start(self) -> None:
         import ray
         try:
-            self._ray_started = await asyncio.to_thread(init_ray, self.ray_address, self.ray_num_cpus)
+            self._ray_connected = await asyncio.to_thread(init_ray, self.ray_address, self.ray_num_cpus)
             actor_cls = ray.remote(EngineReplica)
             share = self.max_waiting_requests and -(-self.max_waiting_requests // self.num_replicas)
             # Named (in Ray's "pagedserve" namespace) so that operators and tests can find a replica.
@@ -220,7 +222,7 @@ class DataParallelLLM:
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
         self.state = "stopped"
-        if self._ray_started:
+        if self._ray_connected:
             await asyncio.to_thread(ray.shutdown)
 
     # ---- requests ----------------------------------------------------------------------------

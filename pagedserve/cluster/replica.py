@@ -9,11 +9,12 @@ The server's client (client.py) talks to it through Ray calls only:
 - `abort`, `abort_all`;
 - `poll()` hands over what happened since the last poll: the prefix cache's KV events (in
   order: the router's index replays them exactly), the latest scheduler stats and every
-  step's iteration stats (for /metrics), and this incarnation's id (a restarted actor has
-  a new one, and an empty cache).
+  step's iteration stats (for /metrics), both as of the engine's last published step, and
+  this incarnation's id (a restarted actor has a new one, and an empty cache).
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -47,20 +48,29 @@ def rebuild_error(kind: str, message: str, param: str | None, code: str | None) 
 
 
 @dataclass
-class _StatsBuffer:
-    """A stat logger (engine thread) whose records wait for the next poll (actor's loop);
-    list.append and swapping the attribute are atomic under the GIL."""
+class _Published:
+    """A stat logger (called on the engine thread after every step, add and abort) that also
+    moves the KV events of that step out of the event log: a poll (the actor's loop) then gets
+    the events and the stats of the same moment, so the router's index and /metrics never
+    disagree about what the replica has done."""
+    kv_events: KVEventLog
     latest: SchedulerStats | None = None
     iterations: list[IterationStats] = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
-        self.latest = s
-        if it is not None and not it.empty:
-            self.iterations.append(it)
+        with self.lock:
+            self.events += self.kv_events.drain()
+            self.latest = s
+            if it is not None and not it.empty:
+                self.iterations.append(it)
 
-    def take(self) -> tuple[SchedulerStats | None, list[IterationStats]]:
-        iterations, self.iterations = self.iterations, []
-        return self.latest, iterations
+    def take(self) -> tuple[list[KVEvent], SchedulerStats | None, list[IterationStats]]:
+        with self.lock:
+            events, self.events = self.events, []
+            iterations, self.iterations = self.iterations, []
+            return events, self.latest, iterations
 
 
 @dataclass
@@ -88,10 +98,10 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  log_interval: float | None = None) -> None:
         self.incarnation = uuid.uuid4().hex
-        self.events = KVEventLog()
-        self.stats = _StatsBuffer()
-        self.llm = AsyncLLM(config, [self.stats], log_interval=log_interval,
-                            max_waiting_requests=max_waiting_requests, kv_events=self.events)
+        events = KVEventLog()
+        self.published = _Published(events)
+        self.llm = AsyncLLM(config, [self.published], log_interval=log_interval,
+                            max_waiting_requests=max_waiting_requests, kv_events=events)
 
     async def start(self) -> ReplicaInfo:
         if self.llm.state == "created":
@@ -123,11 +133,12 @@ class EngineReplica:
         self.llm.abort_all()
 
     def poll(self) -> PollResult:
-        stats, iterations = self.stats.take()
-        return PollResult(self.incarnation, self.llm.state, self.events.drain(), stats, iterations)
+        events, stats, iterations = self.published.take()
+        return PollResult(self.incarnation, self.llm.state, events, stats, iterations)
 
     def cached_block_keys(self) -> set[bytes]:
-        """The keys in this engine's prefix cache now (tests compare the router's index)."""
+        """The keys in this engine's prefix cache now (tests compare the router's index; read
+        while the engine is idle)."""
         return set(self.llm.engine.scheduler.kv.pool.cached)
 
     async def shutdown(self) -> None:

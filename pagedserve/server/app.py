@@ -271,5 +271,14 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
 
     state.on_start_failed = server.stop
     state.on_engine_dead = server.stop
-    server.run()
+    ray_connected = False
+    if config.data_parallel_size > 1:   # Ray is joined and left on the main thread, around the server's life
+        from pagedserve.cluster.client import init_ray
+        ray_connected = init_ray(config.ray_address)
+    try:
+        server.run()
+    finally:
+        if ray_connected:
+            import ray
+            ray.shutdown()
     return 1 if llm.state in ("failed", "dead") or not server.started else 0
