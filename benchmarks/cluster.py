@@ -97,7 +97,7 @@ async def run_real_policy(policy: str, trace: list[SimRequest], args) -> dict:
         sent = time.monotonic()
         params = SamplingParams(max_tokens=len(req.output), ignore_eos=True, temperature=0)
         stream = await llm.add_requests([(req.request_id, {"prompt": None, "prompt_token_ids": req.prompt}, params)])
-        where[req.request_id] = llm._where.get(req.request_id)
+        where[req.request_id] = stream.replica_of[req.request_id]
         first = None
         async for o in stream:
             if first is None and o.outputs and o.outputs[0].token_ids:

@@ -76,6 +76,7 @@ class RoutedStream:
         self._unfinished = set(request_ids)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
+        self.replica_of: dict[str, int] = {}     # request id -> the replica it was sent to
 
     @property
     def finished(self) -> bool:
@@ -246,6 +247,7 @@ class DataParallelLLM:
         try:
             for rid, prompt, params in items:
                 gen, replica = await self._add_one(rid, prompt, params)
+                stream.replica_of[rid] = replica
                 stream._pumps.append(asyncio.create_task(self._pump(stream, rid, replica, gen)))
         except BaseException:
             stream.close()
