@@ -23,7 +23,8 @@ simulated clock) on a trace of --sim-requests requests: hit rate, queueing delay
 to first scheduled) mean and p99, TTFT, imbalance. Simulated seconds: the routing and
 caching are the real code, the times come from sim.LinearStepTime's made-up constants.
 
-Writes benchmarks/results/cluster.json and cluster.png; prints markdown tables.
+Writes benchmarks/results/cluster.json (a run of one part keeps the other's last results) and
+cluster.png; prints markdown tables.
 """
 from __future__ import annotations
 
@@ -242,7 +243,12 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    out.with_suffix(".json").write_text(json.dumps(dict(settings=settings, real=real, sim=sim), indent=1))
+    path = out.with_suffix(".json")
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    # A run of one part keeps the other part's last results (and the settings they ran with).
+    record = {"real": dict(settings=settings, rows=real) if real else saved.get("real"),
+              "sim": dict(settings=settings, rows=sim) if sim else saved.get("sim")}
+    path.write_text(json.dumps(record, indent=1))
     plot(sim, out.with_suffix(".png"))
     print(tables(real, sim))
 
