@@ -94,6 +94,12 @@ def test_streaming_n2_chat_tokenize_and_metrics_through_the_router(server, clien
                                            max_tokens=8, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
     assert http.post("/tokenize", json={"prompt": PROMPT}).json()["count"] == len(ref.prompt_token_ids)
+    # Two prompts in one request: each routed on its own, answered in order.
+    refs = offline.generate([PROMPT, "Keys and values"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)
+    r = client.completions.create(model="tiny", prompt=[PROMPT, "Keys and values"], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in refs]
     # Beam search and logprobs come back from the replica as the offline engine gives them.
     beams = offline.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, n=2, best_of=3,
