@@ -46,7 +46,11 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     """Join the Ray cluster at `address` ("auto": the one this node belongs to), or start a
     local instance; returns whether this call connected this process (False: it already was).
     ray.shutdown() then disconnects, and stops the instance only if it started it."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("data parallelism runs its replicas on Ray, which is not installed: "
+                           "pip install -e '.[ray]'") from None
     if ray.is_initialized():
         return False
     if address:
@@ -178,6 +182,7 @@ class DataParallelLLM:
         try:
             self._ray_connected = await asyncio.to_thread(init_ray, self.ray_address, self.ray_num_cpus)
             actor_cls = ray.remote(EngineReplica)
+            self._place_on_gpus(ray.cluster_resources().get("GPU", 0))
             share = self.max_waiting_requests and -(-self.max_waiting_requests // self.num_replicas)
             # Named (in Ray's "pagedserve" namespace) so that operators and tests can find a replica.
             self.actors = [actor_cls.options(**self._replica_options, name=f"{self.name}-replica-{i}",
@@ -199,6 +204,18 @@ class DataParallelLLM:
             self._tasks.append(asyncio.create_task(self._monitor(i)))
         logger.info("%d replicas ready (%s routing): %s, max_model_len %d, %d KV blocks each", self.num_replicas,
                     self.routing_policy, self.model_path, self.max_model_len, self.num_blocks)
+
+    def _place_on_gpus(self, num_gpus: float) -> None:
+        """One GPU per replica (Ray sets each actor's CUDA_VISIBLE_DEVICES) when the cluster has a
+        GPU for every replica and the engine is not told to run on CPU; otherwise replicas are
+        placed by CPU only and each uses the devices it sees."""
+        if self.config.device == "cpu" or num_gpus < 1:
+            return
+        if num_gpus >= self.num_replicas:
+            self._replica_options["num_gpus"] = 1
+        else:
+            logger.warning("%d replicas but %d GPUs in the Ray cluster: replicas are placed by CPU and share "
+                           "the GPUs they see", self.num_replicas, num_gpus)
 
     async def wait_started(self) -> None:
         await asyncio.shield(self._started)

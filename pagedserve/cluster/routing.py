@@ -92,7 +92,6 @@ class ReplicaView:
 
 @dataclass
 class RouteRequest:
-    num_prompt_tokens: int
     keys: list[BlockKey]      # lookup_block_keys of the prompt
 
 
@@ -251,7 +250,7 @@ class Router:
         live = [i for i in self.live if i not in excluded]
         if not live:
             raise NoReplicaError("no replica is alive to take the request")
-        req = RouteRequest(len(token_ids), lookup_block_keys(token_ids, self.block_size, cache_salt))
+        req = RouteRequest(lookup_block_keys(token_ids, self.block_size, cache_salt))
         view = self.replicas
         if excluded:   # the policy sees only the candidates
             view = [ReplicaView(alive=r.alive and i not in excluded, in_flight=r.in_flight)
