@@ -272,7 +272,9 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     state.on_start_failed = server.stop
     state.on_engine_dead = server.stop
     ray_connected = False
-    if config.data_parallel_size > 1:   # Ray is joined and left on the main thread, around the server's life
+    # Ray is joined on the main thread before uvicorn installs its signal handlers: Ray's own
+    # SIGTERM handler (abseil's) would otherwise run first and abort the process 3 s into the drain.
+    if config.data_parallel_size > 1:
         from pagedserve.cluster.client import init_ray
         ray_connected = init_ray(config.ray_address)
     try:
