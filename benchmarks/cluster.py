@@ -229,12 +229,12 @@ def main() -> None:
     ap.add_argument("--sim-rate", type=float, default=20.0, help="requests per replica per simulated second")
     ap.add_argument("--sim-blocks", type=int, default=1024, help="KV blocks (16 tokens) per simulated replica")
     ap.add_argument("--sim-max-num-seqs", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="the lead's mode: 24 real requests, 5k simulated")
+    ap.add_argument("--quick", action="store_true", help="the lead's mode: 24 real requests, 3k simulated")
     ap.add_argument("--smoke", action="store_true", help="a few requests of each part, to check the script")
     ap.add_argument("--out", default="benchmarks/results/cluster")
     args = ap.parse_args()
     if args.quick:
-        args.real_requests, args.sim_requests, args.user_rate = 24, 5_000, 1.0
+        args.real_requests, args.sim_requests, args.user_rate = 24, 3_000, 1.0
     if args.smoke:
         args.real_requests, args.sim_requests, args.sim_replicas = 6, 300, [2, 4]
         args.user_rate, args.output_len, args.systems, args.turns = 4.0, 4, 2, 2
