@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES
+from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES, ROUTING_POLICIES
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 
@@ -105,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
     model = args.model_tag or args.model
-    config = EngineConfig(model=model, **engine_kwargs(args))
+    config = EngineConfig(model=model, data_parallel_size=args.data_parallel_size,
+                          routing_policy=args.routing_policy, ray_address=args.ray_address, **engine_kwargs(args))
     return run_server(config, host=args.host, port=args.port, served_model_names=args.served_model_name,
                       api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
                       max_waiting_requests=args.max_waiting_requests,
@@ -140,6 +141,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"])
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (Ray actors) behind this endpoint")
+    p.add_argument("--routing-policy", default="kv_aware", choices=ROUTING_POLICIES,
+                   help="with --data-parallel-size > 1: how a request's replica is chosen")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster ('auto': the one this node is in); default: start a local one")
     add_engine_args(p)
 
 

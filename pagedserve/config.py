@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")        # kv/contiguous.py: the paper's baselines
 KV_ALLOCATORS = ("paged", *CONTIGUOUS_POLICIES)
 PREEMPTION_MODES = ("recompute", "swap")
+ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "prefix_hash")   # cluster/routing.py
 
 
 def _one_of(name: str, value, choices: tuple) -> None:
@@ -53,6 +54,11 @@ class EngineConfig:
     device: str | None = None               # cpu | cuda | cuda:N
     attention_backend: str | None = None    # cpu (C++ kernel) | torch (reference) | triton
     gpu_memory_utilization: float = 0.9     # CUDA, kv_cache_memory unset: KV gets this share of free memory, less the weights
+    # Data parallelism (the server): this many engine replicas as Ray actors behind one router
+    # (pagedserve/cluster/), which sends each request to one of them by `routing_policy`.
+    data_parallel_size: int = 1
+    routing_policy: str = "kv_aware"        # kv_aware | round_robin | least_loaded | prefix_hash
+    ray_address: str | None = None          # None: start a local Ray instance; "auto" or an address: join it
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -78,6 +84,9 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.attention_backend is not None:
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        _one_of("routing_policy", self.routing_policy, ROUTING_POLICIES)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

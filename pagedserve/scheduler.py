@@ -65,6 +65,7 @@ from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOut
                               SamplingSettings, ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
+from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -156,16 +157,18 @@ def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSett
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
-                 decode_token: Callable[[int], str] | None = None) -> None:
+                 decode_token: Callable[[int], str] | None = None, kv_events: KVEventSink | None = None) -> None:
         """eos_token_ids: every EOS id of the model (tokenizer and generation config), for
-        sampling and beam search alike; decode_token: a token's text, for logprob entries."""
+        sampling and beam search alike; decode_token: a token's text, for logprob entries;
+        kv_events: told of the prefix cache's changes (a data-parallel router listens)."""
         self.config = config
         self.block_size = config.block_size
         self.max_model_len = max_model_len or config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode_token = decode_token
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
-                                                 config.enable_prefix_caching, self.max_model_len, num_host_blocks)
+                                                 config.enable_prefix_caching, self.max_model_len, num_host_blocks,
+                                                 kv_events)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)

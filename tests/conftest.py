@@ -225,3 +225,13 @@ def kernel_variant(request):
 def avx2_kernels():
     """The AVX2 kernel variant, as a CPU without AVX-512 runs it."""
     yield from _run_kernel_variant("avx2")
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One local Ray instance (2 CPUs: two one-thread replicas) for the whole run, shared by the
+    tests that need Ray; servers join it with --ray-address. Starting Ray costs seconds."""
+    ray = pytest.importorskip("ray")
+    ctx = ray.init(num_cpus=2, include_dashboard=False, namespace="pagedserve-tests")
+    yield ctx.address_info["gcs_address"]
+    ray.shutdown()

@@ -34,6 +34,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger)
+from pagedserve.kv.events import KVEventSink
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request
@@ -121,8 +122,10 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
-                 log_interval: float | None = 10.0, max_waiting_requests: int | None = None) -> None:
+                 log_interval: float | None = 10.0, max_waiting_requests: int | None = None,
+                 kv_events: KVEventSink | None = None) -> None:
         self.config = config
+        self.kv_events = kv_events         # the engine's prefix-cache changes go here (kv/events.py)
         # Requests waiting for the engine (queued, or added but not applied yet) beyond this
         # are refused with QueueFullError, so a flood cannot grow memory without bound.
         self.max_waiting_requests = max_waiting_requests if max_waiting_requests and max_waiting_requests > 0 \
@@ -303,7 +306,7 @@ class AsyncLLM:
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.config)
+            self.engine = LLMEngine(self.config, self.kv_events)
             self.engine.on_grammar_ready = self._wake.set   # a compile ended: look at the queue again
             path = self.engine.model_path
             self.tokenizer = load_tokenizer(self.config.tokenizer or path)

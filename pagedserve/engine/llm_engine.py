@@ -19,6 +19,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
+from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
@@ -57,8 +58,9 @@ class RequestsFailed(Exception):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         self.config = config
+        self.kv_events = kv_events      # told of prefix-cache changes (kv/events.py), e.g. for a router
         torch.manual_seed(config.seed)
         path = config.model or default_model_path()
         self.model_path = path
@@ -92,7 +94,7 @@ class LLMEngine:
     # ---- setup helpers -------------------------------------------------------------------
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
-                         self.eos_token_ids, self.tokenizer.convert_ids_to_tokens)
+                         self.eos_token_ids, self.tokenizer.convert_ids_to_tokens, self.kv_events)
 
     @staticmethod
     def _resolve_max_model_len(requested: int | None, args) -> int:

@@ -12,6 +12,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.kv.events import KVEventSink
 
 # A full block's identity for prefix caching: SHA-256 over (parent block's key, its token ids,
 # extra keys). Chaining through the parent makes a key stand for the whole prefix up to the
@@ -49,6 +53,13 @@ def prefix_block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int
         yield parent
 
 
+def lookup_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[BlockKey]:
+    """The keys a prompt's prefix-cache lookup asks for, in order: its full blocks, except that
+    the last token is always computed (its logits are sampled from), so at most len-1 tokens
+    can come from the cache. The engine's lookup and the data-parallel router both use this."""
+    return list(prefix_block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size, cache_salt))
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
@@ -67,12 +78,16 @@ class BlockPool:
     reused for something else, so a later request with the same prefix can take it back.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: "KVEventSink | None" = None) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
         self.num_evictions = 0           # cached blocks reused for other content
+        # Told of every key entering and leaving `cached` (kv/events.py); a new pool starts empty.
+        self.events = events
+        if events is not None:
+            events.cleared()
 
     @property
     def num_blocks(self) -> int:
@@ -127,8 +142,12 @@ class BlockPool:
             return
         block.key = key
         self.cached[key] = block
+        if self.events is not None:
+            self.events.stored(key)
 
     def _uncache(self, block: KVBlock) -> None:
         if block.key is not None:
             del self.cached[block.key]
+            if self.events is not None:
+                self.events.removed(block.key)
             block.key = None

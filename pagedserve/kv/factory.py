@@ -3,15 +3,18 @@ from __future__ import annotations
 
 from pagedserve.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedserve.kv.contiguous import ContiguousKVCacheManager
+from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.kv_cache_manager import KVCacheManager
 
 
 def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
-                          max_model_len: int | None, num_host_blocks: int = 0) -> KVCache:
-    """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has."""
+                          max_model_len: int | None, num_host_blocks: int = 0,
+                          kv_events: KVEventSink | None = None) -> KVCache:
+    """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has;
+    kv_events: told of prefix-cache changes (the baselines cache nothing, so never hear of any)."""
     if kind == "paged":
-        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks)
+        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events)
     if num_host_blocks:
         raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged', not {kind!r}")
     if kind in CONTIGUOUS_POLICIES:

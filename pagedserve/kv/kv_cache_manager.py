@@ -16,7 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, prefix_block_keys
+from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, lookup_block_keys, prefix_block_keys
+from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.swap import SwapSpace
@@ -34,10 +35,10 @@ class PrefixCacheStats:
 
 class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, events: KVEventSink | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, events)
         self.tables: dict[int, list[KVBlock]] = {}
         self.keys: dict[int, list[BlockKey]] = {}   # keys of each sequence's full blocks (kept while swapped)
         self.salts: dict[int, str | None] = {}       # each sequence's cache salt (part of its first key)
@@ -62,8 +63,7 @@ class KVCacheManager(PoolCapacity):
         if not self.enable_caching:
             return []
         hits: list[KVBlock] = []
-        for key in prefix_block_keys(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size,
-                                     cache_salt):
+        for key in lookup_block_keys(token_ids, self.block_size, cache_salt):
             block = self.pool.lookup(key)
             if block is None:
                 break

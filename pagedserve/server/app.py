@@ -238,6 +238,19 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def make_engine_client(config: EngineConfig, model_name: str, log_stats_interval: float | None,
+                       max_waiting_requests: int | None):
+    """One AsyncLLM, or with data_parallel_size > 1 the replicas behind a router (same calls)."""
+    if config.data_parallel_size == 1:
+        metrics = PrometheusStatLogger(model_name)
+        return AsyncLLM(config, [metrics], log_interval=log_stats_interval,
+                        max_waiting_requests=max_waiting_requests), metrics
+    from pagedserve.cluster.client import DataParallelLLM
+    metrics = PrometheusStatLogger(model_name, num_engines=config.data_parallel_size)
+    return DataParallelLLM(config, metrics=metrics, max_waiting_requests=max_waiting_requests,
+                           log_interval=log_stats_interval), metrics
+
+
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, api_key: str | None = None,
                shutdown_timeout: float = 5.0, log_stats_interval: float | None = 10.0,
@@ -248,8 +261,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load).
     A limit of None or <= 0 turns it off."""
     names = served_model_names or [config.model or DEFAULT_MODEL_NAME]
-    metrics = PrometheusStatLogger(names[0])
-    llm = AsyncLLM(config, [metrics], log_interval=log_stats_interval, max_waiting_requests=max_waiting_requests)
+    llm, metrics = make_engine_client(config, names[0], log_stats_interval, max_waiting_requests)
     state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout,
                         max_request_body_bytes=max_request_body_bytes if max_request_body_bytes and
                         max_request_body_bytes > 0 else None,
@@ -261,5 +273,16 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
 
     state.on_start_failed = server.stop
     state.on_engine_dead = server.stop
-    server.run()
+    ray_connected = False
+    # Ray is joined on the main thread before uvicorn installs its signal handlers: Ray's own
+    # SIGTERM handler (abseil's) would otherwise run first and abort the process 3 s into the drain.
+    if config.data_parallel_size > 1:
+        from pagedserve.cluster.client import init_ray
+        ray_connected = init_ray(config.ray_address)
+    try:
+        server.run()
+    finally:
+        if ray_connected:
+            import ray
+            ray.shutdown()
     return 1 if llm.state in ("failed", "dead") or not server.started else 0

@@ -24,49 +24,82 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    """One engine's series (labelled model_name), or with `num_engines` those of several
+    data-parallel engines, each labelled engine="0", engine="1", ... as vLLM labels them."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 num_engines: int | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        label = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
-
         self.model_name = model_name
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.num_requests_swapped = gauge("num_requests_swapped", "Requests preempted to swap space.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1).")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
-        self.num_swapped_out_blocks = counter("num_swapped_out_blocks", "KV blocks copied to swap space.")
-        self.num_swapped_in_blocks = counter("num_swapped_in_blocks", "KV blocks copied back from swap space.")
-        self.num_recomputed_tokens = counter("num_recomputed_tokens",
-                                             "Computed tokens thrown away by recompute preemption.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+        label = ["model_name"] + (["engine"] if num_engines else [])
+        engines = [(model_name, str(i)) for i in range(num_engines)] if num_engines else [(model_name,)]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> list[Gauge]:
+            family = Gauge(PREFIX + name, doc, label, registry=r)
+            return [family.labels(*e) for e in engines]
+
+        def counter(name: str, doc: str) -> list[Counter]:
+            family = Counter(PREFIX + name, doc, label, registry=r)
+            return [family.labels(*e) for e in engines]
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> list[Histogram]:
+            family = Histogram(PREFIX + name, doc, label, buckets=buckets, registry=r)
+            return [family.labels(*e) for e in engines]
+
+        series = dict(
+            num_requests_running=gauge("num_requests_running", "Requests in the running batch."),
+            num_requests_waiting=gauge("num_requests_waiting", "Requests waiting to be scheduled."),
+            num_requests_swapped=gauge("num_requests_swapped", "Requests preempted to swap space."),
+            kv_cache_usage=gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1)."),
+            prefix_cache_queries=counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            prefix_cache_hits=counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            num_preemptions=counter("num_preemptions", "Preemptions of running requests."),
+            num_swapped_out_blocks=counter("num_swapped_out_blocks", "KV blocks copied to swap space."),
+            num_swapped_in_blocks=counter("num_swapped_in_blocks", "KV blocks copied back from swap space."),
+            num_recomputed_tokens=counter("num_recomputed_tokens",
+                                          "Computed tokens thrown away by recompute preemption."),
+            prompt_tokens=counter("prompt_tokens", "Prompt tokens processed."),
+            generation_tokens=counter("generation_tokens", "Tokens generated."),
+        )
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          label + ["finished_reason"], registry=r)
+        series.update(
+            iteration_tokens=histogram("iteration_tokens_total",
+                                       "Tokens per engine step (prompts of requests that got their first "
+                                       "token, plus generated tokens).", TOKEN_BUCKETS),
+            ttft=histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
+            itl=histogram("inter_token_latency_seconds", "Time between a request's consecutive steps.",
+                          ITL_BUCKETS),
+            e2e=histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
+            queue_time=histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS),
+            request_prompt_tokens=histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+            request_generation_tokens=histogram("request_generation_tokens", "Tokens generated per request.",
+                                                TOKEN_BUCKETS),
+        )
+        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e)
+                        for i, e in enumerate(engines)]
+
+    def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
+        """The single engine's stats (AsyncLLM calls this on its engine thread)."""
+        self.engines[0].record(s, it)
+
+    def record_engine(self, engine: int, s: SchedulerStats, it: IterationStats | None) -> None:
+        self.engines[engine].record(s, it)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineSeries:
+    """One engine's children of the metric families."""
+
+    def __init__(self, series: dict, success: Counter, labels: tuple[str, ...]) -> None:
+        self.__dict__.update(series)
+        self._success = success
+        self._labels = labels
         for reason in ("stop", "length", "abort"):
-            self._success.labels(model_name, reason)   # present at 0 from the start
-        self.iteration_tokens = histogram("iteration_tokens_total",
-                                          "Tokens per engine step (prompts of requests that got their first "
-                                          "token, plus generated tokens).", TOKEN_BUCKETS)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive steps.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per request.",
-                                                   TOKEN_BUCKETS)
+            success.labels(*labels, reason)   # present at 0 from the start
         self._last = SchedulerStats()
 
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
@@ -91,12 +124,13 @@ class PrometheusStatLogger:
         for t in it.inter_token_latencies:
             self.itl.observe(t)
         for f in it.finished:
-            self._success.labels(self.model_name, f.finish_reason).inc()
+            self._success.labels(*self._labels, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
             if f.queue_time is not None:
                 self.queue_time.observe(f.queue_time)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def restart(self) -> None:
+        """The engine started afresh (a restarted replica): its cumulative counts start at 0."""
+        self._last = SchedulerStats()

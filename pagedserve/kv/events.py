@@ -1,0 +1,47 @@
+"""KV events: what entered and left a block pool's prefix cache, by block key.
+
+A data-parallel router keeps an exact index of every replica's cached blocks from
+these events (cluster/kv_index.py). The block pool calls an optional sink; with none
+set (the default) it costs one `is None` test per cached or evicted block.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from pagedserve.kv.block_pool import BlockKey
+
+# One event: ("stored", key), ("removed", key), or ("cleared", None) when a pool starts
+# afresh (a new engine, or the KV bookkeeping reset after a failed step).
+KVEvent = tuple[str, BlockKey | None]
+
+
+class KVEventSink(Protocol):
+    def stored(self, key: BlockKey) -> None: ...
+    def removed(self, key: BlockKey) -> None: ...
+    def cleared(self) -> None: ...
+
+
+class KVEventLog:
+    """A sink that keeps the events in order until someone drains them. The engine thread
+    appends while another thread drains: a deque's append and popleft are thread-safe."""
+
+    def __init__(self) -> None:
+        self._events: deque[KVEvent] = deque()
+
+    def stored(self, key: BlockKey) -> None:
+        self._events.append(("stored", key))
+
+    def removed(self, key: BlockKey) -> None:
+        self._events.append(("removed", key))
+
+    def cleared(self) -> None:
+        self._events.append(("cleared", None))
+
+    def drain(self) -> list[KVEvent]:
+        out = []
+        try:
+            while True:
+                out.append(self._events.popleft())
+        except IndexError:
+            return out
