@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")        # kv/contiguous.py: the paper's baselines
 KV_ALLOCATORS = ("paged", *CONTIGUOUS_POLICIES)
 PREEMPTION_MODES = ("recompute", "swap")
+LOAD_FORMATS = ("auto", "dummy")                        # dummy: random weights of the model's shapes
 
 
 def _one_of(name: str, value, choices: tuple) -> None:
@@ -53,6 +54,14 @@ class EngineConfig:
     device: str | None = None               # cpu | cuda | cuda:N
     attention_backend: str | None = None    # cpu (C++ kernel) | torch (reference) | triton
     gpu_memory_utilization: float = 0.9     # CUDA, kv_cache_memory unset: KV gets this share of free memory, less the weights
+    # auto: the model's weights; dummy: random weights of its shapes, made on the device, for
+    # timing runs (model may then be a preset name, models/presets.py; EOS never stops a sequence).
+    load_format: str = "auto"
+    # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (worker/cuda_graphs.py);
+    # True runs every step eagerly. cuda_graph_sizes: the buckets (None: 1, 2, 4, 8, 16, 24, ...
+    # up to max_num_seqs, at most 256; larger decode batches run eagerly).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -80,6 +89,13 @@ class EngineConfig:
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
+        from pagedserve.models.presets import PRESETS
+        if self.model in PRESETS and self.load_format != "dummy":
+            raise ValueError(f"model {self.model!r} is a preset: a config without weights; pass "
+                             f"load_format='dummy' (random weights of its shapes) or a model path")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}")
 
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
