@@ -66,6 +66,7 @@ from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.attention.torch_backend import TorchAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+START = time.perf_counter()
 SECTIONS = ("kernels", "decode", "engine", "model_8b", "paper")
 A100_40GB = 40 * 2**30
 PAPER_MODEL = "llama-2-13b"   # the lead may switch this to opt-13b (the paper's model) once that preset exists
@@ -272,14 +273,17 @@ def check_kernels(plan: Plan) -> dict:
                 scale = d ** -0.5
                 ref_cache = cache.clone()
                 ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale)
+                low = [x.to(dtype) for x in (q, k, v)]
                 dev_cache = cache.to(dtype)
-                out = TritonAttention(DEVICE).forward(q.to(dtype), k.to(dtype), v.to(dtype), dev_cache, meta, scale)
+                out = TritonAttention(DEVICE).forward(*low, dev_cache, meta, scale)
                 err = (out.float() - ref).abs().max().item()
+                # The torch backend's own error in this dtype: the kernel may be as far off as that.
+                torch_err = (TorchAttention().forward(*low, cache.to(dtype), meta, scale).float() - ref).abs().max().item()
                 cache_ok = torch.equal(dev_cache.float(), ref_cache)
                 rows.append(dict(case=name, block_size=bs, dtype=str(dtype).removeprefix("torch."),
-                                 max_context=max(meta.seq_lens_cpu), max_abs_err=err, cache_equal=cache_ok,
-                                 ok=err <= TOLERANCE[dtype] and cache_ok))
-                del cache, q, k, v, ref_cache, dev_cache, out, ref
+                                 max_context=max(meta.seq_lens_cpu), max_abs_err=err, torch_max_abs_err=torch_err,
+                                 cache_equal=cache_ok, ok=err <= max(TOLERANCE[dtype], 2 * torch_err) and cache_ok))
+                del cache, q, k, v, low, ref_cache, dev_cache, out, ref
         free_memory()
     # Block copy: copy-on-write in place, and to a staging buffer (as for swapping).
     big = torch.randn(2, 2, 64, 16, 4, 64, device=DEVICE).to(torch.bfloat16)
@@ -292,7 +296,7 @@ def check_kernels(plan: Plan) -> dict:
     copy_blocks(big, staging, [(40, 1)])
     ok = torch.equal(big, expected) and torch.equal(staging[:, :, 1], expected[:, :, 40])
     rows.append(dict(case="copy_blocks (CoW in place, and to a staging buffer)", block_size=16, dtype="bfloat16",
-                     max_context=0, max_abs_err=0.0, cache_equal=ok, ok=ok))
+                     max_context=0, max_abs_err=0.0, torch_max_abs_err=0.0, cache_equal=ok, ok=ok))
     return dict(rows=rows, ok=all(r["ok"] for r in rows), tolerance={str(k).removeprefix("torch."): v
                                                                       for k, v in TOLERANCE.items()})
 
@@ -657,11 +661,13 @@ def print_report(res: dict) -> None:
           + (" | DRY RUN" if res["dry_run"] else ""))
     k = res.get("kernels")
     if isinstance(k, dict):
-        print("\n-- 1. Triton kernels vs the torch backend in float32 (tolerance bf16 3e-2, fp16 1e-2)")
-        print(f"{'':4}{'case':<50}{'block':>6}{'dtype':>10}{'max ctx':>9}{'max|err|':>10}  cache")
+        print("\n-- 1. Triton kernels vs the torch backend in float32 (ok: max|err| within bf16 3e-2, fp16 1e-2, or "
+              "twice the torch backend's own error in that dtype; the KV cache written exactly)")
+        print(f"{'':4}{'case':<50}{'block':>6}{'dtype':>10}{'max ctx':>9}{'max|err|':>10}{'torch':>10}  cache")
         for r in k["rows"]:
             print(f"{'ok ' if r['ok'] else 'BAD'} {r['case']:<50}{r['block_size']:>6}{r['dtype']:>10}"
-                  f"{r['max_context']:>9}{r['max_abs_err']:>10.1e}  {'equal' if r['cache_equal'] else 'DIFFERS'}")
+                  f"{r['max_context']:>9}{r['max_abs_err']:>10.1e}{r['torch_max_abs_err']:>10.1e}  "
+                  f"{'equal' if r['cache_equal'] else 'DIFFERS'}")
     dec = res.get("decode")
     if isinstance(dec, dict):
         print(f"\n-- 2. paged decode attention (bf16, block 16); device copy {dec['copy_gb_s']:.0f} GB/s "
@@ -718,10 +724,33 @@ def print_report(res: dict) -> None:
             print(f"{a:>10}{r['output_tok_s']:>11.0f}{r['avg_batch']:>11.1f}{r['preemptions']:>9}{r['steps']:>7}")
         ratio = {k: f"{p[f'paged_over_{k}']:.2f}x" if p[f"paged_over_{k}"] else "n/a" for k in ("oracle", "max")}
         print(f"   paged / Orca-Oracle {ratio['oracle']}, paged / Orca-Max {ratio['max']} (paper: {p['paper']})")
+    for name, (planned, used) in res.get("time_boxes_shortened", {}).items():
+        print(f"\n!! {name} shortened from {planned:.0f} to {used:.0f} to fit --budget-seconds")
     for key in SECTIONS:
         if isinstance(res.get(key), str):
             print(f"\n!! {key} failed: {res[key].strip().splitlines()[-1]}")
     print("\nseconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
+
+
+# Seconds sections 4 and 5 take besides their time boxes (loading, CUDA graph capture, single
+# streams), as estimated for an H200, for fitting the run into --budget-seconds.
+MODEL_8B_OVERHEAD, PAPER_OVERHEAD = 60.0, 45.0
+
+
+def fit_time_boxes(plan: Plan, key: str, left: float, wanted: list[str], res: dict) -> None:
+    """Before section 4 or 5: shorten its time boxes so that it, and section 5 after it, fit
+    in the `left` seconds of the budget (noted in the results)."""
+    paper_need = PAPER_OVERHEAD + 3 * (plan.paper_warmup_seconds + plan.paper_seconds) if "paper" in wanted else 0
+    if key == "model_8b":
+        box = min(plan.throughput_seconds, max(10.0, (left - paper_need - MODEL_8B_OVERHEAD) / 2))
+        if box < plan.throughput_seconds:
+            res.setdefault("time_boxes_shortened", {})["throughput_seconds"] = [plan.throughput_seconds, box]
+            plan.throughput_seconds = box
+    elif key == "paper":
+        window = min(plan.paper_seconds, max(5.0, (left - PAPER_OVERHEAD) / 3 - plan.paper_warmup_seconds))
+        if window < plan.paper_seconds:
+            res.setdefault("time_boxes_shortened", {})["paper_seconds"] = [plan.paper_seconds, window]
+            plan.paper_seconds = window
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -734,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throughput-seconds", type=float, default=None, help="time box of each section-4 run")
     ap.add_argument("--paper-seconds", type=float, default=None, help="section 5's measuring window per allocator")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak, if the device is not known")
+    ap.add_argument("--budget-seconds", type=float, default=540.0,
+                    help="the whole run's time: sections 4 and 5 shorten their time boxes to fit it (not in dry runs)")
     ap.add_argument("--json", default=None, help="default benchmarks/results/gpu_check.json "
                                                  "(gpu_check_dry_run.json for --dry-run)")
     args = ap.parse_args(argv)
@@ -761,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for key in wanted:
+            if not plan.dry_run:
+                fit_time_boxes(plan, key, args.budget_seconds - (time.perf_counter() - START), wanted, res)
             start = time.perf_counter()
             print(f"[gpu_check] {key} ...", flush=True)
             try:

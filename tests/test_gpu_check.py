@@ -36,3 +36,15 @@ def test_dry_run_runs_every_section(tmp_path):
 def test_without_a_gpu_only_the_dry_run_runs():
     res = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--dry-run" in res.stderr
+
+
+def test_time_boxes_shrink_to_fit_the_budget():
+    from benchmarks import gpu_check as gc
+    plan, res = gc.full_plan(), {}
+    gc.fit_time_boxes(plan, "model_8b", 1000.0, list(gc.SECTIONS), res)      # time enough: unchanged
+    assert plan.throughput_seconds == 60 and not res
+    paper_need = gc.PAPER_OVERHEAD + 3 * (plan.paper_warmup_seconds + plan.paper_seconds)
+    gc.fit_time_boxes(plan, "model_8b", paper_need + gc.MODEL_8B_OVERHEAD + 2 * 30, list(gc.SECTIONS), res)
+    assert plan.throughput_seconds == 30 and res["time_boxes_shortened"]["throughput_seconds"] == [60, 30]
+    gc.fit_time_boxes(plan, "paper", gc.PAPER_OVERHEAD + 3 * (plan.paper_warmup_seconds + 10), list(gc.SECTIONS), res)
+    assert plan.paper_seconds == 10
