@@ -541,7 +541,7 @@ def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | 
                                     max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
                                     max_num_batched_tokens=max(2048, plan.max_model_len),
                                     enable_prefix_caching=False,
-                                    num_gpu_blocks_override=None if DEVICE.type == "cuda" else 256))
+                                    num_gpu_blocks_override=256 if plan.dry_run else None))
     counter = StepCounter(engine)
     weight_bytes = tensor_bytes(engine.runner.model)
     bandwidth = copy_bw or by_name(HBM_BANDWIDTH, device_name())
