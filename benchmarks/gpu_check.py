@@ -440,14 +440,23 @@ def check_engine(plan: Plan, root: Path) -> dict:
     reference = greedy_tokens(cpu, prompts, plan.engine_tokens)
     del cpu
     free_memory()
-    runs = {}
+    runs, graph_steps, notes = {}, {}, {}
     for dtype in plan.engine_dtypes:
-        llm = LLM(model, dtype=dtype, device=DEVICE.type, attention_backend="triton", **common)
+        try:
+            llm = LLM(model, dtype=dtype, device=DEVICE.type, attention_backend="triton", **common)
+        except Exception:   # with CUDA graphs: note it, and check the rest eagerly
+            if DEVICE.type != "cuda":
+                raise
+            notes[f"{dtype} cuda_graphs_error"] = traceback.format_exc()[-3000:]
+            free_memory()
+            llm = LLM(model, dtype=dtype, device=DEVICE.type, attention_backend="triton", enforce_eager=True,
+                      **common)
         runner = llm.engine.runner
         if runner.decode_graphs is None:     # on the CPU: the padded buffers, run eagerly
             runner.capture_cuda_graphs([1, 2, 4, 8, 16], llm.engine.max_model_len, capture=False)
         graphs = runner.decode_graphs
         runs[f"{dtype} graphs"] = greedy_tokens(llm, prompts, plan.engine_tokens)
+        graph_steps[dtype] = graphs.steps_run
         runner.decode_graphs = None
         runs[f"{dtype} eager"] = greedy_tokens(llm, prompts, plan.engine_tokens)
         runner.decode_graphs = graphs
@@ -455,7 +464,8 @@ def check_engine(plan: Plan, root: Path) -> dict:
         free_memory()
     result = dict(model=model or "SmolLM2-135M-Instruct (default)", prompts=len(prompts),
                   tokens_per_prompt=plan.engine_tokens, reference="CPU engine, float32",
-                  runs={name: agreement(reference, toks) for name, toks in runs.items()})
+                  runs={name: agreement(reference, toks) for name, toks in runs.items()},
+                  graph_steps=graph_steps, graphs_captured=DEVICE.type == "cuda" and not notes, **notes)
     f32 = [result["runs"][f"float32 {m}"] for m in ("graphs", "eager")]
     result["float32_equal"] = all(r["prompts_equal"] == r["prompts"] for r in f32)
     result["ok"] = result["float32_equal"]
@@ -463,6 +473,22 @@ def check_engine(plan: Plan, root: Path) -> dict:
 
 
 # ---- engine runs: throughput with a deadline --------------------------------------------------
+
+def load_engine(config, notes: dict):
+    """An LLMEngine; if building it fails with CUDA graphs (their capture is new on a GPU),
+    the error goes into `notes` and the engine is built eagerly, so the section still runs."""
+    import dataclasses
+    from pagedserve.engine.llm_engine import LLMEngine
+    try:
+        return LLMEngine(config)
+    except Exception:
+        if config.enforce_eager or DEVICE.type != "cuda":
+            raise
+        notes["cuda_graphs_error"] = traceback.format_exc()[-3000:]
+        print(notes["cuda_graphs_error"], file=sys.stderr)
+        free_memory()
+        return LLMEngine(dataclasses.replace(config, enforce_eager=True))
+
 
 class StepCounter:
     """Counts what the runner computes: tokens, sampled tokens, model FLOPs."""
@@ -534,14 +560,14 @@ def single_stream(engine, counter: StepCounter, prompt_len: int, tokens: int) ->
 
 def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | None) -> dict:
     from benchmarks.workloads import make_trace, trace_stats
-    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.config import EngineConfig
     name = model_source(plan.model_8b, root)
-    engine = LLMEngine(EngineConfig(model=name, load_format="dummy", dtype="bfloat16", device=DEVICE.type,
+    notes: dict = {}
+    engine = load_engine(EngineConfig(model=name, load_format="dummy", dtype="bfloat16", device=DEVICE.type,
                                     max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
                                     max_num_batched_tokens=max(2048, plan.max_model_len),
                                     enable_prefix_caching=False,
-                                    num_gpu_blocks_override=256 if plan.dry_run else None))
+                                    num_gpu_blocks_override=256 if plan.dry_run else None), notes)
     counter = StepCounter(engine)
     weight_bytes = tensor_bytes(engine.runner.model)
     bandwidth = copy_bw or by_name(HBM_BANDWIDTH, device_name())
@@ -552,7 +578,7 @@ def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | 
                   capture_sizes=graphs.sizes if graphs else None,
                   weight_read_bound_tok_s=bandwidth / weight_bytes if bandwidth else None,
                   bandwidth_for_bound_gb_s=bandwidth / 1e9 if bandwidth else None,
-                  bf16_peak_tflops=peak / 1e12 if peak else None)
+                  bf16_peak_tflops=peak / 1e12 if peak else None, **notes)
     trace = make_trace("sharegpt", plan.throughput_requests, seed=0, vocab_size=engine.vocab_size,
                        max_model_len=plan.max_model_len, scale=plan.trace_scale)
     result["trace"] = trace_stats(trace)
@@ -564,13 +590,15 @@ def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | 
             single["fraction_of_bound"] = single["tok_s"] / result["weight_read_bound_tok_s"]
         add_trace(engine, trace)
         counter.reset()
+        replays0 = g.steps_run if g else 0
         sec, finished = run_for(engine, plan.throughput_seconds, counter)
         abort_all(engine)
         run = dict(seconds=sec, requests_finished=finished, completed=finished == len(trace),
                    output_tok_s=counter.sampled / sec, tokens_computed_per_s=counter.tokens / sec,
                    avg_batch=counter.batch_sum / max(1, counter.steps), steps=counter.steps,
                    model_tflops=counter.flops / sec / 1e12,
-                   preemptions=engine.kv_cache_stats().get("num_preemptions"))
+                   preemptions=engine.kv_cache_stats().get("num_preemptions"),
+                   graph_steps=(g.steps_run - replays0) if g else 0)
         if peak:
             run["share_of_bf16_peak"] = counter.flops / sec / peak
         result[mode] = dict(single_stream=single, throughput=run)
@@ -601,7 +629,6 @@ def bench_paper(plan: Plan, root: Path) -> dict:
     import dataclasses
     from benchmarks.workloads import make_trace, trace_stats
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
     name = model_source(plan.paper_model, root)
     if plan.paper_kv_bytes:
         kv_bytes, weights = plan.paper_kv_bytes, None
@@ -614,7 +641,9 @@ def bench_paper(plan: Plan, root: Path) -> dict:
                           max_num_batched_tokens=max(2048, plan.max_model_len), enable_prefix_caching=False,
                           kv_cache_memory=kv_bytes,
                           num_gpu_blocks_override=4 * plan.max_model_len // 16 if kv_bytes is None else None)
-    base = LLMEngine(config)
+    notes: dict = {}
+    base = load_engine(config, notes)
+    config = base.config
     trace = make_trace("sharegpt", plan.paper_requests, seed=0, vocab_size=base.vocab_size,
                        max_model_len=plan.max_model_len, scale=plan.trace_scale)
     kv = base.runner.kv_cache
@@ -622,7 +651,9 @@ def bench_paper(plan: Plan, root: Path) -> dict:
                   kv_slots=base.num_blocks * 16, max_length_sequences=base.num_blocks * 16 / plan.max_model_len,
                   weight_gb=weights / 1e9 if weights else None, block_size=16, max_model_len=plan.max_model_len,
                   trace=trace_stats(trace), warmup_s=plan.paper_warmup_seconds, window_s=plan.paper_seconds,
-                  cuda_graphs=base.runner.decode_graphs is not None, allocators={})
+                  window=(f"{plan.paper_steps[1]} steps after {plan.paper_steps[0]}" if plan.paper_steps else
+                          f"{plan.paper_seconds:.0f}s after {plan.paper_warmup_seconds:.0f}s"),
+                  cuda_graphs=base.runner.decode_graphs is not None, allocators={}, **notes)
     for allocator in ("paged", "oracle", "max"):
         engine = copy.copy(base)           # the same weights, KV tensor and graphs; a new scheduler
         engine.config = dataclasses.replace(config, kv_allocator=allocator)
@@ -692,7 +723,8 @@ def print_report(res: dict) -> None:
         for name, r in eng["runs"].items():
             print(f"   {name:<18} prompts equal {r['prompts_equal']}/{r['prompts']}, tokens before the first "
                   f"difference {r['mean_share_before_first_difference']:.0%}")
-        print(f"   float32 equal: {'yes' if eng['float32_equal'] else 'NO'}")
+        print(f"   float32 equal: {'yes' if eng['float32_equal'] else 'NO'}; decode steps through the CUDA graphs' "
+              f"buffers {eng['graph_steps']}" + ("" if eng["graphs_captured"] else " (not captured: run eagerly)"))
     m = res.get("model_8b")
     if isinstance(m, dict):
         bound = m["weight_read_bound_tok_s"]
@@ -718,7 +750,7 @@ def print_report(res: dict) -> None:
     if isinstance(p, dict):
         print(f"\n-- 5. paper comparison: {p['model']} (dummy bf16), KV cache {p['kv_cache_gb']:.1f} GB = "
               f"{p['kv_slots']} slots = {p['max_length_sequences']:.1f} sequences of {p['max_model_len']}; "
-              f"steady state over {p['window_s']:.0f}s after {p['warmup_s']:.0f}s")
+              f"steady state over {p['window']}")
         print(f"{'allocator':>10}{'out tok/s':>11}{'avg batch':>11}{'preempt':>9}{'steps':>7}")
         for a, r in p["allocators"].items():
             print(f"{a:>10}{r['output_tok_s']:>11.0f}{r['avg_batch']:>11.1f}{r['preemptions']:>9}{r['steps']:>7}")
@@ -727,6 +759,10 @@ def print_report(res: dict) -> None:
     for name, (planned, used) in res.get("time_boxes_shortened", {}).items():
         print(f"\n!! {name} shortened from {planned:.0f} to {used:.0f} to fit --budget-seconds")
     for key in SECTIONS:
+        for note, text in (res[key].items() if isinstance(res.get(key), dict) else ()):
+            if "cuda_graphs_error" in note:
+                print(f"\n!! {key}: building the engine with CUDA graphs failed, ran eagerly: "
+                      f"{text.strip().splitlines()[-1]}")
         if isinstance(res.get(key), str):
             print(f"\n!! {key} failed: {res[key].strip().splitlines()[-1]}")
     print("\nseconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
@@ -808,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
                     res[key] = bench_model_8b(plan, root, copy_bw, peak)
                 else:
                     res[key] = bench_paper(plan, root)
-                failed |= not res[key].get("ok", True)
+                failed |= not res[key].get("ok", True) or any("cuda_graphs_error" in k for k in res[key])
             except Exception:
                 res[key] = traceback.format_exc()
                 print(res[key], file=sys.stderr)

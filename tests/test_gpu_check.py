@@ -23,6 +23,7 @@ def test_dry_run_runs_every_section(tmp_path):
     assert {k["dtype"] for k in kernels} >= {"bfloat16", "float16"} and {k["block_size"] for k in kernels} == {16, 32}
     assert r["decode"]["rows"] and all("contiguous_us" in row for row in r["decode"]["rows"])
     assert r["engine"]["float32_equal"] and set(r["engine"]["runs"]) == {"float32 graphs", "float32 eager"}
+    assert r["engine"]["graph_steps"]["float32"] > 0       # the padded buffers ran the decode steps
     tp = r["model_8b"]["eager"]["throughput"]
     assert tp["completed"] and tp["requests_finished"] == r["model_8b"]["trace"]["num_requests"]
     paper = r["paper"]["allocators"]

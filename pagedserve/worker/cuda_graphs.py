@@ -98,6 +98,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(m + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}      # each graph's output buffer
+        self.steps_run = 0                              # decode steps run through the buffers
         if capture:
             self._capture()
 
@@ -139,6 +140,7 @@ class DecodeGraphs:
             getattr(self, name)[:b].copy_(host[name], non_blocking=True)
         width = host["block_tables"].shape[1]
         self.block_tables[:b, :width].copy_(host["block_tables"], non_blocking=True)
+        self.steps_run += 1
         if b in self.graphs:
             self.graphs[b].replay()
             return self.logits[b][:n]
