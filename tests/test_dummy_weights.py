@@ -94,3 +94,16 @@ def test_presets_need_the_dummy_format_and_unknown_names_are_refused():
         LLM("llama-9-8b", load_format="dummy")
     with pytest.raises(ValueError, match="load_format"):
         LLM("llama-3-8b", load_format="pt")
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+    from pagedserve.cli import add_engine_args, engine_kwargs
+    from pagedserve.config import EngineConfig
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    config = EngineConfig(model="llama-3-8b", **engine_kwargs(p.parse_args(["--load-format", "dummy",
+                                                                             "--enforce-eager"])))
+    assert config.load_format == "dummy" and config.enforce_eager
+    defaults = EngineConfig(**engine_kwargs(p.parse_args([])))
+    assert defaults.load_format == "auto" and not defaults.enforce_eager
