@@ -90,8 +90,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)
-        from pagedserve.models.presets import PRESETS
-        if self.model in PRESETS and self.load_format != "dummy":
+        from pagedserve.models.presets import is_preset
+        if is_preset(self.model) and self.load_format != "dummy":
             raise ValueError(f"model {self.model!r} is a preset: a config without weights; pass "
                              f"load_format='dummy' (random weights of its shapes) or a model path")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):

@@ -21,7 +21,7 @@ import torch
 from pagedserve.config import cache_dir, resolve_dtype
 from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
 from pagedserve.models.ops import ModelOps, TorchOps
-from pagedserve.models.presets import PRESETS
+from pagedserve.models.presets import PRESETS, is_preset
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
 
 def read_hf_config(path: str) -> dict:
     """A preset's config, or the config.json of an HF directory."""
-    if path in PRESETS:
+    if is_preset(path):
         return PRESETS[path]
     p = Path(path)
     if not (p / "config.json").exists():
@@ -276,7 +276,7 @@ def load_tokenizer(path: str, stand_in: bool = False):
     `stand_in` (dummy weights), a preset or a config.json directory without tokenizer files
     gets a stand-in over its vocabulary (models/dummy.py)."""
     from transformers import AutoTokenizer
-    if stand_in and (path in PRESETS or not has_tokenizer(path)):
+    if stand_in and (is_preset(path) or not has_tokenizer(path)):
         from pagedserve.models.dummy import stand_in_tokenizer
         return stand_in_tokenizer(read_hf_config(path))
     if not is_gguf(path):

@@ -3,9 +3,12 @@
 
     LLM("llama-3-8b", load_format="dummy")
 
-A name here stands for its config.json; loader.read_config() resolves it.
+A name here stands for its config.json (loader.read_hf_config resolves it), unless a file
+or directory of that name exists: a path always wins.
 """
 from __future__ import annotations
+
+import os
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16",
               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -46,3 +49,7 @@ PRESETS: dict[str, dict] = {
                      rope_theta=1000000.0, use_sliding_window=False, tie_word_embeddings=False,
                      bos_token_id=151643, eos_token_id=151643),
 }
+
+
+def is_preset(name: str | None) -> bool:
+    return name in PRESETS and not os.path.exists(name)
