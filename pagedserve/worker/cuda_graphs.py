@@ -68,9 +68,8 @@ def pad_decode_batch(batch: DecodeBatch, bucket: int) -> dict[str, torch.Tensor]
         raise ValueError(f"a decode batch of {n} sequences does not fit a bucket of {bucket}")
     pad = bucket - n
     width = max(len(t) for t in batch.block_tables)
-    tables = torch.zeros(bucket, width, dtype=torch.long)
-    for i, t in enumerate(batch.block_tables):
-        tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.block_tables] + [[0] * width] * pad,
+                          dtype=torch.long)
     return dict(input_ids=torch.tensor(batch.token_ids + [0] * pad, dtype=torch.long),
                 positions=torch.tensor(batch.positions + [0] * pad, dtype=torch.long),
                 slot_mapping=torch.tensor(batch.slots + [PAD_SLOT] * pad, dtype=torch.long),
