@@ -95,6 +95,7 @@ class Worker:
         num_blocks, num_host_blocks = num_kv_blocks(config, args, dtype, device, free_before_load)
         sampler = make_sampler(eos_token_ids, config.seed, device)
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
-        if uses_cuda_graphs(config, device, attention):
-            runner.capture_cuda_graphs(capture_sizes(config.cuda_graph_sizes, config.max_num_seqs), max_model_len)
+        sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        if sizes and uses_cuda_graphs(config, device, attention):
+            runner.capture_cuda_graphs(sizes, max_model_len)
         return cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)
