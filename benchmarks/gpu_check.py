@@ -1,24 +1,45 @@
-"""One run on a CUDA GPU that checks and measures the Triton backend.
+"""The engine on a real GPU: one run that checks and measures it (issue 22).
 
-    .venv/bin/python benchmarks/gpu_check.py            # a few minutes on an H100/H200
-    .venv/bin/python benchmarks/gpu_check.py --quick    # smaller sizes, under a minute or two
+    .venv/bin/python benchmarks/gpu_check.py              # on a CUDA GPU; sized for ~9 minutes on an H200
+    .venv/bin/python benchmarks/gpu_check.py --dry-run    # tiny shapes, end to end: seconds (CPU or GPU)
+    .venv/bin/python benchmarks/gpu_check.py --only kernels decode    # some sections
 
-Sections (each runs even if an earlier one failed; the exit status is 1 if any did):
+Sections (each runs even if an earlier one failed; the exit status is 1 if any failed or
+a correctness check did not hold):
 1. kernels: every Triton kernel (KV write, paged decode with and without the split,
-   paged prefill, block copy) against the torch reference computed on the CPU in float32,
-   on random batches with scattered block tables, in float32 and bfloat16.
-2. decode bandwidth: paged decode attention timed alone (L2 flushed between runs) over
-   batch sizes and context lengths; bytes of K/V read per second against the device's
-   measured device-to-device copy bandwidth (target: >= 80%). A few launch settings
-   are timed first and the fastest is used (and reported).
-3. CUDA graphs: the whole model's decode step (all layers and the LM head) for batch
-   sizes 1..256, eager against replaying a captured graph; step times and the gain.
-4. throughput: the offline engine on a ~1.1B-parameter Llama-shaped model with random
-   weights in bfloat16 (TinyLlama's shape), triton backend against the torch backend
-   on the same GPU, on the ShareGPT-like workload of benchmarks/workloads.py.
+   paged prefill, block copy) against the torch backend computed in float32 on the same
+   device, in bfloat16 and float16, block sizes 16 and 32, GQA and MHA, contexts 1..32k,
+   decode, prefill and mixed batches; max |error| and whether the KV cache was written
+   exactly.
+2. decode: paged decode attention alone (L2 flushed between runs) over batch sizes and
+   context lengths: bytes of K/V read per second against a device-to-device copy measured
+   in the same run (goal: >= 80%), and against contiguous-KV attention on the same data
+   (torch's scaled_dot_product_attention over K/V gathered into one tensor per sequence):
+   the cost of paging. A few launch settings are timed first and the fastest is used.
+3. engine: the default model (SmolLM2-135M-Instruct) on the GPU against the CPU engine on
+   the same prompts: float32 greedy tokens equal (eager and with CUDA graphs); bfloat16
+   agreement reported.
+4. model_8b: an 8B-class model with dummy weights (default llama-3-8b) in bfloat16:
+   single-stream decode tok/s against the bound of reading every weight once per token
+   (at the copy bandwidth of section 2, or the device's nominal HBM bandwidth), and offline
+   throughput on the ShareGPT-like workload (1000 requests, all at once) in output tok/s
+   and as a share of the bf16 tensor-core peak (model FLOPs: matmuls and attention);
+   each with CUDA graphs and eagerly.
+5. paper: the vLLM paper's comparison on hardware: a 13B model with dummy weights
+   (`--paper-model`, default llama-2-13b, the shape of OPT-13B's 40 layers x 5120 and of
+   its KV cache per token) with the KV cache capped to what an A100-40GB leaves it
+   (90% of 40 GiB less the weights: ~7.5 sequences of 2048 tokens), steady-state output
+   throughput of the paged allocator against Orca-Oracle and Orca-Max (kv/contiguous.py)
+   on the ShareGPT-like trace, all requests queued.
 
-Writes benchmarks/results/gpu_check.json. Without a GPU it says so and exits with 2;
-on CPU the kernels are checked by `pytest tests/test_triton_kernels.py` instead.
+The throughput runs are time-boxed (--throughput-seconds, --paper-seconds): a run that has
+not finished its requests by then reports its rate over the time it ran and how many it
+finished. Writes benchmarks/results/gpu_check.json (--json) and prints a table per section.
+
+--dry-run runs every section with tiny shapes and models (CI runs it: tests/test_gpu_check.py).
+Without CUDA it runs on the CPU: the Triton kernels under Triton's interpreter
+(TRITON_INTERPRET=1, set here before triton is imported), the engines on the CPU, CUDA
+graphs not captured (their padded buffers run eagerly in section 3), timings meaningless.
 """
 from __future__ import annotations
 
@@ -27,24 +48,176 @@ import gc
 import json
 import math
 import os
-import random
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported: CPU dry runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.attention.torch_backend import TorchAttention  # noqa: E402
 
-DEVICE = "cuda"
-# TinyLlama-1.1B's shape: 22 layers, GQA 32/4, head dim 64, vocab 32000.
-MODEL_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+START = time.perf_counter()
+SECTIONS = ("kernels", "decode", "engine", "model_8b", "paper")
+A100_40GB = 40 * 2**30
+PAPER_MODEL = "llama-2-13b"   # the lead may switch this to opt-13b (the paper's model) once that preset exists
+# Dense bf16 tensor-core peaks (FLOP/s), by a substring of the device name; --peak-tflops overrides.
+BF16_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+# Nominal HBM bandwidth (bytes/s), for the weight-read bound when section 2 did not run.
+HBM_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}
+# A tiny Llama for dry runs (a config, as a preset is).
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+            max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+PROMPTS = ["The capital of France is", "Three tips for sleeping well:", "def fibonacci(n):",
+           "The vLLM paper stores the KV cache in", "Once upon a time, in a small village,",
+           "Water boils at", "The largest planet in the solar system is", "Translate to French: good morning"]
+
+
+@dataclass
+class Plan:
+    """Every size the sections use: the full run's, or a dry run's tiny ones."""
+    dry_run: bool
+    # 1. kernels: (name, [(cached, new) per sequence, decodes first], Hq, Hkv, D)
+    kernel_cases: list = field(default_factory=list)
+    block_sizes: tuple = (16, 32)
+    dtypes: tuple = (torch.bfloat16, torch.float16)
+    # 2. decode: attention shapes (Hq, Hkv, D), (batch, context) grid, launch settings tried
+    decode_shapes: list = field(default_factory=list)
+    decode_grid: list = field(default_factory=list)
+    decode_tune_at: tuple = (64, 2048)
+    decode_configs: list = field(default_factory=list)
+    copy_bytes: int = 2 << 30
+    # 3. engine
+    engine_model: str | None = None     # None: the default model
+    engine_prompts: int = 8
+    engine_tokens: int = 32
+    engine_dtypes: tuple = ("float32", "bfloat16")
+    engine_kv_bytes: int = 1 << 30
+    # 4. model_8b
+    model_8b: str = "llama-3-8b"
+    single_stream_prompt: int = 128
+    single_stream_tokens: int = 256
+    throughput_requests: int = 1000
+    throughput_seconds: float = 60.0
+    max_model_len: int = 2048
+    trace_scale: float = 1.0
+    # 5. paper
+    paper_model: str = PAPER_MODEL
+    paper_requests: int = 1000
+    paper_warmup_seconds: float = 8.0
+    paper_seconds: float = 25.0
+    paper_kv_bytes: int | None = None   # None: what an A100-40GB leaves the model
+    paper_steps: tuple | None = None    # (warm-up, window) in steps instead of seconds (dry runs)
+    max_num_seqs: int = 256
+
+
+def full_plan() -> Plan:
+    rng = torch.Generator().manual_seed(1)
+    many = [(int(c), 1) for c in torch.randint(0, 2000, (64,), generator=rng)]
+    return Plan(
+        dry_run=False,
+        kernel_cases=[
+            ("decode, contexts 1..32k, GQA 4, D128", [(0, 1), (16, 1), (999, 1), (4095, 1), (32767, 1)], 32, 8, 128),
+            ("decode 64 seqs, GQA 8, D128", many, 32, 4, 128),
+            ("decode 33 seqs, MHA, D64", [(i * 37, 1) for i in range(33)], 12, 12, 64),
+            ("prefill fresh + cached prefixes, GQA 8", [(0, 300), (1000, 77), (64, 16), (5000, 200)], 32, 4, 128),
+            ("prefill 512 tokens after 31.5k cached, GQA 4", [(32256, 512)], 32, 8, 128),
+            ("mixed decodes + prefills, GQA 3, D64", [(10, 1), (900, 1), (0, 129), (33, 64)], 12, 4, 64),
+        ],
+        # Llama-3-8B's attention per layer (GQA 32/8, D128) and TinyLlama's (32/4, D64).
+        decode_shapes=[(32, 8, 128), (32, 4, 64)],
+        decode_grid=[(1, 1024), (1, 32768), (8, 4096), (32, 8192), (64, 1024), (64, 4096), (128, 2048),
+                     (256, 1024), (256, 4096)],
+        decode_configs=[(64, 4, 3), (64, 8, 3), (32, 4, 3), (128, 8, 2), (64, 4, 2), (128, 4, 3)])
+
+
+def dry_plan() -> Plan:
+    return Plan(
+        dry_run=True,
+        kernel_cases=[("decode, GQA 2", [(0, 1), (40, 1), (70, 1)], 4, 2, 32),
+                      ("mixed decode + prefill, MHA", [(5, 1), (16, 9)], 2, 2, 32)],
+        decode_shapes=[(4, 2, 32)], decode_grid=[(2, 64)], decode_tune_at=(2, 64),
+        decode_configs=[(64, 4, 3), (32, 4, 2)], copy_bytes=1 << 20,
+        engine_prompts=2, engine_tokens=4, engine_dtypes=("float32",), engine_kv_bytes=1 << 22,
+        model_8b="", single_stream_prompt=8, single_stream_tokens=6, throughput_requests=6,
+        throughput_seconds=20.0, max_model_len=128, trace_scale=1 / 32,
+        paper_model="", paper_requests=64, paper_steps=(5, 20),
+        paper_kv_bytes=None, max_num_seqs=16)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench(fn, rep_ms: int = 50) -> float:
+    """Seconds per call: triton's do_bench on a GPU (L2 flushed between runs), a few timed
+    calls on the CPU (dry runs: the number means nothing)."""
+    if DEVICE.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=10, rep=rep_ms) / 1e3
+    fn()
+    start = time.perf_counter()
+    for _ in range(2):
+        fn()
+    return (time.perf_counter() - start) / 2
+
+
+def by_name(table: dict, name: str):
+    return next((v for k, v in table.items() if k in name), None)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
+
+
+def tensor_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every distinct tensor reachable from a model object (weights, RoPE tables)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = (obj.device, obj.untyped_storage().data_ptr()) if obj.device.type != "meta" else id(obj)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("pagedserve.models"):
+        return sum(tensor_bytes(x, seen) for x in vars(obj).values())
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(obj, f), seen) for f in obj.__dataclass_fields__)
+    return 0
+
+
+def model_source(name: str, root: Path) -> str:
+    """A preset name, or for dry runs ("") a directory holding the tiny config."""
+    if name:
+        return name
+    path = root / "tiny"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY))
+    return str(path)
 
 
 # ---- random paged batches ------------------------------------------------------------------
@@ -52,9 +225,10 @@ MODEL_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, 
 def random_batch(specs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, seed: int = 0):
     """specs: (cached tokens, new tokens) per sequence, decodes (new == 1) first. Returns
-    float32 CPU tensors (cache with random contents, q, k, v) and CPU metadata; physical
+    float32 tensors on DEVICE (cache with random contents, q, k, v) and metadata; physical
     blocks are a random permutation, so every table is scattered and out of order."""
     g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(DEVICE).manual_seed(seed)
     needed = [math.ceil((c + n) / block_size) for c, n in specs]
     num_blocks = sum(needed) + 8
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -66,123 +240,123 @@ def random_batch(specs: list[tuple[int, int]], block_size: int, num_heads: int, 
         qsl.append(qsl[-1] + new)
         lens.append(ctx + new)
     width = max(needed)
+    d = DEVICE
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(lens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots, device=d), query_start_loc=torch.tensor(qsl, device=d),
+        seq_lens=torch.tensor(lens, device=d),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=d),
         num_decodes=sum(1 for _, n in specs if n == 1), query_start_loc_cpu=qsl, seq_lens_cpu=lens,
         max_seq_len=max(lens))
     t = qsl[-1]
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    q = torch.randn(t, num_heads, head_dim, generator=g)
-    k = torch.randn(t, num_kv_heads, head_dim, generator=g)
-    v = torch.randn(t, num_kv_heads, head_dim, generator=g)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gd, device=d)
+    q = torch.randn(t, num_heads, head_dim, generator=gd, device=d)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gd, device=d)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=gd, device=d)
     return cache, q, k, v, meta
-
-
-def meta_to(meta: AttentionMetadata, device) -> AttentionMetadata:
-    return AttentionMetadata(meta.slot_mapping.to(device), meta.query_start_loc.to(device),
-                             meta.seq_lens.to(device), meta.block_tables.to(device), meta.num_decodes,
-                             meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.max_seq_len)
 
 
 # ---- 1. kernels against the reference ------------------------------------------------------
 
-KERNEL_CASES = [
-    # name, specs (cached, new), block size, Hq, Hkv, D
-    ("decode 64 seqs, GQA 8, D128", [(random.Random(1).randrange(1, 2000), 1) for _ in range(64)], 16, 32, 4, 128),
-    ("decode long (16k) + short, GQA 1, D64", [(16000, 1), (3, 1), (700, 1)], 32, 8, 8, 64),
-    ("decode 33 seqs, GQA 3, D128, block 32", [(i * 37, 1) for i in range(33)], 32, 12, 4, 128),
-    ("prefill fresh + cached prefixes, GQA 8", [(0, 300), (1000, 77), (64, 16), (5000, 200)], 16, 32, 4, 128),
-    ("mixed decodes + prefills, GQA 3, D64", [(10, 1), (900, 1), (0, 129), (33, 64)], 32, 12, 4, 64),
-]
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
-def check_kernels(quick: bool) -> list[dict]:
+def check_kernels(plan: Plan) -> dict:
     from pagedserve.attention.triton_backend import TritonAttention
     from pagedserve.attention.triton_cache_ops import copy_blocks
+    torch.backends.cuda.matmul.allow_tf32 = False     # the reference in true float32
     rows = []
-    cases = KERNEL_CASES[1:3] + KERNEL_CASES[4:] if quick else KERNEL_CASES
-    for name, specs, bs, hq, hkv, d in cases:
-        for dtype in (torch.float32, torch.bfloat16):
-            cache, q, k, v, meta = random_batch(specs, bs, hq, hkv, d, seed=len(rows))
-            cache, q, k, v = (x.to(dtype).float() for x in (cache, q, k, v))   # same values for both sides
-            scale = d ** -0.5
-            ref_cache = cache.clone()
-            ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale)
-            gpu_cache = cache.to(DEVICE, dtype)
-            dev = DEVICE
-            out = TritonAttention(dev).forward(q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype),
-                                               gpu_cache, meta_to(meta, dev), scale)
-            err = (out.float().cpu() - ref).abs().max().item()
-            cache_ok = torch.equal(gpu_cache.float().cpu(), ref_cache)
-            tol = 1e-4 if dtype == torch.float32 else 3e-2
-            rows.append(dict(case=name, dtype=str(dtype).removeprefix("torch."), max_abs_err=err,
-                             cache_equal=cache_ok, ok=err <= tol and cache_ok))
-    # Block copy: copy-on-write in place, and to a staging buffer (swap).
-    big = torch.randn(4, 2, 64, 16, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    for name, specs, hq, hkv, d in plan.kernel_cases:
+        for bs in plan.block_sizes:
+            for dtype in plan.dtypes:
+                cache, q, k, v, meta = random_batch(specs, bs, hq, hkv, d, seed=len(rows))
+                cache, q, k, v = (x.to(dtype).float() for x in (cache, q, k, v))   # the same values for both
+                scale = d ** -0.5
+                ref_cache = cache.clone()
+                ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale)
+                low = [x.to(dtype) for x in (q, k, v)]
+                dev_cache = cache.to(dtype)
+                out = TritonAttention(DEVICE).forward(*low, dev_cache, meta, scale)
+                err = (out.float() - ref).abs().max().item()
+                # The torch backend's own error in this dtype: the kernel may be as far off as that.
+                torch_err = (TorchAttention().forward(*low, cache.to(dtype), meta, scale).float() - ref).abs().max().item()
+                cache_ok = torch.equal(dev_cache.float(), ref_cache)
+                rows.append(dict(case=name, block_size=bs, dtype=str(dtype).removeprefix("torch."),
+                                 max_context=max(meta.seq_lens_cpu), max_abs_err=err, torch_max_abs_err=torch_err,
+                                 cache_equal=cache_ok, ok=err <= max(TOLERANCE[dtype], 2 * torch_err) and cache_ok))
+                del cache, q, k, v, low, ref_cache, dev_cache, out, ref
+        free_memory()
+    # Block copy: copy-on-write in place, and to a staging buffer (as for swapping).
+    big = torch.randn(2, 2, 64, 16, 4, 64, device=DEVICE).to(torch.bfloat16)
     expected = big.clone()
     pairs = [(3, 40), (0, 5), (63, 1), (3, 9)]
     for s, t in pairs:
         expected[:, :, t] = expected[:, :, s]
     copy_blocks(big, big, pairs)
-    staging = torch.zeros(4, 2, 2, 16, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    staging = torch.zeros(2, 2, 2, 16, 4, 64, device=DEVICE, dtype=torch.bfloat16)
     copy_blocks(big, staging, [(40, 1)])
     ok = torch.equal(big, expected) and torch.equal(staging[:, :, 1], expected[:, :, 40])
-    rows.append(dict(case="copy_blocks (CoW in place, and to a staging buffer)", dtype="bfloat16",
-                     max_abs_err=0.0, cache_equal=ok, ok=ok))
-    return rows
+    rows.append(dict(case="copy_blocks (CoW in place, and to a staging buffer)", block_size=16, dtype="bfloat16",
+                     max_context=0, max_abs_err=0.0, torch_max_abs_err=0.0, cache_equal=ok, ok=ok))
+    return dict(rows=rows, ok=all(r["ok"] for r in rows), tolerance={str(k).removeprefix("torch."): v
+                                                                      for k, v in TOLERANCE.items()})
 
 
 # ---- 2. decode bandwidth -------------------------------------------------------------------
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+def copy_bandwidth(nbytes: int) -> float:
     """Bytes/s moved (read + written) by a large device-to-device copy."""
-    import triton.testing
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100)
-    return 2 * nbytes / (ms / 1e3)
+    sec = bench(lambda: dst.copy_(src), rep_ms=100)
+    return 2 * nbytes / sec
 
 
 def decode_setup(batch: int, ctx: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16):
-    """A bfloat16 decode batch on the GPU: every sequence has `ctx` tokens in scattered blocks."""
+    """A bfloat16 decode batch: every sequence has `ctx` tokens in scattered blocks."""
     per_seq = math.ceil(ctx / block_size)
     num_blocks = batch * per_seq
-    perm = torch.randperm(num_blocks, device="cuda")
-    tables = perm.view(batch, per_seq)
-    cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, device="cuda",
+    tables = torch.randperm(num_blocks, device=DEVICE).view(batch, per_seq)
+    cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE,
                         dtype=torch.bfloat16).normal_()
-    q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.long)
+    q = torch.randn(batch, num_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.long)
     kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * 2          # K and V, 2 bytes each
     other = q.numel() * 2 * 2 + tables.numel() * 8 + batch * 8           # q in, out, table, lengths
     return q, cache, tables, seq_lens, kv_bytes + other
 
 
 def time_decode(q, cache, tables, seq_lens, ctx) -> float:
-    import triton.testing
     from pagedserve.attention.triton_decode import paged_decode_attention
     out = torch.empty_like(q)
-    fn = lambda: paged_decode_attention(q, cache, tables, seq_lens, 0.125, ctx, out=out)  # noqa: E731
-    return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
+    return bench(lambda: paged_decode_attention(q, cache, tables, seq_lens, q.shape[-1] ** -0.5, ctx, out=out))
 
 
-DECODE_CONFIGS = [  # (BLOCK_N, NUM_WARPS, NUM_STAGES); the first is the code's default
-    (64, 4, 3), (64, 8, 3), (32, 4, 3), (128, 8, 2), (64, 4, 2), (128, 4, 3)]
+def time_contiguous(q, cache, tables, ctx) -> tuple[float, str]:
+    """The same attention over K/V gathered into one contiguous [batch, Hkv, ctx, D] tensor
+    each, by torch's scaled_dot_product_attention (GQA natively where it can)."""
+    import torch.nn.functional as F
+    b, hkv = tables.shape[0], cache.shape[3]
+    k = cache[0][tables].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    v = cache[1][tables].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    q4 = q.unsqueeze(2)
+    try:
+        F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+        return bench(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)), "sdpa, enable_gqa"
+    except RuntimeError:   # no GQA kernel for this case: K/V repeated per query head (reads more)
+        rep = q.shape[1] // hkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return bench(lambda: F.scaled_dot_product_attention(q4, k, v)), "sdpa, K/V repeated per query head"
 
 
-def bench_decode(quick: bool, copy_bw: float) -> dict:
+def bench_decode(plan: Plan, copy_bw: float) -> dict:
     from pagedserve.attention import triton_decode as td
     default = (td.BLOCK_N, td.NUM_WARPS, td.NUM_STAGES)
-    # Llama-3-8B's attention shape per layer (GQA 32/8, head dim 128) and TinyLlama's (32/4, 64).
-    shapes = [(32, 8, 128), (32, 4, 64)]
-    tune_at = (64, 2048)
     configs = []
-    for cfg in DECODE_CONFIGS[:3] if quick else DECODE_CONFIGS:
+    for cfg in plan.decode_configs:
         td.BLOCK_N, td.NUM_WARPS, td.NUM_STAGES = cfg
-        q, cache, tables, lens, nbytes = decode_setup(*tune_at, *shapes[0])
+        q, cache, tables, lens, nbytes = decode_setup(*plan.decode_tune_at, *plan.decode_shapes[0])
         try:
-            sec = time_decode(q, cache, tables, lens, tune_at[1])
+            sec = time_decode(q, cache, tables, lens, plan.decode_tune_at[1])
             configs.append(dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], us=sec * 1e6,
                                 gb_s=nbytes / sec / 1e9))
         except Exception as e:   # a setting this GPU cannot compile: report, keep going
@@ -192,125 +366,45 @@ def bench_decode(quick: bool, copy_bw: float) -> dict:
     best = max(timed, key=lambda c: c["gb_s"]) if timed else dict(block_n=default[0], num_warps=default[1],
                                                                     num_stages=default[2])
     td.BLOCK_N, td.NUM_WARPS, td.NUM_STAGES = best["block_n"], best["num_warps"], best["num_stages"]
-    grid = [(1, 4096), (8, 4096), (64, 1024), (64, 4096), (256, 2048)] if quick else \
-        [(1, 1024), (1, 32768), (8, 4096), (32, 8192), (64, 1024), (64, 4096), (128, 2048), (256, 1024), (256, 4096)]
     rows = []
     try:
-        for hq, hkv, d in shapes:
-            for batch, ctx in grid:
+        for hq, hkv, d in plan.decode_shapes:
+            for batch, ctx in plan.decode_grid:
                 q, cache, tables, lens, nbytes = decode_setup(batch, ctx, hq, hkv, d)
                 sec = time_decode(q, cache, tables, lens, ctx)
-                rows.append(dict(heads=f"{hq}/{hkv}x{d}", batch=batch, context=ctx, us=sec * 1e6,
-                                 gb_s=nbytes / sec / 1e9, fraction_of_copy=nbytes / sec / copy_bw))
+                row = dict(heads=f"{hq}/{hkv}x{d}", batch=batch, context=ctx, us=sec * 1e6,
+                           gb_s=nbytes / sec / 1e9, fraction_of_copy=nbytes / sec / copy_bw)
+                try:
+                    csec, how = time_contiguous(q, cache, tables, ctx)
+                    row |= dict(contiguous_us=csec * 1e6, contiguous_gb_s=nbytes / csec / 1e9,
+                                paged_over_contiguous_time=sec / csec, contiguous_kernel=how)
+                except Exception as e:   # out of memory for the gathered copy, or no kernel: say so
+                    row |= dict(contiguous_error=repr(e)[:200])
+                rows.append(row)
                 del q, cache, tables, lens
-                torch.cuda.empty_cache()
+                free_memory()
     finally:
         td.BLOCK_N, td.NUM_WARPS, td.NUM_STAGES = default
-    return dict(copy_gb_s=copy_bw / 1e9, configs=configs, used=best, default=list(default), rows=rows)
+    fractions = [r["fraction_of_copy"] for r in rows]
+    return dict(copy_gb_s=copy_bw / 1e9, configs=configs, used=best, default=list(default), rows=rows,
+                best_fraction_of_copy=max(fractions, default=0.0), goal_fraction_of_copy=0.8)
 
 
-# ---- 3. CUDA graphs for the decode step ----------------------------------------------------
+# ---- 3. the engine against the CPU engine ---------------------------------------------------
 
-def random_llama(shape: dict, dtype: torch.dtype, device: str, attention):
-    """A LlamaModel with random weights, built directly on `device`."""
-    from pagedserve.models.llama import LlamaModel, ModelArgs
-    from pagedserve.models.loader import build_model
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    hq, hkv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // hq
-    args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=shape["vocab_size"], hidden_size=h,
-                     intermediate_size=i, num_layers=n, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                     rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                     max_position_embeddings=shape["max_position_embeddings"], tie_word_embeddings=False,
-                     qkv_bias=False)
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def w(*size):
-        return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
-
-    weights = {"embed_tokens.weight": w(args.vocab_size, h), "norm.weight": torch.ones(h, device=device, dtype=dtype),
-               "lm_head.weight": w(args.vocab_size, h)}
-    for layer in range(n):
-        p = f"layers.{layer}."
-        weights |= {p + "input_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
-                    p + "self_attn.q_proj.weight": w(hq * d, h), p + "self_attn.k_proj.weight": w(hkv * d, h),
-                    p + "self_attn.v_proj.weight": w(hkv * d, h), p + "self_attn.o_proj.weight": w(h, hq * d),
-                    p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
-                    p + "mlp.down_proj.weight": w(h, i)}
-    model: LlamaModel = build_model(args, weights, dtype, attention, args.max_position_embeddings)
-    return model.to(torch.device(device)), weights
-
-
-def bench_cuda_graphs(quick: bool) -> dict:
-    from pagedserve.attention.triton_backend import TritonAttention
-    model, weights = random_llama(MODEL_1B, torch.bfloat16, "cuda", TritonAttention("cuda"))
-    del weights
-    a = model.args
-    ctx, max_len, block_size = 512, 1024, 16       # each sequence holds 512 tokens; graphs allow up to 1024
-    sizes = [1, 8, 32, 64] if quick else [1, 8, 16, 32, 64, 128, 256]
-    per_seq = max_len // block_size
-    kv = torch.zeros(a.num_layers, 2, max(sizes) * per_seq, block_size, a.num_kv_heads, a.head_dim,
-                     device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for b in sizes:
-        tables = torch.randperm(b * per_seq, device="cuda").view(b, per_seq)
-        positions = torch.full((b,), ctx, device="cuda", dtype=torch.long)
-        slots = tables[:, ctx // block_size] * block_size + ctx % block_size
-        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(b + 1, device="cuda"),
-                                 seq_lens=positions + 1, block_tables=tables, num_decodes=b,
-                                 query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[ctx + 1] * b,
-                                 max_seq_len=max_len)   # the bound the launch is sized for, as a graph needs
-        ids = torch.randint(100, a.vocab_size, (b,), device="cuda")
-
-        def step():
-            return model.compute_logits(model.forward(ids, positions, meta, kv))
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):                      # compile the kernels, settle the allocator
-                eager_logits = step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_logits = step()
-        graph.replay()
-        torch.cuda.synchronize()
-        same = (graph_logits - eager_logits).abs().max().item()
-        eager_ms = _time(step, 20) * 1e3
-        graph_ms = _time(graph.replay, 50) * 1e3
-        rows.append(dict(batch=b, eager_ms=eager_ms, graph_ms=graph_ms, gain=eager_ms / graph_ms,
-                         max_abs_diff_vs_eager=same))
-        del graph, graph_logits, eager_logits
-        torch.cuda.empty_cache()
-    return dict(model="TinyLlama-1.1B shape, random bf16", context=ctx, rows=rows)
-
-
-def _time(fn, iters: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
-
-
-# ---- 4. engine throughput ------------------------------------------------------------------
-
-def save_random_model(root: Path) -> str:
-    """An HF directory (config, bf16 safetensors, word-level tokenizer over the vocabulary)."""
+def save_random_model(root: Path, config: dict) -> str:
+    """An HF directory with random float32 weights (seeded) and a word-level tokenizer over
+    the vocabulary: the same weights for the CPU and the GPU engine (dry runs)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    _, weights = random_llama(MODEL_1B, torch.bfloat16, DEVICE, attention=None)
-    save_file({"model." + k if k != "lm_head.weight" else k: t.cpu().contiguous() for k, t in weights.items()},
-              str(root / "model.safetensors"))
-    del weights
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16", rms_norm_eps=1e-5,
-               rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **MODEL_1B)
-    (root / "config.json").write_text(json.dumps(cfg))
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, MODEL_1B["vocab_size"])}
+    from pagedserve.models.dummy import DummyWeights
+    from pagedserve.models.loader import args_from_hf_config
+    weights = DummyWeights(args_from_hf_config(config), torch.float32, "cpu", seed=0)
+    save_file({("model." + k if k != "lm_head.weight" else k): weights[k].mul(5.0) if "norm" not in k else weights[k]
+               for k in weights}, str(root / "model.safetensors"))   # x5: logits far apart, no near-ties
+    (root / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, config["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
@@ -318,125 +412,448 @@ def save_random_model(root: Path) -> str:
     return str(root)
 
 
-def bench_throughput(quick: bool) -> dict:
-    from benchmarks.workloads import make_trace
-    from pagedserve import LLM, SamplingParams
-    n = 64 if quick else 256
-    trace = make_trace("sharegpt", n, seed=0, vocab_size=MODEL_1B["vocab_size"], max_model_len=2048)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in trace]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in trace]
-    n_in, n_out = sum(len(r.prompt_token_ids) for r in trace), sum(r.output_len for r in trace)
-    result = dict(model="TinyLlama-1.1B shape, random bf16", workload="sharegpt", num_requests=n,
-                  prompt_tokens=n_in, output_tokens=n_out)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = save_random_model(Path(tmp))
-        for backend in ("triton", "torch"):
-            llm = LLM(path, dtype="bfloat16", device=DEVICE, attention_backend=backend, max_model_len=2048,
-                      max_num_seqs=256, max_num_batched_tokens=4096)
-            warm = prompts[:4]                                       # warm-up: kernel compilation
-            llm.generate(warm, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(warm),
-                         use_tqdm=False)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            sec = time.perf_counter() - start
-            assert sum(len(o.outputs[0].token_ids) for o in outs) == n_out
-            stats = llm.kv_cache_stats()
-            result[backend] = dict(seconds=sec, output_tok_s=n_out / sec, total_tok_s=(n_in + n_out) / sec,
-                                   num_blocks=stats.get("num_blocks"), preemptions=stats.get("num_preemptions"))
-            del llm, outs
-            gc.collect()
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-    result["speedup_output_tok_s"] = result["triton"]["output_tok_s"] / result["torch"]["output_tok_s"]
+def greedy_tokens(llm, prompts: list, max_tokens: int) -> list[list[int]]:
+    from pagedserve import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two runs' tokens agree: prompts equal throughout, and the share of tokens
+    before the first difference."""
+    prefix = []
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        prefix.append(n / max(1, len(x)))
+    return dict(prompts_equal=sum(x == y for x, y in zip(a, b)), prompts=len(a),
+                mean_share_before_first_difference=sum(prefix) / max(1, len(prefix)))
+
+
+def check_engine(plan: Plan, root: Path) -> dict:
+    from pagedserve import LLM
+    if plan.dry_run:
+        (root / "engine").mkdir(exist_ok=True)
+    model = save_random_model(root / "engine", TINY) if plan.dry_run else None
+    common = dict(max_model_len=512, max_num_seqs=16, seed=0, kv_cache_memory=plan.engine_kv_bytes)
+    cpu = LLM(model, dtype="float32", device="cpu", **common)
+    prompts = [{"prompt_token_ids": cpu.get_tokenizer().encode(p)} for p in PROMPTS[:plan.engine_prompts]]
+    reference = greedy_tokens(cpu, prompts, plan.engine_tokens)
+    del cpu
+    free_memory()
+    runs, graph_steps, notes = {}, {}, {}
+    for dtype in plan.engine_dtypes:
+        try:
+            llm = LLM(model, dtype=dtype, device=DEVICE.type, attention_backend="triton", **common)
+        except Exception:   # with CUDA graphs: note it, and check the rest eagerly
+            if DEVICE.type != "cuda":
+                raise
+            notes[f"{dtype} cuda_graphs_error"] = traceback.format_exc()[-3000:]
+            free_memory()
+            llm = LLM(model, dtype=dtype, device=DEVICE.type, attention_backend="triton", enforce_eager=True,
+                      **common)
+        runner = llm.engine.runner
+        if runner.decode_graphs is None:     # on the CPU: the padded buffers, run eagerly
+            runner.capture_cuda_graphs([1, 2, 4, 8, 16], llm.engine.max_model_len, capture=False)
+        graphs = runner.decode_graphs
+        runs[f"{dtype} graphs"] = greedy_tokens(llm, prompts, plan.engine_tokens)
+        graph_steps[dtype] = graphs.steps_run
+        runner.decode_graphs = None
+        runs[f"{dtype} eager"] = greedy_tokens(llm, prompts, plan.engine_tokens)
+        runner.decode_graphs = graphs
+        del llm, runner, graphs
+        free_memory()
+    result = dict(model=model or "SmolLM2-135M-Instruct (default)", prompts=len(prompts),
+                  tokens_per_prompt=plan.engine_tokens, reference="CPU engine, float32",
+                  runs={name: agreement(reference, toks) for name, toks in runs.items()},
+                  graph_steps=graph_steps, graphs_captured=DEVICE.type == "cuda" and not notes, **notes)
+    f32 = [result["runs"][f"float32 {m}"] for m in ("graphs", "eager")]
+    result["float32_equal"] = all(r["prompts_equal"] == r["prompts"] for r in f32)
+    result["ok"] = result["float32_equal"]
+    return result
+
+
+# ---- engine runs: throughput with a deadline --------------------------------------------------
+
+def load_engine(config, notes: dict):
+    """An LLMEngine; if building it fails with CUDA graphs (their capture is new on a GPU),
+    the error goes into `notes` and the engine is built eagerly, so the section still runs."""
+    import dataclasses
+    from pagedserve.engine.llm_engine import LLMEngine
+    try:
+        return LLMEngine(config)
+    except Exception:
+        if config.enforce_eager or DEVICE.type != "cuda":
+            raise
+        notes["cuda_graphs_error"] = traceback.format_exc()[-3000:]
+        print(notes["cuda_graphs_error"], file=sys.stderr)
+        free_memory()
+        return LLMEngine(dataclasses.replace(config, enforce_eager=True))
+
+
+class StepCounter:
+    """Counts what the runner computes: tokens, sampled tokens, model FLOPs."""
+
+    def __init__(self, engine) -> None:
+        a = engine.model_args
+        self.args = a
+        model = engine.runner.model
+        self.linear_flops_per_token = 2 * (tensor_bytes(getattr(model, "layers", model)) // model.dtype.itemsize)
+        self.lm_head_flops = 2 * a.vocab_size * a.hidden_size
+        self.attn_flops_per_pair = 4 * a.num_heads * a.head_dim * a.num_layers   # QK^T and PV, per (query, key)
+        self.reset()
+        runner = engine.runner
+        execute = runner.execute
+
+        def counted(batch):
+            out = execute(batch)
+            for s in batch.seqs:
+                n, end = len(s.token_ids), s.start + len(s.token_ids)
+                self.tokens += n
+                self.flops += n * self.linear_flops_per_token + self.attn_flops_per_pair * n * (end - (n - 1) / 2)
+            self.sampled += len(out.sampled_seq_ids)
+            self.flops += len(out.sampled_seq_ids) * self.lm_head_flops
+            self.steps += 1
+            self.batch_sum += len(batch.seqs)
+            return out
+        runner.execute = counted
+
+    def reset(self) -> None:
+        self.tokens = self.sampled = self.steps = self.batch_sum = 0
+        self.flops = 0.0
+
+
+def run_for(engine, seconds: float, counter: StepCounter, steps: int | None = None) -> tuple[float, int]:
+    """Step until every request finished or `seconds` passed (or `steps` were run);
+    (seconds, requests finished)."""
+    sync()
+    start, finished, n = time.perf_counter(), 0, 0
+    while engine.has_unfinished_requests() and time.perf_counter() - start < seconds and n != steps:
+        finished += sum(o.finished for o in engine.step())
+        n += 1
+    sync()
+    return time.perf_counter() - start, finished
+
+
+def abort_all(engine) -> None:
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+
+
+def add_trace(engine, trace) -> None:
+    from pagedserve import SamplingParams
+    for i, r in enumerate(trace):
+        engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids},
+                           SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+
+
+# ---- 4. an 8B-class model ------------------------------------------------------------------
+
+def single_stream(engine, counter: StepCounter, prompt_len: int, tokens: int) -> dict:
+    """Decode tok/s of one sequence (the prefill and first token excluded)."""
+    from pagedserve import SamplingParams
+    engine.add_request("single", {"prompt_token_ids": list(range(100, 100 + prompt_len))},
+                       SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    engine.step()                         # the prompt and the first token
+    sec, _ = run_for(engine, math.inf, counter)
+    return dict(decode_tokens=tokens - 1, seconds=sec, tok_s=(tokens - 1) / sec)
+
+
+def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | None) -> dict:
+    from benchmarks.workloads import make_trace, trace_stats
+    from pagedserve.config import EngineConfig
+    name = model_source(plan.model_8b, root)
+    notes: dict = {}
+    engine = load_engine(EngineConfig(model=name, load_format="dummy", dtype="bfloat16", device=DEVICE.type,
+                                    max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
+                                    max_num_batched_tokens=max(2048, plan.max_model_len),
+                                    enable_prefix_caching=False,
+                                    num_gpu_blocks_override=256 if plan.dry_run else None), notes)
+    counter = StepCounter(engine)
+    weight_bytes = tensor_bytes(engine.runner.model)
+    bandwidth = copy_bw or by_name(HBM_BANDWIDTH, device_name())
+    runner = engine.runner
+    graphs = runner.decode_graphs
+    result = dict(model=plan.model_8b or "tiny (dry run)", dtype="bfloat16", weight_gb=weight_bytes / 1e9,
+                  num_blocks=engine.num_blocks, cuda_graphs_captured=graphs is not None,
+                  capture_sizes=graphs.sizes if graphs else None,
+                  weight_read_bound_tok_s=bandwidth / weight_bytes if bandwidth else None,
+                  bandwidth_for_bound_gb_s=bandwidth / 1e9 if bandwidth else None,
+                  bf16_peak_tflops=peak / 1e12 if peak else None, **notes)
+    trace = make_trace("sharegpt", plan.throughput_requests, seed=0, vocab_size=engine.vocab_size,
+                       max_model_len=plan.max_model_len, scale=plan.trace_scale)
+    result["trace"] = trace_stats(trace)
+    modes = [("graphs", graphs), ("eager", None)] if graphs is not None else [("eager", None)]
+    for mode, g in modes:
+        runner.decode_graphs = g
+        single = single_stream(engine, counter, plan.single_stream_prompt, plan.single_stream_tokens)   # warms up too
+        if result["weight_read_bound_tok_s"]:
+            single["fraction_of_bound"] = single["tok_s"] / result["weight_read_bound_tok_s"]
+        add_trace(engine, trace)
+        counter.reset()
+        replays0 = g.steps_run if g else 0
+        sec, finished = run_for(engine, plan.throughput_seconds, counter)
+        abort_all(engine)
+        run = dict(seconds=sec, requests_finished=finished, completed=finished == len(trace),
+                   output_tok_s=counter.sampled / sec, tokens_computed_per_s=counter.tokens / sec,
+                   avg_batch=counter.batch_sum / max(1, counter.steps), steps=counter.steps,
+                   model_tflops=counter.flops / sec / 1e12,
+                   preemptions=engine.kv_cache_stats().get("num_preemptions"),
+                   graph_steps=(g.steps_run - replays0) if g else 0)
+        if peak:
+            run["share_of_bf16_peak"] = counter.flops / sec / peak
+        result[mode] = dict(single_stream=single, throughput=run)
+    runner.decode_graphs = graphs
+    if "graphs" in result:
+        result["graphs_speedup_single_stream"] = (result["graphs"]["single_stream"]["tok_s"]
+                                                  / result["eager"]["single_stream"]["tok_s"])
+        result["graphs_speedup_throughput"] = (result["graphs"]["throughput"]["output_tok_s"]
+                                               / result["eager"]["throughput"]["output_tok_s"])
+    del engine, runner, graphs, counter
+    free_memory()
+    return result
+
+
+# ---- 5. the paper's comparison -------------------------------------------------------------
+
+def a100_kv_bytes(model: str) -> tuple[int, int]:
+    """(KV bytes, weight bytes): 90% of an A100-40GB less the model's bf16 weights (counted
+    on the meta device: nothing allocated)."""
+    from pagedserve.models.loader import load_model
+    meta_model, _, _ = load_model(model, "bfloat16", attention=None, load_format="dummy", device="meta")
+    weights = tensor_bytes(meta_model)
+    return int(0.9 * A100_40GB) - weights, weights
+
+
+def bench_paper(plan: Plan, root: Path) -> dict:
+    import copy
+    import dataclasses
+    from benchmarks.workloads import make_trace, trace_stats
+    from pagedserve.config import EngineConfig
+    name = model_source(plan.paper_model, root)
+    if plan.paper_kv_bytes:
+        kv_bytes, weights = plan.paper_kv_bytes, None
+    elif plan.dry_run:
+        kv_bytes, weights = None, None     # 4 max-length sequences, below
+    else:
+        kv_bytes, weights = a100_kv_bytes(name)
+    config = EngineConfig(model=name, load_format="dummy", dtype="bfloat16", device=DEVICE.type, block_size=16,
+                          max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
+                          max_num_batched_tokens=max(2048, plan.max_model_len), enable_prefix_caching=False,
+                          kv_cache_memory=kv_bytes,
+                          num_gpu_blocks_override=4 * plan.max_model_len // 16 if kv_bytes is None else None)
+    notes: dict = {}
+    base = load_engine(config, notes)
+    config = base.config
+    trace = make_trace("sharegpt", plan.paper_requests, seed=0, vocab_size=base.vocab_size,
+                       max_model_len=plan.max_model_len, scale=plan.trace_scale)
+    kv = base.runner.kv_cache
+    result = dict(model=plan.paper_model or "tiny (dry run)", kv_cache_gb=kv.numel() * kv.element_size() / 1e9,
+                  kv_slots=base.num_blocks * 16, max_length_sequences=base.num_blocks * 16 / plan.max_model_len,
+                  weight_gb=weights / 1e9 if weights else None, block_size=16, max_model_len=plan.max_model_len,
+                  trace=trace_stats(trace), warmup_s=plan.paper_warmup_seconds, window_s=plan.paper_seconds,
+                  window=(f"{plan.paper_steps[1]} steps after {plan.paper_steps[0]}" if plan.paper_steps else
+                          f"{plan.paper_seconds:.0f}s after {plan.paper_warmup_seconds:.0f}s"),
+                  cuda_graphs=base.runner.decode_graphs is not None, allocators={}, **notes)
+    for allocator in ("paged", "oracle", "max"):
+        engine = copy.copy(base)           # the same weights, KV tensor and graphs; a new scheduler
+        engine.config = dataclasses.replace(config, kv_allocator=allocator)
+        engine.scheduler = engine._new_scheduler()
+        engine.requests = {}
+        engine.runner.forget_sequences()
+        counter = StepCounter(engine)
+        add_trace(engine, trace)
+        warm_steps, window_steps = plan.paper_steps or (None, None)
+        run_for(engine, plan.paper_warmup_seconds, counter, warm_steps)     # until the batch has filled
+        counter.reset()
+        preempt0 = engine.scheduler.stats.num_preemptions
+        sec, finished = run_for(engine, plan.paper_seconds, counter, window_steps)
+        result["allocators"][allocator] = dict(
+            output_tok_s=counter.sampled / sec, seconds=sec, requests_finished_in_window=finished,
+            avg_batch=counter.batch_sum / max(1, counter.steps), steps=counter.steps,
+            preemptions=engine.scheduler.stats.num_preemptions - preempt0,
+            queue_left=len(engine.scheduler.waiting))
+        abort_all(engine)
+        del engine.runner.execute           # the counter's wrapper: the next allocator wraps afresh
+    a = result["allocators"]
+    for other in ("oracle", "max"):   # None where the baseline had finished before the window
+        rate = a[other]["output_tok_s"]
+        result[f"paged_over_{other}"] = a["paged"]["output_tok_s"] / rate if rate else None
+    result["paper"] = "vLLM sustains 1.7-2.7x the request rate of Orca-Oracle and 2.7-8x that of Orca-Max on " \
+                      "ShareGPT (Fig. 12, at equal latency); average batch 30.42 paged vs 13.62 Oracle vs 7.00 Max"
+    del base, engine, counter
+    free_memory()
     return result
 
 
 # ---- report --------------------------------------------------------------------------------
 
 def print_report(res: dict) -> None:
-    print(f"\n== {res['device']} | torch {res['torch']} | triton {res['triton']}")
-    if isinstance(res.get("kernels"), list):
-        print("\n-- kernels vs torch reference (CPU, float32)")
-        for r in res["kernels"]:
-            print(f"{'ok ' if r['ok'] else 'BAD'} {r['case']:<52}{r['dtype']:>10}  max|err| {r['max_abs_err']:.2e}"
-                  f"  cache {'equal' if r['cache_equal'] else 'DIFFERS'}")
+    print(f"\n== {res['device']} | torch {res['torch']} | triton {res['triton']} | {res['date']}"
+          + (" | DRY RUN" if res["dry_run"] else ""))
+    k = res.get("kernels")
+    if isinstance(k, dict):
+        print("\n-- 1. Triton kernels vs the torch backend in float32 (ok: max|err| within bf16 3e-2, fp16 1e-2, or "
+              "twice the torch backend's own error in that dtype; the KV cache written exactly)")
+        print(f"{'':4}{'case':<50}{'block':>6}{'dtype':>10}{'max ctx':>9}{'max|err|':>10}{'torch':>10}  cache")
+        for r in k["rows"]:
+            print(f"{'ok ' if r['ok'] else 'BAD'} {r['case']:<50}{r['block_size']:>6}{r['dtype']:>10}"
+                  f"{r['max_context']:>9}{r['max_abs_err']:>10.1e}{r['torch_max_abs_err']:>10.1e}  "
+                  f"{'equal' if r['cache_equal'] else 'DIFFERS'}")
     dec = res.get("decode")
     if isinstance(dec, dict):
-        print(f"\n-- paged decode attention (bf16, block 16); device copy bandwidth {dec['copy_gb_s']:.0f} GB/s")
+        print(f"\n-- 2. paged decode attention (bf16, block 16); device copy {dec['copy_gb_s']:.0f} GB/s "
+              f"(goal: >= {dec['goal_fraction_of_copy']:.0%} of it)")
         for c in dec["configs"]:
             print(f"   config BLOCK_N={c['block_n']:<4} warps={c['num_warps']} stages={c['num_stages']}: "
                   + (f"{c['gb_s']:.0f} GB/s" if "gb_s" in c else c["error"]))
         u = dec["used"]
         print(f"   using BLOCK_N={u['block_n']} warps={u['num_warps']} stages={u['num_stages']} "
               f"(code default {dec['default']})")
-        print(f"{'heads':>10}{'batch':>7}{'context':>9}{'us':>10}{'GB/s':>9}{'% copy':>9}")
+        print(f"{'heads':>10}{'batch':>7}{'context':>9}{'us':>10}{'GB/s':>9}{'% copy':>8}{'contig us':>11}"
+              f"{'paged/contig':>14}")
         for r in dec["rows"]:
+            contig = (f"{r['contiguous_us']:>11.1f}{r['paged_over_contiguous_time']:>13.2f}x"
+                      if "contiguous_us" in r else f"  {r.get('contiguous_error', '')[:40]}")
             print(f"{r['heads']:>10}{r['batch']:>7}{r['context']:>9}{r['us']:>10.1f}{r['gb_s']:>9.0f}"
-                  f"{100 * r['fraction_of_copy']:>8.0f}%")
-    gr = res.get("cuda_graphs")
-    if isinstance(gr, dict):
-        print(f"\n-- decode step, {gr['model']}, context {gr['context']}: eager vs CUDA graph")
-        print(f"{'batch':>7}{'eager ms':>10}{'graph ms':>10}{'gain':>7}{'max|diff|':>11}")
-        for r in gr["rows"]:
-            print(f"{r['batch']:>7}{r['eager_ms']:>10.2f}{r['graph_ms']:>10.2f}{r['gain']:>6.2f}x"
-                  f"{r['max_abs_diff_vs_eager']:>11.1e}")
-    tp = res.get("throughput")
-    if isinstance(tp, dict):
-        print(f"\n-- engine throughput, {tp['model']}, {tp['num_requests']} {tp['workload']} requests "
-              f"({tp['prompt_tokens']} in / {tp['output_tokens']} out)")
-        for b in ("triton", "torch"):
-            r = tp[b]
-            print(f"{b + ' backend':<16}{r['seconds']:>8.1f}s{r['output_tok_s']:>10.0f} out tok/s"
-                  f"{r['total_tok_s']:>10.0f} total tok/s  {r['num_blocks']} KV blocks")
-        print(f"speedup (output tok/s): {tp['speedup_output_tok_s']:.2f}x")
-    for key in ("kernels", "decode", "cuda_graphs", "throughput"):
+                  f"{100 * r['fraction_of_copy']:>7.0f}%{contig}")
+    eng = res.get("engine")
+    if isinstance(eng, dict):
+        print(f"\n-- 3. engine on {res['device']} vs {eng['reference']}: {eng['model']}, {eng['prompts']} prompts x "
+              f"{eng['tokens_per_prompt']} greedy tokens")
+        for name, r in eng["runs"].items():
+            print(f"   {name:<18} prompts equal {r['prompts_equal']}/{r['prompts']}, tokens before the first "
+                  f"difference {r['mean_share_before_first_difference']:.0%}")
+        print(f"   float32 equal: {'yes' if eng['float32_equal'] else 'NO'}; decode steps through the CUDA graphs' "
+              f"buffers {eng['graph_steps']}" + ("" if eng["graphs_captured"] else " (not captured: run eagerly)"))
+    m = res.get("model_8b")
+    if isinstance(m, dict):
+        bound = m["weight_read_bound_tok_s"]
+        print(f"\n-- 4. {m['model']} with dummy weights, bf16 ({m['weight_gb']:.1f} GB of weights; weight-read bound "
+              + (f"{bound:.0f} tok/s at {m['bandwidth_for_bound_gb_s']:.0f} GB/s)" if bound else "unknown)"))
+        t = m["trace"]
+        print(f"   ShareGPT-like: {t['num_requests']} requests, mean {t['mean_input']:.0f} in / "
+              f"{t['mean_output']:.0f} out; CUDA graph sizes {m['capture_sizes']}")
+        print(f"{'mode':>8}{'1-stream tok/s':>16}{'% bound':>9}{'out tok/s':>11}{'% bf16 peak':>13}{'batch':>7}"
+              f"{'done':>12}{'s':>7}")
+        for mode in ("graphs", "eager"):
+            if mode not in m:
+                continue
+            s, tp = m[mode]["single_stream"], m[mode]["throughput"]
+            share = tp.get("share_of_bf16_peak")
+            print(f"{mode:>8}{s['tok_s']:>16.1f}{100 * s.get('fraction_of_bound', float('nan')):>8.0f}%"
+                  f"{tp['output_tok_s']:>11.0f}{100 * share if share else float('nan'):>12.1f}%{tp['avg_batch']:>7.1f}"
+                  f"{tp['requests_finished']:>6}/{t['num_requests']:<5}{tp['seconds']:>7.1f}")
+        if "graphs_speedup_single_stream" in m:
+            print(f"   CUDA graphs vs eager: single stream {m['graphs_speedup_single_stream']:.2f}x, "
+                  f"throughput {m['graphs_speedup_throughput']:.2f}x")
+    p = res.get("paper")
+    if isinstance(p, dict):
+        print(f"\n-- 5. paper comparison: {p['model']} (dummy bf16), KV cache {p['kv_cache_gb']:.1f} GB = "
+              f"{p['kv_slots']} slots = {p['max_length_sequences']:.1f} sequences of {p['max_model_len']}; "
+              f"steady state over {p['window']}")
+        print(f"{'allocator':>10}{'out tok/s':>11}{'avg batch':>11}{'preempt':>9}{'steps':>7}")
+        for a, r in p["allocators"].items():
+            print(f"{a:>10}{r['output_tok_s']:>11.0f}{r['avg_batch']:>11.1f}{r['preemptions']:>9}{r['steps']:>7}")
+        ratio = {k: f"{p[f'paged_over_{k}']:.2f}x" if p[f"paged_over_{k}"] else "n/a" for k in ("oracle", "max")}
+        print(f"   paged / Orca-Oracle {ratio['oracle']}, paged / Orca-Max {ratio['max']} (paper: {p['paper']})")
+    for name, (planned, used) in res.get("time_boxes_shortened", {}).items():
+        print(f"\n!! {name} shortened from {planned:.0f} to {used:.0f} to fit --budget-seconds")
+    for key in SECTIONS:
+        for note, text in (res[key].items() if isinstance(res.get(key), dict) else ()):
+            if "cuda_graphs_error" in note:
+                print(f"\n!! {key}: building the engine with CUDA graphs failed, ran eagerly: "
+                      f"{text.strip().splitlines()[-1]}")
         if isinstance(res.get(key), str):
-            print(f"\n!! {key} failed: {res[key].splitlines()[-1]}")
+            print(f"\n!! {key} failed: {res[key].strip().splitlines()[-1]}")
+    print("\nseconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
 
 
-def main() -> int:
+# Seconds sections 4 and 5 take besides their time boxes (loading, CUDA graph capture, single
+# streams), as estimated for an H200, for fitting the run into --budget-seconds.
+MODEL_8B_OVERHEAD, PAPER_OVERHEAD = 60.0, 45.0
+
+
+def fit_time_boxes(plan: Plan, key: str, left: float, wanted: list[str], res: dict) -> None:
+    """Before section 4 or 5: shorten its time boxes so that it, and section 5 after it, fit
+    in the `left` seconds of the budget (noted in the results)."""
+    paper_need = PAPER_OVERHEAD + 3 * (plan.paper_warmup_seconds + plan.paper_seconds) if "paper" in wanted else 0
+    if key == "model_8b":
+        box = min(plan.throughput_seconds, max(10.0, (left - paper_need - MODEL_8B_OVERHEAD) / 2))
+        if box < plan.throughput_seconds:
+            res.setdefault("time_boxes_shortened", {})["throughput_seconds"] = [plan.throughput_seconds, box]
+            plan.throughput_seconds = box
+    elif key == "paper":
+        window = min(plan.paper_seconds, max(5.0, (left - PAPER_OVERHEAD) / 3 - plan.paper_warmup_seconds))
+        if window < plan.paper_seconds:
+            res.setdefault("time_boxes_shortened", {})["paper_seconds"] = [plan.paper_seconds, window]
+            plan.paper_seconds = window
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run")
-    ap.add_argument("--skip", action="append", default=[], choices=["kernels", "decode", "cuda_graphs", "throughput"])
-    ap.add_argument("--json", default="benchmarks/results/gpu_check.json")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print(f"gpu_check: torch {torch.__version__} sees no CUDA GPU, and this script measures one. "
-              "Run it on a machine with an NVIDIA GPU and a CUDA build of torch. On CPU, the Triton "
-              "kernels are checked under Triton's interpreter by `pytest tests/test_triton_kernels.py`.",
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes and models, every section: seconds")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
+    ap.add_argument("--skip", nargs="+", default=[], choices=SECTIONS)
+    ap.add_argument("--model-8b", default=None, help="preset for section 4 (default llama-3-8b)")
+    ap.add_argument("--paper-model", default=None, help=f"preset for section 5 (default {PAPER_MODEL})")
+    ap.add_argument("--throughput-seconds", type=float, default=None, help="time box of each section-4 run")
+    ap.add_argument("--paper-seconds", type=float, default=None, help="section 5's measuring window per allocator")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak, if the device is not known")
+    ap.add_argument("--budget-seconds", type=float, default=540.0,
+                    help="the whole run's time: sections 4 and 5 shorten their time boxes to fit it (not in dry runs)")
+    ap.add_argument("--json", default=None, help="default benchmarks/results/gpu_check.json "
+                                                 "(gpu_check_dry_run.json for --dry-run)")
+    args = ap.parse_args(argv)
+    if DEVICE.type != "cuda" and not args.dry_run:
+        print(f"gpu_check: torch {torch.__version__} sees no CUDA GPU, and this script measures one. Run it on a "
+              "machine with an NVIDIA GPU and a CUDA build of torch; --dry-run runs it on the CPU with tiny shapes.",
               file=sys.stderr)
         return 2
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if DEVICE.type == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
         print("gpu_check: unset TRITON_INTERPRET: it makes Triton interpret the kernels instead of compiling them",
               file=sys.stderr)
         return 2
     import triton
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               quick=args.quick)
+    plan = dry_plan() if args.dry_run else full_plan()
+    for name, value in (("model_8b", args.model_8b), ("paper_model", args.paper_model),
+                        ("throughput_seconds", args.throughput_seconds), ("paper_seconds", args.paper_seconds)):
+        if value is not None:
+            setattr(plan, name, value)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else by_name(BF16_PEAK, device_name())
+    res = dict(device=device_name(), torch=torch.__version__, triton=triton.__version__, dry_run=args.dry_run,
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), seconds={})
     failed = False
     copy_bw = None
-    for key, run in [("kernels", lambda: check_kernels(args.quick)),
-                     ("decode", lambda: bench_decode(args.quick, copy_bw)),
-                     ("cuda_graphs", lambda: bench_cuda_graphs(args.quick)),
-                     ("throughput", lambda: bench_throughput(args.quick))]:
-        if key in args.skip:
-            continue
-        if key == "decode":
-            copy_bw = copy_bandwidth()
-        start = time.perf_counter()
-        print(f"[gpu_check] {key} ...", flush=True)
-        try:
-            res[key] = run()
-            failed |= key == "kernels" and not all(r["ok"] for r in res[key])
-        except Exception:
-            res[key] = traceback.format_exc()
-            print(res[key], file=sys.stderr)
-            failed = True
-        res.setdefault("seconds", {})[key] = time.perf_counter() - start
-        gc.collect()
-        torch.cuda.empty_cache()
+    wanted = [s for s in (args.only or SECTIONS) if s not in args.skip]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for key in wanted:
+            if not plan.dry_run:
+                fit_time_boxes(plan, key, args.budget_seconds - (time.perf_counter() - START), wanted, res)
+            start = time.perf_counter()
+            print(f"[gpu_check] {key} ...", flush=True)
+            try:
+                if key == "kernels":
+                    res[key] = check_kernels(plan)
+                elif key == "decode":
+                    copy_bw = copy_bandwidth(plan.copy_bytes)
+                    res[key] = bench_decode(plan, copy_bw)
+                elif key == "engine":
+                    res[key] = check_engine(plan, root)
+                elif key == "model_8b":
+                    res[key] = bench_model_8b(plan, root, copy_bw, peak)
+                else:
+                    res[key] = bench_paper(plan, root)
+                failed |= not res[key].get("ok", True) or any("cuda_graphs_error" in k for k in res[key])
+            except Exception:
+                res[key] = traceback.format_exc()
+                print(res[key], file=sys.stderr)
+                failed = True
+            res["seconds"][key] = time.perf_counter() - start
+            free_memory()
     print_report(res)
-    out = Path(args.json)
+    out = Path(args.json or ("benchmarks/results/gpu_check_dry_run.json" if args.dry_run
+                             else "benchmarks/results/gpu_check.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"\nwrote {out}")

@@ -51,18 +51,15 @@ from pathlib import Path
 if __package__ in (None, ""):   # run as a script: make `benchmarks` and `pagedserve` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 from benchmarks.memory_sim import simulate_saturation  # noqa: E402
 from benchmarks.workloads import WORKLOADS, make_trace, trace_lengths, trace_stats  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.kv.memory_usage import CATEGORIES, MemoryUsage  # noqa: E402
-from pagedserve.sampling.sampler import Sampler  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler import Scheduler  # noqa: E402
 from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
-from pagedserve.worker.worker import make_ops  # noqa: E402
+from pagedserve.worker.worker import make_sampler  # noqa: E402
 
 ALLOCATORS = ("paged", "oracle", "pow2", "max")
 LABELS = {"paged": "paged (vLLM)", "oracle": "Orca-Oracle", "pow2": "Orca-Pow2", "max": "Orca-Max"}
@@ -169,7 +166,7 @@ def engine_for(base: LLMEngine, kv_allocator: str, block_size: int, kv_slots: in
     engine.config = config
     engine.scheduler = Scheduler(config, num_blocks, base.max_model_len)
     engine.runner = ModelRunner(base.runner.model, num_blocks, block_size,
-                                Sampler(base.eos_token_ids, config.seed, make_ops(torch.device("cpu"))), base.device)
+                                make_sampler(base.eos_token_ids, config.seed, base.device), base.device)
     engine.requests = {}
     return engine
 

@@ -7,7 +7,8 @@ import os
 import sys
 import time
 
-from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES, ROUTING_POLICIES
+from pagedserve.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, LOAD_FORMATS, PREEMPTION_MODES,
+                               ROUTING_POLICIES)
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 
@@ -30,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: triton on cuda, cpu (the C++ kernel) on cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="without --kv-cache-memory on CUDA: share of free GPU memory for weights + KV cache")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights of the model's shapes (the model may be a preset name)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,7 +43,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, kv_allocator=args.kv_allocator,
                 preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, seed=args.seed, device=args.device,
-                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
+                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
+                load_format=args.load_format, enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")        # kv/contiguous.py: the p
 KV_ALLOCATORS = ("paged", *CONTIGUOUS_POLICIES)
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "prefix_hash")   # cluster/routing.py
+LOAD_FORMATS = ("auto", "dummy")                        # dummy: random weights of the model's shapes
 
 
 def _one_of(name: str, value, choices: tuple) -> None:
@@ -59,6 +60,14 @@ class EngineConfig:
     data_parallel_size: int = 1
     routing_policy: str = "kv_aware"        # kv_aware | round_robin | least_loaded | prefix_hash
     ray_address: str | None = None          # None: start a local Ray instance; "auto" or an address: join it
+    # auto: the model's weights; dummy: random weights of its shapes, made on the device, for
+    # timing runs (model may then be a preset name, models/presets.py; EOS never stops a sequence).
+    load_format: str = "auto"
+    # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (worker/cuda_graphs.py);
+    # True runs every step eagerly. cuda_graph_sizes: the buckets (None: 1, 2, 4, 8, 16, 24, ...
+    # up to max_num_seqs, at most 256; larger decode batches run eagerly).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -89,6 +98,13 @@ class EngineConfig:
         _one_of("routing_policy", self.routing_policy, ROUTING_POLICIES)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
+        from pagedserve.models.presets import is_preset
+        if is_preset(self.model) and self.load_format != "dummy":
+            raise ValueError(f"model {self.model!r} is a preset: a config without weights; pass "
+                             f"load_format='dummy' (random weights of its shapes) or a model path")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}")
 
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3

@@ -64,14 +64,14 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         path = config.model or default_model_path()
         self.model_path = path
-        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.tokenizer = load_tokenizer(config.tokenizer or path, stand_in=config.load_format == "dummy")
         self.eos_token_ids = self._eos_token_ids(path)
         self.eos_token_id = self.tokenizer.eos_token_id
         # The worker owns the device: it loads the model there and sizes the KV cache.
         worker = Worker.load(config, path, self.eos_token_ids)
         self.runner, self.device = worker.runner, worker.device
         self.model_args, self.dtype = worker.model_args, worker.dtype
-        self.max_model_len = self._resolve_max_model_len(config.max_model_len, worker.model_args)
+        self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model_args.vocab_size
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.scheduler = self._new_scheduler()
@@ -96,18 +96,9 @@ class LLMEngine:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
                          self.eos_token_ids, self.tokenizer.convert_ids_to_tokens, self.kv_events)
 
-    @staticmethod
-    def _resolve_max_model_len(requested: int | None, args) -> int:
-        limit = args.max_position_embeddings
-        if args.sliding_window:
-            limit = min(limit, args.sliding_window)   # no sliding-window attention: stay inside it
-        if requested is None:
-            return limit
-        if requested > limit:
-            raise ValueError(f"max_model_len {requested} is longer than the model's context ({limit})")
-        return requested
-
     def _eos_token_ids(self, path: str) -> set[int]:
+        if self.config.load_format == "dummy":
+            return set()    # random weights: EOS would end sequences at random, so it never does
         ids = {self.tokenizer.eos_token_id} - {None}
         if not is_gguf(path):
             gen = Path(path) / "generation_config.json"

@@ -3,6 +3,8 @@
 Both end in the same place: ModelArgs plus float tensors in HF's layout, fused
 into the matrices `LlamaModel` runs. GGUF weights are dequantized with the
 `gguf` package; its q/k rows are un-permuted from llama.cpp's rotary layout.
+With load_format="dummy" the weights are random, of the model's shapes, made on the
+device (models/dummy.py); the model may then also be a preset name (models/presets.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from pagedserve.config import cache_dir, resolve_dtype
 from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
 from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.models.presets import PRESETS, is_preset
 
 logger = logging.getLogger(__name__)
 
@@ -211,24 +214,46 @@ def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     return args, weights
 
 
+def read_hf_config(path: str) -> dict:
+    """A preset's config, or the config.json of an HF directory."""
+    if is_preset(path):
+        return PRESETS[path]
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{path} is neither a .gguf file, a directory with config.json nor a preset "
+                                f"({', '.join(PRESETS)})")
+    return json.loads((p / "config.json").read_text())
+
+
+def _checkpoint_dtype(cfg: dict) -> torch.dtype | None:
+    return getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), None)
+
+
 def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None,
-               ops: ModelOps | None = None):
+               ops: ModelOps | None = None, load_format: str = "auto", device: torch.device | str = "cpu",
+               seed: int = 0):
     """Returns (model, args, dtype). `ops`: the dense ops the model runs (default plain torch),
     which also say whether dtype `auto` may keep bf16. Logs the dtype `dtype_name` resolved
-    to (and what the ops say of themselves, e.g. the CPU kernel variant that will run)."""
+    to (and what the ops say of themselves, e.g. the CPU kernel variant that will run).
+    Real weights load on the CPU; dummy ones (seeded by `seed`) are made on `device`."""
     ops = ops or TorchOps()
+    dummy = load_format == "dummy"
     if is_gguf(path):
-        args, weights = _load_gguf(path)
+        if dummy:
+            import gguf
+            args, weights = args_from_gguf(gguf.GGUFReader(path)), None
+        else:
+            args, weights = _load_gguf(path)
         checkpoint_dtype = None
     else:
-        p = Path(path)
-        if not (p / "config.json").exists():
-            raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
-        cfg = json.loads((p / "config.json").read_text())
+        cfg = read_hf_config(path)
         args = args_from_hf_config(cfg)
-        weights = _hf_weights(p)
-        checkpoint_dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), None)
+        weights = None if dummy else _hf_weights(Path(path))
+        checkpoint_dtype = _checkpoint_dtype(cfg)
     dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=ops.bf16_is_fast)
+    if dummy:
+        from pagedserve.models.dummy import DummyWeights
+        weights = DummyWeights(args, dtype, device, seed)
     note = ops.describe()
     logger.info("dtype %s -> %s%s", dtype_name, str(dtype).removeprefix("torch."), f"; {note}" if note else "")
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
@@ -240,10 +265,20 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
 
 
 
-def load_tokenizer(path: str):
+def has_tokenizer(path: str) -> bool:
+    """A GGUF file (its metadata holds one) or a directory with tokenizer files."""
+    return is_gguf(path) or any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def load_tokenizer(path: str, stand_in: bool = False):
     """An HF tokenizer. For GGUF, transformers builds it from the file's metadata; that takes
-    seconds, so the result is saved once under ~/.cache/pagedserve and reused."""
+    seconds, so the result is saved once under ~/.cache/pagedserve and reused. With
+    `stand_in` (dummy weights), a preset or a config.json directory without tokenizer files
+    gets a stand-in over its vocabulary (models/dummy.py)."""
     from transformers import AutoTokenizer
+    if stand_in and (is_preset(path) or not has_tokenizer(path)):
+        from pagedserve.models.dummy import stand_in_tokenizer
+        return stand_in_tokenizer(read_hf_config(path))
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(path)
     cache = cache_dir("tokenizers", _file_key(path))

@@ -6,6 +6,11 @@ argmax or temperature -> min_p -> top_k / top_p -> sampling. Logprobs are those 
 model's raw distribution. Random rows draw exponential noise and take
 argmax(p / noise), which samples from p; a seeded request draws its noise from
 its own generator, so its text does not depend on the rest of the batch.
+
+It runs where the logits are (the worker's device): on a GPU only the sampled ids and
+the requested logprobs cross to the host. A seeded sequence's generator is a CPU one
+on every device, so its noise, and so its tokens, are the CPU sampler's wherever the
+probabilities agree; unseeded rows draw from the sampler's own generator on the device.
 """
 from __future__ import annotations
 
@@ -36,10 +41,11 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], seed: int = 0, ops: ModelOps | None = None) -> None:
-        """ops: where argmax runs (a vectorised kernel on the CPU; the logits are host tensors)."""
+    def __init__(self, eos_token_ids: set[int], seed: int = 0, ops: ModelOps | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        """ops: the argmax for logits on `device` (a vectorised kernel on the CPU)."""
         self.eos_token_ids = sorted(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device).manual_seed(seed)
         self.argmax = (ops or TorchOps()).argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: list[int] = (),
@@ -59,13 +65,14 @@ class Sampler:
     # ---- logits processors ---------------------------------------------------------------
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, idx: list[int], bitmask: np.ndarray) -> None:
-        """Disallowed tokens of the constrained rows to -inf (xgrammar's CPU kernel)."""
+        """Disallowed tokens of the constrained rows to -inf (xgrammar's kernel for the logits'
+        device)."""
         from xgrammar import apply_token_bitmask_inplace
-        mask = torch.from_numpy(bitmask)
+        mask = torch.from_numpy(bitmask).to(logits.device)
         if idx == list(range(logits.shape[0])):
             apply_token_bitmask_inplace(logits, mask)
             return
-        full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32)
+        full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32, device=logits.device)
         full[idx] = mask
         apply_token_bitmask_inplace(logits, full, indices=idx)
 
@@ -74,8 +81,8 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
             # A grammar decides where its output ends: min_tokens does not ban its stop tokens.
             if r.num_output_tokens < p.min_tokens and i not in constrained:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
@@ -85,14 +92,15 @@ class Sampler:
         idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not idx:
             return
-        vocab = logits.shape[1]
+        vocab, dev = logits.shape[1], logits.device
         for i in idx:   # rows with penalties are rare; each costs a few vector ops
             p, r = rows[i].params, rows[i]
             row = logits[i]
-            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long, device=dev),
+                                    minlength=vocab)[:vocab]
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
-                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long)] = True
+                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)] = True
                 penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 row.copy_(torch.where(seen, penalised, row))
             if p.frequency_penalty:
@@ -106,19 +114,21 @@ class Sampler:
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             return tokens
-        idx = torch.tensor(rand)
+        dev = logits.device
+        idx = torch.tensor(rand, device=dev)
         x = logits[idx]
-        temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=x.dtype)
+        temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=x.dtype, device=dev)
         x /= temps[:, None]
         x = self._truncate(x, [rows[i].params for i in rand])
         probs = torch.softmax(x, dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
         for j, i in enumerate(rand):
             if rows[i].generator is not None:
-                noise[j].exponential_(generator=rows[i].generator)
+                seeded_noise(noise[j], rows[i].generator)
         tokens[idx] = self.argmax(probs / noise)
         return tokens
 
@@ -126,9 +136,10 @@ class Sampler:
     def _truncate(x: torch.Tensor, params: list[SamplingSettings]) -> torch.Tensor:
         """min_p, top_k and top_p: mask the tokens each row may not sample."""
         min_p = [p.min_p for p in params]
+        dev = x.device
         if any(min_p):
             probs = torch.softmax(x, dim=-1)
-            floor = torch.tensor(min_p, dtype=x.dtype)[:, None] * probs.amax(dim=-1, keepdim=True)
+            floor = torch.tensor(min_p, dtype=x.dtype, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
             x = x.masked_fill(probs < floor, float("-inf"))
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -136,11 +147,11 @@ class Sampler:
             return x
         vocab = x.shape[1]
         sorted_x, order = x.sort(dim=-1, descending=True)
-        k = torch.tensor([k if k else vocab for k in top_k])
-        drop = torch.arange(vocab)[None, :] >= k[:, None]
+        k = torch.tensor([k if k else vocab for k in top_k], device=dev)
+        drop = torch.arange(vocab, device=dev)[None, :] >= k[:, None]
         cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
         # Drop a token when the ones before it already cover top_p (the first always stays).
-        drop |= (cum - torch.softmax(sorted_x, dim=-1)) >= torch.tensor(top_p, dtype=x.dtype)[:, None]
+        drop |= (cum - torch.softmax(sorted_x, dim=-1)) >= torch.tensor(top_p, dtype=x.dtype, device=dev)[:, None]
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
@@ -159,3 +170,12 @@ class Sampler:
             top_ids = [ids[i, :r.num_logprobs].tolist() for i, r in enumerate(rows)]
             top_lps = [lps[i, :r.num_logprobs].tolist() for i, r in enumerate(rows)]
         return SamplerOutput(token_list, chosen[:, 0].tolist(), top_ids, top_lps, ranks)
+
+
+def seeded_noise(row: torch.Tensor, generator: torch.Generator) -> None:
+    """Fill one row with Exp(1) noise from a sequence's generator: in place where the row
+    lives on the generator's device, else drawn there (the same numbers) and copied over."""
+    if row.device == generator.device:
+        row.exponential_(generator=generator)
+    else:
+        row.copy_(torch.empty(row.shape, dtype=row.dtype).exponential_(generator=generator))

@@ -6,7 +6,8 @@ It knows nothing of scheduling policy or of requests: it receives plain data
 to move first and how to sample, and it reports the sampled tokens back. The one thing
 it keeps between steps is each seeded sequence's random generator, keyed by seq id,
 created from the seed the first time the sequence samples and dropped when a batch lists
-the sequence as finished.
+the sequence as finished. On CUDA, decode steps replay captured graphs
+(worker/cuda_graphs.py) and sampling runs on the device.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch
 from pagedserve.sampling.sampler import Sampler, SamplingRow
+from pagedserve.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -36,7 +38,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
-        self.device = device   # of the model, the KV cache and the batch tensors; sampling stays on the CPU
+        self.device = device   # of the model, the KV cache, the batch tensors and the sampler
         # One tensor for all layers, indexed [layers, K/V, blocks, block_size, kv_heads, head_dim].
         # The CPU backend stores it head-major within a block (a view of [..., kv_heads,
         # block_size, head_dim]): one head's keys of a block are then 2 KB in a row, which the
@@ -47,6 +49,13 @@ class ModelRunner:
         self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
                                          pin_memory=torch.device(device).type == "cuda")
         self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
+        self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
+
+    def capture_cuda_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> None:
+        """Capture the decode step for these batch sizes (capture=False: pad and run the same
+        buffers eagerly, which is how the CPU tests check the padding)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, sizes, max_model_len, self.block_size,
+                                          torch.device(self.device), capture)
 
     @staticmethod
     def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
@@ -78,18 +87,33 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> RunnerOutput:
         self.move_blocks(batch)
         seqs = batch.seqs      # decodes first, so attention can batch them
-        input_ids, positions, meta = self._prepare(seqs)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
-
-        last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None]
         sampled = [s for s in seqs if s.sample is not None]
+        prompt_lps = {}
+        logits = self._replay_decode(seqs)
+        if logits is None:
+            input_ids, positions, meta = self._prepare(seqs)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+            last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None]
+            logits = self.model.compute_logits(hidden[last]) if sampled else None
+            prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
         sample = None
-        if sampled:
-            logits = self.model.compute_logits(hidden[last]).cpu()
+        if sampled:   # on the model's device; the sampler sends ids and logprobs to the host
             sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled],
                                   batch.grammar_rows, batch.grammar_bitmask)
-        prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps)
+
+    def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
+        """The logits of a step of decodes that all sample, from a captured graph; None when
+        there are no graphs or the step is not one they take."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.fits(len(seqs), max(len(s.block_ids) for s in seqs)) or \
+                any(len(s.token_ids) != 1 or s.sample is None or s.prompt_logprobs is not None for s in seqs):
+            return None
+        B = self.block_size
+        return graphs.run(DecodeBatch(
+            token_ids=[s.token_ids[0] for s in seqs], positions=[s.start for s in seqs],
+            slots=[s.block_ids[s.start // B] * B + s.start % B for s in seqs],
+            seq_lens=[s.start + 1 for s in seqs], block_tables=[s.block_ids for s in seqs]))
 
     def _prepare(self, batch: list[ScheduledTokens]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         B = self.block_size
@@ -145,8 +169,8 @@ class ModelRunner:
                 continue
             k, n = r.num_logprobs, len(r.target_token_ids)
             rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + n]
-            lps = torch.log_softmax(self.model.compute_logits(rows).cpu(), dim=-1)
-            chosen = lps.gather(1, torch.tensor(r.target_token_ids)[:, None])
+            lps = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            chosen = lps.gather(1, torch.tensor(r.target_token_ids, device=lps.device)[:, None])
             ranks = ((lps > chosen).sum(-1) + 1).tolist()
             top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
             out[s.seq_id] = [PromptTokenLogprob(top_ids[j].tolist(), top_lps[j].tolist(), chosen[j, 0].item(), ranks[j])

@@ -1,7 +1,8 @@
 """Setting up the worker, which owns the device: the model's ops and attention backend,
-the model loaded onto the device, the KV cache sized to the memory there, and the
-ModelRunner that runs steps. The engine gets back what it needs to plan: the number of
-device and host blocks and the model's shape."""
+the model loaded onto the device, the KV cache sized to the memory there, the sampler
+(on the device), the ModelRunner that runs steps and, on CUDA, its decode CUDA graphs.
+The engine gets back what it needs to plan: the number of device and host blocks, the
+context length and the model's shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pagedserve.models.llama import ModelArgs
 from pagedserve.models.loader import load_model
 from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.sampling.sampler import Sampler
+from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
 from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -25,6 +27,24 @@ def make_ops(device: torch.device) -> ModelOps:
         from pagedserve.kernels.cpu_ops import CpuOps
         return CpuOps()
     return TorchOps()
+
+
+def make_sampler(eos_token_ids: set[int], seed: int, device: torch.device) -> Sampler:
+    """The sampler runs where the logits are: on the CPU with the CPU kernels' argmax, on a
+    GPU in torch (only sampled ids and requested logprobs cross to the host)."""
+    return Sampler(eos_token_ids, seed, make_ops(device), device)
+
+
+def resolve_max_model_len(requested: int | None, args: ModelArgs) -> int:
+    """The context length: the model's, or a shorter one asked for."""
+    limit = args.max_position_embeddings
+    if args.sliding_window:
+        limit = min(limit, args.sliding_window)   # no sliding-window attention: stay inside it
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} is longer than the model's context ({limit})")
+    return requested
 
 
 def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
@@ -56,6 +76,7 @@ class Worker:
     dtype: torch.dtype
     num_blocks: int
     num_host_blocks: int
+    max_model_len: int
 
     @classmethod
     def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> "Worker":
@@ -63,12 +84,18 @@ class Worker:
         device = resolve_device(config.device)
         attention = make_attention_backend(config.attention_backend, device)
         ops = make_ops(device)
-        model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops)
         free_before_load = free_device_memory(device)
+        model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops,
+                                        config.load_format, device, config.seed)
         model.to(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()      # what building the weights left in the allocator's cache
         model.pack_linear_weights()
+        max_model_len = resolve_max_model_len(config.max_model_len, args)
         num_blocks, num_host_blocks = num_kv_blocks(config, args, dtype, device, free_before_load)
-        # Sampling runs on host tensors: its argmax takes the host's ops.
-        sampler = Sampler(eos_token_ids, config.seed, make_ops(torch.device("cpu")))
+        sampler = make_sampler(eos_token_ids, config.seed, device)
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
-        return cls(runner, device, args, dtype, num_blocks, num_host_blocks)
+        sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        if sizes and uses_cuda_graphs(config, device, attention):
+            runner.capture_cuda_graphs(sizes, max_model_len)
+        return cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)

@@ -1,0 +1,81 @@
+"""`load_format="dummy"`: random weights of a model's shapes, made on the device, and a
+stand-in tokenizer when the model has none (a preset name is a config only).
+
+For timing runs of models whose weights are not here. The weights are drawn when the
+model builder asks for each tensor, one at a time, so loading never holds more than the
+model plus one layer's unfused matrices. Values are those of a freshly initialised model
+(normal, std 0.02; norms 1), which keeps activations finite; the text means nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from pagedserve.models.llama import ModelArgs
+
+INIT_STD = 0.02
+
+
+def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Llama-family checkpoint, by its HF name (without `model.`)."""
+    h, d, i = args.hidden_size, args.head_dim, args.intermediate_size
+    q, kv = args.num_heads * d, args.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (args.vocab_size, h), "norm.weight": (h,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, h)
+    for layer in range(args.num_layers):
+        p = f"layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+        if args.qkv_bias:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
+    return shapes
+
+
+class DummyWeights(Mapping):
+    """name -> a random tensor of that weight's shape, drawn on `device` when asked for."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> None:
+        self.shapes = weight_shapes(args)
+        self.dtype, self.device = dtype, torch.device(device)
+        # (the meta device, which only checks shapes, has no generator)
+        self.generator = None if self.device.type == "meta" else torch.Generator(self.device).manual_seed(seed)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        t = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return t.normal_(0.0, INIT_STD, generator=self.generator)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def num_bytes(self) -> int:
+        return sum(torch.Size(s).numel() for s in self.shapes.values()) * torch.finfo(self.dtype).bits // 8
+
+
+def stand_in_tokenizer(config: dict):
+    """A tokenizer over the model's vocabulary that knows no text: token i is the word
+    `<i>` (prompts as text are such words separated by spaces; outputs decode to them).
+    BOS and EOS keep the config's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"<{i}>": i for i in range(config["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+    def special(key: str) -> str | None:
+        value = config.get(key)
+        value = value[0] if isinstance(value, list) else value
+        return f"<{value}>" if isinstance(value, int) and 0 <= value < config["vocab_size"] else None
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", bos_token=special("bos_token_id"),
+                                   eos_token=special("eos_token_id"))
