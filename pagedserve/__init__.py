@@ -1,5 +1,10 @@
 """pagedserve: an LLM serving engine built around PagedAttention."""
-from pagedserve.engine.llm import LLM
+# First, before anything loads torch (and with it OpenMP): threads that do not spin-wait.
+from pagedserve.kernels.threads import apply_openmp_defaults
+
+apply_openmp_defaults()
+
+from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams

@@ -140,6 +140,7 @@ class AsyncLLM:
         self.vocab_size = 0
         self.model_path = ""
         self.num_blocks = 0
+        self.default_sampling: dict = {}   # the model's sampling defaults (LLMEngine.default_sampling)
         self.scheduler_stats = SchedulerStats()
         # Engine-thread state.
         self.engine: LLMEngine | None = None
@@ -305,7 +306,9 @@ class AsyncLLM:
         try:
             self.engine = LLMEngine(self.config)
             path = self.engine.model_path
-            self.tokenizer = load_tokenizer(self.config.tokenizer or path)
+            self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
+            self.tokenizer.chat_template = self.engine.tokenizer.chat_template
+            self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
@@ -473,15 +476,9 @@ class AsyncLLM:
                 num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
 
     def _publish(self, iteration: IterationStats | None) -> None:
-        kv = self.engine.kv_cache_stats()
         sched = self.engine.scheduler
         self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
-        self.scheduler_stats = SchedulerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
-            kv_cache_usage=kv["usage"],
-            prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
-            num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
-            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
+        self.scheduler_stats = self.engine.scheduler_stats()
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(self.scheduler_stats, iteration)

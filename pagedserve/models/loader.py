@@ -236,6 +236,26 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
     return model, args, dtype
 
 
+# ---- sampling defaults ---------------------------------------------------------------------
+
+# generation_config.json's keys that are sampling defaults, and SamplingParams' names for them.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str, setting: str = "auto") -> dict:
+    """The model's default sampling settings, as SamplingParams keywords, from the
+    generation_config.json of the model's directory (`auto`; a GGUF file has none), of the
+    directory `setting`, or none (`vllm`)."""
+    if setting == "vllm" or (setting == "auto" and is_gguf(model_path)):
+        return {}
+    f = Path(model_path if setting == "auto" else setting) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    cfg = json.loads(f.read_text())
+    return {ours: cfg[key] for key, ours in GENERATION_DEFAULTS.items() if cfg.get(key) is not None}
+
+
 # ---- tokenizer -----------------------------------------------------------------------------
 
 

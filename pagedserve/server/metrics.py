@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix.
+"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix (--metrics-prefix vllm:
+gives vLLM's own names, so its Grafana dashboards work).
 
 A stat logger for AsyncLLM: it is called on the engine thread after every step
 (and after adds/aborts); prometheus-client's metrics are thread-safe and
@@ -24,18 +25,18 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, prefix: str = PREFIX) -> None:
         self.registry = registry or CollectorRegistry()
         label = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+            return Gauge(prefix + name, doc, label, registry=self.registry).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+            return Counter(prefix + name, doc, label, registry=self.registry).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(prefix + name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.model_name = model_name
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
@@ -51,7 +52,7 @@ class PrometheusStatLogger:
                                              "Computed tokens thrown away by recompute preemption.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self._success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)   # present at 0 from the start
@@ -90,6 +91,7 @@ class PrometheusStatLogger:
             self.ttft.observe(t)
         for t in it.inter_token_latencies:
             self.itl.observe(t)
+            self.tpot.observe(t)
         for f in it.finished:
             self._success.labels(self.model_name, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
