@@ -7,8 +7,8 @@ apply_openmp_defaults()
 from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchOutput", "BeamSearchSequence", "InvalidRequestError"]
+           "BeamSearchOutput", "BeamSearchSequence", "InvalidRequestError", "RequestOutputKind"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import types
 import typing
 
 from pagedserve.config import EngineConfig
+from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.server.config import ServerConfig
 
 # vLLM options pagedserve does not implement, for a clearer refusal than "unrecognized arguments".
@@ -167,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S")
     config = engine_config(args, model=args.model_tag or args.model)
+    if config.model:   # a missing model is one line now, not an engine failure once the server is up
+        resolve_model(config.model, config.revision)
     return run_server(config, config_from_args(ServerConfig, args))
 
 
@@ -177,7 +180,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p, EngineConfig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     from pagedserve import __version__
     parser = ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
     parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
@@ -199,9 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    return parser
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ModelNotFoundError as e:
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ returns (the server then answers 503 and exits non-zero).
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -35,9 +37,9 @@ from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger)
 from pagedserve.models.loader import load_tokenizer
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.request import Request
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,14 @@ class RequestStream:
         self.abort()
         self._unfinished.clear()
         self._llm._unregister(self.request_ids)
+
+
+def delta_output(c: CompletionOutput, sent: dict[int, tuple[int, int]]) -> CompletionOutput:
+    """The part of cumulative output `c` not yielded yet (`sent` remembers, per index)."""
+    text_len, num_tokens = sent.get(c.index, (0, 0))
+    sent[c.index] = (len(c.text), len(c.token_ids))
+    return dataclasses.replace(c, text=c.text[text_len:], token_ids=c.token_ids[num_tokens:],
+                               logprobs=c.logprobs[num_tokens:] if c.logprobs is not None else None)
 
 
 class AsyncLLM:
@@ -236,10 +246,18 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, params: Params,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """One prompt's outputs as they come; leaving the loop early aborts it."""
+        """One prompt's outputs as they come, shaped by params.output_kind (cumulative, delta or
+        final only); leaving the loop early aborts it."""
+        kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         stream = await self.add_requests([(request_id, prompt, params)])
+        sent: dict[int, tuple[int, int]] = {}   # per completion: text and tokens already yielded
         try:
             async for out in stream:
+                if kind == RequestOutputKind.FINAL_ONLY and not out.finished:
+                    continue
+                if kind == RequestOutputKind.DELTA:
+                    out = copy.copy(out)
+                    out.outputs = [delta_output(c, sent) for c in out.outputs]
                 yield out
         finally:
             stream.close()

@@ -149,6 +149,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
         salt = self.prompt_cache_salt(prompt)
         max_tokens = self.validate_request(ids, params)
         n_prompt = len(ids)
@@ -206,11 +208,25 @@ class LLMEngine:
             if value is not None and value > self.config.max_logprobs:
                 raise InvalidRequestError(f"{name} ({value}) is more than this engine's max_logprobs "
                                           f"({self.config.max_logprobs})", name)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
                     f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", name)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would appear at the start of a text and after a space
+        (different tokens in most vocabularies), as vLLM bans them."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)

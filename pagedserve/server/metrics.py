@@ -62,6 +62,9 @@ class PrometheusStatLogger:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive steps.",
                              ITL_BUCKETS)
+        # vLLM's older name of the same observations, which its Grafana dashboard plots.
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token (between a request's "
+                              "consecutive steps).", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",

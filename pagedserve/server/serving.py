@@ -212,6 +212,7 @@ class Serving:
     """One request being served; subclasses shape the responses."""
     id_prefix = "cmpl"
     prompt_param = "prompt"
+    renamed_params: dict[str, str] = {}    # the engine's parameter names -> this endpoint's
 
     def __init__(self, state: ServerState, body: SamplingRequest, raw: Request) -> None:
         self.state = state
@@ -281,7 +282,7 @@ class Serving:
         except QueueFullError as e:
             raise APIError(503, str(e)) from None
         except InvalidRequestError as e:   # the engine's validation: param None or "prompt" is our prompt field
-            param = self.prompt_param if e.param in (None, "prompt") else e.param
+            param = self.prompt_param if e.param in (None, "prompt") else self.renamed_params.get(e.param, e.param)
             raise bad_request(e.message, param, e.code) from None
         except ValueError as e:            # the front end's own limits (e.g. prompts per request)
             raise bad_request(str(e), self.prompt_param) from None
@@ -463,6 +464,7 @@ class CompletionServing(Serving):
 class ChatServing(Serving):
     id_prefix = "chatcmpl"
     prompt_param = "messages"
+    renamed_params = {"logprobs": "top_logprobs"}
     body: ChatCompletionRequest
 
     async def create(self) -> JSONResponse | StreamingResponse:
