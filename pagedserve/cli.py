@@ -173,6 +173,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config, config_from_args(ServerConfig, args))
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    """What pagedserve keeps under its cache directory, and --clear to remove it."""
+    import shutil
+    from pagedserve.config import cache_dir
+    root = cache_dir()
+    for kind in ("models", "tokenizers", "kernels"):
+        d = root / kind
+        files = [f for f in d.rglob("*") if f.is_file()] if d.exists() else []
+        size = sum(f.stat().st_size for f in files)
+        entries = len(list(d.iterdir())) if d.exists() else 0
+        print(f"{d}: {entries} entries, {size / 1024**2:.1f} MiB" + (" (removed)" if args.clear and d.exists() else ""))
+        if args.clear:
+            shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hub id, HF directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
@@ -202,6 +218,12 @@ def build_parser() -> ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    cache = sub.add_parser("cache", help="show (or --clear) what pagedserve derived from models and compiled "
+                                         "($PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+    cache.add_argument("--clear", action="store_true", help="remove converted GGUF weights, tokenizers and "
+                                                            "compiled kernels (made again when needed)")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 
