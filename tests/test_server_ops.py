@@ -107,3 +107,18 @@ def test_dockerfile_and_compose_example_parse():
 def test_license_is_apache_2():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_chat_continue_final_message_and_template_kwargs(server, http, tiny_llama):
+    from pagedserve.engine.chat import render_chat
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": conv, "max_tokens": 2,
+                                               "continue_final_message": True, "add_generation_prompt": False,
+                                               "chat_template_kwargs": {"unused_variable": 1}})
+    assert r.status_code == 200, r.text
+    expected = render_chat(tiny_llama.tokenizer, conv, False, continue_final_message=True)
+    assert r.json()["usage"]["prompt_tokens"] == len(expected)
+    assert len(expected) < len(render_chat(tiny_llama.tokenizer, conv, False))   # the turn is left open
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": conv,
+                                               "chat_template_kwargs": {"tokenize": False}})
+    assert r.status_code == 400 and "tokenize" in r.json()["error"]["message"]

@@ -6,6 +6,11 @@ from typing import Any
 
 Conversation = list[dict[str, Any]]
 
+# apply_chat_template's own arguments: not variables of the template, so not chat_template_kwargs.
+_RESERVED = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+             "return_dict", "return_tensors", "tools", "documents", "padding", "truncation", "max_length",
+             "tokenizer_kwargs", "return_assistant_tokens_mask"}
+
 
 def load_chat_template(template: str | None) -> str | None:
     """A chat template given as Jinja text or as the path of a file holding it."""
@@ -26,6 +31,9 @@ def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bo
     for m in conversation:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"each message needs a role of system, user, assistant or tool; got {m!r}")
+    reserved = _RESERVED & set(chat_template_kwargs or ())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,

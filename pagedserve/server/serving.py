@@ -116,7 +116,8 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
     conversation = []
     for m in messages:
         content = m.content
@@ -130,7 +131,8 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
             content = "\n".join(texts)
         conversation.append({"role": m.role, "content": content or ""})
     try:
-        return render_chat(tokenizer, conversation, add_generation_prompt)
+        return render_chat(tokenizer, conversation, add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
     except (ValueError, TemplateError) as e:
         raise bad_request(f"could not render the chat template: {e}", "messages") from None
 
@@ -476,7 +478,9 @@ class ChatServing(Serving):
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
-        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, add_generation_prompt,
+                                                   body.continue_final_message, body.chat_template_kwargs)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if not explicit:
