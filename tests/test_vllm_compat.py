@@ -271,7 +271,8 @@ def test_a_model_by_hub_id_from_the_cache_offline(tiny_llama, tmp_path):
     assert res.returncode == 0, res.stderr
     assert expected in res.stdout
     for model, words in (("tiny-org/missing", "not in the Hugging Face cache"),
-                         (str(tmp_path / "nowhere"), "no such file or directory")):
+                         (str(tmp_path / "nowhere"), "no such file or directory"),
+                         (str(tmp_path), "a directory without config.json")):
         res = run_cli("serve", model, env=env)
         assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -22,6 +22,9 @@ def resolve_model(name: str, revision: str | None = None) -> str:
     """A local path for `name`: the path itself if it exists, else the snapshot of the Hub
     model `name` (downloaded unless offline). Raises ModelNotFoundError otherwise."""
     path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ModelNotFoundError(f"model {name!r}: a directory without config.json (an HF model directory holds "
+                                 f"config.json, *.safetensors and the tokenizer)")
     if path.exists():
         return str(path)
     if _looks_like_path(name):
