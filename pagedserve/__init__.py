@@ -1,10 +1,16 @@
 """pagedserve: an LLM serving engine built around PagedAttention."""
-from pagedserve.engine.llm import LLM
+# First, before anything loads torch (and with it OpenMP): threads that do not spin-wait.
+from pagedserve.kernels.threads import apply_openmp_defaults
+
+apply_openmp_defaults()
+
+from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchOutput", "BeamSearchSequence", "InvalidRequestError", "StructuredOutputsParams"]
+           "BeamSearchOutput", "BeamSearchSequence", "InvalidRequestError", "RequestOutputKind",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -30,6 +30,8 @@ class SamplingSettings:
     ignore_eos: bool = False
     num_logprobs: int = 0                  # top-k logprobs wanted per sampled token
     needs_logprob: bool = False            # the sampled token's own logprob is wanted
+    allowed_token_ids: tuple[int, ...] | None = None   # None: all
+    bad_words: tuple[tuple[int, ...], ...] = ()        # token sequences whose last token is banned after the rest
 
     @property
     def greedy(self) -> bool:
@@ -38,6 +40,11 @@ class SamplingSettings:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_output_token_ids(self) -> bool:
+        """The sampler reads the sequence's output so far: penalties, or bad words of 2+ tokens."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words)
 
 
 @dataclass

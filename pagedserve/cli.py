@@ -2,49 +2,112 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
-import os
 import sys
 import time
+import types
+import typing
 
-from pagedserve.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, LOAD_FORMATS, PREEMPTION_MODES,
-                               ROUTING_POLICIES)
-from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from pagedserve.config import EngineConfig
+from pagedserve.models.presets import is_preset
+from pagedserve.models.resolve import ModelNotFoundError, resolve_model
+from pagedserve.server.config import ServerConfig
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as `vllm serve` names them."""
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--kv-allocator", default="paged", choices=KV_ALLOCATORS,
-                   help="paged, or a baseline reserving one contiguous region per request")
-    p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
-    p.add_argument("--swap-space", type=int, default=0, help="bytes of host memory for swapped blocks")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help=f"{' | '.join(DEVICES)} (default: cuda when available)")
-    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
-                   help="default: triton on cuda, cpu (the C++ kernel) on cpu")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="without --kv-cache-memory on CUDA: share of free GPU memory for weights + KV cache")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: random weights of the model's shapes (the model may be a preset name)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, no CUDA graphs")
+# vLLM options pagedserve does not implement, for a clearer refusal than "unrecognized arguments".
+VLLM_ONLY_OPTIONS = (
+    "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--quantization", "-q",
+    "--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-cache-dtype", "--cpu-offload-gb",
+    "--limit-mm-per-prompt", "--mm-processor-kwargs", "--guided-decoding-backend", "--reasoning-parser",
+    "--rope-scaling", "--rope-theta", "--tokenizer-mode", "--task", "--runner", "--config",
+)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, kv_allocator=args.kv_allocator,
-                preemption_mode=args.preemption_mode,
-                swap_space=args.swap_space, seed=args.seed, device=args.device,
-                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
-                load_format=args.load_format, enforce_eager=args.enforce_eager)
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but an option we do not have is refused as not supported (naming vLLM's
+    options that pagedserve lacks), not as "unrecognized arguments"."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        unknown = [a.split("=", 1)[0] for a in extras if a.startswith("-")]
+        if unknown:
+            vllm = [a for a in unknown if a in VLLM_ONLY_OPTIONS]
+            what = "vLLM option(s) pagedserve does not implement" if vllm else "unknown option(s)"
+            self.exit(2, f"{self.prog}: error: {', '.join(unknown)}: not supported ({what}; "
+                         f"`{self.prog} --help` lists the options)\n")
+        if extras:
+            self.error(f"unexpected arguments: {' '.join(extras)}")
+        return parsed
+
+
+def _flag_type(hint) -> tuple[type, bool]:
+    """(the element type, is it a list) of a field's type hint: int, int | None, list[str] ..."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] \
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    base = args[0]
+    if typing.get_origin(base) is list:
+        return typing.get_args(base)[0], True
+    return base, False
+
+
+def _json_list(values: list[str]) -> list[str]:
+    """vLLM takes lists as JSON ('["*"]'); ours as words (* or a b): both are accepted."""
+    if len(values) == 1 and values[0].startswith("["):
+        return [str(v) for v in json.loads(values[0])]
+    return values
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass `cls` (EngineConfig, ServerConfig): --field-name,
+    typed by the field's hint, its default shown; a bool is a --x/--no-x pair (a `disable_x`
+    field: --disable-x and --enable-x). Help, choices, parsing and aliases come from the
+    field's config.setting()."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not f.init or f.name in skip or not meta.get("flag", True):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else \
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        names = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+        help_text = meta.get("help", "")
+        if meta.get("show_default", True) and "default" not in help_text and \
+                not (isinstance(default, bool) and f.name.startswith("disable_")):
+            help_text += f" (default: {default})" if help_text else f"default: {default}"
+        base, is_list = _flag_type(hints[f.name])
+        kw = dict(dest=f.name, default=default, help=help_text.replace("%", "%%"))
+        if base is bool and f.name.startswith("disable_"):
+            p.add_argument(*names, action="store_true", **kw)
+            p.add_argument("--enable-" + f.name[len("disable_"):].replace("_", "-"), dest=f.name,
+                           action="store_false", help=argparse.SUPPRESS)
+        elif base is bool:
+            p.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        elif is_list:
+            p.add_argument(*names, nargs="+", type=base, **kw)
+        else:
+            p.add_argument(*names, type=meta.get("parse") or base, choices=meta.get("choices"),
+                           metavar=f.name.upper() if meta.get("choices") is None else None, **kw)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides):
+    """The dataclass `cls` from the parsed flags of add_config_args (overrides win)."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.init and hasattr(args, f.name):
+            value = getattr(args, f.name)
+            if _flag_type(hints[f.name])[1] and value is not None:
+                value = _json_list(value)
+            values[f.name] = value
+    return cls(**{**values, **overrides})
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    try:
+        return config_from_args(EngineConfig, args, **overrides)
+    except ValueError as e:   # a value the config refuses: one line, as argparse's own errors
+        sys.exit(f"pagedserve: error: {e}")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +127,7 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedserve import LLM
     start = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_config(engine_config(args))
     prompts = args.prompt or ["The capital of France is"]
     outs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -78,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagedserve import LLM
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_config(engine_config(args))
     params = sampling_params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     messages = args.message or None
@@ -102,75 +165,58 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedserve.config import EngineConfig
     from pagedserve.server.app import run_server
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
+    config = engine_config(args, model=args.model_tag or args.model)
+    server = config_from_args(ServerConfig, args)
+    if server.enable_auto_tool_choice and not server.tool_call_parser:
         print("pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
-    model = args.model_tag or args.model
-    config = EngineConfig(model=model, data_parallel_size=args.data_parallel_size,
-                          routing_policy=args.routing_policy, ray_address=args.ray_address, **engine_kwargs(args))
-    return run_server(config, host=args.host, port=args.port, served_model_names=args.served_model_name,
-                      api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
-                      max_waiting_requests=args.max_waiting_requests,
-                      max_request_body_bytes=args.max_request_body_bytes,
-                      log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                      access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level,
-                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+    if config.model and not (config.load_format == "dummy" and is_preset(config.model)):
+        resolve_model(config.model, config.revision)   # a missing model is one line, not a failed server
+    return run_server(config, server)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """What pagedserve keeps under its cache directory, and --clear to remove it."""
+    import shutil
+    from pagedserve.config import cache_dir
+    root = cache_dir()
+    for kind in ("models", "tokenizers", "kernels"):
+        d = root / kind
+        files = [f for f in d.rglob("*") if f.is_file()] if d.exists() else []
+        size = sum(f.stat().st_size for f in files)
+        entries = len(list(d.iterdir())) if d.exists() else 0
+        print(f"{d}: {entries} entries, {size / 1024**2:.1f} MiB" + (" (removed)" if args.clear and d.exists() else ""))
+        if args.clear:
+            shutil.rmtree(d, ignore_errors=True)
+    return 0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None,
-                   help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--model", default=None, help="same as the positional MODEL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first is returned in responses")
-    p.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds requests in flight get to finish after SIGTERM before they are aborted")
-    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                   help="requests that may wait for the engine; beyond it new ones get 503 (<= 0: no limit)")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help="largest request body accepted; larger ones get 413 (<= 0: no limit)")
-    p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stat lines")
-    p.add_argument("--disable-log-stats", action="store_true")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let tool_choice "auto" (the default with tools) find calls in the output; needs --tool-call-parser')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                   help="the format of tool calls in the output for tool_choice auto (hermes: <tool_call>{...}</tool_call>)")
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["debug", "info", "warning", "error", "critical", "trace"])
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas (Ray actors) behind this endpoint")
-    p.add_argument("--routing-policy", default="kv_aware", choices=ROUTING_POLICIES,
-                   help="with --data-parallel-size > 1: how a request's replica is chosen")
-    p.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster ('auto': the one this node is in); default: start a local one")
-    add_engine_args(p)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Hub id, HF directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
+    add_config_args(p, ServerConfig)
+    add_config_args(p, EngineConfig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> ArgumentParser:
+    from pagedserve import __version__
+    parser = ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
+    parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     gen = sub.add_parser("generate", help="generate text for prompts offline")
-    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    add_engine_args(gen)
+    add_config_args(gen, EngineConfig)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal")
-    chat.add_argument("--model", default=None)
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--message", action="append", help="send these messages instead of reading stdin")
-    add_engine_args(chat)
+    add_config_args(chat, EngineConfig)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -178,8 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+    cache = sub.add_parser("cache", help="show (or --clear) what pagedserve derived from models and compiled "
+                                         "($PAGEDSERVE_CACHE or ~/.cache/pagedserve)")
+    cache.add_argument("--clear", action="store_true", help="remove converted GGUF weights, tokenizers and "
+                                                            "compiled kernels (made again when needed)")
+    cache.set_defaults(func=cmd_cache)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ModelNotFoundError as e:
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's names: half = float16, float = float32.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
 
 # The choices of the settings below, defined once: EngineConfig checks them, the CLI offers them.
 DTYPES = ("auto", *_DTYPES)
@@ -20,6 +24,34 @@ ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "prefix_hash")   
 LOAD_FORMATS = ("auto", "dummy")                        # dummy: random weights of the model's shapes
 
 
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size string: `4GiB`, `512MiB`, `4Gi` (powers of 1024), `4GB`,
+    `4G` (powers of 1000), `1073741824` (bytes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.fullmatch(str(value))
+    if m is None:
+        raise ValueError(f"not a size: {value!r} (examples: 1073741824, 4GiB, 512MiB, 8GB)")
+    number, unit, binary = m.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
+
+
+def setting(default: Any = MISSING, help: str = "", *, default_factory: Callable[[], Any] | Any = MISSING,
+            choices: tuple | None = None, parse: Callable[[str], Any] | None = None,
+            aliases: tuple[str, ...] = (), flag: bool = True, show_default: bool = True) -> Any:
+    """A configuration field with what the command line needs to offer it: cli.py turns every
+    field of EngineConfig (and of server/config.py's ServerConfig) into a flag `--field-name`
+    from its type and default, with this help; a field declared without setting() gets a flag
+    too. `parse` turns the flag's text into the value (e.g. parse_size); `aliases` are more
+    flag names (vLLM's); `flag=False` keeps it off the command line."""
+    metadata = dict(help=help, choices=choices, parse=parse, aliases=aliases, flag=flag, show_default=show_default)
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
 def _one_of(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -27,50 +59,80 @@ def _one_of(name: str, value, choices: tuple) -> None:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None            # HF directory, .gguf file, or None for the default model
-    tokenizer: str | None = None        # defaults to the model's own
-    dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto
-    seed: int = 0
+    model: str | None = setting(None, "a Hub id (org/name, resolved through huggingface_hub's cache), an HF "
+                                      "directory or a .gguf file; default: SmolLM2-135M-Instruct")
+    tokenizer: str | None = setting(None, "Hub id or directory of the tokenizer; default: the model's own")
+    revision: str | None = setting(None, "the model's Hub revision (branch, tag or commit) when it is a Hub id")
+    dtype: str = setting("auto", "weights and activations; auto: the checkpoint's, as bfloat16 where the CPU has "
+                                 "bf16 arithmetic, else float32", choices=DTYPES)
+    seed: int = setting(0, "random seed of the engine (a request's own seed makes it reproducible)")
     # KV cache
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None -> DEFAULT_KV_CACHE_MEMORY
-    num_gpu_blocks_override: int | None = None  # exact number of blocks (tests, benchmarks)
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = setting(
+        None, "memory for the KV cache: bytes or a size (4GiB, 512MiB, 8GB); default: 2 GiB on CPU, "
+              "gpu_memory_utilization on a GPU", parse=parse_size, aliases=("--kv-cache-memory-bytes",))
+    num_gpu_blocks_override: int | None = setting(None, "exact number of KV blocks, overriding kv_cache_memory "
+                                                        "(tests, benchmarks)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of common prompt prefixes")
     # paged, or a baseline that reserves one contiguous region per request (kv/contiguous.py):
     # max | pow2 | oracle. The baselines share nothing (no n > 1, beam search or prefix caching).
-    kv_allocator: str = "paged"
+    kv_allocator: str = setting("paged", "paged, or a paper baseline reserving one contiguous region per "
+                                         "request (no sharing)", choices=KV_ALLOCATORS)
     # Scheduler
-    max_model_len: int | None = None    # defaults to the model's context length
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"  # recompute | swap
+    max_model_len: int | None = setting(None, "context length (prompt + output); default: the model's")
+    max_num_seqs: int = setting(256, "most sequences in one step")
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step (prefill chunks and decodes)")
+    preemption_mode: str = setting("recompute", "what preemption does with a request's KV blocks",
+                                   choices=PREEMPTION_MODES)
     # Watchdog: after this many steps in a row that compute nothing while requests wait (the
     # scheduler's liveness argument says none should), fail those requests; 0 turns it off.
-    watchdog_steps: int = 100
-    swap_space: int = 0                 # bytes of host memory for swapped-out blocks
-    num_host_blocks_override: int | None = None  # exact number of swap-space blocks (tests, benchmarks)
+    watchdog_steps: int = setting(100, "fail waiting requests after this many steps in a row without "
+                                       "progress (a scheduler bug); 0: off")
+    swap_space: float = setting(0, "GiB of host memory for swapped-out KV blocks (preemption_mode swap)")
+    num_host_blocks_override: int | None = setting(None, "exact number of swap-space blocks (tests, benchmarks)")
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
-    check_invariants: bool = False
+    check_invariants: bool = setting(False, "check the paging invariants after every step (slow; tests)")
     # Device and attention kernels. None picks cuda + triton when torch sees a GPU, else cpu + cpu.
-    device: str | None = None               # cpu | cuda | cuda:N
-    attention_backend: str | None = None    # cpu (C++ kernel) | torch (reference) | triton
-    gpu_memory_utilization: float = 0.9     # CUDA, kv_cache_memory unset: KV gets this share of free memory, less the weights
+    device: str | None = setting(None, f"{' | '.join(DEVICES)}; default: cuda when torch sees a GPU")
+    attention_backend: str | None = setting(None, "default: triton on cuda, cpu (the C++ kernel) on cpu",
+                                            choices=ATTENTION_BACKENDS)
+    gpu_memory_utilization: float = setting(0.9, "CUDA without kv_cache_memory: the share of free GPU memory "
+                                                 "for weights + KV cache")
+    # Threads of the CPU kernels and torch (both OpenMP). None: the CPUs this process may use
+    # (affinity mask and cgroup quota), not the machine's core count (kernels/threads.py).
+    num_threads: int | None = setting(None, "CPU threads; default: the CPUs this process may use (affinity "
+                                            "and cgroup quota)", aliases=("--threads",))
+    # vLLM compatibility
+    chat_template: str | None = setting(None, "a chat template (Jinja) or a file holding one, instead of the "
+                                              "model's")
+    generation_config: str = setting("auto", "sampling defaults: auto (the model's generation_config.json), "
+                                             "vllm (none: SamplingParams' own), or a directory holding one")
+    max_logprobs: int = setting(20, "most logprobs a request may ask for per token")
+    trust_remote_code: bool = setting(False, "accepted for vLLM compatibility; never needed (no model code is "
+                                             "loaded from checkpoints)")
     # Data parallelism (the server): this many engine replicas as Ray actors behind one router
     # (pagedserve/cluster/), which sends each request to one of them by `routing_policy`.
-    data_parallel_size: int = 1
-    routing_policy: str = "kv_aware"        # kv_aware | round_robin | least_loaded | prefix_hash
-    ray_address: str | None = None          # None: start a local Ray instance; "auto" or an address: join it
+    data_parallel_size: int = setting(1, "serve: engine replicas (Ray actors) behind this endpoint",
+                                      aliases=("-dp",))
+    routing_policy: str = setting("kv_aware", "with data_parallel_size > 1: how a request's replica is chosen",
+                                  choices=ROUTING_POLICIES)
+    ray_address: str | None = setting(None, "join this Ray cluster ('auto': the one this node is in); default: "
+                                            "start a local one")
     # auto: the model's weights; dummy: random weights of its shapes, made on the device, for
     # timing runs (model may then be a preset name, models/presets.py; EOS never stops a sequence).
-    load_format: str = "auto"
+    load_format: str = setting("auto", "dummy: random weights of the model's shapes (the model may then be a "
+                                       "preset name, models/presets.py)", choices=LOAD_FORMATS)
     # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (worker/cuda_graphs.py);
     # True runs every step eagerly. cuda_graph_sizes: the buckets (None: 1, 2, 4, 8, 16, 24, ...
     # up to max_num_seqs, at most 256; larger decode batches run eagerly).
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | None = None
+    enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly, no CUDA graphs")
+    cuda_graph_sizes: list[int] | None = setting(None, "CUDA: decode batch sizes to capture graphs for; default: "
+                                                       "1, 2, 4, 8, 16, 24, ... up to max_num_seqs (at most 256)")
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -83,7 +145,7 @@ class EngineConfig:
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
         if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.kv_allocator != "paged":
             raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged' (swap space is a pool of "
                              f"blocks), not {self.kv_allocator!r}")
@@ -105,6 +167,17 @@ class EngineConfig:
                              f"load_format='dummy' (random weights of its shapes) or a model path")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be auto, vllm or a directory; {self.generation_config!r} "
+                             f"is no directory")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * 1024**3)
 
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3

@@ -2,12 +2,12 @@
 (InvalidRequestError, whose `param` is the parameter at fault)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.structured.params import StructuredOutputsParams
-
-MAX_LOGPROBS = 20
 # Beam search's length_penalty: beyond this, len ** length_penalty only ranks by length.
 MAX_LENGTH_PENALTY = 100.0
 
@@ -15,6 +15,15 @@ MAX_LENGTH_PENALTY = 100.0
 def _check(param: str, ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What AsyncLLM.generate yields as a request runs (vLLM's): every output with all the
+    tokens so far, only the new tokens of each, or only the final output. LLM.generate
+    returns final outputs whatever it is."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -41,7 +50,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (pagedserve/structured/).
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None          # never generate these words (their token sequences)
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM takes Python callables here; pagedserve's worker gets plain data (batch.py), so they are refused.
+    logits_processors: list[Any] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
+    # bad_words as token id sequences, filled in by the engine's tokenizer (LLMEngine.validate_params)
+    bad_words_token_ids: list[list[int]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         _check("n", isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -68,10 +85,10 @@ class SamplingParams:
                              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         _check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
                              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):   # the upper limit is the engine's max_logprobs
             value = getattr(self, name)
-            _check(name, value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                         f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            _check(name, value is None or (isinstance(value, int) and value >= 0),
+                         f"{name} must be an integer >= 0, got {value!r}")
         _check("seed", self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
@@ -90,6 +107,21 @@ class SamplingParams:
                                      isinstance(self.structured_outputs, StructuredOutputsParams),
                                      f"structured_outputs must be a StructuredOutputsParams, got "
                                      f"{type(self.structured_outputs).__name__}")
+        _check("bad_words", self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                            f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            _check("allowed_token_ids", len(self.allowed_token_ids) > 0 and
+                                        all(isinstance(t, int) for t in self.allowed_token_ids),
+                                        f"allowed_token_ids must be a non-empty list of token ids, got "
+                                        f"{self.allowed_token_ids!r}")
+        _check("truncate_prompt_tokens", self.truncate_prompt_tokens is None or
+                                         (isinstance(self.truncate_prompt_tokens, int) and self.truncate_prompt_tokens >= 1),
+                                         f"truncate_prompt_tokens must be an integer >= 1, got "
+                                         f"{self.truncate_prompt_tokens!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
+        _check("logits_processors", not self.logits_processors,
+                                    "logits_processors are not supported (the worker receives plain data, not "
+                                    "Python callables); use logit_bias, allowed_token_ids or bad_words")
         if self.greedy:
             # Greedy sampling would give best_of identical copies; vLLM refuses it too.
             _check("best_of", self.best_of == 1 or self.n == self.best_of,

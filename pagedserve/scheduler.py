@@ -151,7 +151,9 @@ def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSett
     p = params
     return SamplingSettings(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
                             p.repetition_penalty, p.logit_bias or None, p.min_tokens, tuple(p.stop_token_ids or ()),
-                            p.ignore_eos, p.logprobs or 0, p.needs_logprobs)
+                            p.ignore_eos, p.logprobs or 0, p.needs_logprobs,
+                            tuple(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
+                            tuple(tuple(w) for w in p.bad_words_token_ids))
 
 
 class Scheduler:
@@ -333,7 +335,7 @@ class Scheduler:
         settings = req.sampling
         seed = getattr(req.params, "seed", None)
         return SampleRow(settings, None if seed is None else seed + seq.index, seq.num_output_tokens,
-                         seq.output_token_ids if settings.has_penalties else None,
+                         seq.output_token_ids if settings.needs_output_token_ids else None,
                          req.prompt_token_ids if settings.repetition_penalty != 1.0 else None)
 
     @staticmethod

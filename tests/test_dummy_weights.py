@@ -98,12 +98,11 @@ def test_presets_need_the_dummy_format_and_unknown_names_are_refused():
 
 def test_cli_flags_reach_the_engine_config():
     import argparse
-    from pagedserve.cli import add_engine_args, engine_kwargs
+    from pagedserve.cli import add_config_args, engine_config
     from pagedserve.config import EngineConfig
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    config = EngineConfig(model="llama-3-8b", **engine_kwargs(p.parse_args(["--load-format", "dummy",
-                                                                             "--enforce-eager"])))
+    add_config_args(p, EngineConfig)
+    config = engine_config(p.parse_args(["--load-format", "dummy", "--enforce-eager"]), model="llama-3-8b")
     assert config.load_format == "dummy" and config.enforce_eager
-    defaults = EngineConfig(**engine_kwargs(p.parse_args([])))
+    defaults = engine_config(p.parse_args([]))
     assert defaults.load_format == "auto" and not defaults.enforce_eager

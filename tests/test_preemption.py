@@ -68,7 +68,7 @@ def test_hundreds_of_preemptions_change_no_output(tiny_llama, prompts, ample, mo
     """swap with 6 host blocks: swap space runs out, so some preemptions fall back to recompute."""
     kw = dict(preemption_mode=mode)
     if mode == "swap":
-        kw["swap_space"] = host_bytes(tiny_llama, host_blocks)
+        kw["swap_space"] = host_bytes(tiny_llama, host_blocks) / 1024**3   # GiB
     llm = make_llm(tiny_llama, block_size=BLOCK_SIZE, num_gpu_blocks_override=TIGHT_BLOCKS, **kw)
     outs, preempted = run_mix(llm, prompts)
     assert outs == ample
@@ -99,7 +99,7 @@ def test_preemption_warns_once(tiny_llama, prompts, caplog):
 
 def test_aborting_swapped_requests_frees_both_pools(tiny_llama, prompts):
     llm = make_llm(tiny_llama, block_size=BLOCK_SIZE, num_gpu_blocks_override=TIGHT_BLOCKS,
-                   preemption_mode="swap", swap_space=host_bytes(tiny_llama, 64))
+                   preemption_mode="swap", swap_space=host_bytes(tiny_llama, 64) / 1024**3)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -122,7 +122,7 @@ def test_swap_needs_swap_space(tiny_llama):
     with pytest.raises(ValueError, match="preemption_mode must be"):
         make_llm(tiny_llama, preemption_mode="evict")
     with pytest.raises(ValueError, match="preemption_mode='swap' needs kv_allocator='paged'"):
-        make_llm(tiny_llama, preemption_mode="swap", swap_space=1 << 20, kv_allocator="max")
+        make_llm(tiny_llama, preemption_mode="swap", swap_space=0.001, kv_allocator="max")
 
 
 def test_a_group_preempted_right_after_forking_comes_back(tiny_llama):

@@ -24,6 +24,6 @@ def make_attention_backend(name: str | None, device: torch.device):
             from pagedserve.attention.triton_backend import TritonAttention
         except ImportError as e:
             raise ValueError(f"attention_backend='triton' needs the triton package ({e}); "
-                             "`pip install triton` or use another attention_backend") from e
+                             "`pip install 'pagedserve[gpu]'` or use another attention_backend") from e
         return TritonAttention(device)
     raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")

@@ -32,7 +32,7 @@ from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, E
                                          PromptType)
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.outputs import RequestOutput
-from pagedserve.server.metrics import PREFIX, PrometheusStatLogger
+from pagedserve.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -149,23 +149,23 @@ class DataParallelLLM:
         self._router_metrics()
 
     def _router_metrics(self) -> None:
-        r, name = self.metrics.registry, self.metrics.model_name
-        decisions = Counter(PREFIX + "router_requests", "Requests routed, by policy and decision.",
+        r, name, prefix = self.metrics.registry, self.metrics.model_name, self.metrics.prefix
+        decisions = Counter(prefix + "router_requests", "Requests routed, by policy and decision.",
                             ["model_name", "policy", "decision"], registry=r)
         self._decisions = lambda d: decisions.labels(name, self.routing_policy, d)
-        self._estimated = Counter(PREFIX + "router_estimated_prefix_hit_tokens",
+        self._estimated = Counter(prefix + "router_estimated_prefix_hit_tokens",
                                   "Prompt tokens the router expected the chosen replica's prefix cache to hold.",
                                   ["model_name"], registry=r).labels(name)
-        self._actual = Counter(PREFIX + "router_actual_prefix_hit_tokens",
+        self._actual = Counter(prefix + "router_actual_prefix_hit_tokens",
                                "Prompt tokens the chosen replica's prefix cache served.",
                                ["model_name"], registry=r).labels(name)
-        up = Gauge(PREFIX + "router_replica_up", "1 while the replica takes requests, 0 while it is down.",
+        up = Gauge(prefix + "router_replica_up", "1 while the replica takes requests, 0 while it is down.",
                    ["model_name", "engine"], registry=r)
-        indexed = Gauge(PREFIX + "router_indexed_blocks", "Blocks of the replica's prefix cache in the router's index.",
+        indexed = Gauge(prefix + "router_indexed_blocks", "Blocks of the replica's prefix cache in the router's index.",
                         ["model_name", "engine"], registry=r)
         self._up = [up.labels(name, str(i)) for i in range(self.num_replicas)]
         self._indexed = [indexed.labels(name, str(i)) for i in range(self.num_replicas)]
-        self._rerouted = Counter(PREFIX + "router_rerouted_requests",
+        self._rerouted = Counter(prefix + "router_rerouted_requests",
                                  "Requests sent again because their replica failed before taking them.",
                                  ["model_name"], registry=r).labels(name)
 

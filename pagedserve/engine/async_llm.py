@@ -22,6 +22,8 @@ returns (the server then answers 503 and exits non-zero).
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,9 +38,9 @@ from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, Loggi
                                      StatLogger)
 from pagedserve.kv.events import KVEventSink
 from pagedserve.models.loader import load_tokenizer
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.request import Request
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,14 @@ class RequestStream:
         self._llm._unregister(self.request_ids)
 
 
+def delta_output(c: CompletionOutput, sent: dict[int, tuple[int, int]]) -> CompletionOutput:
+    """The part of cumulative output `c` not yielded yet (`sent` remembers, per index)."""
+    text_len, num_tokens = sent.get(c.index, (0, 0))
+    sent[c.index] = (len(c.text), len(c.token_ids))
+    return dataclasses.replace(c, text=c.text[text_len:], token_ids=c.token_ids[num_tokens:],
+                               logprobs=c.logprobs[num_tokens:] if c.logprobs is not None else None)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  log_interval: float | None = 10.0, max_waiting_requests: int | None = None,
@@ -143,6 +153,7 @@ class AsyncLLM:
         self.vocab_size = 0
         self.model_path = ""
         self.num_blocks = 0
+        self.default_sampling: dict = {}   # the model's sampling defaults (LLMEngine.default_sampling)
         self.scheduler_stats = SchedulerStats()
         # Engine-thread state.
         self.engine: LLMEngine | None = None
@@ -238,10 +249,18 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, params: Params,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """One prompt's outputs as they come; leaving the loop early aborts it."""
+        """One prompt's outputs as they come, shaped by params.output_kind (cumulative, delta or
+        final only); leaving the loop early aborts it."""
+        kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
         stream = await self.add_requests([(request_id, prompt, params)])
+        sent: dict[int, tuple[int, int]] = {}   # per completion: text and tokens already yielded
         try:
             async for out in stream:
+                if kind == RequestOutputKind.FINAL_ONLY and not out.finished:
+                    continue
+                if kind == RequestOutputKind.DELTA:
+                    out = copy.copy(out)
+                    out.outputs = [delta_output(c, sent) for c in out.outputs]
                 yield out
         finally:
             stream.close()
@@ -309,7 +328,9 @@ class AsyncLLM:
             self.engine = LLMEngine(self.config, self.kv_events)
             self.engine.on_grammar_ready = self._wake.set   # a compile ended: look at the queue again
             path = self.engine.model_path
-            self.tokenizer = load_tokenizer(self.config.tokenizer or path)
+            self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
+            self.tokenizer.chat_template = self.engine.tokenizer.chat_template
+            self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
@@ -477,15 +498,9 @@ class AsyncLLM:
                 num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
 
     def _publish(self, iteration: IterationStats | None) -> None:
-        kv = self.engine.kv_cache_stats()
         sched = self.engine.scheduler
         self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
-        self.scheduler_stats = SchedulerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
-            kv_cache_usage=kv["usage"],
-            prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
-            num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
-            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
+        self.scheduler_stats = self.engine.scheduler_stats()
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(self.scheduler_stats, iteration)

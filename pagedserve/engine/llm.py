@@ -1,12 +1,17 @@
 """The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
+import typing
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.chat import load_chat_template, render_chat  # noqa: F401 - the server imports render_chat here
 from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -14,9 +19,30 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 Conversation = list[dict[str, Any]]
 
 
+@dataclass
+class Metric:
+    """One of `LLM.get_metrics()`: a Prometheus-style name (the server's, vLLM's names) and value."""
+    name: str
+    value: float
+
+
 class LLM:
+    """The offline API. Keyword arguments are EngineConfig's fields (listed below), as vLLM's
+    `LLM(model, ...)` takes its engine arguments."""
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine."""
+        return self.engine
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -24,11 +50,32 @@ class LLM:
     def kv_cache_stats(self) -> dict:
         return self.engine.kv_cache_stats()
 
+    def get_metrics(self) -> list[Metric]:
+        """The engine's gauges and counters now, named as the server's /metrics names them."""
+        stats = self.engine.scheduler_stats()
+        names = {"num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
+                 "num_swapped": "num_requests_swapped", "kv_cache_usage": "kv_cache_usage_perc"}
+        return [Metric("pagedserve:" + names.get(f.name, f.name), float(getattr(stats, f.name)))
+                for f in dataclasses.fields(stats)]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block. Only between requests (as vLLM): False while
+        requests are unfinished, and nothing changes."""
+        if self.engine.has_unfinished_requests():
+            return False
+        self.engine.reset()
+        return True
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (generation_config.json; see
+        EngineConfig.generation_config): what generate() uses when given none."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = self._as_list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
@@ -39,14 +86,20 @@ class LLM:
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """tools: function definitions for chat templates that show them (to make the model call
-        one, constrain the output to its parameters with structured_outputs)."""
+             use_tqdm: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the chat template: `chat_template`
+        (a template or a file holding one; default: the engine's), `chat_template_kwargs`
+        (more variables for it), `continue_final_message` (go on with the last message, an
+        assistant's, instead of starting a new one), `tools` (function definitions for
+        templates that show them; to make the model call one, constrain the output to its
+        parameters with structured_outputs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": render_chat(tok, conv, add_generation_prompt, tools)}
-                   for conv in conversations]
+        template = load_chat_template(chat_template)
+        prompts = [{"prompt_token_ids": render_chat(tok, conv, add_generation_prompt, template, continue_final_message,
+                                                    chat_template_kwargs, tools)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
@@ -106,17 +159,21 @@ class LLM:
         return [finals[rid] for rid in ids]
 
 
-def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template (with the tool
-    definitions, for templates that show them)."""
-    if not conversation:
-        raise ValueError("messages must not be empty")
-    for m in conversation:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"each message needs a role of system, user, assistant or tool; got {m!r}")
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        tools=tools or None)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+def _document_parameters(cls: type) -> None:
+    """Give LLM.__init__ EngineConfig's fields as its signature and docstring, so help(LLM),
+    inspect.signature and editors that read them list them (one list: the dataclass)."""
+    hints = typing.get_type_hints(EngineConfig)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params, doc = [self_param], []
+    for f in dataclasses.fields(EngineConfig):
+        if not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(f.name, kind, default=default, annotation=hints[f.name]))
+        doc.append(f"    {f.name}: {f.metadata.get('help', '')}")
+    cls.__init__.__signature__ = inspect.Signature(params, return_annotation=None)
+    cls.__init__.__doc__ = "Parameters (EngineConfig's fields):\n" + "\n".join(doc)
+
+
+_document_parameters(LLM)

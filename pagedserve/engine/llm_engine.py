@@ -16,12 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
-from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
+from pagedserve.engine.stats import SchedulerStats
+from pagedserve.kernels.threads import configure_threads
+from pagedserve.models.loader import default_model_path, generation_defaults, is_gguf, load_tokenizer
+from pagedserve.models.presets import is_preset
+from pagedserve.models.resolve import resolve_model
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                 RequestMetrics, RequestOutput)
 from pagedserve.request import Request, Sequence
@@ -62,9 +67,25 @@ class LLMEngine:
         self.config = config
         self.kv_events = kv_events      # told of prefix-cache changes (kv/events.py), e.g. for a router
         torch.manual_seed(config.seed)
-        path = config.model or default_model_path()
+        if config.trust_remote_code:
+            logger.warning("trust_remote_code is accepted for vLLM compatibility and not needed: pagedserve runs "
+                           "its own model code and never executes code from a checkpoint")
+        configure_threads(config.num_threads)
+        if config.model is None:
+            path = default_model_path()
+        elif config.load_format == "dummy" and is_preset(config.model):
+            path = config.model          # a config by name (models/presets.py), no files
+        else:
+            path = resolve_model(config.model, config.revision)
         self.model_path = path
-        self.tokenizer = load_tokenizer(config.tokenizer or path, stand_in=config.load_format == "dummy")
+        self.tokenizer_path = resolve_model(config.tokenizer, config.revision) if config.tokenizer else path
+        self.tokenizer = load_tokenizer(self.tokenizer_path, stand_in=config.load_format == "dummy")
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
+        self.default_sampling = generation_defaults(path, config.generation_config)
+        if self.default_sampling:
+            logger.info("sampling defaults from the model's generation config (requests may override them; "
+                        "generation_config='vllm' ignores them): %s", self.default_sampling)
         self.eos_token_ids = self._eos_token_ids(path)
         self.eos_token_id = self.tokenizer.eos_token_id
         # The worker owns the device: it loads the model there and sizes the KV cache.
@@ -140,6 +161,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
         salt = self.prompt_cache_salt(prompt)
         max_tokens = self.validate_request(ids, params)
         n_prompt = len(ids)
@@ -191,14 +214,33 @@ class LLMEngine:
 
     def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
         """Token ids in the parameters index the logits: one outside the vocabulary would fail
-        the whole step, so it is refused here."""
+        the whole step, so it is refused here; so are more logprobs than max_logprobs."""
         if not isinstance(params, SamplingParams):
             return
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise InvalidRequestError(f"{name} ({value}) is more than this engine's max_logprobs "
+                                          f"({self.config.max_logprobs})", name)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
                     f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", name)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would appear at the start of a text and after a space
+        (different tokens in most vocabularies), as vLLM bans them."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -351,6 +393,17 @@ class LLMEngine:
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
                      sharing_saving_avg=sched.sharing_saving_avg)
         return stats
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler and KV cache now, as stat loggers and LLM.get_metrics see them."""
+        kv = self.kv_cache_stats()
+        sched = self.scheduler
+        return SchedulerStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            kv_cache_usage=kv["usage"],
+            prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
+            num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
+            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
 
     def memory_usage(self) -> MemoryUsage:
         """The KV cache's slots right now: token states, reserved, internal and external

@@ -80,16 +80,26 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     )
 
 
+# GGUF architectures (general.architecture) whose model code we have: the HF architecture they
+# load as, and whether llama.cpp's converter permuted q/k rows for its interleaved RoPE (it does
+# for `llama`, which Mistral files use too; `qwen2` keeps HF's layout). Tensor names are shared
+# (_GGUF_NAMES, _GGUF_LAYER_NAMES); the metadata keys are prefixed with the architecture.
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+}
+
+
 def args_from_gguf(reader) -> ModelArgs:
     def field(name, default=None):
         f = reader.fields.get(name)
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama "
-                         f"(as {', '.join(SUPPORTED_ARCHITECTURES)})")
-    p = "llama."
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+                         + ", ".join(f"{a} (as {hf})" for a, (hf, _) in GGUF_ARCHITECTURES.items()))
+    p = arch + "."
     heads = field(p + "attention.head_count")
     hidden = field(p + "embedding_length")
     names = {t.name for t in reader.tensors}
@@ -97,7 +107,7 @@ def args_from_gguf(reader) -> ModelArgs:
     if field(p + "rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": field(p + "rope.scaling.factor")}
     return ModelArgs(
-        architecture="LlamaForCausalLM",
+        architecture=GGUF_ARCHITECTURES[arch][0],
         vocab_size=field(p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
         intermediate_size=field(p + "feed_forward_length"),
@@ -110,7 +120,7 @@ def args_from_gguf(reader) -> ModelArgs:
         rope_scaling=scaling,
         max_position_embeddings=field(p + "context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias=False,
+        qkv_bias="blk.0.attn_q.bias" in names,
     )
 
 
@@ -146,14 +156,15 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _gguf_weights(reader, args: ModelArgs) -> dict[str, torch.Tensor]:
     from gguf import quants
+    permuted = args.architecture == "LlamaForCausalLM"   # GGUF_ARCHITECTURES: llama.cpp's rotary layout
     weights = {}
     for t in reader.tensors:
         data = quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if t.name.startswith("blk."):
             _, layer, kind, suffix = t.name.split(".", 3)
-            if kind == "attn_q":
+            if permuted and kind == "attn_q":
                 data = _unpermute_rotary(data, args.num_heads)
-            elif kind == "attn_k":
+            elif permuted and kind == "attn_k":
                 data = _unpermute_rotary(data, args.num_kv_heads)
             name = f"layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
         else:
@@ -188,17 +199,55 @@ def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.
     return LlamaModel(args, embed, layers, w("norm.weight"), lm_head, attention, max_positions, ops)
 
 
-def _file_key(path: str) -> str:
-    st = os.stat(path)
-    return f"{Path(path).stem}-{st.st_size}-{int(st.st_mtime)}"
+# What pagedserve derives from a GGUF file (its float32 weights, its tokenizer) is cached under
+# cache_dir("models" | "tokenizers", <file name>-<hash of its absolute path>): one entry per file,
+# replaced when the file's content changes. The content is told by a fingerprint (size, first
+# and last 8 MiB: the header, metadata and tensor table, and the end of the data), not mtime,
+# so copying or touching a file keeps its entry. `pagedserve cache --clear` removes them all.
+_FINGERPRINT_SPAN = 8 * 1024**2
+
+
+def gguf_fingerprint(path: str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_SPAN))
+        f.seek(max(0, size - _FINGERPRINT_SPAN))
+        h.update(f.read(_FINGERPRINT_SPAN))
+    return h.hexdigest()
+
+
+def _derived_cache(kind: str, path: str) -> tuple[Path, bool]:
+    """(the cache entry of GGUF file `path` for `kind`, whether it holds this content). A stale
+    entry is emptied, to be written again."""
+    import hashlib
+    import shutil
+    resolved = str(Path(path).resolve())
+    entry = cache_dir(kind, f"{Path(path).stem}-{hashlib.sha256(resolved.encode()).hexdigest()[:12]}")
+    fingerprint = gguf_fingerprint(path)
+    stamp = entry / "source.json"
+    try:
+        if json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+            return entry, True
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(entry, ignore_errors=True)
+    return entry, False
+
+
+def _stamp(entry: Path, path: str) -> None:
+    (entry / "source.json").write_text(json.dumps({"path": str(Path(path).resolve()),
+                                                   "fingerprint": gguf_fingerprint(path)}))
 
 
 def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Parse and dequantize a GGUF file (seconds), or load the float32 safetensors copy that
     the first load saved under ~/.cache/pagedserve/models (a fraction of a second)."""
     from safetensors.torch import load_file, save_file
-    cache = cache_dir("models", _file_key(path))
-    if (cache / "model.safetensors").exists() and (cache / "args.json").exists():
+    cache, fresh = _derived_cache("models", path)
+    if fresh:
         return ModelArgs(**json.loads((cache / "args.json").read_text())), load_file(str(cache / "model.safetensors"))
     import gguf
     reader = gguf.GGUFReader(path)
@@ -209,6 +258,7 @@ def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         save_file(weights, str(cache / "model.safetensors.tmp"))
         os.replace(cache / "model.safetensors.tmp", cache / "model.safetensors")
         (cache / "args.json").write_text(json.dumps(asdict(args)))
+        _stamp(cache, path)
     except OSError:
         pass   # read-only home: the next start converts again
     return args, weights
@@ -261,6 +311,26 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
     return model, args, dtype
 
 
+# ---- sampling defaults ---------------------------------------------------------------------
+
+# generation_config.json's keys that are sampling defaults, and SamplingParams' names for them.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str, setting: str = "auto") -> dict:
+    """The model's default sampling settings, as SamplingParams keywords, from the
+    generation_config.json of the model's directory (`auto`; a GGUF file has none), of the
+    directory `setting`, or none (`vllm`)."""
+    if setting == "vllm" or (setting == "auto" and is_gguf(model_path)):
+        return {}
+    f = Path(model_path if setting == "auto" else setting) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    cfg = json.loads(f.read_text())
+    return {ours: cfg[key] for key, ours in GENERATION_DEFAULTS.items() if cfg.get(key) is not None}
+
+
 # ---- tokenizer -----------------------------------------------------------------------------
 
 
@@ -281,13 +351,14 @@ def load_tokenizer(path: str, stand_in: bool = False):
         return stand_in_tokenizer(read_hf_config(path))
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(path)
-    cache = cache_dir("tokenizers", _file_key(path))
-    if (cache / "tokenizer_config.json").exists():
+    cache, fresh = _derived_cache("tokenizers", path)
+    if fresh:
         return AutoTokenizer.from_pretrained(str(cache))
     p = Path(path)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     try:
         tok.save_pretrained(str(cache))
+        _stamp(cache, path)
     except OSError:
         pass   # a read-only home only costs the next start a few seconds
     return tok

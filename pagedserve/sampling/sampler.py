@@ -1,7 +1,7 @@
 """Turn one step's logits into tokens, vectorised over the batch.
 
-Order (as in vLLM): logit bias, min_tokens, penalties, the grammar's token bitmask
-(structured outputs: disallowed tokens to -inf, by xgrammar's CPU kernel), then greedy
+Order (as in vLLM): logit bias, min_tokens, allowed tokens, bad words, penalties, the grammar's
+token bitmask (structured outputs: disallowed tokens to -inf, by xgrammar's kernel), then greedy
 argmax or temperature -> min_p -> top_k / top_p -> sampling. Logprobs are those of the
 model's raw distribution. Random rows draw exponential noise and take
 argmax(p / noise), which samples from p; a seeded request draws its noise from
@@ -87,6 +87,14 @@ class Sampler:
             if r.num_output_tokens < p.min_tokens and i not in constrained:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, banned] = float("-inf")
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+                kept = logits[i, allowed]
+                logits[i] = float("-inf")
+                logits[i, allowed] = kept
+            for word in p.bad_words:   # banned where the output so far ends with the word's other tokens
+                if len(word) == 1 or (r.output_token_ids or [])[-(len(word) - 1):] == list(word[:-1]):
+                    logits[i, word[-1]] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         idx = [i for i, r in enumerate(rows) if r.params.has_penalties]

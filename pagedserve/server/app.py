@@ -19,13 +19,14 @@ from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
@@ -52,6 +53,7 @@ class GateMiddleware:
         if scope["type"] == "http":
             error = self._refuse(scope) or self._too_large(scope)
             if error is not None:
+                self.state.log_refusal(scope["method"], scope["path"], error)
                 await error.response()(scope, receive, send)
                 return
             if self.state.max_request_body_bytes:
@@ -109,7 +111,7 @@ class GateMiddleware:
         return None
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
@@ -128,6 +130,12 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
+    if server is not None and server.allowed_origins:
+        # Outside the gate: a browser's preflight (OPTIONS, no API key) is answered here, and
+        # the gate's refusals carry the CORS headers too.
+        app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins,
+                           allow_methods=server.allowed_methods, allow_headers=server.allowed_headers,
+                           allow_credentials=server.allow_credentials)
     install_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -238,41 +246,38 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def make_engine_client(config: EngineConfig, model_name: str, log_stats_interval: float | None,
-                       max_waiting_requests: int | None):
+def make_engine_client(config: EngineConfig, s: ServerConfig):
     """One AsyncLLM, or with data_parallel_size > 1 the replicas behind a router (same calls)."""
+    names = s.served_model_name or [config.model or DEFAULT_MODEL_NAME]
+    log_interval = None if s.disable_log_stats else s.log_stats_interval
     if config.data_parallel_size == 1:
-        metrics = PrometheusStatLogger(model_name)
-        return AsyncLLM(config, [metrics], log_interval=log_stats_interval,
-                        max_waiting_requests=max_waiting_requests), metrics
+        metrics = PrometheusStatLogger(names[0], prefix=s.metrics_prefix)
+        return AsyncLLM(config, [metrics], log_interval=log_interval,
+                        max_waiting_requests=s.max_waiting_requests), metrics
     from pagedserve.cluster.client import DataParallelLLM
-    metrics = PrometheusStatLogger(model_name, num_engines=config.data_parallel_size)
-    return DataParallelLLM(config, metrics=metrics, max_waiting_requests=max_waiting_requests,
-                           log_interval=log_stats_interval), metrics
+    metrics = PrometheusStatLogger(names[0], num_engines=config.data_parallel_size, prefix=s.metrics_prefix)
+    return DataParallelLLM(config, metrics=metrics, max_waiting_requests=s.max_waiting_requests,
+                           log_interval=log_interval), metrics
 
 
-def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               served_model_names: list[str] | None = None, api_key: str | None = None,
-               shutdown_timeout: float = 5.0, log_stats_interval: float | None = 10.0,
-               access_log: bool = True, log_level: str = "info",
-               max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> int:
+def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load).
     A limit of None or <= 0 turns it off."""
-    names = served_model_names or [config.model or DEFAULT_MODEL_NAME]
-    llm, metrics = make_engine_client(config, names[0], log_stats_interval, max_waiting_requests)
-    state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout,
-                        max_request_body_bytes=max_request_body_bytes if max_request_body_bytes and
-                        max_request_body_bytes > 0 else None,
-                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
-    app = build_app(state)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                               timeout_graceful_shutdown=int(shutdown_timeout) + 5)
-    server = _Server(uv_config, state)
+    s = server or ServerConfig()
+    names = s.served_model_name or [config.model or DEFAULT_MODEL_NAME]
+    llm, metrics = make_engine_client(config, s)
+    state = ServerState(llm, names, metrics, api_key=s.api_key, shutdown_timeout=s.shutdown_timeout,
+                        max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
+                        s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
+                        enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser)
+    app = build_app(state, s)
+    uv_config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.uvicorn_log_level,
+                               access_log=not s.disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=int(s.shutdown_timeout) + 5)
+    uv_server = _Server(uv_config, state)
 
-    state.on_start_failed = server.stop
-    state.on_engine_dead = server.stop
+    state.on_start_failed = uv_server.stop
+    state.on_engine_dead = uv_server.stop
     ray_connected = False
     # Ray is joined on the main thread before uvicorn installs its signal handlers: Ray's own
     # SIGTERM handler (abseil's) would otherwise run first and abort the process 3 s into the drain.
@@ -280,9 +285,9 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         from pagedserve.cluster.client import init_ray
         ray_connected = init_ray(config.ray_address)
     try:
-        server.run()
+        uv_server.run()
     finally:
         if ray_connected:
             import ray
             ray.shutdown()
-    return 1 if llm.state in ("failed", "dead") or not server.started else 0
+    return 1 if llm.state in ("failed", "dead") or not uv_server.started else 0

@@ -100,15 +100,24 @@ class UnexpectedErrorMiddleware:
             await error.response(headers={"Connection": "close"})(scope, receive, send)
 
 
+def _log_refusal(request: Request, error: APIError) -> None:
+    state = getattr(request.app.state, "server", None)
+    if state is not None:
+        state.log_refusal(request.method, request.url.path, error)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _log_refusal(request, exc)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(exc.errors()))
-        return APIError(400, message, param).response()
+        error = APIError(400, message, param)
+        _log_refusal(request, error)
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -116,6 +125,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         else:
             message = str(exc.detail)
-        return APIError(exc.status_code, message).response()
+        error = APIError(exc.status_code, message)
+        _log_refusal(request, error)
+        return error.response()
 
     app.add_middleware(UnexpectedErrorMiddleware)   # added last: outside the other middlewares

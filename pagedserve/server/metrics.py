@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix.
+"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix (--metrics-prefix vllm:
+gives vLLM's own names, so its Grafana dashboards work).
 
 A stat logger for AsyncLLM: it is called on the engine thread after every step
 (and after adds/aborts); prometheus-client's metrics are thread-safe and
@@ -28,23 +29,24 @@ class PrometheusStatLogger:
     data-parallel engines, each labelled engine="0", engine="1", ... as vLLM labels them."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 num_engines: int | None = None) -> None:
+                 num_engines: int | None = None, prefix: str = PREFIX) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.prefix = prefix
         label = ["model_name"] + (["engine"] if num_engines else [])
         engines = [(model_name, str(i)) for i in range(num_engines)] if num_engines else [(model_name,)]
         r = self.registry
 
         def gauge(name: str, doc: str) -> list[Gauge]:
-            family = Gauge(PREFIX + name, doc, label, registry=r)
+            family = Gauge(prefix + name, doc, label, registry=r)
             return [family.labels(*e) for e in engines]
 
         def counter(name: str, doc: str) -> list[Counter]:
-            family = Counter(PREFIX + name, doc, label, registry=r)
+            family = Counter(prefix + name, doc, label, registry=r)
             return [family.labels(*e) for e in engines]
 
         def histogram(name: str, doc: str, buckets: list[float]) -> list[Histogram]:
-            family = Histogram(PREFIX + name, doc, label, buckets=buckets, registry=r)
+            family = Histogram(prefix + name, doc, label, buckets=buckets, registry=r)
             return [family.labels(*e) for e in engines]
 
         series = dict(
@@ -62,7 +64,7 @@ class PrometheusStatLogger:
             prompt_tokens=counter("prompt_tokens", "Prompt tokens processed."),
             generation_tokens=counter("generation_tokens", "Tokens generated."),
         )
-        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                           label + ["finished_reason"], registry=r)
         series.update(
             iteration_tokens=histogram("iteration_tokens_total",
@@ -71,6 +73,9 @@ class PrometheusStatLogger:
             ttft=histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
             itl=histogram("inter_token_latency_seconds", "Time between a request's consecutive steps.",
                           ITL_BUCKETS),
+            # vLLM's older name of the same observations, which its Grafana dashboard plots.
+            tpot=histogram("time_per_output_token_seconds", "Time per output token (between a request's "
+                           "consecutive steps).", ITL_BUCKETS),
             e2e=histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
             queue_time=histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS),
             request_prompt_tokens=histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
@@ -123,6 +128,7 @@ class EngineSeries:
             self.ttft.observe(t)
         for t in it.inter_token_latencies:
             self.itl.observe(t)
+            self.tpot.observe(t)
         for f in it.finished:
             self._success.labels(*self._labels, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)

@@ -91,6 +91,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False           # vLLM: go on with the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM: more variables for the chat template
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

@@ -41,6 +41,9 @@ from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+# Request fields we do not know were logged once each (vLLM logs them too), not silently dropped.
+_ignored_fields_logged: set[str] = set()
+
 Params = SamplingParams | BeamSearchParams
 
 # ---- request -> engine --------------------------------------------------------------------------
@@ -70,10 +73,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def make_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None, logprobs_param: str = "logprobs",
-                structured: StructuredOutputsParams | None = None) -> Params:
-    """The request's sampling (or beam search) parameters; max_tokens None: up to the context."""
+                structured: StructuredOutputsParams | None = None, defaults: dict | None = None) -> Params:
+    """The request's sampling (or beam search) parameters; max_tokens None: up to the context.
+    `defaults`: the model's sampling defaults (generation_config.json) for fields the request
+    leaves unset."""
     if req.use_beam_search and structured is not None:
         raise bad_request("structured outputs and tools are not supported with use_beam_search", "use_beam_search")
+    defaults = defaults or {}
+
+    def value(name: str, fallback):
+        given = getattr(req, name)
+        return given if given is not None else defaults.get(name, fallback)
     if req.use_beam_search:
         if req.stop or req.stop_token_ids:
             raise bad_request("stop and stop_token_ids are not supported with use_beam_search", "stop")
@@ -88,14 +98,12 @@ def make_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | No
                                     length_penalty=req.length_penalty)
         return SamplingParams(
             n=req.n, best_of=req.best_of,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
+            min_p=value("min_p", 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=value("repetition_penalty", 1.0),
             logit_bias=_logit_bias(req.logit_bias),
             max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids,
@@ -115,6 +123,7 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None) -> list[int]:
     conversation = []
     for m in messages:
@@ -133,7 +142,9 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
                 message[key] = getattr(m, key)
         conversation.append(message)
     try:
-        return render_chat(tokenizer, conversation, add_generation_prompt, tools)
+        return render_chat(tokenizer, conversation, add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                           tools=tools)
     except (ValueError, TemplateError) as e:
         raise bad_request(f"could not render the chat template: {e}", "messages") from None
 
@@ -215,6 +226,7 @@ class Serving:
     """One request being served; subclasses shape the responses."""
     id_prefix = "cmpl"
     prompt_param = "prompt"
+    renamed_params: dict[str, str] = {}    # the engine's parameter names -> this endpoint's
 
     def __init__(self, state: ServerState, body: SamplingRequest, raw: Request) -> None:
         self.state = state
@@ -240,6 +252,35 @@ class Serving:
         self.continuous_usage = bool(self.stream_usage and body.stream_options.continuous_usage_stats)
         if body.stream and body.best_of is not None and body.best_of > body.n and not body.use_beam_search:
             raise bad_request("best_of > n is not supported with stream", "best_of")
+        new_ignored = set(body.model_extra or ()) - _ignored_fields_logged
+        if new_ignored:
+            _ignored_fields_logged.update(new_ignored)
+            logger.warning("ignoring request field(s) pagedserve does not support: %s (logged once per field)",
+                           ", ".join(sorted(new_ignored)))
+        self.defaults = self.llm.default_sampling
+
+    def log_start(self, items: list) -> None:
+        if not self.state.log_requests:
+            return
+        p = items[0][2]
+        if isinstance(p, BeamSearchParams):
+            what = f"beam_width={p.beam_width}, max_tokens={p.max_tokens}"
+        else:
+            what = (f"n={p.n}, temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
+                    f"max_tokens={p.max_tokens}, seed={p.seed}")
+        logger.info("request %s: %d prompt(s) of %s tokens, %s, stream=%s", self.id, len(items),
+                    "/".join(str(len(ids)) for _, ids, _ in items), what, bool(self.body.stream))
+
+    def log_finish(self, finals: list[RequestOutput] | None, error: str | None = None) -> None:
+        if not self.state.log_requests:
+            return
+        if error is not None:
+            logger.info("request %s failed: %s", self.id, error)
+            return
+        reasons = [c.finish_reason for o in finals or [] for c in self.returned(o)]
+        tokens = sum(len(c.token_ids) for o in finals or [] for c in self.returned(o))
+        logger.info("request %s finished: %s, %d completion tokens", self.id, ",".join(map(str, reasons)) or
+                    "aborted", tokens)
 
     async def constraint(self, extra: tuple[str, dict] | None = None) -> StructuredOutputsParams | None:
         """The request's output constraint (response_format, structured_outputs, guided_*, or
@@ -258,13 +299,15 @@ class Serving:
                                             "cache_salt": self.body.cache_salt}, params)
                         for i, (text, ids, params) in enumerate(items)]
         try:
-            return await self.llm.add_requests(engine_items, self.arrival)
+            stream = await self.llm.add_requests(engine_items, self.arrival)
+            self.log_start(items)
+            return stream
         except EngineNotReadyError as e:
             raise APIError(503, f"the server cannot take requests now: {e}") from None
         except QueueFullError as e:
             raise APIError(503, str(e)) from None
         except InvalidRequestError as e:   # the engine's validation: param None or "prompt" is our prompt field
-            param = self.prompt_param if e.param in (None, "prompt") else e.param
+            param = self.prompt_param if e.param in (None, "prompt") else self.renamed_params.get(e.param, e.param)
             raise bad_request(e.message, param, e.code) from None
         except ValueError as e:            # the front end's own limits (e.g. prompts per request)
             raise bad_request(str(e), self.prompt_param) from None
@@ -292,11 +335,17 @@ class Serving:
                     self._check_aborted(out)
                     finals[out.request_id] = out
         except (EngineStepError, EngineDeadError) as e:
+            self.log_finish(None, str(e))
             raise APIError(500, str(e)) from None
+        except APIError as e:
+            self.log_finish(None, e.message)
+            raise
         finally:
             watcher.cancel()
             stream.close()
-        return [finals[rid] for rid in stream.request_ids]
+        outputs = [finals[rid] for rid in stream.request_ids]
+        self.log_finish(outputs)
+        return outputs
 
     def usage(self, finals: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
@@ -342,9 +391,12 @@ class Serving:
     async def _events(self, stream: RequestStream) -> AsyncIterator[str]:
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
         prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        last: dict[str, RequestOutput] = {}
+        error = None
         try:
             async for out in stream:
                 self._check_aborted(out)
+                last[out.request_id] = out
                 i = prompt_index[out.request_id]
                 self.prompt_tokens[i] = len(out.prompt_token_ids)
                 for delta in self.deltas(i, out):
@@ -355,12 +407,15 @@ class Serving:
             if self.stream_usage:
                 yield _sse(self.usage_chunk())
         except APIError as e:
+            error = e.message
             yield _sse(e.body())
         except (EngineStepError, EngineDeadError) as e:
+            error = str(e)
             yield _sse(APIError(500, str(e)).body())
         finally:
             watcher.cancel()
             stream.close()
+            self.log_finish(list(last.values()), error)
         yield "data: [DONE]\n\n"
 
 
@@ -375,6 +430,7 @@ class CompletionServing(Serving):
         if body.suffix:
             raise bad_request("suffix is not supported", "suffix")
         explicit = "max_tokens" in body.model_fields_set
+        max_tokens = body.max_tokens if explicit else self.defaults.get("max_tokens", body.max_tokens)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         items = []
         self.prompt_texts: list[str] = []
@@ -387,8 +443,9 @@ class CompletionServing(Serving):
                 text, ids = prompt, next(encoded)
             else:
                 text, ids = None, list(prompt)
-            check_max_tokens(body.max_tokens, explicit, len(ids), llm.max_model_len)
-            params = make_params(body, body.max_tokens, body.logprobs, prompt_logprobs, structured=structured)
+            check_max_tokens(max_tokens, explicit, len(ids), llm.max_model_len)
+            params = make_params(body, max_tokens, body.logprobs, prompt_logprobs, structured=structured,
+                                 defaults=self.defaults)
             items.append((text, ids, params))
         stream = await self.submit(items)
         for text, ids, _ in items:
@@ -434,6 +491,7 @@ class CompletionServing(Serving):
 class ChatServing(Serving):
     id_prefix = "chatcmpl"
     prompt_param = "messages"
+    renamed_params = {"logprobs": "top_logprobs"}
     body: ChatCompletionRequest
 
     async def create(self) -> JSONResponse | StreamingResponse:
@@ -445,12 +503,17 @@ class ChatServing(Serving):
         self._streamers: dict[int, ToolStreamer] = {}
         tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
         structured = await self.constraint(tool_constraint)
-        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt,
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, add_generation_prompt,
+                                                   body.continue_final_message, body.chat_template_kwargs,
                                                    self.tools.tools if self.tools else None)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if not explicit:
+            requested = self.defaults.get("max_tokens", requested)
         check_max_tokens(requested, explicit, len(ids), llm.max_model_len)
-        params = make_params(body, requested, self.top, logprobs_param="top_logprobs", structured=structured)
+        params = make_params(body, requested, self.top, logprobs_param="top_logprobs", structured=structured,
+                             defaults=self.defaults)
         stream = await self.submit([(None, ids, params)])
         if body.stream:
             return self.streaming_response(stream)

@@ -30,6 +30,7 @@ class ServerState:
     api_key: str | None = None
     shutdown_timeout: float = 5.0
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
+    log_requests: bool = True           # a log line per request and per refusal (--disable-log-requests)
     # Tool calling: tool_choice "auto" needs both (server/tools.py).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -54,6 +55,11 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{', '.join(map(repr, self.served_model_names))}", "model", "model_not_found")
         return self.model_name
+
+    def log_refusal(self, method: str, path: str, error: APIError) -> None:
+        if self.log_requests and 400 <= error.status < 500:
+            logger.info("refused %s %s: %d %s%s", method, path, error.status, error.message,
+                        f" (param {error.param})" if error.param else "")
 
     def begin_shutdown(self, stop_server: Callable[[], None]) -> None:
         """Refuse new requests (503) while the ones in flight finish, for up to shutdown_timeout

@@ -61,10 +61,10 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, dev
                          f"{config.block_size} tokens takes {block_bytes} bytes")
     num_host_blocks = 0
     if config.preemption_mode == "swap":
-        num_host_blocks = config.num_host_blocks_override or config.swap_space // block_bytes
+        num_host_blocks = config.num_host_blocks_override or config.swap_space_bytes // block_bytes
         if num_host_blocks < 1:
-            raise ValueError(f"preemption_mode='swap' needs swap_space (bytes of host memory) for at least one "
-                             f"block of {block_bytes} bytes; got {config.swap_space}")
+            raise ValueError(f"preemption_mode='swap' needs swap_space (GiB of host memory) for at least one "
+                             f"block of {block_bytes} bytes; got {config.swap_space} GiB")
     return num_blocks, num_host_blocks
 
 

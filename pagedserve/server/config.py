@@ -1,0 +1,52 @@
+"""ServerConfig: the settings of `pagedserve serve` that are not the engine's (EngineConfig).
+cli.py makes each field a flag, as it does EngineConfig's."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pagedserve.config import setting
+from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def _api_key_from_env() -> str | None:
+    return os.environ.get("PAGEDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+
+
+@dataclass
+class ServerConfig:
+    host: str = setting("127.0.0.1", "address to listen on; 0.0.0.0 listens on all interfaces")
+    port: int = setting(8000, "port to listen on")
+    api_key: str | None = setting(default_factory=_api_key_from_env, show_default=False,
+                                  help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY or "
+                                       "$VLLM_API_KEY)")
+    served_model_name: list[str] | None = setting(None, "model name(s) clients use; the first is returned in "
+                                                        "responses (default: the model argument)")
+    shutdown_timeout: float = setting(5.0, "seconds requests in flight get to finish after SIGTERM before they "
+                                           "are aborted")
+    max_waiting_requests: int = setting(DEFAULT_MAX_WAITING_REQUESTS, "requests that may wait for the engine; "
+                                                                      "beyond it new ones get 503 (<= 0: no limit)")
+    max_request_body_bytes: int = setting(DEFAULT_MAX_REQUEST_BODY_BYTES, "largest request body accepted; larger "
+                                                                          "ones get 413 (<= 0: no limit)")
+    log_stats_interval: float = setting(10.0, "seconds between engine stat lines")
+    disable_log_stats: bool = setting(False, "no periodic engine stat lines")
+    disable_log_requests: bool = setting(False, "no per-request log lines (id, prompt length, sampling "
+                                                "parameters, finish reason, refusals)")
+    disable_uvicorn_access_log: bool = setting(False, "no access log line per HTTP request")
+    uvicorn_log_level: str = setting("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
+    # CORS: off unless origins are given (a browser page on another origin may then call the API).
+    allowed_origins: list[str] = setting(default_factory=list, help="CORS origins allowed to call the API, or "
+                                                                    "'*' (default: none, CORS off)")
+    allowed_methods: list[str] = setting(default_factory=lambda: ["*"], help="CORS methods allowed")
+    allowed_headers: list[str] = setting(default_factory=lambda: ["*"], help="CORS request headers allowed")
+    allow_credentials: bool = setting(False, "CORS: allow cookies and Authorization with cross-origin requests")
+    metrics_prefix: str = setting("pagedserve:", "prefix of the Prometheus metric names; vllm: makes vLLM's "
+                                                 "Grafana dashboards work")
+    # Tool calling: tool_choice "auto" needs both (server/tools.py).
+    enable_auto_tool_choice: bool = setting(False, 'let tool_choice "auto" (the default with tools) find calls in '
+                                                   "the output; needs --tool-call-parser")
+    tool_call_parser: str | None = setting(None, "the format of tool calls in the output for tool_choice auto "
+                                                 "(hermes: <tool_call>{...}</tool_call>)", choices=TOOL_CALL_PARSERS)
