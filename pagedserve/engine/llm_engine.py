@@ -25,8 +25,8 @@ from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.engine.stats import SchedulerStats
 from pagedserve.kernels.threads import configure_threads
 from pagedserve.models.loader import default_model_path, generation_defaults, is_gguf, load_tokenizer
-from pagedserve.models.presets import is_preset
-from pagedserve.models.resolve import resolve_model
+from pagedserve.models.presets import PRESETS, is_preset
+from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                 RequestMetrics, RequestOutput)
 from pagedserve.request import Request, Sequence
@@ -76,7 +76,7 @@ class LLMEngine:
         elif config.load_format == "dummy" and is_preset(config.model):
             path = config.model          # a config by name (models/presets.py), no files
         else:
-            path = resolve_model(config.model, config.revision)
+            path = self._resolve_model(config)
         self.model_path = path
         self.tokenizer_path = resolve_model(config.tokenizer, config.revision) if config.tokenizer else path
         self.tokenizer = load_tokenizer(self.tokenizer_path, stand_in=config.load_format == "dummy")
@@ -113,6 +113,16 @@ class LLMEngine:
         return self._grammars
 
     # ---- setup helpers -------------------------------------------------------------------
+    @staticmethod
+    def _resolve_model(config: EngineConfig) -> str:
+        try:
+            return resolve_model(config.model, config.revision)
+        except ModelNotFoundError as e:
+            if config.load_format != "dummy":
+                raise
+            raise ModelNotFoundError(f"{e}; with load_format='dummy' the model may also be a preset: "
+                                     f"{', '.join(PRESETS)}") from None
+
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
                          self.eos_token_ids, self.tokenizer.convert_ids_to_tokens, self.kv_events)
