@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.kv_view import KVView, capture
 from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -75,6 +76,7 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._request_counter = 0
         self._steps_without_progress = 0
+        self.num_steps = 0                 # step() calls so far (the dashboard's clock)
 
     # ---- setup helpers -------------------------------------------------------------------
     def _new_scheduler(self) -> Scheduler:
@@ -218,6 +220,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
         sched = self.scheduler.schedule()
         if self.check_invariants:
             self.check_paging_invariants(sched)
@@ -317,6 +320,14 @@ class LLMEngine:
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
                      sharing_saving_avg=sched.sharing_saving_avg)
         return stats
+
+    def kv_snapshot(self) -> dict:
+        """The KV cache block by block, the requests with their block tables, and the counters,
+        as the dashboard's /v1/kv/snapshot returns them (engine/kv_view.py)."""
+        return KVView(self.decode_tokens).full(capture(self))
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
     def memory_usage(self) -> MemoryUsage:
         """The KV cache's slots right now: token states, reserved, internal and external
