@@ -107,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
                       max_waiting_requests=args.max_waiting_requests,
                       max_request_body_bytes=args.max_request_body_bytes,
+                      kv_snapshot_interval=args.kv_snapshot_interval,
                       log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                       access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
 
@@ -128,6 +129,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="largest request body accepted; larger ones get 413 (<= 0: no limit)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stat lines")
+    p.add_argument("--kv-snapshot-interval", type=float, default=0.5,
+                   help="seconds between KV snapshots sent to open /dashboard pages (> 0)")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -26,6 +26,7 @@ import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from pagedserve.server.dashboard import DEFAULT_INTERVAL, PAGE_FILES, KVStreamHub, add_dashboard_routes
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
@@ -94,7 +95,7 @@ class GateMiddleware:
 
     def _refuse(self, scope) -> APIError | None:
         state, path = self.state, scope["path"]
-        if path in OPEN_PATHS and path != "/health":
+        if (path in OPEN_PATHS and path != "/health") or path in PAGE_FILES:
             return None
         if state.shutting_down:
             return APIError(503, "the server is shutting down")
@@ -182,6 +183,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
+    add_dashboard_routes(app, KVStreamHub(state.llm, state.kv_snapshot_interval))
     return app
 
 
@@ -243,7 +245,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                shutdown_timeout: float = 5.0, log_stats_interval: float | None = 10.0,
                access_log: bool = True, log_level: str = "info",
                max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> int:
+               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               kv_snapshot_interval: float = DEFAULT_INTERVAL) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load).
     A limit of None or <= 0 turns it off."""
     names = served_model_names or [config.model or DEFAULT_MODEL_NAME]
@@ -251,7 +254,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     llm = AsyncLLM(config, [metrics], log_interval=log_stats_interval, max_waiting_requests=max_waiting_requests)
     state = ServerState(llm, names, metrics, api_key=api_key, shutdown_timeout=shutdown_timeout,
                         max_request_body_bytes=max_request_body_bytes if max_request_body_bytes and
-                        max_request_body_bytes > 0 else None)
+                        max_request_body_bytes > 0 else None, kv_snapshot_interval=kv_snapshot_interval)
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                timeout_graceful_shutdown=int(shutdown_timeout) + 5)

@@ -30,6 +30,7 @@ class ServerState:
     api_key: str | None = None
     shutdown_timeout: float = 5.0
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
+    kv_snapshot_interval: float = 0.5   # seconds between the dashboard's KV snapshots (server/dashboard.py)
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
