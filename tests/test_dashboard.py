@@ -254,3 +254,48 @@ def test_the_counters_agree_with_metrics_and_the_key_is_asked_once(page, server,
     page.reload()
     page.wait_for_selector("#status[data-connected='1']")
     assert page.locator("#auth").is_hidden()
+
+
+# ---- the offline replay (--kv-map) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kv_map(tiny_llama, tmp_path_factory) -> Path:
+    """`pagedserve generate --kv-map` run as a user would, on two prompts."""
+    import subprocess
+    import sys
+    path = tmp_path_factory.mktemp("kv_map") / "run.html"
+    res = subprocess.run([sys.executable, "-m", "pagedserve.cli", "generate", "--model", tiny_llama.path,
+                          "--dtype", "float32", "--kv-cache-memory", str(64 * 8192), "--prompt", LONG_PROMPT,
+                          "--prompt", "The quick brown fox", "--max-tokens", "24", "--kv-map", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "KV map of" in res.stderr and path.exists()
+    return path
+
+
+def test_the_kv_map_is_self_contained(kv_map):
+    html = kv_map.read_text()
+    assert "/dashboard/" not in html and "http://" not in html and "https://" not in html
+    assert "window.PAGEDSERVE_REPLAY" in html and "<link" not in html
+
+
+def test_the_kv_map_replays_in_the_browser(browser, kv_map):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = context.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(kv_map.as_uri())
+    pg.wait_for_selector("#replay-controls:not([hidden])")
+    frames = pg.evaluate("window.pagedserveReplay.frames")
+    num_blocks = pg.evaluate("window.pagedserveDashboard.page().num_blocks")
+    assert frames > 24 and pg.locator("#block-map .cell").count() == num_blocks == 64
+    held = []
+    for i in range(frames):
+        pg.evaluate(f"window.pagedserveReplay.show({i})")
+        held.append(states(pg).get("owned", 0))
+    assert held[0] == 0 and max(held) > 0 and held[-1] == 0      # empty, running, done
+    assert states(pg).get("cached", 0) >= 2                       # the prompts' full blocks stay cached
+    pg.evaluate("window.pagedserveReplay.show(0)")                # back in time rebuilds from the start
+    assert states(pg) == {"free": 64}
+    assert not errors
+    context.close()

@@ -153,3 +153,23 @@ def test_cached_tokens_are_pruned_to_the_keys_in_use():
         assert {k for k in snap.device.keys if k is not None} == set(kv.pool.cached)
         for key, tokens in zip(prefix_block_keys(tokens, 2, 2), ([i, i + 100], [i + 200, i + 300])):
             assert snap.cached_tokens[key] == tuple(tokens)
+
+
+def test_the_kv_map_frames_replay_to_the_final_state(tiny_llama):
+    from pagedserve.engine.kv_map import KVMapRecorder
+    llm = make_llm(tiny_llama, num_gpu_blocks_override=48)
+    recorder = KVMapRecorder(llm.engine)
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(n=3, max_tokens=10, ignore_eos=True),
+                 use_tqdm=False)
+    recorder.close()
+    first, *updates = recorder.frames
+    assert len(updates) >= 10 and all(b["state"] == "free" for b in first["blocks"])
+    page, peak = first, 0
+    for u in updates:
+        page = apply_update(page, u)
+        peak = max(peak, sum(b["state"] == "shared" for b in page["blocks"]))
+    assert peak >= 2                                # the prompt's two full blocks, shared by the three
+    final = llm.kv_snapshot()
+    for name in ("time", "step"):
+        final.pop(name), page.pop(name)
+    assert page == final

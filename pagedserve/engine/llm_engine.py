@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.config import EngineConfig
@@ -77,6 +78,7 @@ class LLMEngine:
         self._request_counter = 0
         self._steps_without_progress = 0
         self.num_steps = 0                 # step() calls so far (the dashboard's clock)
+        self.step_observers: list[Callable[[], None]] = []   # called after each step (engine/kv_map.py)
 
     # ---- setup helpers -------------------------------------------------------------------
     def _new_scheduler(self) -> Scheduler:
@@ -221,6 +223,16 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
+        try:
+            return self._step()
+        finally:
+            for observe in self.step_observers:
+                try:
+                    observe()
+                except Exception:   # noqa: BLE001 - watching a step must never fail it
+                    logger.exception("step observer %r failed", observe)
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if self.check_invariants:
             self.check_paging_invariants(sched)

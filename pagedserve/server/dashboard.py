@@ -30,7 +30,7 @@ from pagedserve.server.errors import APIError
 
 logger = logging.getLogger("pagedserve.server")
 
-STATIC = Path(__file__).parent / "dashboard"
+STATIC = Path(__file__).resolve().parent.parent / "dashboard"   # the page: static files
 # The page's files: open without the API key (static code, no data).
 PAGE_FILES = {"/dashboard": "index.html", "/dashboard/dashboard.js": "dashboard.js",
               "/dashboard/dashboard.css": "dashboard.css"}
@@ -45,6 +45,8 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 class KVStreamHub:
     def __init__(self, llm: AsyncLLM, interval: float = DEFAULT_INTERVAL) -> None:
+        if not interval > 0:
+            raise ValueError(f"the KV snapshot interval must be > 0 seconds; got {interval}")
         self.llm = llm
         self.interval = interval
         self._view: KVView | None = None
