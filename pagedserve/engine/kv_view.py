@@ -108,80 +108,115 @@ def contiguous_needs(cap: EngineCapture) -> dict[str, int]:
             "orca_oracle_blocks": orca_oracle}
 
 
-# A block as the view compares it: (state, ref count, owner request ids, owner seq ids, key).
-Row = tuple[str, int, tuple[str, ...], tuple[int, ...], bytes | None]
-
-
-def _rows(pool: PoolSnapshot, request_of: dict[int, str]) -> list[Row]:
+def _holders(tables: dict[int, list[int]], only: set[int] | None = None) -> dict[int, list[int]]:
+    """Block id -> the sequences whose tables hold it (for the blocks in `only`, default all)."""
     seqs_of: dict[int, list[int]] = {}
-    for sid, table in pool.tables.items():
+    for sid, table in tables.items():
         for b in table:
-            seqs_of.setdefault(b, []).append(sid)
-    rows = []
-    for b, (ref, key) in enumerate(zip(pool.ref_cnts, pool.keys)):
-        seqs = seqs_of.get(b)
-        if seqs is None:
-            rows.append(("free" if key is None else "cached", ref, (), (), key))
-            continue
-        owners = tuple(sorted({request_of.get(s, f"seq {s}") for s in seqs}))
-        rows.append(("shared" if ref > 1 else "owned", ref, owners, tuple(sorted(seqs)), key))
-    return rows
+            if only is None or b in only:
+                seqs_of.setdefault(b, []).append(sid)
+    return seqs_of
+
+
+def _changed_blocks(before: PoolSnapshot, after: PoolSnapshot, moved_seqs: set[int]) -> set[int]:
+    """Blocks whose reference count, key or holders may differ (whole-list compares first, at C speed)."""
+    out: set[int] = set()
+    for old, new in ((before.ref_cnts, after.ref_cnts), (before.keys, after.keys)):
+        if old != new:
+            out.update(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+    for sid in before.tables.keys() | after.tables.keys():
+        old, new = before.tables.get(sid, ()), after.tables.get(sid, ())
+        if sid in moved_seqs:
+            out.update(old, new)
+        elif old != new:
+            out.update(set(old).symmetric_difference(new))
+    return out
 
 
 class KVView:
-    """Renders captures as JSON; keeps the last one's blocks to send only what changed, and the
-    text of cached blocks (decoded once per key)."""
+    """Renders captures as JSON; remembers the last picture's blocks to send only what changed,
+    and the text of cached blocks (decoded once per key)."""
 
     def __init__(self, decode: Callable[[list[int]], str] | None = None) -> None:
         self.decode = decode
         self._texts: dict[bytes, str] = {}
-        self._rows: list[Row] = []
-        self._host_rows: list[Row] = []
-        self._last: dict[str, Any] | None = None
+        self._cap: EngineCapture | None = None
+        self._request_of: dict[int, str] = {}
+        self._blocks: dict[str, list[dict[str, Any]]] = {}
+        self._last: dict[str, Any] = {}
 
     def full(self, cap: EngineCapture) -> dict[str, Any]:
         """The whole picture (and the base of the next `update`)."""
-        rows, host_rows = self._render_rows(cap)
         out = self._header(cap)
-        out["blocks"] = [self._block(cap, i, row) for i, row in enumerate(rows)]
-        out["host_blocks"] = [self._block(cap, i, row) for i, row in enumerate(host_rows)]
-        self._remember(rows, host_rows, out)
+        request_of = self._requests_of(cap)
+        for name, pool in self._pools(cap):
+            seqs_of = _holders(pool.tables)
+            out[name] = [self._block(cap, pool, i, seqs_of.get(i), request_of) for i in range(pool.num_blocks)]
+        self._remember(cap, request_of, out)
         return out
 
     def update(self, cap: EngineCapture) -> dict[str, Any] | None:
         """What changed since the last `full` or `update`: the changed blocks, and the requests,
         counters and contiguous needs whole; None if nothing did."""
-        if self._last is None:
+        if self._cap is None:
             return self.full(cap)
-        rows, host_rows = self._render_rows(cap)
         out = self._header(cap)
-        out["blocks"] = self._changed(cap, self._rows, rows)
-        out["host_blocks"] = self._changed(cap, self._host_rows, host_rows)
-        last = self._last
-        same = (not out["blocks"] and not out["host_blocks"] and out["requests"] == last["requests"]
-                and out["counters"] == last["counters"])
-        self._remember(rows, host_rows, out)
+        request_of = self._requests_of(cap)
+        moved = {sid for sid, rid in request_of.items() if self._request_of.get(sid, rid) != rid}
+        before = dict(self._pools(self._cap))
+        for name, pool in self._pools(cap):
+            old = before.get(name)
+            rows = self._blocks.get(name, [])
+            if old is None or old.num_blocks != pool.num_blocks:
+                seqs_of = _holders(pool.tables)
+                out[name] = [self._block(cap, pool, i, seqs_of.get(i), request_of) for i in range(pool.num_blocks)]
+                continue
+            candidates = _changed_blocks(old, pool, moved)
+            seqs_of = _holders(pool.tables, candidates)
+            changed = []
+            for i in sorted(candidates):
+                block = self._block(cap, pool, i, seqs_of.get(i), request_of)
+                if block != rows[i]:
+                    changed.append(block)
+            out[name] = changed
+        same = (not out["blocks"] and not out["host_blocks"] and out["requests"] == self._last["requests"]
+                and out["counters"] == self._last["counters"])
+        self._remember(cap, request_of, out, update=True)
         return None if same else out
 
     # ---- internals -----------------------------------------------------------------------
-    def _render_rows(self, cap: EngineCapture) -> tuple[list[Row], list[Row]]:
-        request_of = {s.seq_id: r.request_id for r in cap.requests for s in r.seqs}
+    @staticmethod
+    def _pools(cap: EngineCapture) -> list[tuple[str, PoolSnapshot]]:
         host = cap.kv.host
-        return _rows(cap.kv.device, request_of), ([] if host is None else _rows(host, request_of))
+        return [("blocks", cap.kv.device)] + ([] if host is None else [("host_blocks", host)])
 
-    def _remember(self, rows: list[Row], host_rows: list[Row], out: dict[str, Any]) -> None:
-        self._rows, self._host_rows = rows, host_rows
+    @staticmethod
+    def _requests_of(cap: EngineCapture) -> dict[int, str]:
+        return {s.seq_id: r.request_id for r in cap.requests for s in r.seqs}
+
+    def _remember(self, cap: EngineCapture, request_of: dict[int, str], out: dict[str, Any],
+                  update: bool = False) -> None:
+        """Keep the picture's blocks (a list per pool, each block's latest dict) for the next update."""
+        for name, pool in self._pools(cap):
+            rows = self._blocks.get(name)
+            if not update or rows is None or len(rows) != pool.num_blocks:
+                self._blocks[name] = list(out[name])
+            else:
+                for b in out[name]:
+                    rows[b["id"]] = b
+        self._cap, self._request_of = cap, request_of
         self._last = {"requests": out["requests"], "counters": out["counters"]}
 
-    def _changed(self, cap: EngineCapture, before: list[Row], after: list[Row]) -> list[dict[str, Any]]:
-        if len(before) != len(after):
-            return [self._block(cap, i, row) for i, row in enumerate(after)]
-        return [self._block(cap, i, row) for i, (old, row) in enumerate(zip(before, after)) if old != row]
-
-    def _block(self, cap: EngineCapture, block_id: int, row: Row) -> dict[str, Any]:
-        state, ref, owners, seqs, key = row
-        out: dict[str, Any] = {"id": block_id, "state": state, "ref_cnt": ref, "owners": list(owners),
-                               "seqs": list(seqs)}
+    def _block(self, cap: EngineCapture, pool: PoolSnapshot, block_id: int, seqs: list[int] | None,
+               request_of: dict[int, str]) -> dict[str, Any]:
+        ref, key = pool.ref_cnts[block_id], pool.keys[block_id]
+        if seqs:
+            state = "shared" if ref > 1 else "owned"
+            owners = sorted({request_of.get(s, f"seq {s}") for s in seqs})
+            seqs = sorted(seqs)
+        else:
+            state, owners, seqs = ("free" if key is None else "cached"), [], []
+        out: dict[str, Any] = {"id": block_id, "state": state, "ref_cnt": ref, "owners": owners, "seqs": seqs}
         if key is not None:
             out["hash"] = key.hex()[:HASH_CHARS]
             text = self._text(cap, key)
@@ -223,7 +258,7 @@ class KVView:
         return {"time": cap.time, "step": cap.step, "kv_allocator": kv.kv_allocator, "block_size": kv.block_size,
                 "num_blocks": kv.device.num_blocks, "num_host_blocks": 0 if kv.host is None else kv.host.num_blocks,
                 "max_model_len": cap.max_model_len, "requests": requests, "counters": counters,
-                "contiguous": contiguous_needs(cap)}
+                "contiguous": contiguous_needs(cap), "blocks": [], "host_blocks": []}
 
 
 def apply_update(snapshot: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
