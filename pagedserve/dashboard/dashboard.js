@@ -189,7 +189,7 @@
     const top = Math.max(1e-9, ...lines.flat().filter((v) => v !== null));
     ctx.font = "10px sans-serif";
     ctx.fillStyle = "#6b7480";
-    ctx.fillText(top.toPrecision(3), 2, 10);
+    ctx.fillText(top > 1e-9 ? top.toPrecision(3) : "0", 2, 10);
     series.forEach(([name, , color], s) => {
       ctx.strokeStyle = color;
       ctx.lineWidth = 1.5;
@@ -224,8 +224,8 @@
         const chip = document.createElement("span");
         chip.className = "req" + (r.id === selectedRequest ? " selected" : "");
         chip.dataset.requestId = r.id;
-        chip.textContent = `${r.id}` + (r.seqs.length > 1 ? ` x${r.seqs.filter((s) => !s.finished).length}` : "");
-        chip.title = `${r.kind}, n=${r.n}, prompt ${r.num_prompt_tokens} tokens (${r.num_cached_tokens} cached), ` +
+        chip.textContent = shortId(r.id) + (r.seqs.length > 1 ? ` x${r.seqs.filter((s) => !s.finished).length}` : "");
+        chip.title = `${r.id}: ${r.kind}, n=${r.n}, prompt ${r.num_prompt_tokens} tokens (${r.num_cached_tokens} cached), ` +
           `max_tokens ${r.max_tokens}, preempted ${r.num_preemptions}x`;
         chip.addEventListener("click", () => {
           selectedRequest = selectedRequest === r.id ? null : r.id;
@@ -235,6 +235,10 @@
       }
       box.appendChild(div);
     }
+  }
+
+  function shortId(id) {
+    return id.length > 20 ? id.slice(0, 9) + "\u2026" + id.slice(-8) : id;
   }
 
   function renderTables() {

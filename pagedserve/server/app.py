@@ -183,7 +183,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
-    add_dashboard_routes(app, KVStreamHub(state.llm, state.kv_snapshot_interval))
+    hub = KVStreamHub(state.llm, state.kv_snapshot_interval)
+    state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
+    add_dashboard_routes(app, hub)
     return app
 
 

@@ -77,6 +77,11 @@ class KVStreamHub:
         finally:
             self._listeners.pop(queue, None)
 
+    def close(self) -> None:
+        """End every stream (the server is shutting down; the pages reconnect to whatever comes next)."""
+        for queue in list(self._listeners):
+            self._put(queue, None)
+
     async def _capture(self):
         try:
             return await self.llm.kv_capture()
