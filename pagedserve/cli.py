@@ -118,6 +118,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None,
                    help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -135,8 +142,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="largest request body accepted; larger ones get 413 (<= 0: no limit)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stat lines")
-    p.add_argument("--kv-snapshot-interval", type=float, default=0.5,
-                   help="seconds between KV snapshots sent to open /dashboard pages (> 0)")
+    p.add_argument("--kv-snapshot-interval", type=positive_float, default=0.5,
+                   help="seconds between KV snapshots sent to open /dashboard pages")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

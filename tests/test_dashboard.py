@@ -58,7 +58,7 @@ def complete_in_background(http, **body) -> tuple[threading.Thread, dict]:
 
 def shared_run(http, **extra) -> tuple[threading.Thread, dict]:
     """n=4 over a prompt of several full blocks, long enough to be watched while it runs."""
-    return complete_in_background(http, prompt=LONG_PROMPT, n=4, max_tokens=400, temperature=1.0, seed=1,
+    return complete_in_background(http, prompt=LONG_PROMPT, n=4, max_tokens=440, temperature=1.0, seed=1,
                                   ignore_eos=True, **extra)
 
 
@@ -138,6 +138,65 @@ def test_the_stream_shows_shared_blocks_then_their_release(http):
     assert page == fresh
 
 
+def test_the_hub_sends_the_picture_then_changes_and_ends_streams_on_close(tiny_llama):
+    """In process, on an offline engine: a new listener gets the whole picture, then updates with
+    the blocks that changed; close() (the server's SIGTERM drain) ends every stream; a listener
+    too slow to keep up is sent the whole picture again instead of a gap."""
+    import asyncio
+
+    from pagedserve import SamplingParams
+    from pagedserve.engine.kv_view import capture
+    from pagedserve.server.dashboard import QUEUE_LIMIT, KVStreamHub
+    from tests.test_engine import make_llm
+    llm = make_llm(tiny_llama, num_gpu_blocks_override=32)
+
+    class Engine:   # what the hub asks of AsyncLLM, answered on this (the engine's) thread
+        config, model_path = llm.engine.config, llm.engine.model_path
+
+        async def kv_capture(self):
+            return capture(llm.engine)
+
+    def event(text: str) -> tuple[str, dict]:
+        head, data = text.strip().split("\n")
+        return head[len("event: "):], json.loads(data[len("data: "):])
+
+    async def run():
+        hub = KVStreamHub(Engine(), interval=0.01)
+        stream = hub.stream()
+        kind, page = event(await anext(stream))
+        assert kind == "snapshot" and len(page["blocks"]) == 32
+        llm.engine.add_request("a", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=4))
+        llm.engine.step()
+        kind, update = event(await anext(stream))
+        assert kind == "update" and [b["id"] for b in update["blocks"] if b["state"] == "owned"]
+        page = apply_update(page, update)
+        slow = hub.stream()
+        assert event(await anext(slow))[0] == "snapshot"
+        while not [q for q in hub._listeners if q.qsize() >= QUEUE_LIMIT]:   # `slow` reads nothing more
+            if not llm.engine.has_unfinished_requests():
+                llm.engine.add_request(f"r{llm.engine.num_steps}", {"prompt_token_ids": list(range(5, 30))},
+                                       SamplingParams(max_tokens=3))
+            llm.engine.step()    # every step changes something: one update each
+            page = apply_update(page, event(await anext(stream))[1])
+        llm.engine.step()        # one more: the slow queue overflows and is emptied
+        kind, update = event(await anext(stream))
+        assert kind == "update"
+        page = apply_update(page, update)
+        while event(item := await anext(slow))[0] == "update":
+            pass
+        kind, whole = event(item)
+        assert kind == "snapshot"
+        for name in ("time", "step"):
+            whole.pop(name), page.pop(name)
+        assert whole == page     # what the slow listener gets now is what the other one has built
+        hub.close()
+        for s in (stream, slow):
+            with pytest.raises(StopAsyncIteration):
+                while True:
+                    await anext(s)
+    asyncio.run(run())
+
+
 # ---- in the browser -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -197,15 +256,19 @@ def test_the_page_shows_blocks_change_as_requests_run(page, server, http):
     assert not before.get("owned") and not before.get("shared")
     thread, _ = shared_run(http)
     # An n=4 request: its prompt's full blocks shared four ways, in the map and in its block tables.
+    # Read in one go (one JavaScript task: no update lands in between), the request may end any time.
     page.wait_for_selector("#block-map .cell[data-state='shared'][data-ref-cnt='4']", timeout=120_000)
-    page.click("#requests [data-queue='running'] .req")
-    rows = page.locator("#tables .seqrow")
-    assert rows.count() == 4
-    first = [rows.nth(i).locator(".chip").first.get_attribute("data-block-id") for i in range(4)]
-    assert len(set(first)) == 1 and rows.nth(0).locator(".chip").first.get_attribute("data-state") == "shared"
-    assert page.locator("#block-map .cell.selected").count() >= 4
-    page.click(f"#block-map .cell[data-block-id='{first[0]}']")
-    assert page.inner_text("#detail [data-field='ref_count']") == "4"
+    seen = page.evaluate("""() => {
+        document.querySelector("#requests [data-queue='running'] .req").click();
+        const rows = [...document.querySelectorAll('#tables .seqrow')].map(
+            r => [...r.querySelectorAll('.chip')].map(c => [c.dataset.blockId, c.dataset.state]));
+        const selected = document.querySelectorAll('#block-map .cell.selected').length;
+        document.querySelector(`#block-map .cell[data-block-id='${rows[0][0][0]}']`).click();
+        const ref = document.querySelector("#detail [data-field='ref_count']").textContent;
+        return {rows, selected, ref}; }""")
+    rows = seen["rows"]
+    assert len(rows) == 4 and len({r[0][0] for r in rows}) == 1 and rows[0][0][1] == "shared"
+    assert seen["selected"] >= 4 and seen["ref"] == "4"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     thread.join()

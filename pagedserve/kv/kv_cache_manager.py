@@ -219,9 +219,7 @@ class KVCacheManager(PoolCapacity):
         """A copy of the blocks' reference counts and keys, the tables, and swap space (see
         kv/snapshot.py). Cheap: flat list copies; the tokens' dict is copied whole (its values are
         immutable tuples)."""
-        swap = self.swap
-        host = snapshot_pool(swap.pool.blocks, swap.tables, with_keys=False) if swap.num_blocks else None
-        return KVSnapshot(self.block_size, snapshot_pool(self.pool.blocks, self.tables), host,
+        return KVSnapshot(self.block_size, snapshot_pool(self.pool.blocks, self.tables), self.swap.snapshot(),
                           dict(self.cached_tokens))
 
     def stats(self) -> KVCacheStats:

@@ -26,6 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.kv_view import KVView, apply_update
+from pagedserve.models.loader import load_tokenizer
 from pagedserve.server.errors import APIError
 
 logger = logging.getLogger("pagedserve.server")
@@ -53,6 +54,7 @@ class KVStreamHub:
         self._page: dict[str, Any] | None = None        # the whole picture so far
         self._listeners: dict[asyncio.Queue, bool] = {}  # queue -> needs the whole picture
         self._task: asyncio.Task | None = None
+        self._tokenizer = None
 
     async def snapshot(self) -> dict[str, Any]:
         """The whole picture now (for /v1/kv/snapshot)."""
@@ -89,7 +91,11 @@ class KVStreamHub:
             raise APIError(503, f"no KV snapshot: {e}") from None
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.llm.tokenizer.decode(token_ids)
+        """On worker threads. A tokenizer of its own: the front end's is used by the prompt thread,
+        whose encode may borrow it mutably (and a concurrent decode would fail)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.llm.config.tokenizer or self.llm.model_path)
+        return self._tokenizer.decode(token_ids)
 
     async def _run(self) -> None:
         try:
