@@ -83,7 +83,7 @@ def fill(num_blocks: int, seed: int) -> SimEngine:
         if len(engine.scheduler.waiting) < 8:
             prompt = (system if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(100, 700))]
             # Short ones finish early and leave their blocks cached; long ones keep growing.
-            max_tokens = rng.choice([8, 2000])
+            max_tokens = rng.choice([8, min(2000, num_blocks * BLOCK_SIZE // 8)])
             engine.add(f"r{i}", prompt, 4 if i % 3 else 1, max_tokens)
             i += 1
         engine.step()

@@ -173,3 +173,12 @@ def test_the_kv_map_frames_replay_to_the_final_state(tiny_llama):
     for name in ("time", "step"):
         final.pop(name), page.pop(name)
     assert page == final
+
+
+def test_the_snapshot_benchmark_runs():
+    """benchmarks/kv_snapshot.py, tiny: the filled cache is what it says and every figure is there."""
+    from benchmarks.kv_snapshot import measure
+    row = measure(400, reps=3, seed=0, decode=None)
+    assert row["num_blocks"] == 400 and row["used_blocks"] > 0.5 * 400 and row["cached_blocks"] > 0
+    assert row["requests"] > 0 and row["sequences"] > row["requests"]          # n=4 requests forked
+    assert row["capture_ms_median"] > 0 and row["full_json_bytes"] > 400 * 20

@@ -10,6 +10,8 @@ sleeps on an Event instead of spinning.
 
 Every HTTP request's prompts join the same running batch: continuous
 batching across clients comes from the scheduler seeing all of them.
+The KV dashboard's snapshots are commands too (`kv_capture`): the engine
+thread copies the cache between two steps and hands the copy back.
 
 No exception ends the thread silently. One raised while handling a single
 request's results fails that request (EngineStepError) and the rest go on. A
