@@ -129,8 +129,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM.from_config(engine_config(args))
     prompts = args.prompt or ["The capital of France is"]
+    recorder = None
+    if args.kv_map:
+        from pagedserve.engine.kv_map import KVMapRecorder
+        recorder = KVMapRecorder(llm.engine)
     outs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if recorder is not None:
+        print(f"--- KV map of {len(recorder.frames)} frames: {recorder.write_html(args.kv_map)}", file=sys.stderr)
     for out in outs:
         print(f"--- prompt: {out.prompt!r}")
         print(out.outputs[0].text)
@@ -209,6 +215,8 @@ def build_parser() -> ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for prompts offline")
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--kv-map", default=None, metavar="FILE.html",
+                     help="write the KV cache's blocks step by step as a self-contained HTML replay")
     add_config_args(gen, EngineConfig)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

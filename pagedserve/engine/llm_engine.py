@@ -18,6 +18,7 @@ from pathlib import Path
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.kv_view import KVView, capture
 from pagedserve.errors import InvalidRequestError
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
@@ -111,6 +112,8 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self._grammars.on_ready = lambda: self.on_grammar_ready()
         return self._grammars
+        self.num_steps = 0                 # step() calls so far (the dashboard's clock)
+        self.step_observers: list[Callable[[], None]] = []   # called after each step (engine/kv_map.py)
 
     # ---- setup helpers -------------------------------------------------------------------
     @staticmethod
@@ -300,6 +303,17 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        try:
+            return self._step()
+        finally:
+            for observe in self.step_observers:
+                try:
+                    observe()
+                except Exception:   # noqa: BLE001 - watching a step must never fail it
+                    logger.exception("step observer %r failed", observe)
+
+    def _step(self) -> list[RequestOutput]:
         grammar_failures = self._drop_failed_grammars()
         sched = self.scheduler.schedule()
         if self.check_invariants:
@@ -414,6 +428,14 @@ class LLMEngine:
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
             num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
             num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
+
+    def kv_snapshot(self) -> dict:
+        """The KV cache block by block, the requests with their block tables, and the counters,
+        as the dashboard's /v1/kv/snapshot returns them (engine/kv_view.py)."""
+        return KVView(self.decode_tokens).full(capture(self))
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
     def memory_usage(self) -> MemoryUsage:
         """The KV cache's slots right now: token states, reserved, internal and external

@@ -53,6 +53,30 @@ class IterationStats:
         return not (self.num_prompt_tokens or self.num_generation_tokens or self.finished)
 
 
+@dataclass
+class StatTotals:
+    """Running totals of what the engine reported (a StatLogger), for the dashboard's counters:
+    the same sums as the Prometheus counters and histograms, as plain numbers."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft_sum: float = 0.0                # seconds, over ttft_count first tokens
+    ttft_count: int = 0
+    itl_sum: float = 0.0                 # seconds, over itl_count gaps between a request's steps
+    itl_count: int = 0
+    num_finished_requests: int = 0
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None:
+        if iteration is None:
+            return
+        self.prompt_tokens += iteration.num_prompt_tokens
+        self.generation_tokens += iteration.num_generation_tokens
+        self.ttft_sum += sum(iteration.time_to_first_tokens)
+        self.ttft_count += len(iteration.time_to_first_tokens)
+        self.itl_sum += sum(iteration.inter_token_latencies)
+        self.itl_count += len(iteration.inter_token_latencies)
+        self.num_finished_requests += len(iteration.finished)
+
+
 class StatLogger(Protocol):
     def record(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None: ...
 

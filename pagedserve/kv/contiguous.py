@@ -39,6 +39,7 @@ from pagedserve.kv.block_pool import NoFreeBlocksError
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.kv_cache_manager import PrefixCacheStats, cdiv
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.kv.snapshot import KVSnapshot, PoolSnapshot
 
 
 def next_pow2(n: int) -> int:
@@ -255,6 +256,16 @@ class ContiguousKVCacheManager(PoolCapacity):
                 usage.external_fragmentation, free = free, 0
         usage.free = free
         return usage
+
+    def snapshot(self) -> KVSnapshot:
+        """Each region's blocks held once by its sequence; nothing cached, no swap space."""
+        ref_cnts = [0] * self.pool.num_blocks
+        tables = {}
+        for seq_id, region in self.tables.items():
+            ref_cnts[region.start:region.start + region.num_blocks] = [1] * region.num_blocks
+            tables[seq_id] = list(range(region.start, region.start + region.num_blocks))
+        return KVSnapshot(self.block_size, PoolSnapshot(ref_cnts, [None] * len(ref_cnts), tables),
+                          kv_allocator=self.policy)
 
     def stats(self) -> KVCacheStats:
         pool = self.pool

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pagedserve.kv.memory_usage import MemoryUsage
+    from pagedserve.kv.snapshot import KVSnapshot
     from pagedserve.kv.swap import SwapSpace
 
 BlockCopy = tuple[int, int]                      # (src, dst) block ids
@@ -129,6 +130,9 @@ class KVCache(Protocol):
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None: ...
 
     def stats(self) -> KVCacheStats: ...
+
+    def snapshot(self) -> KVSnapshot:
+        """A read-only copy of the blocks and tables (kv/snapshot.py), for the dashboard."""
 
     def memory_usage(self, seqs: list[tuple[int, int, int]], waiting_max_len: int | None = None) -> MemoryUsage: ...
 

@@ -20,6 +20,7 @@ from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, lookup_block_
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.kv.snapshot import KVSnapshot, snapshot_pool
 from pagedserve.kv.swap import SwapSpace
 
 
@@ -45,6 +46,9 @@ class KVCacheManager(PoolCapacity):
         self.prefix_stats = PrefixCacheStats()
         self.num_logical_blocks = 0                  # entries of all device tables, kept as they change
         self.swap = SwapSpace(self, num_host_blocks)
+        # The tokens behind each prefix-cache key, so a snapshot can show a cached block's text
+        # after its last owner is gone. Pruned to the keys still in use when it doubles.
+        self.cached_tokens: dict[BlockKey, tuple[int, ...]] = {}
 
     # ---- queries (num_blocks, num_free_blocks, num_used_blocks: PoolCapacity) --------------
     def block_ids(self, seq_id: int) -> list[int]:
@@ -195,11 +199,29 @@ class KVCacheManager(PoolCapacity):
         table, keys = self.tables[seq_id], self.keys[seq_id]
         new = list(prefix_block_keys(token_ids, self.block_size, num_tokens // self.block_size,
                                      self.salts[seq_id], known=keys))
+        B = self.block_size
         for i, key in enumerate(new, start=len(keys)):
             self.pool.cache(table[i], key)
+            self.cached_tokens[key] = tuple(token_ids[i * B:(i + 1) * B])
         keys.extend(new)
+        # At most one live key per block of either pool, so pruning at twice that frees half or more.
+        if len(self.cached_tokens) > 2 * (self.pool.num_blocks + self.swap.num_blocks) + 64:
+            self._prune_cached_tokens()
+
+    def _prune_cached_tokens(self) -> None:
+        """Keep the tokens of keys still cached or held by a sequence (a swapped-out one's come
+        back into the cache when it is swapped in)."""
+        live = set(self.pool.cached).union(*self.keys.values())
+        self.cached_tokens = {k: v for k, v in self.cached_tokens.items() if k in live}
 
     # ---- accounting ------------------------------------------------------------------------
+    def snapshot(self) -> KVSnapshot:
+        """A copy of the blocks' reference counts and keys, the tables, and swap space (see
+        kv/snapshot.py). Cheap: flat list copies; the tokens' dict is copied whole (its values are
+        immutable tuples)."""
+        return KVSnapshot(self.block_size, snapshot_pool(self.pool.blocks, self.tables), self.swap.snapshot(),
+                          dict(self.cached_tokens))
+
     def stats(self) -> KVCacheStats:
         pool, swap = self.pool, self.swap
         return KVCacheStats(

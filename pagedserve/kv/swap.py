@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.kv.block_pool import BlockPool, KVBlock, NoFreeBlocksError
 from pagedserve.kv.interface import BlockCopy, PoolCapacity
+from pagedserve.kv.snapshot import PoolSnapshot, snapshot_pool
 
 if TYPE_CHECKING:
     from pagedserve.kv.kv_cache_manager import KVCacheManager
@@ -59,6 +60,10 @@ class SwapSpace(PoolCapacity):
 
     def free(self, seq_id: int) -> None:
         self.pool.release(self.tables.pop(seq_id, []))
+
+    def snapshot(self) -> PoolSnapshot | None:
+        """The host blocks' reference counts and the swapped-out tables (None: no swap space)."""
+        return snapshot_pool(self.pool.blocks, self.tables, with_keys=False) if self.num_blocks else None
 
 
 def _move(seq_ids: list[int], src_tables: dict, dst_tables: dict, src_pool: BlockPool,

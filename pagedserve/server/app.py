@@ -27,6 +27,7 @@ import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.dashboard import PAGE_FILES, KVStreamHub, add_dashboard_routes
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
@@ -96,7 +97,7 @@ class GateMiddleware:
 
     def _refuse(self, scope) -> APIError | None:
         state, path = self.state, scope["path"]
-        if path in OPEN_PATHS and path != "/health":
+        if (path in OPEN_PATHS and path != "/health") or path in PAGE_FILES:
             return None
         if state.shutting_down:
             return APIError(503, "the server is shutting down")
@@ -190,6 +191,9 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
+    hub = KVStreamHub(state.llm, state.kv_snapshot_interval)
+    state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
+    add_dashboard_routes(app, hub)
     return app
 
 
@@ -269,7 +273,8 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
     state = ServerState(llm, names, metrics, api_key=s.api_key, shutdown_timeout=s.shutdown_timeout,
                         max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
                         s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
-                        enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser)
+                        enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
+                        kv_snapshot_interval=s.kv_snapshot_interval)
     app = build_app(state, s)
     uv_config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.uvicorn_log_level,
                                access_log=not s.disable_uvicorn_access_log,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pagedserve.config import setting
+from pagedserve.config import positive_float, setting
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -45,6 +45,8 @@ class ServerConfig:
     allow_credentials: bool = setting(False, "CORS: allow cookies and Authorization with cross-origin requests")
     metrics_prefix: str = setting("pagedserve:", "prefix of the Prometheus metric names; vllm: makes vLLM's "
                                                  "Grafana dashboards work")
+    kv_snapshot_interval: float = setting(0.5, "seconds between KV snapshots sent to open /dashboard pages",
+                                          parse=positive_float)
     # Tool calling: tool_choice "auto" needs both (server/tools.py).
     enable_auto_tool_choice: bool = setting(False, 'let tool_choice "auto" (the default with tools) find calls in '
                                                    "the output; needs --tool-call-parser")

@@ -34,10 +34,12 @@ class ServerState:
     # Tool calling: tool_choice "auto" needs both (server/tools.py).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    kv_snapshot_interval: float = 0.5   # seconds between the dashboard's KV snapshots (server/dashboard.py)
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
     on_engine_dead: Callable[[], None] = lambda: None
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)   # e.g. end the dashboard's streams
     loop: asyncio.AbstractEventLoop | None = None
     _tasks: list[Any] = field(default_factory=list)
 
@@ -67,6 +69,8 @@ class ServerState:
         if self.shutting_down:
             return
         self.shutting_down = True
+        for hook in self.on_shutdown:
+            hook()
         logger.info("shutting down: new requests get 503, requests in flight have %.1f s to finish",
                     self.shutdown_timeout)
         self._tasks.append(asyncio.ensure_future(self._drain(stop_server)))
