@@ -85,7 +85,7 @@ def test_updates_applied_to_the_first_snapshot_give_every_later_one(tiny_llama):
     """Greedy, n=2 and beam requests with preemption to swap space: at every step the page's
     picture (first snapshot + updates) equals a fresh full snapshot, and both equal the KV state."""
     llm = make_llm(tiny_llama, block_size=2, num_gpu_blocks_override=40, preemption_mode="swap",
-                   swap_space=host_bytes(tiny_llama, 24))
+                   swap_space=host_bytes(tiny_llama, 24) / 1024**3)
     engine = llm.engine
     prompts = [tiny_llama.tokenizer.encode(p) for p in ("The quick brown fox", "Paged attention stores",
                                                          "Once upon a time there was", "Keys and values")]

@@ -104,6 +104,8 @@ class LLMEngine:
         self._steps_without_progress = 0
         self._grammars: GrammarCompiler | None = None   # built on the first structured request
         self.on_grammar_ready: Callable[[], None] = lambda: None   # AsyncLLM wakes its thread
+        self.num_steps = 0                 # step() calls so far (the dashboard's clock)
+        self.step_observers: list[Callable[[], None]] = []   # called after each step (engine/kv_map.py)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -112,8 +114,6 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self._grammars.on_ready = lambda: self.on_grammar_ready()
         return self._grammars
-        self.num_steps = 0                 # step() calls so far (the dashboard's clock)
-        self.step_observers: list[Callable[[], None]] = []   # called after each step (engine/kv_map.py)
 
     # ---- setup helpers -------------------------------------------------------------------
     @staticmethod
