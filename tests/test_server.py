@@ -371,7 +371,8 @@ def test_unexpected_error_is_one_500_that_closes_the_connection(tiny_llama, capl
         r = asyncio.run(get())
     assert r.status_code == 500 and r.headers["connection"] == "close"
     assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
-    assert [rec.getMessage() for rec in caplog.records if rec.exc_info] == ["unexpected error serving GET /metrics"]
+    assert [rec.getMessage() for rec in caplog.records
+            if rec.exc_info and rec.name.startswith("pagedserve")] == ["unexpected error serving GET /metrics"]
 
 
 def test_sigterm_drains_answering_503_then_exits_zero(tiny_llama, tmp_path):

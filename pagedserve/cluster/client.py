@@ -134,6 +134,7 @@ class DataParallelLLM:
         self.state = "created"
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.default_sampling: dict = {}   # the model's sampling defaults, as the replicas have them
         self.vocab_size = 0
         self.model_path = ""
         self.num_blocks = 0
@@ -193,6 +194,7 @@ class DataParallelLLM:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer or info.model_path)
             self.model_path, self.max_model_len = info.model_path, info.max_model_len
             self.vocab_size, self.num_blocks = info.vocab_size, info.num_blocks
+            self.default_sampling = info.default_sampling
         except BaseException as e:   # noqa: BLE001 - reported to whoever waits for the start
             logger.exception("the data-parallel replicas failed to start")
             self.state = "failed"

@@ -81,6 +81,7 @@ class ReplicaInfo:
     vocab_size: int
     num_blocks: int
     block_size: int
+    default_sampling: dict    # the model's sampling defaults (LLMEngine.default_sampling)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class EngineReplica:
         await self.llm.wait_started()
         llm = self.llm
         return ReplicaInfo(self.incarnation, llm.model_path, llm.max_model_len, llm.vocab_size, llm.num_blocks,
-                           llm.config.block_size)
+                           llm.config.block_size, llm.default_sampling)
 
     async def generate(self, request_id: str, prompt, params, arrival_time: float | None = None) -> AsyncIterator:
         try:
