@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES
+from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES, EngineConfig
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 
@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-allocator", default="paged", choices=KV_ALLOCATORS,
                    help="paged, or a baseline reserving one contiguous region per request")
     p.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+    p.add_argument("--admission-watermark", type=float, default=EngineConfig.admission_watermark,
+                   help="share of KV blocks a new prompt must leave free while others run")
     p.add_argument("--swap-space", type=int, default=0, help="bytes of host memory for swapped blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help=f"{' | '.join(DEVICES)} (default: cuda when available)")
@@ -37,7 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, kv_allocator=args.kv_allocator,
-                preemption_mode=args.preemption_mode,
+                preemption_mode=args.preemption_mode, admission_watermark=args.admission_watermark,
                 swap_space=args.swap_space, seed=args.seed, device=args.device,
                 attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
 

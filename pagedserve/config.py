@@ -42,6 +42,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"  # recompute | swap
+    # Admission control: a new prompt waits while admitting it (all its prompt blocks) would leave
+    # fewer than this share of the KV blocks free for running requests to grow into (vLLM's V0
+    # scheduler kept 1%). Not applied when nothing runs (the liveness argument in scheduler.py).
+    admission_watermark: float = 0.01
     # Watchdog: after this many steps in a row that compute nothing while requests wait (the
     # scheduler's liveness argument says none should), fail those requests; 0 turns it off.
     watchdog_steps: int = 100
@@ -66,6 +70,8 @@ class EngineConfig:
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if not 0 <= self.admission_watermark < 1:
+            raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
