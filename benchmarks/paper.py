@@ -1,6 +1,12 @@
 """Reproduce the vLLM paper's headline results on pagedserve's own engine.
 
     python benchmarks/paper.py [--quick] [--out DIR]
+    python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
+
+`--simulate DEVICE` runs the paper's figures in its own regime on the step-time simulator
+instead (benchmarks/paper_sim.py: the real scheduler and KV managers, a roofline cost model of
+the GPU and model) and writes DIR/paper_sim.json and sim_fig*.png; the rest of this docstring
+is the engine run.
 
 The same scheduler, model and attention serve the same traces with the paged KV
 cache and with the contiguous-reservation baselines of the paper (kv/contiguous.py:
@@ -484,7 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-bound-factor", type=float, default=None)
     p.add_argument("--no-engine", action="store_true", help="only the memory simulation (seconds)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", default=None, metavar="DEVICE",
+                   help="simulate on a device preset (a100-40gb, a100-80gb, h100, h200) instead of running the engine")
+    p.add_argument("--model-preset", default="opt-13b", help="with --simulate: a model of models/presets.py")
+    p.add_argument("--tp", type=int, default=None, help="with --simulate: GPUs (default: the paper's for the model)")
     args = p.parse_args(argv)
+    if args.simulate:
+        return simulate_main(args, argv)
 
     setup = quick_setup() if args.quick else full_setup(args.length_scale)
     if args.workloads:
@@ -528,6 +540,27 @@ def main(argv: list[str] | None = None) -> int:
     files = plot(results, setup, out)
     print(report(results))
     print(f"\nwrote {out / 'paper.json'}, " + ", ".join(Path(f).name for f in files)
+          + f" in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def simulate_main(args, argv) -> int:
+    import logging
+
+    from benchmarks.paper_sim import plot as plot_sim
+    from benchmarks.paper_sim import report as report_sim
+    from benchmarks.paper_sim import run_simulation
+    logging.getLogger("pagedserve.scheduler").setLevel(logging.ERROR)   # preemption warnings: counted instead
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    data = run_simulation(args.simulate, args.model_preset, args.quick, args.tp, out,
+                          lambda msg: print(msg, flush=True), out / "sim_validation.json")
+    data["command"] = " ".join(["python benchmarks/paper.py", *(sys.argv[1:] if argv is None else argv)])
+    (out / "paper_sim.json").write_text(json.dumps(_finite(data), indent=1))
+    files = plot_sim(data, out)
+    print(report_sim(data))
+    print(f"\nwrote {out / 'paper_sim.json'}, " + ", ".join(Path(f).name for f in files)
           + f" in {time.perf_counter() - t0:.0f}s")
     return 0
 
