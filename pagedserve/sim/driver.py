@@ -40,7 +40,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = False
-    admission_watermark: float = 0.05
+    admission_watermark: float = EngineConfig.admission_watermark
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
     seed: int = 0
