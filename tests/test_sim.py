@@ -87,3 +87,16 @@ def test_sustained_rate_interpolates_at_the_bound():
     assert sustained_rate([(1, 0.1), (2, 0.2), (3, 1.0)], 0.6)["rate"] == pytest.approx(2.5)
     assert sustained_rate([(1, 0.1), (2, 0.2)], 0.6)["note"].startswith("at least")
     assert sustained_rate([(1, 0.9)], 0.6)["rate"] is None
+
+
+def test_a_request_that_asks_for_more_stops_at_its_traced_length():
+    """A chatbot-style request: max_tokens 64, answer 10 tokens. The baselines reserve what it
+    asks for, the paged cache only what it uses."""
+    cost = CostModel(ModelShape.preset("opt-13b"), DEVICES["a100-40gb"])
+    trace = [SimRequest([3] * 20, 10, 0.0, max_tokens=64) for _ in range(12)]
+    runs = {a: simulate(trace, SimConfig(kv_allocator=a, num_blocks=60, block_size=4, max_model_len=128,
+                                         admission_watermark=0.0), cost, keep_step_times=True)
+            for a in ("paged", "oracle")}
+    assert runs["paged"].num_steps < runs["oracle"].num_steps      # 12 at once vs 2-3 at a time
+    assert runs["paged"].output_tokens_per_s > runs["oracle"].output_tokens_per_s
+    assert runs["oracle"].num_steps >= 4 * 10   # at most 2 reservations of 84 tokens fit: 6 rounds of 10 steps

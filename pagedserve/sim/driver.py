@@ -22,13 +22,19 @@ from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.sim.cost import CostModel, StepWork
 
 
+EOS = 0          # the made-up model's end-of-sequence token (every other sampled token is 1)
+
+
 @dataclass
 class SimRequest:
     prompt_token_ids: list[int]
-    output_len: int
+    output_len: int             # tokens it generates
     arrival_time: float = 0.0
     n: int = 1                  # parallel samples
     beam_width: int = 0         # > 0: beam search
+    # What the request asks for (what a reservation must cover); None: exactly output_len. When
+    # larger, the request ends by sampling EOS at output_len, as a chatbot's answer does.
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -94,28 +100,37 @@ class Simulation:
     def __init__(self, config: SimConfig, cost: CostModel) -> None:
         self.config, self.cost = config, cost
         self.scheduler = Scheduler(config.engine_config(), config.num_blocks, config.max_model_len,
-                                   num_host_blocks=config.num_host_blocks)
+                                   num_host_blocks=config.num_host_blocks, eos_token_ids=(EOS,))
         self._rng = random.Random(config.seed)
+        self._output_len: dict[str, int] = {}
 
     def _add(self, rid: str, r: SimRequest, arrival: float) -> Request:
         sched = self.scheduler
-        params = (BeamSearchParams(beam_width=r.beam_width, max_tokens=r.output_len, ignore_eos=True)
+        max_tokens = r.max_tokens or r.output_len
+        stops_early = max_tokens > r.output_len
+        params = (BeamSearchParams(beam_width=r.beam_width, max_tokens=max_tokens, ignore_eos=True)
                   if r.beam_width else
-                  SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, max_tokens=r.output_len, ignore_eos=True))
-        req = Request(rid, None, list(r.prompt_token_ids), params, r.output_len, arrival_time=arrival)
+                  SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, max_tokens=max_tokens,
+                                 ignore_eos=not stops_early))
+        self._output_len[rid] = r.output_len
+        req = Request(rid, None, list(r.prompt_token_ids), params, max_tokens, arrival_time=arrival)
         req.seqs.append(Sequence(sched.new_seq_id(), 0, list(r.prompt_token_ids), len(r.prompt_token_ids)))
         req.pending_fork = not r.beam_width and r.n > 1
         sched.add_request(req)
         return req
 
     def _result(self, out: SchedulerOutput) -> RunnerOutput:
-        """Token 1 for every sampled sequence; beam search gets beam_width seeded candidates."""
+        """Token 1 for every sampled sequence (EOS at its traced length); beam search gets
+        beam_width seeded candidates."""
         rows = out.sampled
         if not rows:
             return RunnerOutput([], None)
         width = max(r.request.params.beam_width if r.request.is_beam_search else 0 for r in rows)
         if not width:
-            return RunnerOutput.of_tokens([r.seq.seq_id for r in rows], [1] * len(rows))
+            ends = self._output_len
+            return RunnerOutput.of_tokens(
+                [r.seq.seq_id for r in rows],
+                [EOS if r.seq.num_output_tokens + 1 >= ends[r.request.request_id] else 1 for r in rows])
         rand = self._rng.random
         top_ids = [[2 + k for k in range(width)] for _ in rows]
         top_lps = [sorted((math.log(rand() + 1e-9) for _ in range(width)), reverse=True) for _ in rows]
@@ -127,6 +142,8 @@ class Simulation:
         sched = self.scheduler
         pending = deque(sorted(enumerate(trace), key=lambda r: r[1].arrival_time))
         arrival = {str(i): r.arrival_time for i, r in enumerate(trace)}
+        if any(r.beam_width and r.max_tokens not in (None, r.output_len) for r in trace):
+            raise ValueError("beam search requests generate max_tokens (they ignore EOS)")
         out_len = {str(i): r.output_len for i, r in enumerate(trace)}
         finish: dict[str, float] = {}
         clock = busy = 0.0
