@@ -573,8 +573,11 @@ def simulate_main(args, argv) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    validation = out / "sim_validation.json"     # sim_validate.py's output, here or in the default place
+    if not validation.exists():
+        validation = Path(__file__).resolve().parent / "results" / "sim_validation.json"
     data = run_simulation(args.simulate, args.model_preset, args.quick, args.tp, out,
-                          lambda msg: print(msg, flush=True), out / "sim_validation.json")
+                          lambda msg: print(msg, flush=True), validation)
     data["command"] = " ".join(["python benchmarks/paper.py", *(sys.argv[1:] if argv is None else argv)])
     (out / "paper_sim.json").write_text(json.dumps(_finite(data), indent=1))
     files = plot_sim(data, out)
