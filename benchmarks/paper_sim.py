@@ -12,7 +12,7 @@ leaves after the weights (90% of it; 15.8k slots for OPT-13B on an A100-40GB, th
 Per workload:
 1. saturation (every request at t=0): steady-state throughput (10% to 90% of finishes);
    the capacity of each allocator;
-2. a rate sweep, geometric from a quarter of the lowest capacity to twice the highest:
+2. a rate sweep, geometric from half the lowest capacity to twice the highest:
    normalized latency (mean over requests of latency / output length, the paper's Fig. 12),
    and the highest rate each allocator sustains with it under a bound (a multiple of the
    paged allocator's latency at the lowest rate), as the paper reads Fig. 12;
@@ -68,7 +68,7 @@ class SimSetup:
 
 def full_sim_setup() -> SimSetup:
     return SimSetup(num_requests={"sharegpt": 1000, "alpaca": 2000}, num_rates=10, fig14_requests=1000,
-                    chatbot_requests=1000)
+                    chatbot_requests=500)
 
 
 def quick_sim_setup() -> SimSetup:
@@ -104,7 +104,7 @@ def run_workload(workload: str, setup: SimSetup, cost: CostModel, num_blocks: in
         log(f"  {workload:8s} {a:6s} saturation: {r.steady_throughput_rps:7.3f} req/s steady, batch "
             f"{r.avg_batch_size:5.1f}, {r.num_preemptions} preemptions  ({time.perf_counter() - t0:.0f}s)")
     caps = [saturation[a]["steady_throughput_rps"] for a in ALLOCATORS]
-    lo, hi = 0.25 * min(caps), 2.0 * max(caps)
+    lo, hi = 0.5 * min(caps), 2.0 * max(caps)
     rates = [lo * (hi / lo) ** (i / (setup.num_rates - 1)) for i in range(setup.num_rates)]
     sweep: dict[str, list[dict]] = {a: [] for a in ALLOCATORS}
     for rate in rates:
