@@ -38,6 +38,7 @@ from pagedserve.sim import CostModel, ModelShape, SimConfig, SimRequest, StepWor
 from pagedserve.sim.local import measure_local_device, save_local_device  # noqa: E402
 
 TRUST_BOUND = 0.10
+VALIDATION_REQUESTS = {"sharegpt": 128, "alpaca": 256}
 
 
 def shape_of(engine) -> ModelShape:
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None)
     args = p.parse_args(argv)
     setup = paper.quick_setup() if args.quick else paper.full_setup(args.length_scale)
-    if args.num_requests:
-        setup.engine_requests = {w: args.num_requests for w in setup.engine_workloads}
+    if args.num_requests or not args.quick:   # validation needs no long traces: 128 / 256 requests by default
+        setup.engine_requests = {w: args.num_requests or VALIDATION_REQUESTS[w] for w in setup.engine_workloads}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
