@@ -5,7 +5,9 @@ tokens that catches up with its token count. Each step, running requests go
 first (decodes, then unfinished chunked prefills), then waiting requests in
 arrival order, all under `max_num_seqs` and a token budget
 (`max_num_batched_tokens`); a prompt longer than what is left of the budget is
-split over several steps (chunked prefill). When a running request needs a
+split over several steps (chunked prefill). Admission control: while others run, a new
+prompt waits if admitting it would leave fewer than `admission_watermark` of the blocks free
+(room for the running requests to grow into). When a running request needs a
 block and none is free, the most recently admitted request is preempted, with all
 its sequences at once. By recompute (the default): its blocks are freed and it goes
 back to the front of the waiting queue, to be recomputed (its prefix may still be in
