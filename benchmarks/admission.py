@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             "runs": [{k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
                      for row in rows]}
     (out / "admission.json").write_text(json.dumps(data, indent=1))
-    print("\n| rate (req/s) | watermark | preemptions / request | recomputed tokens | steady req/s (sim) | s/token (sim) |")
+    print("\n| rate (req/s) | watermark | preemptions / request | recomputed tokens | steady req/s (sim) "
+          "| s/token (sim) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rate']} | {r['admission_watermark']:.0%} | {r['preemptions_per_request']:.2f} | "

@@ -69,4 +69,5 @@ def load_local_device(path: Path | str | None = None) -> Device:
 if __name__ == "__main__":
     dev = measure_local_device()
     save_local_device(dev)
-    print(f"matmul {dev.matmul_flops / 1e9:.1f} GFLOP/s, memory {dev.memory_bandwidth / 1e9:.1f} GB/s -> {DEFAULT_PATH}")
+    print(f"matmul {dev.matmul_flops / 1e9:.1f} GFLOP/s, memory {dev.memory_bandwidth / 1e9:.1f} GB/s "
+          f"-> {DEFAULT_PATH}")
