@@ -70,7 +70,7 @@ from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.kv.memory_usage import CATEGORIES, MemoryUsage  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler import Scheduler  # noqa: E402
-from pagedserve.sim.driver import steady_window  # noqa: E402
+from pagedserve.sim.driver import steady_window, sustained_rate  # noqa: E402
 from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
 from pagedserve.worker.worker import make_sampler  # noqa: E402
 
@@ -281,22 +281,6 @@ def shares(memory: dict) -> dict:
     return MemoryUsage(**memory).shares()
 
 
-def sustainable_rate(points: list[tuple[float, float]], bound: float) -> dict:
-    """The highest rate whose normalized latency stays under `bound`, interpolated linearly
-    between the last rate under it and the first over it."""
-    prev = None
-    for rate, lat in sorted(points):
-        if lat > bound:
-            if prev is None:
-                return {"rate": None, "note": f"over the bound at the lowest rate tested ({rate:.3g} req/s)"}
-            r0, l0 = prev
-            return {"rate": r0 + (bound - l0) * (rate - r0) / (lat - l0), "note": "interpolated"}
-        prev = (rate, lat)
-    if prev is None:
-        return {"rate": None, "note": "no runs"}
-    return {"rate": prev[0], "note": "at least: under the bound at every rate tested"}
-
-
 def run_engine(base: LLMEngine, setup: Setup, workload: str, log) -> dict:
     n = setup.engine_requests[workload]
     mk = lambda rate: make_trace(workload, n, setup.seed, base.vocab_size, setup.max_model_len,  # noqa: E731
@@ -335,7 +319,7 @@ def run_engine(base: LLMEngine, setup: Setup, workload: str, log) -> dict:
     result["latency_bound_s_per_token"] = bound
     result["sweep"] = sweep
     result["sustainable_rate"] = {
-        a: sustainable_rate([(p["rate"], p["mean_normalized_latency"]) for p in pts], bound)
+        a: sustained_rate([(p["rate"], p["mean_normalized_latency"]) for p in pts], bound)
         for a, pts in sweep.items()}
 
     # 3. Block-size ablation (paged).
