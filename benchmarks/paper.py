@@ -1,6 +1,12 @@
 """Reproduce the vLLM paper's headline results on pagedserve's own engine.
 
     python benchmarks/paper.py [--quick] [--out DIR]
+    python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
+
+`--simulate DEVICE` runs the paper's figures in its own regime on the step-time simulator
+instead (benchmarks/paper_sim.py: the real scheduler and KV managers, a roofline cost model of
+the GPU and model) and writes DIR/paper_sim.json and sim_fig*.png; the rest of this docstring
+is the engine run.
 
 The same scheduler, model and attention serve the same traces with the paged KV
 cache and with the contiguous-reservation baselines of the paper (kv/contiguous.py:
@@ -25,12 +31,18 @@ bookkeeping. A 135M model on 2 CPU cores serves far fewer tokens than the
 paper's GPUs, so every length here is scaled by `--length-scale` (default 1/8):
 the traces' mean lengths, max_model_len, block size and KV cache (the ratios that
 decide the results stay the paper's). Per workload:
-1. saturation: all requests at once; throughput, and the memory numbers again as
-   measured in the engine (a check on the simulation);
-2. rate sweep at fractions of the paged engine's saturation throughput: mean over
-   requests of latency / output length, and the highest rate each allocator
-   sustains under a latency bound (a multiple of the paged engine's latency at the
-   lowest rate), interpolated between measured rates;
+1. burst: all requests at once; steady-state throughput (finishes between the 10% and
+   90% marks: ramp-up and drain left out), the time to drain the whole burst (its own
+   figure, `burst_throughput_rps`: not the paper's measure), batch sizes beside
+   preemptions and recomputed tokens, and the memory numbers again as measured in the
+   engine (a check on the simulation). The traces are long (1000 requests in the full
+   run) and the KV cache holds 7.5 max-length sequences, so memory binds for the paged
+   cache too;
+2. rate sweep at fractions of the highest steady throughput of any allocator, up to
+   twice it (past every allocator's capacity): mean over requests of latency / output
+   length, and, as the paper reads Fig. 12, the highest rate each allocator sustains
+   under a latency bound (a multiple of the paged engine's latency at the lowest rate),
+   interpolated between measured rates; its paged / baseline ratio is the headline;
 3. the paged engine's normalized latency at one rate for several block sizes.
 
 Writes DIR/paper.json and DIR/fig{2,12,13,18b}_*.png (default benchmarks/results/).
@@ -58,6 +70,7 @@ from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.kv.memory_usage import CATEGORIES, MemoryUsage  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler import Scheduler  # noqa: E402
+from pagedserve.sim.driver import steady_window, sustained_rate  # noqa: E402
 from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
 from pagedserve.worker.worker import make_sampler  # noqa: E402
 
@@ -88,7 +101,7 @@ class Setup:
     engine_workloads: list[str]
     length_scale: float
     engine_requests: dict[str, int]
-    rate_fractions: list[float]          # of the paged engine's saturation throughput
+    rate_fractions: list[float]          # of the highest steady (burst) throughput of any allocator
     block_sizes: list[int]               # ablation, actual tokens per block
     ablation_rate_fraction: float
     engine_kv_capacity: float | None = None   # default: kv_capacity
@@ -112,8 +125,8 @@ def full_setup(scale: float) -> Setup:
     return Setup(workloads=["sharegpt", "alpaca"], allocators=list(ALLOCATORS), kv_capacity=7.5,
                  memory_requests={"sharegpt": 1000, "alpaca": 4000},
                  engine_workloads=["sharegpt", "alpaca"], length_scale=scale,
-                 engine_requests={"sharegpt": 128, "alpaca": 512},
-                 rate_fractions=[0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.05],
+                 engine_requests={"sharegpt": 1000, "alpaca": 1000},
+                 rate_fractions=[0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.25, 1.5, 2.0],
                  block_sizes=sorted({max(1, round(b * scale)) for b in (8, 16, 32, 64, 128, 256)}),
                  ablation_rate_fraction=0.6)
 
@@ -125,7 +138,7 @@ def quick_setup() -> Setup:
     return Setup(workloads=["sharegpt", "alpaca"], allocators=list(ALLOCATORS), kv_capacity=7.5,
                  memory_requests={"sharegpt": 200, "alpaca": 500},
                  engine_workloads=["sharegpt"], length_scale=1 / 32, engine_requests={"sharegpt": 8},
-                 rate_fractions=[0.5, 1.0], block_sizes=[1, 4], ablation_rate_fraction=0.6,
+                 rate_fractions=[0.5, 2.0], block_sizes=[1, 4], ablation_rate_fraction=0.6,
                  engine_kv_capacity=2)
 
 
@@ -181,7 +194,8 @@ class RunResult:
     block_size: int
     num_requests: int
     duration_s: float                # on the simulated clock
-    throughput_rps: float
+    throughput_rps: float            # the whole run (for a burst: the time to drain it)
+    steady_throughput_rps: float     # finishes between the 10% and 90% marks (sim.driver.steady_window)
     output_tokens_per_s: float
     mean_normalized_latency: float   # s per output token, mean over requests
     mean_latency_s: float
@@ -190,6 +204,7 @@ class RunResult:
     saturated_memory: dict           # MemoryUsage summed over those steps
     num_steps: int
     num_preemptions: int
+    num_recomputed_tokens: int
     wall_s: float
     latencies: list[float] = field(default_factory=list, repr=False)
 
@@ -208,6 +223,7 @@ def serve(engine: LLMEngine, trace, workload: str, rate: float) -> RunResult:
     saturated_usage = MemoryUsage()
     batch_sum = saturated_batch_sum = steps = saturated_steps = 0
     preempt0 = engine.scheduler.stats.num_preemptions
+    recomputed0 = engine.scheduler.stats.num_recomputed_tokens
     clock, wall0 = 0.0, time.perf_counter()
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests() and pending[0][1].arrival_time > clock:
@@ -237,15 +253,18 @@ def serve(engine: LLMEngine, trace, workload: str, rate: float) -> RunResult:
     norm = [lat / out_len[rid] for rid, lat in zip(finish, latencies)]
     duration = max(finish.values()) - min(arrival.values())
     n = len(trace)
+    lo, hi = steady_window(list(arrival.values()), list(finish.values()))
+    steady = sum(1 for t in finish.values() if lo < t <= hi) / (hi - lo) if hi > lo else n / duration
     return RunResult(
         allocator=engine.config.kv_allocator, workload=workload, rate=rate, block_size=engine.config.block_size,
-        num_requests=n, duration_s=duration, throughput_rps=n / duration,
+        num_requests=n, duration_s=duration, throughput_rps=n / duration, steady_throughput_rps=steady,
         output_tokens_per_s=sum(out_len.values()) / duration,
         mean_normalized_latency=sum(norm) / n, mean_latency_s=sum(latencies) / n,
         avg_batch_size=batch_sum / max(1, steps),
         saturated_batch_size=saturated_batch_sum / saturated_steps if saturated_steps else float("nan"),
         saturated_memory=saturated_usage.as_dict(), num_steps=steps,
         num_preemptions=engine.scheduler.stats.num_preemptions - preempt0,
+        num_recomputed_tokens=engine.scheduler.stats.num_recomputed_tokens - recomputed0,
         wall_s=time.perf_counter() - wall0, latencies=latencies)
 
 
@@ -262,22 +281,6 @@ def shares(memory: dict) -> dict:
     return MemoryUsage(**memory).shares()
 
 
-def sustainable_rate(points: list[tuple[float, float]], bound: float) -> dict:
-    """The highest rate whose normalized latency stays under `bound`, interpolated linearly
-    between the last rate under it and the first over it."""
-    prev = None
-    for rate, lat in sorted(points):
-        if lat > bound:
-            if prev is None:
-                return {"rate": None, "note": f"over the bound at the lowest rate tested ({rate:.3g} req/s)"}
-            r0, l0 = prev
-            return {"rate": r0 + (bound - l0) * (rate - r0) / (lat - l0), "note": "interpolated"}
-        prev = (rate, lat)
-    if prev is None:
-        return {"rate": None, "note": "no runs"}
-    return {"rate": prev[0], "note": "at least: under the bound at every rate tested"}
-
-
 def run_engine(base: LLMEngine, setup: Setup, workload: str, log) -> dict:
     n = setup.engine_requests[workload]
     mk = lambda rate: make_trace(workload, n, setup.seed, base.vocab_size, setup.max_model_len,  # noqa: E731
@@ -285,17 +288,19 @@ def run_engine(base: LLMEngine, setup: Setup, workload: str, log) -> dict:
     engines = {a: engine_for(base, a, setup.block_size, setup.kv_slots) for a in setup.allocators}
     result: dict = {"trace": trace_stats(mk(math.inf))}
 
-    # 1. Saturation: everything queued at once.
-    saturation = {}
+    # 1. Burst: everything queued at once.
+    burst = {}
     for a in setup.allocators:
         r = serve(engines[a], mk(math.inf), workload, math.inf)
-        saturation[a] = r.summary()
-        log(f"  {workload:8s} {a:6s} saturation: {r.throughput_rps:6.3f} req/s, batch {r.saturated_batch_size:5.1f}, "
-            f"token states {shares(r.saturated_memory)['token_states']:.1%}  ({r.wall_s:.0f}s)")
-    result["saturation"] = saturation
-    capacity = saturation["paged"]["throughput_rps"]
+        burst[a] = r.summary()
+        log(f"  {workload:8s} {a:6s} burst: {r.steady_throughput_rps:6.3f} req/s steady ({r.throughput_rps:6.3f} to "
+            f"drain), batch {r.saturated_batch_size:5.1f}, {r.num_preemptions} preemptions, "
+            f"{r.num_recomputed_tokens} tokens recomputed, token states "
+            f"{shares(r.saturated_memory)['token_states']:.1%}  ({r.wall_s:.0f}s)")
+    result["burst"] = burst
+    capacity = max(b["steady_throughput_rps"] for b in burst.values())
 
-    # 2. Normalized latency vs request rate.
+    # 2. Normalized latency vs request rate, to twice the highest capacity.
     # Rate by rate, all allocators in turn, so that they see similar machine conditions.
     rates = [f * capacity for f in setup.rate_fractions]
     sweep: dict[str, list[dict]] = {a: [] for a in setup.allocators}
@@ -314,7 +319,7 @@ def run_engine(base: LLMEngine, setup: Setup, workload: str, log) -> dict:
     result["latency_bound_s_per_token"] = bound
     result["sweep"] = sweep
     result["sustainable_rate"] = {
-        a: sustainable_rate([(p["rate"], p["mean_normalized_latency"]) for p in pts], bound)
+        a: sustained_rate([(p["rate"], p["mean_normalized_latency"]) for p in pts], bound)
         for a, pts in sweep.items()}
 
     # 3. Block-size ablation (paged).
@@ -337,10 +342,11 @@ def ratios(memory: dict, engine: dict | None) -> dict:
         if a == "paged":
             continue
         r = {"batch_size": mem["paged"]["saturated_batch_size"] / mem[a]["saturated_batch_size"]}
-        if engine and a in engine["saturation"]:
-            sat, rates = engine["saturation"], engine["sustainable_rate"]
+        if engine and a in engine["burst"]:
+            burst, rates = engine["burst"], engine["sustainable_rate"]
             p_rate, a_rate = rates["paged"]["rate"], rates[a]["rate"]
-            r["saturation_throughput"] = sat["paged"]["throughput_rps"] / sat[a]["throughput_rps"]
+            r["steady_throughput"] = burst["paged"]["steady_throughput_rps"] / burst[a]["steady_throughput_rps"]
+            r["burst_throughput"] = burst["paged"]["throughput_rps"] / burst[a]["throughput_rps"]
             r["sustainable_rate"] = p_rate / a_rate if p_rate and a_rate else None
             # The paged engine stayed under the bound at every rate tested: a lower bound.
             r["sustainable_rate_at_least"] = rates["paged"]["note"].startswith("at least")
@@ -443,22 +449,25 @@ def report(results: dict) -> str:
         t = res["trace"]
         lines.append(f"\n{w}, engine ({t['num_requests']} requests, mean {t['mean_input']:.1f} in / "
                      f"{t['mean_output']:.1f} out; latency bound {res['latency_bound_s_per_token']:.3f} s/token):")
-        lines.append(f"  {'allocator':10s} {'sat. req/s':>10s} {'batch':>6s} {'token states':>12s} {'sust. req/s':>11s}"
-                     "   (batch, token states: '-' where every request fit at once)")
-        for a, r in res["saturation"].items():
+        lines.append(f"  {'allocator':10s} {'steady req/s':>12s} {'burst req/s':>11s} {'batch':>6s} {'preempt':>8s} "
+                     f"{'recomputed':>10s} {'token states':>12s} {'sust. req/s':>11s}"
+                     "   (burst: all at once; batch, token states: '-' where every request fit at once)")
+        for a, r in res["burst"].items():
             rate = res["sustainable_rate"][a]["rate"]
             waited = math.isfinite(r["saturated_batch_size"])
             batch = f"{r['saturated_batch_size']:.1f}" if waited else "-"
             tokens = f"{shares(r['saturated_memory'])['token_states']:.1%}" if waited else "-"
-            lines.append(f"  {a:10s} {r['throughput_rps']:10.3f} {batch:>6s} {tokens:>12s} "
+            lines.append(f"  {a:10s} {r['steady_throughput_rps']:12.3f} {r['throughput_rps']:11.3f} {batch:>6s} "
+                         f"{r['num_preemptions']:8d} {r['num_recomputed_tokens']:10d} {tokens:>12s} "
                          f"{'-' if rate is None else f'{rate:.3f}':>11s}")
     for w, rs in results["ratios"].items():
         for a, r in rs.items():
             parts = [f"batch {r['batch_size']:.2f}x"]
-            if "saturation_throughput" in r:
+            if "steady_throughput" in r:
                 sr, at_least = r["sustainable_rate"], ">=" if r["sustainable_rate_at_least"] else ""
-                parts += [f"saturation throughput {r['saturation_throughput']:.2f}x",
-                          f"sustainable rate {'n/a' if sr is None else f'{at_least}{sr:.2f}x'}"]
+                parts += [f"sustained rate {'n/a' if sr is None else f'{at_least}{sr:.2f}x'} (the paper's measure)",
+                          f"steady throughput {r['steady_throughput']:.2f}x",
+                          f"burst drain {r['burst_throughput']:.2f}x"]
             lines.append(f"{w:8s} paged vs {a:6s}: " + ", ".join(parts))
     return "\n".join(lines)
 
@@ -476,12 +485,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="requests per engine trace")
     p.add_argument("--memory-requests", type=int, default=None, help="requests per memory simulation")
     p.add_argument("--rate-fractions", type=float, nargs="+", default=None,
-                   help="request rates as fractions of the paged engine's saturation throughput")
+                   help="request rates as fractions of the highest steady throughput of any allocator")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None)
     p.add_argument("--latency-bound-factor", type=float, default=None)
     p.add_argument("--no-engine", action="store_true", help="only the memory simulation (seconds)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", default=None, metavar="DEVICE",
+                   help="simulate on a device preset (a100-40gb, a100-80gb, h100, h200) instead of running the engine")
+    p.add_argument("--model-preset", default="opt-13b", help="with --simulate: a model of models/presets.py")
+    p.add_argument("--tp", type=int, default=None, help="with --simulate: GPUs (default: the paper's for the model)")
     args = p.parse_args(argv)
+    if args.simulate:
+        return simulate_main(args, argv)
 
     setup = quick_setup() if args.quick else full_setup(args.length_scale)
     if args.workloads:
@@ -525,6 +540,30 @@ def main(argv: list[str] | None = None) -> int:
     files = plot(results, setup, out)
     print(report(results))
     print(f"\nwrote {out / 'paper.json'}, " + ", ".join(Path(f).name for f in files)
+          + f" in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def simulate_main(args, argv) -> int:
+    import logging
+
+    from benchmarks.paper_sim import plot as plot_sim
+    from benchmarks.paper_sim import report as report_sim
+    from benchmarks.paper_sim import run_simulation
+    logging.getLogger("pagedserve.scheduler").setLevel(logging.ERROR)   # preemption warnings: counted instead
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    validation = out / "sim_validation.json"     # sim_validate.py's output, here or in the default place
+    if not validation.exists():
+        validation = Path(__file__).resolve().parent / "results" / "sim_validation.json"
+    data = run_simulation(args.simulate, args.model_preset, args.quick, args.tp, out,
+                          lambda msg: print(msg, flush=True), validation)
+    data["command"] = " ".join(["python benchmarks/paper.py", *(sys.argv[1:] if argv is None else argv)])
+    (out / "paper_sim.json").write_text(json.dumps(_finite(data), indent=1))
+    files = plot_sim(data, out)
+    print(report_sim(data))
+    print(f"\nwrote {out / 'paper_sim.json'}, " + ", ".join(Path(f).name for f in files)
           + f" in {time.perf_counter() - t0:.0f}s")
     return 0
 

@@ -77,3 +77,21 @@ def trace_stats(trace: list[TraceRequest]) -> dict:
     n = max(1, len(trace))
     return {"num_requests": len(trace), "mean_input": sum(ins) / n, "mean_output": sum(outs) / n,
             "max_input": max(ins, default=0), "max_output": max(outs, default=0)}
+
+
+def chatbot_lengths(num_requests: int, seed: int = 0, history_limit: int = 1024,
+                    max_tokens: int = 1024) -> list[tuple[int, int]]:
+    """(prompt, answer) lengths of the paper's chatbot workload (Sec. 6.5) made from the
+    ShareGPT-like statistics: the prompt is the conversation so far (1-5 earlier rounds of
+    question and answer, then the new question), cut to its last `history_limit` tokens; the
+    answer is a ShareGPT-like output, at most `max_tokens` (what each request asks for)."""
+    rng = random.Random(f"{seed}-chatbot")
+    mean_in, mean_out = WORKLOADS["sharegpt"]
+    out = []
+    for _ in range(num_requests):
+        rounds = rng.randint(1, 5)
+        questions = lognormal_lengths(rng, rounds + 1, mean_in, 0.8, 4, history_limit)
+        answers = lognormal_lengths(rng, rounds + 1, mean_out, 0.8, 4, max_tokens)
+        history = sum(questions) + sum(answers[:-1])
+        out.append((min(history, history_limit), answers[-1]))
+    return out

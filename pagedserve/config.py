@@ -92,6 +92,12 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(2048, "most tokens in one step (prefill chunks and decodes)")
     preemption_mode: str = setting("recompute", "what preemption does with a request's KV blocks",
                                    choices=PREEMPTION_MODES)
+    # Admission control: a new prompt waits while admitting it (all its prompt blocks) would leave
+    # fewer than this share of the KV blocks free for running requests to grow into. Not applied
+    # when nothing runs (the liveness argument in scheduler.py). vLLM's V0 scheduler kept 1%; 5%
+    # measured best on the paper-scale ShareGPT trace (benchmarks/admission.py: preemptions 1.42
+    # -> 0.18 per request, and the highest simulated throughput of 0-20%).
+    admission_watermark: float = setting(0.05, "share of KV blocks a new prompt must leave free while others run")
     # Watchdog: after this many steps in a row that compute nothing while requests wait (the
     # scheduler's liveness argument says none should), fail those requests; 0 turns it off.
     watchdog_steps: int = setting(100, "fail waiting requests after this many steps in a row without "
@@ -151,6 +157,8 @@ class EngineConfig:
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if not 0 <= self.admission_watermark < 1:
+            raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

@@ -5,7 +5,9 @@ tokens that catches up with its token count. Each step, running requests go
 first (decodes, then unfinished chunked prefills), then waiting requests in
 arrival order, all under `max_num_seqs` and a token budget
 (`max_num_batched_tokens`); a prompt longer than what is left of the budget is
-split over several steps (chunked prefill). When a running request needs a
+split over several steps (chunked prefill). Admission control: while others run, a new
+prompt waits if admitting it would leave fewer than `admission_watermark` of the blocks free
+(room for the running requests to grow into). When a running request needs a
 block and none is free, the most recently admitted request is preempted, with all
 its sequences at once. By recompute (the default): its blocks are freed and it goes
 back to the front of the waiting queue, to be recomputed (its prefix may still be in
@@ -45,7 +47,9 @@ unfinished requests never schedules nothing. Why:
 4. With nothing running, the oldest swapped request is swapped in, or else the first
    waiting one admitted, with the whole pool and budget: by 1, it fits. (A request whose
    grammar is still compiling is passed over, keeping its place; a compile ends, and then
-   the request is admitted like any other, or failed by the engine if it did not compile.)
+   the request is admitted like any other, or failed by the engine if it did not compile.
+   Admission control holds a new prompt back only while others run: the watermark is not
+   applied then.)
 5. A failed admission leaves the request exactly as it was before (no blocks, and a
    group rejoins its leader, as after preemption by recompute), so failing never
    turns a request into one that can no longer fit.
@@ -174,6 +178,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
+        # Admission control: blocks a new prompt must leave free while others run. Only for the
+        # paged cache: the baselines reserve a request's final size up front and never grow.
+        self.watermark_blocks = int(config.admission_watermark * num_blocks) if config.kv_allocator == "paged" else 0
         self.stats = SchedulerCounters()
         self._next_seq_id = 0
         self._warned_preemption = False
@@ -415,6 +422,9 @@ class Scheduler:
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens, req.cache_salt,
                                                     use_prefix_cache=not req.wants_prompt_logprobs)
+        if self.running and not self._above_watermark(seqs, prompt_len):
+            self._release_blocks(req)
+            return None
         self._fork_if_ready(req)   # prefix hits may have brought the leader that far
         plan = self._plan(req, budget)
         copies = self._allocate(plan) if plan else None
@@ -425,6 +435,14 @@ class Scheduler:
             req.num_cached_tokens = min(req.seqs[0].num_computed_tokens, prompt_len)
             self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)
         return plan, copies
+
+    def _above_watermark(self, seqs: list[Sequence], prompt_len: int) -> bool:
+        """Admission control: after the rest of these sequences' prompt blocks (beyond the
+        prefix-cache hits they already hold), at least `watermark_blocks` stay free, so that
+        running requests have room to grow instead of preempting each other at once."""
+        blocks_per_prompt = -(-prompt_len // self.block_size)
+        needed = sum(max(0, blocks_per_prompt - len(self.kv.block_ids(s.seq_id))) for s in seqs)
+        return self.kv.num_free_blocks - needed >= self.watermark_blocks
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Evict a running request with all its sequences: to swap space if that is the mode

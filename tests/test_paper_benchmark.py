@@ -52,8 +52,29 @@ def test_paper_benchmark_smoke(tiny_llama, tmp_path):
     res = data["results"]
     assert set(res["memory"]) == {"sharegpt", "alpaca"} and set(res["engine"]) == {"sharegpt"}
     eng = res["engine"]["sharegpt"]
-    assert set(eng["saturation"]) == set(eng["sweep"]) == {"paged", "oracle", "pow2", "max"}
+    assert set(eng["burst"]) == set(eng["sweep"]) == {"paged", "oracle", "pow2", "max"}
+    assert all("steady_throughput_rps" in r and "num_recomputed_tokens" in r for r in eng["burst"].values())
+    capacity = max(r["steady_throughput_rps"] for r in eng["burst"].values())
+    assert max(p["rate"] for p in eng["sweep"]["paged"]) >= 2 * capacity * 0.999      # past every allocator's
     assert len(eng["block_size_ablation"]["runs"]) == 2
     assert all(p["num_requests"] == 8 for pts in eng["sweep"].values() for p in pts)
     for name in ("fig2_memory_waste", "fig12_latency_vs_rate", "fig13_batch_size", "fig18b_block_size"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
+
+
+def test_paper_simulation_smoke(tmp_path, monkeypatch):
+    """paper.py --simulate writes paper_sim.json with the issue's interface (a tiny setup)."""
+    from benchmarks import paper_sim
+    monkeypatch.setattr(paper_sim, "quick_sim_setup", lambda: paper_sim.SimSetup(
+        num_requests={"sharegpt": 12, "alpaca": 12}, num_rates=3, fig14_requests=6, chatbot_requests=8,
+        fig14_widths=[2]))
+    assert paper.main(["--simulate", "a100-40gb", "--model-preset", "opt-13b", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "paper_sim.json").read_text())
+    for w in ("sharegpt", "alpaca", "chatbot"):
+        assert set(data[w]["sustained_rate"]) == {"paged", "oracle", "pow2", "max"}
+        capacity = max(s["steady_throughput_rps"] for s in data[w]["saturation"].values())
+        assert max(data[w]["rates"]) >= 2 * capacity * 0.999
+    assert "relative_error" in data["validation"]
+    assert data["kv_slots"] > 15000 and data["fig14"]["beam"][0]["sharing_saving_avg"] > 0
+    for name in ("sim_fig12_opt-13b_a100-40gb", "sim_fig14_opt-13b_a100-40gb"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000

@@ -285,15 +285,17 @@ def check_every_request_finishes(reqs, sched: Scheduler) -> None:
 @given(reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2, 3])),
                      min_size=1, max_size=8),
        num_blocks=st.integers(8, 30), block_size=st.sampled_from([1, 2, 4]),
-       budget=st.integers(4, 40), max_seqs=st.integers(3, 8), caching=st.booleans())
+       budget=st.integers(4, 40), max_seqs=st.integers(3, 8), caching=st.booleans(),
+       watermark=st.sampled_from([0.0, 0.01, 0.1, 0.3]))
 # Issue 19: the n=3 request is preempted right after forking; re-admitting it takes its whole
 # prompt from the prefix cache and rejoins its followers, then fails for want of blocks. The
 # failed admission used to leave three sequences that no longer shared a prompt: too many
 # blocks for the cache, so it waited forever.
-@example(reqs=[(7, 12, 1), (15, 1, 3)], num_blocks=24, block_size=1, budget=33, max_seqs=4, caching=True)
-def test_every_request_finishes_without_leaks(reqs, num_blocks, block_size, budget, max_seqs, caching):
+@example(reqs=[(7, 12, 1), (15, 1, 3)], num_blocks=24, block_size=1, budget=33, max_seqs=4, caching=True,
+         watermark=0.0)
+def test_every_request_finishes_without_leaks(reqs, num_blocks, block_size, budget, max_seqs, caching, watermark):
     sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                   enable_prefix_caching=caching), num_blocks)
+                                   enable_prefix_caching=caching, admission_watermark=watermark), num_blocks)
     check_every_request_finishes(reqs, sched)
 
 
@@ -320,15 +322,16 @@ def test_swap_preemption_finishes_everything_without_leaks(reqs, num_blocks, blo
 @given(reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2, 3]),
                                st.integers(0, 12)), min_size=1, max_size=8),
        num_blocks=st.integers(8, 30), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(4, 40),
-       max_seqs=st.integers(3, 8), caching=st.booleans(), num_host_blocks=st.sampled_from([0, 0, 4, 16]))
+       max_seqs=st.integers(3, 8), caching=st.booleans(), num_host_blocks=st.sampled_from([0, 0, 4, 16]),
+       watermark=st.sampled_from([0.0, 0.01, 0.1, 0.3]))
 # Found by this test before the oldest request went first: newer requests' decodes took the
 # blocks, and the oldest request, a chunked prefill, preempted itself (and the step ran nothing).
 @example(reqs=[(1, 12, 1, 0), (7, 11, 2, 0), (25, 5, 2, 0)], num_blocks=25, block_size=2, budget=9, max_seqs=5,
-         caching=True, num_host_blocks=0)
+         caching=True, num_host_blocks=0, watermark=0.0)
 @example(reqs=[(1, 5, 1, 0), (10, 4, 2, 0), (4, 2, 1, 0)], num_blocks=11, block_size=2, budget=13, max_seqs=3,
-         caching=False, num_host_blocks=0)
+         caching=False, num_host_blocks=0, watermark=0.0)
 def test_the_oldest_request_advances_every_step(reqs, num_blocks, block_size, budget, max_seqs, caching,
-                                                num_host_blocks):
+                                                num_host_blocks, watermark):
     """Liveness, over the fuzzer's space with requests arriving while others run (the last
     number is the step a request arrives at): every step with work schedules tokens, the
     oldest running request computes a token in every step and is never preempted
@@ -336,7 +339,8 @@ def test_the_oldest_request_advances_every_step(reqs, num_blocks, block_size, bu
     compute: its prompt, its sequences' outputs if it rejoins, then one step per token."""
     sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                    enable_prefix_caching=caching,
-                                   preemption_mode="swap" if num_host_blocks else "recompute"),
+                                   preemption_mode="swap" if num_host_blocks else "recompute",
+                                   admission_watermark=watermark),
                       num_blocks, num_host_blocks=num_host_blocks)
     arrivals = sorted(enumerate(reqs), key=lambda r: r[1][3])
     steps_as_head: Counter = Counter()
@@ -357,3 +361,56 @@ def test_the_oldest_request_advances_every_step(reqs, num_blocks, block_size, bu
         step += 1
         assert step < 10_000, "the scheduler made no progress"
     assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+
+
+# ---- admission control (issue 18) ------------------------------------------------------------
+
+def test_admission_keeps_a_watermark_of_free_blocks():
+    """A new prompt waits while admitting it would leave fewer free blocks than the watermark
+    (10% of 100 here), counting the blocks its whole prompt needs, not only the first chunk."""
+    sched = make_scheduler(num_blocks=100, block_size=4, max_num_batched_tokens=16, admission_watermark=0.1)
+    a = add(sched, "a", 4, 6)                 # 1 block, then 2-3 while decoding
+    fake_step(sched)
+    b = add(sched, "b", 4 * 88, 1)            # 88 blocks: 100 - 2 - 88 = 10 free is still allowed...
+    c = add(sched, "c", 4, 1)
+    fake_step(sched)
+    assert b.status == RequestStatus.RUNNING  # ...though its first chunk takes only 4 of them
+    out = fake_step(sched)
+    assert c.status == RequestStatus.WAITING and not any(s.request is c for s in out.scheduled)
+    run_all(sched)
+    assert a.finished and b.finished and c.finished
+
+
+def test_a_prompt_over_the_watermark_waits_until_blocks_free_up():
+    sched = make_scheduler(num_blocks=100, block_size=4, max_num_batched_tokens=64, admission_watermark=0.1)
+    a = add(sched, "a", 40, 3)                # 10 blocks (11 with its outputs)
+    fake_step(sched)
+    b = add(sched, "b", 4 * 81, 1)            # 81 blocks: 100 - 11 - 81 = 8 < 10
+    while not a.finished:
+        fake_step(sched)
+        assert b.status == RequestStatus.WAITING or a.finished
+    fake_step(sched)
+    assert b.status in (RequestStatus.RUNNING, RequestStatus.FINISHED)
+    run_all(sched)
+    # Without the watermark it is admitted beside a at once.
+    sched = make_scheduler(num_blocks=100, block_size=4, max_num_batched_tokens=64, admission_watermark=0.0)
+    a = add(sched, "a", 40, 3)
+    fake_step(sched)
+    b = add(sched, "b", 4 * 81, 1)
+    fake_step(sched)
+    assert b.status == RequestStatus.RUNNING and not a.finished
+
+
+def test_the_watermark_never_holds_back_a_request_when_nothing_runs():
+    """Liveness (scheduler.py, point 4): alone, a request gets the whole pool."""
+    sched = make_scheduler(num_blocks=100, block_size=4, max_num_batched_tokens=512, admission_watermark=0.5)
+    req = add(sched, "big", 4 * 95, 4 * 4)
+    fake_step(sched)
+    assert req.status == RequestStatus.RUNNING
+    run_all(sched)
+
+
+def test_admission_watermark_is_validated():
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="admission_watermark"):
+            EngineConfig(admission_watermark=bad)

@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.config import cache_dir, resolve_dtype
 from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
+from pagedserve.models.opt import OPT_ARCHITECTURES, OPTArgs, build_opt_model
 from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.models.presets import PRESETS, is_preset
 
@@ -50,7 +51,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {arch!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + OPT_ARCHITECTURES)}")
     heads = cfg["num_attention_heads"]
     # transformers 5 keeps RoPE settings in rope_parameters; 4 in rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or {})
@@ -297,7 +299,8 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         checkpoint_dtype = None
     else:
         cfg = read_hf_config(path)
-        args = args_from_hf_config(cfg)
+        is_opt = (cfg.get("architectures") or [""])[0] in OPT_ARCHITECTURES
+        args = OPTArgs.from_hf_config(cfg) if is_opt else args_from_hf_config(cfg)
         weights = None if dummy else _hf_weights(Path(path))
         checkpoint_dtype = _checkpoint_dtype(cfg)
     dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=ops.bf16_is_fast)
@@ -306,6 +309,8 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         weights = DummyWeights(args, dtype, device, seed)
     note = ops.describe()
     logger.info("dtype %s -> %s%s", dtype_name, str(dtype).removeprefix("torch."), f"; {note}" if note else "")
+    if isinstance(args, OPTArgs):
+        return build_opt_model(args, weights, dtype, attention), args, dtype
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
     model = build_model(args, weights, dtype, attention, max_positions, ops)
     return model, args, dtype
