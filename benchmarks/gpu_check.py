@@ -214,7 +214,7 @@ def bench_decode(quick: bool, copy_bw: float) -> dict:
 def random_llama(shape: dict, dtype: torch.dtype, device: str, attention):
     """A LlamaModel with random weights, built directly on `device`."""
     from pagedserve.models.llama import LlamaModel, ModelArgs
-    from pagedserve.models.loader import build_model
+    from pagedserve.models.loader import DictSource, build_model
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     hq, hkv = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = h // hq
@@ -238,7 +238,7 @@ def random_llama(shape: dict, dtype: torch.dtype, device: str, attention):
                     p + "self_attn.v_proj.weight": w(hkv * d, h), p + "self_attn.o_proj.weight": w(h, hq * d),
                     p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
                     p + "mlp.down_proj.weight": w(h, i)}
-    model: LlamaModel = build_model(args, weights, dtype, attention, args.max_position_embeddings)
+    model: LlamaModel = build_model(args, DictSource(weights), dtype, attention, args.max_position_embeddings)
     return model.to(torch.device(device)), weights
 
 

@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")        # kv/contiguous.py: the paper's baselines
 KV_ALLOCATORS = ("paged", *CONTIGUOUS_POLICIES)
 PREEMPTION_MODES = ("recompute", "swap")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")           # executor/: processes on this machine, Ray actors
 
 
 def _one_of(name: str, value, choices: tuple) -> None:
@@ -53,6 +54,13 @@ class EngineConfig:
     device: str | None = None               # cpu | cuda | cuda:N
     attention_backend: str | None = None    # cpu (C++ kernel) | torch (reference) | triton
     gpu_memory_utilization: float = 0.9     # CUDA, kv_cache_memory unset: KV gets this share of free memory, less the weights
+    # Tensor parallelism (executor/): the model's heads, MLP and vocabulary split over this many
+    # ranks, each in its own process (rank 0 in the engine's), started by the backend: mp
+    # (this machine) or ray (a Ray cluster). kv_cache_memory is per rank.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None   # mp | ray; None: mp when tensor_parallel_size > 1
+    threads_per_rank: int | None = None     # torch/OpenMP threads of each rank; None: the cores / tensor_parallel_size
+    distributed_timeout: float = 120.0      # seconds a collective may wait for a rank before the engine fails
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -80,6 +88,16 @@ class EngineConfig:
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"
+        if self.distributed_executor_backend is not None:
+            _one_of("distributed_executor_backend", self.distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS)
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
 
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3

@@ -118,6 +118,10 @@ VARIANTS = {
     # attention kernel, not only its scalar path.
     "llama_head64": ("LlamaConfig", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                                          tie_word_embeddings=True)),
+    # Splits over 3 tensor-parallel ranks (heads, one KV head replicated, intermediate; the
+    # vocabulary in padded parts).
+    "llama_tp3": ("LlamaConfig", dict(hidden_size=96, intermediate_size=96, num_attention_heads=3,
+                                      num_key_value_heads=1, tie_word_embeddings=False)),
 }
 
 

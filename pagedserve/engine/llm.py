@@ -18,6 +18,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (they also stop when this
+        process exits); nothing to do for a one-process engine."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from pagedserve.config import EngineConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.errors import InvalidRequestError
+from pagedserve.executor import make_executor
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.models.loader import default_model_path, is_gguf, load_tokenizer
@@ -25,7 +26,6 @@ from pagedserve.request import Request, Sequence
 from pagedserve.sampling.beam_search import beam_score
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
-from pagedserve.worker.worker import Worker
 import torch
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = self._eos_token_ids(path)
         self.eos_token_id = self.tokenizer.eos_token_id
-        # The worker owns the device: it loads the model there and sizes the KV cache.
-        worker = Worker.load(config, path, self.eos_token_ids)
+        # The worker owns the device: it loads the model there and sizes the KV cache. The
+        # executor runs it in this process, or one shard per rank under tensor parallelism.
+        self.executor = make_executor(config, path, self.eos_token_ids)
+        worker = self.executor.worker
         self.runner, self.device = worker.runner, worker.device
         self.model_args, self.dtype = worker.model_args, worker.dtype
-        self.max_model_len = self._resolve_max_model_len(config.max_model_len, worker.model_args)
+        try:
+            self.max_model_len = self._resolve_max_model_len(config.max_model_len, worker.model_args)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.vocab_size = worker.model_args.vocab_size
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.scheduler = self._new_scheduler()
@@ -209,9 +215,13 @@ class LLMEngine:
         stats = self.scheduler.stats
         self.scheduler = self._new_scheduler()
         self.scheduler.stats = stats
-        self.runner.forget_sequences()   # seq ids start afresh
+        self.executor.forget_sequences()   # seq ids start afresh
         self.requests.clear()
         return dropped
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (tensor parallelism); nothing to do in one process."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -222,11 +232,11 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
-            self.runner.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
+            self.executor.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
             self._watchdog()
             return []
         self._steps_without_progress = 0
-        result = self.runner.execute(sched.batch)
+        result = self.executor.execute(sched.batch)
         update = self.scheduler.update_from_output(sched, result)
 
         # Building one request's output may raise too: that fails this request alone.

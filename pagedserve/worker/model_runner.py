@@ -85,8 +85,9 @@ class ModelRunner:
         sampled = [s for s in seqs if s.sample is not None]
         sample = None
         if sampled:
-            logits = self.model.compute_logits(hidden[last]).cpu()
-            sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled])
+            logits = self.model.compute_logits(hidden[last])   # None on a tensor-parallel rank but the driver
+            if logits is not None:
+                sample = self.sampler(logits.cpu(), [self._sampling_row(s.seq_id, s.sample) for s in sampled])
         prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps)
 
@@ -144,7 +145,10 @@ class ModelRunner:
                 continue
             k, n = r.num_logprobs, len(r.target_token_ids)
             rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + n]
-            lps = torch.log_softmax(self.model.compute_logits(rows).cpu(), dim=-1)
+            logits = self.model.compute_logits(rows)
+            if logits is None:      # a tensor-parallel rank but the driver: it only took part in the gather
+                continue
+            lps = torch.log_softmax(logits.cpu(), dim=-1)
             chosen = lps.gather(1, torch.tensor(r.target_token_ids)[:, None])
             ranks = ((lps > chosen).sum(-1) + 1).tolist()
             top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())

@@ -1,7 +1,7 @@
 """Setting up the worker, which owns the device: the model's ops and attention backend,
-the model loaded onto the device, the KV cache sized to the memory there, and the
-ModelRunner that runs steps. The engine gets back what it needs to plan: the number of
-device and host blocks and the model's shape."""
+the model (or, under tensor parallelism, this rank's shard of it) loaded onto the device,
+the KV cache sized to the memory there, and the ModelRunner that runs steps. The engine
+gets back what it needs to plan: the number of device and host blocks and the model's shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,9 +10,11 @@ import torch
 
 from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
+from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.llama import ModelArgs
 from pagedserve.models.loader import load_model
 from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -52,22 +54,28 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, dev
 class Worker:
     runner: ModelRunner
     device: torch.device
-    model_args: ModelArgs
+    model_args: ModelArgs          # the whole model's (a tensor-parallel rank runs a shard of it)
     dtype: torch.dtype
     num_blocks: int
     num_host_blocks: int
 
     @classmethod
-    def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> "Worker":
-        """Load the model onto the configured device, size its KV cache and build the runner."""
-        device = resolve_device(config.device)
+    def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int],
+             group: TensorParallelGroup | None = None, device: torch.device | None = None) -> "Worker":
+        """Load the model onto the configured device, size its KV cache and build the runner.
+        With a tensor-parallel `group`, this rank's shard of the model and the KV cache of its
+        heads; every rank gets the same number of blocks (the smallest any rank can hold)."""
+        device = device or resolve_device(config.device)
         attention = make_attention_backend(config.attention_backend, device)
         ops = make_ops(device)
-        model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops)
+        shard = Shard(group.rank, group.world_size) if group else Shard()
+        model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops, shard, group)
         free_before_load = free_device_memory(device)
         model.to(device)
         model.pack_linear_weights()
-        num_blocks, num_host_blocks = num_kv_blocks(config, args, dtype, device, free_before_load)
+        num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, free_before_load)
+        if group:
+            num_blocks, num_host_blocks = group.min_int(num_blocks), group.min_int(num_host_blocks)
         # Sampling runs on host tensors: its argmax takes the host's ops.
         sampler = Sampler(eos_token_ids, config.seed, make_ops(torch.device("cpu")))
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
