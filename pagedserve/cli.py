@@ -7,7 +7,8 @@ import os
 import sys
 import time
 
-from pagedserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_ALLOCATORS, PREEMPTION_MODES
+from pagedserve.config import (ATTENTION_BACKENDS, DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_ALLOCATORS,
+                               PREEMPTION_MODES)
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 
@@ -30,6 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: triton on cuda, cpu (the C++ kernel) on cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="without --kv-cache-memory on CUDA: share of free GPU memory for weights + KV cache")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes), each holding its shard")
+    p.add_argument("--distributed-executor-backend", default=None, choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                   help="mp: processes on this machine (default); ray: Ray actors on a Ray cluster")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="torch/OpenMP threads per rank (default: the cores / --tensor-parallel-size)")
+    p.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds a tensor-parallel collective waits for a rank before the engine fails")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,7 +48,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, kv_allocator=args.kv_allocator,
                 preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, seed=args.seed, device=args.device,
-                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization)
+                attention_backend=args.attention_backend, gpu_memory_utilization=args.gpu_memory_utilization,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend,
+                threads_per_rank=args.threads_per_rank, distributed_timeout=args.distributed_timeout)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for out in outs:
         print(f"--- prompt: {out.prompt!r}")
         print(out.outputs[0].text)
+    llm.shutdown()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"--- {len(outs)} prompt(s), {n} tokens generated, {elapsed:.1f}s including model load", file=sys.stderr)
     return 0

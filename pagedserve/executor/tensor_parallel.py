@@ -109,8 +109,9 @@ class TensorParallelExecutor(Executor):
         failures = self.ranks.failures()
         if not failures:
             return WorkerFailedError(
-                f"tensor-parallel rank 0 (the driver) failed: {error!r} (a collective that waits longer than "
-                f"distributed_timeout={self.config.distributed_timeout}s fails the step)", 0)
+                f"a tensor-parallel step failed on the driver (rank 0) and no other rank died or raised: {error!r} "
+                f"(a rank that stops answering fails the step after distributed_timeout="
+                f"{self.config.distributed_timeout}s; ranks 1.. still running: pids {self.ranks.pids()})")
         failures.sort(key=lambda f: not f.died)   # a dead rank is the cause; the others saw it go
         message = "; ".join(str(f) for f in failures)
         return WorkerFailedError(f"{message} (driver: {error!r})", failures[0].rank)
