@@ -48,10 +48,11 @@ class MultiprocRanks(Ranks):
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def failures(self) -> list[RankFailure]:
-        # A rank that failed exits at once; give it a moment to (and the others that saw it go).
-        wait_until(lambda: any(not p.is_alive() for p in self.processes), 3.0)
-        time.sleep(0.3)
+    def failures(self, wait: bool = True) -> list[RankFailure]:
+        if wait:
+            # A rank that failed exits at once; give it a moment to (and the others that saw it go).
+            wait_until(lambda: any(not p.is_alive() for p in self.processes), 3.0)
+            time.sleep(0.3)
         while not self._errors.empty():
             rank, report = self._errors.get()
             self._reports[rank] = report

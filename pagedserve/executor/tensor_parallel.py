@@ -13,6 +13,7 @@ died or raised); every later call raises it again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -24,6 +25,8 @@ from pagedserve.executor.base import Executor, WorkerFailedError
 from pagedserve.executor.rank import EXECUTE, MOVE_BLOCKS, STOP, rank_device, threads_per_rank
 
 logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = 600.0   # seconds for every rank to meet the driver and load its shard
 
 
 class RankFailure:
@@ -46,8 +49,8 @@ class Ranks:
     def start(self, model_path: str, eos_token_ids: set[int], init_method: str) -> None:
         raise NotImplementedError
 
-    def failures(self) -> list[RankFailure]:
-        """Ranks that died or reported an error so far (waits a moment for ones about to)."""
+    def failures(self, wait: bool = True) -> list[RankFailure]:
+        """Ranks that died or reported an error so far (`wait`: a moment for ones about to)."""
         raise NotImplementedError
 
     def pids(self) -> list[int]:
@@ -70,12 +73,16 @@ class TensorParallelExecutor(Executor):
         logger.info("tensor parallelism: %d ranks (%s backend), %d threads each", n,
                     config.distributed_executor_backend, threads)
         init_method = ranks.init_method()
-        try:
-            ranks.start(model_path, eos_token_ids, init_method)
+
+        def start_driver() -> None:
             torch.set_num_threads(threads)
             device = rank_device(config, 0)
             self.group = TensorParallelGroup(0, n, init_method, device, config.distributed_timeout)
             self.worker = Worker.load(config, model_path, eos_token_ids, self.group, device)
+
+        try:
+            ranks.start(model_path, eos_token_ids, init_method)
+            self._start_watching_ranks(start_driver)
         except (ValueError, KeyError, FileNotFoundError):
             self.shutdown()       # the driver's own refusal (a model that does not split, ...)
             raise
@@ -84,6 +91,34 @@ class TensorParallelExecutor(Executor):
             self.shutdown()
             raise error from e
         logger.info("tensor-parallel ranks 1..%d started (pids %s)", n - 1, ranks.pids())
+
+    def _start_watching_ranks(self, start_driver) -> None:
+        """Run the driver's start (meeting the ranks, loading its shard) on a helper thread
+        while watching the ranks: one that dies before it connects would otherwise leave
+        the driver waiting for it."""
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                start_driver()
+                outcome.append(None)
+            except BaseException as e:   # noqa: BLE001 - re-raised on the caller's thread
+                outcome.append(e)
+
+        thread = threading.Thread(target=run, name="pagedserve-tp-start", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + max(STARTUP_TIMEOUT, self.config.distributed_timeout)
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = [f for f in self.ranks.failures(wait=False) if f.died]
+            if dead and thread.is_alive():
+                raise WorkerFailedError(f"{dead[0]} while starting (a script that builds the engine at import "
+                                        f"time must do so under `if __name__ == '__main__':`, since ranks "
+                                        f"start by spawning)", dead[0].rank)
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT}s")
+        if outcome[0] is not None:
+            raise outcome[0]
 
     # ---- steps ---------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> RunnerOutput:
