@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -22,8 +23,19 @@ def _llm(path: str, tp: int, **kw) -> LLM:
     return LLM(path, dtype="float32", tensor_parallel_size=tp, **kw)
 
 
-def _gone(pids: list[int]) -> bool:
-    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    """None of these processes runs (within `timeout`: one that saw its parent go exits by itself)."""
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.mark.parametrize("name,tp", [("llama_gqa_untied", 2),     # 4 query / 2 KV heads: one KV head each
@@ -138,3 +150,33 @@ def test_gguf_slices_are_the_whole_tensors_parts():
         whole = source.get(name)
         expected = whole[rows[0]:rows[1]] if rows else whole[:, cols[0]:cols[1]]
         assert torch.equal(source.get(name, rows, cols), expected), name
+
+
+def test_server_with_two_ranks_serves_openai_and_exits_1_when_a_rank_dies(tiny_llama, tmp_path):
+    """`serve --tensor-parallel-size 2` answers the official client like one process; when
+    rank 1 is killed the request fails, /health is no longer 200, the server exits 1 and
+    neither it nor a rank is left running."""
+    import httpx
+    from openai import OpenAI
+
+    from pagedserve.server.launcher import launch_server
+    from tests.server_utils import tiny_server_args
+    server = launch_server(tiny_llama.path, tiny_server_args("--tensor-parallel-size", "2"), tmp_path / "server.log")
+    try:
+        children = [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)]
+        client = OpenAI(base_url=server.url + "/v1", api_key="x")
+        out = client.completions.create(model=tiny_llama.path, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        one = _llm(tiny_llama.path, 1).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8),
+                                                 use_tqdm=False)[0]
+        assert out.choices[0].text == one.outputs[0].text
+        rank1 = [p for p in children if "spawn_main" in " ".join(psutil.Process(p).cmdline())]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        r = httpx.post(server.url + "/v1/completions", json={"model": tiny_llama.path, "prompt": PROMPTS[1],
+                                                             "max_tokens": 8}, timeout=60)
+        assert r.status_code in (500, 503)
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop()
+    assert "tensor-parallel rank 1" in server.log() and "died (killed by signal SIGKILL)" in server.log()
+    assert _gone(children)      # rank 1 and multiprocessing's helper (resource tracker)
