@@ -87,7 +87,7 @@ class TensorParallelExecutor(Executor):
             self.shutdown()       # the driver's own refusal (a model that does not split, ...)
             raise
         except BaseException as e:
-            error = self._diagnose(e)
+            error = e if isinstance(e, WorkerFailedError) else self._diagnose(e)
             self.shutdown()
             raise error from e
         logger.info("tensor-parallel ranks 1..%d started (pids %s)", n - 1, ranks.pids())
