@@ -88,6 +88,14 @@ def run_single(llm, prompt_len: int, output_len: int) -> dict:
     return dict(ms_per_token=sorted(steps)[len(steps) // 2] * 1e3)
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of a rank's process (Linux); rank 0's includes the engine and tokenizer."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def comm_per_token(hidden: int, layers: int, vocab: int, tp: int, dtype_bytes: int = 2) -> dict:
     """Bytes a rank sends per token in a step: ring all-reduces (2 (N-1)/N of the data each)
     of the embedding and of each layer's attention and MLP outputs; the logits' gather (float32,
@@ -131,9 +139,10 @@ def main() -> None:
             offline = run_offline(llm, trace)
             collective_s = timer.seconds if timer else 0.0
             single = run_single(llm, args.single_prompt_len, args.single_output_len)
+            rss = [rss_mib(pid) for pid in [os.getpid(), *llm.engine.executor.worker_pids()]]
         finally:
             llm.shutdown()
-        rows.append(dict(tp=tp, threads_per_rank=threads, **offline, **single,
+        rows.append(dict(tp=tp, threads_per_rank=threads, **offline, **single, rss_mib_per_rank=rss,
                          collective_seconds=collective_s,
                          collective_ms_per_step=collective_s / max(1, offline["steps"]) * 1e3,
                          collective_share=collective_s / offline["seconds"]))
@@ -145,13 +154,14 @@ def main() -> None:
     print(f"\n{args.num_requests} alpaca-like requests at once, {args.dtype}, {args.threads} threads in all "
           f"({args.backend} backend)\n")
     print("| TP | threads/rank | output tok/s | single stream ms/token | collectives ms/step (driver) | "
-          "share of the run |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          "share of the run | RSS per rank (MiB) |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['tp']} | {r['threads_per_rank']} | {r['output_tok_s']:.1f} | {r['ms_per_token']:.2f} | "
-              f"{r['collective_ms_per_step']:.2f} | {r['collective_share']:.1%} |")
+              f"{r['collective_ms_per_step']:.2f} | {r['collective_share']:.1%} | "
+              f"{', '.join(f'{m:.0f}' for m in r['rss_mib_per_rank'])} |")
     for r in skipped:
-        print(f"| {r['tp']} | skipped: {r['reason']} | | | | |")
+        print(f"| {r['tp']} | skipped: {r['reason']} | | | | | |")
     print("\nCommunication per token per step (bf16 activations; arithmetic):\n")
     print("| model | TP | all-reduced per token | sent per rank per token | logits gathered per sampled token |")
     print("|---|---:|---:|---:|---:|")
