@@ -123,6 +123,18 @@ def test_killed_rank_fails_the_engine_naming_it_and_leaves_no_process(tiny_model
     llm.shutdown()
 
 
+def test_hung_rank_fails_the_step_after_the_timeout_instead_of_hanging(tiny_llama):
+    llm = _llm(tiny_llama.path, 2, distributed_timeout=3)
+    pids = llm.engine.executor.worker_pids()
+    os.kill(pids[0], signal.SIGSTOP)      # rank 1 stops answering
+    try:
+        with pytest.raises(WorkerFailedError, match="no other rank died or raised.*distributed_timeout=3"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert _gone(pids)                    # killed, stopped as it was
+
+
 def test_model_that_does_not_split_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's 4 attention heads"):
         _llm(tiny_llama.path, 3)

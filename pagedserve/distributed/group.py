@@ -3,7 +3,7 @@
 Two groups over the same ranks:
 - the control group (gloo, the default group), which carries the driver's step commands
   (pickled `StepBatch`es) to the other ranks. A rank waits on it between steps for as long
-  as the engine is idle, so its timeout is long;
+  as the engine is idle, so its timeout is long; the driver's sends wait `distributed_timeout`;
 - the compute group (gloo on CPU, NCCL on CUDA), which carries the model's all-reduces and
   the LM head's gather, with `distributed_timeout` seconds per collective: a rank that hangs
   fails the step instead of hanging the engine. A rank that dies fails it at once (its
@@ -13,6 +13,7 @@ Rank 0 is the driver (in the engine's process); it alone samples, from the gathe
 """
 from __future__ import annotations
 
+import pickle
 import socket
 from datetime import timedelta
 
@@ -39,7 +40,8 @@ class TensorParallelGroup:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=CONTROL_TIMEOUT)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        self.timeout = timedelta(seconds=timeout_s)
+        self.compute = dist.new_group(backend=backend, timeout=self.timeout)
 
     @property
     def is_driver(self) -> bool:
@@ -65,10 +67,19 @@ class TensorParallelGroup:
         return int(t.item())
 
     def broadcast(self, command: object = None) -> object:
-        """The driver's command, on every rank (the driver passes it, the others receive it)."""
-        box = [command]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """The driver's command, on every rank (the driver passes it, the others receive it),
+        pickled. The other ranks wait for it as long as the engine idles; the driver waits
+        `timeout_s` at most for them to take it (gloo's send waits for the receiver)."""
+        if self.is_driver:
+            data = bytearray(pickle.dumps(command))
+            for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(data, dtype=torch.uint8)):
+                dist.broadcast(t, src=0, async_op=True).wait(self.timeout)
+            return command
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0)
+        return pickle.loads(data.numpy().tobytes())
 
     def destroy(self) -> None:
         if dist.is_initialized():
