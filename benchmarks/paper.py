@@ -66,6 +66,7 @@ if __package__ in (None, ""):   # run as a script: make `benchmarks` and `pageds
 from benchmarks.memory_sim import simulate_saturation  # noqa: E402
 from benchmarks.workloads import WORKLOADS, make_trace, trace_lengths, trace_stats  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.executor import UniProcExecutor  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.kv.memory_usage import CATEGORIES, MemoryUsage  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
@@ -180,6 +181,8 @@ def engine_for(base: LLMEngine, kv_allocator: str, block_size: int, kv_slots: in
     engine.scheduler = Scheduler(config, num_blocks, base.max_model_len)
     engine.runner = ModelRunner(base.runner.model, num_blocks, block_size,
                                 make_sampler(base.eos_token_ids, config.seed, base.device), base.device)
+    engine.executor = UniProcExecutor(dataclasses.replace(base.executor.worker, runner=engine.runner,
+                                                          num_blocks=num_blocks))
     engine.requests = {}
     return engine
 

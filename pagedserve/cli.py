@@ -140,6 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for out in outs:
         print(f"--- prompt: {out.prompt!r}")
         print(out.outputs[0].text)
+    llm.shutdown()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"--- {len(outs)} prompt(s), {n} tokens generated, {elapsed:.1f}s including model load", file=sys.stderr)
     return 0

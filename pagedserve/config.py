@@ -22,6 +22,7 @@ KV_ALLOCATORS = ("paged", *CONTIGUOUS_POLICIES)
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "prefix_hash")   # cluster/routing.py
 LOAD_FORMATS = ("auto", "dummy")                        # dummy: random weights of the model's shapes
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")           # executor/: processes on this machine, Ray actors
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -142,6 +143,18 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly, no CUDA graphs")
     cuda_graph_sizes: list[int] | None = setting(None, "CUDA: decode batch sizes to capture graphs for; default: "
                                                        "1, 2, 4, 8, 16, 24, ... up to max_num_seqs (at most 256)")
+    # Tensor parallelism (executor/): the model's heads, MLP and vocabulary split over this many
+    # ranks, each in its own process (rank 0 in the engine's), started by the backend: mp
+    # (this machine) or ray (a Ray cluster). kv_cache_memory is per rank.
+    tensor_parallel_size: int = setting(1, "split the model over this many ranks (processes), each holding its "
+                                           "shard", aliases=("-tp",))
+    distributed_executor_backend: str | None = setting(
+        None, "mp: processes on this machine; ray: Ray actors on a Ray cluster; default: mp when "
+              "tensor_parallel_size > 1", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    threads_per_rank: int | None = setting(None, "torch/OpenMP threads of each rank; default: the CPUs / "
+                                                 "tensor_parallel_size")
+    distributed_timeout: float = setting(120.0, "seconds a tensor-parallel collective waits for a rank before "
+                                                "the engine fails")
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -190,6 +203,16 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config must be auto, vllm or a directory; {self.generation_config!r} "
                              f"is no directory")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"
+        if self.distributed_executor_backend is not None:
+            _one_of("distributed_executor_backend", self.distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS)
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
 
     @property
     def swap_space_bytes(self) -> int:

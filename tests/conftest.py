@@ -118,6 +118,10 @@ VARIANTS = {
     # attention kernel, not only its scalar path.
     "llama_head64": ("LlamaConfig", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                                          tie_word_embeddings=True)),
+    # Splits over 3 tensor-parallel ranks (heads, one KV head replicated, intermediate; the
+    # vocabulary in padded parts).
+    "llama_tp3": ("LlamaConfig", dict(hidden_size=96, intermediate_size=96, num_attention_heads=3,
+                                      num_key_value_heads=1, tie_word_embeddings=False)),
 }
 
 
@@ -228,10 +232,17 @@ def avx2_kernels():
 
 
 @pytest.fixture(scope="session")
-def ray_address():
-    """One local Ray instance (2 CPUs: two one-thread replicas) for the whole run, shared by the
-    tests that need Ray; servers join it with --ray-address. Starting Ray costs seconds."""
+def ray_cluster():
+    """One local Ray instance (2 CPUs) for the whole run, shared by every test that uses Ray
+    (tensor parallelism's ray backend, data-parallel replicas), shut down at the end; skips
+    where Ray is not installed (the `ray` extra). Starting Ray costs seconds."""
     ray = pytest.importorskip("ray")
     ctx = ray.init(num_cpus=2, include_dashboard=False, namespace="pagedserve-tests")
-    yield ctx.address_info["gcs_address"]
+    yield ctx
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster):
+    """The shared Ray instance's address: servers join it with --ray-address."""
+    return ray_cluster.address_info["gcs_address"]

@@ -79,3 +79,20 @@ def test_default_model_beam_search_equals_the_textbook_definition(llm, hf_model)
     seen = check_beam_search(llm, hf_model, prompts, tok.eos_token_id, max_tokens=16, num_threads=None)
     assert any(h[-1] == tok.eos_token_id for h in seen)     # finished hypotheses were ranked
     assert llm.kv_cache_stats()["num_used_blocks"] == 0
+
+
+def test_default_model_tensor_parallel_3_matches_transformers(default_path, hf_model):
+    """9 query heads and 3 KV heads over 3 ranks (one KV head each; tests/test_tensor_parallel.py
+    has the rest of tensor parallelism), greedy in float32."""
+    tp = LLM(dtype="float32", kv_cache_memory=64 * 1024**2, tensor_parallel_size=3)
+    try:
+        outs = tp.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, min_tokens=16), use_tqdm=False)
+    finally:
+        tp.shutdown()
+    for out in outs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                    pad_token_id=tp.get_tokenizer().eos_token_id)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref, out.prompt
+

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
 from pagedserve.engine.kv_view import EngineCapture, capture
+from pagedserve.executor import WorkerFailedError
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
@@ -367,6 +368,8 @@ class AsyncLLM:
         except BaseException as e:   # noqa: BLE001 - the engine cannot go on: say so, never hang
             self._die(e)
             return
+        finally:
+            self.engine.shutdown()   # the worker processes of tensor parallelism go with the engine
         self.state = "stopped"
 
     def _serve(self) -> None:
@@ -460,6 +463,8 @@ class AsyncLLM:
             except RequestsFailed as e:
                 self._fail_requests(e.failures)   # the step checked the invariants after dropping them
                 outputs = e.outputs
+        except WorkerFailedError:
+            raise                 # a tensor-parallel rank is gone: the engine cannot go on
         except Exception as e:   # noqa: BLE001 - the step failed as a whole
             self._step_failures += 1
             if self._step_failures >= MAX_STEP_FAILURES:

@@ -44,6 +44,11 @@ class LLM:
         """vLLM's name for the engine."""
         return self.engine
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (they also stop when this
+        process exits); nothing to do for a one-process engine."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

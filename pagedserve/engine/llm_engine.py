@@ -20,6 +20,7 @@ from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_view import KVView, capture
 from pagedserve.errors import InvalidRequestError
+from pagedserve.executor import make_executor
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -35,7 +36,6 @@ from pagedserve.sampling.beam_search import beam_score
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.structured.manager import GrammarCompiler
-from pagedserve.worker.worker import Worker
 import torch
 
 logger = logging.getLogger(__name__)
@@ -89,8 +89,10 @@ class LLMEngine:
                         "generation_config='vllm' ignores them): %s", self.default_sampling)
         self.eos_token_ids = self._eos_token_ids(path)
         self.eos_token_id = self.tokenizer.eos_token_id
-        # The worker owns the device: it loads the model there and sizes the KV cache.
-        worker = Worker.load(config, path, self.eos_token_ids)
+        # The worker owns the device: it loads the model there and sizes the KV cache. The
+        # executor runs it in this process, or one shard per rank under tensor parallelism.
+        self.executor = make_executor(config, path, self.eos_token_ids)
+        worker = self.executor.worker
         self.runner, self.device = worker.runner, worker.device
         self.model_args, self.dtype = worker.model_args, worker.dtype
         self.max_model_len = worker.max_model_len
@@ -272,9 +274,13 @@ class LLMEngine:
         stats = self.scheduler.stats
         self.scheduler = self._new_scheduler()
         self.scheduler.stats = stats
-        self.runner.forget_sequences()   # seq ids start afresh
+        self.executor.forget_sequences()   # seq ids start afresh
         self.requests.clear()
         return dropped
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (tensor parallelism); nothing to do in one process."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -319,13 +325,13 @@ class LLMEngine:
         if self.check_invariants:
             self.check_paging_invariants(sched)
         if sched.empty:
-            self.runner.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
+            self.executor.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
             if grammar_failures:
                 raise RequestsFailed(grammar_failures, [])
             self._watchdog()
             return []
         self._steps_without_progress = 0
-        result = self.runner.execute(sched.batch)
+        result = self.executor.execute(sched.batch)
         update = self.scheduler.update_from_output(sched, result)
 
         # Building one request's output may raise too: that fails this request alone.

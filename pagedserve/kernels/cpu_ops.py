@@ -27,11 +27,12 @@ class CpuOps(TorchOps):
     def prepare_weights(self, model) -> None:
         """Every matmul weight packed once into the tiles of our GEMMs (see cpu.pack_weight). A
         tied LM head gets its own packed copy; the embedding table stays plain for lookups.
-        With the CPU attention backend, the whole layer loop then runs as one compiled call."""
+        With the CPU attention backend, the whole layer loop then runs as one compiled call
+        (not under tensor parallelism: its all-reduces run between the layers' matmuls)."""
         for w in model.layers:
             w.qkv, w.o, w.gate_up, w.down = (cpu.pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
         model.lm_head = cpu.pack_weight(model.lm_head)
-        if isinstance(model.attention, CpuAttention) and cpu.DecoderLayers.supports(model):
+        if model.tp is None and isinstance(model.attention, CpuAttention) and cpu.DecoderLayers.supports(model):
             model.compiled_layers = CpuDecoderLayers(model)
 
     linear = staticmethod(cpu.linear)     # plain or packed weights (prepare_weights packs them)

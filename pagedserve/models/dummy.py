@@ -52,6 +52,9 @@ class DummyWeights(Mapping):
         t = torch.empty(shape, dtype=self.dtype, device=self.device)
         return t.normal_(0.0, INIT_STD, generator=self.generator)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes          # (Mapping's default would draw the tensor)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
 

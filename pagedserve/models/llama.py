@@ -7,6 +7,12 @@ backend that reads and writes the paged KV cache (attention/backend.py). Where t
 ops offer it (CPU kernels with the CPU attention backend), the whole layer loop runs
 as one compiled call (`compiled_layers`); the Python loop below stays as its
 reference and for every other case.
+
+Under tensor parallelism (models/sharding.py) a model holds one rank's shard: its
+attention heads, its part of the MLP and of the vocabulary. The residual stream stays
+whole on every rank: the embedding, the attention output and the MLP's down projection
+each give a partial sum that `tp.all_reduce` completes, and `compute_logits` gathers
+the vocabulary parts on the driver (rank 0).
 """
 from __future__ import annotations
 
@@ -56,8 +62,8 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor, attention: AttentionBackend, max_positions: int,
-                 ops: ModelOps | None = None) -> None:
-        self.args = args
+                 ops: ModelOps | None = None, tp=None, vocab: tuple[int, int] | None = None) -> None:
+        self.args = args          # this rank's shapes (heads, intermediate size) under tensor parallelism
         self.embed = embed
         self.layers = layers
         self.norm = norm
@@ -70,6 +76,10 @@ class LlamaModel:
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.compiled_layers: CompiledLayers | None = None    # set by pack_linear_weights, where the ops offer it
+        # Tensor parallelism: the process group (distributed/group.py), and where this rank's
+        # vocabulary part starts and how large the whole vocabulary is.
+        self.tp = tp
+        self.vocab_start, self.vocab_size = vocab or (0, args.vocab_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,7 +113,7 @@ class LlamaModel:
         a, ops = self.args, self.ops
         num_tokens = input_ids.shape[0]
         self.attention.prepare(meta)
-        x = F.embedding(input_ids, self.embed)        # the residual stream
+        x = self._embed(input_ids)                    # the residual stream
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
         h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
@@ -111,19 +121,40 @@ class LlamaModel:
                 x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta):
             return h
         linear = ops.linear
+        reduce = self.tp.all_reduce if self.tp else _whole
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
             q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
-            x, h = ops.add_rms_norm(x, linear(attn.reshape(num_tokens, self.q_size), w.o), w.post_norm,
+            x, h = ops.add_rms_norm(x, reduce(linear(attn.reshape(num_tokens, self.q_size), w.o)), w.post_norm,
                                     a.rms_norm_eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x, h = ops.add_rms_norm(x, linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down), next_norm,
+            x, h = ops.add_rms_norm(x, reduce(linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)), next_norm,
                                     a.rms_norm_eps)
         return h
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp:
+            return F.embedding(input_ids, self.embed)
+        # Vocab-parallel: each rank looks up the ids in its part, zeros for the others; the sum is whole.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32 for the rows that are sampled (the LM head runs only on those)."""
-        return self.ops.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits in float32 for the rows that are sampled (the LM head runs only on those).
+        Under tensor parallelism every rank must call it; the driver gets the whole
+        vocabulary's logits, the other ranks None."""
+        logits = self.ops.linear(hidden, self.lm_head).float()
+        if not self.tp:
+            return logits
+        whole = self.tp.gather_columns(logits)
+        return None if whole is None else whole[:, :self.vocab_size]
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """One process holds every head: a layer's output is already whole."""
+    return x

@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, Llama
 from pagedserve.models.opt import OPT_ARCHITECTURES, OPTArgs, build_opt_model
 from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.models.presets import PRESETS, is_preset
+from pagedserve.models.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -157,48 +159,139 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_weights(reader, args: ModelArgs) -> dict[str, torch.Tensor]:
-    from gguf import quants
-    permuted = args.architecture == "LlamaForCausalLM"   # GGUF_ARCHITECTURES: llama.cpp's rotary layout
-    weights = {}
-    for t in reader.tensors:
-        data = quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        if t.name.startswith("blk."):
-            _, layer, kind, suffix = t.name.split(".", 3)
-            if permuted and kind == "attn_q":
-                data = _unpermute_rotary(data, args.num_heads)
-            elif permuted and kind == "attn_k":
-                data = _unpermute_rotary(data, args.num_kv_heads)
-            name = f"layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-        else:
-            name = _GGUF_NAMES[t.name]
-        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))   # a writable copy
-    return weights
+    source = GGUFSource(reader, args)
+    return {name: source.get(name) for name in source.names()}
 
 
-def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, attention,
-                max_positions: int, ops: ModelOps | None = None) -> LlamaModel:
-    def w(name: str) -> torch.Tensor:
-        if name not in weights:
+Range = tuple[int, int] | None      # [start, end) of a dimension; None: all of it
+
+
+class TensorSource(Protocol):
+    """Where a checkpoint's tensors come from, in HF names and layout, one slice at a time."""
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor: ...
+
+
+class DictSource:
+    """Tensors already in memory (one process: the whole checkpoint)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        t = self.weights[name]
+        t = t if rows is None else t[rows[0]:rows[1]]
+        return t if cols is None else t[:, cols[0]:cols[1]]
+
+
+class SafetensorsSource:
+    """Slices read straight from safetensors files (memory-mapped): a tensor-parallel rank
+    reads only its part of each tensor."""
+
+    def __init__(self, files: list[Path], prefix: str = "model.") -> None:
+        from safetensors import safe_open
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k.removeprefix(prefix): (h, k) for h in self._handles for k in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        handle, key = self._where[name]
+        part = handle.get_slice(key)
+        r = slice(*rows) if rows else slice(None)
+        if cols is None:
+            return part[r]
+        return part[r, slice(*cols)]
+
+
+class GGUFSource:
+    """Slices of a GGUF file's (memory-mapped, quantized) tensors, dequantized one slice at a
+    time: rows directly, columns by whole quantization blocks where they align."""
+
+    def __init__(self, reader, args: ModelArgs) -> None:
+        self.args = args
+        self.permuted = args.architecture == "LlamaForCausalLM"   # GGUF_ARCHITECTURES: llama.cpp's rotary layout
+        self._tensors = {}
+        for t in reader.tensors:
+            if t.name.startswith("blk."):
+                _, layer, kind, suffix = t.name.split(".", 3)
+                self._tensors[f"layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"] = (t, kind)
+            else:
+                self._tensors[_GGUF_NAMES[t.name]] = (t, None)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        from gguf import GGML_QUANT_SIZES, quants
+        t, kind = self._tensors[name]
+        data = t.data if rows is None else t.data[rows[0]:rows[1]]
+        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        if cols is not None and data.ndim == 2 and cols[0] % block == 0 and cols[1] % block == 0:
+            data, cols = data[:, cols[0] // block * block_bytes:cols[1] // block * block_bytes], None
+        out = quants.dequantize(data, t.tensor_type)
+        if data.ndim == 1:
+            out = out.reshape(-1)
+        if kind in ("attn_q", "attn_k") and self.permuted:   # rows are whole heads: un-permute each
+            out = _unpermute_rotary(out, out.shape[0] // self.args.head_dim)
+        if cols is not None:
+            out = out[:, cols[0]:cols[1]]
+        return torch.from_numpy(np.array(out, dtype=np.float32))   # a writable copy
+
+
+def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, attention,
+                max_positions: int, ops: ModelOps | None = None, shard: Shard = Shard(),
+                tp=None) -> LlamaModel:
+    """The model of `shard`'s rank (models/sharding.py): its query and KV heads of q/k/v
+    (rows) and of the attention output (columns), its part of gate/up (rows) and down
+    (columns), its part of the vocabulary (embedding and LM head rows, zero-padded to
+    equal parts), all of the norms. `tp`: the process group its all-reduces go through."""
+    def w(name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        if not source.has(name):
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        return weights[name].to(dtype).contiguous()
+        return source.get(name, rows, cols).to(dtype).contiguous()
 
+    D = args.head_dim
+    q0, q1 = shard.q_heads(args)
+    k0, k1 = shard.kv_heads(args)
+    heads = {"q": (q0 * D, q1 * D), "k": (k0 * D, k1 * D), "v": (k0 * D, k1 * D)}
+    inter = shard.split(args.intermediate_size) if shard.size > 1 else None
+    q_cols = heads["q"] if shard.size > 1 else None
     layers = []
     for i in range(args.num_layers):
         p = f"layers.{i}."
-        qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if args.qkv_bias else None
+        qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight", heads[n]) for n in "qkv"])
+        bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", heads[n]) for n in "qkv"]) if args.qkv_bias else None
         layers.append(LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=qkv,
             qkv_bias=bias,
-            o=w(p + "self_attn.o_proj.weight"),
+            o=w(p + "self_attn.o_proj.weight", cols=q_cols),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-            down=w(p + "mlp.down_proj.weight"),
+            gate_up=torch.cat([w(p + "mlp.gate_proj.weight", inter), w(p + "mlp.up_proj.weight", inter)]),
+            down=w(p + "mlp.down_proj.weight", cols=inter),
         ))
-    embed = w("embed_tokens.weight")
-    lm_head = embed if args.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-    return LlamaModel(args, embed, layers, w("norm.weight"), lm_head, attention, max_positions, ops)
+    vocab = shard.vocab(args.vocab_size) if shard.size > 1 else None
+    pad = shard.vocab_part(args.vocab_size) - (vocab[1] - vocab[0]) if vocab else 0
+
+    def vocab_rows(name: str) -> torch.Tensor:
+        t = w(name, vocab)
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+    embed = vocab_rows("embed_tokens.weight")
+    untied = not args.tie_word_embeddings and source.has("lm_head.weight")
+    lm_head = vocab_rows("lm_head.weight") if untied else embed
+    return LlamaModel(shard.local_args(args), embed, layers, w("norm.weight"), lm_head, attention, max_positions,
+                      ops, tp=tp, vocab=(vocab[0] if vocab else 0, args.vocab_size))
 
 
 # What pagedserve derives from a GGUF file (its float32 weights, its tokenizer) is cached under
@@ -283,37 +376,72 @@ def _checkpoint_dtype(cfg: dict) -> torch.dtype | None:
 
 def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None,
                ops: ModelOps | None = None, load_format: str = "auto", device: torch.device | str = "cpu",
-               seed: int = 0):
+               seed: int = 0, shard: Shard = Shard(), tp=None):
     """Returns (model, args, dtype). `ops`: the dense ops the model runs (default plain torch),
     which also say whether dtype `auto` may keep bf16. Logs the dtype `dtype_name` resolved
     to (and what the ops say of themselves, e.g. the CPU kernel variant that will run).
-    Real weights load on the CPU; dummy ones (seeded by `seed`) are made on `device`."""
+    Real weights load on the CPU; dummy ones (seeded by `seed`) are made on `device`. With a
+    `shard` of a tensor-parallel group, only that rank's slices are ever read (`args` stays
+    the whole model's)."""
     ops = ops or TorchOps()
     dummy = load_format == "dummy"
+    sharded = shard.size > 1
+    source: TensorSource | None = None
     if is_gguf(path):
         if dummy:
             import gguf
-            args, weights = args_from_gguf(gguf.GGUFReader(path)), None
+            args = args_from_gguf(gguf.GGUFReader(path))
         else:
-            args, weights = _load_gguf(path)
+            args, source = _gguf_source(path) if sharded else _gguf_dict_source(path)
         checkpoint_dtype = None
     else:
         cfg = read_hf_config(path)
         is_opt = (cfg.get("architectures") or [""])[0] in OPT_ARCHITECTURES
         args = OPTArgs.from_hf_config(cfg) if is_opt else args_from_hf_config(cfg)
-        weights = None if dummy else _hf_weights(Path(path))
+        if not dummy:
+            source = _hf_source(Path(path)) if sharded and not is_opt else DictSource(_hf_weights(Path(path)))
         checkpoint_dtype = _checkpoint_dtype(cfg)
+    if isinstance(args, OPTArgs) and (sharded or dummy):
+        raise ValueError("OPT runs in one process with its own weights: tensor parallelism and "
+                         "load_format='dummy' support the Llama family (Llama, Mistral, Qwen2)")
+    if not isinstance(args, OPTArgs):
+        shard.check(args)
     dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=ops.bf16_is_fast)
     if dummy:
         from pagedserve.models.dummy import DummyWeights
-        weights = DummyWeights(args, dtype, device, seed)
+        source = DictSource(DummyWeights(args, dtype, device, seed))
     note = ops.describe()
     logger.info("dtype %s -> %s%s", dtype_name, str(dtype).removeprefix("torch."), f"; {note}" if note else "")
     if isinstance(args, OPTArgs):
-        return build_opt_model(args, weights, dtype, attention), args, dtype
+        return build_opt_model(args, source.weights, dtype, attention), args, dtype
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
-    model = build_model(args, weights, dtype, attention, max_positions, ops)
+    model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp)
     return model, args, dtype
+
+
+def _gguf_dict_source(path: str) -> tuple[ModelArgs, TensorSource]:
+    args, weights = _load_gguf(path)
+    return args, DictSource(weights)
+
+
+def _gguf_source(path: str) -> tuple[ModelArgs, TensorSource]:
+    """A rank's view of a GGUF model: the float32 copy a one-process load saved, if there is
+    one, else the GGUF file itself (no copy is saved: that would hold the whole model)."""
+    cache, fresh = _derived_cache("models", path)
+    if fresh:
+        return ModelArgs(**json.loads((cache / "args.json").read_text())), \
+            SafetensorsSource([cache / "model.safetensors"], prefix="")
+    import gguf
+    reader = gguf.GGUFReader(path)
+    args = args_from_gguf(reader)
+    return args, GGUFSource(reader, args)
+
+
+def _hf_source(path: Path) -> TensorSource:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    return SafetensorsSource(files)
 
 
 # ---- sampling defaults ---------------------------------------------------------------------

@@ -94,10 +94,11 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(seqs)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
             last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None]
+            # None on a tensor-parallel rank but the driver (it only took part in the gather)
             logits = self.model.compute_logits(hidden[last]) if sampled else None
             prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
         sample = None
-        if sampled:   # on the model's device; the sampler sends ids and logprobs to the host
+        if logits is not None:   # on the model's device; the sampler sends ids and logprobs to the host
             sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled],
                                   batch.grammar_rows, batch.grammar_bitmask)
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps)
@@ -169,7 +170,10 @@ class ModelRunner:
                 continue
             k, n = r.num_logprobs, len(r.target_token_ids)
             rows = hidden[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i] + n]
-            lps = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            logits = self.model.compute_logits(rows)
+            if logits is None:      # a tensor-parallel rank but the driver: it only took part in the gather
+                continue
+            lps = torch.log_softmax(logits, dim=-1)
             chosen = lps.gather(1, torch.tensor(r.target_token_ids, device=lps.device)[:, None])
             ranks = ((lps > chosen).sum(-1) + 1).tolist()
             top_lps, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())

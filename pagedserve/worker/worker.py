@@ -1,8 +1,8 @@
 """Setting up the worker, which owns the device: the model's ops and attention backend,
-the model loaded onto the device, the KV cache sized to the memory there, the sampler
-(on the device), the ModelRunner that runs steps and, on CUDA, its decode CUDA graphs.
-The engine gets back what it needs to plan: the number of device and host blocks, the
-context length and the model's shape."""
+the model (or, under tensor parallelism, this rank's shard of it) loaded onto the device,
+the KV cache sized to the memory there, the sampler (on the device), the ModelRunner that
+runs steps and, on CUDA, its decode CUDA graphs. The engine gets back what it needs to plan:
+the number of device and host blocks, the context length and the model's shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +11,11 @@ import torch
 
 from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
+from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.llama import ModelArgs
 from pagedserve.models.loader import load_model
 from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
 from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
@@ -72,30 +74,36 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, dev
 class Worker:
     runner: ModelRunner
     device: torch.device
-    model_args: ModelArgs
+    model_args: ModelArgs          # the whole model's (a tensor-parallel rank runs a shard of it)
     dtype: torch.dtype
     num_blocks: int
     num_host_blocks: int
     max_model_len: int
 
     @classmethod
-    def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> "Worker":
-        """Load the model onto the configured device, size its KV cache and build the runner."""
-        device = resolve_device(config.device)
+    def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int],
+             group: TensorParallelGroup | None = None, device: torch.device | None = None) -> "Worker":
+        """Load the model onto the configured device, size its KV cache and build the runner.
+        With a tensor-parallel `group`, this rank's shard of the model and the KV cache of its
+        heads; every rank gets the same number of blocks (the smallest any rank can hold)."""
+        device = device or resolve_device(config.device)
         attention = make_attention_backend(config.attention_backend, device)
         ops = make_ops(device)
+        shard = Shard(group.rank, group.world_size) if group else Shard()
         free_before_load = free_device_memory(device)
         model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops,
-                                        config.load_format, device, config.seed)
+                                        config.load_format, device, config.seed, shard, group)
         model.to(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()      # what building the weights left in the allocator's cache
         model.pack_linear_weights()
         max_model_len = resolve_max_model_len(config.max_model_len, args)
-        num_blocks, num_host_blocks = num_kv_blocks(config, args, dtype, device, free_before_load)
+        num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, free_before_load)
+        if group:
+            num_blocks, num_host_blocks = group.min_int(num_blocks), group.min_int(num_host_blocks)
         sampler = make_sampler(eos_token_ids, config.seed, device)
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
-        if sizes and uses_cuda_graphs(config, device, attention):
+        if sizes and group is None and uses_cuda_graphs(config, device, attention):   # TP: eager
             runner.capture_cuda_graphs(sizes, max_model_len)
         return cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)

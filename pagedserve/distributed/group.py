@@ -1,0 +1,86 @@
+"""The tensor-parallel process group: every collective the ranks run, over torch.distributed.
+
+Two groups over the same ranks:
+- the control group (gloo, the default group), which carries the driver's step commands
+  (pickled `StepBatch`es) to the other ranks. A rank waits on it between steps for as long
+  as the engine is idle, so its timeout is long; the driver's sends wait `distributed_timeout`;
+- the compute group (gloo on CPU, NCCL on CUDA), which carries the model's all-reduces and
+  the LM head's gather, with `distributed_timeout` seconds per collective: a rank that hangs
+  fails the step instead of hanging the engine. A rank that dies fails it at once (its
+  connections close).
+
+Rank 0 is the driver (in the engine's process); it alone samples, from the gathered logits.
+"""
+from __future__ import annotations
+
+import pickle
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits for the driver's next command (the engine may idle for days).
+CONTROL_TIMEOUT = timedelta(days=30)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device,
+                 timeout_s: float) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
+                               "engine per process (shut the other one down first)")
+        self.rank, self.world_size = rank, world_size
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=CONTROL_TIMEOUT)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.timeout = timedelta(seconds=timeout_s)
+        self.compute = dist.new_group(backend=backend, timeout=self.timeout)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of each rank's partial x, in place."""
+        dist.all_reduce(x, group=self.compute)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """On the driver, every rank's x [rows, part] side by side: [rows, world_size * part]
+        (each rank's part has the same width); None on the other ranks."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
+        dist.gather(x, parts, dst=0, group=self.compute)
+        return torch.cat(parts, dim=1) if self.is_driver else None
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's value (all ranks must size the KV cache alike)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def broadcast(self, command: object = None) -> object:
+        """The driver's command, on every rank (the driver passes it, the others receive it),
+        pickled. The other ranks wait for it as long as the engine idles; the driver waits
+        `timeout_s` at most for them to take it (gloo's send waits for the receiver)."""
+        if self.is_driver:
+            data = bytearray(pickle.dumps(command))
+            for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(data, dtype=torch.uint8)):
+                dist.broadcast(t, src=0, async_op=True).wait(self.timeout)
+            return command
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0)
+        return pickle.loads(data.numpy().tobytes())
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
