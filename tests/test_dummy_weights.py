@@ -21,7 +21,16 @@ def tiny_config_dir(tmp_path):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# Dummy weights are for the Llama family; the OPT presets are shapes for the simulator (sim/).
+LLAMA_FAMILY_PRESETS = sorted(n for n, cfg in PRESETS.items() if cfg["model_type"] != "opt")
+
+
+def test_opt_presets_refuse_dummy_weights():
+    with pytest.raises(ValueError, match="Llama family"):
+        LLM("opt-13b", load_format="dummy")
+
+
+@pytest.mark.parametrize("name", LLAMA_FAMILY_PRESETS)
 def test_preset_shapes_are_the_transformers_models(name):
     """Each preset's dummy tensors have exactly the names and shapes of the checkpoint
     transformers would build from that config (on the meta device: nothing allocated)."""
