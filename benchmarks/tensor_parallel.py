@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.throughput import decode_step_times  # noqa: E402
 from benchmarks.workloads import make_trace  # noqa: E402
 
 # name: (hidden size, layers, vocabulary) of models TP is for.
@@ -79,12 +80,7 @@ def run_single(llm, prompt_len: int, output_len: int) -> dict:
     engine = llm.engine
     engine.add_request("single", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    engine.step()                                    # prefill + first token
-    steps = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
+    steps = decode_step_times(engine)
     return dict(ms_per_token=sorted(steps)[len(steps) // 2] * 1e3)
 
 

@@ -129,6 +129,17 @@ def run_hf_static(hf, trace: list[TraceRequest], batch_size: int, pad_id: int) -
                 output_tok_s=n_out / elapsed, total_tok_s=(n_in + n_out) / elapsed)
 
 
+def decode_step_times(engine) -> list[float]:
+    """Seconds of each decode step of the engine's one request, after its prefill step."""
+    engine.step()                                    # prefill + first token
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
 def run_single_decode(llm, prompt_len: int, output_len: int, bandwidth: float) -> dict:
     from pagedserve import SamplingParams
     trace = make_trace("sharegpt", 1, seed=1)
@@ -139,12 +150,7 @@ def run_single_decode(llm, prompt_len: int, output_len: int, bandwidth: float) -
     # measurements, the start one and two taken right around this run, so it is not flattered.
     bandwidths = [bandwidth, read_bandwidth()]
     engine.add_request("single", {"prompt_token_ids": prompt}, p)
-    engine.step()                                    # prefill + first token
-    steps = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
+    steps = decode_step_times(engine)
     bandwidths.append(read_bandwidth())
     bandwidth = max(bandwidths)
     per_token = sorted(steps)[len(steps) // 2]      # the median step: robust to other jobs' bursts

@@ -20,7 +20,6 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -29,9 +28,8 @@ from pagedserve.cluster.replica import EngineReplica, PollResult, ReplicaInfo, r
 from pagedserve.cluster.routing import NoReplicaError, Router
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, Params,
-                                         PromptType)
+                                         PromptType, RequestStream)
 from pagedserve.models.loader import load_tokenizer
-from pagedserve.outputs import RequestOutput
 from pagedserve.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -71,40 +69,17 @@ def _prompt_ids(prompt: PromptType, tokenizer) -> tuple[list[int], str | None]:
     return list(prompt), None
 
 
-class RoutedStream:
-    """RequestStream's interface over requests running on several replicas."""
+class RoutedStream(RequestStream):
+    """A RequestStream over requests running on several replicas: the outputs arrive from
+    one pump task per replica call, cancelled when the stream is closed."""
 
     def __init__(self, client: "DataParallelLLM", request_ids: list[str]) -> None:
-        self._client = client
-        self.request_ids = list(request_ids)
-        self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        super().__init__(client, request_ids)     # aborts go to the client, which routes them
         self._pumps: list[asyncio.Task] = []
         self.replica_of: dict[str, int] = {}     # request id -> the replica it was sent to
 
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._outputs()
-
-    async def _outputs(self) -> AsyncIterator[RequestOutput]:
-        while self._unfinished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.abort()
-                self._unfinished.clear()
-                raise item
-            if item.finished:
-                self._unfinished.discard(item.request_id)
-            yield item
-
-    def abort(self) -> None:
-        if self._unfinished:
-            self._client.abort(sorted(self._unfinished))
-
     def close(self) -> None:
+        """Abort what is unfinished and stop the pumps (no AsyncLLM registry to leave)."""
         self.abort()
         self._unfinished.clear()
         for pump in self._pumps:
@@ -312,19 +287,19 @@ class DataParallelLLM:
             async for ref in gen:
                 kind, value = await ref
                 if kind == "error":
-                    stream._queue.put_nowait(rebuild_error(*value))
+                    stream._put(rebuild_error(*value))
                     return
                 if value.finished:
                     self._actual.inc(value.num_cached_tokens)
-                stream._queue.put_nowait(value)
+                stream._put(value)
         except RayActorError as e:
             self._replica_down(replica)
-            stream._queue.put_nowait(EngineStepError(f"replica {replica} died while running this request: "
+            stream._put(EngineStepError(f"replica {replica} died while running this request: "
                                                      f"{type(e).__name__}"))
         except asyncio.CancelledError:
             pass
         except Exception as e:   # noqa: BLE001 - fails this request, never the server
-            stream._queue.put_nowait(EngineStepError(f"replica {replica} failed: {e!r}"))
+            stream._put(EngineStepError(f"replica {replica} failed: {e!r}"))
         finally:
             self._forget(rid)
 
