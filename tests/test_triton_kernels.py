@@ -15,7 +15,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_backend import TorchAttention, write_kv as torch_write_kv
 from pagedserve.attention.triton_backend import TritonAttention
 from pagedserve.attention.triton_cache_ops import copy_blocks, write_kv
-from pagedserve.attention.triton_decode import BLOCK_N, choose_partition, paged_decode_attention
+from pagedserve.attention.triton_decode import (MAX_PARTITIONS, MIN_PARTITION, choose_splits, decode_grid,
+                                               paged_decode_attention, partition_tokens)
 from pagedserve.attention.triton_utils import check_device, is_interpreted
 from pagedserve.attention.triton_prefill import paged_prefill_attention
 from tests.conftest import PROMPTS
@@ -98,7 +99,7 @@ def rounded(dtype, *tensors):
     return [t.to(dtype).float() for t in tensors]
 
 
-def decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, partition_size, seed):
+def decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, num_splits, seed, max_seq_len=None):
     specs = [(c - 1, 1) for c in ctx_lens]      # context after the step = c
     num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 8
     cache, q, k, v, meta, _ = make_batch(specs, block_size, num_kv_heads, head_dim, num_heads, num_blocks, seed=seed)
@@ -107,40 +108,67 @@ def decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, 
     ref, ref_cache = reference(cache, q, k, v, meta, scale)
     cache, q, k, v, meta = to_device(cache, q, k, v, meta, dtype)
     write_kv(cache, k, v, meta.slot_mapping)
-    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
-                                 partition_size=partition_size)
+    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, max_seq_len or meta.max_seq_len,
+                                 num_splits=num_splits)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), ref, atol=tol, rtol=tol)
     assert torch.equal(cache.float().cpu(), ref_cache)
 
 
 @pytest.mark.parametrize(
-    "ctx_lens,block_size,num_heads,num_kv_heads,head_dim,dtype,partition_size", [
+    "ctx_lens,block_size,num_heads,num_kv_heads,head_dim,dtype,num_splits", [
         # 33 sequences of 1..200 tokens, GQA 3, one partition each.
         ([1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 200] + list(range(3, 200, 12))[:17],
          16, 3, 1, 64, torch.float32, None),
-        # One 3000-token context split in partitions of 512 beside a 1-token one; GQA 8.
-        ([3000, 1], 32, 8, 1, 128, torch.float32, 512),
-        # bfloat16, GQA 1, split in partitions of 256 (shorter sequences skip the last ones).
-        ([700, 300, 5, 257, 64], 16, 2, 2, 128, torch.bfloat16, 256),
+        # One 3000-token context split 6 ways (partitions of 512) beside a 1-token one; GQA 8.
+        ([3000, 1], 32, 8, 1, 128, torch.float32, 6),
+        # bfloat16, GQA 1, split 3 ways (partitions of 256; the shorter sequences use fewer).
+        ([700, 300, 5, 257, 64], 16, 2, 2, 128, torch.bfloat16, 3),
         # A single sequence (batch of 1), block size 32, GQA 8 with two KV heads.
         ([450], 32, 16, 2, 64, torch.float32, None),
     ])
 def test_decode_equals_torch_reference(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype,
-                                       partition_size):
-    decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, partition_size, seed=len(ctx_lens))
+                                       num_splits):
+    decode_case(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, num_splits, seed=len(ctx_lens))
 
 
-def test_partition_choice():
+def test_split_choice():
     # Enough (sequence, head) programs: no split; otherwise split long contexts only.
-    assert choose_partition(3000, 64, 8, 132) >= 3000
-    assert choose_partition(200, 1, 1, 132) >= 200
-    p = choose_partition(32000, 1, 8, 132)
-    assert p % BLOCK_N == 0 and 256 <= p < 32000 and triton.cdiv(32000, p) <= 64
-    with pytest.raises(ValueError, match="multiple"):
+    assert choose_splits(3000, 64, 8, 132) == 1
+    assert choose_splits(200, 1, 1, 132) == 1
+    assert 1 < choose_splits(32000, 1, 8, 132) <= MAX_PARTITIONS
+    with pytest.raises(ValueError, match="num_splits"):
         q = torch.zeros(1, 2, 64, device=DEVICE)
         paged_decode_attention(q, torch.zeros(2, 4, 16, 2, 64, device=DEVICE), torch.zeros(1, 4, dtype=torch.long),
-                               torch.ones(1, dtype=torch.long), 1.0, 1, partition_size=100)
+                               torch.ones(1, dtype=torch.long), 1.0, 1, num_splits=0)
+
+
+def test_graph_decode_grid_does_not_grow_with_max_model_len():
+    """A CUDA graph launches decode for max_model_len (a bound on every context). The grid
+    is (sequence, KV head, split) with the splits set by the batch and the GPU, not by
+    max_model_len, and each sequence divides its own context between the splits: a short
+    context in a graph sized for 128k tokens keeps the GPU as busy as a long one (before,
+    one partition of max_model_len / splits tokens held the whole short context)."""
+    sms = 132
+    for b, hkv in [(1, 8), (4, 8), (8, 3), (64, 8)]:
+        grids = {decode_grid(b, hkv, choose_splits(m, b, hkv, sms)) for m in (16384, 32768, 131072)}
+        assert len(grids) == 1, grids
+        (grid,) = grids
+        assert grid[2] * b * hkv <= max(2 * sms + b * hkv, b * hkv)    # about twice the SMs, never more
+    splits = choose_splits(131072, 1, 8, sms)
+    assert splits == 33
+    live = lambda n: -(-n // partition_tokens(n, splits))    # partitions that hold tokens
+    assert live(2000) >= 7 and partition_tokens(2000, splits) == MIN_PARTITION
+    assert live(100) == 1 and live(131072) == splits
+    assert partition_tokens(131072, splits) * splits >= 131072
+    # Eagerly, a short context gets one split: a grid of (sequences, KV heads, 1).
+    assert decode_grid(1, 8, choose_splits(200, 1, 8, sms)) == (1, 8, 1)
+
+
+def test_decode_split_for_a_bound_far_past_the_contexts():
+    """The graph's launch: max_seq_len far above every context, many splits (each sequence
+    splits its own context), the same output as the reference."""
+    decode_case([700, 300, 5, 257, 64, 1], 16, 4, 2, 64, torch.float32, num_splits=5, seed=3, max_seq_len=1 << 17)
 
 
 # ---- prefill -----------------------------------------------------------------------------
@@ -299,7 +327,7 @@ def test_kernels_compile_for_sm90(monkeypatch):
     cache, q, k, v, meta, _ = make_batch(specs, 16, 2, 128, 16, num_blocks=40, seed=5)
     cache, q, k, v, meta = to_device(cache, q, k, v, meta, torch.bfloat16)
     TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1)
-    paged_decode_attention(q[:2], cache, meta.block_tables, meta.seq_lens, 0.1, 301, partition_size=128)
+    paged_decode_attention(q[:2], cache, meta.block_tables, meta.seq_lens, 0.1, 301, num_splits=2)
     copy_blocks(cache, cache, [(1, 2)])
     jobs = []
     for fn, args, kwargs in launches.values():

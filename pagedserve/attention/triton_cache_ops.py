@@ -21,7 +21,8 @@ def _write_kv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
 ):
     """One program per BLOCK_T tokens, each token's heads and dims as one flat row."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # 64-bit offsets throughout (program ids are 32-bit): a cache can exceed 2**31 elements.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)   # < 0: padding, not stored
     hd = tl.arange(0, BLOCK_HD)
     h = hd // HEAD_DIM
@@ -62,12 +63,13 @@ def _copy_blocks_kernel(
     BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program (pair, segment, chunk) copies CHUNK elements of one block of one
-    segment (a layer's K or V)."""
+    segment (a layer's K or V). Offsets in 64 bits: seg * stride_src_seg alone passes
+    2**31 in any cache of more than 2**31 elements (every real one)."""
     pair = tl.program_id(0)
-    seg = tl.program_id(1)
-    chunk = tl.program_id(2)
-    src_block = tl.load(src_ids_ptr + pair)
-    dst_block = tl.load(dst_ids_ptr + pair)
+    seg = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2).to(tl.int64)
+    src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offs < BLOCK_NUMEL
     x = tl.load(src_ptr + seg * stride_src_seg + src_block * stride_src_block + offs, mask=mask)

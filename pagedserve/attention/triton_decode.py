@@ -1,13 +1,15 @@
 """Paged decode attention in Triton: one query token per sequence over its cached blocks.
 
-Program (sequence, KV head, partition) loads the query rows of every query head
-that shares the KV head (GQA: one load of K/V serves the whole group) and walks
-its part of the context in tiles of BLOCK_N tokens, finding each token's physical
-block through the block table, with an online softmax. Short contexts use one
-partition and write the output directly. Long contexts, when there are too few
-(sequence, head) programs to fill the GPU, are split over the sequence length:
-each partition writes its normalised partial output and log-sum-exp, and a second
-kernel merges the partitions.
+Program (sequence, KV head, split) loads the query rows of every query head that shares
+the KV head (GQA: one load of K/V serves the whole group) and walks its part of the
+context in tiles of BLOCK_N tokens, finding each token's physical block through the block
+table, with an online softmax. The launch has num_splits programs per (sequence, head),
+chosen from the batch and the GPU's size (enough programs to keep every SM busy), never
+from the context length: each sequence splits its own context into num_splits partitions
+(of at least MIN_PARTITION tokens, so a short one uses fewer), so a CUDA graph captured
+once serves every context length at full width. With one split the kernel writes the
+output directly; otherwise each partition writes its normalised partial output and
+log-sum-exp, and a second kernel merges them.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_pr
                                                upcast)
 
 BLOCK_N = 64                # context tokens per tile
-MIN_PARTITION = 256         # never split finer than this many tokens
-MAX_PARTITIONS = 64
+MIN_PARTITION = 256         # never split finer than this many tokens (a multiple of BLOCK_N)
+MAX_PARTITIONS = 64         # at most this many splits per (sequence, head)
 # Launch settings. For sm_90 at head dim 128 these compile without register spills
 # (~120 registers); benchmarks/gpu_check.py times alternatives on a real GPU.
 NUM_WARPS = 4
@@ -28,11 +30,26 @@ NUM_STAGES = 3              # K/V tiles in flight (software pipelining of the lo
 
 
 @triton.jit
+def _partition_tokens(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr):
+    """Tokens per partition of one sequence (partition_tokens below, in Triton)."""
+    per_split = (seq_len + num_splits - 1) // num_splits
+    return tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, MIN_PART)
+
+
+def partition_tokens(seq_len: int, num_splits: int, block_n: int = BLOCK_N, min_part: int = MIN_PARTITION) -> int:
+    """Tokens per partition of a sequence of seq_len tokens split num_splits ways: its
+    share, rounded up to whole tiles, and at least min_part (so at most num_splits
+    partitions hold tokens, and a short context fewer)."""
+    per_split = -(-seq_len // num_splits)
+    return max(-(-per_split // block_n) * block_n, min_part)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,                                   # softmax scale * log2(e): exp2 below
-    partition_size,
+    num_splits,                                 # programs per (sequence, KV head): a runtime value
     stride_qt, stride_qh,
     stride_c_block, stride_c_tok, stride_c_head,
     stride_bt,
@@ -40,15 +57,17 @@ def _decode_kernel(
     stride_ps, stride_pp, stride_ph,            # partial outputs: [seq, partition, head, D]
     stride_ls, stride_lp,                       # partial lse: [seq, partition, head]
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MIN_PART: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    part = tl.program_id(2)
+    # 64-bit offsets (program ids are 32-bit); the cache's are in load_kv_tile.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, seq_len)   # empty when start >= seq_len
+    partition = _partition_tokens(seq_len, num_splits, BLOCK_N, MIN_PART)
+    start = part * partition
+    end = tl.minimum(start + partition, seq_len)   # empty when start >= seq_len
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -96,15 +115,17 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    partition_size,
+    num_splits,
     stride_ps, stride_pp, stride_ph, stride_ls, stride_lp, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
 ):
     """Program (sequence, query head): weight each partition by exp(its lse - max)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = (seq_len + partition_size - 1) // partition_size
+    partition = _partition_tokens(seq_len, num_splits, BLOCK_N, MIN_PART)
+    num_parts = (seq_len + partition - 1) // partition
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     p_mask = p < num_parts
@@ -118,26 +139,37 @@ def _merge_kernel(
              mask=d < HEAD_DIM)
 
 
-def choose_partition(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Tokens per partition (a multiple of BLOCK_N). The whole context, unless the
-    (sequence, KV head) programs are too few to keep every SM busy twice over: then
-    split long contexts so that they are, in partitions of at least MIN_PARTITION."""
+def choose_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Programs per (sequence, KV head). One, unless the (sequence, KV head) programs are
+    too few to keep every SM busy twice over: then enough splits that they are, at most
+    MAX_PARTITIONS, and no more than the longest context (max_seq_len, a bound: a CUDA
+    graph passes max_model_len) can fill with MIN_PARTITION tokens each. For contexts
+    longer than MIN_PARTITION x the SM-derived count, the result does not depend on
+    max_seq_len at all."""
     programs = num_seqs * num_kv_heads
-    splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, MIN_PARTITION), MAX_PARTITIONS)
-    splits = max(splits, 1)
-    return triton.cdiv(triton.cdiv(max_seq_len, splits), BLOCK_N) * BLOCK_N
+    splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max(max_seq_len, 1), MIN_PARTITION), MAX_PARTITIONS)
+    return max(splits, 1)
+
+
+def decode_grid(num_seqs: int, num_kv_heads: int, num_splits: int) -> tuple[int, int, int]:
+    """The decode kernel's launch grid: (sequence, KV head, split)."""
+    return num_seqs, num_kv_heads, num_splits
+
+
+def device_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                           out: torch.Tensor | None = None, partition_size: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q: [N, Hq, D], one query per sequence, whose K/V are already in the cache;
     kv_cache: [2, num_blocks, block_size, Hkv, D]; block_tables: [N, >= blocks needed];
-    seq_lens: [N] (max_seq_len bounds them: it sizes the launch, so a captured CUDA graph
-    can pass a fixed upper bound). Returns out [N, Hq, D].
+    seq_lens: [N] (max_seq_len bounds them; only the choice of splits reads it, so a
+    captured CUDA graph can pass max_model_len). Returns out [N, Hq, D].
 
-    partition_size: tokens per partition (a multiple of BLOCK_N); by default
-    choose_partition() decides, and one partition covering max_seq_len means no split.
+    num_splits: programs per (sequence, KV head), each over its share of the sequence's
+    context; by default choose_splits() decides (1: no split, no merge).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -148,25 +180,23 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
-    if partition_size is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        partition_size = choose_partition(max_seq_len, num_seqs, num_kv_heads, num_sms)
-    if partition_size % BLOCK_N:
-        raise ValueError(f"partition_size must be a multiple of {BLOCK_N}, got {partition_size}")
-    num_parts = triton.cdiv(max(max_seq_len, 1), partition_size)
-    split = num_parts > 1
+    if num_splits is None:
+        num_splits = choose_splits(max_seq_len, num_seqs, num_kv_heads, device_sms(q.device))
+    if not 1 <= num_splits <= MAX_PARTITIONS:
+        raise ValueError(f"num_splits must be 1..{MAX_PARTITIONS}, got {num_splits}")
+    split = num_splits > 1
     group = num_heads // num_kv_heads
     if split:
-        part_out = torch.empty(num_seqs, num_parts, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_parts, num_heads, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(num_seqs, num_splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_splits, num_heads, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out          # unused
     check_device(_decode_kernel, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
+    _decode_kernel[decode_grid(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse,
-        scale * 1.4426950408889634, partition_size,
+        scale * 1.4426950408889634, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -175,16 +205,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         *(part_lse.stride()[:2] if split else (0, 0)),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)),   # query rows padded to 16 for tl.dot on tensor cores
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        PAGE=kv_cache.shape[2], BLOCK_N=BLOCK_N, SPLIT=split,
+        PAGE=kv_cache.shape[2], BLOCK_N=BLOCK_N, SPLIT=split, MIN_PART=max(MIN_PARTITION, BLOCK_N),
         UPCAST=upcast(_decode_kernel, q.dtype), PRECISION=dot_precision(q.dtype),
         NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
     )
     if split:
         check_device(_merge_kernel, q.device)
         _merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, seq_lens, out,
-            partition_size,
+            part_out, part_lse, seq_lens, out, num_splits,
             *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(num_parts),
+            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(num_splits),
+            BLOCK_N=BLOCK_N, MIN_PART=max(MIN_PARTITION, BLOCK_N),
         )
     return out

@@ -34,9 +34,10 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # 64-bit offsets (program ids are 32-bit); the cache's are in load_kv_tile.
     tile = tl.program_id(0)
-    seq = tl.program_id(1) + first_seq
-    head = tl.program_id(2)
+    seq = tl.program_id(1).to(tl.int64) + first_seq
+    head = tl.program_id(2).to(tl.int64)
     kv_head = head // GROUP
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
