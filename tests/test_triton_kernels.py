@@ -350,15 +350,3 @@ def test_gpu_check_says_it_needs_a_gpu():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "sees no CUDA GPU" in done.stderr, done.stderr[-2000:]
-
-
-def test_default_kv_memory_on_cuda_is_a_share_of_free_memory_less_the_weights(monkeypatch):
-    """The arithmetic only (a GPU run reports the real number of blocks): with 100 GiB free
-    before loading and 2 GiB of weights held, 0.9 leaves 88 GiB; too little is refused."""
-    from pagedserve.worker.device import default_kv_cache_memory
-    gib = 2**30
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
-    assert default_kv_cache_memory(torch.device("cuda"), 100 * gib, 0.9) == 88 * gib
-    with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        default_kv_cache_memory(torch.device("cuda"), 2 * gib, 0.5)
-    assert default_kv_cache_memory(torch.device("cpu"), None, 0.9) > 0

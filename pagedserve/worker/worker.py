@@ -18,7 +18,8 @@ from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
-from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
+from pagedserve.worker.device import (KVMemoryPlan, MemoryProbe, default_kv_cache_memory, memory_probe,
+                                      profile_kv_memory, resolve_device)
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 
@@ -50,13 +51,12 @@ def resolve_max_model_len(requested: int | None, args: ModelArgs) -> int:
 
 
 def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
-                  free_before_load: int | None) -> tuple[int, int]:
+                  memory_plan: KVMemoryPlan | None) -> tuple[int, int]:
     """(device blocks, host swap-space blocks) for the KV cache: kv_cache_memory (or, on a
-    GPU, gpu_memory_utilization of what was free) and swap_space, in blocks of this model."""
+    GPU, what the profile's memory_plan leaves) and swap_space, in blocks of this model."""
     block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim,
                                            dtype)
-    kv_memory = config.kv_cache_memory or \
-        default_kv_cache_memory(device, free_before_load, config.gpu_memory_utilization)
+    kv_memory = config.kv_cache_memory or default_kv_cache_memory(memory_plan)
     num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {config.kv_cache_memory} bytes holds no block: one block of "
@@ -82,15 +82,19 @@ class Worker:
 
     @classmethod
     def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int],
-             group: TensorParallelGroup | None = None, device: torch.device | None = None) -> "Worker":
+             group: TensorParallelGroup | None = None, device: torch.device | None = None,
+             probe: MemoryProbe | None = None) -> "Worker":
         """Load the model onto the configured device, size its KV cache and build the runner.
         With a tensor-parallel `group`, this rank's shard of the model and the KV cache of its
-        heads; every rank gets the same number of blocks (the smallest any rank can hold)."""
+        heads; every rank gets the same number of blocks (the smallest any rank can hold).
+        On a GPU without kv_cache_memory, the KV cache gets what a profile leaves
+        (worker/device.py); `probe` reads the device's memory (default: CUDA's; tests fake it)."""
         device = device or resolve_device(config.device)
         attention = make_attention_backend(config.attention_backend, device)
         ops = make_ops(device)
         shard = Shard(group.rank, group.world_size) if group else Shard()
-        free_before_load = free_device_memory(device)
+        probe = probe or memory_probe(device)
+        start = probe.snapshot() if probe else None
         model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops,
                                         config.load_format, device, config.seed, shard, group)
         model.to(device)
@@ -98,12 +102,17 @@ class Worker:
             torch.cuda.empty_cache()      # what building the weights left in the allocator's cache
         model.pack_linear_weights()
         max_model_len = resolve_max_model_len(config.max_model_len, args)
-        num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, free_before_load)
+        sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        graphs = bool(sizes) and group is None and uses_cuda_graphs(config, device, attention)   # TP: eager
+        memory_plan = None
+        if probe and config.kv_cache_memory is None and config.num_gpu_blocks_override is None:
+            memory_plan = profile_kv_memory(model, config, device, make_sampler(eos_token_ids, config.seed, device),
+                                            probe, start, max_model_len, sizes[-1] if graphs else None)
+        num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, memory_plan)
         if group:
             num_blocks, num_host_blocks = group.min_int(num_blocks), group.min_int(num_host_blocks)
         sampler = make_sampler(eos_token_ids, config.seed, device)
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
-        sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
-        if sizes and group is None and uses_cuda_graphs(config, device, attention):   # TP: eager
+        if graphs:
             runner.capture_cuda_graphs(sizes, max_model_len)
         return cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)
