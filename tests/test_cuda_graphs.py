@@ -96,3 +96,65 @@ def test_seeded_noise_drawn_apart_is_the_in_place_draw():
     seeded_noise(noise[1], torch.Generator().manual_seed(7))
     apart = torch.empty(1000).exponential_(generator=torch.Generator().manual_seed(7))
     assert torch.equal(noise[1], apart)
+
+
+def _rows(n_random: int, seeded: tuple[int, ...] = ()):
+    from pagedserve.batch import SamplingSettings
+    from pagedserve.sampling.sampler import SamplingRow
+    greedy = SamplingSettings()
+    rand = [SamplingSettings(temperature=0.8, top_p=0.9), SamplingSettings(temperature=1.2, top_k=5, min_p=0.05),
+            SamplingSettings(temperature=0.7)]
+    rows = [SamplingRow(greedy, 0, None, None, None)]
+    for i in range(n_random):
+        gen = torch.Generator().manual_seed(100 + i) if i in seeded else None
+        rows.append(SamplingRow(rand[i % len(rand)], 0, None, None, gen))
+    return rows
+
+
+def test_steady_sampling_sends_nothing_from_the_host():
+    """On a GPU every tensor built from host data is a host-to-device copy. A step whose
+    random rows are the last step's (a steady decode batch) builds none: the rows' indices
+    and parameters stay on the device (aten.lift_fresh marks a tensor made from Python
+    data); a change of rows uploads them once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from pagedserve.sampling.sampler import Sampler
+
+    class HostData(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.made += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    sampler = Sampler({2}, seed=0)
+    g = torch.Generator().manual_seed(0)
+    rows = _rows(4, seeded=(1,))
+    sampler(torch.randn(5, 300, generator=g), rows)
+    for _ in range(3):
+        with HostData() as mode:
+            out = sampler(torch.randn(5, 300, generator=g), rows)
+        assert mode.made == 0 and len(out.token_ids) == 5
+    assert sampler.host_copies == 1
+    sampler(torch.randn(4, 300, generator=g), rows[:4])       # a row left: uploaded again, once
+    assert sampler.host_copies == 2
+
+
+def test_seeded_generators_live_on_the_runners_device(tiny_llama):
+    """The worker creates a seeded sequence's generator on its own device (on a GPU: a
+    CUDA generator, drawn in place, nothing copied); on the CPU the tokens are as before:
+    a seed gives the same tokens in any batch."""
+    from pagedserve.batch import SampleRow, SamplingSettings
+    llm = LLM(tiny_llama.path, dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=4,
+              max_model_len=64)
+    runner = llm.engine.runner
+    row = runner._sampling_row(7, SampleRow(SamplingSettings(temperature=1.0), seed=3, num_output_tokens=0))
+    assert row.generator.device == torch.device(runner.device)
+    tok = tiny_llama.tokenizer
+    p = SamplingParams(temperature=1.0, max_tokens=6, seed=11, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": tok.encode(PROMPTS[0])}], p, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": tok.encode(x)} for x in PROMPTS[:3]],
+                         [p, SamplingParams(temperature=1.0, max_tokens=6), SamplingParams(temperature=0, max_tokens=6)],
+                         use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone

@@ -8,9 +8,15 @@ argmax(p / noise), which samples from p; a seeded request draws its noise from
 its own generator, so its text does not depend on the rest of the batch.
 
 It runs where the logits are (the worker's device): on a GPU only the sampled ids and
-the requested logprobs cross to the host. A seeded sequence's generator is a CPU one
-on every device, so its noise, and so its tokens, are the CPU sampler's wherever the
-probabilities agree; unseeded rows draw from the sampler's own generator on the device.
+the requested logprobs cross to the host. A seeded sequence's generator lives on that
+device too (the worker creates it there from the seed), so its noise is drawn in place:
+its tokens are reproducible for a seed on a device (on the CPU, the same as ever; a GPU's
+generator draws other numbers than the CPU's). Unseeded rows draw from the sampler's own
+generator on the device. The per-row parameters of the random rows (which rows, their
+temperature, min_p, top_p, top_k) are kept on the device between steps and sent again
+only when they change: a steady decode batch copies nothing from the host to sample.
+(Logit bias, min_tokens, allowed tokens, bad words, penalties and grammar bitmasks send
+their token ids when a row uses them.)
 """
 from __future__ import annotations
 
@@ -45,8 +51,12 @@ class Sampler:
                  device: torch.device | str = "cpu") -> None:
         """ops: the argmax for logits on `device` (a vectorised kernel on the CPU)."""
         self.eos_token_ids = sorted(eos_token_ids)
+        self.device = torch.device(device)
         self.generator = torch.Generator(device).manual_seed(seed)
         self.argmax = (ops or TorchOps()).argmax
+        self._params_key: tuple | None = None       # the random rows' parameters now on the device ...
+        self._params: RandomRows | None = None      # ... and those tensors
+        self.host_copies = 0                         # parameter uploads (a test counts them)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: list[int] = (),
                  grammar_bitmask: np.ndarray | None = None) -> SamplerOutput:
@@ -117,49 +127,78 @@ class Sampler:
                 row -= p.presence_penalty * (counts > 0).float()
 
     # ---- sampling ------------------------------------------------------------------------
+    def _random_rows(self, rows: list[SamplingRow], rand: list[int]) -> "RandomRows":
+        """The random rows' indices and parameters as device tensors: those of the last step
+        when nothing changed, else uploaded once (from pinned memory next to a GPU)."""
+        params = [rows[i].params for i in rand]
+        seeded = tuple(rows[i].generator is not None for i in rand)
+        key = (len(rows), tuple(rand), seeded, tuple((p.temperature, p.min_p, p.top_p, p.top_k) for p in params))
+        if key == self._params_key:
+            return self._params
+        pin = self.device.type == "cuda"
+        unseeded = [j for j, s in enumerate(seeded) if not s]
+        truncate = any(p.top_k for p in params) or any(p.top_p < 1.0 for p in params)
+
+        def up(values, dtype) -> torch.Tensor:
+            host = torch.tensor(values, dtype=dtype)
+            return host.pin_memory().to(self.device, non_blocking=True) if pin else host.to(self.device)
+
+        self._params = RandomRows(
+            idx=None if len(rand) == len(rows) else up(rand, torch.long),
+            unseeded=None if len(unseeded) in (0, len(rand)) else up(unseeded, torch.long),
+            num_unseeded=len(unseeded),
+            temperature=up([p.temperature for p in params], torch.float32)[:, None],
+            min_p=up([p.min_p for p in params], torch.float32)[:, None] if any(p.min_p for p in params) else None,
+            # top_k and top_p are applied together, as one mask, when any row uses either.
+            top_k=up([p.top_k for p in params], torch.long) if truncate else None,
+            top_p=up([p.top_p for p in params], torch.float32)[:, None] if truncate else None)
+        self._params_key = key
+        self.host_copies += 1
+        return self._params
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        tokens = self.argmax(logits)            # the first maximum, as torch's argmax
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(rand) < len(rows):
+            tokens = self.argmax(logits)        # the first maximum, as torch's argmax
         if not rand:
             return tokens
-        dev = logits.device
-        idx = torch.tensor(rand, device=dev)
-        x = logits[idx]
-        temps = torch.tensor([rows[i].params.temperature for i in rand], dtype=x.dtype, device=dev)
-        x /= temps[:, None]
-        x = self._truncate(x, [rows[i].params for i in rand])
+        rr = self._random_rows(rows, rand)
+        x = logits if rr.idx is None else logits[rr.idx]
+        x /= rr.temperature.to(x.dtype)
+        x = self._truncate(x, rr)
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(rand) if rows[i].generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                generator=self.generator)
+        if rr.num_unseeded == len(rand):
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            noise = torch.empty_like(probs)
+            if rr.unseeded is not None:
+                noise[rr.unseeded] = torch.empty(rr.num_unseeded, probs.shape[1], dtype=probs.dtype,
+                                                 device=probs.device).exponential_(generator=self.generator)
         for j, i in enumerate(rand):
             if rows[i].generator is not None:
                 seeded_noise(noise[j], rows[i].generator)
-        tokens[idx] = self.argmax(probs / noise)
+        sampled = self.argmax(probs / noise)
+        if rr.idx is None:
+            return sampled
+        tokens[rr.idx] = sampled
         return tokens
 
     @staticmethod
-    def _truncate(x: torch.Tensor, params: list[SamplingSettings]) -> torch.Tensor:
+    def _truncate(x: torch.Tensor, rr: "RandomRows") -> torch.Tensor:
         """min_p, top_k and top_p: mask the tokens each row may not sample."""
-        min_p = [p.min_p for p in params]
-        dev = x.device
-        if any(min_p):
+        if rr.min_p is not None:
             probs = torch.softmax(x, dim=-1)
-            floor = torch.tensor(min_p, dtype=x.dtype, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+            floor = rr.min_p.to(x.dtype) * probs.amax(dim=-1, keepdim=True)
             x = x.masked_fill(probs < floor, float("-inf"))
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if not any(top_k) and all(p >= 1.0 for p in top_p):
+        if rr.top_k is None:
             return x
         vocab = x.shape[1]
         sorted_x, order = x.sort(dim=-1, descending=True)
-        k = torch.tensor([k if k else vocab for k in top_k], device=dev)
-        drop = torch.arange(vocab, device=dev)[None, :] >= k[:, None]
+        k = torch.where(rr.top_k > 0, rr.top_k, vocab)       # 0: every token
+        drop = torch.arange(vocab, device=x.device)[None, :] >= k[:, None]
         cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
         # Drop a token when the ones before it already cover top_p (the first always stays).
-        drop |= (cum - torch.softmax(sorted_x, dim=-1)) >= torch.tensor(top_p, dtype=x.dtype, device=dev)[:, None]
+        drop |= (cum - torch.softmax(sorted_x, dim=-1)) >= rr.top_p.to(x.dtype)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
@@ -178,6 +217,20 @@ class Sampler:
             top_ids = [ids[i, :r.num_logprobs].tolist() for i, r in enumerate(rows)]
             top_lps = [lps[i, :r.num_logprobs].tolist() for i, r in enumerate(rows)]
         return SamplerOutput(token_list, chosen[:, 0].tolist(), top_ids, top_lps, ranks)
+
+
+@dataclass
+class RandomRows:
+    """The random rows of a step, on the device: which rows (None: all), which of them draw
+    from the sampler's generator (None: all or none), and each one's parameters [R, 1]
+    (top_k [R], 0: all; None where no row uses the setting)."""
+    idx: torch.Tensor | None
+    unseeded: torch.Tensor | None
+    num_unseeded: int
+    temperature: torch.Tensor
+    min_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
 
 
 def seeded_noise(row: torch.Tensor, generator: torch.Generator) -> None:

@@ -5,8 +5,13 @@ A graph replays fixed kernels on fixed addresses, so its inputs live in static b
 that each step copies its batch into. Rows past the batch are padding (`pad_decode_batch`):
 token 0 at position 0, slot -1 (the KV write skips it), context length 1 over an all-zero
 block table row (attention reads one cached token of block 0: finite, and thrown away
-with the row's logits). The attention launch is sized for max_model_len, a bound on every
-sequence's length, so one graph per bucket serves every context length. Steps that are
+with the row's logits). The attention launch is given max_model_len, a bound on every
+sequence's length, so one graph per bucket serves every context length; its grid is
+(sequence, KV head, split) with the splits set by the bucket and the GPU's SMs, and each
+sequence divides its own context between them (attention/triton_decode.py), so a short
+context is spread as wide as a long one. Every graph writes its logits into one static
+buffer (the largest bucket's rows), so the graphs' outputs do not add up across buckets
+(35 buckets x their rows x a 128k vocabulary in float32 would be 2.2 GB). Steps that are
 not all decodes that sample, or are larger than the largest bucket, run eagerly.
 
 Only the Triton attention backend can be captured (the torch reference loops on the
@@ -96,7 +101,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(m, self.max_blocks, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(m + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}      # each graph's output buffer
+        self.logits: torch.Tensor | None = None        # [largest bucket, vocab]: every graph's output
         self.steps_run = 0                              # decode steps run through the buffers
         if capture:
             self._capture()
@@ -118,11 +123,14 @@ class DecodeGraphs:
         for b in reversed(self.sizes):      # the largest first: the smaller ones reuse its memory
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up off the capture: compiles the kernels
-                self._forward(b)
+                warm = self._forward(b)
             torch.cuda.current_stream().wait_stream(stream)
+            if self.logits is None:          # outside the graphs' pool, before the first capture
+                self.logits = torch.empty(b, warm.shape[1], dtype=warm.dtype, device=warm.device)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
+                self.logits[:b].copy_(self._forward(b))    # the graph's own logits are freed in its pool
             self.graphs[b] = graph
         torch.cuda.synchronize()
 
@@ -142,5 +150,5 @@ class DecodeGraphs:
         self.steps_run += 1
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.logits[b][:n]
+            return self.logits[:n]
         return self._forward(b)[:n]     # not captured (CPU tests): the same padded inputs, eagerly

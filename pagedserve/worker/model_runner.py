@@ -155,7 +155,7 @@ class ModelRunner:
         if row.seed is not None and not row.settings.greedy:
             generator = self.generators.get(seq_id)
             if generator is None:
-                generator = self.generators[seq_id] = torch.Generator().manual_seed(row.seed)
+                generator = self.generators[seq_id] = torch.Generator(self.device).manual_seed(row.seed)
         return SamplingRow(row.settings, row.num_output_tokens, row.output_token_ids, row.prompt_token_ids,
                            generator)
 
