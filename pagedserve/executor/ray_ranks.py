@@ -4,7 +4,13 @@ HEAD:6379` on the others, then start the engine on the head). The driver (rank 0
 in the engine's process; the ranks meet it at this machine's address.
 
 A rank that raises returns its traceback and exits; a rank that is killed is seen as a
-dead actor. Ray ends every actor with its owner, the engine's process."""
+dead actor. Ray ends every actor with its owner, the engine's process.
+
+On GPUs the placement group holds a bundle for every rank, the driver's too: bundle 0 is
+pinned to the driver's node, and a small actor in it (`GpuHolder`) holds its GPU for the
+run and tells the driver which one Ray gave it; the rank actors get bundles 1..N-1. So no
+two ranks share a device (NCCL refuses that), which the driver taking cuda:0 outside Ray
+could not promise."""
 from __future__ import annotations
 
 import logging
@@ -26,6 +32,10 @@ class RankActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def gpu_ids(self) -> list[str]:
+        import ray
+        return [str(i) for i in ray.get_gpu_ids()]
+
     def run(self, rank: int, config: EngineConfig, model_path: str, eos_token_ids: set[int],
             init_method: str) -> str | None:
         """Runs until the driver says stop (None); on an error, its traceback (the actor then
@@ -39,6 +49,39 @@ class RankActor:
             return traceback.format_exc()
 
 
+class GpuHolder:
+    """Sits in the driver's bundle: holds its GPU for the run and names it."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+def placement_bundles(world_size: int, gpu: bool, driver_node_ip: str) -> list[dict]:
+    """The placement group's bundles. On GPUs: one per rank, bundle r for rank r, the
+    driver's (0) on its own node; on CPUs: one per rank actor (1..N-1), the driver's
+    process takes nothing from Ray."""
+    if not gpu:
+        return [{"CPU": 1}] * (world_size - 1)
+    return [{"GPU": 1, "CPU": 1, f"node:{driver_node_ip}": 0.001}] + [{"GPU": 1, "CPU": 1}] * (world_size - 1)
+
+
+def bundle_index(rank: int, gpu: bool) -> int:
+    return rank if gpu else rank - 1
+
+
+def local_device_index(ray_gpu_id: str, cuda_visible_devices: str | None) -> int:
+    """The CUDA device index, in this process, of the GPU Ray calls ray_gpu_id (its id among
+    the node's GPUs): its position in CUDA_VISIBLE_DEVICES when that is set, else the id."""
+    if cuda_visible_devices:
+        visible = [d.strip() for d in cuda_visible_devices.split(",")]
+        if ray_gpu_id not in visible:
+            raise ValueError(f"Ray gave the driver GPU {ray_gpu_id}, which this process cannot see "
+                             f"(CUDA_VISIBLE_DEVICES={cuda_visible_devices})")
+        return visible.index(ray_gpu_id)
+    return int(ray_gpu_id)
+
+
 class RayRanks(Ranks):
     def __init__(self, config: EngineConfig) -> None:
         import ray
@@ -49,26 +92,48 @@ class RayRanks(Ranks):
         self.runs: list = []
         self._pids: list[int] = []
         self.placement_group = None
+        self.gpu = (config.device or "").startswith("cuda")
+        self.holder = None                   # GpuHolder in the driver's bundle (GPUs only)
+        self.driver_gpu_id: str | None = None
 
     def init_method(self) -> str:
         import ray
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
 
-    def start(self, model_path: str, eos_token_ids: set[int], init_method: str) -> None:
+    def driver_device(self):
+        """The driver's GPU: the one Ray reserved in bundle 0 (None on CPUs)."""
+        import torch
+        if self.driver_gpu_id is None:
+            return None
+        return torch.device("cuda", local_device_index(self.driver_gpu_id, os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+    def reserve(self) -> None:
+        """The placement group, and on GPUs the driver's GPU (held by a GpuHolder)."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        n = self.config.tensor_parallel_size
-        gpu = (self.config.device or "").startswith("cuda")
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        self.placement_group = placement_group([bundle] * (n - 1), strategy="PACK")
+        bundles = placement_bundles(self.config.tensor_parallel_size, self.gpu, ray.util.get_node_ip_address())
+        self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=300)
-        actor_class = ray.remote(RankActor)
-        for rank in range(1, n):
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank - 1)
-            actor = actor_class.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy,
-                                        name=None).remote()
-            self.actors.append(actor)
+        if self.gpu:
+            self.holder = ray.remote(GpuHolder).options(num_cpus=0, num_gpus=1,
+                                                        scheduling_strategy=self._strategy(0)).remote()
+            (self.driver_gpu_id,) = ray.get(self.holder.gpu_ids.remote(), timeout=300)
+
+    def spawn(self, rank: int):
+        """Rank `rank`'s actor in its bundle (not yet running)."""
+        import ray
+        return ray.remote(RankActor).options(num_cpus=1, num_gpus=1 if self.gpu else 0,
+                                             scheduling_strategy=self._strategy(rank), name=None).remote()
+
+    def _strategy(self, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return PlacementGroupSchedulingStrategy(self.placement_group,
+                                                placement_group_bundle_index=bundle_index(rank, self.gpu))
+
+    def start(self, model_path: str, eos_token_ids: set[int], init_method: str) -> None:
+        import ray
+        self.reserve()
+        self.actors = [self.spawn(rank) for rank in range(1, self.config.tensor_parallel_size)]
         self._pids = ray.get([a.pid.remote() for a in self.actors])
         self.runs = [a.run.remote(rank, self.config, model_path, eos_token_ids, init_method)
                      for rank, a in enumerate(self.actors, start=1)]
@@ -98,8 +163,9 @@ class RayRanks(Ranks):
         import ray
         if graceful and self.runs:
             ray.wait(self.runs, num_returns=len(self.runs), timeout=10)
-        for actor in self.actors:
+        for actor in self.actors + ([self.holder] if self.holder is not None else []):
             ray.kill(actor)
+        self.holder = None
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.placement_group)

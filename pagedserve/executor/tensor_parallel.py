@@ -49,6 +49,10 @@ class Ranks:
     def start(self, model_path: str, eos_token_ids: set[int], init_method: str) -> None:
         raise NotImplementedError
 
+    def driver_device(self) -> torch.device | None:
+        """The driver's device where the backend placed it (ray on GPUs); None: rank_device's."""
+        return None
+
     def failures(self, wait: bool = True) -> list[RankFailure]:
         """Ranks that died or reported an error so far (`wait`: a moment for ones about to)."""
         raise NotImplementedError
@@ -76,7 +80,7 @@ class TensorParallelExecutor(Executor):
 
         def start_driver() -> None:
             torch.set_num_threads(threads)
-            device = rank_device(config, 0)
+            device = self.ranks.driver_device() or rank_device(config, 0)
             self.group = TensorParallelGroup(0, n, init_method, device, config.distributed_timeout)
             self.worker = Worker.load(config, model_path, eos_token_ids, self.group, device)
 
