@@ -5,7 +5,11 @@
     .venv/bin/python benchmarks/gpu_check.py --only kernels decode    # some sections
 
 Sections (each runs even if an earlier one failed; the exit status is 1 if any failed or
-a correctness check did not hold):
+a correctness check did not hold). After each, a line gives its verdict, seconds and peak
+GPU memory, and the JSON is rewritten, so a run cut short still says where it stopped:
+0. basics (seconds): the device's name, memory and SMs, the CUDA and Triton versions; one
+   copy-on-write in a KV cache of more than 2**31 elements, and the KV write, decode and
+   prefill kernels at offsets past 2**31 (64-bit address arithmetic).
 1. kernels: every Triton kernel (KV write, paged decode with and without the split,
    paged prefill, block copy) against the torch backend computed in float32 on the same
    device, in bfloat16 and float16, block sizes 16 and 32, GQA and MHA, contexts 1..32k,
@@ -17,8 +21,10 @@ a correctness check did not hold):
    (torch's scaled_dot_product_attention over K/V gathered into one tensor per sequence):
    the cost of paging. A few launch settings are timed first and the fastest is used.
 3. engine: the default model (SmolLM2-135M-Instruct) on the GPU against the CPU engine on
-   the same prompts: float32 greedy tokens equal (eager and with CUDA graphs); bfloat16
-   agreement reported.
+   the same prompts: float32 greedy tokens equal (eager and with CUDA graphs) up to each
+   prompt's first near-tie step (the CPU's top two logprobs closer than NEAR_TIE, where
+   float32 rounding may pick either; after it the texts may part); bfloat16 agreement
+   reported.
 4. model_8b: an 8B-class model with dummy weights (default llama-3-8b) in bfloat16:
    single-stream decode tok/s against the bound of reading every weight once per token
    (at the copy bandwidth of section 2, or the device's nominal HBM bandwidth), and offline
@@ -34,7 +40,14 @@ a correctness check did not hold):
 
 The throughput runs are time-boxed (--throughput-seconds, --paper-seconds): a run that has
 not finished its requests by then reports its rate over the time it ran and how many it
-finished. Writes benchmarks/results/gpu_check.json (--json) and prints a table per section.
+finished. Each box is shrunk, when it starts, to what --budget-seconds leaves, counting
+the overheads measured in this run (section 4's load and CUDA graph capture, scaled by
+the weights for section 5 until its own load is measured). Writes benchmarks/results/gpu_check.json (--json) and prints a table per section.
+
+Not checked here, because they do not run on the GPU yet: quantized weights (the
+`quantization` setting) and the 8-bit KV cache (`kv_cache_dtype`) have CPU kernels only and
+are refused on the Triton/CUDA path with a clear error (their own issues add the refusal);
+LoRA and speculative decoding do not exist yet. Everything this script runs is bf16/fp16/fp32.
 
 --dry-run runs every section with tiny shapes and models (CI runs it: tests/test_gpu_check.py).
 Without CUDA it runs on the CPU: the Triton kernels under Triton's interpreter
@@ -67,7 +80,7 @@ from pagedserve.attention.torch_backend import TorchAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 START = time.perf_counter()
-SECTIONS = ("kernels", "decode", "engine", "model_8b", "paper")
+SECTIONS = ("basics", "kernels", "decode", "engine", "model_8b", "paper")
 A100_40GB = 40 * 2**30
 PAPER_MODEL = "llama-2-13b"   # the lead may switch this to opt-13b (the paper's model) once that preset exists
 # Dense bf16 tensor-core peaks (FLOP/s), by a substring of the device name; --peak-tflops overrides.
@@ -255,6 +268,106 @@ def random_batch(specs: list[tuple[int, int]], block_size: int, num_heads: int, 
     return cache, q, k, v, meta
 
 
+# ---- 0. first: what this device is, and one copy-on-write past 2**31 elements --------------
+
+def large_copy_on_write(device: torch.device) -> dict:
+    """One copy-on-write (the block copy kernel) in a KV cache of more than 2**31 elements,
+    laid out as SmolLM2's (30 layers, K and V: 60 segments) in one byte per element: the
+    offset of a late segment's block passes 2**31, where 32-bit arithmetic writes elsewhere
+    (or kills the CUDA context). On the CPU (the interpreter) the cache is allocated but not
+    written, so only the pages the copy touches take memory."""
+    from pagedserve.attention.triton_cache_ops import copy_blocks
+    layers, block_size, heads, head_dim = 30, 16, 1, 16
+    # The last segment starts past 2**31 (so segment x its stride alone overflows 32 bits).
+    num_blocks = (2**31 + 2**24) // ((2 * layers - 1) * block_size * heads * head_dim) + 1
+    cache = torch.empty(layers, 2, num_blocks, block_size, heads, head_dim, dtype=torch.uint8, device=device)
+    pairs = [(3, num_blocks - 2), (num_blocks - 1, 8)]
+    g = torch.Generator(device).manual_seed(0)
+    for s, _ in pairs:
+        cache[:, :, s] = torch.randint(0, 256, cache[:, :, s].shape, generator=g, device=device, dtype=torch.uint8)
+    copy_blocks(cache, cache, pairs)
+    ok = all(torch.equal(cache[:, :, d], cache[:, :, s]) for s, d in pairs)
+    sync()
+    result = dict(elements=cache.numel(), num_blocks=num_blocks, segments=layers * 2,
+                  last_segment_offset=cache[-1, -1].data_ptr() - cache.data_ptr(),
+                  largest_offset=cache[-1, -1, num_blocks - 2].data_ptr() - cache.data_ptr(), ok=ok)
+    del cache
+    free_memory()
+    return result
+
+def large_cache_attention(device: torch.device) -> dict:
+    """The KV write, decode (one partition and split) and prefill kernels on blocks whose
+    offsets in a layer's K and V pass 2**31 elements, against the same kernels on a small
+    cache holding the same blocks. The big cache is one float16 storage viewed with V one
+    block after K (V of block b is K of block b + 1; only every other block is used), so
+    K and V each span 2**31 elements in 4 GiB (on the CPU: allocated, mostly never touched)."""
+    from pagedserve.attention.triton_backend import TritonAttention
+    from pagedserve.attention.triton_decode import paged_decode_attention
+    bs, hq, hkv, d = 16, 4, 2, 32
+    block_numel = bs * hkv * d
+    num_blocks = 2**31 // block_numel + 64
+    storage = torch.empty((num_blocks + 1) * block_numel, dtype=torch.float16, device=device)
+    big = storage.as_strided((2, num_blocks, bs, hkv, d), (block_numel, block_numel, hkv * d, d, 1))
+    specs = [(40, 1), (300, 1), (20, 37)]        # (cached, new): two decodes, then a prefill after a prefix
+    g = torch.Generator(device).manual_seed(0)
+    needed = [math.ceil((c + n) / bs) for c, n in specs]
+    small = torch.randn(2, sum(needed), bs, hkv, d, generator=g, device=device).half()
+    far = [num_blocks - 2 - 2 * j for j in range(sum(needed))]       # small block j is big block far[j]
+    for j, b in enumerate(far):
+        big[:, b] = small[:, j]
+
+    def meta(ids: list[int]) -> AttentionMetadata:
+        tables, slots, qsl, lens, at = [], [], [0], [], 0
+        for (c, n), nb in zip(specs, needed):
+            table = ids[at:at + nb]
+            at += nb
+            tables.append(table + [0] * (max(needed) - nb))
+            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+            qsl.append(qsl[-1] + n)
+            lens.append(c + n)
+        t = lambda x: torch.tensor(x, device=device)
+        return AttentionMetadata(t(slots), t(qsl), t(lens), t(tables), 2, qsl, lens, max(lens))
+
+    tokens = sum(n for _, n in specs)
+    q = torch.randn(tokens, hq, d, generator=g, device=device).half()
+    k, v = (torch.randn(tokens, hkv, d, generator=g, device=device).half() for _ in range(2))
+    m_small, m_big = meta(list(range(sum(needed)))), meta(far)
+    att = TritonAttention(device)
+    out_small = att.forward(q, k, v, small, m_small, d ** -0.5)
+    out_big = att.forward(q, k, v, big, m_big, d ** -0.5)
+    split_small = paged_decode_attention(q[:2], small, m_small.block_tables, m_small.seq_lens, 0.2, 301, num_splits=2)
+    split_big = paged_decode_attention(q[:2], big, m_big.block_tables, m_big.seq_lens, 0.2, 301, num_splits=2)
+    written = all(torch.equal(big[:, b], small[:, j]) for j, b in enumerate(far))
+    result = dict(largest_offset=far[0] * block_numel, forward_equal=torch.equal(out_small, out_big),
+                  split_decode_equal=torch.equal(split_small, split_big), kv_written_equal=written)
+    result["ok"] = result["forward_equal"] and result["split_decode_equal"] and written
+    del storage, big, small
+    free_memory()
+    return result
+
+
+def peak_memory() -> int | None:
+    """Peak bytes allocated by torch on the GPU since the last reset (None on the CPU)."""
+    return torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else None
+
+
+def check_device_basics() -> dict:
+    """Section 0, seconds: what this device is, and the 64-bit offsets on a real-sized cache,
+    before the long sections (a run that fails later still says this)."""
+    import triton
+    res = dict(name=device_name(), torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, interpreted=os.environ.get("TRITON_INTERPRET") == "1")
+    if DEVICE.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        props = torch.cuda.get_device_properties(DEVICE)
+        res |= dict(total_gib=total / 2**30, free_gib=free / 2**30, sms=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}")
+    res["copy_on_write_past_2_31"] = large_copy_on_write(DEVICE)
+    res["attention_past_2_31"] = large_cache_attention(DEVICE)
+    res["ok"] = res["copy_on_write_past_2_31"]["ok"] and res["attention_past_2_31"]["ok"]
+    return res
+
+
 # ---- 1. kernels against the reference ------------------------------------------------------
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
@@ -412,20 +525,48 @@ def save_random_model(root: Path, config: dict) -> str:
     return str(root)
 
 
-def greedy_tokens(llm, prompts: list, max_tokens: int) -> list[list[int]]:
+# A greedy step whose top two logprobs (on the CPU, float32) are closer than this is a near
+# tie: float32 rounding on another device may pick either token, and the texts may part there.
+NEAR_TIE = 1e-3
+
+
+def greedy_tokens(llm, prompts: list, max_tokens: int, margins: bool = False):
+    """Greedy tokens per prompt; with `margins`, also each step's gap between the top two
+    logprobs (the reference run)."""
     from pagedserve import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2 if margins else None)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = [o.token_ids for o in outs]
+    if not margins:
+        return tokens
+    gaps = []
+    for o in outs:
+        per_step = []
+        for lps in o.logprobs:
+            top = sorted((lp.logprob for lp in lps.values()), reverse=True)
+            per_step.append(top[0] - top[1] if len(top) > 1 else math.inf)
+        gaps.append(per_step)
+    return tokens, gaps
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """How far two runs' tokens agree: prompts equal throughout, and the share of tokens
-    before the first difference."""
-    prefix = []
-    for x, y in zip(a, b):
-        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+def first_near_tie(gaps: list[float], near_tie: float = NEAR_TIE) -> int:
+    """The first step whose top-two gap is below near_tie (len(gaps): none)."""
+    return next((i for i, g in enumerate(gaps) if g < near_tie), len(gaps))
+
+
+def agreement(a: list[list[int]], b: list[list[int]], gaps: list[list[float]] | None = None) -> dict:
+    """How far two runs' tokens agree: prompts equal throughout, the share of tokens before
+    the first difference and, given the reference's gaps, the prompts equal up to their
+    first near-tie step (the step itself may go either way; after it the texts may part)."""
+    prefix, upto = [], []
+    for i, (x, y) in enumerate(zip(a, b)):
+        n = next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
         prefix.append(n / max(1, len(x)))
+        tie = first_near_tie(gaps[i]) if gaps else len(x)
+        upto.append(n >= min(tie, len(x)) and len(y) >= min(tie, len(x)))
     return dict(prompts_equal=sum(x == y for x, y in zip(a, b)), prompts=len(a),
+                equal_to_first_near_tie=sum(upto),
+                first_near_tie_steps=[first_near_tie(g) for g in gaps] if gaps else None,
                 mean_share_before_first_difference=sum(prefix) / max(1, len(prefix)))
 
 
@@ -437,7 +578,7 @@ def check_engine(plan: Plan, root: Path) -> dict:
     common = dict(max_model_len=512, max_num_seqs=16, seed=0, kv_cache_memory=plan.engine_kv_bytes)
     cpu = LLM(model, dtype="float32", device="cpu", **common)
     prompts = [{"prompt_token_ids": cpu.get_tokenizer().encode(p)} for p in PROMPTS[:plan.engine_prompts]]
-    reference = greedy_tokens(cpu, prompts, plan.engine_tokens)
+    reference, gaps = greedy_tokens(cpu, prompts, plan.engine_tokens, margins=True)
     del cpu
     free_memory()
     runs, graph_steps, notes = {}, {}, {}
@@ -464,10 +605,11 @@ def check_engine(plan: Plan, root: Path) -> dict:
         free_memory()
     result = dict(model=model or "SmolLM2-135M-Instruct (default)", prompts=len(prompts),
                   tokens_per_prompt=plan.engine_tokens, reference="CPU engine, float32",
-                  runs={name: agreement(reference, toks) for name, toks in runs.items()},
+                  runs={name: agreement(reference, toks, gaps) for name, toks in runs.items()}, near_tie=NEAR_TIE,
                   graph_steps=graph_steps, graphs_captured=DEVICE.type == "cuda" and not notes, **notes)
     f32 = [result["runs"][f"float32 {m}"] for m in ("graphs", "eager")]
-    result["float32_equal"] = all(r["prompts_equal"] == r["prompts"] for r in f32)
+    result["float32_equal"] = all(r["equal_to_first_near_tie"] == r["prompts"] for r in f32)
+    result["float32_equal_throughout"] = all(r["prompts_equal"] == r["prompts"] for r in f32)
     result["ok"] = result["float32_equal"]
     return result
 
@@ -558,16 +700,19 @@ def single_stream(engine, counter: StepCounter, prompt_len: int, tokens: int) ->
     return dict(decode_tokens=tokens - 1, seconds=sec, tok_s=(tokens - 1) / sec)
 
 
-def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | None) -> dict:
+def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | None, budget: Budget,
+                   paper_follows: bool) -> dict:
     from benchmarks.workloads import make_trace, trace_stats
     from pagedserve.config import EngineConfig
     name = model_source(plan.model_8b, root)
     notes: dict = {}
+    loading = time.perf_counter()
     engine = load_engine(EngineConfig(model=name, load_format="dummy", dtype="bfloat16", device=DEVICE.type,
                                     max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
                                     max_num_batched_tokens=max(2048, plan.max_model_len),
                                     enable_prefix_caching=False,
                                     num_gpu_blocks_override=256 if plan.dry_run else None), notes)
+    budget.measured["model_8b_load"] = time.perf_counter() - loading     # with the CUDA graphs' capture
     counter = StepCounter(engine)
     weight_bytes = tensor_bytes(engine.runner.model)
     bandwidth = copy_bw or by_name(HBM_BANDWIDTH, device_name())
@@ -578,12 +723,13 @@ def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | 
                   capture_sizes=graphs.sizes if graphs else None,
                   weight_read_bound_tok_s=bandwidth / weight_bytes if bandwidth else None,
                   bandwidth_for_bound_gb_s=bandwidth / 1e9 if bandwidth else None,
-                  bf16_peak_tflops=peak / 1e12 if peak else None, **notes)
+                  bf16_peak_tflops=peak / 1e12 if peak else None,
+                  load_seconds=budget.measured["model_8b_load"], **notes)
     trace = make_trace("sharegpt", plan.throughput_requests, seed=0, vocab_size=engine.vocab_size,
                        max_model_len=plan.max_model_len, scale=plan.trace_scale)
     result["trace"] = trace_stats(trace)
     modes = [("graphs", graphs), ("eager", None)] if graphs is not None else [("eager", None)]
-    for mode, g in modes:
+    for i, (mode, g) in enumerate(modes):
         runner.decode_graphs = g
         single = single_stream(engine, counter, plan.single_stream_prompt, plan.single_stream_tokens)   # warms up too
         if result["weight_read_bound_tok_s"]:
@@ -591,9 +737,10 @@ def bench_model_8b(plan: Plan, root: Path, copy_bw: float | None, peak: float | 
         add_trace(engine, trace)
         counter.reset()
         replays0 = g.steps_run if g else 0
-        sec, finished = run_for(engine, plan.throughput_seconds, counter)
+        box = budget.throughput_box(plan, len(modes) - i, paper_follows)
+        sec, finished = run_for(engine, box, counter)
         abort_all(engine)
-        run = dict(seconds=sec, requests_finished=finished, completed=finished == len(trace),
+        run = dict(seconds=sec, time_box=box, requests_finished=finished, completed=finished == len(trace),
                    output_tok_s=counter.sampled / sec, tokens_computed_per_s=counter.tokens / sec,
                    avg_batch=counter.batch_sum / max(1, counter.steps), steps=counter.steps,
                    model_tflops=counter.flops / sec / 1e12,
@@ -624,7 +771,7 @@ def a100_kv_bytes(model: str) -> tuple[int, int]:
     return int(0.9 * A100_40GB) - weights, weights
 
 
-def bench_paper(plan: Plan, root: Path) -> dict:
+def bench_paper(plan: Plan, root: Path, budget: Budget) -> dict:
     import copy
     import dataclasses
     from benchmarks.workloads import make_trace, trace_stats
@@ -642,7 +789,10 @@ def bench_paper(plan: Plan, root: Path) -> dict:
                           kv_cache_memory=kv_bytes,
                           num_gpu_blocks_override=4 * plan.max_model_len // 16 if kv_bytes is None else None)
     notes: dict = {}
+    loading = time.perf_counter()
     base = load_engine(config, notes)
+    budget.measured["paper_load"] = time.perf_counter() - loading
+    window_seconds = budget.paper_window(plan)
     config = base.config
     trace = make_trace("sharegpt", plan.paper_requests, seed=0, vocab_size=base.vocab_size,
                        max_model_len=plan.max_model_len, scale=plan.trace_scale)
@@ -650,9 +800,10 @@ def bench_paper(plan: Plan, root: Path) -> dict:
     result = dict(model=plan.paper_model or "tiny (dry run)", kv_cache_gb=kv.numel() * kv.element_size() / 1e9,
                   kv_slots=base.num_blocks * 16, max_length_sequences=base.num_blocks * 16 / plan.max_model_len,
                   weight_gb=weights / 1e9 if weights else None, block_size=16, max_model_len=plan.max_model_len,
-                  trace=trace_stats(trace), warmup_s=plan.paper_warmup_seconds, window_s=plan.paper_seconds,
+                  trace=trace_stats(trace), warmup_s=plan.paper_warmup_seconds, window_s=window_seconds,
+                  load_seconds=budget.measured["paper_load"],
                   window=(f"{plan.paper_steps[1]} steps after {plan.paper_steps[0]}" if plan.paper_steps else
-                          f"{plan.paper_seconds:.0f}s after {plan.paper_warmup_seconds:.0f}s"),
+                          f"{window_seconds:.0f}s after {plan.paper_warmup_seconds:.0f}s"),
                   cuda_graphs=base.runner.decode_graphs is not None, allocators={}, **notes)
     for allocator in ("paged", "oracle", "max"):
         engine = copy.copy(base)           # the same weights, KV tensor and graphs; a new scheduler
@@ -666,7 +817,7 @@ def bench_paper(plan: Plan, root: Path) -> dict:
         run_for(engine, plan.paper_warmup_seconds, counter, warm_steps)     # until the batch has filled
         counter.reset()
         preempt0 = engine.scheduler.stats.num_preemptions
-        sec, finished = run_for(engine, plan.paper_seconds, counter, window_steps)
+        sec, finished = run_for(engine, window_seconds, counter, window_steps)
         result["allocators"][allocator] = dict(
             output_tok_s=counter.sampled / sec, seconds=sec, requests_finished_in_window=finished,
             avg_batch=counter.batch_sum / max(1, counter.steps), steps=counter.steps,
@@ -690,6 +841,16 @@ def bench_paper(plan: Plan, root: Path) -> dict:
 def print_report(res: dict) -> None:
     print(f"\n== {res['device']} | torch {res['torch']} | triton {res['triton']} | {res['date']}"
           + (" | DRY RUN" if res["dry_run"] else ""))
+    dev = res.get("basics")
+    if isinstance(dev, dict):
+        mem = f"{dev['total_gib']:.1f} GiB ({dev['free_gib']:.1f} free), {dev['sms']} SMs, sm_{dev['capability']}" \
+            if "total_gib" in dev else "no GPU"
+        cow, att = dev["copy_on_write_past_2_31"], dev["attention_past_2_31"]
+        print(f"\n-- 0. basics: {dev['name']}: {mem}; CUDA {dev['cuda']}, triton {dev['triton']}"
+              + (" (interpreted)" if dev["interpreted"] else ""))
+        print(f"   copy-on-write in a cache of {cow['elements'] / 2**30:.2f} Gi elements (offset "
+              f"{cow['largest_offset'] / 2**30:.2f} Gi): {'ok' if cow['ok'] else 'WRONG'}; KV write, decode, prefill "
+              f"at offset {att['largest_offset'] / 2**30:.2f} Gi: {'ok' if att['ok'] else 'WRONG'}")
     k = res.get("kernels")
     if isinstance(k, dict):
         print("\n-- 1. Triton kernels vs the torch backend in float32 (ok: max|err| within bf16 3e-2, fp16 1e-2, or "
@@ -721,9 +882,12 @@ def print_report(res: dict) -> None:
         print(f"\n-- 3. engine on {res['device']} vs {eng['reference']}: {eng['model']}, {eng['prompts']} prompts x "
               f"{eng['tokens_per_prompt']} greedy tokens")
         for name, r in eng["runs"].items():
-            print(f"   {name:<18} prompts equal {r['prompts_equal']}/{r['prompts']}, tokens before the first "
-                  f"difference {r['mean_share_before_first_difference']:.0%}")
-        print(f"   float32 equal: {'yes' if eng['float32_equal'] else 'NO'}; decode steps through the CUDA graphs' "
+            print(f"   {name:<18} prompts equal {r['prompts_equal']}/{r['prompts']}, equal up to the first near tie "
+                  f"{r['equal_to_first_near_tie']}/{r['prompts']}, tokens before the first difference "
+                  f"{r['mean_share_before_first_difference']:.0%}")
+        print(f"   float32 equal up to each prompt's first near tie (gap < {eng['near_tie']:g}; steps "
+              f"{eng['runs']['float32 eager']['first_near_tie_steps']}): {'yes' if eng['float32_equal'] else 'NO'}; "
+              f"decode steps through the CUDA graphs' "
               f"buffers {eng['graph_steps']}" + ("" if eng["graphs_captured"] else " (not captured: run eagerly)"))
     m = res.get("model_8b")
     if isinstance(m, dict):
@@ -757,7 +921,8 @@ def print_report(res: dict) -> None:
         ratio = {k: f"{p[f'paged_over_{k}']:.2f}x" if p[f"paged_over_{k}"] else "n/a" for k in ("oracle", "max")}
         print(f"   paged / Orca-Oracle {ratio['oracle']}, paged / Orca-Max {ratio['max']} (paper: {p['paper']})")
     for name, (planned, used) in res.get("time_boxes_shortened", {}).items():
-        print(f"\n!! {name} shortened from {planned:.0f} to {used:.0f} to fit --budget-seconds")
+        print(f"\n!! {name} shortened from {planned:.0f} to {used:.0f} to fit --budget-seconds "
+              f"(measured overheads: {res.get('measured_overheads_s')})")
     for key in SECTIONS:
         for note, text in (res[key].items() if isinstance(res.get(key), dict) else ()):
             if "cuda_graphs_error" in note:
@@ -766,27 +931,56 @@ def print_report(res: dict) -> None:
         if isinstance(res.get(key), str):
             print(f"\n!! {key} failed: {res[key].strip().splitlines()[-1]}")
     print("\nseconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
+    if any(v is not None for v in res["peak_memory_gib"].values()):
+        print("peak GPU memory per section (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in res["peak_memory_gib"].items()))
 
 
-# Seconds sections 4 and 5 take besides their time boxes (loading, CUDA graph capture, single
-# streams), as estimated for an H200, for fitting the run into --budget-seconds.
-MODEL_8B_OVERHEAD, PAPER_OVERHEAD = 60.0, 45.0
+# Seconds section 5 takes besides its time boxes (loading a 13B model, capturing its CUDA
+# graphs), before anything was measured in this run; once section 4 has loaded its model,
+# its measured load time scaled by the weights' ratio replaces it.
+PAPER_OVERHEAD_GUESS = 45.0
+PAPER_OVER_8B_LOAD = 13 / 8
 
 
-def fit_time_boxes(plan: Plan, key: str, left: float, wanted: list[str], res: dict) -> None:
-    """Before section 4 or 5: shorten its time boxes so that it, and section 5 after it, fit
-    in the `left` seconds of the budget (noted in the results)."""
-    paper_need = PAPER_OVERHEAD + 3 * (plan.paper_warmup_seconds + plan.paper_seconds) if "paper" in wanted else 0
-    if key == "model_8b":
-        box = min(plan.throughput_seconds, max(10.0, (left - paper_need - MODEL_8B_OVERHEAD) / 2))
-        if box < plan.throughput_seconds:
-            res.setdefault("time_boxes_shortened", {})["throughput_seconds"] = [plan.throughput_seconds, box]
-            plan.throughput_seconds = box
-    elif key == "paper":
-        window = min(plan.paper_seconds, max(5.0, (left - PAPER_OVERHEAD) / 3 - plan.paper_warmup_seconds))
-        if window < plan.paper_seconds:
-            res.setdefault("time_boxes_shortened", {})["paper_seconds"] = [plan.paper_seconds, window]
-            plan.paper_seconds = window
+@dataclass
+class Budget:
+    """The run's time: what is left, and the overheads measured so far (loading, CUDA graph
+    capture), from which each time box is shrunk to what is left when it starts."""
+    seconds: float
+    start: float = field(default_factory=time.perf_counter)
+    measured: dict = field(default_factory=dict)      # "model_8b_load", "paper_load": seconds
+    shortened: dict = field(default_factory=dict)     # time box -> [planned, used]
+    enabled: bool = True                              # off in dry runs (they count steps)
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+    def paper_need(self, plan: Plan) -> float:
+        """Seconds section 5 will take: its load (measured, or scaled from section 4's), warm-ups and windows."""
+        load = self.measured.get("paper_load")
+        if load is None:
+            load = self.measured["model_8b_load"] * PAPER_OVER_8B_LOAD if "model_8b_load" in self.measured \
+                else PAPER_OVERHEAD_GUESS
+        return load + 3 * (plan.paper_warmup_seconds + plan.paper_seconds)
+
+    def throughput_box(self, plan: Plan, runs_left: int, paper_follows: bool) -> float:
+        """Section 4's next throughput run: its share of what is left after section 5's need."""
+        if not self.enabled:
+            return plan.throughput_seconds
+        spare = self.left() - (self.paper_need(plan) if paper_follows else 0.0)
+        return self._shrink("throughput_seconds", plan.throughput_seconds, max(10.0, spare / runs_left))
+
+    def paper_window(self, plan: Plan) -> float:
+        """Section 5's window per allocator, once its model is loaded (its load is then known)."""
+        if not self.enabled:
+            return plan.paper_seconds
+        return self._shrink("paper_seconds", plan.paper_seconds, max(5.0, self.left() / 3 - plan.paper_warmup_seconds))
+
+    def _shrink(self, name: str, planned: float, fits: float) -> float:
+        if fits >= planned:
+            return planned
+        self.shortened[name] = [planned, fits]
+        return fits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -821,19 +1015,25 @@ def main(argv: list[str] | None = None) -> int:
             setattr(plan, name, value)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else by_name(BF16_PEAK, device_name())
     res = dict(device=device_name(), torch=torch.__version__, triton=triton.__version__, dry_run=args.dry_run,
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), seconds={})
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), seconds={}, peak_memory_gib={})
+    out = Path(args.json or ("benchmarks/results/gpu_check_dry_run.json" if args.dry_run
+                             else "benchmarks/results/gpu_check.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget_seconds - (time.perf_counter() - START), enabled=not plan.dry_run)
     failed = False
     copy_bw = None
     wanted = [s for s in (args.only or SECTIONS) if s not in args.skip]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for key in wanted:
-            if not plan.dry_run:
-                fit_time_boxes(plan, key, args.budget_seconds - (time.perf_counter() - START), wanted, res)
             start = time.perf_counter()
-            print(f"[gpu_check] {key} ...", flush=True)
+            print(f"[gpu_check] {key} ... ({budget.left():.0f}s of the budget left)", flush=True)
+            if DEVICE.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             try:
-                if key == "kernels":
+                if key == "basics":
+                    res[key] = check_device_basics()
+                elif key == "kernels":
                     res[key] = check_kernels(plan)
                 elif key == "decode":
                     copy_bw = copy_bandwidth(plan.copy_bytes)
@@ -841,20 +1041,25 @@ def main(argv: list[str] | None = None) -> int:
                 elif key == "engine":
                     res[key] = check_engine(plan, root)
                 elif key == "model_8b":
-                    res[key] = bench_model_8b(plan, root, copy_bw, peak)
+                    res[key] = bench_model_8b(plan, root, copy_bw, peak, budget, "paper" in wanted)
                 else:
-                    res[key] = bench_paper(plan, root)
+                    res[key] = bench_paper(plan, root, budget)
                 failed |= not res[key].get("ok", True) or any("cuda_graphs_error" in k for k in res[key])
             except Exception:
                 res[key] = traceback.format_exc()
                 print(res[key], file=sys.stderr)
                 failed = True
             res["seconds"][key] = time.perf_counter() - start
+            peak_bytes = peak_memory()
+            res["peak_memory_gib"][key] = peak_bytes / 2**30 if peak_bytes is not None else None
+            res["time_boxes_shortened"] = budget.shortened
+            res["measured_overheads_s"] = budget.measured
+            verdict = "FAILED" if isinstance(res[key], str) or not res[key].get("ok", True) else "ok"
+            print(f"[gpu_check] {key}: {verdict} in {res['seconds'][key]:.0f}s, peak GPU memory "
+                  + (f"{res['peak_memory_gib'][key]:.2f} GiB" if peak_bytes is not None else "n/a (CPU)"), flush=True)
+            out.write_text(json.dumps(res, indent=2))     # after every section: a run cut short keeps what it did
             free_memory()
     print_report(res)
-    out = Path(args.json or ("benchmarks/results/gpu_check_dry_run.json" if args.dry_run
-                             else "benchmarks/results/gpu_check.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"\nwrote {out}")
     return 1 if failed else 0
