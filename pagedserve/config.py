@@ -111,8 +111,9 @@ class EngineConfig:
     device: str | None = setting(None, f"{' | '.join(DEVICES)}; default: cuda when torch sees a GPU")
     attention_backend: str | None = setting(None, "default: triton on cuda, cpu (the C++ kernel) on cpu",
                                             choices=ATTENTION_BACKENDS)
-    gpu_memory_utilization: float = setting(0.9, "CUDA without kv_cache_memory: the share of free GPU memory "
-                                                 "for weights + KV cache")
+    gpu_memory_utilization: float = setting(0.9, "CUDA without kv_cache_memory: the share of the GPU's total "
+                                                 "memory for this engine (weights, profiled activations, CUDA "
+                                                 "graphs, KV cache), as in vLLM")
     # Threads of the CPU kernels and torch (both OpenMP). None: the CPUs this process may use
     # (affinity mask and cgroup quota), not the machine's core count (kernels/threads.py).
     num_threads: int | None = setting(None, "CPU threads; default: the CPUs this process may use (affinity "
