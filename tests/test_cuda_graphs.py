@@ -158,3 +158,29 @@ def test_seeded_generators_live_on_the_runners_device(tiny_llama):
                          [p, SamplingParams(temperature=1.0, max_tokens=6), SamplingParams(temperature=0, max_tokens=6)],
                          use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
+
+
+def test_graph_decode_splits_each_context_whatever_the_bound(tiny_llama, monkeypatch):
+    """The graphs' decode launch is bounded by max_model_len (512) but its splits come from
+    the batch and the GPU (faked: 132 SMs, partitions of at least 64 tokens): 8 splits, of
+    which a sequence of ~150 tokens fills 3 and a short one 1, and the tokens are still
+    transformers' greedy ones."""
+    from pagedserve.attention import triton_decode as td
+    monkeypatch.setattr(td, "device_sms", lambda device: 132)
+    monkeypatch.setattr(td, "MIN_PARTITION", 64)
+    launches = []
+    choose = td.choose_splits
+    monkeypatch.setattr(td, "choose_splits", lambda *a: launches.append((a, choose(*a))) or launches[-1][1])
+    tok = tiny_llama.tokenizer
+    long = (tok.encode(PROMPTS[0]) * 40)[:150]
+    prompts = [long, (tok.encode(PROMPTS[1]) * 20)[:70], tok.encode(PROMPTS[2])]
+    llm = LLM(tiny_llama.path, dtype="float32", device="cpu", attention_backend="triton",
+              num_gpu_blocks_override=64, block_size=16, max_model_len=512)
+    llm.engine.runner.capture_cuda_graphs([1, 2, 4], 512, capture=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(tiny_llama.hf, p, 3)
+    graph_launches = [(args, splits) for args, splits in launches if args[0] == 512]
+    assert graph_launches and all(splits == 8 for _, splits in graph_launches)
+    assert td.partition_tokens(151, 8, td.BLOCK_N, 64) == 64      # 3 of the 8 splits hold tokens
