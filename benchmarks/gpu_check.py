@@ -42,7 +42,8 @@ The throughput runs are time-boxed (--throughput-seconds, --paper-seconds): a ru
 not finished its requests by then reports its rate over the time it ran and how many it
 finished. Each box is shrunk, when it starts, to what --budget-seconds leaves, counting
 the overheads measured in this run (section 4's load and CUDA graph capture, scaled by
-the weights for section 5 until its own load is measured). Writes benchmarks/results/gpu_check.json (--json) and prints a table per section.
+the weights for section 5 until its own load is measured). Writes
+benchmarks/results/gpu_check.json (--json) and prints a table per section.
 
 Not checked here, because they do not run on the GPU yet: quantized weights (the
 `quantization` setting) and the 8-bit KV cache (`kv_cache_dtype`) have CPU kernels only and
@@ -932,7 +933,8 @@ def print_report(res: dict) -> None:
             print(f"\n!! {key} failed: {res[key].strip().splitlines()[-1]}")
     print("\nseconds per section: " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
     if any(v is not None for v in res["peak_memory_gib"].values()):
-        print("peak GPU memory per section (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in res["peak_memory_gib"].items()))
+        print("peak GPU memory per section (GiB): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in res["peak_memory_gib"].items() if v is not None))
 
 
 # Seconds section 5 takes besides its time boxes (loading a 13B model, capturing its CUDA

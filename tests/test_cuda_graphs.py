@@ -155,7 +155,8 @@ def test_seeded_generators_live_on_the_runners_device(tiny_llama):
     p = SamplingParams(temperature=1.0, max_tokens=6, seed=11, ignore_eos=True)
     alone = llm.generate([{"prompt_token_ids": tok.encode(PROMPTS[0])}], p, use_tqdm=False)[0].outputs[0].token_ids
     batch = llm.generate([{"prompt_token_ids": tok.encode(x)} for x in PROMPTS[:3]],
-                         [p, SamplingParams(temperature=1.0, max_tokens=6), SamplingParams(temperature=0, max_tokens=6)],
+                         [p, SamplingParams(temperature=1.0, max_tokens=6),
+                          SamplingParams(temperature=0, max_tokens=6)],
                          use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
 

@@ -8,7 +8,6 @@ GQA ratios 1/3/8, context lengths 1..3000, batches of 1..33, float32 and bfloat1
 
 import pytest
 import torch
-import triton
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.metadata import AttentionMetadata

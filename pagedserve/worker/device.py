@@ -152,7 +152,6 @@ def profile_peaks(model, config, device: torch.device, sampler, probe: MemoryPro
     from pagedserve.worker.model_runner import ModelRunner
     bs = config.block_size
     lengths = profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
-    seqs = len(lengths)
     settings = SamplingSettings(temperature=1.0, top_p=0.9, top_k=50, num_logprobs=20, needs_logprob=True)
     blocks = [-(-n // bs) for n in lengths]
     runner = ModelRunner(model, max(sum(blocks), graph_batch or 0), bs, sampler, device)
