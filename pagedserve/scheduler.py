@@ -66,7 +66,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplerOutput,
-                              SamplingSettings, ScheduledTokens, StepBatch)
+                              ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.events import KVEventSink
@@ -74,7 +74,7 @@ from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.outputs import Logprob
-from pagedserve.request import Request, RequestStatus, Sequence
+from pagedserve.request import Request, RequestStatus, Sequence, sampling_settings  # noqa: F401 - re-exported
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
@@ -146,20 +146,6 @@ class StepUpdate:
 Plan = list[tuple[Sequence, int]]
 
 
-def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSettings:
-    """The sampler's view of a request's parameters. Beam search ranks candidates by the raw
-    logprobs (beam_width of them per beam); its sampled token itself is unused."""
-    if isinstance(params, BeamSearchParams):
-        return SamplingSettings(temperature=0.0, ignore_eos=True, num_logprobs=params.beam_width,
-                                needs_logprob=True)
-    p = params
-    return SamplingSettings(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-                            p.repetition_penalty, p.logit_bias or None, p.min_tokens, tuple(p.stop_token_ids or ()),
-                            p.ignore_eos, p.logprobs or 0, p.needs_logprobs,
-                            tuple(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
-                            tuple(tuple(w) for w in p.bad_words_token_ids))
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
@@ -205,7 +191,6 @@ class Scheduler:
                 f"(--max-num-seqs on the server)", param)
         self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
                               req.max_seqs > 1 or req.is_beam_search)
-        req.sampling = sampling_settings(req.params)
         self.waiting.append(req)
 
     def free_seq(self, seq: Sequence, req: Request) -> None:

@@ -79,12 +79,9 @@ class PagingMachine(RuleBasedStateMachine):
         else:
             best_of = n + extra if kind == "parallel" else 1
             params = SamplingParams(n=n if kind == "parallel" else 1, best_of=best_of, temperature=1.0,
-                                    max_tokens=max_tokens)
-        req = Request(rid, None, prompt, params, max_tokens)
-        req.seqs.append(Sequence(self.sched.new_seq_id(), 0, list(prompt), len(prompt)))
-        req.pending_fork = kind == "parallel" and params.best_of > 1
-        if prompt_logprobs and kind != "beam":
-            req.prompt_logprobs = [None]     # no prefix-cache hits for it
+                                    max_tokens=max_tokens,
+                                    prompt_logprobs=0 if prompt_logprobs else None)   # no prefix-cache hits
+        req = Request.create(rid, None, prompt, params, max_tokens, self.sched.new_seq_id())
         free = self.sched.kv.num_free_blocks
         try:
             self.sched.add_request(req)

@@ -58,9 +58,7 @@ _workers: "weakref.WeakKeyDictionary[Scheduler, ShadowWorker]" = weakref.WeakKey
 def add(sched, rid, prompt_len, max_tokens, best_of=1, prompt=None):
     prompt = prompt or [7] * prompt_len
     params = SamplingParams(max_tokens=max_tokens, n=best_of, temperature=1.0)
-    req = Request(rid, None, prompt, params, max_tokens)
-    req.seqs.append(Sequence(sched.new_seq_id(), 0, list(prompt), len(prompt)))
-    req.pending_fork = best_of > 1
+    req = Request.create(rid, None, prompt, params, max_tokens, sched.new_seq_id())
     sched.add_request(req)
     return req
 

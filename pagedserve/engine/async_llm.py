@@ -35,9 +35,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
+from pagedserve.engine.llm_engine import MAX_STEP_FAILURES, LLMEngine, PromptType  # noqa: F401 - re-exported
 from pagedserve.engine.kv_view import EngineCapture, capture
-from pagedserve.executor import WorkerFailedError
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
@@ -49,10 +48,6 @@ from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, Samp
 logger = logging.getLogger(__name__)
 
 Params = SamplingParams | BeamSearchParams
-
-# Steps failing as a whole this many times in a row (no step succeeding between) mean a fault
-# that no request causes: the engine is declared dead rather than failing every request forever.
-MAX_STEP_FAILURES = 3
 
 
 class EngineNotReadyError(RuntimeError):
@@ -166,7 +161,6 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._progress: dict[str, _Progress] = {}
-        self._step_failures = 0            # steps failed as a whole in a row
         self._thread: threading.Thread | None = None
         # Event-loop state.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -458,24 +452,19 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            try:
-                outputs = self.engine.step()
-            except RequestsFailed as e:
-                self._fail_requests(e.failures)   # the step checked the invariants after dropping them
-                outputs = e.outputs
-        except WorkerFailedError:
-            raise                 # a tensor-parallel rank is gone: the engine cannot go on
-        except Exception as e:   # noqa: BLE001 - the step failed as a whole
-            self._step_failures += 1
-            if self._step_failures >= MAX_STEP_FAILURES:
-                raise RuntimeError(f"{self._step_failures} engine steps in a row failed") from e
-            logger.exception("an engine step failed; failing the %d requests in flight and starting the KV "
-                             "cache afresh", len(self.engine.requests))
-            rids = self.engine.reset()
-            self._fail_requests({rid: e for rid in rids})
-            self._publish(None)
-            return
-        self._step_failures = 0
+            outputs = self.engine.step()
+        except Exception as e:   # noqa: BLE001 - the engine's policy says what it means
+            failure = self.engine.recover(e)
+            if failure.fatal is not None:
+                raise failure.fatal   # the loop dies: every stream fails with EngineDeadError
+            if failure.reset:
+                logger.exception("an engine step failed; failing the %d requests in flight and starting the KV "
+                                 "cache afresh", len(failure.failed))
+            self._fail_requests(failure.failed)   # the step checked the invariants after dropping them
+            if failure.reset:
+                self._publish(None)
+                return
+            outputs = failure.outputs
         iteration = IterationStats()
         handed = []
         for out in outputs:

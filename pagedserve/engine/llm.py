@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template, render_chat  # noqa: F401 - the server imports render_chat here
-from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -156,14 +156,13 @@ class LLM:
                         n_out += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s")
-        except RequestsFailed:
-            for rid in ids:   # the failed requests are gone already; the others go with them
+        except BaseException as e:
+            # What the failure means is the engine's policy (LLMEngine.recover: the failed requests
+            # are dropped, or after a step that failed half way the KV bookkeeping starts afresh).
+            # Offline, one failure fails the whole call: the other requests here go with it.
+            engine.recover(e)
+            for rid in ids:
                 engine.abort_request(rid)
-            raise
-        except BaseException:
-            # A step failed half way (or Ctrl-C): the blocks it was writing may already be in the
-            # prefix cache, so the KV bookkeeping starts afresh (all requests here are ours).
-            engine.reset()
             raise
         finally:
             bar.close()

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.config import EngineConfig
@@ -20,7 +21,7 @@ from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_view import KVView, capture
 from pagedserve.errors import InvalidRequestError
-from pagedserve.executor import make_executor
+from pagedserve.executor import WorkerFailedError, make_executor
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
 
+# Steps failing as a whole this many times in a row (no step succeeding between) mean a fault
+# that no request causes: the engine is declared dead rather than failing every request forever.
+MAX_STEP_FAILURES = 3
+
 
 class EngineStalledError(RuntimeError):
     """The engine made no progress for `EngineConfig.watchdog_steps` steps while requests
@@ -61,6 +66,15 @@ class RequestsFailed(Exception):
         super().__init__("; ".join(f"request {rid}: {e!r}" for rid, e in failures.items()))
         self.failures = failures
         self.outputs = outputs
+
+
+@dataclass
+class StepFailure:
+    """What a step that raised means (LLMEngine.recover decides; LLM and AsyncLLM act on it)."""
+    failed: dict[str, BaseException]                               # requests that fail, and why
+    outputs: list[RequestOutput] = field(default_factory=list)     # the other requests' progress
+    reset: bool = False                                            # the step failed as a whole
+    fatal: BaseException | None = None                             # set: the engine cannot go on
 
 
 class LLMEngine:
@@ -104,6 +118,7 @@ class LLMEngine:
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._request_counter = 0
         self._steps_without_progress = 0
+        self._step_failures = 0            # steps failed as a whole in a row (recover)
         self._grammars: GrammarCompiler | None = None   # built on the first structured request
         self.on_grammar_ready: Callable[[], None] = lambda: None   # AsyncLLM wakes its thread
         self.num_steps = 0                 # step() calls so far (the dashboard's clock)
@@ -180,24 +195,16 @@ class LLMEngine:
             ids = ids[-params.truncate_prompt_tokens:]
         salt = self.prompt_cache_salt(prompt)
         max_tokens = self.validate_request(ids, params)
-        n_prompt = len(ids)
-        req = Request(request_id, text, ids, params, max_tokens, cache_salt=salt)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        seq = Sequence(self.scheduler.new_seq_id(), 0, list(ids), n_prompt)
+        structured = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
+        req = Request.create(request_id, text, ids, params, max_tokens, self.scheduler.new_seq_id(),
+                             arrival_time=arrival_time, cache_salt=salt, structured=structured)
         if isinstance(params, SamplingParams):
-            seq.detokenizer = IncrementalDetokenizer(
+            req.seqs[0].detokenizer = IncrementalDetokenizer(
                 self._backend_tokenizer, ids, params.skip_special_tokens, params.stop_strings,
                 params.include_stop_str_in_output)
-            if params.logprobs is not None:
-                seq.logprobs = []
-            req.pending_fork = params.best_of > 1
-            if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None]
-        req.seqs.append(seq)
         self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            req.structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
         self.requests[request_id] = req
         return req
 
@@ -311,7 +318,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
         try:
-            return self._step()
+            outputs = self._step()
+            self._step_failures = 0
+            return outputs
         finally:
             for observe in self.step_observers:
                 try:
@@ -350,6 +359,31 @@ class LLMEngine:
         if failed:
             raise RequestsFailed(failed, outputs)
         return outputs
+
+    def recover(self, error: BaseException) -> StepFailure:
+        """The step-failure policy, in one place: what `error`, raised by step(), means, with
+        the engine's part of it done. Both drivers (LLM, AsyncLLM) call it and act on the answer.
+        - RequestsFailed: those requests alone fail (already dropped); the step's other
+          outputs stand and the step counts as a success.
+        - Anything else failed the step as a whole: every request in flight fails and the KV
+          bookkeeping starts afresh (reset: a half-written block must not stay in the prefix
+          cache). A lost tensor-parallel rank (WorkerFailedError), or MAX_STEP_FAILURES such
+          steps in a row, is fatal: the engine cannot go on."""
+        if isinstance(error, RequestsFailed):
+            self._step_failures = 0
+            for rid in error.failures:
+                if rid in self.requests:
+                    self.abort_request(rid)
+            return StepFailure(dict(error.failures), error.outputs)
+        self._step_failures += 1
+        failed = {rid: error for rid in self.reset()}
+        fatal = None
+        if isinstance(error, WorkerFailedError):
+            fatal = error
+        elif self._step_failures >= MAX_STEP_FAILURES:
+            fatal = RuntimeError(f"{self._step_failures} engine steps in a row failed")
+            fatal.__cause__ = error
+        return StepFailure(failed, [], reset=True, fatal=fatal)
 
     def _watchdog(self) -> None:
         """Count steps that computed nothing while requests wait; after watchdog_steps in a
