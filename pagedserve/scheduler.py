@@ -62,7 +62,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplerOutput,
@@ -146,6 +146,47 @@ class StepUpdate:
 Plan = list[tuple[Sequence, int]]
 
 
+class QueueView:
+    """A read-only view of a scheduler's queues, for those who look but never change them: the
+    stats, the dashboard's snapshot, the watchdog and the grammar waits (`Scheduler.queues`).
+    It copies nothing: read it on the engine's thread, between steps."""
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self._sched = sched
+
+    @property
+    def num_running(self) -> int:
+        return len(self._sched.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._sched.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._sched.swapped)
+
+    def by_status(self) -> Iterator[tuple[str, Request]]:
+        """Every unfinished request with its queue's name: running, swapped, then waiting."""
+        s = self._sched
+        for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
+            for req in queue:
+                yield status, req
+
+    def waiting_for_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [r for r in self._sched.waiting if r.waiting_for_grammar]
+
+    def failed_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar failed to compile."""
+        return [r for r in self._sched.waiting if r.structured is not None and r.structured.error is not None]
+
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar: a step would do nothing."""
+        s = self._sched
+        return bool(s.waiting) and not s.running and not s.swapped and all(r.waiting_for_grammar for r in s.waiting)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
@@ -168,6 +209,7 @@ class Scheduler:
         # paged cache: the baselines reserve a request's final size up front and never grow.
         self.watermark_blocks = int(config.admission_watermark * num_blocks) if config.kv_allocator == "paged" else 0
         self.stats = SchedulerCounters()
+        self.queues = QueueView(self)
         self._next_seq_id = 0
         self._warned_preemption = False
         self._finished_seq_ids: list[int] = []   # for the next batch: the worker forgets them

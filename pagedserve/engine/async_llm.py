@@ -419,7 +419,7 @@ class AsyncLLM:
         added: list[Request] = []
         self._num_taken += len(items)
         try:
-            self._check_queue(len(items), len(self.engine.scheduler.waiting))
+            self._check_queue(len(items), self.engine.scheduler.queues.num_waiting)
             for rid, prompt, params in items:
                 added.append(self.engine.add_request(rid, prompt, params, arrival_time=arrival_time))
         except Exception as e:   # noqa: BLE001 - handed back to the caller
@@ -516,8 +516,7 @@ class AsyncLLM:
                 num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
 
     def _publish(self, iteration: IterationStats | None) -> None:
-        sched = self.engine.scheduler
-        self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
+        self._queue_view = (self.engine.scheduler.queues.num_waiting, self._num_taken)   # one object: read whole
         self.scheduler_stats = self.engine.scheduler_stats()
         for stat_logger in self.stat_loggers:
             try:

@@ -295,23 +295,21 @@ class LLMEngine:
     def only_waiting_for_grammars(self) -> bool:
         """Every unfinished request waits for its grammar to compile: a step would do nothing
         (wait_for_grammars, or AsyncLLM sleeps until on_grammar_ready)."""
-        s = self.scheduler
-        return bool(s.waiting) and not s.running and not s.swapped and all(r.waiting_for_grammar for r in s.waiting)
+        return self.scheduler.queues.only_waiting_for_grammars()
 
     def wait_for_grammars(self, timeout: float | None = None) -> None:
         """Block until one of the grammars being compiled is ready (or timeout seconds)."""
-        pending = [r.structured.compiled for r in self.scheduler.waiting if r.waiting_for_grammar]
+        pending = [r.structured.compiled for r in self.scheduler.queues.waiting_for_grammars()]
         if pending:
             concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _drop_failed_grammars(self) -> dict[str, Exception]:
         """Requests whose grammar failed to compile end with that error, before they run."""
         failed = {}
-        for req in list(self.scheduler.waiting):
-            if req.structured is not None and req.structured.error is not None:
-                failed[req.request_id] = req.structured.error
-                self.scheduler.abort_request(req)
-                self.requests.pop(req.request_id, None)
+        for req in self.scheduler.queues.failed_grammars():
+            failed[req.request_id] = req.structured.error
+            self.scheduler.abort_request(req)
+            self.requests.pop(req.request_id, None)
         return failed
 
     # ---- the step ------------------------------------------------------------------------
@@ -389,7 +387,7 @@ class LLMEngine:
         """Count steps that computed nothing while requests wait; after watchdog_steps in a
         row, log the scheduler's state and raise EngineStalledError instead of spinning. (Waiting
         for a grammar to compile is no stall.)"""
-        if not self.requests or any(r.waiting_for_grammar for r in self.scheduler.waiting):
+        if not self.requests or self.scheduler.queues.waiting_for_grammars():
             return
         self._steps_without_progress += 1
         limit = self.config.watchdog_steps
@@ -461,9 +459,9 @@ class LLMEngine:
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler and KV cache now, as stat loggers and LLM.get_metrics see them."""
         kv = self.kv_cache_stats()
-        sched = self.scheduler
+        queues = self.scheduler.queues
         return SchedulerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_running=queues.num_running, num_waiting=queues.num_waiting, num_swapped=queues.num_swapped,
             kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
             num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
