@@ -125,14 +125,6 @@ class EngineConfig:
     max_logprobs: int = setting(20, "most logprobs a request may ask for per token")
     trust_remote_code: bool = setting(False, "accepted for vLLM compatibility; never needed (no model code is "
                                              "loaded from checkpoints)")
-    # Data parallelism (the server): this many engine replicas as Ray actors behind one router
-    # (pagedserve/cluster/), which sends each request to one of them by `routing_policy`.
-    data_parallel_size: int = setting(1, "serve: engine replicas (Ray actors) behind this endpoint",
-                                      aliases=("-dp",))
-    routing_policy: str = setting("kv_aware", "with data_parallel_size > 1: how a request's replica is chosen",
-                                  choices=ROUTING_POLICIES)
-    ray_address: str | None = setting(None, "join this Ray cluster ('auto': the one this node is in); default: "
-                                            "start a local one")
     # auto: the model's weights; dummy: random weights of its shapes, made on the device, for
     # timing runs (model may then be a preset name, models/presets.py; EOS never stops a sequence).
     load_format: str = setting("auto", "dummy: random weights of the model's shapes (the model may then be a "
@@ -184,9 +176,6 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.attention_backend is not None:
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        _one_of("routing_policy", self.routing_policy, ROUTING_POLICIES)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

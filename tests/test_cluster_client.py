@@ -14,6 +14,7 @@ pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 
 from pagedserve.cluster.client import DataParallelLLM  # noqa: E402
+from pagedserve.server.metrics import PrometheusStatLogger  # noqa: E402
 from pagedserve.cluster.replica import describe_error  # noqa: E402
 
 
@@ -64,7 +65,8 @@ def output(rid: str, finished: bool, cached: int = 0) -> RequestOutput:
 
 
 def client(*replicas, policy="round_robin") -> DataParallelLLM:
-    llm = DataParallelLLM(EngineConfig(data_parallel_size=len(replicas), routing_policy=policy))
+    metrics = PrometheusStatLogger("m", num_engines=len(replicas))
+    llm = DataParallelLLM(EngineConfig(), len(replicas), metrics, routing_policy=policy)
     llm.actors, llm.state = list(replicas), "ready"
     return llm
 

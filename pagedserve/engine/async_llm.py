@@ -37,17 +37,16 @@ from typing import Any, Callable
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import MAX_STEP_FAILURES, LLMEngine, PromptType  # noqa: F401 - re-exported
 from pagedserve.engine.kv_view import EngineCapture, capture
+from pagedserve.engine.protocol import Params, check_num_prompts
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.request import Request
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
-
-Params = SamplingParams | BeamSearchParams
 
 
 class EngineNotReadyError(RuntimeError):
@@ -130,6 +129,8 @@ def delta_output(c: CompletionOutput, sent: dict[int, tuple[int, int]]) -> Compl
 
 
 class AsyncLLM:
+    """An EngineClient (engine/protocol.py) over one LLMEngine on a thread of its own."""
+
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  log_interval: float | None = 10.0, max_waiting_requests: int | None = None,
                  kv_events: KVEventSink | None = None) -> None:
@@ -233,10 +234,7 @@ class AsyncLLM:
 
     def check_num_prompts(self, num_new: int) -> None:
         """ValueError if one call could never be queued whole."""
-        cap = self.max_waiting_requests
-        if cap is not None and num_new > cap:
-            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
-                             f"(--max-waiting-requests)")
+        check_num_prompts(num_new, self.max_waiting_requests)
 
     def _check_queue(self, num_new: int, num_waiting: int) -> None:
         cap = self.max_waiting_requests

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import time
 import typing
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from pagedserve.engine.chat import load_chat_template, render_chat  # noqa: F401
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 
@@ -31,6 +34,7 @@ class LLM:
     `LLM(model, ...)` takes its engine arguments."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        _drop_serving_topology(kwargs)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @classmethod
@@ -167,6 +171,19 @@ class LLM:
         finally:
             bar.close()
         return [finals[rid] for rid in ids]
+
+
+# The server's data-parallel settings (server/config.py's ServerConfig), which vLLM's LLM also
+# takes: accepted here, and one engine runs (the offline API has no replicas).
+SERVING_TOPOLOGY = ("data_parallel_size", "routing_policy", "ray_address")
+
+
+def _drop_serving_topology(kwargs: dict[str, Any]) -> None:
+    for name in SERVING_TOPOLOGY:
+        value = kwargs.pop(name, None)
+        if name == "data_parallel_size" and value not in (None, 1):
+            logger.warning("LLM runs one engine: data_parallel_size=%s is the server's setting "
+                           "(pagedserve serve --data-parallel-size); ignored here", value)
 
 
 def _document_parameters(cls: type) -> None:

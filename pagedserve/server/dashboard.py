@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.engine.kv_view import KVView, apply_update
 from pagedserve.models.loader import load_tokenizer
 from pagedserve.server.errors import APIError
@@ -45,7 +45,7 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 
 class KVStreamHub:
-    def __init__(self, llm: AsyncLLM, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(self, llm: EngineClient, interval: float = DEFAULT_INTERVAL) -> None:
         if not interval > 0:
             raise ValueError(f"the KV snapshot interval must be > 0 seconds; got {interval}")
         self.llm = llm
