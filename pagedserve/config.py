@@ -157,8 +157,9 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            # Every running sequence must be able to decode one token per step.
-            self.max_num_batched_tokens = self.max_num_seqs
+            # Every running sequence must be able to decode one token per step (refused, as vLLM does).
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence decodes a token in each step")
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

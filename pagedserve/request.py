@@ -49,7 +49,7 @@ class Sequence:
     logprobs: list[dict[int, Any]] | None = None
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     stop_reason: int | str | None = None     # the stop token id or stop string that fired
-    detokenizer: Any = None                  # engine-side incremental detokenizer
+    detokenizer: Any = None                  # its text: the engine's output side (engine/detokenizer.py)
 
     @property
     def num_tokens(self) -> int:
@@ -166,7 +166,6 @@ class Request:
             num_computed_tokens=parent.num_computed_tokens,
             cumulative_logprob=parent.cumulative_logprob,
             logprobs=None if parent.logprobs is None else list(parent.logprobs),
-            detokenizer=None if parent.detokenizer is None else parent.detokenizer.fork(),
-        )
+        )   # its text is the engine's output side's (engine/detokenizer.py): made there
         self.seqs.append(child)
         return child

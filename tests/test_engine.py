@@ -62,7 +62,7 @@ def test_greedy_equals_transformers_with_ignore_eos(tiny_llama, prompts):
 
 
 def test_requests_join_while_others_run(tiny_llama, prompts, alone):
-    llm = make_llm(tiny_llama, max_num_batched_tokens=16)
+    llm = make_llm(tiny_llama, max_num_batched_tokens=16, max_num_seqs=16)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     results = {}

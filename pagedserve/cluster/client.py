@@ -27,9 +27,11 @@ from pagedserve.cluster.replica import EngineReplica, PollResult, ReplicaInfo, r
 from pagedserve.cluster.routing import NoReplicaError, Router
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import EngineDeadError, EngineNotReadyError, EngineStepError, PromptType, RequestStream
+from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture
 from pagedserve.engine.protocol import EngineStatLogger, Params, check_num_prompts
-from pagedserve.models.loader import load_tokenizer
+from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -162,14 +164,16 @@ class DataParallelLLM:
             self._ray_connected = await asyncio.to_thread(init_ray, self.ray_address, self.ray_num_cpus)
             actor_cls = ray.remote(EngineReplica)
             self._place_on_gpus(ray.cluster_resources().get("GPU", 0))
-            share = self.max_waiting_requests and -(-self.max_waiting_requests // self.num_replicas)
+            share = self.max_waiting_requests and cdiv(self.max_waiting_requests, self.num_replicas)
             # Named (in Ray's "pagedserve" namespace) so that operators and tests can find a replica.
             self.actors = [actor_cls.options(**self._replica_options, name=f"{self.name}-replica-{i}",
                                              namespace=RAY_NAMESPACE).remote(self.config, share, self._log_interval)
                            for i in range(self.num_replicas)]
             self.infos = list(await asyncio.gather(*(a.start.remote() for a in self.actors)))
             info = self.infos[0]
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer or info.model_path)
+            self.tokenizer = await asyncio.to_thread(
+                front_end_tokenizer, self.config.tokenizer or info.model_path, self.config.load_format == "dummy",
+                load_chat_template(self.config.chat_template))
             self.model_path, self.max_model_len = info.model_path, info.max_model_len
             self.vocab_size, self.num_blocks = info.vocab_size, info.num_blocks
             self.default_sampling = info.default_sampling

@@ -36,12 +36,13 @@ from typing import Any, Callable
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import MAX_STEP_FAILURES, LLMEngine, PromptType  # noqa: F401 - re-exported
+from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
 from pagedserve.engine.protocol import Params, check_num_prompts
+from pagedserve.engine.tokenizer import front_end_tokenizer
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
-from pagedserve.models.loader import load_tokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.request import Request
 from pagedserve.sampling_params import RequestOutputKind
@@ -150,7 +151,7 @@ class AsyncLLM:
         self.startup_error: BaseException | None = None
         self.fatal_error: BaseException | None = None
         # Set on the engine thread before `ready`, read-only afterwards.
-        self.tokenizer: Any = None         # the front end's own tokenizer (not the engine's)
+        self.tokenizer: Any = None         # the front end's tokenizer (engine/tokenizer.py), not the engine's
         self.max_model_len = 0
         self.vocab_size = 0
         self.model_path = ""
@@ -335,8 +336,8 @@ class AsyncLLM:
             self.engine = LLMEngine(self.config, self.kv_events)
             self.engine.on_grammar_ready = self._wake.set   # a compile ended: look at the queue again
             path = self.engine.model_path
-            self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
-            self.tokenizer.chat_template = self.engine.tokenizer.chat_template
+            self.tokenizer = front_end_tokenizer(self.engine.tokenizer_path, self.config.load_format == "dummy",
+                                                 load_chat_template(self.config.chat_template))
             self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.kv.snapshot import KVSnapshot, PoolSnapshot
 from pagedserve.sampling_params import BeamSearchParams
+from pagedserve.utils import cdiv
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
@@ -85,10 +86,6 @@ def capture(engine: LLMEngine, extra_counters: dict[str, Any] | None = None) -> 
         counters.update(extra_counters)
     return EngineCapture(time.time(), engine.num_steps, engine.max_model_len, sched.kv.snapshot(), requests,
                          counters)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def contiguous_needs(cap: EngineCapture) -> dict[str, int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import OutputText
 from pagedserve.engine.kv_view import KVView, capture
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor import WorkerFailedError, make_executor
@@ -115,7 +115,7 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
-        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self.text = OutputText(self.tokenizer)   # the output side: token text and stop strings
         self._request_counter = 0
         self._steps_without_progress = 0
         self._step_failures = 0            # steps failed as a whole in a row (recover)
@@ -145,7 +145,7 @@ class LLMEngine:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
-                         self.eos_token_ids, self.tokenizer.convert_ids_to_tokens, self.kv_events)
+                         self.eos_token_ids, self.kv_events)
 
     def _eos_token_ids(self, path: str) -> set[int]:
         if self.config.load_format == "dummy":
@@ -200,10 +200,7 @@ class LLMEngine:
             structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
         req = Request.create(request_id, text, ids, params, max_tokens, self.scheduler.new_seq_id(),
                              arrival_time=arrival_time, cache_salt=salt, structured=structured)
-        if isinstance(params, SamplingParams):
-            req.seqs[0].detokenizer = IncrementalDetokenizer(
-                self._backend_tokenizer, ids, params.skip_special_tokens, params.stop_strings,
-                params.include_stop_str_in_output)
+        self.text.start(req)
         self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
         self.requests[request_id] = req
         return req
@@ -341,11 +338,16 @@ class LLMEngine:
         result = self.executor.execute(sched.batch)
         update = self.scheduler.update_from_output(sched, result)
 
-        # Building one request's output may raise too: that fails this request alone.
+        # The output side: the step's tokens become text, where the stop strings are checked (a
+        # hit ends its sequence through the scheduler); then the request's output. Either may
+        # raise too: that fails this request alone.
         failed = {**grammar_failures, **update.failed}
         outputs: list[RequestOutput] = []
         for req in update.progressed:
             try:
+                for seq, stop in self.text.update(req):
+                    if self.scheduler.stop_seq(req, seq, stop):
+                        update.finished.add(req.request_id)
                 outputs.append(self._output(req, finished=req.request_id in update.finished))
             except Exception as e:   # noqa: BLE001 - the caller fails this request only
                 failed[req.request_id] = e
@@ -419,7 +421,7 @@ class LLMEngine:
     def _completion(seq: Sequence, index: int, with_cum_logprob: bool) -> CompletionOutput:
         return CompletionOutput(
             index=index,
-            text=seq.detokenizer.visible_text(seq.finished),
+            text=OutputText.visible_text(seq),
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if with_cum_logprob else None,
             logprobs=seq.logprobs,

@@ -22,10 +22,7 @@ from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqSt
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.snapshot import KVSnapshot, snapshot_pool
 from pagedserve.kv.swap import SwapSpace, mirror_tables
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedserve.utils import cdiv
 
 
 @dataclass

@@ -192,7 +192,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
-    hub = KVStreamHub(state.llm, state.kv_snapshot_interval)
+    hub = KVStreamHub(state.llm, state.kv_snapshot_interval, run=lambda fn, *args: state.prompts.run(fn, *args))
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)
     return app
