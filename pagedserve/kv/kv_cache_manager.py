@@ -271,7 +271,7 @@ class KVCacheManager(PoolCapacity):
 
     # ---- invariants (pagedserve/invariants.py calls these) ---------------------------------
     def check_invariants(self, live: dict[int, SeqState] | None = None, swapped: set[int] = frozenset()) -> None:
-        """Invariants 1 and 3 of DESIGN.md, in both pools, plus the free queues and the prefix-cache
+        """Invariants 1 and 3 (docs/architecture.md), in both pools, plus the free queues and the prefix-cache
         index; with `live` and `swapped`, who may hold blocks and that computed tokens have slots."""
         host_tables = self.swap.tables
         for pool, tables in ((self.pool, self.tables), (self.swap.pool, host_tables)):
