@@ -121,3 +121,15 @@ def test_a_replica_dying_mid_stream_fails_only_its_request():
     got, error = run(go())
     assert got[-1].finished and "replica 0 died" in str(error)
     assert not llm.router.replicas[0].alive and llm.router.replicas[1].alive
+
+
+def test_the_client_is_an_engine_client_and_refuses_the_one_engine_dashboard():
+    from pagedserve.engine.async_llm import EngineNotReadyError
+    from pagedserve.engine.protocol import EngineClient
+    llm = client(Replica(lambda rid: []), Replica(lambda rid: []))
+    assert isinstance(llm, EngineClient)
+    with pytest.raises(EngineNotReadyError, match="2 data-parallel replicas"):
+        run(llm.kv_capture())
+    llm.max_waiting_requests = 4
+    with pytest.raises(ValueError, match="at most 4"):
+        llm.check_num_prompts(5)
