@@ -94,7 +94,7 @@ def test_the_router_and_the_simulator_need_no_ray_and_no_tensors():
     for name in ("cluster/routing.py", "cluster/sim.py"):
         assert not {m for m in cluster[name] if m.split(".")[0] in ("ray", "torch")}, name
         assert not hits(cluster[name], ("pagedserve.engine",)), name
-    assert not hits(cluster["cluster/replica.py"], ("pagedserve.cluster.client",)), "the replica must not know the router"
+    assert not hits(cluster["cluster/replica.py"], ("pagedserve.cluster.client",)), "the replica knows no router"
 
 
 def test_the_server_codes_against_the_engine_client_protocol():

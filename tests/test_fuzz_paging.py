@@ -52,7 +52,8 @@ class PagingMachine(RuleBasedStateMachine):
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
     def setup(self, num_blocks, block_size, budget, max_seqs, caching, num_host_blocks=0):
-        config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
+        config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
+                              max_num_seqs=max_seqs,
                               enable_prefix_caching=caching,
                               preemption_mode="swap" if num_host_blocks else "recompute")
         self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})
