@@ -84,9 +84,10 @@ def summarize(ttfts: list[float], prompt: int, cached: int, per_replica: list[in
 async def run_real_policy(policy: str, trace: list[SimRequest], args) -> dict:
     from pagedserve.cluster.client import DataParallelLLM
     from pagedserve.sampling_params import SamplingParams
-    config = EngineConfig(model=args.model, data_parallel_size=args.replicas, routing_policy=policy,
-                          kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
-    llm = DataParallelLLM(config)
+    from pagedserve.server.metrics import PrometheusStatLogger
+    config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    llm = DataParallelLLM(config, args.replicas, PrometheusStatLogger("pagedserve", num_engines=args.replicas),
+                          routing_policy=policy)
     llm.start()
     await llm.wait_started()
     ttfts, where = [], {}

@@ -33,7 +33,7 @@ from pagedserve.batch import RunnerOutput  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.kv_view import KVView, capture  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.request import Request, Sequence  # noqa: E402
+from pagedserve.request import Request  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.scheduler import Scheduler  # noqa: E402
 from pagedserve.server.dashboard import DEFAULT_INTERVAL  # noqa: E402
@@ -58,10 +58,9 @@ class SimEngine:
 
     def add(self, rid: str, prompt: list[int], n: int, max_tokens: int) -> None:
         sched = self.scheduler
-        req = Request(rid, None, prompt, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
-                      max_tokens)
-        req.pending_fork = n > 1
-        req.seqs.append(Sequence(sched.new_seq_id(), 0, list(prompt), len(prompt)))
+        req = Request.create(rid, None, prompt,
+                             SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True), max_tokens,
+                             sched.new_seq_id())
         sched.add_request(req)
 
     def step(self) -> None:

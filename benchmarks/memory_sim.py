@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pagedserve.batch import RunnerOutput
 from pagedserve.config import EngineConfig
 from pagedserve.kv.memory_usage import MemoryUsage
-from pagedserve.request import Request, Sequence
+from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 
@@ -46,8 +46,8 @@ def simulate_saturation(allocator: str, lengths: list[tuple[int, int]], block_si
     sched = Scheduler(config, kv_slots // block_size, max_model_len)
     for i, (prompt_len, output_len) in enumerate(lengths):
         prompt = [1] * prompt_len
-        req = Request(str(i), None, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), output_len)
-        req.seqs.append(Sequence(sched.new_seq_id(), 0, list(prompt), prompt_len))
+        req = Request.create(str(i), None, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), output_len,
+                             sched.new_seq_id())
         sched.add_request(req)
     usage = MemoryUsage()
     steps = saturated = batch_sum = 0

@@ -176,7 +176,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S")
     config = engine_config(args, model=args.model_tag or args.model)
-    server = config_from_args(ServerConfig, args)
+    try:
+        server = config_from_args(ServerConfig, args)
+    except ValueError as e:   # a value the config refuses: one line, as argparse's own errors
+        sys.exit(f"pagedserve: error: {e}")
     if server.enable_auto_tool_choice and not server.tool_call_parser:
         print("pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2

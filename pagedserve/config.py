@@ -126,14 +126,6 @@ class EngineConfig:
     max_logprobs: int = setting(20, "most logprobs a request may ask for per token")
     trust_remote_code: bool = setting(False, "accepted for vLLM compatibility; never needed (no model code is "
                                              "loaded from checkpoints)")
-    # Data parallelism (the server): this many engine replicas as Ray actors behind one router
-    # (pagedserve/cluster/), which sends each request to one of them by `routing_policy`.
-    data_parallel_size: int = setting(1, "serve: engine replicas (Ray actors) behind this endpoint",
-                                      aliases=("-dp",))
-    routing_policy: str = setting("kv_aware", "with data_parallel_size > 1: how a request's replica is chosen",
-                                  choices=ROUTING_POLICIES)
-    ray_address: str | None = setting(None, "join this Ray cluster ('auto': the one this node is in); default: "
-                                            "start a local one")
     # auto: the model's weights; dummy: random weights of its shapes, made on the device, for
     # timing runs (model may then be a preset name, models/presets.py; EOS never stops a sequence).
     load_format: str = setting("auto", "dummy: random weights of the model's shapes (the model may then be a "
@@ -166,8 +158,9 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            # Every running sequence must be able to decode one token per step.
-            self.max_num_batched_tokens = self.max_num_seqs
+            # Every running sequence must be able to decode one token per step (refused, as vLLM does).
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence decodes a token in each step")
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
@@ -185,9 +178,6 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.attention_backend is not None:
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        _one_of("routing_policy", self.routing_policy, ROUTING_POLICIES)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

@@ -1,4 +1,4 @@
-"""The paging invariants of DESIGN.md, checked in one place.
+"""The paging invariants (docs/architecture.md, Invariants), checked in one place.
 
 `check_paging_invariants(scheduler)` checks the whole paging state. Here, what
 only the scheduler knows: its queues agree with the requests' states and the

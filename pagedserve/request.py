@@ -17,6 +17,20 @@ from pagedserve.batch import SamplingSettings
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
+def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSettings:
+    """The sampler's view of a request's parameters. Beam search ranks candidates by the raw
+    logprobs (beam_width of them per beam); its sampled token itself is unused."""
+    if isinstance(params, BeamSearchParams):
+        return SamplingSettings(temperature=0.0, ignore_eos=True, num_logprobs=params.beam_width,
+                                needs_logprob=True)
+    p = params
+    return SamplingSettings(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+                            p.repetition_penalty, p.logit_bias or None, p.min_tokens, tuple(p.stop_token_ids or ()),
+                            p.ignore_eos, p.logprobs or 0, p.needs_logprobs,
+                            tuple(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
+                            tuple(tuple(w) for w in p.bad_words_token_ids))
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -35,7 +49,7 @@ class Sequence:
     logprobs: list[dict[int, Any]] | None = None
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     stop_reason: int | str | None = None     # the stop token id or stop string that fired
-    detokenizer: Any = None                  # engine-side incremental detokenizer
+    detokenizer: Any = None                  # its text: the engine's output side (engine/detokenizer.py)
 
     @property
     def num_tokens(self) -> int:
@@ -79,9 +93,33 @@ class Request:
     last_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
-    sampling: SamplingSettings | None = None  # the sampler's view of params (set by the scheduler)
+    sampling: SamplingSettings | None = None  # the sampler's view of params (set by create)
     # Structured outputs: the grammar's compile and each sequence's matcher (structured/manager.py).
     structured: Any = None
+
+    @classmethod
+    def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+               params: SamplingParams | BeamSearchParams, max_tokens: int, seq_id: int, *,
+               arrival_time: float | None = None, cache_salt: str | None = None,
+               structured: Any = None) -> "Request":
+        """The one way a request is made (the engine, the simulators and tests call it): its
+        first sequence (`seq_id`, from the scheduler's new_seq_id), the pending fork of a
+        parallel-sampling request, the sampler's settings, the prompt-logprobs record and its
+        grammar state (`structured`, from GrammarCompiler.new_state), all before it is queued."""
+        ids = list(prompt_token_ids)
+        req = cls(request_id, prompt, ids, params, max_tokens, cache_salt=cache_salt, structured=structured,
+                  sampling=sampling_settings(params))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        seq = Sequence(seq_id, 0, list(ids), len(ids))
+        if isinstance(params, SamplingParams):
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.pending_fork = params.best_of > 1
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+        req.seqs.append(seq)
+        return req
 
     @property
     def waiting_for_grammar(self) -> bool:
@@ -128,7 +166,6 @@ class Request:
             num_computed_tokens=parent.num_computed_tokens,
             cumulative_logprob=parent.cumulative_logprob,
             logprobs=None if parent.logprobs is None else list(parent.logprobs),
-            detokenizer=None if parent.detokenizer is None else parent.detokenizer.fork(),
-        )
+        )   # its text is the engine's output side's (engine/detokenizer.py): made there
         self.seqs.append(child)
         return child

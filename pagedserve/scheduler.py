@@ -62,11 +62,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplerOutput,
-                              SamplingSettings, ScheduledTokens, StepBatch)
+                              ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.events import KVEventSink
@@ -74,10 +74,11 @@ from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.outputs import Logprob
-from pagedserve.request import Request, RequestStatus, Sequence
+from pagedserve.request import Request, RequestStatus, Sequence, sampling_settings  # noqa: F401 - re-exported
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,6 @@ class SchedulerOutput:
     # What the worker gets (data only), and the scheduled sequences in its sampling order.
     batch: StepBatch = field(default_factory=StepBatch)
     sampled: list[ScheduledSeq] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def empty(self) -> bool:
@@ -146,32 +143,60 @@ class StepUpdate:
 Plan = list[tuple[Sequence, int]]
 
 
-def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSettings:
-    """The sampler's view of a request's parameters. Beam search ranks candidates by the raw
-    logprobs (beam_width of them per beam); its sampled token itself is unused."""
-    if isinstance(params, BeamSearchParams):
-        return SamplingSettings(temperature=0.0, ignore_eos=True, num_logprobs=params.beam_width,
-                                needs_logprob=True)
-    p = params
-    return SamplingSettings(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-                            p.repetition_penalty, p.logit_bias or None, p.min_tokens, tuple(p.stop_token_ids or ()),
-                            p.ignore_eos, p.logprobs or 0, p.needs_logprobs,
-                            tuple(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
-                            tuple(tuple(w) for w in p.bad_words_token_ids))
+class QueueView:
+    """A read-only view of a scheduler's queues, for those who look but never change them: the
+    stats, the dashboard's snapshot, the watchdog and the grammar waits (`Scheduler.queues`).
+    It copies nothing: read it on the engine's thread, between steps."""
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self._sched = sched
+
+    @property
+    def num_running(self) -> int:
+        return len(self._sched.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._sched.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._sched.swapped)
+
+    def by_status(self) -> Iterator[tuple[str, Request]]:
+        """Every unfinished request with its queue's name: running, swapped, then waiting."""
+        s = self._sched
+        for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
+            for req in queue:
+                yield status, req
+
+    def waiting_for_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [r for r in self._sched.waiting if r.waiting_for_grammar]
+
+    def failed_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar failed to compile."""
+        return [r for r in self._sched.waiting if r.structured is not None and r.structured.error is not None]
+
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar: a step would do nothing."""
+        s = self._sched
+        return bool(s.waiting) and not s.running and not s.swapped and all(r.waiting_for_grammar for r in s.waiting)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
-                 decode_token: Callable[[int], str] | None = None, kv_events: KVEventSink | None = None) -> None:
+                 kv_events: KVEventSink | None = None) -> None:
         """eos_token_ids: every EOS id of the model (tokenizer and generation config), for
-        sampling and beam search alike; decode_token: a token's text, for logprob entries;
-        kv_events: told of the prefix cache's changes (a data-parallel router listens)."""
+        sampling and beam search alike; kv_events: told of the prefix cache's changes (a
+        data-parallel router listens). The scheduler knows no text: the engine's output side
+        makes it and checks the stop strings (engine/detokenizer.py), then ends a sequence a
+        stop string ended with `stop_seq`."""
         self.config = config
         self.block_size = config.block_size
         self.max_model_len = max_model_len or config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.decode_token = decode_token
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
                                                  config.enable_prefix_caching, self.max_model_len, num_host_blocks,
                                                  kv_events)
@@ -182,6 +207,7 @@ class Scheduler:
         # paged cache: the baselines reserve a request's final size up front and never grow.
         self.watermark_blocks = int(config.admission_watermark * num_blocks) if config.kv_allocator == "paged" else 0
         self.stats = SchedulerCounters()
+        self.queues = QueueView(self)
         self._next_seq_id = 0
         self._warned_preemption = False
         self._finished_seq_ids: list[int] = []   # for the next batch: the worker forgets them
@@ -205,7 +231,6 @@ class Scheduler:
                 f"(--max-num-seqs on the server)", param)
         self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
                               req.max_seqs > 1 or req.is_beam_search)
-        req.sampling = sampling_settings(req.params)
         self.waiting.append(req)
 
     def free_seq(self, seq: Sequence, req: Request) -> None:
@@ -220,6 +245,17 @@ class Scheduler:
         if req.structured is not None:
             req.structured.fork(parent.seq_id, child.seq_id)
         return child
+
+    def stop_seq(self, req: Request, seq: Sequence, stop_reason: str) -> bool:
+        """End a live sequence that a stop string in its text ended (the engine's output side
+        found it after update_from_output): its blocks are freed. Returns whether that finished
+        the request, which is then removed as update_from_output removes finished ones."""
+        seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        self.free_seq(seq, req)
+        if req.live_seqs:
+            return False
+        self.finish_request(req)
+        return True
 
     def finish_request(self, req: Request) -> None:
         """Remove a request (finished or aborted) from the queues and free all its blocks."""
@@ -440,7 +476,7 @@ class Scheduler:
         """Admission control: after the rest of these sequences' prompt blocks (beyond the
         prefix-cache hits they already hold), at least `watermark_blocks` stay free, so that
         running requests have room to grow instead of preempting each other at once."""
-        blocks_per_prompt = -(-prompt_len // self.block_size)
+        blocks_per_prompt = cdiv(prompt_len, self.block_size)
         needed = sum(max(0, blocks_per_prompt - len(self.kv.block_ids(s.seq_id))) for s in seqs)
         return self.kv.num_free_blocks - needed >= self.watermark_blocks
 
@@ -576,15 +612,11 @@ class Scheduler:
         # The grammar's matcher takes the token (it was sampled under the grammar's mask); where
         # the grammar ends, so does the sequence.
         grammar_ended = req.structured is not None and req.structured.accept(seq.seq_id, seq.output_token_ids)
-        n_out = seq.num_output_tokens
-        may_stop = n_out >= p.min_tokens
-        stop_str = None if seq.detokenizer is None else seq.detokenizer.add_token(token, check_stop=may_stop)
+        may_stop = seq.num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif may_stop and token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
         elif grammar_ended:
             seq.finish_reason = "stop"
         elif self._length_done(req, seq):
@@ -627,11 +659,10 @@ class Scheduler:
                 self.free_seq(seq, req)
 
     def _position_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_lps) -> dict[int, Logprob]:
-        decode = self.decode_token or (lambda t: None)
-        out = {token: Logprob(logprob, rank, decode(token))}
+        out = {token: Logprob(logprob, rank)}   # the token's text: the engine's output side
         for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
             if t not in out:
-                out[t] = Logprob(lp, r, decode(t))
+                out[t] = Logprob(lp, r)
         return out
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, by_seq: dict[int, list[PromptTokenLogprob]]) -> None:

@@ -1,4 +1,6 @@
-"""The one-way arrows of docs/architecture.md that imports can show."""
+"""Every arrow docs/architecture.md draws, checked on the imports (ast: any import anywhere in a
+module, at its top or inside a function). An arrow A -> B allows A to import B; the rules below
+are the imports that would point one back the other way, or skip a room."""
 import ast
 from pathlib import Path
 
@@ -7,35 +9,121 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "pagedserve"
 
 
-def imports_of(folder: str) -> dict[str, set[str]]:
-    out = {}
-    for path in (ROOT / folder).rglob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-            elif isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-        out[path.name] = names
-    return out
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)   # `from pagedserve import x`
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
 
 
-@pytest.mark.parametrize("forbidden", ["pagedserve.kernels", "pagedserve.attention.cpu_backend"])
-def test_the_models_import_nothing_cpu_specific(forbidden):
-    for name, modules in imports_of("models").items():
-        assert not [m for m in modules if m.startswith(forbidden)], f"models/{name} imports {forbidden}"
+def imports_of(room: str) -> dict[str, set[str]]:
+    """Module path (relative to pagedserve/) -> what it imports, for a folder or one file."""
+    target = ROOT / room
+    paths = [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
+    return {str(p.relative_to(ROOT)): _imports(p) for p in paths}
 
 
-def test_the_kv_cache_knows_no_tensors_and_no_requests():
-    for name, modules in imports_of("kv").items():
-        assert not {"torch", "pagedserve.request", "pagedserve.scheduler"} & modules, f"kv/{name}"
+def hits(modules: set[str], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if any(m == f or m.startswith(f + ".") for f in forbidden))
+
+
+# room -> the imports it must not have: each line is an arrow of the diagram or a sentence of
+# the text ("Arrows point one way" and the rooms' one-line rules).
+UPPER = ("pagedserve.server", "pagedserve.cli")
+RULES: dict[str, tuple[str, ...]] = {
+    # The engine knows neither who serves it nor the replicas above it, nor the simulator beside it.
+    "engine": UPPER + ("pagedserve.cluster", "pagedserve.sim"),
+    # Data parallelism sits between the server and the engine: it never reaches back up
+    # (its stat logger is passed in: engine/protocol.py).
+    "cluster": UPPER,
+    # The scheduler: below the engine, above kv/ and structured/; it sends plain data to the
+    # worker (batch.py) and knows no tensors and no text (the engine's output side makes it).
+    "scheduler.py": UPPER + ("pagedserve.engine", "pagedserve.cluster", "pagedserve.executor", "pagedserve.worker",
+                             "pagedserve.models", "pagedserve.attention", "pagedserve.kernels", "pagedserve.sim",
+                             "torch", "tokenizers", "transformers"),
+    "request.py": UPPER + ("pagedserve.engine", "pagedserve.scheduler", "pagedserve.cluster", "pagedserve.worker",
+                           "pagedserve.executor", "torch"),
+    "invariants.py": UPPER + ("pagedserve.engine", "pagedserve.cluster", "pagedserve.worker", "torch"),
+    # kv/ knows block ids and counts, never tensors, requests or the scheduler: pure Python.
+    "kv": UPPER + ("torch", "pagedserve.request", "pagedserve.scheduler", "pagedserve.engine", "pagedserve.cluster",
+                   "pagedserve.worker", "pagedserve.executor", "pagedserve.models", "pagedserve.structured"),
+    # The step's data: plain data, no tensors, nothing of the scheduler's records.
+    "batch.py": UPPER + ("torch", "pagedserve.request", "pagedserve.scheduler", "pagedserve.engine"),
+    # structured/: engine-side; the scheduler drives its matchers; the worker never sees it.
+    "structured": UPPER + ("pagedserve.scheduler", "pagedserve.engine", "pagedserve.request", "pagedserve.worker",
+                           "pagedserve.executor", "pagedserve.cluster"),
+    # The executor carries StepBatches to the workers: plain data, no scheduler or engine.
+    "executor": UPPER + ("pagedserve.scheduler", "pagedserve.engine", "pagedserve.request", "pagedserve.cluster",
+                         "pagedserve.structured"),
+    # The worker imports nothing of the scheduler, the engine or request.py (nor structured/:
+    # the bitmask reaches it as data).
+    "worker": UPPER + ("pagedserve.scheduler", "pagedserve.engine", "pagedserve.request", "pagedserve.structured",
+                       "pagedserve.cluster", "pagedserve.executor", "pagedserve.invariants"),
+    # The sampler runs in the worker (driver only): same rule.
+    "sampling/sampler.py": UPPER + ("pagedserve.scheduler", "pagedserve.engine", "pagedserve.request",
+                                    "pagedserve.structured", "pagedserve.worker", "pagedserve.executor"),
+    # The model knows no device: ops and attention are chosen by the worker; nothing CPU-specific.
+    "models": UPPER + ("pagedserve.kernels", "pagedserve.attention.cpu_backend", "pagedserve.attention.torch_backend",
+                       "pagedserve.attention.triton_backend", "pagedserve.worker", "pagedserve.executor",
+                       "pagedserve.scheduler", "pagedserve.engine", "pagedserve.request"),
+    "attention": UPPER + ("pagedserve.models", "pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler",
+                          "pagedserve.engine"),
+    "kernels": UPPER + ("pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine"),
+    "distributed": UPPER + ("pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine",
+                            "pagedserve.models"),
+    # sim/ stands beside the engine: it drives the real Scheduler, with no model and no engine.
+    "sim": UPPER + ("pagedserve.engine", "pagedserve.worker", "pagedserve.executor", "pagedserve.models.llama",
+                    "pagedserve.attention", "pagedserve.kernels", "pagedserve.cluster"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(RULES))
+def test_arrows_point_one_way(room):
+    bad = {name: found for name, modules in imports_of(room).items() if (found := hits(modules, RULES[room]))}
+    assert not bad, f"{room} imports what it must not: {bad}"
 
 
 def test_the_router_and_the_simulator_need_no_ray_and_no_tensors():
     """Routing is pure Python (unit-tested without a cluster); only the replica actor's client
     knows Ray, and only the replica knows the engine."""
     cluster = imports_of("cluster")
-    for name in ("routing.py", "sim.py"):
-        assert not {m for m in cluster[name] if m.split(".")[0] in ("ray", "torch")}, f"cluster/{name}"
-        assert "pagedserve.engine.async_llm" not in cluster[name], f"cluster/{name}"
-    assert "pagedserve.cluster.client" not in cluster["replica.py"], "the replica must not know the router"
+    for name in ("cluster/routing.py", "cluster/sim.py"):
+        assert not {m for m in cluster[name] if m.split(".")[0] in ("ray", "torch")}, name
+        assert not hits(cluster[name], ("pagedserve.engine",)), name
+    assert not hits(cluster["cluster/replica.py"], ("pagedserve.cluster.client",)), "the replica knows no router"
+
+
+def test_the_server_codes_against_the_engine_client_protocol():
+    """Only app.py builds the engine client (AsyncLLM or DataParallelLLM); every other module of
+    the server sees it as an EngineClient (engine/protocol.py)."""
+    for name, modules in imports_of("server").items():
+        if name == "server/app.py":
+            continue
+        assert not hits(modules, ("pagedserve.engine.async_llm.AsyncLLM", "pagedserve.cluster")), name
+        assert not hits(modules, ("pagedserve.engine.llm_engine",)), name
+
+
+def test_the_front_end_and_the_engine_each_make_their_tokenizer_in_one_place():
+    """load_tokenizer is called by the engine (its own) and engine/tokenizer.py (the front end's)."""
+    callers = sorted(name for name, modules in {**imports_of("server"), **imports_of("cluster"),
+                                                **imports_of("engine")}.items()
+                     if "pagedserve.models.loader.load_tokenizer" in modules)
+    assert callers == ["engine/llm_engine.py", "engine/tokenizer.py"], callers
+
+
+def test_only_request_create_makes_requests():
+    """Request.create is the one constructor: nothing else builds a Request or a Sequence by hand
+    (request.py's fork_seq makes the forked sequences)."""
+    calls = set()
+    for path in ROOT.rglob("*.py"):
+        calls |= {f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("Request", "Sequence")}
+    allowed = {f"request.py:{node.lineno}" for fn in ast.walk(ast.parse((ROOT / "request.py").read_text()))
+               if isinstance(fn, ast.FunctionDef) and fn.name in ("create", "fork_seq")
+               for node in ast.walk(fn) if isinstance(node, ast.Call)}
+    assert not calls - allowed, sorted(calls - allowed)

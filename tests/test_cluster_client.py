@@ -14,6 +14,7 @@ pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 
 from pagedserve.cluster.client import DataParallelLLM  # noqa: E402
+from pagedserve.server.metrics import PrometheusStatLogger  # noqa: E402
 from pagedserve.cluster.replica import describe_error  # noqa: E402
 
 
@@ -64,7 +65,8 @@ def output(rid: str, finished: bool, cached: int = 0) -> RequestOutput:
 
 
 def client(*replicas, policy="round_robin") -> DataParallelLLM:
-    llm = DataParallelLLM(EngineConfig(data_parallel_size=len(replicas), routing_policy=policy))
+    metrics = PrometheusStatLogger("m", num_engines=len(replicas))
+    llm = DataParallelLLM(EngineConfig(), len(replicas), metrics, routing_policy=policy)
     llm.actors, llm.state = list(replicas), "ready"
     return llm
 
@@ -119,3 +121,15 @@ def test_a_replica_dying_mid_stream_fails_only_its_request():
     got, error = run(go())
     assert got[-1].finished and "replica 0 died" in str(error)
     assert not llm.router.replicas[0].alive and llm.router.replicas[1].alive
+
+
+def test_the_client_is_an_engine_client_and_refuses_the_one_engine_dashboard():
+    from pagedserve.engine.async_llm import EngineNotReadyError
+    from pagedserve.engine.protocol import EngineClient
+    llm = client(Replica(lambda rid: []), Replica(lambda rid: []))
+    assert isinstance(llm, EngineClient)
+    with pytest.raises(EngineNotReadyError, match="2 data-parallel replicas"):
+        run(llm.kv_capture())
+    llm.max_waiting_requests = 4
+    with pytest.raises(ValueError, match="at most 4"):
+        llm.check_num_prompts(5)

@@ -189,6 +189,7 @@ def test_usage_sums_and_shares():
 # ---- the scheduler on top (no model) --------------------------------------------------------
 
 def make_scheduler(policy, num_blocks, block_size=1, max_model_len=32, **kw):
+    kw.setdefault("max_num_seqs", min(256, kw.get("max_num_batched_tokens", 2048)))   # else refused
     cfg = EngineConfig(block_size=block_size, kv_allocator=policy, enable_prefix_caching=False, **kw)
     return Scheduler(cfg, num_blocks, max_model_len)
 

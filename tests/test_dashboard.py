@@ -151,7 +151,7 @@ def test_the_hub_sends_the_picture_then_changes_and_ends_streams_on_close(tiny_l
     llm = make_llm(tiny_llama, num_gpu_blocks_override=32)
 
     class Engine:   # what the hub asks of AsyncLLM, answered on this (the engine's) thread
-        config, model_path = llm.engine.config, llm.engine.model_path
+        config, model_path, tokenizer = llm.engine.config, llm.engine.model_path, llm.engine.tokenizer
 
         async def kv_capture(self):
             return capture(llm.engine)

@@ -115,3 +115,28 @@ def test_cli_flags_reach_the_engine_config():
     assert config.load_format == "dummy" and config.enforce_eager
     defaults = engine_config(p.parse_args([]))
     assert defaults.load_format == "auto" and not defaults.enforce_eager
+
+
+def test_serve_a_preset_with_dummy_weights_starts_offline(tmp_path):
+    """`pagedserve serve <preset> --load-format dummy` needs no files and no network: the engine
+    and the front end both take the stand-in tokenizer (engine/tokenizer.py), and the text the
+    server returns is the engine's."""
+    import httpx
+
+    from pagedserve.server.launcher import launch_server
+    server = launch_server("smollm2-135m", ["--load-format", "dummy", "--dtype", "float32", "--max-model-len", "128",
+                                            "--kv-cache-memory", str(4 << 20), "--disable-uvicorn-access-log"],
+                           tmp_path / "server.log", env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            ids = http.post("/tokenize", json={"prompt": "<5> <6> <7>"}).json()["tokens"]
+            assert ids[-3:] == [5, 6, 7]
+            body = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                      "logprobs": 1}).json()
+            choice = body["choices"][0]
+            assert body["usage"]["completion_tokens"] == 4
+            tokens = choice["logprobs"]["tokens"]
+            assert len(tokens) == 4 and all(t.startswith("<") for t in tokens)   # the stand-in's words
+            assert choice["text"].split() == [t.strip() for t in tokens]
+    finally:
+        server.stop()

@@ -62,7 +62,7 @@ def test_greedy_equals_transformers_with_ignore_eos(tiny_llama, prompts):
 
 
 def test_requests_join_while_others_run(tiny_llama, prompts, alone):
-    llm = make_llm(tiny_llama, max_num_batched_tokens=16)
+    llm = make_llm(tiny_llama, max_num_batched_tokens=16, max_num_seqs=16)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     results = {}
@@ -128,6 +128,56 @@ def test_stop_strings(tiny_llama, prompts):
                                          include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert out.text == text[:idx + len(stop)]
     assert_no_blocks_held(llm)
+
+
+def test_a_stop_string_on_the_last_token_outranks_the_length_limit(tiny_llama, prompts):
+    """The output side checks stop strings after the scheduler has ended the sequence by length
+    on the same token: "stop" with the string wins, as when the scheduler checked it."""
+    llm = make_llm(tiny_llama)
+    p = {"prompt_token_ids": prompts[1]}
+    greedy = dict(temperature=0, ignore_eos=True)
+    before = llm.generate(p, SamplingParams(max_tokens=7, **greedy), use_tqdm=False)[0].outputs[0].text
+    full = llm.generate(p, SamplingParams(max_tokens=8, **greedy), use_tqdm=False)[0].outputs[0].text
+    assert len(full) > len(before)
+    start = next(i for i in range(len(before) - 1, -1, -1) if full.find(full[i:]) == i)
+    out = llm.generate(p, SamplingParams(max_tokens=8, stop=[full[start:]], **greedy), use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", full[start:], full[:start])
+    assert len(out.token_ids) == 8
+    assert_no_blocks_held(llm)
+
+
+def test_parallel_samples_each_stop_on_their_own_text(tiny_llama, prompts):
+    """Forked sequences get their text on the output side (caught up from the prompt): each
+    sample's text is its own tokens' text, cut at the stop string."""
+    llm = make_llm(tiny_llama)
+    p = {"prompt_token_ids": prompts[0]}
+    free = llm.generate(p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    stop = free[0].text[2:4]
+    outs = llm.generate(p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, stop=[stop]),
+                        use_tqdm=False)[0].outputs
+    for f, o in zip(free, outs):
+        cut = f.text.find(stop)
+        if cut == -1:
+            assert (o.text, o.finish_reason) == (f.text, "length")
+        else:
+            assert (o.text, o.finish_reason, o.stop_reason) == (f.text[:cut], "stop", stop)
+            assert o.token_ids == f.token_ids[:len(o.token_ids)]
+    assert_no_blocks_held(llm)
+
+
+def test_logprob_entries_carry_each_tokens_text(tiny_llama, prompts):
+    """decoded_token is the token decoded alone (as vLLM's), sampled and prompt positions alike."""
+    llm = make_llm(tiny_llama)
+    tok = tiny_llama.tokenizer
+    out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=5, logprobs=2,
+                                                                         prompt_logprobs=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    positions = out.outputs[0].logprobs + [p for p in out.prompt_logprobs if p is not None]
+    assert len(positions) == 5 + len(prompts[0]) - 1
+    for pos in positions:
+        for t, lp in pos.items():
+            assert lp.decoded_token == tok.decode([t])
 
 
 def test_incremental_text_equals_full_decode(tiny_llama, prompts):

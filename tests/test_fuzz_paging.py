@@ -52,7 +52,8 @@ class PagingMachine(RuleBasedStateMachine):
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
     def setup(self, num_blocks, block_size, budget, max_seqs, caching, num_host_blocks=0):
-        config = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+        config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
+                              max_num_seqs=max_seqs,
                               enable_prefix_caching=caching,
                               preemption_mode="swap" if num_host_blocks else "recompute")
         self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})
@@ -79,12 +80,9 @@ class PagingMachine(RuleBasedStateMachine):
         else:
             best_of = n + extra if kind == "parallel" else 1
             params = SamplingParams(n=n if kind == "parallel" else 1, best_of=best_of, temperature=1.0,
-                                    max_tokens=max_tokens)
-        req = Request(rid, None, prompt, params, max_tokens)
-        req.seqs.append(Sequence(self.sched.new_seq_id(), 0, list(prompt), len(prompt)))
-        req.pending_fork = kind == "parallel" and params.best_of > 1
-        if prompt_logprobs and kind != "beam":
-            req.prompt_logprobs = [None]     # no prefix-cache hits for it
+                                    max_tokens=max_tokens,
+                                    prompt_logprobs=0 if prompt_logprobs else None)   # no prefix-cache hits
+        req = Request.create(rid, None, prompt, params, max_tokens, self.sched.new_seq_id())
         free = self.sched.kv.num_free_blocks
         try:
             self.sched.add_request(req)

@@ -14,11 +14,9 @@ from pagedserve.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 
 def scheduler_with_a_running_pair():
     """A request with two sequences sharing a 6-token prompt (block size 4), just forked."""
-    sched = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=64), num_blocks=8)
+    sched = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=64, max_num_seqs=64), num_blocks=8)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=4)
-    req = Request("r", None, list(range(6)), params, 4)
-    req.seqs.append(Sequence(sched.new_seq_id(), 0, list(range(6)), 6))
-    req.pending_fork = True
+    req = Request.create("r", None, list(range(6)), params, 4, sched.new_seq_id())
     sched.add_request(req)
     sched.schedule()                               # 5 prompt tokens on the leader
     req.seqs[0].num_computed_tokens = 5

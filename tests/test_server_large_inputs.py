@@ -2,9 +2,11 @@
 without tokenizing is refused first, and tokenizing and chat templating run off the event
 loop, so one client's huge request never stalls /health or another client's stream.
 
-The one timing in these tests is a generous correctness bound for "not blocked": while the
-large requests are in flight, another stream never goes a second without a chunk (before,
-tokenizing on the event loop froze every stream for seconds).
+"Not blocked" is counted, not timed: while the large prompts that are tokenized (seconds of
+work on the prompt thread) are in flight, /health keeps answering: a poller gets several
+answers in that time (tokenizing on the event loop froze it, and every stream, for the whole
+tokenization: one answer before, one after). A loaded machine makes the tokenization longer,
+so the count only grows.
 """
 from __future__ import annotations
 
@@ -68,10 +70,14 @@ def test_large_requests_do_not_stall_other_clients(server, tiny_llama):
     done = threading.Event()
     statuses, health = [], []
 
+    health_during: dict[str, int] = {}   # /health answers while each large request was in flight
+
     def send_large():
         with httpx.Client(base_url=server.url, timeout=120) as http:
-            for _, path, body, _, _ in requests:
+            for name, path, body, _, _ in requests:
+                before = len(health)
                 statuses.append(http.post(path, json=body).status_code)
+                health_during[name] = len(health) - before
         done.set()
 
     def poll_health():
@@ -81,20 +87,15 @@ def test_large_requests_do_not_stall_other_clients(server, tiny_llama):
                 time.sleep(0.05)
 
     threads = [threading.Thread(target=send_large), threading.Thread(target=poll_health)]
-    gaps, texts = [], []
+    texts = []
     with httpx.Client(base_url=server.url, timeout=120) as http:
         # Streams one after another (token-id prompts: nothing to tokenize) until the large
-        # requests are done; every chunk's arrival time is recorded.
+        # requests are done.
         body = {"prompt": ids, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
-        last = None
         while not done.is_set():
             with http.stream("POST", "/v1/completions", json=body) as r:
                 lines = []
                 for line in r.iter_lines():
-                    now = time.monotonic()
-                    if line and last is not None and threads[0].is_alive():
-                        gaps.append(now - last)
-                    last = now
                     lines.append(line)
                     if len(lines) == 3 and not threads[0].is_alive() and not done.is_set():
                         for t in threads:
@@ -103,7 +104,7 @@ def test_large_requests_do_not_stall_other_clients(server, tiny_llama):
             texts.append("".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)))
     for t in threads:
         t.join()
-    assert gaps and max(gaps) < 1.0, f"a stream waited {max(gaps):.2f} s for its next chunk"
+    assert health_during["1024-long-prompts"] >= 3, health_during
     assert health and set(health) == {200}
     assert statuses == [400] * len(requests)
     assert texts and all(text == ref for text in texts)

@@ -15,7 +15,6 @@ routing. The client is dead (/health 503) only when no replica can come back.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -27,10 +26,12 @@ from prometheus_client import Counter, Gauge
 from pagedserve.cluster.replica import EngineReplica, PollResult, ReplicaInfo, rebuild_error
 from pagedserve.cluster.routing import NoReplicaError, Router
 from pagedserve.config import EngineConfig
-from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, Params,
-                                         PromptType, RequestStream)
-from pagedserve.models.loader import load_tokenizer
-from pagedserve.server.metrics import PrometheusStatLogger
+from pagedserve.engine.async_llm import EngineDeadError, EngineNotReadyError, EngineStepError, PromptType, RequestStream
+from pagedserve.engine.chat import load_chat_template
+from pagedserve.engine.kv_view import EngineCapture
+from pagedserve.engine.protocol import EngineStatLogger, Params, check_num_prompts
+from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +88,22 @@ class RoutedStream(RequestStream):
 
 
 class DataParallelLLM:
-    def __init__(self, config: EngineConfig, metrics: PrometheusStatLogger | None = None,
+    """An EngineClient (engine/protocol.py) over N engine replicas behind a router."""
+
+    def __init__(self, config: EngineConfig, num_replicas: int, metrics: EngineStatLogger,
+                 routing_policy: str = "kv_aware", ray_address: str | None = None,
                  max_waiting_requests: int | None = None, log_interval: float | None = None,
                  num_cpus_per_replica: float = 1, ray_num_cpus: int | None = None) -> None:
-        """config.data_parallel_size replicas, routed by config.routing_policy. Connect the process
-        to Ray first (init_ray, on the main thread, as run_server does); if it is not, start()
-        joins config.ray_address (None: a local instance with `ray_num_cpus`, default all)."""
-        self.num_replicas = num_replicas = config.data_parallel_size
-        self.routing_policy = config.routing_policy
-        self.config = dataclasses.replace(config, data_parallel_size=1)   # what each replica runs
-        self.router = Router(num_replicas, config.block_size, config.routing_policy)
-        self.metrics = metrics or PrometheusStatLogger("pagedserve", num_engines=num_replicas)
-        self.ray_address = config.ray_address
+        """`num_replicas` replicas of `config`, routed by `routing_policy`, reporting to `metrics`
+        (per-engine series; the server passes its Prometheus logger). Connect the process to Ray
+        first (init_ray, on the main thread, as run_server does); if it is not, start() joins
+        `ray_address` (None: a local instance with `ray_num_cpus`, default all)."""
+        self.num_replicas = num_replicas
+        self.routing_policy = routing_policy
+        self.config = config                      # what each replica runs
+        self.router = Router(num_replicas, config.block_size, routing_policy)
+        self.metrics = metrics
+        self.ray_address = ray_address
         self.ray_num_cpus = ray_num_cpus
         # Each replica queues at most its share; the front end checks whole requests against all.
         self.max_waiting_requests = max_waiting_requests if max_waiting_requests and max_waiting_requests > 0 \
@@ -159,14 +164,16 @@ class DataParallelLLM:
             self._ray_connected = await asyncio.to_thread(init_ray, self.ray_address, self.ray_num_cpus)
             actor_cls = ray.remote(EngineReplica)
             self._place_on_gpus(ray.cluster_resources().get("GPU", 0))
-            share = self.max_waiting_requests and -(-self.max_waiting_requests // self.num_replicas)
+            share = self.max_waiting_requests and cdiv(self.max_waiting_requests, self.num_replicas)
             # Named (in Ray's "pagedserve" namespace) so that operators and tests can find a replica.
             self.actors = [actor_cls.options(**self._replica_options, name=f"{self.name}-replica-{i}",
                                              namespace=RAY_NAMESPACE).remote(self.config, share, self._log_interval)
                            for i in range(self.num_replicas)]
             self.infos = list(await asyncio.gather(*(a.start.remote() for a in self.actors)))
             info = self.infos[0]
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer or info.model_path)
+            self.tokenizer = await asyncio.to_thread(
+                front_end_tokenizer, self.config.tokenizer or info.model_path, self.config.load_format == "dummy",
+                load_chat_template(self.config.chat_template))
             self.model_path, self.max_model_len = info.model_path, info.max_model_len
             self.vocab_size, self.num_blocks = info.vocab_size, info.num_blocks
             self.default_sampling = info.default_sampling
@@ -222,10 +229,7 @@ class DataParallelLLM:
 
     # ---- requests ----------------------------------------------------------------------------
     def check_num_prompts(self, num_new: int) -> None:
-        cap = self.max_waiting_requests
-        if cap is not None and num_new > cap:
-            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
-                             f"(--max-waiting-requests)")
+        check_num_prompts(num_new, self.max_waiting_requests)
 
     async def add_requests(self, items: list[tuple[str, PromptType, Params]],
                            arrival_time: float | None = None) -> RoutedStream:
@@ -319,6 +323,11 @@ class DataParallelLLM:
     def abort_all(self) -> None:
         for actor in self.actors:
             actor.abort_all.remote()
+
+    async def kv_capture(self) -> EngineCapture:
+        """The KV dashboard shows one engine's cache: not served over several replicas."""
+        raise EngineNotReadyError("the KV dashboard shows one engine; this server runs "
+                                  f"{self.num_replicas} data-parallel replicas")
 
     # ---- replica health ----------------------------------------------------------------------
     def _replica_down(self, i: int) -> None:

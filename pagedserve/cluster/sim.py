@@ -18,7 +18,7 @@ from pagedserve.batch import RunnerOutput
 from pagedserve.cluster.routing import Router
 from pagedserve.config import EngineConfig
 from pagedserve.kv.events import KVEventSink
-from pagedserve.request import Request, Sequence
+from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 
@@ -82,11 +82,9 @@ class SimReplica:
 
     def add(self, req: SimRequest) -> Request:
         params = SamplingParams(max_tokens=len(req.output), ignore_eos=True)
-        r = Request(req.request_id, None, list(req.prompt), params, len(req.output), arrival_time=req.arrival,
-                    cache_salt=req.cache_salt)
-        seq = Sequence(self.sched.new_seq_id(), 0, list(req.prompt), len(req.prompt))
-        r.seqs.append(seq)
-        self.outputs[seq.seq_id] = req.output
+        r = Request.create(req.request_id, None, req.prompt, params, len(req.output), self.sched.new_seq_id(),
+                           arrival_time=req.arrival, cache_salt=req.cache_salt)
+        self.outputs[r.seqs[0].seq_id] = req.output
         self.sched.add_request(r)
         return r
 

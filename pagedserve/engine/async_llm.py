@@ -13,12 +13,13 @@ batching across clients comes from the scheduler seeing all of them.
 The KV dashboard's snapshots are commands too (`kv_capture`): the engine
 thread copies the cache between two steps and hands the copy back.
 
-No exception ends the thread silently. One raised while handling a single
-request's results fails that request (EngineStepError) and the rest go on. A
-step that fails as a whole fails every request in flight and starts the KV
-bookkeeping afresh; MAX_STEP_FAILURES such steps in a row, or an exception
-anywhere else in the loop, mean the engine cannot go on: it is "dead", every
-request fails with EngineDeadError, new ones are refused, and wait_dead()
+No exception ends the thread silently. What a failed step means is the engine's
+policy (LLMEngine.recover, which the offline LLM applies too): one raised while
+handling a single request's results fails that request (EngineStepError) and the
+rest go on; a step that fails as a whole fails every request in flight and starts
+the KV bookkeeping afresh; a lost rank or MAX_STEP_FAILURES such steps in a row, or
+an exception anywhere else in the loop, mean the engine cannot go on: it is "dead",
+every request fails with EngineDeadError, new ones are refused, and wait_dead()
 returns (the server then answers 503 and exits non-zero).
 """
 from __future__ import annotations
@@ -35,24 +36,19 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
+from pagedserve.engine.llm_engine import MAX_STEP_FAILURES, LLMEngine, PromptType  # noqa: F401 - re-exported
+from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
-from pagedserve.executor import WorkerFailedError
+from pagedserve.engine.protocol import Params, check_num_prompts
+from pagedserve.engine.tokenizer import front_end_tokenizer
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
-from pagedserve.models.loader import load_tokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.request import Request
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
-
-Params = SamplingParams | BeamSearchParams
-
-# Steps failing as a whole this many times in a row (no step succeeding between) mean a fault
-# that no request causes: the engine is declared dead rather than failing every request forever.
-MAX_STEP_FAILURES = 3
 
 
 class EngineNotReadyError(RuntimeError):
@@ -135,6 +131,8 @@ def delta_output(c: CompletionOutput, sent: dict[int, tuple[int, int]]) -> Compl
 
 
 class AsyncLLM:
+    """An EngineClient (engine/protocol.py) over one LLMEngine on a thread of its own."""
+
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  log_interval: float | None = 10.0, max_waiting_requests: int | None = None,
                  kv_events: KVEventSink | None = None) -> None:
@@ -154,7 +152,7 @@ class AsyncLLM:
         self.startup_error: BaseException | None = None
         self.fatal_error: BaseException | None = None
         # Set on the engine thread before `ready`, read-only afterwards.
-        self.tokenizer: Any = None         # the front end's own tokenizer (not the engine's)
+        self.tokenizer: Any = None         # the front end's tokenizer (engine/tokenizer.py), not the engine's
         self.max_model_len = 0
         self.vocab_size = 0
         self.model_path = ""
@@ -166,7 +164,6 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._progress: dict[str, _Progress] = {}
-        self._step_failures = 0            # steps failed as a whole in a row
         self._thread: threading.Thread | None = None
         # Event-loop state.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -239,10 +236,7 @@ class AsyncLLM:
 
     def check_num_prompts(self, num_new: int) -> None:
         """ValueError if one call could never be queued whole."""
-        cap = self.max_waiting_requests
-        if cap is not None and num_new > cap:
-            raise ValueError(f"{num_new} prompts in one request; the server queues at most {cap} "
-                             f"(--max-waiting-requests)")
+        check_num_prompts(num_new, self.max_waiting_requests)
 
     def _check_queue(self, num_new: int, num_waiting: int) -> None:
         cap = self.max_waiting_requests
@@ -343,8 +337,8 @@ class AsyncLLM:
             self.engine = LLMEngine(self.config, self.kv_events)
             self.engine.on_grammar_ready = self._wake.set   # a compile ended: look at the queue again
             path = self.engine.model_path
-            self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
-            self.tokenizer.chat_template = self.engine.tokenizer.chat_template
+            self.tokenizer = front_end_tokenizer(self.engine.tokenizer_path, self.config.load_format == "dummy",
+                                                 load_chat_template(self.config.chat_template))
             self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size
@@ -425,7 +419,7 @@ class AsyncLLM:
         added: list[Request] = []
         self._num_taken += len(items)
         try:
-            self._check_queue(len(items), len(self.engine.scheduler.waiting))
+            self._check_queue(len(items), self.engine.scheduler.queues.num_waiting)
             for rid, prompt, params in items:
                 added.append(self.engine.add_request(rid, prompt, params, arrival_time=arrival_time))
         except Exception as e:   # noqa: BLE001 - handed back to the caller
@@ -458,24 +452,19 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            try:
-                outputs = self.engine.step()
-            except RequestsFailed as e:
-                self._fail_requests(e.failures)   # the step checked the invariants after dropping them
-                outputs = e.outputs
-        except WorkerFailedError:
-            raise                 # a tensor-parallel rank is gone: the engine cannot go on
-        except Exception as e:   # noqa: BLE001 - the step failed as a whole
-            self._step_failures += 1
-            if self._step_failures >= MAX_STEP_FAILURES:
-                raise RuntimeError(f"{self._step_failures} engine steps in a row failed") from e
-            logger.exception("an engine step failed; failing the %d requests in flight and starting the KV "
-                             "cache afresh", len(self.engine.requests))
-            rids = self.engine.reset()
-            self._fail_requests({rid: e for rid in rids})
-            self._publish(None)
-            return
-        self._step_failures = 0
+            outputs = self.engine.step()
+        except Exception as e:   # noqa: BLE001 - the engine's policy says what it means
+            failure = self.engine.recover(e)
+            if failure.fatal is not None:
+                raise failure.fatal   # the loop dies: every stream fails with EngineDeadError
+            if failure.reset:
+                logger.exception("an engine step failed; failing the %d requests in flight and starting the KV "
+                                 "cache afresh", len(failure.failed))
+            self._fail_requests(failure.failed)   # the step checked the invariants after dropping them
+            if failure.reset:
+                self._publish(None)
+                return
+            outputs = failure.outputs
         iteration = IterationStats()
         handed = []
         for out in outputs:
@@ -527,8 +516,7 @@ class AsyncLLM:
                 num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
 
     def _publish(self, iteration: IterationStats | None) -> None:
-        sched = self.engine.scheduler
-        self._queue_view = (len(sched.waiting), self._num_taken)   # one object: read whole
+        self._queue_view = (self.engine.scheduler.queues.num_waiting, self._num_taken)   # one object: read whole
         self.scheduler_stats = self.engine.scheduler_stats()
         for stat_logger in self.stat_loggers:
             try:

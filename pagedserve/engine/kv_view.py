@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.kv.snapshot import KVSnapshot, PoolSnapshot
 from pagedserve.sampling_params import BeamSearchParams
+from pagedserve.utils import cdiv
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
@@ -69,26 +70,22 @@ class EngineCapture:
 def capture(engine: LLMEngine, extra_counters: dict[str, Any] | None = None) -> EngineCapture:
     """Copy the KV cache and the requests' records. Call on the engine's thread, between steps."""
     sched = engine.scheduler
+    queues = sched.queues
     requests = []
-    for status, queue in (("running", sched.running), ("swapped", sched.swapped), ("waiting", sched.waiting)):
-        for req in queue:
-            p = req.params
-            requests.append(RequestView(
-                req.request_id, status, "beam" if isinstance(p, BeamSearchParams) else "sample",
-                p.beam_width if isinstance(p, BeamSearchParams) else p.n, req.max_seqs,
-                len(req.prompt_token_ids), req.max_tokens, req.num_cached_tokens, req.num_preemptions,
-                tuple(SeqView(s.seq_id, s.index, s.num_tokens, s.num_prompt_tokens, s.num_computed_tokens,
-                              s.finished) for s in req.seqs)))
+    for status, req in queues.by_status():
+        p = req.params
+        requests.append(RequestView(
+            req.request_id, status, "beam" if isinstance(p, BeamSearchParams) else "sample",
+            p.beam_width if isinstance(p, BeamSearchParams) else p.n, req.max_seqs,
+            len(req.prompt_token_ids), req.max_tokens, req.num_cached_tokens, req.num_preemptions,
+            tuple(SeqView(s.seq_id, s.index, s.num_tokens, s.num_prompt_tokens, s.num_computed_tokens,
+                          s.finished) for s in req.seqs)))
     counters = engine.kv_cache_stats()
-    counters.update(num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped))
+    counters.update(num_running=queues.num_running, num_waiting=queues.num_waiting, num_swapped=queues.num_swapped)
     if extra_counters:
         counters.update(extra_counters)
     return EngineCapture(time.time(), engine.num_steps, engine.max_model_len, sched.kv.snapshot(), requests,
                          counters)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def contiguous_needs(cap: EngineCapture) -> dict[str, int]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import time
 import typing
 from dataclasses import dataclass
@@ -12,9 +13,11 @@ from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template, render_chat  # noqa: F401 - the server imports render_chat here
-from pagedserve.engine.llm_engine import LLMEngine, PromptType, RequestsFailed
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 
@@ -31,6 +34,7 @@ class LLM:
     `LLM(model, ...)` takes its engine arguments."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        _drop_serving_topology(kwargs)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @classmethod
@@ -156,18 +160,30 @@ class LLM:
                         n_out += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s")
-        except RequestsFailed:
-            for rid in ids:   # the failed requests are gone already; the others go with them
+        except BaseException as e:
+            # What the failure means is the engine's policy (LLMEngine.recover: the failed requests
+            # are dropped, or after a step that failed half way the KV bookkeeping starts afresh).
+            # Offline, one failure fails the whole call: the other requests here go with it.
+            engine.recover(e)
+            for rid in ids:
                 engine.abort_request(rid)
-            raise
-        except BaseException:
-            # A step failed half way (or Ctrl-C): the blocks it was writing may already be in the
-            # prefix cache, so the KV bookkeeping starts afresh (all requests here are ours).
-            engine.reset()
             raise
         finally:
             bar.close()
         return [finals[rid] for rid in ids]
+
+
+# The server's data-parallel settings (server/config.py's ServerConfig), which vLLM's LLM also
+# takes: accepted here, and one engine runs (the offline API has no replicas).
+SERVING_TOPOLOGY = ("data_parallel_size", "routing_policy", "ray_address")
+
+
+def _drop_serving_topology(kwargs: dict[str, Any]) -> None:
+    for name in SERVING_TOPOLOGY:
+        value = kwargs.pop(name, None)
+        if name == "data_parallel_size" and value not in (None, 1):
+            logger.warning("LLM runs one engine: data_parallel_size=%s is the server's setting "
+                           "(pagedserve serve --data-parallel-size); ignored here", value)
 
 
 def _document_parameters(cls: type) -> None:

@@ -13,14 +13,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import OutputText
 from pagedserve.engine.kv_view import KVView, capture
 from pagedserve.errors import InvalidRequestError
-from pagedserve.executor import make_executor
+from pagedserve.executor import WorkerFailedError, make_executor
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -42,11 +43,15 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
 
+# Steps failing as a whole this many times in a row (no step succeeding between) mean a fault
+# that no request causes: the engine is declared dead rather than failing every request forever.
+MAX_STEP_FAILURES = 3
+
 
 class EngineStalledError(RuntimeError):
     """The engine made no progress for `EngineConfig.watchdog_steps` steps while requests
-    waited. Raised by `step()`; the caller fails those requests (`request_ids`) by aborting
-    them, as after any failed step (LLM raises it, AsyncLLM hands it to their streams)."""
+    waited. Raised by `step()`; `recover` treats it as a step failed as a whole: those requests
+    (`request_ids`, every one in flight) fail (LLM raises it, AsyncLLM hands it to their streams)."""
 
     def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)
@@ -61,6 +66,15 @@ class RequestsFailed(Exception):
         super().__init__("; ".join(f"request {rid}: {e!r}" for rid, e in failures.items()))
         self.failures = failures
         self.outputs = outputs
+
+
+@dataclass
+class StepFailure:
+    """What a step that raised means (LLMEngine.recover decides; LLM and AsyncLLM act on it)."""
+    failed: dict[str, BaseException]                               # requests that fail, and why
+    outputs: list[RequestOutput] = field(default_factory=list)     # the other requests' progress
+    reset: bool = False                                            # the step failed as a whole
+    fatal: BaseException | None = None                             # set: the engine cannot go on
 
 
 class LLMEngine:
@@ -101,9 +115,10 @@ class LLMEngine:
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
-        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self.text = OutputText(self.tokenizer)   # the output side: token text and stop strings
         self._request_counter = 0
         self._steps_without_progress = 0
+        self._step_failures = 0            # steps failed as a whole in a row (recover)
         self._grammars: GrammarCompiler | None = None   # built on the first structured request
         self.on_grammar_ready: Callable[[], None] = lambda: None   # AsyncLLM wakes its thread
         self.num_steps = 0                 # step() calls so far (the dashboard's clock)
@@ -130,7 +145,7 @@ class LLMEngine:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
-                         self.eos_token_ids, self.tokenizer.convert_ids_to_tokens, self.kv_events)
+                         self.eos_token_ids, self.kv_events)
 
     def _eos_token_ids(self, path: str) -> set[int]:
         if self.config.load_format == "dummy":
@@ -180,24 +195,13 @@ class LLMEngine:
             ids = ids[-params.truncate_prompt_tokens:]
         salt = self.prompt_cache_salt(prompt)
         max_tokens = self.validate_request(ids, params)
-        n_prompt = len(ids)
-        req = Request(request_id, text, ids, params, max_tokens, cache_salt=salt)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        seq = Sequence(self.scheduler.new_seq_id(), 0, list(ids), n_prompt)
-        if isinstance(params, SamplingParams):
-            seq.detokenizer = IncrementalDetokenizer(
-                self._backend_tokenizer, ids, params.skip_special_tokens, params.stop_strings,
-                params.include_stop_str_in_output)
-            if params.logprobs is not None:
-                seq.logprobs = []
-            req.pending_fork = params.best_of > 1
-            if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None]
-        req.seqs.append(seq)
-        self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
+        structured = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            req.structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
+            structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
+        req = Request.create(request_id, text, ids, params, max_tokens, self.scheduler.new_seq_id(),
+                             arrival_time=arrival_time, cache_salt=salt, structured=structured)
+        self.text.start(req)
+        self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
         self.requests[request_id] = req
         return req
 
@@ -288,30 +292,30 @@ class LLMEngine:
     def only_waiting_for_grammars(self) -> bool:
         """Every unfinished request waits for its grammar to compile: a step would do nothing
         (wait_for_grammars, or AsyncLLM sleeps until on_grammar_ready)."""
-        s = self.scheduler
-        return bool(s.waiting) and not s.running and not s.swapped and all(r.waiting_for_grammar for r in s.waiting)
+        return self.scheduler.queues.only_waiting_for_grammars()
 
     def wait_for_grammars(self, timeout: float | None = None) -> None:
         """Block until one of the grammars being compiled is ready (or timeout seconds)."""
-        pending = [r.structured.compiled for r in self.scheduler.waiting if r.waiting_for_grammar]
+        pending = [r.structured.compiled for r in self.scheduler.queues.waiting_for_grammars()]
         if pending:
             concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _drop_failed_grammars(self) -> dict[str, Exception]:
         """Requests whose grammar failed to compile end with that error, before they run."""
         failed = {}
-        for req in list(self.scheduler.waiting):
-            if req.structured is not None and req.structured.error is not None:
-                failed[req.request_id] = req.structured.error
-                self.scheduler.abort_request(req)
-                self.requests.pop(req.request_id, None)
+        for req in self.scheduler.queues.failed_grammars():
+            failed[req.request_id] = req.structured.error
+            self.scheduler.abort_request(req)
+            self.requests.pop(req.request_id, None)
         return failed
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
         try:
-            return self._step()
+            outputs = self._step()
+            self._step_failures = 0
+            return outputs
         finally:
             for observe in self.step_observers:
                 try:
@@ -334,11 +338,16 @@ class LLMEngine:
         result = self.executor.execute(sched.batch)
         update = self.scheduler.update_from_output(sched, result)
 
-        # Building one request's output may raise too: that fails this request alone.
+        # The output side: the step's tokens become text, where the stop strings are checked (a
+        # hit ends its sequence through the scheduler); then the request's output. Either may
+        # raise too: that fails this request alone.
         failed = {**grammar_failures, **update.failed}
         outputs: list[RequestOutput] = []
         for req in update.progressed:
             try:
+                for seq, stop in self.text.update(req):
+                    if self.scheduler.stop_seq(req, seq, stop):
+                        update.finished.add(req.request_id)
                 outputs.append(self._output(req, finished=req.request_id in update.finished))
             except Exception as e:   # noqa: BLE001 - the caller fails this request only
                 failed[req.request_id] = e
@@ -351,11 +360,36 @@ class LLMEngine:
             raise RequestsFailed(failed, outputs)
         return outputs
 
+    def recover(self, error: BaseException) -> StepFailure:
+        """The step-failure policy, in one place: what `error`, raised by step(), means, with
+        the engine's part of it done. Both drivers (LLM, AsyncLLM) call it and act on the answer.
+        - RequestsFailed: those requests alone fail (already dropped); the step's other
+          outputs stand and the step counts as a success.
+        - Anything else failed the step as a whole: every request in flight fails and the KV
+          bookkeeping starts afresh (reset: a half-written block must not stay in the prefix
+          cache). A lost tensor-parallel rank (WorkerFailedError), or MAX_STEP_FAILURES such
+          steps in a row, is fatal: the engine cannot go on."""
+        if isinstance(error, RequestsFailed):
+            self._step_failures = 0
+            for rid in error.failures:
+                if rid in self.requests:
+                    self.abort_request(rid)
+            return StepFailure(dict(error.failures), error.outputs)
+        self._step_failures += 1
+        failed = {rid: error for rid in self.reset()}
+        fatal = None
+        if isinstance(error, WorkerFailedError):
+            fatal = error
+        elif self._step_failures >= MAX_STEP_FAILURES:
+            fatal = RuntimeError(f"{self._step_failures} engine steps in a row failed")
+            fatal.__cause__ = error
+        return StepFailure(failed, [], reset=True, fatal=fatal)
+
     def _watchdog(self) -> None:
         """Count steps that computed nothing while requests wait; after watchdog_steps in a
         row, log the scheduler's state and raise EngineStalledError instead of spinning. (Waiting
         for a grammar to compile is no stall.)"""
-        if not self.requests or any(r.waiting_for_grammar for r in self.scheduler.waiting):
+        if not self.requests or self.scheduler.queues.waiting_for_grammars():
             return
         self._steps_without_progress += 1
         limit = self.config.watchdog_steps
@@ -387,7 +421,7 @@ class LLMEngine:
     def _completion(seq: Sequence, index: int, with_cum_logprob: bool) -> CompletionOutput:
         return CompletionOutput(
             index=index,
-            text=seq.detokenizer.visible_text(seq.finished),
+            text=OutputText.visible_text(seq),
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if with_cum_logprob else None,
             logprobs=seq.logprobs,
@@ -427,9 +461,9 @@ class LLMEngine:
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler and KV cache now, as stat loggers and LLM.get_metrics see them."""
         kv = self.kv_cache_stats()
-        sched = self.scheduler
+        queues = self.scheduler.queues
         return SchedulerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_running=queues.num_running, num_waiting=queues.num_waiting, num_swapped=queues.num_swapped,
             kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
             num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],

@@ -37,7 +37,8 @@ from pagedserve.config import CONTIGUOUS_POLICIES
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import NoFreeBlocksError
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
-from pagedserve.kv.kv_cache_manager import PrefixCacheStats, cdiv
+from pagedserve.kv.kv_cache_manager import PrefixCacheStats
+from pagedserve.utils import cdiv
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.snapshot import KVSnapshot, PoolSnapshot
 

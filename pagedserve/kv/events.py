@@ -1,7 +1,7 @@
 """KV events: what entered and left a block pool's prefix cache, by block key.
 
 A data-parallel router keeps an exact index of every replica's cached blocks from
-these events (cluster/kv_index.py). The block pool calls an optional sink; with none
+these events (`KVIndex`, cluster/routing.py). The block pool calls an optional sink; with none
 set (the default) it costs one `is None` test per cached or evicted block.
 """
 from __future__ import annotations

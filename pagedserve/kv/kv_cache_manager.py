@@ -21,11 +21,8 @@ from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.snapshot import KVSnapshot, snapshot_pool
-from pagedserve.kv.swap import SwapSpace
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedserve.kv.swap import SwapSpace, mirror_tables
+from pagedserve.utils import cdiv
 
 
 @dataclass
@@ -178,12 +175,37 @@ class KVCacheManager(PoolCapacity):
         """Drop a sequence's table (on the device or in swap space). Tail blocks are released
         first so that, among cached blocks, a prefix's later blocks are evicted before its
         earlier ones."""
-        table = self.tables.pop(seq_id, [])
+        self.release_tables([seq_id])
         self.keys.pop(seq_id, None)
         self.salts.pop(seq_id, None)
-        self.num_logical_blocks -= len(table)
-        self.pool.release(table[::-1])
         self.swap.free(seq_id)
+
+    # ---- swap space's part (kv/swap.py): device tables leave and come back only here --------
+    def device_tables(self, seq_ids: list[int]) -> dict[int, list[KVBlock]]:
+        """The device tables of those of the sequences that have one (read only)."""
+        return {sid: self.tables[sid] for sid in seq_ids if sid in self.tables}
+
+    def release_tables(self, seq_ids: list[int]) -> None:
+        """Drop the sequences' device tables (their keys stay, for swapping back in). Tail
+        blocks are released first so that, among cached blocks, a prefix's later blocks are
+        evicted before its earlier ones."""
+        for sid in seq_ids:
+            table = self.tables.pop(sid, [])
+            self.num_logical_blocks -= len(table)
+            self.pool.release(table[::-1])
+
+    def restore_tables(self, tables: dict[int, list[KVBlock]]) -> list[BlockCopy]:
+        """Give swapped-out sequences device tables again, mirroring `tables` (their host
+        tables); their full blocks enter the prefix cache again. Returns the (host, device)
+        copies; allocates nothing if the pool is short (NoFreeBlocksError)."""
+        restored, moved = mirror_tables(tables, self.pool)
+        for sid, table in restored.items():
+            self.tables[sid] = table
+            self.num_logical_blocks += len(table)
+        for sid, table in restored.items():
+            for block, key in zip(table, self.keys.get(sid, ())):
+                self.pool.cache(block, key)
+        return moved
 
     # ---- internals -------------------------------------------------------------------------
     def _shared_write_targets(self, table, num_computed: int, num_new: int) -> list[int]:
@@ -249,7 +271,7 @@ class KVCacheManager(PoolCapacity):
 
     # ---- invariants (pagedserve/invariants.py calls these) ---------------------------------
     def check_invariants(self, live: dict[int, SeqState] | None = None, swapped: set[int] = frozenset()) -> None:
-        """Invariants 1 and 3 of DESIGN.md, in both pools, plus the free queues and the prefix-cache
+        """Invariants 1 and 3 (docs/architecture.md), in both pools, plus the free queues and the prefix-cache
         index; with `live` and `swapped`, who may hold blocks and that computed tokens have slots."""
         host_tables = self.swap.tables
         for pool, tables in ((self.pool, self.tables), (self.swap.pool, host_tables)):

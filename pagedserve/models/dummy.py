@@ -61,9 +61,6 @@ class DummyWeights(Mapping):
     def __len__(self) -> int:
         return len(self.shapes)
 
-    def num_bytes(self) -> int:
-        return sum(torch.Size(s).numel() for s in self.shapes.values()) * torch.finfo(self.dtype).bits // 8
-
 
 def stand_in_tokenizer(config: dict):
     """A tokenizer over the model's vocabulary that knows no text: token i is the word

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedserve.models.llama import ModelArgs
+from pagedserve.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Shard:
 
     def vocab_part(self, vocab_size: int) -> int:
         """Rows of each rank's embedding / LM-head part (the last one zero-padded)."""
-        return -(-vocab_size // self.size)
+        return cdiv(vocab_size, self.size)
 
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         """This rank's [start, end) of the real vocabulary (end - start may be < vocab_part)."""

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import PAGE_FILES, KVStreamHub, add_dashboard_routes
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
@@ -191,7 +192,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
-    hub = KVStreamHub(state.llm, state.kv_snapshot_interval)
+    hub = KVStreamHub(state.llm, state.kv_snapshot_interval, run=lambda fn, *args: state.prompts.run(fn, *args))
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)
     return app
@@ -250,18 +251,18 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def make_engine_client(config: EngineConfig, s: ServerConfig):
+def make_engine_client(config: EngineConfig, s: ServerConfig) -> tuple[EngineClient, PrometheusStatLogger]:
     """One AsyncLLM, or with data_parallel_size > 1 the replicas behind a router (same calls)."""
     names = s.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     log_interval = None if s.disable_log_stats else s.log_stats_interval
-    if config.data_parallel_size == 1:
+    if s.data_parallel_size == 1:
         metrics = PrometheusStatLogger(names[0], prefix=s.metrics_prefix)
         return AsyncLLM(config, [metrics], log_interval=log_interval,
                         max_waiting_requests=s.max_waiting_requests), metrics
     from pagedserve.cluster.client import DataParallelLLM
-    metrics = PrometheusStatLogger(names[0], num_engines=config.data_parallel_size, prefix=s.metrics_prefix)
-    return DataParallelLLM(config, metrics=metrics, max_waiting_requests=s.max_waiting_requests,
-                           log_interval=log_interval), metrics
+    metrics = PrometheusStatLogger(names[0], num_engines=s.data_parallel_size, prefix=s.metrics_prefix)
+    return DataParallelLLM(config, s.data_parallel_size, metrics, s.routing_policy, s.ray_address,
+                           max_waiting_requests=s.max_waiting_requests, log_interval=log_interval), metrics
 
 
 def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
@@ -286,9 +287,9 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
     ray_connected = False
     # Ray is joined on the main thread before uvicorn installs its signal handlers: Ray's own
     # SIGTERM handler (abseil's) would otherwise run first and abort the process 3 s into the drain.
-    if config.data_parallel_size > 1:
+    if s.data_parallel_size > 1:
         from pagedserve.cluster.client import init_ray
-        ray_connected = init_ray(config.ray_address)
+        ray_connected = init_ray(s.ray_address)
     try:
         uv_server.run()
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pagedserve.config import positive_float, setting
+from pagedserve.config import ROUTING_POLICIES, positive_float, setting
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -52,3 +52,19 @@ class ServerConfig:
                                                    "the output; needs --tool-call-parser")
     tool_call_parser: str | None = setting(None, "the format of tool calls in the output for tool_choice auto "
                                                  "(hermes: <tool_call>{...}</tool_call>)", choices=TOOL_CALL_PARSERS)
+    # Data parallelism: this many engine replicas as Ray actors behind one router
+    # (pagedserve/cluster/), which sends each request to one of them by `routing_policy`. The
+    # serving topology, not an engine setting: each replica runs the same EngineConfig.
+    data_parallel_size: int = setting(1, "serve: engine replicas (Ray actors) behind this endpoint",
+                                      aliases=("-dp",))
+    routing_policy: str = setting("kv_aware", "with data_parallel_size > 1: how a request's replica is chosen",
+                                  choices=ROUTING_POLICIES)
+    ray_address: str | None = setting(None, "join this Ray cluster ('auto': the one this node is in); default: "
+                                            "start a local one")
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}; got "
+                             f"{self.routing_policy!r}")

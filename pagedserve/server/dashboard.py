@@ -17,16 +17,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.engine.kv_view import KVView, apply_update
-from pagedserve.models.loader import load_tokenizer
 from pagedserve.server.errors import APIError
 
 logger = logging.getLogger("pagedserve.server")
@@ -45,7 +44,10 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 
 class KVStreamHub:
-    def __init__(self, llm: AsyncLLM, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(self, llm: EngineClient, interval: float = DEFAULT_INTERVAL,
+                 run: Callable[..., Awaitable[Any]] = asyncio.to_thread) -> None:
+        """`run(fn, *args)`: where the page's text is made, off the event loop (the server runs it
+        on the prompt thread, the one that uses the front-end tokenizer)."""
         if not interval > 0:
             raise ValueError(f"the KV snapshot interval must be > 0 seconds; got {interval}")
         self.llm = llm
@@ -54,12 +56,12 @@ class KVStreamHub:
         self._page: dict[str, Any] | None = None        # the whole picture so far
         self._listeners: dict[asyncio.Queue, bool] = {}  # queue -> needs the whole picture
         self._task: asyncio.Task | None = None
-        self._tokenizer = None
+        self._run_off_loop = run
 
     async def snapshot(self) -> dict[str, Any]:
         """The whole picture now (for /v1/kv/snapshot)."""
         cap = await self._capture()
-        return await asyncio.to_thread(KVView(self._decode).full, cap)
+        return await self._run_off_loop(KVView(self._decode).full, cap)
 
     async def stream(self) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue(QUEUE_LIMIT)
@@ -91,11 +93,8 @@ class KVStreamHub:
             raise APIError(503, f"no KV snapshot: {e}") from None
 
     def _decode(self, token_ids: list[int]) -> str:
-        """On worker threads. A tokenizer of its own: the front end's is used by the prompt thread,
-        whose encode may borrow it mutably (and a concurrent decode would fail)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.llm.config.tokenizer or self.llm.model_path)
-        return self._tokenizer.decode(token_ids)
+        """Off the event loop, with the front end's tokenizer (engine/tokenizer.py)."""
+        return self.llm.tokenizer.decode(token_ids)
 
     async def _run(self) -> None:
         try:
@@ -107,7 +106,7 @@ class KVStreamHub:
                         self._put(queue, None)
                     return
                 fresh = [q for q, whole in self._listeners.items() if whole]
-                update, whole = await asyncio.to_thread(self._advance, cap, bool(fresh))
+                update, whole = await self._run_off_loop(self._advance, cap, bool(fresh))
                 for queue in list(self._listeners):
                     if queue in fresh:
                         self._listeners[queue] = False

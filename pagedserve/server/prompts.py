@@ -80,6 +80,11 @@ class PromptProcessor:
     async def _run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
+    async def run(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args) on the tokenizer's thread: for others that use the front-end tokenizer (the
+        dashboard's block text)."""
+        return await self._run(fn, *args)
+
     async def encode(self, texts: list[str], param: str = "prompt", add_special_tokens: bool = True) -> list[list[int]]:
         for text in texts:
             self.check_chars(len(text), param)

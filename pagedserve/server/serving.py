@@ -156,16 +156,21 @@ def _finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Each token's own text, decoded once."""
+    """Each token's own text: the engine's (each logprob entry's decoded_token, made on its output
+    side), decoded here only for a position the engine sent none for (the prompt's first token)."""
 
     def __init__(self, tokenizer) -> None:
         self.text = lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+
+    def of(self, token: int, pos: PositionLogprobs | None) -> str:
+        lp = pos.get(token) if pos is not None else None
+        return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.text(token)
 
     def completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
                             offset: int, out: CompletionLogprobs) -> int:
         """Append positions to `out` (OpenAI's completions shape); returns the next text offset."""
         for token, pos in zip(token_ids, positions):
-            text = self.text(token)
+            text = self.of(token, pos)
             out.tokens.append(text)
             out.text_offset.append(offset)
             offset += len(text)
@@ -176,7 +181,7 @@ class TokenTexts:
             out.token_logprobs.append(_finite(pos[token].logprob))
             top: dict[str, float] = {}
             for t, lp in pos.items():   # tokens with the same text (e.g. partial bytes) keep the best
-                text_t, value = self.text(t), _finite(lp.logprob)
+                text_t, value = self.of(t, pos), _finite(lp.logprob)
                 top[text_t] = max(value, top.get(text_t, value))
             out.top_logprobs.append(top)
         return offset
@@ -186,11 +191,11 @@ class TokenTexts:
         for token, pos in zip(token_ids, positions):
             ranked = sorted((lp.rank, t, lp.logprob) for t, lp in pos.items()
                             if lp.rank is not None and lp.rank <= top)
+            text = self.of(token, pos)
             content.append(ChatTokenLogprob(
-                token=self.text(token), logprob=_finite(pos[token].logprob),
-                bytes=list(self.text(token).encode()),
-                top_logprobs=[TopLogprob(token=self.text(t), logprob=_finite(lp), bytes=list(self.text(t).encode()))
-                              for _, t, lp in ranked]))
+                token=text, logprob=_finite(pos[token].logprob), bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=self.of(t, pos), logprob=_finite(lp),
+                                         bytes=list(self.of(t, pos).encode())) for _, t, lp in ranked]))
         return ChatLogprobs(content=content)
 
 

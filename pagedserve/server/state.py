@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import PrometheusStatLogger
@@ -24,7 +24,7 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 @dataclass
 class ServerState:
-    llm: AsyncLLM
+    llm: EngineClient                   # AsyncLLM, or DataParallelLLM (engine/protocol.py)
     served_model_names: list[str]
     metrics: PrometheusStatLogger
     api_key: str | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.batch import RunnerOutput, SamplerOutput
 from pagedserve.config import EngineConfig
-from pagedserve.request import Request, Sequence
+from pagedserve.request import Request
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.sim.cost import CostModel, StepWork
@@ -113,9 +113,8 @@ class Simulation:
                   SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, max_tokens=max_tokens,
                                  ignore_eos=not stops_early))
         self._output_len[rid] = r.output_len
-        req = Request(rid, None, list(r.prompt_token_ids), params, max_tokens, arrival_time=arrival)
-        req.seqs.append(Sequence(sched.new_seq_id(), 0, list(r.prompt_token_ids), len(r.prompt_token_ids)))
-        req.pending_fork = not r.beam_width and r.n > 1
+        req = Request.create(rid, None, r.prompt_token_ids, params, max_tokens, sched.new_seq_id(),
+                             arrival_time=arrival)
         sched.add_request(req)
         return req
 

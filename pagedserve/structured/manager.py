@@ -22,13 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.utils import cdiv
 
 BITS = 32
 
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per row of a token bitmask."""
-    return (vocab_size + BITS - 1) // BITS
+    return cdiv(vocab_size, BITS)
 
 
 class GrammarCompiler:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.utils import cdiv
 
 DEFAULT_MAX_CAPTURE = 256
 PAD_SLOT = -1          # the KV write skips negative slots
@@ -91,7 +92,7 @@ class DecodeGraphs:
             raise ValueError("no batch sizes to capture")
         self.model, self.kv_cache, self.sizes = model, kv_cache, sizes
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         m = sizes[-1]
         # Static inputs, the largest bucket's; a smaller bucket uses their leading rows.
         self.input_ids = torch.zeros(m, dtype=torch.long, device=device)

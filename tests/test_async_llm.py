@@ -1,0 +1,173 @@
+"""engine/async_llm.py on its own, in this process (no server): streams, output kinds, aborts,
+the queue limit, the front-end tokenizer, and the step-failure policy (LLMEngine.recover) as
+the server's driver applies it. Tokens are compared with the offline LLM's."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedserve import SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineNotReadyError, EngineStepError,
+                                         QueueFullError, delta_output)
+from pagedserve.engine.llm_engine import MAX_STEP_FAILURES
+from pagedserve.engine.protocol import EngineClient
+from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.outputs import CompletionOutput
+from pagedserve.sampling_params import RequestOutputKind
+from tests.test_engine import make_llm
+
+PROMPT = "Once upon a time"
+GREEDY = dict(temperature=0, ignore_eos=True, max_tokens=6)
+
+
+def async_llm(tiny_llama, **kw) -> AsyncLLM:
+    extra = {k: kw.pop(k) for k in ("max_waiting_requests",) if k in kw}
+    config = EngineConfig(model=tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, check_invariants=True,
+                          **kw)
+    return AsyncLLM(config, log_interval=None, **extra)
+
+
+def run(llm: AsyncLLM, body) -> None:
+    async def main():
+        llm.start()
+        await llm.wait_started()
+        try:
+            await body()
+        finally:
+            await llm.shutdown()
+    asyncio.run(main())
+
+
+async def collect(llm: AsyncLLM, rid: str, params: SamplingParams, prompt=PROMPT) -> list:
+    return [out async for out in llm.generate(prompt, params, rid)]
+
+
+def test_delta_output_yields_what_was_not_sent():
+    sent: dict = {}
+    first = delta_output(CompletionOutput(0, "Once", [1], None, [{1: None}]), sent)
+    second = delta_output(CompletionOutput(0, "Once upon", [1, 2], None, [{1: None}, {2: None}]), sent)
+    assert (first.text, first.token_ids) == ("Once", [1])
+    assert (second.text, second.token_ids, len(second.logprobs)) == (" upon", [2], 1)
+
+
+def test_outputs_match_the_offline_engine_in_every_output_kind(tiny_llama):
+    ref = make_llm(tiny_llama, num_gpu_blocks_override=64).generate(PROMPT, SamplingParams(**GREEDY),
+                                                                     use_tqdm=False)[0].outputs[0]
+    llm = async_llm(tiny_llama)
+
+    async def body():
+        assert isinstance(llm, EngineClient)
+        cumulative = await collect(llm, "c", SamplingParams(**GREEDY))
+        assert cumulative[-1].finished and cumulative[-1].outputs[0].token_ids == ref.token_ids
+        assert cumulative[-1].outputs[0].text == ref.text
+        delta = await collect(llm, "d", SamplingParams(**GREEDY, output_kind=RequestOutputKind.DELTA))
+        assert sum((o.outputs[0].token_ids for o in delta), []) == ref.token_ids
+        assert "".join(o.outputs[0].text for o in delta) == ref.text
+        final = await collect(llm, "f", SamplingParams(**GREEDY, output_kind=RequestOutputKind.FINAL_ONLY))
+        assert len(final) == 1 and final[0].outputs[0].token_ids == ref.token_ids
+        assert not llm.engine.requests
+    run(llm, body)
+
+
+def test_the_front_end_tokenizer_is_the_processs_one_and_not_the_engines(tiny_llama):
+    llm = async_llm(tiny_llama)
+
+    async def body():
+        assert llm.tokenizer is front_end_tokenizer(llm.engine.tokenizer_path)
+        assert llm.tokenizer is not llm.engine.tokenizer      # the engine thread keeps its own
+        assert llm.tokenizer.encode(PROMPT) == llm.engine.tokenizer.encode(PROMPT)
+    run(llm, body)
+
+
+def test_an_abort_ends_the_stream_with_abort_and_frees_the_blocks(tiny_llama):
+    llm = async_llm(tiny_llama)
+
+    async def body():
+        stream = await llm.add_requests([("a", PROMPT, SamplingParams(temperature=0, ignore_eos=True,
+                                                                      max_tokens=200))])
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 2:
+                stream.abort()
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        await asyncio.sleep(0.05)
+        assert llm.engine.kv_cache_stats()["num_used_blocks"] == 0
+    run(llm, body)
+
+
+def test_the_queue_limit_refuses_a_call_that_could_never_fit_and_one_that_overflows(tiny_llama):
+    llm = async_llm(tiny_llama, max_waiting_requests=2)
+
+    async def body():
+        with pytest.raises(ValueError, match="at most 2"):
+            llm.check_num_prompts(3)
+        llm.check_num_prompts(2)
+        items = [(f"r{i}", PROMPT, SamplingParams(**GREEDY)) for i in range(3)]
+        with pytest.raises(ValueError, match="at most 2"):   # the same check, on the way in
+            await llm.add_requests(items)
+        first = await llm.add_requests(items[:2])
+        with pytest.raises(QueueFullError):
+            await llm.add_requests(items[2:])
+        async for _ in first:
+            pass
+        with pytest.raises(ValueError, match="already in use"):
+            await llm.add_requests([items[0], items[0]])
+    run(llm, body)
+
+
+def test_a_bad_request_is_refused_and_nothing_is_left_behind(tiny_llama):
+    llm = async_llm(tiny_llama)
+
+    async def body():
+        with pytest.raises(ValueError, match="min_tokens"):
+            await llm.add_requests([("ok", PROMPT, SamplingParams(**GREEDY)),
+                                    ("bad", PROMPT, SamplingParams(max_tokens=2, min_tokens=5))])
+        await asyncio.sleep(0.05)
+        assert not llm.engine.requests and llm.engine.kv_cache_stats()["num_used_blocks"] == 0
+    run(llm, body)
+
+
+def test_not_started_is_not_ready():
+    llm = AsyncLLM(EngineConfig(), log_interval=None)
+
+    async def body():
+        with pytest.raises(EngineNotReadyError):
+            await llm.add_requests([("r", PROMPT, SamplingParams())])
+    asyncio.run(body())
+
+
+def test_failed_steps_fail_the_requests_in_flight_then_kill_the_engine(tiny_llama, monkeypatch):
+    """LLMEngine.recover's policy as AsyncLLM applies it: a step that fails as a whole fails the
+    requests in flight (EngineStepError) and the engine goes on; MAX_STEP_FAILURES in a row
+    kill it (EngineDeadError, wait_dead returns, new requests are refused)."""
+    llm = async_llm(tiny_llama)
+
+    async def body():
+        real_step = llm.engine.step
+        failures = {"left": 1}
+
+        def step():
+            if failures["left"] > 0:
+                failures["left"] -= 1
+                raise RuntimeError("injected step fault")
+            return real_step()
+        monkeypatch.setattr(llm.engine, "step", step)
+        with pytest.raises(EngineStepError, match="injected"):
+            await collect(llm, "one", SamplingParams(**GREEDY))
+        assert len((await collect(llm, "two", SamplingParams(**GREEDY)))[-1].outputs[0].token_ids) == 6
+        failures["left"] = MAX_STEP_FAILURES
+        errors = []
+        for i in range(MAX_STEP_FAILURES):
+            try:
+                await collect(llm, f"doomed{i}", SamplingParams(**GREEDY))
+            except (EngineStepError, EngineDeadError) as e:
+                errors.append(type(e))
+        assert errors == [EngineStepError] * (MAX_STEP_FAILURES - 1) + [EngineDeadError]
+        error = await asyncio.wait_for(llm.wait_dead(), 30)
+        assert isinstance(error, EngineDeadError) and llm.state == "dead"
+        with pytest.raises(EngineNotReadyError):
+            await llm.add_requests([("late", PROMPT, SamplingParams(**GREEDY))])
+    run(llm, body)
