@@ -54,7 +54,7 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, dev
     """(device blocks, host swap-space blocks) for the KV cache: kv_cache_memory (or, on a
     GPU, gpu_memory_utilization of what was free) and swap_space, in blocks of this model."""
     block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim,
-                                           dtype)
+                                           dtype, config.kv_cache_dtype)
     kv_memory = config.kv_cache_memory or \
         default_kv_cache_memory(device, free_before_load, config.gpu_memory_utilization)
     num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
@@ -87,7 +87,7 @@ class Worker:
         With a tensor-parallel `group`, this rank's shard of the model and the KV cache of its
         heads; every rank gets the same number of blocks (the smallest any rank can hold)."""
         device = device or resolve_device(config.device)
-        attention = make_attention_backend(config.attention_backend, device)
+        attention = make_attention_backend(config.attention_backend, device, config.kv_cache_dtype)
         ops = make_ops(device)
         shard = Shard(group.rank, group.world_size) if group else Shard()
         free_before_load = free_device_memory(device)
