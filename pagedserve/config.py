@@ -25,6 +25,7 @@ LOAD_FORMATS = ("auto", "dummy")                        # dummy: random weights 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")           # executor/: processes on this machine, Ray actors
 # vLLM's names, plus int8; attention/kv_format.py says what each stores (fp8 is fp8_e4m3).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}             # EngineConfig stores the format's own name
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -181,6 +182,7 @@ class EngineConfig:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.kv_allocator != "paged":

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-ALIASES = {"fp8": "fp8_e4m3"}
+from pagedserve.config import KV_CACHE_DTYPE_ALIASES as ALIASES
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ class DataParallelLLM:
         self.num_replicas = num_replicas = config.data_parallel_size
         self.routing_policy = config.routing_policy
         self.config = dataclasses.replace(config, data_parallel_size=1)   # what each replica runs
-        self.router = Router(num_replicas, config.block_size, config.routing_policy)
+        self.router = Router(num_replicas, config.block_size, config.routing_policy, config.kv_cache_dtype)
         self.metrics = metrics or PrometheusStatLogger("pagedserve", num_engines=num_replicas)
         self.ray_address = config.ray_address
         self.ray_num_cpus = ray_num_cpus

@@ -421,8 +421,18 @@ class LLMEngine:
         stats = self.scheduler.kv.stats().as_dict()
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
-                     sharing_saving_avg=sched.sharing_saving_avg)
+                     sharing_saving_avg=sched.sharing_saving_avg, **self.kv_dtype_stats())
         return stats
+
+    def kv_dtype_stats(self) -> dict:
+        """What the KV cache stores: its dtype (auto: the model's) and bytes per token (all layers,
+        K and V, an 8-bit cache's scales included; on each tensor-parallel rank its share)."""
+        from pagedserve.attention.kv_format import kv_format
+        fmt, a = kv_format(self.config.kv_cache_dtype), self.model_args
+        tp = self.config.tensor_parallel_size
+        kv_heads = -(-a.num_kv_heads // tp)       # heads per rank (one replicated where fewer than ranks)
+        return dict(kv_cache_dtype=str(self.dtype).removeprefix("torch.") if not fmt.quantized else fmt.name,
+                    kv_bytes_per_token=fmt.bytes_per_token(a.num_layers, kv_heads, a.head_dim, self.dtype))
 
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler and KV cache now, as stat loggers and LLM.get_metrics see them."""
