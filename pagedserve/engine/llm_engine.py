@@ -63,6 +63,16 @@ class RequestsFailed(Exception):
         self.outputs = outputs
 
 
+
+def kv_storage_stats(config: EngineConfig, args, dtype: torch.dtype) -> dict:
+    """What the KV cache stores: its dtype (auto: the model's) and bytes per token (all layers,
+    K and V, an 8-bit cache's scales included; under tensor parallelism, one rank's heads)."""
+    from pagedserve.attention.kv_format import kv_format
+    fmt = kv_format(config.kv_cache_dtype)
+    kv_heads = -(-args.num_kv_heads // config.tensor_parallel_size)   # a replicated head where fewer than ranks
+    return dict(kv_cache_dtype=fmt.name if fmt.quantized else str(dtype).removeprefix("torch."),
+                kv_bytes_per_token=fmt.bytes_per_token(args.num_layers, kv_heads, args.head_dim, dtype))
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         self.config = config
@@ -98,6 +108,7 @@ class LLMEngine:
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model_args.vocab_size
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
+        self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
@@ -421,18 +432,8 @@ class LLMEngine:
         stats = self.scheduler.kv.stats().as_dict()
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
-                     sharing_saving_avg=sched.sharing_saving_avg, **self.kv_dtype_stats())
+                     sharing_saving_avg=sched.sharing_saving_avg, **self.kv_storage)
         return stats
-
-    def kv_dtype_stats(self) -> dict:
-        """What the KV cache stores: its dtype (auto: the model's) and bytes per token (all layers,
-        K and V, an 8-bit cache's scales included; on each tensor-parallel rank its share)."""
-        from pagedserve.attention.kv_format import kv_format
-        fmt, a = kv_format(self.config.kv_cache_dtype), self.model_args
-        tp = self.config.tensor_parallel_size
-        kv_heads = -(-a.num_kv_heads // tp)       # heads per rank (one replicated where fewer than ranks)
-        return dict(kv_cache_dtype=str(self.dtype).removeprefix("torch.") if not fmt.quantized else fmt.name,
-                    kv_bytes_per_token=fmt.bytes_per_token(a.num_layers, kv_heads, a.head_dim, self.dtype))
 
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler and KV cache now, as stat loggers and LLM.get_metrics see them."""
