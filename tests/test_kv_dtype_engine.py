@@ -174,3 +174,16 @@ def test_tensor_parallel_ranks_each_hold_8bit_blocks(tiny_llama):
         assert stats["kv_cache_dtype"] == "int8" and stats["kv_bytes_per_token"] == 2 * 2 * 1 * (16 + 2)
     finally:
         llm.shutdown()
+
+
+def test_structured_output_over_an_8bit_cache(tiny_llama):
+    """A regex constraint, sampled, n = 2 (the pair shares its prompt's 8-bit blocks)."""
+    import re
+    from pagedserve import StructuredOutputsParams
+    llm = make_llm(tiny_llama, kv_cache_dtype="fp8")
+    pattern = r"[a-z]{2,5}-[0-9]{2,3}"
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    out = llm.generate(["A code:"], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and all(re.fullmatch(pattern, c.text) for c in out.outputs)
+    assert_no_blocks_held(llm)
