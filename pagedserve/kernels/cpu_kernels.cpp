@@ -114,27 +114,31 @@ inline float row_scale(const K *row, int64_t D) {
 
 // float -> a minifloat code with M mantissa bits and exponent bias `bias`, rounded to nearest
 // even, saturating at max_code (the largest finite value), as torch's float8 conversion of a
-// value clamped to the format's range.
-inline uint8_t to_minifloat(float x, int M, int bias, uint32_t max_code) {
-    uint32_t u;
+// value clamped to the format's range. Branch-free, so the row loop vectorises: the normal
+// range rounds the float's mantissa bits in integers; below the smallest normal, adding
+// 2^(24 - bias - M) rounds |x| to a multiple of the format's subnormal step (the float add's
+// own round to nearest even), whose count is the code.
+template <int M, int kBias, uint32_t kMaxCode>
+inline uint8_t to_minifloat(float x) {
+    constexpr int kShift = 23 - M;
+    constexpr float kMagic = static_cast<float>(1u << (24 - kBias - M));
+    uint32_t u, magic_bits;
     std::memcpy(&u, &x, 4);
+    std::memcpy(&magic_bits, &kMagic, 4);
     const uint32_t sign = (u >> 24) & 0x80u;
     u &= 0x7FFFFFFFu;
-    if (u > 0x7F800000u) return 0;         // NaN: not a value a model writes; stored as 0
-    uint32_t code;
-    if (u < static_cast<uint32_t>(127 - bias + 1) << 23) {     // the format's subnormals: multiples of 2^(1-bias-M)
-        float a;
-        std::memcpy(&a, &u, 4);
-        code = static_cast<uint32_t>(std::nearbyint(std::ldexp(a, bias - 1 + M)));
-    } else {
-        const int shift = 23 - M;
-        u += (1u << (shift - 1)) - 1 + ((u >> shift) & 1u);
-        code = (u >> shift) - (static_cast<uint32_t>(127 - bias) << M);
-    }
-    return static_cast<uint8_t>(sign | std::min(code, max_code));
+    const uint32_t normal = ((u + (1u << (kShift - 1)) - 1 + ((u >> kShift) & 1u)) >> kShift) -
+                            (static_cast<uint32_t>(127 - kBias) << M);
+    float a, t;
+    std::memcpy(&a, &u, 4);
+    t = a + kMagic;
+    uint32_t tb;
+    std::memcpy(&tb, &t, 4);
+    const uint32_t code = u < static_cast<uint32_t>(127 - kBias + 1) << 23 ? tb - magic_bits : normal;
+    return static_cast<uint8_t>(sign | std::min(code, kMaxCode));
 }
-inline void encode(float x, E5M2 *dst) { dst->b = to_minifloat(x, 2, 15, 0x7B); }     // max 57344
-inline void encode(float x, E4M3 *dst) { dst->b = to_minifloat(x, 3, 7, 0x7E); }      // max 448
+inline void encode(float x, E5M2 *dst) { dst->b = to_minifloat<2, 15, 0x7B>(x); }     // max 57344
+inline void encode(float x, E4M3 *dst) { dst->b = to_minifloat<3, 7, 0x7E>(x); }      // max 448
 inline void encode(float x, I8 *dst) {
     dst->b = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x))));
 }
@@ -146,12 +150,14 @@ void quantize_row(const S *src, int64_t D, K *dst) {
     float div = 1.f;
     if constexpr (kScaled<K>) {
         float amax = 0.f;
+#pragma omp simd reduction(max : amax)
         for (int64_t d = 0; d < D; d++) amax = std::max(amax, std::fabs(to_f32(src[d])));
         uint16_t s;
         store(&s, amax / (std::is_same_v<K, I8> ? 127.f : 448.f));
         std::memcpy(reinterpret_cast<char *>(dst) + D, &s, 2);
         if (to_f32(s) != 0.f) div = to_f32(s);
     }
+#pragma omp simd
     for (int64_t d = 0; d < D; d++) encode(to_f32(src[d]) / div, dst + d);
 }
 
