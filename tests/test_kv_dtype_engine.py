@@ -101,6 +101,9 @@ def test_same_memory_holds_twice_the_blocks(head64):
         assert stats["kv_cache_dtype"] == (dtype if kv == "auto" else {"fp8": "fp8_e4m3"}.get(kv, kv))
         assert stats["num_blocks"] == memory // (16 * stats["kv_bytes_per_token"])
         assert llm.engine.runner.kv_cache.untyped_storage().nbytes() <= memory
+        counters = llm.kv_snapshot()["counters"]          # what the dashboard shows
+        assert (counters["kv_cache_dtype"], counters["kv_bytes_per_token"]) == \
+            (stats["kv_cache_dtype"], stats["kv_bytes_per_token"])
     bf16 = blocks["bfloat16", "auto"]
     assert blocks["float32", "fp8"] >= 1.9 * bf16 and blocks["bfloat16", "int8"] >= 1.9 * bf16
     assert blocks["bfloat16", "fp8_e5m2"] == 2 * bf16
