@@ -13,7 +13,9 @@ other whole-block move need nothing more.
   value / 256; the 256 goes into the scale). No CPU here has FP8 arithmetic, so the extra
   mantissa bit costs two integer operations per 16 values, not a slower path.
 - `int8`: symmetric int8 (+-127) times a bf16 scale per row, largest |x| / 127; converts by a
-  sign extension and an int-to-float conversion.
+  sign extension and an int-to-float conversion: the cheapest conversion and (a uniform step of
+  amax / 127 against e4m3's 3 mantissa bits) the smallest error of the three, so the best
+  choice on CPUs; `fp8` stays an FP8 format, as users of vLLM's name expect.
 
 Why a scale per (token, head) row rather than per block: a block fills over many steps, and a
 per-block scale would have to be fixed in advance or requantize the block's earlier tokens;
