@@ -354,6 +354,31 @@ void scores(const Q *q, const T *const *krow, const T *const *vrow, int64_t n, i
     }
 }
 
+// The same for the G query heads of a KV head (q: G rows of D float32) over 8-bit key rows:
+// each block of 16 rows is converted once, into a tile of float32 in L1, for all G heads
+// (converting per head would cost G times as much); s[g * ld + t] = scale ksc[t] q_g . k_t.
+template <typename K>
+void scores_kv8(const float *q, int64_t G, const K *const *krow, const K *const *vrow, int64_t n, int64_t D,
+                float scale, float *s, int64_t ld, const float *ksc) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    alignas(64) float tile[16 * kMaxDim];
+    for (int64_t t = 0; t < n; t += 16) {
+        for (int64_t i = t + kAhead; i < std::min(t + kAhead + 16, n); i++)
+            for (int64_t b = 0; b < D; b += 64) {
+                _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char *>(vrow[i]) + b, _MM_HINT_T1);
+            }
+        for (int i = 0; i < 16; i++)
+            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(tile + i * D + d, load16(krow[t + i] + d));
+        const __m512 kv = ksc ? _mm512_mul_ps(sv, _mm512_loadu_ps(ksc + t)) : sv;
+        for (int64_t g = 0; g < G; g++) {
+            __m512 dots[16];
+            for (int i = 0; i < 16; i++) dots[i] = dot_lanes(q + g * D, tile + i * D, D);
+            _mm512_storeu_ps(s + g * ld + t, _mm512_mul_ps(transpose_sum16(dots), kv));
+        }
+    }
+}
+
 // 32 values of a row as float32, in two registers: (even, odd) elements for bf16 (two bit
 // operations), plain order for float32. The order is undone once, when the sums are stored.
 inline void load32(const float *p, __m512 &a, __m512 &b) { a = _mm512_loadu_ps(p); b = _mm512_loadu_ps(p + 16); }
@@ -474,15 +499,15 @@ void attend_partition_avx512(const T *q, float scale, const K *kc, const K *vc, 
             _mm_prefetch(reinterpret_cast<const char *>(krow[t]) + b, _MM_HINT_T1);
             _mm_prefetch(reinterpret_cast<const char *>(vrow[t]) + b, _MM_HINT_T1);
         }
+    if constexpr (kQuant<K>) {      // every head's scores, each key row converted once
+        alignas(64) float qf[kMaxGroup * D];
+        for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(q[d]);
+        scores_kv8(qf, G, krow.data(), vrow.data(), n, D, scale, scores_buf.data(), W,
+                   kScaled<K> ? ksc.data() : nullptr);
+    }
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores_buf.data() + g * W;
-        if constexpr (kQuant<K>) {
-            alignas(64) float qf[D];
-            for (int64_t d = 0; d < D; d++) qf[d] = to_f32(q[g * D + d]);
-            scores(qf, krow.data(), vrow.data(), n, D, scale, sg, g == 0, kScaled<K> ? ksc.data() : nullptr);
-        } else {
-            scores(q + g * D, krow.data(), vrow.data(), n, D, scale, sg, g == 0);
-        }
+        if constexpr (!kQuant<K>) scores(q + g * D, krow.data(), vrow.data(), n, D, scale, sg, g == 0);
         for (int64_t t = n; t < padded; t++) sg[t] = -INFINITY;
         __m512 mxv = _mm512_loadu_ps(sg);
         for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + t));
@@ -708,10 +733,30 @@ void attend_partition_vec(const T *q, float scale, const K *kc, const K *vc, con
         if (static_cast<int64_t>(ksc.size()) < n) ksc.resize(n), vsc.resize(n);
         for (int64_t t = 0; t < n; t++) ksc[t] = row_scale(krow[t], D), vsc[t] = row_scale(vrow[t], D);
     }
+    if constexpr (kQuant<K>) {      // every head's scores, each key row converted once (to L1)
+        float qall[kMaxGroup * D], row[D];
+        for (int64_t d = 0; d < G * D; d++) qall[d] = to_f32(q[d]) * scale;
+        for (int64_t t = 0; t < n; t++) {
+            if (t + kAhead < n)
+                for (int64_t b = 0; b < D; b += 64) {
+                    V::prefetch(reinterpret_cast<const char *>(krow[t + kAhead]) + b);
+                    V::prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b);
+                }
+            for (int j = 0; j < NR; j++) V::store(row + j * W, V::load(krow[t] + j * W));
+            for (int64_t g = 0; g < G; g++) {
+                R a0 = V::zero(), a1 = V::zero();
+                for (int j = 0; j < NR; j += 2) {
+                    a0 = V::fmadd(V::load(qall + g * D + j * W), V::load(row + j * W), a0);
+                    if (j + 1 < NR) a1 = V::fmadd(V::load(qall + g * D + (j + 1) * W), V::load(row + (j + 1) * W), a1);
+                }
+                sbuf[g * padded + t] = V::reduce_add(V::add(a0, a1)) * (kScaled<K> ? ksc[t] : 1.f);
+            }
+        }
+    }
     for (int64_t g = 0; g < G; g++) {
         float qg[D], *s = sbuf.data() + g * padded;
         for (int d = 0; d < D; d++) qg[d] = to_f32(q[g * D + d]) * scale;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = 0; t < n && !kQuant<K>; t++) {
             if (g == 0 && t + kAhead < n)
                 for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(K)); b += 64) {
                     V::prefetch(reinterpret_cast<const char *>(krow[t + kAhead]) + b);
@@ -723,7 +768,6 @@ void attend_partition_vec(const T *q, float scale, const K *kc, const K *vc, con
                 if (j + 1 < NR) a1 = V::fmadd(V::load(qg + (j + 1) * W), V::load(krow[t] + (j + 1) * W), a1);
             }
             s[t] = V::reduce_add(V::add(a0, a1));
-            if constexpr (kScaled<K>) s[t] *= ksc[t];
         }
         for (int64_t t = n; t < padded; t++) s[t] = -INFINITY;
         R mxv = V::load(s);
