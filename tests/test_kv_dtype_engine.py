@@ -190,3 +190,11 @@ def test_structured_output_over_an_8bit_cache(tiny_llama):
     out = llm.generate(["A code:"], params, use_tqdm=False)[0]
     assert len(out.outputs) == 2 and all(re.fullmatch(pattern, c.text) for c in out.outputs)
     assert_no_blocks_held(llm)
+
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_the_commands_take_the_flag(command):
+    from pagedserve.cli import build_parser, engine_config
+    args = build_parser().parse_args([command, "--kv-cache-dtype", "fp8"])
+    assert engine_config(args).kv_cache_dtype == "fp8_e4m3"
