@@ -334,11 +334,9 @@ inline __m512 dot_lanes(const float *q, const K *k, int64_t D) {
 // Scores of one query head against key rows, 16 at a time: s[t] = scale * q . k_t. `krow` has
 // a multiple of 16 entries (the tail repeats a real row; the caller masks those scores).
 // Rows come from scattered blocks, which the hardware prefetcher does not foresee: the next
-// 16 rows' first `span` elements are requested while these are computed. `ksc`: the rows'
-// scales (8-bit scaled caches; else null).
-template <typename Q, typename T>
-void scores(const Q *q, const T *const *krow, const T *const *vrow, int64_t n, int64_t D, float scale, float *s,
-            bool prefetch, const float *ksc = nullptr) {
+// 16 rows' first `span` elements are requested while these are computed.
+template <typename T>
+void scores(const T *q, const T *const *krow, const T *const *vrow, int64_t n, int64_t D, float scale, float *s, bool prefetch) {
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t t = 0; t < n; t += 16) {
         for (int64_t i = t + kAhead; prefetch && i < std::min(t + kAhead + 16, n); i++)
@@ -348,9 +346,7 @@ void scores(const Q *q, const T *const *krow, const T *const *vrow, int64_t n, i
             }
         __m512 dots[16];
         for (int i = 0; i < 16; i++) dots[i] = dot_lanes(q, krow[t + i], D);
-        __m512 st = _mm512_mul_ps(transpose_sum16(dots), sv);
-        if (ksc) st = _mm512_mul_ps(st, _mm512_loadu_ps(ksc + t));
-        _mm512_storeu_ps(s + t, st);
+        _mm512_storeu_ps(s + t, _mm512_mul_ps(transpose_sum16(dots), sv));
     }
 }
 
