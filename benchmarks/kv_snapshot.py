@@ -47,6 +47,7 @@ VOCAB = 49152                # the default model's vocabulary
 class SimEngine:
     """What `capture` reads of an LLMEngine, over a Scheduler driven without a model."""
     kv_cache_stats = LLMEngine.kv_cache_stats
+    kv_storage: dict = {}          # no model: no KV dtype to report
 
     def __init__(self, num_blocks: int, num_host_blocks: int) -> None:
         config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=256, max_num_batched_tokens=8192,

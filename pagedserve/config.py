@@ -23,6 +23,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "prefix_hash")   # cluster/routing.py
 LOAD_FORMATS = ("auto", "dummy")                        # dummy: random weights of the model's shapes
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")           # executor/: processes on this machine, Ray actors
+# vLLM's names, plus int8; attention/kv_format.py says what each stores (fp8 is fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}             # EngineConfig stores the format's own name
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -82,6 +85,11 @@ class EngineConfig:
               "gpu_memory_utilization on a GPU", parse=parse_size, aliases=("--kv-cache-memory-bytes",))
     num_gpu_blocks_override: int | None = setting(None, "exact number of KV blocks, overriding kv_cache_memory "
                                                         "(tests, benchmarks)")
+    # 8-bit KV cache (attention/kv_format.py): keys and values quantized as they are written,
+    # read inside the attention kernels; about twice the blocks of a 16-bit cache in the same memory.
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), fp8 (= fp8_e4m3), "
+                                          "fp8_e4m3, fp8_e5m2, int8 (8-bit: ~2x the tokens)",
+                                  choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of common prompt prefixes")
     # paged, or a baseline that reserves one contiguous region per request (kv/contiguous.py):
     # max | pow2 | oracle. The baselines share nothing (no n > 1, beam search or prefix caching).
@@ -167,6 +175,8 @@ class EngineConfig:
         if not 0 <= self.admission_watermark < 1:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.kv_allocator != "paged":

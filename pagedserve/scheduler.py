@@ -199,7 +199,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
                                                  config.enable_prefix_caching, self.max_model_len, num_host_blocks,
-                                                 kv_events)
+                                                 kv_events, config.kv_cache_dtype)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)

@@ -3,13 +3,15 @@ for the whole batch, reading keys and values in place from their blocks: decode 
 the decode kernel, prefill chunks (AVX2 and up) through a tiled kernel that meets 16 query
 tokens with 32 keys at a time; elsewhere each prefill token goes through the decode kernel as a
 query over its own causal prefix (AttentionMetadata.per_token). No gathered copy of the context. Falls
-back to the torch reference where the kernel cannot run."""
+back to the torch reference where the kernel cannot run. With an 8-bit KV format the write kernel
+quantizes each (token, head) row into its slot and every attention kernel reads the codes,
+converting them in registers (attention/kv_format.py)."""
 from __future__ import annotations
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_backend import TorchAttention, write_kv
+from pagedserve.attention.torch_backend import TorchAttention
 from pagedserve.kernels import cpu as cpu_kernels
 
 
@@ -17,7 +19,8 @@ class CpuAttention(TorchAttention):
     name = "cpu"
     head_major_cache = True      # the runner stores each block head by head (kernels read strides)
 
-    def __init__(self) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        super().__init__(kv_cache_dtype)
         self.lib = cpu_kernels.load()
         self._rows: tuple[AttentionMetadata, cpu_kernels.AttentionRows] | None = None
 
@@ -26,14 +29,18 @@ class CpuAttention(TorchAttention):
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        if not cpu_kernels.write_kv(kv_cache, k, v, slot_mapping):
-            write_kv(kv_cache, k, v, slot_mapping)
+        if not cpu_kernels.write_kv(kv_cache, k, v, slot_mapping, self.kv_format.code):
+            super().write_kv(kv_cache, k, v, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale)
-        return out if out is not None else super().forward(q, k, v, kv_cache, meta, scale)
+        out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale, self.kv_format.code)
+        if out is not None:
+            return out
+        if self.kv_format.quantized:       # the reference, over what was just written
+            return self._attend(q.float(), k, v, kv_cache, meta, scale).to(q.dtype)
+        return self._attend(q, k, v, kv_cache, meta, scale)
 
     def kernel_rows(self, meta: AttentionMetadata) -> cpu_kernels.AttentionRows:
         """The step's query rows as the kernel reads them; built once per step (`prepare`), used by

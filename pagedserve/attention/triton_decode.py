@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
+from pagedserve.utils import cdiv
                                                upcast)
 
 BLOCK_N = 64                # context tokens per tile
@@ -40,8 +41,8 @@ def partition_tokens(seq_len: int, num_splits: int, block_n: int = BLOCK_N, min_
     """Tokens per partition of a sequence of seq_len tokens split num_splits ways: its
     share, rounded up to whole tiles, and at least min_part (so at most num_splits
     partitions hold tokens, and a short context fewer)."""
-    per_split = -(-seq_len // num_splits)
-    return max(-(-per_split // block_n) * block_n, min_part)
+    per_split = cdiv(seq_len, num_splits)
+    return max(cdiv(per_split, block_n) * block_n, min_part)
 
 
 @triton.jit

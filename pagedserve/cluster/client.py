@@ -101,7 +101,7 @@ class DataParallelLLM:
         self.num_replicas = num_replicas
         self.routing_policy = routing_policy
         self.config = config                      # what each replica runs
-        self.router = Router(num_replicas, config.block_size, routing_policy)
+        self.router = Router(num_replicas, config.block_size, routing_policy, config.kv_cache_dtype)
         self.metrics = metrics
         self.ray_address = ray_address
         self.ray_num_cpus = ray_num_cpus

@@ -233,8 +233,10 @@ class Router:
     """The policy plus the router's view of every replica. Call `route` for each request,
     `finished` when it ends, `apply_events` with each replica's KV events."""
 
-    def __init__(self, num_replicas: int, block_size: int, policy: str | RoutingPolicy = "kv_aware") -> None:
+    def __init__(self, num_replicas: int, block_size: int, policy: str | RoutingPolicy = "kv_aware",
+                 kv_cache_dtype: str = "auto") -> None:
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype      # the replicas' keys include it (block_pool.first_block_extra_keys)
         self.replicas = [ReplicaView() for _ in range(num_replicas)]
         self.index = KVIndex(num_replicas)
         self.policy = make_policy(policy, num_replicas) if isinstance(policy, str) else policy
@@ -250,7 +252,7 @@ class Router:
         live = [i for i in self.live if i not in excluded]
         if not live:
             raise NoReplicaError("no replica is alive to take the request")
-        req = RouteRequest(lookup_block_keys(token_ids, self.block_size, cache_salt))
+        req = RouteRequest(lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype))
         view = self.replicas
         if excluded:   # the policy sees only the candidates
             view = [ReplicaView(alive=r.alive and i not in excluded, in_flight=r.in_flight)

@@ -139,8 +139,10 @@
       div.lastChild.textContent = text;
       box.appendChild(div);
     }
+    const kvDtype = page.counters.kv_cache_dtype ? `, KV ${page.counters.kv_cache_dtype} ` +
+      `(${page.counters.kv_bytes_per_token} bytes/token)` : "";
     $("block-summary").textContent = `${page.num_blocks} blocks of ${page.block_size} tokens, ` +
-      `allocator ${page.kv_allocator}, step ${page.step}`;
+      `allocator ${page.kv_allocator}${kvDtype}, step ${page.step}`;
   }
 
   const CHARTS = [

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import OutputText
@@ -37,7 +39,7 @@ from pagedserve.sampling.beam_search import beam_score
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.structured.manager import GrammarCompiler
-import torch
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,16 @@ class StepFailure:
     fatal: BaseException | None = None                             # set: the engine cannot go on
 
 
+def kv_storage_stats(config: EngineConfig, args, dtype: torch.dtype) -> dict:
+    """What the KV cache stores: its dtype (auto: the model's) and bytes per token (all layers,
+    K and V, an 8-bit cache's scales included; under tensor parallelism, one rank's heads)."""
+    from pagedserve.attention.kv_format import kv_format
+    fmt = kv_format(config.kv_cache_dtype)
+    kv_heads = cdiv(args.num_kv_heads, config.tensor_parallel_size)   # a replicated head where fewer than ranks
+    return dict(kv_cache_dtype=fmt.name if fmt.quantized else str(dtype).removeprefix("torch."),
+                kv_bytes_per_token=fmt.bytes_per_token(args.num_layers, kv_heads, args.head_dim, dtype))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         self.config = config
@@ -112,6 +124,7 @@ class LLMEngine:
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model_args.vocab_size
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
+        self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
         self.scheduler = self._new_scheduler()
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
@@ -455,7 +468,7 @@ class LLMEngine:
         stats = self.scheduler.kv.stats().as_dict()
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
-                     sharing_saving_avg=sched.sharing_saving_avg)
+                     sharing_saving_avg=sched.sharing_saving_avg, **self.kv_storage)
         return stats
 
     def scheduler_stats(self) -> SchedulerStats:

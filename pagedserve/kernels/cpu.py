@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.config import cache_dir
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,13 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_attention_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
     "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
+    "paged_attention_kv8_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
+    "paged_attention_kv8_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
     "decoder_layers_f32": [_P] * 11 + [_I],
     "decoder_layers_bf16": [_P] * 11 + [_I],
+    "decoder_layers_kv8_f32": [_P] * 11 + [_I, _I],
+    "decoder_layers_kv8_bf16": [_P] * 11 + [_I, _I],
+    "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
@@ -269,42 +275,59 @@ class AttentionRows(ctypes.Structure):
         return rows
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: AttentionRows, scale: float) -> torch.Tensor | None:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: AttentionRows, scale: float,
+                    kv_code: int = 0) -> torch.Tensor | None:
     """q: [T, Hq, D] (rows may be strided); kv_cache: [2, blocks, block_size, Hkv, D] (any
-    strides but the last). None where the kernel does not apply."""
-    fn = _kernel("paged_attention", q)
+    strides but the last) in q's dtype, or (kv_code: an 8-bit format, attention/kv_format.py)
+    uint8 rows [..., D (+ 2 scale bytes)]. None where the kernel does not apply."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if fn is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+    fn = _kernel("paged_attention_kv8" if kv_code else "paged_attention", q)
+    if fn is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or \
+            (kv_code != 0) != (kv_cache.dtype == torch.uint8) or (not kv_code and kv_cache.dtype != q.dtype):
         return None
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:      # heads of a token side by side
         q = q.contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
+    extra = (kv_code,) if kv_code else ()
     status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ctypes.addressof(rows), n,
                 out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, *k_cache.stride()[:3], scale,
-                PARTITION_SIZE)
+                PARTITION_SIZE, *extra)
     return out if status == 0 else None
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                           seq_lens: torch.Tensor, scale: float, kv_code: int = 0) -> torch.Tensor | None:
     """Decode-only batches: q [N, Hq, D], one query per sequence of block_tables [N, width],
     seq_lens [N] (int64)."""
     starts = torch.arange(q.shape[0] + 1)
-    return paged_attention(q, kv_cache, AttentionRows.of(block_tables, seq_lens, starts, q.shape[0], None), scale)
+    return paged_attention(q, kv_cache, AttentionRows.of(block_tables, seq_lens, starts, q.shape[0], None), scale,
+                           kv_code)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_code: int = 0) -> bool:
     """Copy k, v [T, Hkv, D] into their slots of kv_cache [2, blocks, block_size, Hkv, D] (any
-    strides but the last). False where the kernel does not apply."""
+    strides but the last); with kv_code (an 8-bit format), quantize each row into the uint8
+    cache's rows [..., D (+ 2)]. False where the kernel does not apply."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if load() is None or not kv_cache.is_cpu or k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or \
+    if load() is None or not kv_cache.is_cpu or k.dtype != v.dtype or \
             k.stride(-1) != 1 or v.stride(-1) != 1 or slot_mapping.dtype != torch.int64 or \
             k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         return False
     num_tokens, num_kv_heads, head_dim = k.shape
     slots = slot_mapping.contiguous()
+    if kv_code:
+        if kv_cache.dtype != torch.uint8 or k.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        status = _lib.write_kv8(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads,
+                                head_dim, k_cache.shape[1], *k_cache.stride()[:3], int(k.dtype == torch.bfloat16),
+                                kv_code)
+        return status == 0
+    if k.dtype != kv_cache.dtype:
+        return False
     _lib.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads, head_dim,
                   k_cache.shape[1], *k_cache.stride()[:3], k.element_size())
@@ -329,7 +352,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     n, k = weight.shape
     if not weight.is_cpu or _kernel("linear_packed", weight) is None or (weight.dtype == torch.bfloat16 and k % 2):
         return weight
-    padded = torch.zeros(-(-n // 32) * 32, k, dtype=weight.dtype)
+    padded = torch.zeros(cdiv(n, 32) * 32, k, dtype=weight.dtype)
     padded[:n] = weight
     if weight.dtype == torch.bfloat16:
         tiles = padded.view(-1, 16, k // 2, 2).transpose(1, 2)
@@ -362,11 +385,13 @@ class _CacheRefs(ctypes.Structure):
 class DecoderLayers:
     """Every decoder layer of a Llama-family model as one compiled call per step
     (`decoder_layers_*` in cpu_kernels.cpp: the loop of LlamaModel.forward over the same
-    kernels). Built once from packed weights; holds a table of their addresses."""
+    kernels). Built once from packed weights; holds a table of their addresses. kv_code: the
+    8-bit KV format (attention/kv_format.py; 0: the model's dtype)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, kv_code: int = 0) -> None:
         a = model.args
         self.dtype = model.dtype
+        self.kv_code = kv_code
         # float32 biases for the GEMM, kept alive here: the table holds their addresses.
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in model.layers]
         self._norms = [t.contiguous() for w in model.layers for t in (w.input_norm, w.post_norm)] + \
@@ -380,11 +405,11 @@ class DecoderLayers:
         self._weights = [(w.qkv, w.o, w.gate_up, w.down) for w in model.layers]    # the table points into them
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                                 a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)
-        self._fn = _compiled("decoder_layers", self.dtype)
+        self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
 
     @staticmethod
-    def supports(model) -> bool:
-        return _compiled("decoder_layers", model.dtype) is not None and all(
+    def supports(model, kv_code: int = 0) -> bool:
+        return _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is not None and all(
             isinstance(t, PackedWeight) for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -394,7 +419,8 @@ class DecoderLayers:
         blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows.
         False (nothing done to x and h) where it does not apply."""
         num_tokens = x.shape[0]
-        if kv_caches.dtype != self.dtype or kv_caches.stride(-1) != 1 or not (
+        cache_dtype = torch.uint8 if self.kv_code else self.dtype
+        if kv_caches.dtype != cache_dtype or kv_caches.stride(-1) != 1 or not (
                 x.is_contiguous() and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             return False
         st = kv_caches.stride()
@@ -402,7 +428,8 @@ class DecoderLayers:
         slots = slot_mapping.contiguous()
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
                           x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
-                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows), num_tokens)
+                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows), num_tokens,
+                          *((self.kv_code,) if self.kv_code else ()))
         if status == 2:
             raise RuntimeError("decoder_layers: a kernel failed after the first layer ran")
         return status == 0

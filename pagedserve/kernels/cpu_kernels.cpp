@@ -13,6 +13,13 @@
 //
 // Layouts: q, out [N, Hq, D]; caches [num_blocks, B, Hkv, D] in any order of the first three
 // dims (strides in a Layout; D contiguous); block_tables [N, stride].
+//
+// 8-bit KV caches (kernels take the cache's element type K apart from the query's T): each
+// (token, KV head) row holds D one-byte codes and, for the scaled formats, a bf16 scale after
+// them (row = D + 2 bytes; attention/kv_format.py). Codes become float32 in registers (FP8 via
+// a shift into fp16 bits and F16C's conversion, int8 by sign extension); the scales are applied
+// to whole scores (K: s_t = scale_t * q . k_t) and softmax weights (V: w_t scale_t), so no
+// element is scaled and no block is ever dequantized into memory.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -65,10 +72,100 @@ inline void store(uint16_t *dst, float x) {
     *dst = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);   // round to nearest even
 }
 
+// ---- 8-bit KV cache element types: one byte each -------------------------------------------------
+struct E5M2 { uint8_t b; };   // fp8 e5m2: the top byte of an fp16, no scale
+struct E4M3 { uint8_t b; };   // fp8 e4m3fn with a bf16 scale per (token, head) row
+struct I8 { int8_t b; };      // int8 (symmetric, +-127) with a bf16 scale per row
+template <typename K> constexpr bool kQuant = sizeof(K) == 1;
+template <typename K> constexpr bool kScaled = std::is_same_v<K, E4M3> || std::is_same_v<K, I8>;
+
+inline float half_to_f32(uint16_t h) {     // IEEE fp16 -> float32 (exact), for builds without F16C
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t u;
+    if (e == 0) {
+        const float f = static_cast<float>(mant) * 5.9604644775390625e-08f;   // mant * 2^-24
+        std::memcpy(&u, &f, 4);
+        u |= sign;
+    } else {
+        u = sign | (e == 31 ? 0x7F800000u : (e + 112) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+// e4m3's 7 magnitude bits moved under an fp16's exponent and mantissa: as fp16 that reads
+// value / 256 (bias 15 instead of 7; subnormals line up too); the 256 is folded into the scale.
+inline uint16_t e4m3_half_bits(uint8_t b) { return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7)); }
+inline float to_f32(E5M2 x) { return half_to_f32(static_cast<uint16_t>(x.b << 8)); }
+inline float to_f32(E4M3 x) { return half_to_f32(e4m3_half_bits(x.b)); }    // value / 256
+inline float to_f32(I8 x) { return static_cast<float>(x.b); }
+
+// The factor of a row's codes (what to_f32 and the vector loads give times it is the value).
+template <typename K>
+inline float row_scale(const K *row, int64_t D) {
+    if constexpr (kScaled<K>) {
+        uint16_t s;
+        std::memcpy(&s, reinterpret_cast<const char *>(row) + D, 2);
+        return to_f32(s) * (std::is_same_v<K, E4M3> ? 256.f : 1.f);
+    } else {
+        return 1.f;
+    }
+}
+
+// float -> a minifloat code with M mantissa bits and exponent bias `bias`, rounded to nearest
+// even, saturating at max_code (the largest finite value), as torch's float8 conversion of a
+// value clamped to the format's range. Branch-free, so the row loop vectorises: the normal
+// range rounds the float's mantissa bits in integers; below the smallest normal, adding
+// 2^(24 - bias - M) rounds |x| to a multiple of the format's subnormal step (the float add's
+// own round to nearest even), whose count is the code.
+template <int M, int kBias, uint32_t kMaxCode>
+inline uint8_t to_minifloat(float x) {
+    constexpr int kShift = 23 - M;
+    constexpr float kMagic = static_cast<float>(1u << (24 - kBias - M));
+    uint32_t u, magic_bits;
+    std::memcpy(&u, &x, 4);
+    std::memcpy(&magic_bits, &kMagic, 4);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    u &= 0x7FFFFFFFu;
+    const uint32_t normal = ((u + (1u << (kShift - 1)) - 1 + ((u >> kShift) & 1u)) >> kShift) -
+                            (static_cast<uint32_t>(127 - kBias) << M);
+    float a, t;
+    std::memcpy(&a, &u, 4);
+    t = a + kMagic;
+    uint32_t tb;
+    std::memcpy(&tb, &t, 4);
+    const uint32_t code = u < static_cast<uint32_t>(127 - kBias + 1) << 23 ? tb - magic_bits : normal;
+    return static_cast<uint8_t>(sign | std::min(code, kMaxCode));
+}
+inline void encode(float x, E5M2 *dst) { dst->b = to_minifloat<2, 15, 0x7B>(x); }     // max 57344
+inline void encode(float x, E4M3 *dst) { dst->b = to_minifloat<3, 7, 0x7E>(x); }      // max 448
+inline void encode(float x, I8 *dst) {
+    dst->b = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x))));
+}
+
+// One (token, head) row of D source values into its cache row: the scale (largest |x| over the
+// format's largest code, rounded to bf16; 0 for an all-zero row) after the codes of x / scale.
+template <typename S, typename K>
+void quantize_row(const S *src, int64_t D, K *dst) {
+    float div = 1.f;
+    if constexpr (kScaled<K>) {
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t d = 0; d < D; d++) amax = std::max(amax, std::fabs(to_f32(src[d])));
+        uint16_t s;
+        store(&s, amax / (std::is_same_v<K, I8> ? 127.f : 448.f));
+        std::memcpy(reinterpret_cast<char *>(dst) + D, &s, 2);
+        if (to_f32(s) != 0.f) div = to_f32(s);
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) encode(to_f32(src[d]) / div, dst + d);
+}
+
 // One partition's state for G heads: m[G], l[G], acc[G][D], laid out in `p`.
 template <typename T>
 void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t t1,
                       int64_t h, Layout L, int64_t D, int64_t B, int64_t G, float *p) {
+    // T: the cache's element type (the query is float32 already); 8-bit rows carry their scale.
     float *m = p, *l = p + G, *acc = p + 2 * G;
     float s[kMaxBlock];
     for (int64_t start = t0; start < t1;) {
@@ -84,6 +181,7 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < D; d++) dot += qg[d] * to_f32(kt[d]);
+                if constexpr (kScaled<T>) dot *= row_scale(kt, D);
                 s[t] = dot;
                 mx = std::max(mx, dot);
             }
@@ -97,8 +195,9 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
                 const float w = std::exp(s[t] - mx);
                 sum += w;
                 const T *vt = vb + t * L.token;
+                const float wv = w * row_scale(vt, D);
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += w * to_f32(vt[d]);
+                for (int64_t d = 0; d < D; d++) a[d] += wv * to_f32(vt[d]);
             }
             l[g] = sum;
         }
@@ -128,6 +227,15 @@ inline __m512 load16(const uint16_t *p) {   // bf16 -> f32 is a 16-bit shift
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m128i load_bytes16(const void *p) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p)); }
+inline __m512 load16(const E5M2 *p) {       // the byte is an fp16's top byte: shift, then convert
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load_bytes16(p)), 8));
+}
+inline __m512 load16(const E4M3 *p) {       // sign-extend, shift under fp16's fields, clear bit 14
+    const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(load_bytes16(p)), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16(static_cast<short>(0xBF80))));
+}
+inline __m512 load16(const I8 *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p))); }
 
 // e^x for x <= 0 (softmax weights): x = n ln2 + r with |r| <= ln2/2 (ln2 split in two parts so
 // r is exact), e^r by its Taylor series to degree 7 (relative error < 1e-8), times 2^n.
@@ -216,6 +324,12 @@ inline __m512 dot_lanes(const uint16_t *q, const uint16_t *k, int64_t D) {
 #endif
     return dot;
 }
+template <typename K, std::enable_if_t<kQuant<K>, int> = 0>      // float32 q, 8-bit codes
+inline __m512 dot_lanes(const float *q, const K *k, int64_t D) {
+    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+    for (int64_t d = 16; d < D; d += 16) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), dot);
+    return dot;
+}
 
 // Scores of one query head against key rows, 16 at a time: s[t] = scale * q . k_t. `krow` has
 // a multiple of 16 entries (the tail repeats a real row; the caller masks those scores).
@@ -236,6 +350,31 @@ void scores(const T *q, const T *const *krow, const T *const *vrow, int64_t n, i
     }
 }
 
+// The same for the G query heads of a KV head (q: G rows of D float32) over 8-bit key rows:
+// each block of 16 rows is converted once, into a tile of float32 in L1, for all G heads
+// (converting per head would cost G times as much); s[g * ld + t] = scale ksc[t] q_g . k_t.
+template <typename K>
+void scores_kv8(const float *q, int64_t G, const K *const *krow, const K *const *vrow, int64_t n, int64_t D,
+                float scale, float *s, int64_t ld, const float *ksc) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    alignas(64) float tile[16 * kMaxDim];
+    for (int64_t t = 0; t < n; t += 16) {
+        for (int64_t i = t + kAhead; i < std::min(t + kAhead + 16, n); i++)
+            for (int64_t b = 0; b < D; b += 64) {
+                _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char *>(vrow[i]) + b, _MM_HINT_T1);
+            }
+        for (int i = 0; i < 16; i++)
+            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(tile + i * D + d, load16(krow[t + i] + d));
+        const __m512 kv = ksc ? _mm512_mul_ps(sv, _mm512_loadu_ps(ksc + t)) : sv;
+        for (int64_t g = 0; g < G; g++) {
+            __m512 dots[16];
+            for (int i = 0; i < 16; i++) dots[i] = dot_lanes(q + g * D, tile + i * D, D);
+            _mm512_storeu_ps(s + g * ld + t, _mm512_mul_ps(transpose_sum16(dots), kv));
+        }
+    }
+}
+
 // 32 values of a row as float32, in two registers: (even, odd) elements for bf16 (two bit
 // operations), plain order for float32. The order is undone once, when the sums are stored.
 inline void load32(const float *p, __m512 &a, __m512 &b) { a = _mm512_loadu_ps(p); b = _mm512_loadu_ps(p + 16); }
@@ -245,6 +384,10 @@ inline void load32(const uint16_t *p, __m512 &a, __m512 &b) {
     b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline void store32(float *dst, __m512 a, __m512 b, const float *) { _mm512_storeu_ps(dst, a); _mm512_storeu_ps(dst + 16, b); }
+template <typename K, std::enable_if_t<kQuant<K>, int> = 0>      // 8-bit codes: plain order
+inline void load32(const K *p, __m512 &a, __m512 &b) { a = load16(p); b = load16(p + 16); }
+template <typename K, std::enable_if_t<kQuant<K>, int> = 0>
+inline void store32(float *dst, __m512 a, __m512 b, const K *) { _mm512_storeu_ps(dst, a); _mm512_storeu_ps(dst + 16, b); }
 inline void store32(float *dst, __m512 even, __m512 odd, const uint16_t *) {
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
@@ -323,32 +466,44 @@ void weighted_values_bf16(const uint16_t *w, int64_t w_stride, int heads, const 
 // One whole partition from scratch (m, l, acc as attend_partition leaves them), for head dims
 // D = 32 J: each query head's scores and softmax weights (vector exp), then the weighted sums
 // of values for all heads together.
-template <int J, typename T>
-void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
+// T: the query's type; K: the cache's (T, or an 8-bit format: q in float32, scaled rows' key
+// scales on the scores, value scales on the softmax weights after their sum).
+template <int J, typename T, typename K = T>
+void attend_partition_avx512(const T *q, float scale, const K *kc, const K *vc, const int64_t *table, int64_t t0,
                              int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
     constexpr int64_t D = 32 * J, C = J >= 8 ? 1 : 8 / J;
     float *m = p, *l = p + G, *acc = p + 2 * G;
     const int64_t n = t1 - t0, padded = (n + 15) / 16 * 16, W = padded;
     // Per-thread scratch, grown once: row pointers and every head's scores for the partition.
-    thread_local std::vector<const T *> krow, vrow;
-    thread_local std::vector<float> scores_buf;
+    thread_local std::vector<const K *> krow, vrow;
+    thread_local std::vector<float> scores_buf, ksc, vsc;
     if (static_cast<int64_t>(krow.size()) < padded) krow.resize(padded), vrow.resize(padded);
     if (static_cast<int64_t>(scores_buf.size()) < G * W) scores_buf.resize(G * W);
 #ifdef __AVX512BF16__
-    constexpr bool kBf16Weights = std::is_same_v<T, uint16_t>;
+    constexpr bool kBf16Weights = std::is_same_v<T, uint16_t> && std::is_same_v<K, uint16_t>;
     thread_local std::vector<uint16_t> weights_bf16;
     if (kBf16Weights && static_cast<int64_t>(weights_bf16.size()) < G * W) weights_bf16.resize(G * W);
 #endif
     row_pointers(kc, vc, table, t0, t1, h, L, B, krow.data(), vrow.data());
     for (int64_t t = n; t < padded; t++) krow[t] = krow[0], vrow[t] = vrow[0];   // weights 0 below
+    if constexpr (kScaled<K>) {
+        if (static_cast<int64_t>(ksc.size()) < padded) ksc.resize(padded), vsc.resize(padded);
+        for (int64_t t = 0; t < padded; t++) ksc[t] = row_scale(krow[t], D), vsc[t] = row_scale(vrow[t], D);
+    }
     for (int64_t t = 0; t < std::min(kAhead, n); t++)
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(K)); b += 64) {
             _mm_prefetch(reinterpret_cast<const char *>(krow[t]) + b, _MM_HINT_T1);
             _mm_prefetch(reinterpret_cast<const char *>(vrow[t]) + b, _MM_HINT_T1);
         }
+    if constexpr (kQuant<K>) {      // every head's scores, each key row converted once
+        alignas(64) float qf[kMaxGroup * D];
+        for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(q[d]);
+        scores_kv8(qf, G, krow.data(), vrow.data(), n, D, scale, scores_buf.data(), W,
+                   kScaled<K> ? ksc.data() : nullptr);
+    }
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores_buf.data() + g * W;
-        scores(q + g * D, krow.data(), vrow.data(), n, D, scale, sg, g == 0);
+        if constexpr (!kQuant<K>) scores(q + g * D, krow.data(), vrow.data(), n, D, scale, sg, g == 0);
         for (int64_t t = n; t < padded; t++) sg[t] = -INFINITY;
         __m512 mxv = _mm512_loadu_ps(sg);
         for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + t));
@@ -364,8 +519,9 @@ void attend_partition_avx512(const T *q, float scale, const T *kc, const T *vc, 
                 w = _mm512_cvtpbh_ps(wb);
             }
 #endif
-            _mm512_storeu_ps(sg + t, w);
             sum = _mm512_add_ps(sum, w);
+            if constexpr (kScaled<K>) w = _mm512_mul_ps(w, _mm512_loadu_ps(vsc.data() + t));
+            _mm512_storeu_ps(sg + t, w);
         }
         m[g] = mx;
         l[g] = _mm512_reduce_add_ps(sum);
@@ -397,6 +553,8 @@ struct VPortable {
     static reg set1(float x) { return map([&](int) { return x; }); }
     static reg load(const float *p) { return map([&](int i) { return p[i]; }); }
     static reg load(const uint16_t *p) { return map([&](int i) { return to_f32(p[i]); }); }
+    template <typename K, std::enable_if_t<kQuant<K>, int> = 0>
+    static reg load(const K *p) { return map([&](int i) { return to_f32(p[i]); }); }
     static void load_pairs(const uint16_t *p, reg &even, reg &odd) {   // W (even, odd) bf16 pairs
         even = map([&](int i) { return to_f32(p[2 * i]); });
         odd = map([&](int i) { return to_f32(p[2 * i + 1]); });
@@ -430,6 +588,14 @@ struct V8 {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
     }
+    // 8 codes of an 8-bit cache (F16C for the FP8 formats, as the AVX-512 load16s).
+    static __m128i bytes8(const void *p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)); }
+    static reg load(const E5M2 *p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes8(p)), 8)); }
+    static reg load(const E4M3 *p) {
+        const __m128i x = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes8(p)), 7);
+        return _mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16(static_cast<short>(0xBF80))));
+    }
+    static reg load(const I8 *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(p))); }
     static void load_pairs(const uint16_t *p, reg &even, reg &odd) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
         even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -547,24 +713,48 @@ template <class V> typename V::reg round_as_v(typename V::reg x, const uint16_t 
 // each query head's scores (q in float32, keys converted in registers), softmax weights by the
 // vector exp, then the weighted sums of values, each value row loaded and converted once per
 // 4 W dims for 2 heads at a time (12 sums and 4 rows in AVX2's 16 registers).
-template <class V, int D, typename T>
-void attend_partition_vec(const T *q, float scale, const T *kc, const T *vc, const int64_t *table, int64_t t0,
+template <class V, int D, typename T, typename K = T>
+void attend_partition_vec(const T *q, float scale, const K *kc, const K *vc, const int64_t *table, int64_t t0,
                           int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
     using R = typename V::reg;
     constexpr int W = V::W, NR = D / W, NV = NR < 4 ? NR : 4, C = 2;
     float *m = p, *l = p + G, *acc = p + 2 * G;
     const int64_t n = t1 - t0, padded = (n + W - 1) / W * W;
-    thread_local std::vector<const T *> krow, vrow;
-    thread_local std::vector<float> sbuf;
+    thread_local std::vector<const K *> krow, vrow;
+    thread_local std::vector<float> sbuf, ksc, vsc;     // scaled 8-bit rows: their K and V scales
     if (static_cast<int64_t>(krow.size()) < n) krow.resize(n), vrow.resize(n);
     if (static_cast<int64_t>(sbuf.size()) < G * padded) sbuf.resize(G * padded);
     row_pointers(kc, vc, table, t0, t1, h, L, B, krow.data(), vrow.data());
+    if constexpr (kScaled<K>) {
+        if (static_cast<int64_t>(ksc.size()) < n) ksc.resize(n), vsc.resize(n);
+        for (int64_t t = 0; t < n; t++) ksc[t] = row_scale(krow[t], D), vsc[t] = row_scale(vrow[t], D);
+    }
+    if constexpr (kQuant<K>) {      // every head's scores, each key row converted once (to L1)
+        float qall[kMaxGroup * D], row[D];
+        for (int64_t d = 0; d < G * D; d++) qall[d] = to_f32(q[d]) * scale;
+        for (int64_t t = 0; t < n; t++) {
+            if (t + kAhead < n)
+                for (int64_t b = 0; b < D; b += 64) {
+                    V::prefetch(reinterpret_cast<const char *>(krow[t + kAhead]) + b);
+                    V::prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b);
+                }
+            for (int j = 0; j < NR; j++) V::store(row + j * W, V::load(krow[t] + j * W));
+            for (int64_t g = 0; g < G; g++) {
+                R a0 = V::zero(), a1 = V::zero();
+                for (int j = 0; j < NR; j += 2) {
+                    a0 = V::fmadd(V::load(qall + g * D + j * W), V::load(row + j * W), a0);
+                    if (j + 1 < NR) a1 = V::fmadd(V::load(qall + g * D + (j + 1) * W), V::load(row + (j + 1) * W), a1);
+                }
+                sbuf[g * padded + t] = V::reduce_add(V::add(a0, a1)) * (kScaled<K> ? ksc[t] : 1.f);
+            }
+        }
+    }
     for (int64_t g = 0; g < G; g++) {
         float qg[D], *s = sbuf.data() + g * padded;
         for (int d = 0; d < D; d++) qg[d] = to_f32(q[g * D + d]) * scale;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = 0; t < n && !kQuant<K>; t++) {
             if (g == 0 && t + kAhead < n)
-                for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+                for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(K)); b += 64) {
                     V::prefetch(reinterpret_cast<const char *>(krow[t + kAhead]) + b);
                     V::prefetch(reinterpret_cast<const char *>(vrow[t + kAhead]) + b);
                 }
@@ -598,7 +788,9 @@ void attend_partition_vec(const T *q, float scale, const T *kc, const T *vc, con
                 R v[NV];
                 for (int j = 0; j < NV; j++) v[j] = d0 + j * W < D ? V::load(vrow[t] + d0 + j * W) : V::zero();
                 for (int c = 0; c < C && c < heads; c++) {
-                    const R w = V::set1(sbuf[(g0 + c) * padded + t]);
+                    float wt = sbuf[(g0 + c) * padded + t];
+                    if constexpr (kScaled<K>) wt *= vsc[t];
+                    const R w = V::set1(wt);
                     for (int j = 0; j < NV; j++)
                         if (d0 + j * W < D) a[c][j] = V::fmadd(w, v[j], a[c][j]);
                 }
@@ -611,37 +803,37 @@ void attend_partition_vec(const T *q, float scale, const T *kc, const T *vc, con
 }
 
 // The partition kernel for this head dim: vectorised where the CPU and head dim allow.
-template <typename T>
-auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const T *, const T *, const int64_t *, int64_t,
+template <typename T, typename K = T>
+auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const K *, const K *, const int64_t *, int64_t,
                                                   int64_t, int64_t, Layout, int64_t, int64_t, float *) {
 #ifdef __AVX512F__
     switch (D) {
-        case 32: return attend_partition_avx512<1, T>;
-        case 64: return attend_partition_avx512<2, T>;
-        case 128: return attend_partition_avx512<4, T>;
-        case 256: return attend_partition_avx512<8, T>;
+        case 32: return attend_partition_avx512<1, T, K>;
+        case 64: return attend_partition_avx512<2, T, K>;
+        case 128: return attend_partition_avx512<4, T, K>;
+        case 256: return attend_partition_avx512<8, T, K>;
     }
 #endif
 #if defined(__AVX2__)
     switch (D) {
-        case 32: return attend_partition_vec<Vec, 32, T>;
-        case 64: return attend_partition_vec<Vec, 64, T>;
-        case 80: return attend_partition_vec<Vec, 80, T>;
-        case 96: return attend_partition_vec<Vec, 96, T>;
-        case 128: return attend_partition_vec<Vec, 128, T>;
-        case 256: return attend_partition_vec<Vec, 256, T>;
+        case 32: return attend_partition_vec<Vec, 32, T, K>;
+        case 64: return attend_partition_vec<Vec, 64, T, K>;
+        case 80: return attend_partition_vec<Vec, 80, T, K>;
+        case 96: return attend_partition_vec<Vec, 96, T, K>;
+        case 128: return attend_partition_vec<Vec, 128, T, K>;
+        case 256: return attend_partition_vec<Vec, 256, T, K>;
     }
 #endif
     return nullptr;
 }
 
-template <typename T>
-int paged_decode(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
+template <typename T, typename K = T>
+int paged_decode(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *tables, int64_t table_stride,
                  const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L,
                  float scale, int64_t partition_size) {
     const int64_t G = Hq / Hkv;
     if (G > kMaxGroup || D > kMaxDim || B > kMaxBlock || Hq % Hkv || partition_size > kMaxPartition) return 1;
-    const auto fast = pick_partition_kernel<T>(D);
+    const auto fast = pick_partition_kernel<T, K>(D);
     int64_t max_len = 1;
     for (int64_t i = 0; i < N; i++) max_len = std::max(max_len, seq_lens[i]);
     // Contexts are split into partitions (parallel work for few queries, and each partition's
@@ -729,6 +921,58 @@ extern "C" int write_kv(const char *k, const char *v, int64_t k_stride_t, int64_
         }
     }
     return 0;
+}
+
+// The same into an 8-bit cache: each (token, head) row quantized into its slot (quantize_row);
+// S: the source's type (float or bf16), K: the cache's format; cache strides in bytes.
+namespace {
+template <typename S, typename K>
+void write_kv_quant(const S *k, const S *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                    int64_t v_stride_h, K *kc, K *vc, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D,
+                    int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride) {
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t base = slots[t] / B * block_stride + slots[t] % B * token_stride;
+        for (int64_t h = 0; h < Hkv; h++) {
+            quantize_row(k + t * k_stride_t + h * k_stride_h, D, kc + base + h * head_stride);
+            quantize_row(v + t * v_stride_t + h * v_stride_h, D, vc + base + h * head_stride);
+        }
+    }
+}
+
+// The 8-bit formats by the number kernels/cpu.py passes (attention/kv_format.py's `code`).
+enum KVCode : int64_t { kE5M2 = 1, kE4M3 = 2, kInt8 = 3 };
+
+template <typename S>
+int write_kv8_from(const S *k, const S *v, int64_t kst, int64_t ksh, int64_t vst, int64_t vsh, uint8_t *kc,
+                   uint8_t *vc, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t B, int64_t bs,
+                   int64_t ts, int64_t hs, int64_t code) {
+    const auto run = [&](auto *tag) {
+        using K = std::remove_pointer_t<decltype(tag)>;
+        write_kv_quant(k, v, kst, ksh, vst, vsh, reinterpret_cast<K *>(kc), reinterpret_cast<K *>(vc), slots, T, Hkv,
+                       D, B, bs, ts, hs);
+        return 0;
+    };
+    switch (code) {
+        case kE5M2: return run(static_cast<E5M2 *>(nullptr));
+        case kE4M3: return run(static_cast<E4M3 *>(nullptr));
+        case kInt8: return run(static_cast<I8 *>(nullptr));
+    }
+    return 1;
+}
+}  // namespace
+
+extern "C" int write_kv8(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                         int64_t v_stride_h, uint8_t *kc, uint8_t *vc, const int64_t *slots, int64_t T, int64_t Hkv,
+                         int64_t D, int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                         int64_t src_bf16, int64_t code) {
+    if (src_bf16)
+        return write_kv8_from(static_cast<const uint16_t *>(k), static_cast<const uint16_t *>(v), k_stride_t,
+                              k_stride_h, v_stride_t, v_stride_h, kc, vc, slots, T, Hkv, D, B, block_stride,
+                              token_stride, head_stride, code);
+    return write_kv8_from(static_cast<const float *>(k), static_cast<const float *>(v), k_stride_t, k_stride_h,
+                          v_stride_t, v_stride_h, kc, vc, slots, T, Hkv, D, B, block_stride, token_stride, head_stride,
+                          code);
 }
 
 // ---- linear layers: the driver shared by the bf16 and float32 GEMMs ---------------------------
@@ -1254,8 +1498,8 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
 // on fma_tile: MR rows x 16 columns. On AVX2 5 rows: the compiler keeps each row's broadcast
 // x value for both weight vectors, so 10 sums + 5 broadcasts + a weight vector fill the 16
 // registers (6 rows spill sums to the stack); AVX-512 has room for 8. Needs D % 16 == 0.
-template <class V, typename T>
-void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *table, int64_t base,
+template <class V, typename T, typename K = T>
+void prefill_item_vec(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *table, int64_t base,
                       int64_t j0, int64_t nq, int64_t h, int64_t G, int64_t D, int64_t B, Layout L, float scale,
                       T *out, int64_t out_stride) {
     using Reg = typename V::reg;
@@ -1274,10 +1518,13 @@ void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, co
         for (int64_t d = 0; d < G * D; d++)
             qbuf[j * G * D + d] = to_f32(q[(j0 + j) * q_stride + h * G * D + d]) * scale;
     const int64_t kend = base + j0 + nq;     // keys the last query token sees
-    const T *krow[kKeyTile], *vrow[kKeyTile];
+    const K *krow[kKeyTile], *vrow[kKeyTile];
+    float ksc[kKeyTile], vsc[kKeyTile];      // scaled 8-bit rows: on the scores and on V as it is packed
     for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
         const int64_t nk = std::min(kKeyTile, kend - t0);
         key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
+        if constexpr (kScaled<K>)
+            for (int64_t c = 0; c < kKeyTile; c++) ksc[c] = row_scale(krow[c], D), vsc[c] = row_scale(vrow[c], D);
         for (int64_t c0 = 0; c0 < kKeyTile; c0 += W)
             for (int64_t d0 = 0; d0 < D; d0 += W) {
                 Reg r[W];
@@ -1298,6 +1545,8 @@ void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, co
                 std::memset(s, 0, kKeyTile * sizeof(float));
                 continue;
             }
+            if constexpr (kScaled<K>)
+                for (int64_t c = 0; c < valid; c++) s[c] *= ksc[c];
             for (int64_t c = valid; c < kKeyTile; c++) s[c] = -INFINITY;
             Reg mx = V::load(s);
             for (int64_t c = W; c < kKeyTile; c += W) mx = V::max(mx, V::load(s + c));
@@ -1314,8 +1563,14 @@ void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, co
             if (alpha != 1.f)
                 for (int64_t d = 0; d < D; d += W) V::store(&obuf[r * D + d], V::mul(V::load(&obuf[r * D + d]), V::set1(alpha)));
         }
-        for (int64_t c = 0; c < kKeyTile; c++)
-            for (int64_t d = 0; d < D; d += W) V::store(vpack.data() + (d / 16) * kKeyTile * 16 + c * 16 + d % 16, V::load(vrow[c] + d));
+        for (int64_t c = 0; c < kKeyTile; c++) {
+            const Reg vs = V::set1(kScaled<K> ? vsc[c] : 1.f);
+            for (int64_t d = 0; d < D; d += W) {
+                Reg x = V::load(vrow[c] + d);
+                if constexpr (kScaled<K>) x = V::mul(x, vs);
+                V::store(vpack.data() + (d / 16) * kKeyTile * 16 + c * 16 + d % 16, x);
+            }
+        }
         for (int64_t r = 0; r < R; r += MR)
             for (int64_t d0 = 0; d0 < D; d0 += 16)
                 fma_tile_rows<V, MR>(std::min<int64_t>(MR, R - r), &sbuf[r * kKeyTile], kKeyTile,
@@ -1333,12 +1588,12 @@ void prefill_item_vec(const T *q, int64_t q_stride, const T *kc, const T *vc, co
 // contiguous); sequence i's chunk is rows query_start[i]..query_start[i+1] (counted from
 // query_start[0]) and ends at context length seq_lens[i]. Returns 1 for shapes it does not
 // take (the caller then runs the decode kernel per token).
-template <typename T>
-int paged_prefill(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *tables, int64_t table_stride,
+template <typename T, typename K = T>
+int paged_prefill(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *tables, int64_t table_stride,
                   const int64_t *seq_lens, const int64_t *query_start, int64_t S, T *out, int64_t Hq, int64_t Hkv,
                   int64_t D, int64_t B, Layout L, float scale) {
 #ifdef __AVX512BF16__
-    constexpr bool kBf16Dots = std::is_same_v<T, uint16_t>;
+    constexpr bool kBf16Dots = std::is_same_v<T, uint16_t> && std::is_same_v<K, uint16_t>;
 #else
     constexpr bool kBf16Dots = false;
 #endif
@@ -1364,7 +1619,7 @@ int paged_prefill(const T *q, int64_t q_stride, const T *kc, const T *vc, const 
             continue;
         }
 #endif
-        item(prefill_item_vec<Vec, T>);
+        item(prefill_item_vec<Vec, T, K>);
     }
     return 0;
 }
@@ -1386,8 +1641,8 @@ struct AttentionRows {   // laid out by kernels/cpu.py (AttentionRows) from the 
 // Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel where
 // the build has one (AVX2 and up) and the shape fits, else each prefill token through the
 // decode kernel.
-template <typename T>
-int attend(const T *q, int64_t q_stride, const T *kc, const T *vc, const AttentionRows &a, int64_t num_tokens, T *out,
+template <typename T, typename K = T>
+int attend(const T *q, int64_t q_stride, const K *kc, const K *vc, const AttentionRows &a, int64_t num_tokens, T *out,
            int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale, int64_t partition_size) {
     if (a.num_decodes == a.num_seqs)
         return paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, num_tokens, Hq, Hkv, D, B,
@@ -1425,6 +1680,46 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kc
 }
 }
 
+// Over an 8-bit cache (`code`: KVCode; strides in bytes).
+namespace {
+template <typename F>
+int with_kv_format(int64_t code, F f) {
+    switch (code) {
+        case kE5M2: return f(static_cast<const E5M2 *>(nullptr));
+        case kE4M3: return f(static_cast<const E4M3 *>(nullptr));
+        case kInt8: return f(static_cast<const I8 *>(nullptr));
+    }
+    return 1;
+}
+template <typename T>
+int attend_kv8(const T *q, int64_t q_stride, const uint8_t *kc, const uint8_t *vc, const AttentionRows *a,
+               int64_t num_tokens, T *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, int64_t block_stride,
+               int64_t token_stride, int64_t head_stride, float scale, int64_t partition_size, int64_t code) {
+    return with_kv_format(code, [&](auto tag) {
+        using K = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        return attend(q, q_stride, reinterpret_cast<const K *>(kc), reinterpret_cast<const K *>(vc), *a, num_tokens,
+                      out, Hq, Hkv, D, B, Layout{block_stride, token_stride, head_stride}, scale, partition_size);
+    });
+}
+}  // namespace
+
+extern "C" {
+int paged_attention_kv8_f32(const float *q, int64_t q_stride, const uint8_t *kc, const uint8_t *vc,
+                            const AttentionRows *a, int64_t num_tokens, float *out, int64_t Hq, int64_t Hkv, int64_t D,
+                            int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
+                            int64_t partition_size, int64_t code) {
+    return attend_kv8(q, q_stride, kc, vc, a, num_tokens, out, Hq, Hkv, D, B, block_stride, token_stride,
+                      head_stride, scale, partition_size, code);
+}
+int paged_attention_kv8_bf16(const uint16_t *q, int64_t q_stride, const uint8_t *kc, const uint8_t *vc,
+                             const AttentionRows *a, int64_t num_tokens, uint16_t *out, int64_t Hq, int64_t Hkv,
+                             int64_t D, int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                             float scale, int64_t partition_size, int64_t code) {
+    return attend_kv8(q, q_stride, kc, vc, a, num_tokens, out, Hq, Hkv, D, B, block_stride, token_stride,
+                      head_stride, scale, partition_size, code);
+}
+}
+
 // ---- every decoder layer of a step in one call ------------------------------------------------
 // The loop of LlamaModel.forward over the kernels above, with no return to Python between
 // them: at one token per step, the per-layer Python and dispatch work (~10 calls a layer) costs
@@ -1451,9 +1746,10 @@ inline int linear_any(const uint16_t *x, const uint16_t *w, const float *b, uint
     return linear_packed_bf16(x, w, b, y, M, N, K);
 }
 
-template <typename T>
+// K: the cache's element type (T, or an 8-bit format: written through write_kv_quant).
+template <typename T, typename K = T>
 int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,
-                   const T *sin, T *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_) {
+                   const T *sin, K *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_) {
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
     thread_local std::vector<T> scratch;           // qkv, attention out, o/down out, gate_up, act
@@ -1464,16 +1760,20 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
     const Layout L{c.block, c.token, c.head};
     for (int64_t l = 0; l < m.layers; l++) {
         const LayerPtrs &w = layers[l];
-        T *kc = cache + l * c.layer, *vc = kc + c.kv;
+        K *kc = cache + l * c.layer, *vc = kc + c.kv;
         const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
         if (linear_any(h, reinterpret_cast<const T *>(w.qkv), reinterpret_cast<const float *>(w.qkv_bias), qkv, T_,
                        qkv_size, H))
             return 2;
         rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
-        write_kv(reinterpret_cast<const char *>(qkv + q_size), reinterpret_cast<const char *>(qkv + q_size + kv_size),
-                 qkv_size, m.head_dim, qkv_size, m.head_dim, reinterpret_cast<char *>(kc),
-                 reinterpret_cast<char *>(vc), slots, T_, m.kv_heads, m.head_dim, c.block_size, c.block, c.token,
-                 c.head, sizeof(T));
+        if constexpr (kQuant<K>)
+            write_kv_quant(qkv + q_size, qkv + q_size + kv_size, qkv_size, m.head_dim, qkv_size, m.head_dim, kc, vc,
+                           slots, T_, m.kv_heads, m.head_dim, c.block_size, c.block, c.token, c.head);
+        else
+            write_kv(reinterpret_cast<const char *>(qkv + q_size),
+                     reinterpret_cast<const char *>(qkv + q_size + kv_size), qkv_size, m.head_dim, qkv_size,
+                     m.head_dim, reinterpret_cast<char *>(kc), reinterpret_cast<char *>(vc), slots, T_, m.kv_heads,
+                     m.head_dim, c.block_size, c.block, c.token, c.head, sizeof(T));
         if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
                    c.partition_size))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
@@ -1498,5 +1798,30 @@ int decoder_layers_bf16(const LayerPtrs *layers, const uint16_t *final_norm, con
                         uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint16_t *cache, const CacheRefs *c,
                         const int64_t *slots, const AttentionRows *rows, int64_t T) {
     return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
+}
+}
+namespace {
+template <typename T>
+int decoder_layers_kv8(const LayerPtrs *layers, const T *final_norm, const ModelDims *m, T *x, T *h, const T *cos,
+                       const T *sin, uint8_t *cache, const CacheRefs *c, const int64_t *slots,
+                       const AttentionRows *rows, int64_t T_, int64_t code) {
+    return with_kv_format(code, [&](auto tag) {
+        using K = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        return decoder_layers(layers, final_norm, *m, x, h, cos, sin, reinterpret_cast<K *>(cache), *c, slots, *rows,
+                              T_);
+    });
+}
+}  // namespace
+
+extern "C" {
+int decoder_layers_kv8_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
+                           const float *cos, const float *sin, uint8_t *cache, const CacheRefs *c,
+                           const int64_t *slots, const AttentionRows *rows, int64_t T, int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, T, code);
+}
+int decoder_layers_kv8_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
+                            uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint8_t *cache, const CacheRefs *c,
+                            const int64_t *slots, const AttentionRows *rows, int64_t T, int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, T, code);
 }
 }

@@ -32,7 +32,8 @@ class CpuOps(TorchOps):
         for w in model.layers:
             w.qkv, w.o, w.gate_up, w.down = (cpu.pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
         model.lm_head = cpu.pack_weight(model.lm_head)
-        if model.tp is None and isinstance(model.attention, CpuAttention) and cpu.DecoderLayers.supports(model):
+        if model.tp is None and isinstance(model.attention, CpuAttention) and \
+                cpu.DecoderLayers.supports(model, model.attention.kv_format.code):
             model.compiled_layers = CpuDecoderLayers(model)
 
     linear = staticmethod(cpu.linear)     # plain or packed weights (prepare_weights packs them)
@@ -70,7 +71,7 @@ class CpuDecoderLayers:
     """The compiled layer loop (cpu.DecoderLayers) fed the CPU attention backend's query rows."""
 
     def __init__(self, model) -> None:
-        self.layers = cpu.DecoderLayers(model)
+        self.layers = cpu.DecoderLayers(model, model.attention.kv_format.code)     # 8-bit KV cache too
         self.attention: CpuAttention = model.attention
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

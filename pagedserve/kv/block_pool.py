@@ -36,28 +36,33 @@ def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tup
                                     tokens, extra))).digest()
 
 
-def first_block_extra_keys(cache_salt: str | None) -> tuple[str, ...]:
+def first_block_extra_keys(cache_salt: str | None, kv_cache_dtype: str = "auto") -> tuple[str, ...]:
     """The cache salt is an extra key of a sequence's first block, so it reaches every later key
-    through the chain: requests with different salts never share a block."""
-    return () if cache_salt is None else ("cache_salt", cache_salt)
+    through the chain: requests with different salts never share a block. So is an 8-bit KV
+    cache's format (kv_cache_dtype): its blocks hold other bytes than a 16-bit cache's for the
+    same tokens, so keys compared or kept across engines never mix them ("auto" adds nothing)."""
+    salt = () if cache_salt is None else ("cache_salt", cache_salt)
+    return salt if kv_cache_dtype == "auto" else (*salt, "kv_cache_dtype", kv_cache_dtype)
 
 
 def prefix_block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None = None,
-                      known: Sequence[BlockKey] = ()) -> Iterator[BlockKey]:
+                      known: Sequence[BlockKey] = (), kv_cache_dtype: str = "auto") -> Iterator[BlockKey]:
     """Keys of full blocks len(known) .. num_blocks - 1 of a sequence, chained on from the keys
     of its blocks before them (`known`)."""
     parent = known[-1] if known else None
     for i in range(len(known), num_blocks):
         parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size],
-                           first_block_extra_keys(cache_salt) if i == 0 else ())
+                           first_block_extra_keys(cache_salt, kv_cache_dtype) if i == 0 else ())
         yield parent
 
 
-def lookup_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[BlockKey]:
+def lookup_block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                      kv_cache_dtype: str = "auto") -> list[BlockKey]:
     """The keys a prompt's prefix-cache lookup asks for, in order: its full blocks, except that
     the last token is always computed (its logits are sampled from), so at most len-1 tokens
     can come from the cache. The engine's lookup and the data-parallel router both use this."""
-    return list(prefix_block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size, cache_salt))
+    return list(prefix_block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size, cache_salt,
+                                  kv_cache_dtype=kv_cache_dtype))
 
 
 @dataclass(eq=False)

@@ -10,11 +10,12 @@ from pagedserve.kv.kv_cache_manager import KVCacheManager
 
 def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
                           max_model_len: int | None, num_host_blocks: int = 0,
-                          kv_events: KVEventSink | None = None) -> KVCache:
+                          kv_events: KVEventSink | None = None, kv_cache_dtype: str = "auto") -> KVCache:
     """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has;
-    kv_events: told of prefix-cache changes (the baselines cache nothing, so never hear of any)."""
+    kv_events: told of prefix-cache changes (the baselines cache nothing, so never hear of any);
+    kv_cache_dtype: part of the prefix-cache keys (an 8-bit cache's blocks never mix with 16-bit ones)."""
     if kind == "paged":
-        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events)
+        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events, kv_cache_dtype)
     if num_host_blocks:
         raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged', not {kind!r}")
     if kind in CONTIGUOUS_POLICIES:

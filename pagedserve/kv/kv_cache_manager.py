@@ -33,8 +33,9 @@ class PrefixCacheStats:
 
 class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, events: KVEventSink | None = None) -> None:
+                 num_host_blocks: int = 0, events: KVEventSink | None = None, kv_cache_dtype: str = "auto") -> None:
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype         # in every first block's key (block_pool.first_block_extra_keys)
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, events)
         self.tables: dict[int, list[KVBlock]] = {}
@@ -64,7 +65,7 @@ class KVCacheManager(PoolCapacity):
         if not self.enable_caching:
             return []
         hits: list[KVBlock] = []
-        for key in lookup_block_keys(token_ids, self.block_size, cache_salt):
+        for key in lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype):
             block = self.pool.lookup(key)
             if block is None:
                 break
@@ -220,7 +221,7 @@ class KVCacheManager(PoolCapacity):
             return
         table, keys = self.tables[seq_id], self.keys[seq_id]
         new = list(prefix_block_keys(token_ids, self.block_size, num_tokens // self.block_size,
-                                     self.salts[seq_id], known=keys))
+                                     self.salts[seq_id], known=keys, kv_cache_dtype=self.kv_cache_dtype))
         B = self.block_size
         for i, key in enumerate(new, start=len(keys)):
             self.pool.cache(table[i], key)
@@ -325,7 +326,7 @@ class KVCacheManager(PoolCapacity):
             keys = self.keys.get(seq_id, [])
             assert seq_id not in self.salts or self.salts[seq_id] == seq.cache_salt, (
                 f"sequence {seq_id}: its cache salt is not its request's")
-            expected = prefix_block_keys(seq.token_ids, B, len(keys), seq.cache_salt)
+            expected = prefix_block_keys(seq.token_ids, B, len(keys), seq.cache_salt, kv_cache_dtype=self.kv_cache_dtype)
             for i, (key, want) in enumerate(zip(keys, expected)):
                 assert key == want, f"sequence {seq_id}: prefix-cache key of block {i} is not its tokens' and salt's"
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pagedserve.models.presets import PRESETS
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# An 8-bit KV cache's bytes per (token, head) row beyond its head_dim codes: the bf16 scale of
+# the scaled formats (attention/kv_format.py); None: "auto", the model's dtype.
+KV_ROW_EXTRA_BYTES = {"auto": None, "fp8": 2, "fp8_e4m3": 2, "int8": 2, "fp8_e5m2": 0}
 
 
 @dataclass(frozen=True)
@@ -22,9 +25,11 @@ class ModelShape:
     vocab_size: int
     tied_embeddings: bool
     dtype_bytes: int = 2
+    kv_cache_dtype: str = "auto"     # the KV cache's storage (EngineConfig.kv_cache_dtype)
 
     @classmethod
-    def from_config(cls, config: dict, name: str = "", dtype: str | None = None) -> "ModelShape":
+    def from_config(cls, config: dict, name: str = "", dtype: str | None = None,
+                    kv_cache_dtype: str = "auto") -> "ModelShape":
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         dtype = dtype or config.get("torch_dtype") or "float16"
@@ -34,13 +39,14 @@ class ModelShape:
                    head_dim=config.get("head_dim") or hidden // heads,
                    ffn_size=config.get("intermediate_size") or config["ffn_dim"],
                    gated_mlp="intermediate_size" in config, vocab_size=config["vocab_size"],
-                   tied_embeddings=config.get("tie_word_embeddings", True), dtype_bytes=DTYPE_BYTES[dtype])
+                   tied_embeddings=config.get("tie_word_embeddings", True), dtype_bytes=DTYPE_BYTES[dtype],
+                   kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
-    def preset(cls, name: str, dtype: str | None = None) -> "ModelShape":
+    def preset(cls, name: str, dtype: str | None = None, kv_cache_dtype: str = "auto") -> "ModelShape":
         if name not in PRESETS:
             raise ValueError(f"model preset must be one of {', '.join(PRESETS)}; got {name!r}")
-        return cls.from_config(PRESETS[name], name, dtype)
+        return cls.from_config(PRESETS[name], name, dtype, kv_cache_dtype)
 
     @property
     def layer_params(self) -> int:
@@ -60,7 +66,9 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        extra = KV_ROW_EXTRA_BYTES[self.kv_cache_dtype]
+        row = self.head_dim * self.dtype_bytes if extra is None else self.head_dim + extra
+        return 2 * self.num_kv_heads * row
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.config import DEFAULT_KV_CACHE_MEMORY
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -153,14 +154,14 @@ def profile_peaks(model, config, device: torch.device, sampler, probe: MemoryPro
     bs = config.block_size
     lengths = profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
     settings = SamplingSettings(temperature=1.0, top_p=0.9, top_k=50, num_logprobs=20, needs_logprob=True)
-    blocks = [-(-n // bs) for n in lengths]
+    blocks = [cdiv(n, bs) for n in lengths]
     runner = ModelRunner(model, max(sum(blocks), graph_batch or 0), bs, sampler, device)
     vocab = model.args.vocab_size
 
     def batch(lens: list[int], logprobs_for_first: bool) -> StepBatch:
         out, at = [], 0
         for i, n in enumerate(lens):
-            nb = -(-n // bs)
+            nb = cdiv(n, bs)
             ids = [t % vocab for t in range(1, n + 1)]
             out.append(ScheduledTokens(
                 seq_id=-1 - i, token_ids=ids, start=0, block_ids=list(range(at, at + nb)),

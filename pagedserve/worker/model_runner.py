@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.kv_format import KVFormat, kv_format
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch
 from pagedserve.sampling.sampler import Sampler, SamplingRow
@@ -20,8 +21,9 @@ from pagedserve.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+                             dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """The real bytes of one block (every layer's K and V; an 8-bit format's codes and scales)."""
+    return block_size * kv_format(kv_cache_dtype).bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
@@ -42,12 +44,15 @@ class ModelRunner:
         # One tensor for all layers, indexed [layers, K/V, blocks, block_size, kv_heads, head_dim].
         # The CPU backend stores it head-major within a block (a view of [..., kv_heads,
         # block_size, head_dim]): one head's keys of a block are then 2 KB in a row, which the
-        # CPU prefetches well; its kernels read strides. The others want it contiguous.
+        # CPU prefetches well; its kernels read strides. The others want it contiguous. An 8-bit
+        # KV format (the attention backend's) stores uint8 rows: head_dim codes (+ their scale),
+        # attention/kv_format.py; the scales travel with their blocks.
         head_major = model.attention.head_major_cache
-        self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major)
+        fmt: KVFormat = getattr(model.attention, "kv_format", kv_format("auto"))
+        self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major, fmt)
         # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
         self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
-                                         pin_memory=torch.device(device).type == "cuda")
+                                         fmt, pin_memory=torch.device(device).type == "cuda")
         self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
 
@@ -59,10 +64,10 @@ class ModelRunner:
 
     @staticmethod
     def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
-                  pin_memory: bool = False) -> torch.Tensor:
+                  fmt: KVFormat, pin_memory: bool = False) -> torch.Tensor:
         inner = (a.num_kv_heads, block_size) if head_major else (block_size, a.num_kv_heads)
-        cache = torch.zeros(a.num_layers, 2, num_blocks, *inner, a.head_dim, dtype=dtype, device=device,
-                            pin_memory=pin_memory)
+        cache = torch.zeros(a.num_layers, 2, num_blocks, *inner, fmt.row_elements(a.head_dim),
+                            dtype=fmt.storage_dtype(dtype), device=device, pin_memory=pin_memory)
         return cache.transpose(3, 4) if head_major else cache
 
     def move_blocks(self, batch: StepBatch) -> None:

@@ -55,7 +55,7 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, dev
     """(device blocks, host swap-space blocks) for the KV cache: kv_cache_memory (or, on a
     GPU, what the profile's memory_plan leaves) and swap_space, in blocks of this model."""
     block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim,
-                                           dtype)
+                                           dtype, config.kv_cache_dtype)
     kv_memory = config.kv_cache_memory or default_kv_cache_memory(memory_plan)
     num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
     if num_blocks < 1:
@@ -90,7 +90,7 @@ class Worker:
         On a GPU without kv_cache_memory, the KV cache gets what a profile leaves
         (worker/device.py); `probe` reads the device's memory (default: CUDA's; tests fake it)."""
         device = device or resolve_device(config.device)
-        attention = make_attention_backend(config.attention_backend, device)
+        attention = make_attention_backend(config.attention_backend, device, config.kv_cache_dtype)
         ops = make_ops(device)
         shard = Shard(group.rank, group.world_size) if group else Shard()
         probe = probe or memory_probe(device)
