@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
-from pagedserve.utils import cdiv
                                                upcast)
+from pagedserve.utils import cdiv
 
 BLOCK_N = 64                # context tokens per tile
 MIN_PARTITION = 256         # never split finer than this many tokens (a multiple of BLOCK_N)
