@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf import quants as gq
 
-from pagedserve.kernels import quant
+from pagedserve.kernels import cpu, quant
 
 GGUF_TYPE = {q: getattr(GGMLQuantizationType, q.upper()) for q in quant.QTYPES}
 VARIANTS = ["torch"] + quant.supported_variants()
@@ -101,13 +101,36 @@ def test_linear_small_batches(variant, qtype, tokens):
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 @pytest.mark.parametrize("tokens", [17, 70])
-def test_linear_large_batches(variant, qtype, tokens, monkeypatch):
-    monkeypatch.setattr(quant, "TILE_ELEMENTS", 16 * cols_for(qtype))     # several tiles, the last partial
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_large_batches(variant, qtype, tokens, dtype, monkeypatch):
+    """Dequantized tiles through cpu.py's packed GEMM: exactly that GEMM over the whole
+    dequantized (bf16-rounded) weight, packed by cpu.pack_weight."""
+    monkeypatch.setattr(quant, "tile_rows", lambda cols: 32)          # two tiles, the last partial
     w, _ = weight(qtype)
-    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
-    bias = torch.randn(ROWS)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, w.shape[1], generator=g).to(dtype)
+    bias = torch.randn(ROWS, generator=g)
     y = quant.linear(x, w, bias)
-    torch.testing.assert_close(y, x @ quant.dequantize_torch(w).T + bias, rtol=1e-4, atol=1e-4)
+    assert y.dtype == dtype and y.shape == (tokens, ROWS)
+    full = quant.dequantize_torch(w)
+    if variant != "torch" and cpu.load() is not None:
+        assert torch.equal(y, cpu.linear(x, cpu.pack_weight(full.to(dtype)), bias))
+    exact = x.float() @ full.T + bias
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)
+    else:                                               # bf16 weights and outputs: ~3 significant digits
+        assert float((y.float() - exact).norm() / exact.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q6_k"])
+def test_linear_large_batches_without_packed_gemm(qtype, monkeypatch):
+    """Where cpu.py's kernels are missing: float32 scratch tiles and torch.matmul."""
+    monkeypatch.setattr(quant, "tile_rows", lambda cols: 16)
+    monkeypatch.setattr(cpu, "_kernel", lambda name, x: None)
+    w, _ = weight(qtype)
+    x = torch.randn(20, w.shape[1]).bfloat16()
+    exact = x.float() @ quant.dequantize_torch(w).T
+    assert float((quant.linear(x, w).float() - exact).norm() / exact.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
@@ -115,13 +138,13 @@ def test_bias_and_bf16(variant, qtype):
     w, _ = weight(qtype)
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(ROWS, generator=g)
-    for tokens in (2, 20):
+    for tokens in (2, quant.SMALL_BATCH_ROWS):         # large batches: test_linear_large_batches
         x = torch.randn(tokens, w.shape[1], generator=g).bfloat16()
         y = quant.linear(x, w, bias)
         assert y.dtype == torch.bfloat16
         y32 = quant.linear(x.float(), w, bias)
         assert torch.equal(y, y32.bfloat16())          # bf16 in: exact in float32; out: rounded once
-        if tokens <= quant.SMALL_BATCH_ROWS and variant != "torch":
+        if variant != "torch":
             _check_small(y32, x.float(), w, bias)
 
 

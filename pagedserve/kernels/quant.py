@@ -22,8 +22,11 @@ Two paths, chosen per call by the number of activation rows T:
   offset terms (q6_k: per 16). Mathematically y = x8 @ W.T, with x8 = dx * qx the activations as
   the q8 blocks hold them: `reference_linear` computes exactly that in float64 for the tests.
   OpenMP over output rows (the thread count torch / the engine set).
-- larger T (prefill): weight tiles of TILE_ELEMENTS / cols rows are dequantized in C++ into a
-  float32 scratch and multiplied with torch.matmul; the whole matrix never exists in float.
+- larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
+  C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
+  float32 for float32) and multiplied by that GEMM (its address passed to quant_kernels.cpp:
+  one call per layer); the whole matrix never exists in float. Without cpu.py's kernels: a
+  float32 scratch tile and torch.matmul.
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 VL + VNNI: vpdpbusd on 256-bit vectors), `avxvnni` (AVX2 + AVX-VNNI,
@@ -59,7 +62,7 @@ _QTYPE_ID = {q: i for i, q in enumerate(QTYPES)}        # the `qtype` argument o
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 
 SMALL_BATCH_ROWS = 16        # T up to this: integer dots on q8 activations; above: dequantized tiles
-TILE_ELEMENTS = 1 << 18      # weights dequantized per tile of the large-batch path (1 MiB of float32)
+TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
@@ -84,6 +87,8 @@ _SIGNATURES = {
     "quant_dequantize": [ctypes.c_int, _P, _I, _I, _I, _P, _I],
     # qtype, x, ldx, x_is_bf16, T, K, w, ldw, N, bias (float32 or null), y, ldy, y_is_bf16
     "quant_linear_small": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int],
+    # qtype, x, x_is_bf16, T, K, w, ldw, N, bias, y, gemm (cpu.py's linear_packed_*), tile_rows
+    "quant_linear_tiles": [ctypes.c_int, _P, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _P, _I],
 }
 _libs: dict[str, ctypes.CDLL | None] = {}
 _active: str | None = None
@@ -317,12 +322,30 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     return _linear_tiles(x, w, bias, lib)
 
 
+def tile_rows(cols: int) -> int:
+    """Weight rows per tile of the large-batch path: about TILE_ELEMENTS weights, a multiple of
+    32 (the GEMM's strips), at least two strips per thread."""
+    return max(64 * torch.get_num_threads(), TILE_ELEMENTS // max(cols, 1) // 32 * 32)
+
+
 def _linear_tiles(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, lib) -> torch.Tensor:
-    """x @ W.T with W dequantized a tile of rows at a time into a float32 scratch."""
+    """x @ W.T with W dequantized a tile of rows at a time: into kernels/cpu.py's packed GEMM
+    (bf16 tiles for bf16 x, float32 for float32 x), else a float32 scratch and torch.matmul."""
     rows, cols = w.shape
+    gemm = cpu._kernel("linear_packed", x)
+    if lib is not None and gemm is not None and not (x.dtype == torch.bfloat16 and cols % 2):
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+        bias32 = None if bias is None else bias.float().contiguous()
+        _check(lib.quant_linear_tiles(_QTYPE_ID[w.qtype], x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
+                                      cols, w.data.data_ptr(), w.data.stride(0), rows,
+                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+                                      ctypes.cast(gemm, ctypes.c_void_p).value, tile_rows(cols)),
+               "quant_linear_tiles")
+        return out
     x32 = x.float()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    step = max(16, TILE_ELEMENTS // cols // 16 * 16)
+    step = tile_rows(cols)
     scratch = torch.empty(min(step, rows), cols, dtype=torch.float32)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)

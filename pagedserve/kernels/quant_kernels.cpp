@@ -541,6 +541,65 @@ extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t r
     return 0;
 }
 
+namespace {
+// Rows [0, rows) of W dequantized into kernels/cpu.py's packed GEMM layout (PackedWeight):
+// float32 [Np/16][K][16] or bf16 [Np/16][K/2][16][2] (rounded to nearest even), Np = rows
+// rounded up to 32, zero rows past `rows`. Threads take whole groups of 16 rows (no two write
+// one cache line).
+void dequantize_packed(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t K, void *out, bool bf16) {
+    const int64_t groups = (rows + 31) / 32 * 2, units = K / kElems[qt];
+#pragma omp parallel
+    {
+        std::vector<float> buf(16 * K);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, rows - 16 * g));
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t u = 0; u < units; u++)
+                    dequantize_block(qt, w + (16 * g + i) * ldw + u * kBytes[qt], buf.data() + i * K + u * kElems[qt]);
+            std::fill(buf.begin() + n * K, buf.end(), 0.f);
+            if (bf16) {
+                uint16_t *dst = static_cast<uint16_t *>(out) + g * K * 16;
+                for (int64_t kp = 0; kp < K / 2; kp++)
+                    for (int i = 0; i < 16; i++) {
+                        dst[kp * 32 + 2 * i] = f32_to_bf16(buf[i * K + 2 * kp]);
+                        dst[kp * 32 + 2 * i + 1] = f32_to_bf16(buf[i * K + 2 * kp + 1]);
+                    }
+            } else {
+                float *dst = static_cast<float *>(out) + g * K * 16;
+                for (int64_t k = 0; k < K; k++)
+                    for (int i = 0; i < 16; i++) dst[k * 16 + i] = buf[i * K + k];
+            }
+        }
+    }
+}
+}  // namespace
+
+// y [T][N] = x [T][K] @ W.T + bias for many rows of x (x, y contiguous, both float32 or both
+// bf16): tiles of tile_rows rows of W (a multiple of 32) dequantized into the packed layout of
+// kernels/cpu.py's GEMM and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or
+// _bf16, passed by address); the whole matrix never exists in float. 0 on success.
+using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t);
+extern "C" int quant_linear_tiles(int qt, const void *x, int x_bf16, int64_t T, int64_t K, const uint8_t *w,
+                                  int64_t ldw, int64_t N, const float *bias, void *y, void *gemm, int64_t tile_rows) {
+    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0 || tile_rows <= 0 || tile_rows % 32 ||
+        (x_bf16 && K % 2) || gemm == nullptr)
+        return 1;
+    const int64_t elem = x_bf16 ? 2 : 4;
+    std::vector<uint8_t> packed(tile_rows * K * elem), part(T * tile_rows * elem);
+    auto *y8 = static_cast<uint8_t *>(y);
+    for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
+        const int64_t n = std::min(tile_rows, N - r0);
+        dequantize_packed(qt, w + r0 * ldw, ldw, n, K, packed.data(), x_bf16 != 0);
+        const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + r0 : nullptr, part.data(),
+                                                              T, n, K);
+        if (status != 0) return status;
+#pragma omp parallel for schedule(static) if (T * n >= 65536)
+        for (int64_t t = 0; t < T; t++) std::memcpy(y8 + (t * N + r0) * elem, part.data() + t * n * elem, n * elem);
+    }
+    return 0;
+}
+
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias; W: N rows of K
 // columns in blocks of type qt, ldw bytes apart. 0 on success.
 extern "C" int quant_linear_small(int qt, const void *x, int64_t ldx, int x_bf16, int64_t T, int64_t K,
