@@ -52,12 +52,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--tiny", action="store_true", help="shapes / 8, one layer: checks the script runs")
     parser.add_argument("--types", default=",".join(quant.QTYPES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant_kernels.json"))
     args = parser.parse_args()
-    layers = args.layers or (2 if args.quick else 4)
-    tokens = [1, 4, 16, 128] if args.quick else [1, 2, 4, 8, 16, 32, 128, 512]
-    variants = [quant.variant()] if args.quick else quant.supported_variants()
+    global SHAPES
+    if args.tiny:
+        SHAPES = [(n // 8, k // 8) for n, k in SHAPES]
+    layers = args.layers or (1 if args.tiny else 2 if args.quick else 4)
+    tokens = [1, 20] if args.tiny else [1, 4, 16, 128] if args.quick else [1, 2, 4, 8, 16, 32, 128, 512]
+    variants = [quant.variant()] if args.quick or args.tiny else quant.supported_variants()
     repeats = 3 if args.quick else 5
     rng = np.random.default_rng(0)
     params = layers * sum(n * k for n, k in SHAPES)

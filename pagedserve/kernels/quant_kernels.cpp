@@ -321,25 +321,30 @@ inline void decode(const uint8_t *b, Piece *p) {
 
 template <int NT>
 struct Acc {
-    __m256 v[NT];
+    __m256 v[NT];        // sums of the 256-bit pieces
+    float s[NT];         // their minimum terms
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m512 w[NT];
+    __m512 w[NT];        // sums of the 512-bit pairs
+    __m128 m2[NT];       // minimum terms of pairs of 32-element blocks
+    __m256 m8[NT];       // minimum terms of super-blocks' 8 sub-blocks
 #endif
-    float s[NT];
     Acc() {
         for (int t = 0; t < NT; t++) {
             v[t] = _mm256_setzero_ps();
             s[t] = 0.f;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             w[t] = _mm512_setzero_ps();
+            m2[t] = _mm_setzero_ps();
+            m8[t] = _mm256_setzero_ps();
 #endif
         }
     }
     float total(int t) const {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        return hsum(_mm256_add_ps(v[t], _mm256_add_ps(_mm512_castps512_ps256(w[t]),
-                                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[t]), 1))))) +
-               s[t];
+        const __m256 wide = _mm256_add_ps(_mm512_castps512_ps256(w[t]),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[t]), 1)));
+        const __m256 mins = _mm256_add_ps(m8[t], _mm256_zextps128_ps256(m2[t]));
+        return hsum(_mm256_add_ps(_mm256_add_ps(v[t], wide), mins)) + s[t];
 #else
         return hsum(v[t]) + s[t];
 #endif
@@ -363,32 +368,138 @@ inline void accumulate(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// Two consecutive pieces in one 512-bit dot product (their activations are adjacent).
+// ---- AVX-512 VNNI: 64 elements (two pieces) per dot product, scales two or eight at a time ----
+__m128 f16x2(const uint8_t *p0, const uint8_t *p1) {     // [f16 at p0, f16 at p1, 0, 0]
+    uint16_t h0, h1;
+    std::memcpy(&h0, p0, 2);
+    std::memcpy(&h1, p1, 2);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(int(uint32_t(h0) | (uint32_t(h1) << 16))));
+}
+
+__m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(p))); }
+
+__m512i nibbles_pair(const uint8_t *q0, const uint8_t *q1) {   // two blocks' 16 bytes -> [lo0 hi0 lo1 hi1]
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i *>(q1)), 1);
+    const __m256i m = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
+                                     _mm512_castsi256_si512(hi));
+}
+
+// The integer dot of 64 codes with 64 activations: unsigned codes directly, signed ones as
+// |w| times q with w's sign.
+struct Codes {
+    __m512i u;
+    __mmask64 negative;
+};
+template <bool kSignedCodes>
+inline Codes codes_of(__m512i c) {
+    if constexpr (kSignedCodes) return {_mm512_abs_epi8(c), _mm512_movepi8_mask(c)};
+    return {c, 0};
+}
+template <bool kSignedCodes>
+inline __m512 dot64(const Codes &c, const int8_t *q) {
+    __m512i x = _mm512_loadu_si512(q);
+    if constexpr (kSignedCodes) x = _mm512_mask_sub_epi8(x, c.negative, _mm512_setzero_si512(), x);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c.u, x));
+}
+
+// Two 32-element blocks b0, b1 = b0 + kBytes: codes, scales A01 and minimum terms C01.
 template <int QT, int NT>
-inline void accumulate2(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
-                        const Piece &p0, const Piece &p1) {
-    const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(p0.codes), p1.codes, 1);
-    __m512i u = codes;
-    __mmask64 negative = 0;
-    if constexpr (kSigned<QT>) {
-        u = _mm512_abs_epi8(codes);
-        negative = _mm512_movepi8_mask(codes);
+inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                   const uint8_t *b0) {
+    const uint8_t *b1 = b0 + kBytes[QT];
+    const __m128 A = f16x2(b0, b1);
+    __m128 C = _mm_setzero_ps();
+    __m512i raw;
+    constexpr bool kSignedCodes = QT == Q8_0;
+    if constexpr (QT == Q8_0) {
+        raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b0 + 2))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b1 + 2)), 1);
+    } else if constexpr (QT == Q4_0) {
+        raw = nibbles_pair(b0 + 2, b1 + 2);
+        C = _mm_mul_ps(A, _mm_set1_ps(-8.f));
+    } else if constexpr (QT == Q4_1) {
+        raw = nibbles_pair(b0 + 4, b1 + 4);
+        C = f16x2(b0 + 2, b1 + 2);
+    } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+        constexpr int o = QT == Q5_0 ? 2 : 4;
+        raw = _mm512_or_si512(nibbles_pair(b0 + o + 4, b1 + o + 4),
+                              _mm512_inserti64x4(_mm512_castsi256_si512(bits32(b0 + o)), bits32(b1 + o), 1));
+        C = QT == Q5_0 ? _mm_mul_ps(A, _mm_set1_ps(-16.f)) : f16x2(b0 + 2, b1 + 2);
     }
-    __m512i lanes = _mm512_setzero_si512();
-    if constexpr (QT == Q6_K) {
-        const __m128i four = _mm_setr_epi32(p0.sc0, p0.sc1, p1.sc0, p1.sc1);
-        lanes = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                         _mm512_castsi128_si512(four));
-    }
+    const Codes c = codes_of<kSignedCodes>(raw);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int t = 0; t < NT; t++) {
-        __m512i x = _mm512_loadu_si512(q0 + t * a.K);
-        if constexpr (kSigned<QT>) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
-        if constexpr (QT == Q6_K) dot = _mm512_mullo_epi32(dot, lanes);
-        const __m512 scale = _mm512_mask_broadcastss_ps(_mm512_set1_ps(p0.A * d0[t * a.nb]), 0xFF00,
-                                                        _mm_set_ss(p1.A * d0[t * a.nb + 1]));
-        acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc.w[t]);
-        if constexpr (kMin<QT>) acc.s[t] += p0.C * ds0[t * a.nb] + p1.C * ds0[t * a.nb + 1];
+        const __m128 dx = load2(d0 + t * a.nb);
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(A, dx)));
+        acc.w[t] = _mm512_fmadd_ps(dot64<kSignedCodes>(c, q0 + t * a.K), scale, acc.w[t]);
+        if constexpr (QT != Q8_0) acc.m2[t] = _mm_fmadd_ps(C, load2(ds0 + t * a.nb), acc.m2[t]);
+    }
+}
+
+// One super-block: q0, d0, ds0 point at its first 32 activations of row t0.
+template <int QT, int NT>
+inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                       const uint8_t *b) {
+    if constexpr (QT == Q4_K || QT == Q5_K) {
+        alignas(32) int32_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const __m256 A = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_load_si256(
+                                                                  reinterpret_cast<const __m256i *>(sc))));
+        const __m256 C = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_load_si256(
+                                                                       reinterpret_cast<const __m256i *>(mn))));
+        __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
+        for (int t = 0; t < NT; t++) {
+            S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+            acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
+        }
+        const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
+        const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+        const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
+        for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
+            __m512i raw = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+            if constexpr (QT == Q5_K) {
+                const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)),
+                                                     _mm256_srli_epi16(qh, 2 * c + 1), 1);
+                raw = _mm512_or_si512(raw, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+            }
+            const Codes codes = codes_of<false>(raw);
+            const __m512i spread = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                                     2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                     2 * c + 1, 2 * c + 1, 2 * c + 1);
+            for (int t = 0; t < NT; t++)
+                acc.w[t] = _mm512_fmadd_ps(dot64<false>(codes, q0 + t * a.K + 64 * c),
+                                           _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S[t])), acc.w[t]);
+        }
+    } else if constexpr (QT == Q6_K) {
+        // d * scale of the 16 groups of 16, times dx of their 32-element block, per row.
+        const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                          _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)))));
+        const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        __m512 S[NT];
+        for (int t = 0; t < NT; t++)
+            S[t] = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
+        const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_loadu_si512(b + 64 * h);     // ql of elements 128h + [0, 64) (low) / [64, 128) (high)
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            const __m512i Q = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
+                const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
+                const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
+                const Codes codes = codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
+                const int g = 8 * h + 4 * half;
+                const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
+                                                         g + 2, g + 3, g + 3, g + 3, g + 3);
+                for (int t = 0; t < NT; t++)
+                    acc.w[t] = _mm512_fmadd_ps(dot64<true>(codes, q0 + t * a.K + 128 * h + 64 * half),
+                                               _mm512_permutexvar_ps(spread, S[t]), acc.w[t]);
+            }
+        }
     }
 }
 #endif
@@ -402,17 +513,13 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     constexpr int P = kPieces<QT>;
     int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    constexpr int U = P == 1 ? 2 : 1;           // units decoded per step: an even number of pieces
-    for (; u + U <= units; u += U) {
-        Piece p[U * P];
-        for (int i = 0; i < U; i++) decode<QT>(w + (u + i) * kBytes[QT], p + i * P);
-        for (int i = 0; i < U * P; i += 2) {
-            const int64_t j = u * P + i;
-            accumulate2<QT, NT>(acc, a, qa + j * 32, da + j, dsa + j, p[i], p[i + 1]);
-        }
+    if constexpr (P == 1) {
+        for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+    } else {
+        for (; u < units; u++) superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, w + u * kBytes[QT]);
     }
 #endif
-    for (; u < units; u++) {
+    for (; u < units; u++) {          // 256-bit pieces (every unit on AVX2 / AVX-VNNI; an odd last block here)
         Piece p[P];
         decode<QT>(w + u * kBytes[QT], p);
         for (int i = 0; i < P; i++) {
