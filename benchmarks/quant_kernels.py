@@ -8,7 +8,8 @@ so they stream from memory as in a real step.
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's bandwidth) and GFLOP/s; the bf16 row is
-the same shapes through cpu.linear over packed bf16 weights. Prints a table and writes
+the same shapes through cpu.linear over packed bf16 weights; rows with a `path` time the integer
+path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS should be). Prints a table and writes
 benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> None:
         SHAPES = [(n // 8, k // 8) for n, k in SHAPES]
     layers = args.layers or (1 if args.tiny else 2 if args.quick else 4)
     tokens = [1, 20] if args.tiny else [1, 4, 16, 128] if args.quick else [1, 2, 4, 8, 16, 32, 128, 512]
+    crossover = [12, 20] if args.tiny else [8, 16, 32] if args.quick else [8, 16, 24, 32, 48, 64]
     variants = [quant.variant()] if args.quick or args.tiny else quant.supported_variants()
     repeats = 3 if args.quick else 5
     rng = np.random.default_rng(0)
@@ -88,6 +90,15 @@ def main() -> None:
                                         weight_gbs=nbytes / sec / 1e9, gflops=2 * t * params / sec / 1e9))
                     print(f"{qtype:12} {name:11} T={t:4} {1e3 * sec:9.2f} ms {nbytes / sec / 1e9:7.1f} GB/s "
                           f"{2 * t * params / sec / 1e9:7.1f} GFLOP/s")
+                # Where the integer path should hand over to the tiles (quant.SMALL_BATCH_ROWS).
+                for t in crossover:
+                    xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
+                    lib = quant.load()
+                    for path, fn in (("integer", quant._linear_small), ("tiles", quant._linear_tiles)):
+                        sec = median_seconds(lambda: [fn(xs[w.shape[1]], w, None, lib) for w in weights], repeats)
+                        results.append(dict(type=qtype, variant=name, tokens=t, path=path, ms=1e3 * sec,
+                                            weight_gbs=nbytes / sec / 1e9, gflops=2 * t * params / sec / 1e9))
+                        print(f"{qtype:12} {name:11} T={t:4} {path:8} {1e3 * sec:9.2f} ms")
         del weights
 
     out = Path(args.out)

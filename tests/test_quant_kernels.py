@@ -174,6 +174,16 @@ def test_slices(variant, qtype):
     assert rows.nbytes == 21 * w.row_bytes
 
 
+def test_concat_rows():
+    a, _ = weight("q4_k", rows=5, seed=1)
+    b, _ = weight("q4_k", rows=7, seed=2)
+    both = quant.concat_rows([a, b])
+    assert both.shape == (12, a.shape[1])
+    assert torch.equal(quant.dequantize(both), torch.cat([quant.dequantize(a), quant.dequantize(b)]))
+    with pytest.raises(ValueError):
+        quant.concat_rows([a, weight("q6_k", rows=5)[0]])
+
+
 @pytest.mark.parametrize("qtype", quant.QUANTIZE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_matches_gguf(qtype, dtype):

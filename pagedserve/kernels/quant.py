@@ -155,6 +155,18 @@ def slice_cols(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     return QuantizedWeight(w.qtype, (w.shape[0], stop - start), w.data[:, b0:b1])
 
 
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one type and width stacked by rows (a fused projection such as qkv or
+    gate_up): one copy of their bytes. ValueError where types or widths differ (a Q4_K_M file
+    may store q, k and v in different types: keep those apart)."""
+    first = weights[0]
+    if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
+        raise ValueError("concat_rows: weights differ in type or width: "
+                         + ", ".join(f"{w.qtype} {w.shape}" for w in weights))
+    return QuantizedWeight(first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
+                           torch.cat([w.data for w in weights]))
+
+
 # ---- torch reference: block decoding, quantization --------------------------------------------
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The fp16 at byte `offset` of each block, as float32 [n, 1]."""
@@ -311,15 +323,21 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     if t == 0 or rows == 0:
         return torch.zeros(t, rows, dtype=x.dtype)
     if lib is not None and t <= SMALL_BATCH_ROWS:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        out = torch.empty(t, rows, dtype=x.dtype)
-        bias32 = None if bias is None else bias.float().contiguous()
-        _check(lib.quant_linear_small(_QTYPE_ID[w.qtype], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
-                                      t, cols, w.data.data_ptr(), w.data.stride(0), rows,
-                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
-                                      int(out.dtype == torch.bfloat16)), "quant_linear_small")
-        return out
+        return _linear_small(x, w, bias, lib)
     return _linear_tiles(x, w, bias, lib)
+
+
+def _linear_small(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, lib) -> torch.Tensor:
+    """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS)."""
+    rows, cols = w.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    bias32 = None if bias is None else bias.float().contiguous()
+    _check(lib.quant_linear_small(_QTYPE_ID[w.qtype], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                                  x.shape[0], cols, w.data.data_ptr(), w.data.stride(0), rows,
+                                  None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
+                                  int(out.dtype == torch.bfloat16)), "quant_linear_small")
+    return out
 
 
 def tile_rows(cols: int) -> int:

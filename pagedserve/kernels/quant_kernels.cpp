@@ -197,21 +197,20 @@ void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
     *ds_out = d * float(sum);
 }
 
-void quantize_rows(const void *x, int64_t ldx, bool bf16, int64_t T, int64_t K, int8_t *q, float *d, float *ds) {
+// Block j of activation row t.
+void quantize_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, int64_t K, int8_t *q, float *d,
+                  float *ds) {
     const int64_t nb = K / 32;
     float buf[32];
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < nb; j++) {
-            const float *src;
-            if (bf16) {
-                const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
-                for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
-                src = buf;
-            } else {
-                src = static_cast<const float *>(x) + t * ldx + j * 32;
-            }
-            quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
-        }
+    const float *src;
+    if (bf16) {
+        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
+        for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
+        src = buf;
+    } else {
+        src = static_cast<const float *>(x) + t * ldx + j * 32;
+    }
+    quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
 }
 
 // ---- the dot products of one weight row with NT activation rows ---------------------------------
@@ -715,21 +714,27 @@ extern "C" int quant_linear_small(int qt, const void *x, int64_t ldx, int x_bf16
     if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0) return 1;
     const int64_t nb = K / 32;
     std::vector<int8_t> q(T * K);
-    std::vector<float> d(T * nb), ds(T * nb), out(T * N);
-    quantize_rows(x, ldx, x_bf16 != 0, T, K, q.data(), d.data(), ds.data());
+    std::vector<float> d(T * nb), ds(T * nb);
     const Act a{q.data(), d.data(), ds.data(), K, nb};
-    const int64_t work = N * K * T;
-#pragma omp parallel for schedule(static) if (work >= 32768)
-    for (int64_t r = 0; r < N; r++)
-        for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
-            const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
-            row_fn(qt, nt)(w + r * ldw, a, t0, out.data() + t0 * N + r, N);
-        }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t r = 0; r < N; r++) {
-            const float v = out[t * N + r] + (bias ? bias[r] : 0.f);
-            if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
-            else static_cast<float *>(y)[t * ldy + r] = v;
-        }
+    const RowFn full = row_fn(qt, int(std::min<int64_t>(kMaxNT, T))), tail = row_fn(qt, int(T % kMaxNT));
+    // One parallel region: the activations' blocks, then the weight rows (each thread a
+    // contiguous range, so it streams its rows' bytes once; up to kMaxNT activation rows per pass).
+#pragma omp parallel if (N * K * T >= 32768)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * nb; i++) quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
+                const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
+                float vals[kMaxNT];
+                (nt == kMaxNT || nt == T ? full : tail)(w + r * ldw, a, t0, vals, 1);
+                for (int i = 0; i < nt; i++) {
+                    const float v = vals[i] + (bias ? bias[r] : 0.f);
+                    if (y_bf16) static_cast<uint16_t *>(y)[(t0 + i) * ldy + r] = f32_to_bf16(v);
+                    else static_cast<float *>(y)[(t0 + i) * ldy + r] = v;
+                }
+            }
+    }
     return 0;
 }
