@@ -5,38 +5,45 @@ Formats (QTYPES): the llama.cpp/GGUF blocks, byte for byte as the file stores th
 `q5_0` / `q5_1` (the same with a fifth bit per element in a 32-bit qh: offset 16 / + m), `q8_0`
 (d, 32 int8). 256-element super-blocks: `q4_k` / `q5_k` (fp16 d and dmin, 8 sub-blocks of 32
 with 6-bit scale and min: w = d*sc*q - dmin*m), `q6_k` (16 sub-blocks of 16 with int8 scales:
-w = d*sc*(q-32)).
+w = d*sc*(q-32)). Other GGUF types (Q2_K, Q3_K, IQ*) have no kernel: the caller dequantizes.
 
 Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLOCK * BLOCK_BYTES]
 (row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
-slicing by rows or whole blocks of columns is a view (rows may be strided). No repacking: the
+slice_rows / slice_cols (whole blocks) are views (rows may then be strided); concat_rows stacks
+weights of one type (fused projections), one copy. No repacking (no interleaving of rows): the
 kernels read the blocks where they lie, so loading costs no copy and resident weights are the
-file's bytes.
+file's bytes; each thread streams a contiguous range of rows, and the activations it reuses
+per row stay in L1/L2.
 
 Two paths, chosen per call by the number of activation rows T:
 - T <= SMALL_BATCH_ROWS (decode, small batches): the activations are quantized once per call
-  into 8-bit blocks of 32 (int8 values, one float scale dx per block, and the block sums needed
-  by types with an offset or minimum), then each weight block is multiplied with integer dot
-  products (u8 weight codes x s8 activations) and accumulated in float32 per block:
-  y += dx * (A * sum(code * qx) + C * sum(qx)), with A, C the block's (sub-block's) scale and
-  offset terms (q6_k: per 16). Mathematically y = x8 @ W.T, with x8 = dx * qx the activations as
-  the q8 blocks hold them: `reference_linear` computes exactly that in float64 for the tests.
-  OpenMP over output rows (the thread count torch / the engine set).
+  into 8-bit blocks of 32 (int8 values q, one float scale dx per block, and dx * sum(q) for the
+  minimum terms), then every 32 weights give one integer dot product of their codes with q
+  (vpdpbusd: unsigned codes x signed q; q8_0 / q6_k signed codes as |w| x q with w's sign) and
+  one float32 multiply-add by the block's scale:
+      y += (A * dx) * dot(code, q) + C * (dx * sum(q))
+  A, C: the block's (sub-block's) scale and minimum or offset term (q4_0: C = -8 A; q6_k's
+  per-16 scales multiply the dot's lanes). Mathematically y = x8 @ W.T with x8 = dx * q, the
+  activations as the q8 blocks hold them: `reference_linear` computes that in float64 for the
+  tests; variants differ from it only by float32 summation order. OpenMP over output rows (the
+  thread count torch / the engine set), up to 8 (AVX-512) or 4 activation rows per pass over a
+  weight row. Every type, every variant has this path.
 - larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
   C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
   float32 for float32) and multiplied by that GEMM (its address passed to quant_kernels.cpp:
-  one call per layer); the whole matrix never exists in float. Without cpu.py's kernels: a
-  float32 scratch tile and torch.matmul.
+  one call per layer): exactly cpu.linear over the dequantized weight, without the whole matrix
+  ever in float. Without cpu.py's kernels: a float32 scratch tile and torch.matmul.
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
-`avx512vnni` (AVX-512 VL + VNNI: vpdpbusd on 256-bit vectors), `avxvnni` (AVX2 + AVX-VNNI,
-the VEX vpdpbusd), `avx2` (maddubs + madd; q8_0 through the sign trick so no pair saturates),
-`scalar` (plain loops). Every variant computes the same integers, so results differ only by float
-summation order. The best the CPU's flags allow is chosen at first use; $PAGEDSERVE_QUANT_KERNELS
-forces one; `using_variant` runs a block with another (tests run all the CPU supports). Built
-like kernels/cpu.py's library (system C++ compiler on first use, cached under
-~/.cache/pagedserve/kernels by source and flags); where none builds, torch stands in (dequantize
-in row chunks, float matmul).
+`avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
+super-block's eight converted together), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
+127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
+at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
+(tests run all the CPU supports). Built like kernels/cpu.py's library (cpu._build: system C++
+compiler on first use, cached under ~/.cache/pagedserve/kernels by source and flags; the
+flags add -ffp-contract=off so dequantize matches gguf bit for bit); where none builds, torch
+stands in (dequantize in row chunks, float matmul).
 """
 from __future__ import annotations
 
@@ -472,12 +479,13 @@ def describe() -> dict:
     """Which variant is in use and why, and which path runs which batch size."""
     active = variant()
     forced = os.environ.get(ENV_VARIANT, "").strip().lower()
+    gemm = f"cpu.py's packed GEMM ({cpu.variant()})" if active and cpu.load() is not None else "torch.matmul"
+    small = f"integer dots over q8 activations ({active})" if active else "torch (dequantize + matmul)"
     return dict(
         quant_kernels=active or "torch",
         quant_kernels_supported=supported_variants(),
         quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced not in ("", "auto") else
                               "the best this CPU's flags allow" if active else "no variant could be built"),
         quant_small_batch_rows=SMALL_BATCH_ROWS,
-        quant_paths={q: ("integer dots on q8 activations" if active else "torch (dequantize + matmul)")
-                     + f" for T <= {SMALL_BATCH_ROWS}; dequantized tiles + matmul above" for q in QTYPES},
+        quant_paths={q: f"T <= {SMALL_BATCH_ROWS}: {small}; above: tiles dequantized into {gemm}" for q in QTYPES},
     )
