@@ -217,3 +217,30 @@ def test_variant_choice(monkeypatch):
     monkeypatch.setenv(quant.ENV_VARIANT, "nonsense")
     with pytest.raises(ValueError):
         quant.choose_variant()
+
+
+def test_the_default_models_gguf_tensors():
+    """Real blocks: the default model's file (Q4_1 layers, a Q8_0 embedding) as its memory map
+    holds them, decoded and multiplied."""
+    import warnings
+
+    import gguf
+    from pagedserve.models.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        qtype = t.tensor_type.name.lower()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                  # a read-only memory map
+            raw = torch.from_numpy(t.data)
+        w = quant.from_gguf_blocks(qtype, raw, (int(t.shape[1]), int(t.shape[0])))
+        assert w.data.data_ptr() == raw.data_ptr()
+        w = quant.slice_rows(w, 0, min(w.shape[0], 512))
+        expected = torch.from_numpy(gq.dequantize(t.data[:w.shape[0]], t.tensor_type))
+        assert torch.equal(quant.dequantize(w), expected)
+        for tokens in (1, 20):
+            x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
+            exact = x @ expected.T
+            assert float((quant.linear(x, w) - exact).norm() / exact.norm()) < 2e-2
