@@ -318,6 +318,32 @@ inline void decode(const uint8_t *b, Piece *p) {
     }
 }
 
+// A row's weights as floats from the decoded pieces: A * code (+ C), the float operations of
+// gguf.quants (q6_k: (d * scale) * code per 16), so the values are the same bit for bit.
+template <int QT>
+void dequantize_row_vec(const uint8_t *w, int64_t K, float *y) {
+    constexpr int P = kPieces<QT>;
+    for (int64_t u = 0; u < K / kElems[QT]; u++) {
+        Piece p[P];
+        decode<QT>(w + u * kBytes[QT], p);
+        for (int i = 0; i < P; i++) {
+            float *dst = y + (u * P + i) * 32;
+            const __m128i lo = _mm256_castsi256_si128(p[i].codes), hi = _mm256_extracti128_si256(p[i].codes, 1);
+            const __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+            for (int k = 0; k < 4; k++) {
+                float a = p[i].A;
+                if constexpr (QT == Q6_K) a = p[i].A * float(k < 2 ? p[i].sc0 : p[i].sc1);
+                __m256 v = _mm256_mul_ps(_mm256_set1_ps(a), q[k]);
+                if constexpr (kMin<QT>) v = _mm256_add_ps(v, _mm256_set1_ps(p[i].C));
+                _mm256_storeu_ps(dst + 8 * k, v);
+            }
+        }
+    }
+}
+
 template <int NT>
 struct Acc {
     __m256 v[NT];        // sums of the 256-bit pieces
@@ -634,47 +660,92 @@ RowFn row_fn(int qt, int nt) {
     }
     return nullptr;
 }
+
+// Row w's K weights as floats (exactly gguf.quants' values).
+void dequantize_row(int qt, const uint8_t *w, int64_t K, float *y) {
+#if defined(__AVX2__)
+    switch (qt) {
+    case Q4_0: return dequantize_row_vec<Q4_0>(w, K, y);
+    case Q4_1: return dequantize_row_vec<Q4_1>(w, K, y);
+    case Q5_0: return dequantize_row_vec<Q5_0>(w, K, y);
+    case Q5_1: return dequantize_row_vec<Q5_1>(w, K, y);
+    case Q8_0: return dequantize_row_vec<Q8_0>(w, K, y);
+    case Q4_K: return dequantize_row_vec<Q4_K>(w, K, y);
+    case Q5_K: return dequantize_row_vec<Q5_K>(w, K, y);
+    case Q6_K: return dequantize_row_vec<Q6_K>(w, K, y);
+    }
+#else
+    for (int64_t u = 0; u < K / kElems[qt]; u++) dequantize_block(qt, w + u * kBytes[qt], y + u * kElems[qt]);
+#endif
+}
 }  // namespace
 
 // w: rows of blocks, ldw bytes apart; out float32 [rows][ldo]. 0 on success.
 extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t cols, float *out,
                                 int64_t ldo) {
     if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
-    const int64_t units = cols / kElems[qt];
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t u = 0; u < units; u++) dequantize_block(qt, w + r * ldw + u * kBytes[qt], out + r * ldo + u * kElems[qt]);
+    for (int64_t r = 0; r < rows; r++) dequantize_row(qt, w + r * ldw, cols, out + r * ldo);
     return 0;
 }
 
 namespace {
+// n floats -> bf16, rounded to nearest even (NaN stays a quiet NaN), as f32_to_bf16.
+void to_bf16(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff),
+                  inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+        const __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(bits, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one))), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, abs), inf);
+        const __m512i v = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), quiet);
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(y + i), _mm512_cvtepi32_epi16(v));
+    }
+#endif
+    for (; i < n; i++) y[i] = f32_to_bf16(x[i]);
+}
+
+// src: 16 rows of `cols` 32-bit values (row-major) -> dst [cols][16].
+void transpose16(const uint32_t *src, int64_t cols, uint32_t *dst) {
+#if defined(__AVX512F__)
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int(cols)));
+    if (16 * cols < (int64_t(1) << 31)) {
+        for (int64_t c = 0; c < cols; c++)
+            _mm512_storeu_si512(dst + c * 16, _mm512_i32gather_epi32(rows, reinterpret_cast<const int *>(src + c), 4));
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < cols; c++)
+        for (int i = 0; i < 16; i++) dst[c * 16 + i] = src[i * cols + c];
+}
+
 // Rows [0, rows) of W dequantized into kernels/cpu.py's packed GEMM layout (PackedWeight):
 // float32 [Np/16][K][16] or bf16 [Np/16][K/2][16][2] (rounded to nearest even), Np = rows
 // rounded up to 32, zero rows past `rows`. Threads take whole groups of 16 rows (no two write
 // one cache line).
 void dequantize_packed(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t K, void *out, bool bf16) {
-    const int64_t groups = (rows + 31) / 32 * 2, units = K / kElems[qt];
+    const int64_t groups = (rows + 31) / 32 * 2;
 #pragma omp parallel
     {
         std::vector<float> buf(16 * K);
+        std::vector<uint16_t> half(bf16 ? 16 * K : 0);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, rows - 16 * g));
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t u = 0; u < units; u++)
-                    dequantize_block(qt, w + (16 * g + i) * ldw + u * kBytes[qt], buf.data() + i * K + u * kElems[qt]);
+            for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + (16 * g + i) * ldw, K, buf.data() + i * K);
             std::fill(buf.begin() + n * K, buf.end(), 0.f);
             if (bf16) {
-                uint16_t *dst = static_cast<uint16_t *>(out) + g * K * 16;
-                for (int64_t kp = 0; kp < K / 2; kp++)
-                    for (int i = 0; i < 16; i++) {
-                        dst[kp * 32 + 2 * i] = f32_to_bf16(buf[i * K + 2 * kp]);
-                        dst[kp * 32 + 2 * i + 1] = f32_to_bf16(buf[i * K + 2 * kp + 1]);
-                    }
+                to_bf16(buf.data(), half.data(), 16 * K);
+                uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(out) + g * K * 16);
+                const uint32_t *src = reinterpret_cast<const uint32_t *>(half.data());   // bf16 pairs of 16 rows
+                transpose16(src, K / 2, dst);
             } else {
-                float *dst = static_cast<float *>(out) + g * K * 16;
-                for (int64_t k = 0; k < K; k++)
-                    for (int i = 0; i < 16; i++) dst[k * 16 + i] = buf[i * K + k];
+                transpose16(reinterpret_cast<const uint32_t *>(buf.data()), K,
+                            reinterpret_cast<uint32_t *>(static_cast<float *>(out) + g * K * 16));
             }
         }
     }
