@@ -95,7 +95,7 @@ def main() -> None:
                     xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
                     lib = quant.load()
                     for path, fn in (("integer", quant._linear_small), ("tiles", quant._linear_tiles)):
-                        sec = median_seconds(lambda: [fn(xs[w.shape[1]], w, None, lib) for w in weights], repeats)
+                        sec = median_seconds(lambda: [fn(xs[w.shape[1]], [w], None, lib) for w in weights], repeats)
                         results.append(dict(type=qtype, variant=name, tokens=t, path=path, ms=1e3 * sec,
                                             weight_gbs=nbytes / sec / 1e9, gflops=2 * t * params / sec / 1e9))
                         print(f"{qtype:12} {name:11} T={t:4} {path:8} {1e3 * sec:9.2f} ms")

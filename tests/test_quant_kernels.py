@@ -174,6 +174,20 @@ def test_slices(variant, qtype):
     assert rows.nbytes == 21 * w.row_bytes
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_stacked_parts(variant, tokens):
+    """Weights of different types stacked by rows (a Q4_K_M-style qkv): one product, equal to
+    each part's own."""
+    parts = [weight("q4_k", rows=9, seed=1)[0], weight("q6_k", rows=4, seed=2)[0], weight("q8_0", rows=37, cols=768)[0]]
+    x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens))
+    bias = torch.randn(50)
+    y = quant.linear(x, parts, bias)
+    singles = torch.cat([quant.linear(x, p) for p in parts], dim=1) + bias
+    torch.testing.assert_close(y, singles, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        quant.linear(x, [parts[0], weight("q4_0")[0]])
+
+
 def test_concat_rows():
     a, _ = weight("q4_k", rows=5, seed=1)
     b, _ = weight("q4_k", rows=7, seed=2)

@@ -55,6 +55,7 @@ import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -89,13 +90,20 @@ if platform.machine() not in ("x86_64", "AMD64"):
     VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Part(ctypes.Structure):
+    """QuantPart in quant_kernels.cpp: one weight of a row-stacked product."""
+    _fields_ = [("qtype", ctypes.c_int64), ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
 _SIGNATURES = {
     # qtype, w, ldw (bytes), rows, cols, out (float32), ldo
     "quant_dequantize": [ctypes.c_int, _P, _I, _I, _I, _P, _I],
-    # qtype, x, ldx, x_is_bf16, T, K, w, ldw, N, bias (float32 or null), y, ldy, y_is_bf16
-    "quant_linear_small": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int],
-    # qtype, x, x_is_bf16, T, K, w, ldw, N, bias, y, gemm (cpu.py's linear_packed_*), tile_rows
-    "quant_linear_tiles": [ctypes.c_int, _P, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _P, _I],
+    # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
+    "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
+    # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_*), tile_rows
+    "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
 }
 _libs: dict[str, ctypes.CDLL | None] = {}
 _active: str | None = None
@@ -317,33 +325,43 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 # ---- linear -----------------------------------------------------------------------------------
-def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in x's dtype. T up to
-    SMALL_BATCH_ROWS: integer dots over q8 activations; more: dequantized weight tiles."""
-    if x.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {w.shape}")
+    SMALL_BATCH_ROWS: integer dots over q8 activations; more: dequantized weight tiles.
+    w may be several weights of one width (any types), stacked by rows as one product: a fused
+    projection (qkv, gate_up) whose parts are stored apart, with no copy of them (the
+    activations are quantized once, one parallel pass covers every part's rows)."""
+    parts = [w] if isinstance(w, QuantizedWeight) else list(w)
+    cols = parts[0].shape[1]
+    if x.dim() != 2 or x.shape[1] != cols or any(p.shape[1] != cols for p in parts):
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match weights {[p.shape for p in parts]}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"linear: x must be float32 or bfloat16, got {x.dtype}")
-    rows, cols = w.shape
-    t = x.shape[0]
+    rows = sum(p.shape[0] for p in parts)
     lib = load()
-    if t == 0 or rows == 0:
-        return torch.zeros(t, rows, dtype=x.dtype)
-    if lib is not None and t <= SMALL_BATCH_ROWS:
-        return _linear_small(x, w, bias, lib)
-    return _linear_tiles(x, w, bias, lib)
+    if x.shape[0] == 0 or rows == 0:
+        return torch.zeros(x.shape[0], rows, dtype=x.dtype)
+    if lib is not None and x.shape[0] <= SMALL_BATCH_ROWS:
+        return _linear_small(x, parts, bias, lib)
+    return _linear_tiles(x, parts, bias, lib)
 
 
-def _linear_small(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, lib) -> torch.Tensor:
+def _c_parts(parts: list[QuantizedWeight]):
+    array = (_Part * len(parts))(*[_Part(_QTYPE_ID[p.qtype], p.data.data_ptr(), p.data.stride(0), p.shape[0])
+                                   for p in parts])
+    return array, len(parts)
+
+
+def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
     """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS)."""
-    rows, cols = w.shape
+    rows, cols = sum(p.shape[0] for p in parts), x.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     bias32 = None if bias is None else bias.float().contiguous()
-    _check(lib.quant_linear_small(_QTYPE_ID[w.qtype], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
-                                  x.shape[0], cols, w.data.data_ptr(), w.data.stride(0), rows,
-                                  None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
-                                  int(out.dtype == torch.bfloat16)), "quant_linear_small")
+    _check(lib.quant_linear_small(*_c_parts(parts), x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                                  x.shape[0], cols, None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+                                  rows, int(out.dtype == torch.bfloat16)), "quant_linear_small")
     return out
 
 
@@ -353,34 +371,36 @@ def tile_rows(cols: int) -> int:
     return max(64 * torch.get_num_threads(), TILE_ELEMENTS // max(cols, 1) // 32 * 32)
 
 
-def _linear_tiles(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, lib) -> torch.Tensor:
+def _linear_tiles(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
     """x @ W.T with W dequantized a tile of rows at a time: into kernels/cpu.py's packed GEMM
     (bf16 tiles for bf16 x, float32 for float32 x), else a float32 scratch and torch.matmul."""
-    rows, cols = w.shape
+    rows, cols = sum(p.shape[0] for p in parts), x.shape[1]
     gemm = cpu._kernel("linear_packed", x)
     if lib is not None and gemm is not None and not (x.dtype == torch.bfloat16 and cols % 2):
         x = x.contiguous()
         out = torch.empty(x.shape[0], rows, dtype=x.dtype)
         bias32 = None if bias is None else bias.float().contiguous()
-        _check(lib.quant_linear_tiles(_QTYPE_ID[w.qtype], x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
-                                      cols, w.data.data_ptr(), w.data.stride(0), rows,
-                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+        _check(lib.quant_linear_tiles(*_c_parts(parts), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
+                                      cols, None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
                                       ctypes.cast(gemm, ctypes.c_void_p).value, tile_rows(cols)),
                "quant_linear_tiles")
         return out
     x32 = x.float()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     step = tile_rows(cols)
-    scratch = torch.empty(min(step, rows), cols, dtype=torch.float32)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        tile = scratch[:r1 - r0]
-        if lib is not None:
-            _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data[r0:r1].data_ptr(), w.data.stride(0), r1 - r0,
-                                        cols, tile.data_ptr(), cols), "quant_dequantize")
-        else:
-            tile.copy_(dequantize_torch(slice_rows(w, r0, r1)))
-        out[:, r0:r1] = x32 @ tile.T
+    scratch = torch.empty(min(step, max(p.shape[0] for p in parts)), cols, dtype=torch.float32)
+    first = 0
+    for w in parts:
+        for r0 in range(0, w.shape[0], step):
+            r1 = min(w.shape[0], r0 + step)
+            tile = scratch[:r1 - r0]
+            if lib is not None:
+                _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data[r0:r1].data_ptr(), w.data.stride(0), r1 - r0,
+                                            cols, tile.data_ptr(), cols), "quant_dequantize")
+            else:
+                tile.copy_(dequantize_torch(slice_rows(w, r0, r1)))
+            out[:, first + r0:first + r1] = x32 @ tile.T
+        first += w.shape[0]
     if bias is not None:
         out += bias.float()
     return out if x.dtype == torch.float32 else out.to(x.dtype)

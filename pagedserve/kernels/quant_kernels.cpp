@@ -752,42 +752,70 @@ void dequantize_packed(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int6
 }
 }  // namespace
 
-// y [T][N] = x [T][K] @ W.T + bias for many rows of x (x, y contiguous, both float32 or both
-// bf16): tiles of tile_rows rows of W (a multiple of 32) dequantized into the packed layout of
-// kernels/cpu.py's GEMM and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or
-// _bf16, passed by address); the whole matrix never exists in float. 0 on success.
+// A weight, or one part of weights stacked by rows (a fused projection stored apart, each part
+// in its own type): `rows` rows of blocks of type qtype, ldw bytes apart.
+struct QuantPart {
+    int64_t qtype;
+    const uint8_t *w;
+    int64_t ldw, rows;
+};
+
+namespace {
+bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
+    for (int64_t p = 0; p < nparts; p++)
+        if (parts[p].qtype < 0 || parts[p].qtype >= kNumTypes || K % kElems[parts[p].qtype] || parts[p].rows < 0)
+            return false;
+    return nparts > 0;
+}
+}  // namespace
+
+// y [T][ldy] = x [T][K] @ W.T + bias for many rows of x, W the parts stacked by rows (x
+// contiguous; x and y both float32 or both bf16; bias float32 over all rows or null): tiles of
+// tile_rows rows (a multiple of 32) dequantized into the packed layout of kernels/cpu.py's GEMM
+// and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or _bf16, passed by
+// address); the whole matrix never exists in float. 0 on success.
 using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t);
-extern "C" int quant_linear_tiles(int qt, const void *x, int x_bf16, int64_t T, int64_t K, const uint8_t *w,
-                                  int64_t ldw, int64_t N, const float *bias, void *y, void *gemm, int64_t tile_rows) {
-    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0 || tile_rows <= 0 || tile_rows % 32 ||
-        (x_bf16 && K % 2) || gemm == nullptr)
+extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
+                                  int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
+    if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
     const int64_t elem = x_bf16 ? 2 : 4;
     std::vector<uint8_t> packed(tile_rows * K * elem), part(T * tile_rows * elem);
     auto *y8 = static_cast<uint8_t *>(y);
-    for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
-        const int64_t n = std::min(tile_rows, N - r0);
-        dequantize_packed(qt, w + r0 * ldw, ldw, n, K, packed.data(), x_bf16 != 0);
-        const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + r0 : nullptr, part.data(),
-                                                              T, n, K);
-        if (status != 0) return status;
+    int64_t first = 0;            // the parts' first row in y
+    for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+        const QuantPart &q = parts[p];
+        for (int64_t r0 = 0; r0 < q.rows; r0 += tile_rows) {
+            const int64_t n = std::min(tile_rows, q.rows - r0);
+            dequantize_packed(int(q.qtype), q.w + r0 * q.ldw, q.ldw, n, K, packed.data(), x_bf16 != 0);
+            const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + first + r0 : nullptr,
+                                                                  part.data(), T, n, K);
+            if (status != 0) return status;
 #pragma omp parallel for schedule(static) if (T * n >= 65536)
-        for (int64_t t = 0; t < T; t++) std::memcpy(y8 + (t * N + r0) * elem, part.data() + t * n * elem, n * elem);
+            for (int64_t t = 0; t < T; t++)
+                std::memcpy(y8 + (t * ldy + first + r0) * elem, part.data() + t * n * elem, n * elem);
+        }
     }
     return 0;
 }
 
-// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias; W: N rows of K
-// columns in blocks of type qt, ldw bytes apart. 0 on success.
-extern "C" int quant_linear_small(int qt, const void *x, int64_t ldx, int x_bf16, int64_t T, int64_t K,
-                                  const uint8_t *w, int64_t ldw, int64_t N, const float *bias, void *y, int64_t ldy,
-                                  int y_bf16) {
-    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0) return 1;
+// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
+// by rows (K columns each), through the integer dots. 0 on success.
+extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
+                                  int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
+    if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     std::vector<int8_t> q(T * K);
     std::vector<float> d(T * nb), ds(T * nb);
     const Act a{q.data(), d.data(), ds.data(), K, nb};
-    const RowFn full = row_fn(qt, int(std::min<int64_t>(kMaxNT, T))), tail = row_fn(qt, int(T % kMaxNT));
+    std::vector<RowFn> full(nparts), tail(nparts);
+    std::vector<int64_t> ends(nparts);        // one past each part's last row in y
+    int64_t N = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        full[p] = row_fn(int(parts[p].qtype), int(std::min<int64_t>(kMaxNT, T)));
+        tail[p] = row_fn(int(parts[p].qtype), int(T % kMaxNT));
+        ends[p] = N += parts[p].rows;
+    }
     // One parallel region: the activations' blocks, then the weight rows (each thread a
     // contiguous range, so it streams its rows' bytes once; up to kMaxNT activation rows per pass).
 #pragma omp parallel if (N * K * T >= 32768)
@@ -795,17 +823,21 @@ extern "C" int quant_linear_small(int qt, const void *x, int64_t ldx, int x_bf16
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * nb; i++) quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < N; r++)
+        for (int64_t r = 0; r < N; r++) {
+            int64_t p = 0;
+            while (r >= ends[p]) p++;
+            const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
             for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
                 const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
                 float vals[kMaxNT];
-                (nt == kMaxNT || nt == T ? full : tail)(w + r * ldw, a, t0, vals, 1);
+                (nt == kMaxNT || nt == T ? full[p] : tail[p])(row, a, t0, vals, 1);
                 for (int i = 0; i < nt; i++) {
                     const float v = vals[i] + (bias ? bias[r] : 0.f);
                     if (y_bf16) static_cast<uint16_t *>(y)[(t0 + i) * ldy + r] = f32_to_bf16(v);
                     else static_cast<float *>(y)[(t0 + i) * ldy + r] = v;
                 }
             }
+        }
     }
     return 0;
 }
