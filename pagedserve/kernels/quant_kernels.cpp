@@ -539,6 +539,17 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (P == 1) {
+        if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
+            Acc<NT> other;
+            for (; u + 4 <= units; u += 4) {
+                pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+                pair32<QT, NT>(other, a, qa + (u + 2) * 32, da + u + 2, dsa + u + 2, w + (u + 2) * kBytes[QT]);
+            }
+            for (int t = 0; t < NT; t++) {
+                acc.w[t] = _mm512_add_ps(acc.w[t], other.w[t]);
+                acc.m2[t] = _mm_add_ps(acc.m2[t], other.m2[t]);
+            }
+        }
         for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
     } else {
         for (; u < units; u++) superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, w + u * kBytes[QT]);
