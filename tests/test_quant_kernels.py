@@ -188,6 +188,15 @@ def test_stacked_parts(variant, tokens):
         quant.linear(x, [parts[0], weight("q4_0")[0]])
 
 
+def test_pickles_after_use():
+    import pickle
+    w, _ = weight("q4_0")
+    x = torch.randn(2, w.shape[1])
+    y = quant.linear(x, w)
+    w2 = pickle.loads(pickle.dumps(w))
+    assert w2.qtype == w.qtype and w2.shape == w.shape and torch.equal(quant.linear(x, w2), y)
+
+
 def test_concat_rows():
     a, _ = weight("q4_k", rows=5, seed=1)
     b, _ = weight("q4_k", rows=7, seed=2)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -129,6 +130,14 @@ class QuantizedWeight:
                 (rows > 1 and self.data.stride(1) != 1):
             raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 [{rows}, {self.row_bytes}] with "
                              f"contiguous rows, got {self.data.dtype} {tuple(self.data.shape)}")
+
+    def __getstate__(self) -> dict:          # picklable (to other processes): without the address cache
+        return {k: v for k, v in self.__dict__.items() if k != "_part"}
+
+    @functools.cached_property
+    def _part(self) -> "_Part":
+        """This weight as the kernels' QuantPart (built once: linear() runs per layer per step)."""
+        return _Part(_QTYPE_ID[self.qtype], self.data.data_ptr(), self.data.stride(0), self.shape[0])
 
     @property
     def row_bytes(self) -> int:
@@ -348,9 +357,9 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
 
 
 def _c_parts(parts: list[QuantizedWeight]):
-    array = (_Part * len(parts))(*[_Part(_QTYPE_ID[p.qtype], p.data.data_ptr(), p.data.stride(0), p.shape[0])
-                                   for p in parts])
-    return array, len(parts)
+    if len(parts) == 1:
+        return ctypes.byref(parts[0]._part), 1
+    return (_Part * len(parts))(*[p._part for p in parts]), len(parts)
 
 
 def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
