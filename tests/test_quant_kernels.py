@@ -209,11 +209,14 @@ def test_concat_rows():
 
 @pytest.mark.parametrize("qtype", quant.QUANTIZE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_matches_gguf(qtype, dtype):
+def test_quantize_matches_gguf(variant, qtype, dtype):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 256, generator=g) * torch.rand(37, 1, generator=g)).to(dtype)
     x[3] = 0                                                     # an all-zero row: d = 0
-    x[4, :32] = torch.tensor([1.0, -1.0] * 16)
+    x[4, :32] = torch.tensor([1.0, -1.0] * 16)                   # ties in magnitude
+    x[5] *= 1e-6                                                 # d a subnormal fp16 (or zero)
+    x[6] *= 1e5                                                  # d past fp16's range
+    x[7, 64:96] = torch.linspace(-3.5, 4.5, 32)                  # values on rounding boundaries
     w = quant.quantize(x, qtype)
     expected = gq.quantize(x.float().numpy(), GGUF_TYPE[qtype])
     assert np.array_equal(w.data.numpy(), expected)

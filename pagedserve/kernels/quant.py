@@ -101,6 +101,8 @@ class _Part(ctypes.Structure):
 _SIGNATURES = {
     # qtype, w, ldw (bytes), rows, cols, out (float32), ldo
     "quant_dequantize": [ctypes.c_int, _P, _I, _I, _I, _P, _I],
+    # qtype, x, ldx, x_is_bf16, rows, cols, out, ldo (bytes)
+    "quant_quantize": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I],
     # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
     "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
     # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_*), tile_rows
@@ -300,7 +302,8 @@ def _quantize_blocks(qtype: str, x: torch.Tensor) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     """A float / bf16 [rows, cols] weight in q8_0 or q4_0 (the same bytes as
-    gguf.quants.quantize), row chunk by row chunk (never a float32 copy of the whole matrix)."""
+    gguf.quants.quantize): in C++ over the weight as it is, else in torch row chunk by row
+    chunk (never a float32 copy of the whole matrix)."""
     if qtype not in QUANTIZE_TYPES:
         raise ValueError(f"quantize() makes {', '.join(QUANTIZE_TYPES)}, not {qtype!r}")
     rows, cols = weight.shape
@@ -308,6 +311,15 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
         raise ValueError(f"{qtype}: {cols} columns are not a multiple of its block ({BLOCK[qtype]})")
     row_bytes = cols // BLOCK[qtype] * BLOCK_BYTES[qtype]
     data = torch.empty(rows, row_bytes, dtype=torch.uint8)
+    lib = load()
+    if lib is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_cpu:
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        if rows:
+            _check(lib.quant_quantize(_QTYPE_ID[qtype], weight.data_ptr(), weight.stride(0),
+                                      int(weight.dtype == torch.bfloat16), rows, cols, data.data_ptr(), row_bytes),
+                   "quant_quantize")
+        return QuantizedWeight(qtype, (rows, cols), data)
     for r0, r1 in _row_chunks(rows, cols):
         chunk = weight[r0:r1].float().reshape(-1, BLOCK[qtype])
         data[r0:r1] = _quantize_blocks(qtype, chunk).view(r1 - r0, row_bytes)
