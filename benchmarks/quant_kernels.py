@@ -3,8 +3,9 @@ kernels/cpu.py, at a SmolLM2-1.7B-shaped layer (hidden 2048, MLP 8192: qkv 6144x
 2048x2048, gate_up 16384x2048, down 2048x8192), over several layers' worth of distinct weights
 so they stream from memory as in a real step.
 
-    .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T in 1, 4, 16, 128
-    .venv/bin/python benchmarks/quant_kernels.py             # ~5 min: 4 layers, more T, every variant
+    .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T in 1, 4, 16, 128, the active variant
+    .venv/bin/python benchmarks/quant_kernels.py --tiny      # seconds: shapes / 8 (checks the script runs)
+    .venv/bin/python benchmarks/quant_kernels.py             # ~10 min: 4 layers, more T, every variant
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's bandwidth) and GFLOP/s; the bf16 row is

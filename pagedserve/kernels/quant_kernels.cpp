@@ -573,6 +573,20 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
         for (; u < units; u++) superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, w + u * kBytes[QT]);
     }
 #endif
+    if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
+        Acc<NT> other;
+        for (; u + 2 <= units; u += 2) {
+            Piece p0, p1;
+            decode<QT>(w + u * kBytes[QT], &p0);
+            decode<QT>(w + (u + 1) * kBytes[QT], &p1);
+            accumulate<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, p0);
+            accumulate<QT, NT>(other, a, qa + (u + 1) * 32, da + u + 1, dsa + u + 1, p1);
+        }
+        for (int t = 0; t < NT; t++) {
+            acc.v[t] = _mm256_add_ps(acc.v[t], other.v[t]);
+            acc.s[t] += other.s[t];
+        }
+    }
     for (; u < units; u++) {          // 256-bit pieces (every unit on AVX2 / AVX-VNNI; an odd last block here)
         Piece p[P];
         decode<QT>(w + u * kBytes[QT], p);
