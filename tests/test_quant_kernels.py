@@ -88,8 +88,12 @@ def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bia
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 9, 16])
-def test_linear_small_batches(variant, qtype, tokens):
-    w, _ = weight(qtype)
+@pytest.mark.parametrize("width", ["narrow", "wide"])
+def test_linear_small_batches(variant, qtype, tokens, width):
+    """Widths of 3 or 9 blocks (32-element types), 1 or 3 super-blocks: every unrolled loop and
+    its tail; T across the passes of 4 or 8 activation rows."""
+    cols = cols_for(qtype) if width == "wide" else quant.BLOCK[qtype] * (3 if quant.BLOCK[qtype] == 32 else 1)
+    w, _ = weight(qtype, cols=cols)
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
     y = quant.linear(x, w)
     assert y.shape == (tokens, ROWS) and y.dtype == torch.float32
