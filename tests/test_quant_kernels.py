@@ -148,6 +148,8 @@ def test_bias_and_bf16(variant, qtype):
         assert y.dtype == torch.bfloat16
         y32 = quant.linear(x.float(), w, bias)
         assert torch.equal(y, y32.bfloat16())          # bf16 in: exact in float32; out: rounded once
+        wide = torch.cat([x, x[:, :64]], dim=1)[:, :w.shape[1]]   # rows strided (a view of a wider buffer)
+        assert wide.stride(0) != wide.shape[1] and torch.equal(quant.linear(wide, w, bias), y)
         if variant != "torch":
             _check_small(y32, x.float(), w, bias)
 
