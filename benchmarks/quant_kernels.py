@@ -3,7 +3,7 @@ kernels/cpu.py, at a SmolLM2-1.7B-shaped layer (hidden 2048, MLP 8192: qkv 6144x
 2048x2048, gate_up 16384x2048, down 2048x8192), over several layers' worth of distinct weights
 so they stream from memory as in a real step.
 
-    .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T in 1, 4, 16, 128, the active variant
+    .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T 1-128, the active variant
     .venv/bin/python benchmarks/quant_kernels.py --tiny      # seconds: shapes / 8 (checks the script runs)
     .venv/bin/python benchmarks/quant_kernels.py             # ~10 min: 4 layers, more T, every variant
 
@@ -104,8 +104,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers, threads=torch.get_num_threads(),
-                                   results=results), indent=1))
+    out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers,
+                                   threads=torch.get_num_threads(), results=results), indent=1))
     print(f"wrote {out}")
 
 

@@ -31,16 +31,17 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     nb, bb = cols // 256, quant.BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(rows, nb, bb), dtype=np.uint8)
 
-    def f16(n):
+    def f16():
         return (rng.uniform(0.0005, 0.004, size=(rows, nb, 1)).astype(np.float16)).view(np.uint8)
     if qtype in ("q4_k", "q5_k"):
-        blocks[..., 0:2], blocks[..., 2:4] = f16(1), f16(1)
+        blocks[..., 0:2], blocks[..., 2:4] = f16(), f16()
     else:
-        blocks[..., 208:210] = f16(1)
+        blocks[..., 208:210] = f16()
     return blocks.reshape(rows, nb * bb)
 
 
-def weight(qtype: str, rows: int = ROWS, cols: int | None = None, seed: int = 0) -> tuple[quant.QuantizedWeight, np.ndarray]:
+def weight(qtype: str, rows: int = ROWS, cols: int | None = None,
+           seed: int = 0) -> tuple[quant.QuantizedWeight, np.ndarray]:
     cols = cols or cols_for(qtype)
     raw = random_blocks(qtype, rows, cols, seed)
     return quant.from_gguf_blocks(qtype, torch.from_numpy(raw), (rows, cols)), raw

@@ -504,7 +504,8 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
         for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
-            __m512i raw = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+            __m512i raw = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
             if constexpr (QT == Q5_K) {
                 const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)),
                                                      _mm256_srli_epi16(qh, 2 * c + 1), 1);
@@ -520,21 +521,24 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         }
     } else if constexpr (QT == Q6_K) {
         // d * scale of the 16 groups of 16, times dx of their 32-element block, per row.
-        const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                          _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)))));
+        const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192));
+        const __m512 dsc =
+            _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
         const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         __m512 S[NT];
         for (int t = 0; t < NT; t++)
-            S[t] = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
+            S[t] = _mm512_mul_ps(
+                dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
         const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
         for (int h = 0; h < 2; h++) {
-            const __m512i L = _mm512_loadu_si512(b + 64 * h);     // ql of elements 128h + [0, 64) (low) / [64, 128) (high)
+            const __m512i L = _mm512_loadu_si512(b + 64 * h);   // ql: elements 128h + [0, 64) low, [64, 128) high
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
             const __m512i Q = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
             for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
                 const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
                 const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
-                const Codes codes = codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
+                const Codes codes =
+                    codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
                 const int g = 8 * h + 4 * half;
                 const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
                                                          g + 2, g + 3, g + 3, g + 3, g + 3);
@@ -661,7 +665,10 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
             for (int t = 0; t < NT; t++) {
                 const int8_t *q = a.q + (t0 + t) * a.K + j * 32;
                 int dot0 = 0, dot1 = 0;
-                for (int i = 0; i < 16; i++) dot0 += codes[s * 32 + i] * q[i], dot1 += codes[s * 32 + 16 + i] * q[16 + i];
+                for (int i = 0; i < 16; i++) {
+                    dot0 += codes[s * 32 + i] * q[i];
+                    dot1 += codes[s * 32 + 16 + i] * q[16 + i];
+                }
                 const int dot = dot0 * scale16[2 * s] + dot1 * scale16[2 * s + 1];
                 acc[t] += (A[s] * a.d[(t0 + t) * a.nb + j]) * float(dot);
                 acc[t] += C[s] * a.ds[(t0 + t) * a.nb + j];
@@ -864,7 +871,8 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
 #pragma omp parallel if (N * K * T >= 32768)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * nb; i++) quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
+        for (int64_t i = 0; i < T * nb; i++)
+            quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < N; r++) {
             int64_t p = 0;
