@@ -849,6 +849,21 @@ extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const 
     return 0;
 }
 
+namespace {
+// The first row (of the parts stacked) whose bytes start at or after byte `at` of their bytes.
+int64_t row_at_byte(const QuantPart *parts, int64_t nparts, int64_t K, int64_t at) {
+    int64_t first = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+        const int64_t bytes = parts[p].rows * row_bytes;
+        if (at < bytes) return first + (at + row_bytes - 1) / row_bytes;
+        at -= bytes;
+        first += parts[p].rows;
+    }
+    return first;
+}
+}  // namespace
+
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
 // by rows (K columns each), through the integer dots. 0 on success.
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
@@ -860,8 +875,9 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     const Act a{q.data(), d.data(), ds.data(), K, nb};
     std::vector<RowFn> full(nparts), tail(nparts);
     std::vector<int64_t> ends(nparts);        // one past each part's last row in y
-    int64_t N = 0;
+    int64_t N = 0, total = 0;                 // rows, weight bytes
     for (int64_t p = 0; p < nparts; p++) {
+        total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
         full[p] = row_fn(int(parts[p].qtype), int(std::min<int64_t>(kMaxNT, T)));
         tail[p] = row_fn(int(parts[p].qtype), int(T % kMaxNT));
         ends[p] = N += parts[p].rows;
@@ -873,8 +889,12 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * nb; i++)
             quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < N; r++) {
+        // Each thread a contiguous range of rows holding an equal share of the weight bytes
+        // (parts of different types cost differently per row).
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t begin = row_at_byte(parts, nparts, K, total * tid / nt);
+        const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
+        for (int64_t r = begin; r < end; r++) {
             int64_t p = 0;
             while (r >= ends[p]) p++;
             const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
