@@ -277,3 +277,18 @@ def test_the_default_models_gguf_tensors():
             x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
             exact = x @ expected.T
             assert float((quant.linear(x, w) - exact).norm() / exact.norm()) < 2e-2
+
+
+def test_thread_counts_agree():
+    """Rows split across threads by bytes: any thread count gives the same bits."""
+    parts = [weight("q4_k", rows=21, seed=1)[0], weight("q6_k", rows=30, seed=2)[0]]
+    x = torch.randn(3, 768)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(quant.linear(x, parts))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], r) for r in results[1:])
