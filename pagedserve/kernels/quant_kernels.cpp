@@ -2,18 +2,24 @@
 // family from this file and calls it through ctypes; no torch headers).
 //
 // quant_dequantize: blocks -> float32 rows, the same float operations as gguf.quants (exact).
+// quant_quantize: float32 / bf16 rows -> q8_0 or q4_0 blocks, the bytes of gguf.quants.
 // quant_linear_small: y = x @ W.T for a few rows of x: x is quantized once per call into 8-bit
-// blocks of 32 (int8 q, float scale dx = max|x|/127, and dx * sum(q) for types with a minimum),
-// then each 32 elements of a weight row give one integer dot product (unsigned or signed codes
-// times the int8 activations) and one float32 multiply-add by its scale:
+// blocks of 32 (int8 q, float scale dx = max|x|/127, and dx * sum(q) for the minimum terms),
+// then each 32 weights of a row give one integer dot product (unsigned or signed codes times
+// the int8 activations) and one float32 multiply-add by its scale:
 //     y += (A * dx) * dot(code, q)   [+ C * dx * sum(q)   where the type has a minimum]
-// Offsets (q4_0: 8, q5_0: 16, q6_k: 32) are subtracted from the codes in integers (signed x
-// signed dot), q6_k's per-16 scales multiply the dot's lanes in integers; only the float sums'
-// order differs between variants and the scalar loop.
+// Offsets (q4_0: 8, q5_0: 16, q6_k: 32, q8_0 none) are subtracted from the codes (signed x
+// signed dot) or, on AVX-512 for q4_0 / q5_0, made minimum terms C = -8 A / -16 A; q6_k's
+// per-16 scales multiply the dot's lanes. The integers are exact everywhere: variants and the
+// scalar loop differ only in the order of the float sums.
+// quant_linear_tiles: y = x @ W.T for many rows of x: tiles of W dequantized into the packed
+// layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in).
 //
-// Vector paths use 256-bit registers in every build; the build's target flags choose the dot
-// product: AVX512-VNNI (with VL) or AVX-VNNI vpdpbusd, else AVX2 maddubs + madd (no pair can
-// saturate: unsigned codes <= 31, and the signed dot multiplies |w| <= 128 by sign-adjusted q).
+// Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
+// a super-block) with scales converted two or eight at a time; `avxvnni` and `avx2` run 32
+// per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
+// signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
+// A row's weights are read where they lie (the file's layout): each thread streams its rows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
