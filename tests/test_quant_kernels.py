@@ -50,7 +50,9 @@ def weight(qtype: str, rows: int = ROWS, cols: int | None = None,
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(quant, "load", lambda: None)
+        monkeypatch.setattr(quant, "load", lambda: None)        # as where no compiler builds a variant
+        monkeypatch.setattr(quant, "_lib", None)
+        monkeypatch.setattr(quant, "_active", "torch")
         yield "torch"
     else:
         with quant.using_variant(request.param) as lib:

@@ -353,14 +353,18 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     w may be several weights of one width (any types), stacked by rows as one product: a fused
     projection (qkv, gate_up) whose parts are stored apart, with no copy of them (the
     activations are quantized once, one parallel pass covers every part's rows)."""
-    parts = [w] if isinstance(w, QuantizedWeight) else list(w)
-    cols = parts[0].shape[1]
-    if x.dim() != 2 or x.shape[1] != cols or any(p.shape[1] != cols for p in parts):
-        raise ValueError(f"linear: x {tuple(x.shape)} does not match weights {[p.shape for p in parts]}")
+    if isinstance(w, QuantizedWeight):        # the common case, per layer per step: few checks
+        parts, (rows, cols) = [w], w.shape
+    else:
+        parts = list(w)
+        rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        if any(p.shape[1] != cols for p in parts):
+            raise ValueError(f"linear: weights of different widths {[p.shape for p in parts]}")
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match weights of width {cols}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"linear: x must be float32 or bfloat16, got {x.dtype}")
-    rows = sum(p.shape[0] for p in parts)
-    lib = load()
+    lib = _lib if _active is not None else load()
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=x.dtype)
     if lib is not None and x.shape[0] <= SMALL_BATCH_ROWS:
@@ -376,7 +380,7 @@ def _c_parts(parts: list[QuantizedWeight]):
 
 def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
     """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS)."""
-    rows, cols = sum(p.shape[0] for p in parts), x.shape[1]
+    rows, cols = parts[0].shape[0] if len(parts) == 1 else sum(p.shape[0] for p in parts), x.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     bias32 = None if bias is None else bias.float().contiguous()
