@@ -243,6 +243,21 @@ def test_refusals():
     assert flat.data.shape == (2, 68)
 
 
+def test_c_entry_points():
+    """A compiled caller's view: the C function by address, the weight as a QuantPart."""
+    import ctypes
+    w, _ = weight("q4_0")
+    x = torch.randn(2, w.shape[1])
+    address = quant.kernel_address("quant_linear_small")
+    assert address
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *quant._SIGNATURES["quant_linear_small"])(address)
+    y = torch.empty(2, w.shape[0])
+    part = quant.c_part(w)
+    assert fn(ctypes.addressof(part), 1, x.data_ptr(), x.stride(0), 0, 2, w.shape[1], None, y.data_ptr(),
+              w.shape[0], 0) == 0
+    assert torch.equal(y, quant.linear(x, w))
+
+
 def test_variant_choice(monkeypatch):
     info = quant.describe()
     assert info["quant_kernels"] in quant.supported_variants()

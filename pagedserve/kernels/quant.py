@@ -93,8 +93,9 @@ if platform.machine() not in ("x86_64", "AMD64"):
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Part(ctypes.Structure):
-    """QuantPart in quant_kernels.cpp: one weight of a row-stacked product."""
+class QuantPart(ctypes.Structure):
+    """QuantPart in quant_kernels.cpp: a weight (one part of a row-stacked product) as the C
+    functions take it."""
     _fields_ = [("qtype", ctypes.c_int64), ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("rows", ctypes.c_int64)]
 
 
@@ -137,9 +138,9 @@ class QuantizedWeight:
         return {k: v for k, v in self.__dict__.items() if k != "_part"}
 
     @functools.cached_property
-    def _part(self) -> "_Part":
+    def _part(self) -> "QuantPart":
         """This weight as the kernels' QuantPart (built once: linear() runs per layer per step)."""
-        return _Part(_QTYPE_ID[self.qtype], self.data.data_ptr(), self.data.stride(0), self.shape[0])
+        return QuantPart(_QTYPE_ID[self.qtype], self.data.data_ptr(), self.data.stride(0), self.shape[0])
 
     @property
     def row_bytes(self) -> int:
@@ -375,7 +376,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
 def _c_parts(parts: list[QuantizedWeight]):
     if len(parts) == 1:
         return ctypes.byref(parts[0]._part), 1
-    return (_Part * len(parts))(*[p._part for p in parts]), len(parts)
+    return (QuantPart * len(parts))(*[p._part for p in parts]), len(parts)
 
 
 def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
@@ -513,6 +514,21 @@ def using_variant(name: str):
     finally:
         if previous is not None:
             use_variant(previous)
+
+
+def kernel_address(name: str) -> int | None:
+    """The address of the active variant's C function `name` (quant_linear_small,
+    quant_linear_tiles, quant_dequantize, quant_quantize; signatures in quant_kernels.cpp), for
+    compiled callers such as a layer loop that runs every projection without Python; pass
+    weights as `c_part(w)`. None where no variant is built."""
+    lib = load()
+    return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def c_part(w: QuantizedWeight) -> QuantPart:
+    """w as the C functions' QuantPart (built once per weight; holds w.data's address: keep w
+    alive while it is used)."""
+    return w._part
 
 
 def variant() -> str | None:
