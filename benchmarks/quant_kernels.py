@@ -8,7 +8,7 @@ so they stream from memory as in a real step.
     .venv/bin/python benchmarks/quant_kernels.py             # ~10 min: 4 layers, more T, every variant
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
-per pass / time: the decode bound is the machine's bandwidth) and GFLOP/s; the bf16 row is
+per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
 the same shapes through cpu.linear over packed bf16 weights; rows with a `path` time the integer
 path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS should be). Prints a table and writes
 benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
@@ -70,6 +70,13 @@ def main() -> None:
     params = layers * sum(n * k for n, k in SHAPES)
     results = []
 
+    # The machine's read bandwidth (torch's threaded sum over 256 MiB): the bound decode should reach.
+    probe = torch.ones((16 if args.tiny else 256) << 18, dtype=torch.float32)
+    sec = median_seconds(lambda: probe.sum(), repeats)
+    read_gbs = probe.numel() * 4 / sec / 1e9
+    print(f"read bandwidth (torch sum): {read_gbs:.1f} GB/s")
+    del probe
+
     bf16 = [cpu.pack_weight(torch.randn(n, k).bfloat16()) for _ in range(layers) for n, k in SHAPES]
     for t in tokens:
         xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
@@ -104,7 +111,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers,
+    out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers, read_gbs=read_gbs,
                                    threads=torch.get_num_threads(), results=results), indent=1))
     print(f"wrote {out}")
 
