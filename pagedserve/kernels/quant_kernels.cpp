@@ -758,6 +758,15 @@ extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t r
     return 0;
 }
 
+// out float32 [n][cols] = rows ids[0..n) of W (an embedding lookup); ids checked by the caller.
+extern "C" int quant_dequantize_rows(int qt, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
+                                     int64_t cols, float *out) {
+    if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
+#pragma omp parallel for schedule(static) if (n * cols >= 65536)
+    for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + ids[i] * ldw, cols, out + i * cols);
+    return 0;
+}
+
 namespace {
 // n floats -> bf16, rounded to nearest even (NaN stays a quiet NaN), as f32_to_bf16.
 void to_bf16(const float *x, uint16_t *y, int64_t n) {
