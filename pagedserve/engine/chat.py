@@ -12,6 +12,17 @@ _RESERVED = {"conversation", "tokenize", "add_generation_prompt", "continue_fina
              "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def developer_as_system(conversation: Conversation, template: Any) -> Conversation:
+    """OpenAI's newer clients send `developer` for what was `system`: it reaches a template that
+    knows the role as is, and one that does not as `system` (vLLM passes it through)."""
+    if "developer" in str(template or "") or not any(m.get("role") == "developer" for m in conversation):
+        return conversation
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation]
+
+
 def load_chat_template(template: str | None) -> str | None:
     """A chat template given as Jinja text or as the path of a file holding it."""
     if template is None or "{" in template:
@@ -30,8 +41,9 @@ def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bo
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"each message needs a role of system, user, assistant or tool; got {m!r}")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"each message needs a role of system, developer, user, assistant or tool; got {m!r}")
+    conversation = developer_as_system(conversation, chat_template or tokenizer.chat_template)
     reserved = _RESERVED & set(chat_template_kwargs or ())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")

@@ -26,7 +26,8 @@ from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.engine.stats import SchedulerStats
 from pagedserve.kernels.threads import configure_threads
-from pagedserve.models.loader import default_model_path, generation_defaults, is_gguf, load_tokenizer
+from pagedserve.models.loader import (GENERATION_DEFAULTS, default_model_path, generation_defaults, is_gguf,
+                                     load_tokenizer)
 from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
@@ -63,6 +64,16 @@ class RequestsFailed(Exception):
         self.outputs = outputs
 
 
+def override_generation_defaults(override: dict) -> dict:
+    """--override-generation-config's keys (generation_config.json's names, or SamplingParams')
+    as SamplingParams keywords; a key that is neither is refused."""
+    known = set(GENERATION_DEFAULTS) | set(GENERATION_DEFAULTS.values())
+    unknown = sorted(set(override) - known)
+    if unknown:
+        raise ValueError(f"override_generation_config: unsupported keys {unknown}; supported: {', '.join(sorted(known))}")
+    return {GENERATION_DEFAULTS.get(k, k): v for k, v in override.items()}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         self.config = config
@@ -84,6 +95,8 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.default_sampling = generation_defaults(path, config.generation_config)
+        if config.override_generation_config:   # vLLM's --override-generation-config: its keys win
+            self.default_sampling.update(override_generation_defaults(config.override_generation_config))
         if self.default_sampling:
             logger.info("sampling defaults from the model's generation config (requests may override them; "
                         "generation_config='vllm' ignores them): %s", self.default_sampling)

@@ -37,8 +37,10 @@ from pagedserve.server.state import DEFAULT_MODEL_NAME, ServerState
 
 logger = logging.getLogger("pagedserve.server")
 
-# Routes that answer without an API key and while the engine is not ready.
-OPEN_PATHS = {"/health", "/version", "/metrics"}
+# Routes that answer without an API key and while the engine is not ready (the health checks
+# answer 503 until it is: /ping is vLLM's SageMaker-style /health).
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+HEALTH_PATHS = {"/health", "/ping"}
 
 
 class GateMiddleware:
@@ -97,7 +99,7 @@ class GateMiddleware:
 
     def _refuse(self, scope) -> APIError | None:
         state, path = self.state, scope["path"]
-        if (path in OPEN_PATHS and path != "/health") or path in PAGE_FILES:
+        if (path in OPEN_PATHS and path not in HEALTH_PATHS) or path in PAGE_FILES:
             return None
         if state.shutting_down:
             return APIError(503, "the server is shutting down")
@@ -128,7 +130,8 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             state.prompts.close()
         await state.llm.shutdown()
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if server and server.disable_fastapi_docs else {}
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **no_docs)
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
     if server is not None and server.allowed_origins:
@@ -142,6 +145,15 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> dict:
+        """vLLM's server load: the HTTP requests in flight (this one not counted)."""
+        return {"server_load": max(state.num_in_flight - 1, 0)}
 
     @app.get("/version")
     async def version() -> dict:
@@ -179,7 +191,10 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             (ids,) = await state.prompts.encode([body.prompt], add_special_tokens=body.add_special_tokens)
         else:
             ids = await state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
-        return {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = state.llm.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
@@ -274,7 +289,7 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
                         max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
                         s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
                         enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
-                        kv_snapshot_interval=s.kv_snapshot_interval)
+                        kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling)
     app = build_app(state, s)
     uv_config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.uvicorn_log_level,
                                access_log=not s.disable_uvicorn_access_log,

@@ -158,8 +158,10 @@ def _finite(logprob: float) -> float:
 class TokenTexts:
     """Each token's own text, decoded once."""
 
-    def __init__(self, tokenizer) -> None:
-        self.text = lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+    def __init__(self, tokenizer, as_token_ids: bool = False) -> None:
+        # --return-tokens-as-token-ids: "token_id:N", as vLLM names them.
+        decode = (lambda token: f"token_id:{token}") if as_token_ids else (lambda token: tokenizer.decode([token]))
+        self.text = lru_cache(maxsize=1 << 16)(decode)
 
     def completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
                             offset: int, out: CompletionLogprobs) -> int:
@@ -244,7 +246,7 @@ class Serving:
         # (More sequences than the engine runs at once: refused by the engine, like every check
         # that depends on its configuration.)
         self.n = body.n
-        self.texts = TokenTexts(self.llm.tokenizer)
+        self.texts = TokenTexts(self.llm.tokenizer, state.options.return_tokens_as_token_ids)
         self.prompt_tokens: dict[int, int] = {}
         self._choices: dict[int, _ChoiceState] = {}
         include = body.stream_options.include_usage if body.stream_options else False
@@ -527,7 +529,8 @@ class ChatServing(Serving):
         content, calls = c.text, []
         if self.tools is not None:
             content, calls = parse_tool_calls(self.tools, c.text)
-        return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+        message = ChatResponseMessage(role=self.state.options.response_role, content=content, tool_calls=calls)
+        return ChatChoice(index=c.index, message=message,
                           logprobs=self._logprobs(c, slice(0, len(c.token_ids))),
                           finish_reason=self._finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
 
@@ -549,7 +552,8 @@ class ChatServing(Serving):
             content, calls = streamer.feed(delta.text, delta.finished)
             calls = calls or None
             finish_reason = self._finish_reason(finish_reason, streamer.calls > 0)
-        message = DeltaMessage(role="assistant" if delta.first else None, content=content, tool_calls=calls)
+        message = DeltaMessage(role=self.state.options.response_role if delta.first else None, content=content,
+                               tool_calls=calls)
         choice = ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(c, delta.new_tokens),
                                   finish_reason=finish_reason if delta.finished else None,
                                   stop_reason=c.stop_reason if delta.finished else None)

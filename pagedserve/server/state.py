@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import PrometheusStatLogger
 from pagedserve.server.prompts import PromptProcessor
@@ -35,6 +36,10 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     kv_snapshot_interval: float = 0.5   # seconds between the dashboard's KV snapshots (server/dashboard.py)
+    # The rest of the server's settings (response_role, the responses store, ...), and whether the
+    # engine is a pooling one (embeddings only: runner pooling).
+    options: ServerConfig = field(default_factory=ServerConfig)
+    pooling: bool = False
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
