@@ -82,6 +82,10 @@ class Request:
     sampling: SamplingSettings | None = None  # the sampler's view of params (set by the scheduler)
     # Structured outputs: the grammar's compile and each sequence's matcher (structured/manager.py).
     structured: Any = None
+    # A pooling request (PoolingParams): its pooling type (LAST, MEAN, CLS) and what the chunks
+    # computed so far pooled (a float32 vector; MEAN: the sum of the rows).
+    pooling: str | None = None
+    pooled: Any = None
 
     @property
     def waiting_for_grammar(self) -> bool:
@@ -108,6 +112,13 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs need every prompt position computed, so no prefix-cache hits."""
         return self.prompt_logprobs is not None
+
+    @property
+    def computes_every_prompt_token(self) -> bool:
+        """No prefix-cache hits: prompt logprobs and MEAN or CLS pooling read every position's
+        (or the first's) hidden state; LAST pooling reads the last token's, which a prefix hit
+        never covers (lookup_block_keys)."""
+        return self.wants_prompt_logprobs or self.pooling in ("MEAN", "CLS")
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -55,6 +55,9 @@ def test_ping_load_and_token_strings(server, http, tiny_llama):
     assert "token_strs" not in http.post("/tokenize", json={"prompt": PROMPT}).json()
     assert out["max_model_len"] == 500                                    # --max-model-len 0.5k
     assert http.get("/docs").status_code == 404 and http.get("/openapi.json").status_code == 404
+    # A generating server asked for embeddings: a 400 naming the flag, not a 404.
+    r = http.post("/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
 
 
 def test_developer_role_response_role_and_token_ids(client, http, tiny_llama):

@@ -32,6 +32,7 @@ from pagedserve.server.errors import APIError, bad_request, install_error_handle
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
+from pagedserve.server.embeddings import add_embedding_routes
 from pagedserve.server.responses import add_responses_routes
 from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
 from pagedserve.server.state import DEFAULT_MODEL_NAME, ServerState
@@ -208,6 +209,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
     add_responses_routes(app, state)
+    add_embedding_routes(app, state)
     hub = KVStreamHub(state.llm, state.kv_snapshot_interval)
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)

@@ -271,9 +271,6 @@ class ResponsesServing(ChatServing):
             await super()._abort_on_disconnect(stream)
 
     async def create(self) -> JSONResponse | StreamingResponse:
-        if self.state.pooling:
-            raise bad_request("this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
-                              "not /v1/responses", "model")
         self._entry = None
         stream = await self.start()
         entry = None

@@ -239,6 +239,9 @@ class Serving:
         self.id = random_id(self.id_prefix)
         self.created = int(time.time())
         self.model = state.check_model(body.model)
+        if state.pooling:
+            raise bad_request("this server runs a pooling model (--runner pooling): it serves /v1/embeddings, not "
+                              "generation", "model")
         for name in ("n", "best_of"):   # checked first: both are sequence counts from here on
             value = getattr(body, name)
             if value is not None and value < 1:
