@@ -165,3 +165,62 @@ def test_the_default_models_hub_id_is_the_bundled_file_offline(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
     assert "serving the bundled copy" in res.stderr
+
+
+# ---- the shipped tool template and the warning -------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_the_template_does_not_show_are_warned_about(client, server):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice="none", max_tokens=2)
+    assert "renders no tools" in raw.headers["warning"] and raw.parse().choices[0].message.content is not None
+    plain = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                             max_tokens=2)
+    assert "warning" not in plain.headers
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+                                   tool_choice="none", max_tokens=2)
+    assert server.log().count("renders no tools") == 1                     # logged once
+
+
+def test_the_shipped_hermes_template(tiny_llama):
+    from pagedserve.chat_templates import renders_tools
+    from pagedserve.engine.chat import load_chat_template
+    from pagedserve.server.tools import ToolPlan, parse_tool_calls
+    hermes = load_chat_template("hermes")
+    assert hermes == load_chat_template("tool_chat_template_hermes.jinja") and renders_tools(hermes)
+    with pytest.raises(ValueError, match="shipped template"):
+        load_chat_template("no-such-template")
+    tok = tiny_llama.tokenizer
+    conv = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = tok.decode(render_chat(tok, conv, True, hermes, tools=[WEATHER]))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n") and '"name": "get_weather"' in text
+    assert "<tools>" in text and "<tool_response>\nsunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # The call the template shows is the one the hermes parser reads back.
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    _, calls = parse_tool_calls(ToolPlan("auto", [WEATHER]), turn)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    # Selectable where a template is asked for: LLM(chat_template=...) (and so --chat-template hermes).
+    llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=32, chat_template="hermes")
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), tools=[WEATHER], use_tqdm=False)
+    assert "<tools>" in tok.decode(out[0].prompt_token_ids)
+
+
+def test_hermes_template_is_smollm2s_own_without_tools():
+    from pagedserve.engine.chat import load_chat_template
+    from pagedserve.models.loader import default_model_path, load_tokenizer
+    try:
+        tok = load_tokenizer(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather in Paris?"}]
+    hermes = load_chat_template("hermes")
+    assert render_chat(tok, conv, True, hermes) == render_chat(tok, conv, True)
+    # SmolLM2's own template drops the tools; the shipped one shows them.
+    assert render_chat(tok, conv, True, tools=[WEATHER]) == render_chat(tok, conv, True)
+    assert len(render_chat(tok, conv, True, hermes, tools=[WEATHER])) > len(render_chat(tok, conv, True)) + 30

@@ -24,12 +24,18 @@ def developer_as_system(conversation: Conversation, template: Any) -> Conversati
 
 
 def load_chat_template(template: str | None) -> str | None:
-    """A chat template given as Jinja text or as the path of a file holding it."""
+    """A chat template given as Jinja text, as the path of a file holding it, or as the name of
+    one shipped with pagedserve (pagedserve/chat_templates: `hermes`)."""
     if template is None or "{" in template:
         return template
     path = Path(template).expanduser()
     if not path.is_file():
-        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+        from pagedserve.chat_templates import SHIPPED, shipped_template
+        shipped = shipped_template(template)
+        if shipped is not None:
+            return shipped
+        raise ValueError(f"chat_template {template!r} is neither a file, a Jinja template nor a shipped template "
+                         f"({', '.join(SHIPPED)})")
     return path.read_text()
 
 

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.errors import APIError, bad_request, invalid_body
 from pagedserve.server.protocol import ChatCompletionRequest, Int, OpenAIModel
@@ -251,6 +252,8 @@ class ResponsesServing(ChatServing):
         body, llm = self.body, self.llm
         self.top = None
         self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
+        if self.tools is not None:
+            self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
         tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
         structured = await self.constraint(tool_constraint)
         ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, True, False, None,
@@ -280,16 +283,16 @@ class ResponsesServing(ChatServing):
         self._entry = entry
         if self.req.background:
             entry.task = asyncio.create_task(self._run_in_background(stream))
-            return JSONResponse(entry.response)
+            return JSONResponse(entry.response, headers=warning_headers(self.warning))
         if self.req.stream:
             return StreamingResponse(self._events(stream), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
         try:
             (final,) = await self.final_outputs(stream)
         except APIError:
             self._finish_entry(None)
             raise
-        return JSONResponse(self._finish_entry(final))
+        return JSONResponse(self._finish_entry(final), headers=warning_headers(self.warning))
 
     async def _run_in_background(self, stream) -> None:
         try:

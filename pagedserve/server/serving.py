@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
+from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, QueueFullError,
                                          RequestStream)
 from pagedserve.engine.llm import render_chat
@@ -263,6 +264,7 @@ class Serving:
             logger.warning("ignoring request field(s) pagedserve does not support: %s (logged once per field)",
                            ", ".join(sorted(new_ignored)))
         self.defaults = self.llm.default_sampling
+        self.warning: str | None = None     # sent in a Warning header (tools the template does not show)
 
     def log_start(self, items: list) -> None:
         if not self.state.log_requests:
@@ -391,7 +393,7 @@ class Serving:
 
     def streaming_response(self, stream: RequestStream) -> StreamingResponse:
         return StreamingResponse(self._events(stream), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[str]:
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
@@ -505,6 +507,8 @@ class ChatServing(Serving):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
         self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
+        if self.tools is not None:
+            self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
         self._streamers: dict[int, ToolStreamer] = {}
         tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
         structured = await self.constraint(tool_constraint)
@@ -526,7 +530,7 @@ class ChatServing(Serving):
         choices = [self._choice(c) for c in self.returned(final)]
         response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.usage([final]))
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=warning_headers(self.warning))
 
     def _choice(self, c: CompletionOutput) -> ChatChoice:
         content, calls = c.text, []
