@@ -71,6 +71,7 @@ class ResponsesRequest(OpenAIModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
 
 
 # ---- the store ----------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ class ResponsesServing(ChatServing):
         chat = {"model": req.model, "messages": system + self.conversation, "stream": req.stream,
                 "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
                 "parallel_tool_calls": req.parallel_tool_calls, "response_format": response_format(req.text)}
-        for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "user", "ignore_eos"):
+        for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "user", "ignore_eos", "stop"):
             chat[name] = getattr(req, name)
         try:
             body = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
