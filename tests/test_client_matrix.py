@@ -13,27 +13,13 @@ import openai
 import pytest
 import torch
 
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, tiny_server_args
+from tests.server_utils import API_KEY
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-        tmp_path_factory.mktemp("matrix") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def pooling_server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny",
-                                                          "--shutdown-timeout", "0", "--runner", "pooling"),
-                        tmp_path_factory.mktemp("matrix-embed") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(api_server):
+    """tests/api_servers.py: auto tool choice (hermes parser) and the responses store."""
+    return api_server
 
 
 # ---- langchain-openai -----------------------------------------------------------------------------

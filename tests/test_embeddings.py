@@ -15,8 +15,7 @@ import torch
 
 from pagedserve import LLM, InvalidRequestError, PoolingParams, SamplingParams
 from pagedserve.models.loader import default_model_path
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, tiny_server_args
+from tests.server_utils import API_KEY
 
 PROMPTS = ["Once upon a time there was a tiny language model that", "def add(a, b):", "The quick brown fox"]
 
@@ -76,13 +75,9 @@ def test_the_default_model_in_float32():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny",
-                                                          "--shutdown-timeout", "0", "--runner", "pooling",
-                                                          "--pooler-config", '{"pooling_type": "LAST"}'),
-                        tmp_path_factory.mktemp("embed") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(pooling_server):
+    """tests/api_servers.py: --runner pooling (LAST, normalised: the defaults)."""
+    return pooling_server
 
 
 def test_embeddings_route_with_the_openai_client(server, tiny_llama):

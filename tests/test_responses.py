@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, tiny_server_args
+from tests.server_utils import API_KEY
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -22,13 +21,8 @@ TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-responses-api-store",
-        "--responses-api-store-size", "4"), tmp_path_factory.mktemp("responses") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")
