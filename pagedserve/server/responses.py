@@ -37,7 +37,8 @@ from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.errors import APIError, bad_request, invalid_body
 from pagedserve.server.protocol import ChatCompletionRequest, Int, OpenAIModel
-from pagedserve.server.serving import ChatServing, chat_prompt_ids, check_max_tokens, make_params
+from pagedserve.server.serving import (ChatServing, _ignored_fields_logged, chat_prompt_ids, check_max_tokens,
+                                       make_params)
 from pagedserve.server.state import ServerState
 from pagedserve.server.tools import ToolStreamer, parse_tool_calls, plan_tools
 
@@ -215,6 +216,11 @@ class ResponsesServing(ChatServing):
                  store: ResponseStore | None) -> None:
         self.req = req
         self.store = store if req.store else None
+        new_ignored = {f"responses.{k}" for k in req.model_extra or ()} - _ignored_fields_logged
+        if new_ignored:    # e.g. include, reasoning, truncation: accepted, logged once each
+            _ignored_fields_logged.update(new_ignored)
+            logger.warning("ignoring /v1/responses field(s) pagedserve does not support: %s (logged once per field)",
+                           ", ".join(sorted(new_ignored)))
         if req.background and self.store is None:
             raise bad_request("background needs store: true and the server's store (--enable-responses-api-store)",
                               "background")

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Any, Callable
 
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.models.resolve import DEFAULT_HUB_ID
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
@@ -20,7 +21,7 @@ from pagedserve.server.prompts import PromptProcessor
 
 logger = logging.getLogger("pagedserve.server")
 
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = DEFAULT_HUB_ID     # the default model's Hub id (it resolves to the bundled file offline)
 
 
 @dataclass
