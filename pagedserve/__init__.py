@@ -6,11 +6,13 @@ apply_openmp_defaults()
 
 from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, EmbeddingOutput,
+                                EmbeddingRequestOutput, RequestOutput)
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "BeamSearchOutput", "BeamSearchSequence", "InvalidRequestError", "RequestOutputKind",
-           "StructuredOutputsParams"]
+           "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput"]
 __version__ = "0.1.0"

@@ -74,6 +74,9 @@ class ScheduledTokens:
     block_ids: list[int]                   # the sequence's block table
     sample: SampleRow | None = None        # the step reaches its last token: sample from it
     prompt_logprobs: PromptLogprobsRange | None = None
+    # A pooling request's chunk whose hidden states it needs: LAST (the chunk ending the prompt:
+    # its last row), MEAN (every chunk: the sum of its rows), CLS (the chunk at position 0: its first row).
+    pool: str | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -120,6 +123,7 @@ class RunnerOutput:
     sampled_seq_ids: list[int]             # the sequences that sampled, in the sampler's row order
     sample: SamplerOutput | None
     prompt_logprobs: dict[int, list[PromptTokenLogprob]] = field(default_factory=dict)   # seq_id -> per position
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)   # seq_id -> the chunk's pooled hidden state (float32)
 
     @classmethod
     def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":

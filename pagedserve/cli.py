@@ -20,7 +20,7 @@ VLLM_ONLY_OPTIONS = (
     "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--quantization", "-q",
     "--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-cache-dtype", "--cpu-offload-gb",
     "--limit-mm-per-prompt", "--mm-processor-kwargs", "--guided-decoding-backend", "--reasoning-parser",
-    "--rope-scaling", "--rope-theta", "--tokenizer-mode", "--task", "--runner", "--config",
+    "--rope-scaling", "--rope-theta", "--tokenizer-mode", "--task", "--config",
 )
 
 
@@ -233,6 +233,7 @@ def build_parser() -> ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--version", action="version", version=f"pagedserve {__version__}")
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -7,7 +7,11 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import logging
+
 import torch
+
+_log = logging.getLogger("pagedserve.config")
 
 # vLLM's names: half = float16, float = float32.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -26,6 +30,12 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")           # executor/: processes o
 # vLLM's names, plus int8; attention/kv_format.py says what each stores (fp8 is fp8_e4m3).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}             # EngineConfig stores the format's own name
+# Block sizes the attention kernels are built and tested for (the CPU kernel, the torch reference
+# and the Triton kernels all take a block size at run time; vLLM offers 1, 8, 16, 32, 64, 128).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RUNNERS = ("auto", "generate", "pooling")               # vLLM's --runner: pooling serves embeddings
+CONVERTS = ("auto", "none", "embed")                    # vLLM's --convert: a causal LM used as an embedder
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -42,6 +52,42 @@ def parse_size(value: int | str) -> int:
     number, unit, binary = m.groups()
     base = 1024 if binary else 1000
     return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
+
+
+_HUMAN_INT = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtKMGT]?)\s*")
+
+
+def parse_human_int(value: int | str) -> int:
+    """A count as vLLM's human-readable integers write it: `4k` = 4000, `25.6k` = 25600,
+    `1m` = 10**6 (decimal, k m g t), `4K` = 4096, `32K` = 32768, `1M` = 2**20 (binary, K M G T:
+    integers only), or a plain number."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _HUMAN_INT.fullmatch(str(value))
+    if m is None:
+        raise ValueError(f"not a count: {value!r} (examples: 4096, 4k = 4000, 4K = 4096, 1m, 1M)")
+    number, unit = m.groups()
+    if not unit:
+        if "." in number:
+            raise ValueError(f"not a whole count: {value!r}")
+        return int(number)
+    if unit.isupper():
+        if "." in number:
+            raise ValueError(f"{value!r}: a binary suffix ({unit}) takes a whole number (25.6k is fine, 25.6K not)")
+        return int(number) * 1024 ** " KMGT".index(unit)
+    result = float(number) * 1000 ** " kmgt".index(unit)
+    if result != int(result):
+        raise ValueError(f"not a whole count: {value!r}")
+    return int(result)
+
+
+def parse_json_object(text: str) -> dict:
+    """A flag's JSON object (vLLM's dict-valued flags, e.g. --override-generation-config)."""
+    import json
+    value = json.loads(text) if isinstance(text, str) else text
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object; got {text!r}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -79,7 +125,7 @@ class EngineConfig:
                                  "bf16 arithmetic, else float32", choices=DTYPES)
     seed: int = setting(0, "random seed of the engine (a request's own seed makes it reproducible)")
     # KV cache
-    block_size: int = setting(16, "tokens per KV cache block")
+    block_size: int = setting(16, f"tokens per KV cache block, one of {', '.join(map(str, BLOCK_SIZES))}")
     kv_cache_memory: int | None = setting(
         None, "memory for the KV cache: bytes or a size (4GiB, 512MiB, 8GB); default: 2 GiB on CPU, "
               "gpu_memory_utilization on a GPU", parse=parse_size, aliases=("--kv-cache-memory-bytes",))
@@ -96,9 +142,11 @@ class EngineConfig:
     kv_allocator: str = setting("paged", "paged, or a paper baseline reserving one contiguous region per "
                                          "request (no sharing)", choices=KV_ALLOCATORS)
     # Scheduler
-    max_model_len: int | None = setting(None, "context length (prompt + output); default: the model's")
+    max_model_len: int | None = setting(None, "context length (prompt + output); 4k = 4000, 4K = 4096; default: "
+                                              "the model's", parse=parse_human_int)
     max_num_seqs: int = setting(256, "most sequences in one step")
-    max_num_batched_tokens: int = setting(2048, "most tokens in one step (prefill chunks and decodes)")
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step (prefill chunks and decodes); 2k, 2K",
+                                          parse=parse_human_int)
     preemption_mode: str = setting("recompute", "what preemption does with a request's KV blocks",
                                    choices=PREEMPTION_MODES)
     # Admission control: a new prompt waits while admitting it (all its prompt blocks) would leave
@@ -111,7 +159,8 @@ class EngineConfig:
     # scheduler's liveness argument says none should), fail those requests; 0 turns it off.
     watchdog_steps: int = setting(100, "fail waiting requests after this many steps in a row without "
                                        "progress (a scheduler bug); 0: off")
-    swap_space: float = setting(0, "GiB of host memory for swapped-out KV blocks (preemption_mode swap)")
+    swap_space: float = setting(0, "GiB of host memory for swapped-out KV blocks (used only with preemption_mode "
+                                   "swap; at most 70% of the host's memory)")
     num_host_blocks_override: int | None = setting(None, "exact number of swap-space blocks (tests, benchmarks)")
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
     check_invariants: bool = setting(False, "check the paging invariants after every step (slow; tests)")
@@ -157,12 +206,32 @@ class EngineConfig:
     distributed_timeout: float = setting(120.0, "seconds a tensor-parallel collective waits for a rank before "
                                                 "the engine fails")
 
+    # vLLM's flags of the API surface (issue 33): accepted with vLLM's meaning, or with a log line
+    # saying how pagedserve differs.
+    enable_chunked_prefill: bool | None = setting(
+        None, "accepted: pagedserve always runs a prompt longer than the step's token budget "
+              "(max_num_batched_tokens) in chunks; --no-enable-chunked-prefill logs that it still does")
+    max_seq_len_to_capture: int | None = setting(
+        None, "accepted; no effect: each CUDA graph covers every context length up to max_model_len",
+        parse=parse_human_int)
+    override_generation_config: dict | None = setting(
+        None, "JSON object of sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}'",
+        parse=parse_json_object)
+    # Pooling (embeddings): runner "pooling" serves /v1/embeddings and LLM.embed from a causal LM
+    # (the hidden state after the final norm, pooled); generation requests are refused.
+    runner: str = setting("auto", "generate, or pooling: embeddings (/v1/embeddings, LLM.embed) from the model's "
+                                  "hidden states; auto: generate", choices=RUNNERS)
+    convert: str = setting("auto", "embed: use a causal LM as an embedding model (what runner pooling does; "
+                                   "auto: embed under runner pooling)", choices=CONVERTS)
+    pooler_config: dict | None = setting(
+        None, "JSON object: pooling_type (LAST, MEAN or CLS; default LAST) and normalize (default true), "
+              "e.g. '{\"pooling_type\": \"MEAN\"}'", parse=parse_json_object)
+
     def __post_init__(self) -> None:
+        self._check_api_surface()
         _one_of("dtype", self.dtype, DTYPES)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -177,8 +246,6 @@ class EngineConfig:
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.kv_allocator != "paged":
             raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged' (swap space is a pool of "
                              f"blocks), not {self.kv_allocator!r}")
@@ -219,8 +286,82 @@ class EngineConfig:
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * 1024**3)
 
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
+
+    @property
+    def pooling_type(self) -> str:
+        return str((self.pooler_config or {}).get("pooling_type") or "LAST").upper()
+
+    @property
+    def pooling_normalize(self) -> bool:
+        return bool((self.pooler_config or {}).get("normalize", True))
+
+    def _check_api_surface(self) -> None:
+        """The checks of the vLLM-compatibility settings above (issue 33): block size, swap space
+        against the host's memory, the pooling settings, and warnings for settings that change
+        nothing here."""
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))} (the sizes the "
+                             f"attention kernels are built and tested for); got {self.block_size}")
+        _check_swap_space(self.swap_space, self.preemption_mode)
+        _one_of("runner", self.runner, RUNNERS)
+        _one_of("convert", self.convert, CONVERTS)
+        if self.convert == "embed" and self.runner == "generate":
+            raise ValueError("convert='embed' makes an embedding model: it needs runner='pooling', not 'generate'")
+        if self.convert == "embed" and self.runner == "auto":
+            self.runner = "pooling"
+        if self.pooler_config is not None:
+            unknown = sorted(set(self.pooler_config) - {"pooling_type", "normalize"})
+            if unknown:
+                raise ValueError(f"pooler_config: unsupported keys {unknown}; supported: pooling_type, normalize")
+            _one_of("pooler_config pooling_type", self.pooling_type, POOLING_TYPES)
+            if not self.is_pooling:
+                raise ValueError("pooler_config needs runner='pooling' (--runner pooling)")
+        if self.enable_chunked_prefill is False:
+            _log.warning("enable_chunked_prefill=False: pagedserve still runs a prompt longer than the step's "
+                         "token budget (max_num_batched_tokens=%d) in chunks; raise max_num_batched_tokens to "
+                         "run prompts whole", self.max_num_batched_tokens)
+        if self.max_seq_len_to_capture is not None:
+            _log.info("max_seq_len_to_capture is accepted and changes nothing: pagedserve's CUDA graphs cover "
+                      "every context length up to max_model_len")
+
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_swap_space(gib: float, preemption_mode: str, total: int | None = None) -> None:
+    """swap_space is in GiB (a byte count, as it was before, would ask for petabytes): refused
+    above 70% of the host's memory, warned about above 40% (vLLM's limits) and when nothing
+    uses it (preemption_mode recompute)."""
+    if gib < 0:
+        raise ValueError(f"swap_space must be >= 0 GiB, got {gib}")
+    if not gib:
+        return
+    total = total if total is not None else host_memory_bytes()
+    if total:
+        asked = gib * 1024**3
+        if asked > 0.7 * total:
+            hint = ""
+            if gib >= 2**20:
+                hint = (f"; swap_space is in GiB: {gib:.10g} looks like a size in bytes, which would be "
+                        f"{gib / 1024**3:.3g} GiB")
+            raise ValueError(f"swap_space {gib:.10g} GiB is more than 70% of this host's {total / 1024**3:.1f} GiB "
+                             f"of memory{hint}")
+        if asked > 0.4 * total:
+            _log.warning("swap_space %g GiB is more than 40%% of this host's %.1f GiB of memory", gib,
+                         total / 1024**3)
+    if preemption_mode != "swap":
+        _log.warning("swap_space %g GiB is not used: only preemption_mode='swap' (--preemption-mode swap) "
+                     "swaps KV blocks to host memory; preemption recomputes now", gib)
 
 
 def resolve_dtype(name: str, model_default: torch.dtype | None, bf16_is_fast: bool = True) -> torch.dtype:

@@ -96,19 +96,24 @@ class Request:
     sampling: SamplingSettings | None = None  # the sampler's view of params (set by create)
     # Structured outputs: the grammar's compile and each sequence's matcher (structured/manager.py).
     structured: Any = None
+    # A pooling request (PoolingParams): its pooling type (LAST, MEAN, CLS) and what the chunks
+    # computed so far pooled (a float32 vector; MEAN: the sum of the rows).
+    pooling: str | None = None
+    pooled: Any = None
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-               params: SamplingParams | BeamSearchParams, max_tokens: int, seq_id: int, *,
+               params: SamplingParams | BeamSearchParams | Any, max_tokens: int, seq_id: int, *,
                arrival_time: float | None = None, cache_salt: str | None = None,
-               structured: Any = None) -> "Request":
+               structured: Any = None, pooling: str | None = None) -> "Request":
         """The one way a request is made (the engine, the simulators and tests call it): its
         first sequence (`seq_id`, from the scheduler's new_seq_id), the pending fork of a
         parallel-sampling request, the sampler's settings, the prompt-logprobs record and its
-        grammar state (`structured`, from GrammarCompiler.new_state), all before it is queued."""
+        grammar state (`structured`, from GrammarCompiler.new_state), all before it is queued.
+        A pooling request (`pooling`: its pooling type) has no sampler settings."""
         ids = list(prompt_token_ids)
         req = cls(request_id, prompt, ids, params, max_tokens, cache_salt=cache_salt, structured=structured,
-                  sampling=sampling_settings(params))
+                  sampling=sampling_settings(params) if pooling is None else None, pooling=pooling)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         seq = Sequence(seq_id, 0, list(ids), len(ids))
@@ -146,6 +151,13 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs need every prompt position computed, so no prefix-cache hits."""
         return self.prompt_logprobs is not None
+
+    @property
+    def computes_every_prompt_token(self) -> bool:
+        """No prefix-cache hits: prompt logprobs and MEAN or CLS pooling read every position's
+        (or the first's) hidden state; LAST pooling reads the last token's, which a prefix hit
+        never covers (lookup_block_keys)."""
+        return self.wants_prompt_logprobs or self.pooling in ("MEAN", "CLS")
 
     @property
     def live_seqs(self) -> list[Sequence]:

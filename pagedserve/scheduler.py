@@ -95,7 +95,7 @@ class ScheduledSeq:
     @classmethod
     def of(cls, req: Request, seq: Sequence, n: int, block_ids: list[int]) -> "ScheduledSeq":
         start = seq.num_computed_tokens
-        return cls(req, seq, n, block_ids, start, start + n == seq.num_tokens)
+        return cls(req, seq, n, block_ids, start, start + n == seq.num_tokens and req.pooling is None)
 
 
 @dataclass
@@ -361,7 +361,8 @@ class Scheduler:
             seqs.append(ScheduledTokens(
                 seq.seq_id, seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_ids,
                 self._sample_row(s.request, seq) if s.samples else None,
-                self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None))
+                self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None,
+                self._pool_kind(s)))
         out.sampled = [s for s in order if s.samples]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
         self._finished_seq_ids = []
@@ -380,6 +381,28 @@ class Scheduler:
         return SampleRow(settings, None if seed is None else seed + seq.index, seq.num_output_tokens,
                          seq.output_token_ids if settings.needs_output_token_ids else None,
                          req.prompt_token_ids if settings.repetition_penalty != 1.0 else None)
+
+    @staticmethod
+    def _pool_kind(s: ScheduledSeq) -> str | None:
+        """What the worker pools of a pooling request's chunk (batch.py's ScheduledTokens.pool)."""
+        kind = s.request.pooling
+        if kind == "LAST" and s.start + s.num_new_tokens < s.seq.num_tokens:
+            return None
+        if kind == "CLS" and s.start != 0:
+            return None
+        return kind
+
+    def _pool_step(self, s: ScheduledSeq, pooled: dict) -> None:
+        """Fold a pooling chunk's result into its request; the prompt computed, it finishes."""
+        req, seq = s.request, s.seq
+        if s.start == 0:
+            req.pooled = None    # computed afresh (first time, or after a preemption by recompute)
+        row = pooled.get(seq.seq_id)
+        if row is not None:
+            req.pooled = row if req.pooled is None or req.pooling != "MEAN" else req.pooled + row
+        if seq.num_computed_tokens >= seq.num_tokens:
+            seq.finish_reason = "stop"
+            self.free_seq(seq, req)
 
     @staticmethod
     def _prompt_logprobs_range(s: ScheduledSeq) -> PromptLogprobsRange | None:
@@ -457,7 +480,7 @@ class Scheduler:
         for seq in seqs:
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens, req.cache_salt,
-                                                    use_prefix_cache=not req.wants_prompt_logprobs)
+                                                    use_prefix_cache=not req.computes_every_prompt_token)
         if self.running and not self._above_watermark(seqs, prompt_len):
             self._release_blocks(req)
             return None
@@ -568,6 +591,11 @@ class Scheduler:
                 self._isolated(update, req, self._append_token, req, s.seq, sample, row)
         for rid, (seqs, rows) in beams.items():
             self._isolated(update, touched[rid], self._beam_step, touched[rid], seqs, sample, rows)
+        for s in out.scheduled:   # pooling requests: prefill only, no sampling
+            if s.request.pooling is not None:
+                self._isolated(update, s.request, self._pool_step, s, result.pooled)
+                if s.seq.finished:
+                    touched[s.request.request_id] = s.request
 
         now = time.monotonic()
         for rid, req in touched.items():

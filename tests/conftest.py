@@ -246,3 +246,6 @@ def ray_cluster():
 def ray_address(ray_cluster):
     """The shared Ray instance's address: servers join it with --ray-address."""
     return ray_cluster.address_info["gcs_address"]
+
+
+from tests.api_servers import api_server, pooling_server  # noqa: E402,F401 - session servers of the API tests

@@ -12,13 +12,30 @@ _RESERVED = {"conversation", "tokenize", "add_generation_prompt", "continue_fina
              "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def developer_as_system(conversation: Conversation, template: Any) -> Conversation:
+    """OpenAI's newer clients send `developer` for what was `system`: it reaches a template that
+    knows the role as is, and one that does not as `system` (vLLM passes it through)."""
+    if "developer" in str(template or "") or not any(m.get("role") == "developer" for m in conversation):
+        return conversation
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation]
+
+
 def load_chat_template(template: str | None) -> str | None:
-    """A chat template given as Jinja text or as the path of a file holding it."""
+    """A chat template given as Jinja text, as the path of a file holding it, or as the name of
+    one shipped with pagedserve (pagedserve/chat_templates: `hermes`)."""
     if template is None or "{" in template:
         return template
     path = Path(template).expanduser()
     if not path.is_file():
-        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+        from pagedserve.chat_templates import SHIPPED, shipped_template
+        shipped = shipped_template(template)
+        if shipped is not None:
+            return shipped
+        raise ValueError(f"chat_template {template!r} is neither a file, a Jinja template nor a shipped template "
+                         f"({', '.join(SHIPPED)})")
     return path.read_text()
 
 
@@ -30,8 +47,9 @@ def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bo
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"each message needs a role of system, user, assistant or tool; got {m!r}")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"each message needs a role of system, developer, user, assistant or tool; got {m!r}")
+    conversation = developer_as_system(conversation, chat_template or tokenizer.chat_template)
     reserved = _RESERVED & set(chat_template_kwargs or ())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")

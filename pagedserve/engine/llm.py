@@ -14,7 +14,8 @@ from tqdm import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template, render_chat  # noqa: F401 - the server imports render_chat here
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,20 @@ class LLM:
         prompts = [{"prompt_token_ids": render_chat(tok, conv, add_generation_prompt, template, continue_final_message,
                                                     chat_template_kwargs, tools)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: PromptType | list[PromptType],
+              pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of the prompts (an engine built with runner='pooling'): each output's
+        `outputs.embedding`, as vLLM's LLM.embed returns them."""
+        prompts = self._as_list(prompts)
+        params = pooling_params or PoolingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        finals = self._run(list(zip(prompts, params)), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids, o.finished)
+                for o in finals]
 
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -29,13 +29,15 @@ from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.engine.stats import SchedulerStats
 from pagedserve.kernels.threads import configure_threads
-from pagedserve.models.loader import default_model_path, generation_defaults, is_gguf, load_tokenizer
+from pagedserve.models.loader import (GENERATION_DEFAULTS, default_model_path, generation_defaults, is_gguf,
+                                     load_tokenizer)
 from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                                 RequestMetrics, RequestOutput)
 from pagedserve.request import Request, Sequence
 from pagedserve.sampling.beam_search import beam_score
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.structured.manager import GrammarCompiler
@@ -89,6 +91,16 @@ def kv_storage_stats(config: EngineConfig, args, dtype: torch.dtype) -> dict:
                 kv_bytes_per_token=fmt.bytes_per_token(args.num_layers, kv_heads, args.head_dim, dtype))
 
 
+def override_generation_defaults(override: dict) -> dict:
+    """--override-generation-config's keys (generation_config.json's names, or SamplingParams')
+    as SamplingParams keywords; a key that is neither is refused."""
+    known = set(GENERATION_DEFAULTS) | set(GENERATION_DEFAULTS.values())
+    unknown = sorted(set(override) - known)
+    if unknown:
+        raise ValueError(f"override_generation_config: unsupported keys {unknown}; supported: {', '.join(sorted(known))}")
+    return {GENERATION_DEFAULTS.get(k, k): v for k, v in override.items()}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None) -> None:
         self.config = config
@@ -110,6 +122,8 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.default_sampling = generation_defaults(path, config.generation_config)
+        if config.override_generation_config:   # vLLM's --override-generation-config: its keys win
+            self.default_sampling.update(override_generation_defaults(config.override_generation_config))
         if self.default_sampling:
             logger.info("sampling defaults from the model's generation config (requests may override them; "
                         "generation_config='vllm' ignores them): %s", self.default_sampling)
@@ -197,26 +211,73 @@ class LLMEngine:
         return salt
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams | BeamSearchParams, arrival_time: float | None = None) -> Request:
+                    params: SamplingParams | BeamSearchParams | PoolingParams,
+                    arrival_time: float | None = None) -> Request:
         """Queue a request. Everything about it is validated here, once, before anything is
         allocated: InvalidRequestError (a ValueError) names the parameter at fault."""
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.check_runner(params)
         text, ids = self.tokenize_prompt(prompt)
-        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens:
+        if isinstance(params, (SamplingParams, PoolingParams)) and params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
         salt = self.prompt_cache_salt(prompt)
-        max_tokens = self.validate_request(ids, params)
+        if isinstance(params, PoolingParams):
+            self.validate_prompt(ids)
+            self.validate_pooling(params)
+            max_tokens = 0     # prefill only
+        else:
+            max_tokens = self.validate_request(ids, params)
         structured = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
         req = Request.create(request_id, text, ids, params, max_tokens, self.scheduler.new_seq_id(),
-                             arrival_time=arrival_time, cache_salt=salt, structured=structured)
+                             arrival_time=arrival_time, cache_salt=salt, structured=structured,
+                             pooling=self.config.pooling_type if isinstance(params, PoolingParams) else None)
         self.text.start(req)
         self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
         self.requests[request_id] = req
         return req
+
+    def check_runner(self, params) -> None:
+        """A pooling engine (runner pooling) embeds and does not generate; a generating one the reverse."""
+        pooling = isinstance(params, PoolingParams)
+        if pooling and not self.config.is_pooling:
+            raise InvalidRequestError("this engine generates: embeddings need runner='pooling' (--runner pooling)",
+                                      "model")
+        if not pooling and self.config.is_pooling:
+            raise InvalidRequestError("this engine runs a pooling model (runner='pooling'): it embeds, it does not "
+                                      "generate (LLM.embed, /v1/embeddings)", "model")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model_args.hidden_size
+
+    def validate_pooling(self, params: PoolingParams) -> None:
+        """dimensions: only a Matryoshka model (config.json matryoshka_dimensions or is_matryoshka)
+        keeps meaning when cut; any other accepts only its own hidden size."""
+        d = params.dimensions
+        if d is None or d == self.hidden_size:
+            return
+        allowed = self.matryoshka_dimensions
+        if allowed is None:
+            raise InvalidRequestError(f"this model does not support matryoshka representation: dimensions must be "
+                                      f"its hidden size ({self.hidden_size}) or left out", "dimensions")
+        if d > self.hidden_size or (allowed and d not in allowed):
+            what = ", ".join(map(str, allowed)) if allowed else f"1 .. {self.hidden_size}"
+            raise InvalidRequestError(f"dimensions {d} is not one this model supports ({what})", "dimensions")
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """[] for any size up to the hidden size, a list of sizes, or None (not a Matryoshka model)."""
+        cfg = Path(self.model_path) / "config.json"
+        if is_gguf(self.model_path) or not cfg.is_file():
+            return None
+        data = json.loads(cfg.read_text())
+        if data.get("matryoshka_dimensions"):
+            return list(data["matryoshka_dimensions"])
+        return [] if data.get("is_matryoshka") else None
 
     def validate_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
         """Check a request against this engine: its prompt, and token ids in its parameters (the
@@ -417,6 +478,8 @@ class LLMEngine:
 
     # ---- outputs -------------------------------------------------------------------------
     def _output(self, req: Request, finished: bool) -> RequestOutput:
+        if req.pooling is not None:
+            return self._pooling_output(req, finished)
         if req.is_beam_search:
             # Beam search has a result only at the end: its best hypotheses, best first.
             outputs = self._beam_completions(req) if finished else []
@@ -429,6 +492,27 @@ class LLMEngine:
                                  req.last_token_time, time.monotonic() if finished else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outputs,
                              finished, req.num_cached_tokens, metrics)
+
+    def _pooling_output(self, req: Request, finished: bool) -> RequestOutput:
+        """A pooling request's output: no text or tokens; once finished, its embedding (MEAN:
+        the mean of the rows; cut to `dimensions`, then normalised unless asked not to)."""
+        seq = req.seqs[0]
+        embedding = None
+        if finished and seq.finish_reason == "stop" and req.pooled is not None:
+            p: PoolingParams = req.params
+            v = torch.from_numpy(req.pooled)
+            if req.pooling == "MEAN":
+                v = v / len(req.prompt_token_ids)
+            if p.dimensions is not None:
+                v = v[:p.dimensions]
+            if (p.normalize if p.normalize is not None else self.config.pooling_normalize):
+                v = torch.nn.functional.normalize(v, dim=0)
+            embedding = v.tolist()
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.last_token_time, time.monotonic() if finished else None)
+        out = CompletionOutput(0, "", [], None, None, finish_reason=seq.finish_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [out], finished,
+                             req.num_cached_tokens, metrics, embedding)
 
     @staticmethod
     def _completion(seq: Sequence, index: int, with_cum_logprob: bool) -> CompletionOutput:

@@ -3,7 +3,14 @@
 offline mode (HF_HUB_OFFLINE=1: the cache only) and its token (HF_TOKEN)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# The default model's Hub id (what the server reports for it): without the Hub and not in its
+# cache, it is the bundled file (models/loader.py's default_model_path, a Q4_1 GGUF of it).
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # What a model needs from a Hub repository (not other formats' weights, images, ...).
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
@@ -45,6 +52,12 @@ def resolve_model(name: str, revision: str | None = None) -> str:
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"model {name!r} has no revision {revision!r} on the Hub") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        if name == DEFAULT_HUB_ID and revision is None:
+            from pagedserve.models.loader import default_model_path
+            path = default_model_path()
+            logger.warning("model %s is not in the Hugging Face cache and the Hub is not reachable: serving the "
+                           "bundled copy of it, %s", name, path)
+            return path
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
         raise ModelNotFoundError(f"model {name!r}: not a local path, not in the Hugging Face cache "
                                  f"({constants.HF_HUB_CACHE}), and {why}") from None

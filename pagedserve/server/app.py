@@ -33,13 +33,17 @@ from pagedserve.server.errors import APIError, bad_request, install_error_handle
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
+from pagedserve.server.embeddings import add_embedding_routes
+from pagedserve.server.responses import add_responses_routes
 from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
 from pagedserve.server.state import DEFAULT_MODEL_NAME, ServerState
 
 logger = logging.getLogger("pagedserve.server")
 
-# Routes that answer without an API key and while the engine is not ready.
-OPEN_PATHS = {"/health", "/version", "/metrics"}
+# Routes that answer without an API key and while the engine is not ready (the health checks
+# answer 503 until it is: /ping is vLLM's SageMaker-style /health).
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+HEALTH_PATHS = {"/health", "/ping"}
 
 
 class GateMiddleware:
@@ -98,7 +102,7 @@ class GateMiddleware:
 
     def _refuse(self, scope) -> APIError | None:
         state, path = self.state, scope["path"]
-        if (path in OPEN_PATHS and path != "/health") or path in PAGE_FILES:
+        if (path in OPEN_PATHS and path not in HEALTH_PATHS) or path in PAGE_FILES:
             return None
         if state.shutting_down:
             return APIError(503, "the server is shutting down")
@@ -129,7 +133,8 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             state.prompts.close()
         await state.llm.shutdown()
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if server and server.disable_fastapi_docs else {}
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **no_docs)
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
     if server is not None and server.allowed_origins:
@@ -143,6 +148,15 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> dict:
+        """vLLM's server load: the HTTP requests in flight (this one not counted)."""
+        return {"server_load": max(state.num_in_flight - 1, 0)}
 
     @app.get("/version")
     async def version() -> dict:
@@ -180,7 +194,10 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             (ids,) = await state.prompts.encode([body.prompt], add_special_tokens=body.add_special_tokens)
         else:
             ids = await state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
-        return {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = state.llm.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
@@ -192,6 +209,8 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
+    add_responses_routes(app, state)
+    add_embedding_routes(app, state)
     hub = KVStreamHub(state.llm, state.kv_snapshot_interval, run=lambda fn, *args: state.prompts.run(fn, *args))
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)
@@ -275,7 +294,7 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
                         max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
                         s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
                         enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
-                        kv_snapshot_interval=s.kv_snapshot_interval)
+                        kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling)
     app = build_app(state, s)
     uv_config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.uvicorn_log_level,
                                access_log=not s.disable_uvicorn_access_log,

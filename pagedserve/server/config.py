@@ -62,6 +62,20 @@ class ServerConfig:
     ray_address: str | None = setting(None, "join this Ray cluster ('auto': the one this node is in); default: "
                                             "start a local one")
 
+    # vLLM's server flags of the API surface (issue 33).
+    max_log_len: int | None = setting(None, "most prompt characters or token ids a request log line shows "
+                                            "(pagedserve's request lines show lengths, not prompts: accepted)")
+    disable_fastapi_docs: bool = setting(False, "no /docs, /redoc or /openapi.json")
+    response_role: str = setting("assistant", "the role of the message in chat responses (add_generation_prompt)")
+    return_tokens_as_token_ids: bool = setting(False, "logprobs name tokens as 'token_id:N' (tokens that are not "
+                                                      "valid UTF-8 on their own stay identifiable)")
+    enable_responses_api_store: bool = setting(
+        default_factory=lambda: os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "") not in ("", "0"),
+        show_default=False,
+        help="/v1/responses keeps responses created with store=true in memory for previous_response_id, "
+             "GET /v1/responses/{id} and cancel (default: off, or $VLLM_ENABLE_RESPONSES_API_STORE)")
+    responses_api_store_size: int = setting(1000, "most responses the store keeps (the oldest go first)")
+
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")

@@ -104,6 +104,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False                # vLLM: also each token's string (token_strs)
 
 
 class DetokenizeRequest(OpenAIModel):

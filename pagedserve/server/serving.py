@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
+from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, QueueFullError,
                                          RequestStream)
 from pagedserve.engine.llm import render_chat
@@ -159,11 +160,14 @@ class TokenTexts:
     """Each token's own text: the engine's (each logprob entry's decoded_token, made on its output
     side), decoded here only for a position the engine sent none for (the prompt's first token)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.text = lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+    def __init__(self, tokenizer, as_token_ids: bool = False) -> None:
+        # --return-tokens-as-token-ids: "token_id:N", as vLLM names them.
+        decode = (lambda token: f"token_id:{token}") if as_token_ids else (lambda token: tokenizer.decode([token]))
+        self.text = lru_cache(maxsize=1 << 16)(decode)
+        self.as_token_ids = as_token_ids
 
     def of(self, token: int, pos: PositionLogprobs | None) -> str:
-        lp = pos.get(token) if pos is not None else None
+        lp = pos.get(token) if pos is not None and not self.as_token_ids else None
         return lp.decoded_token if lp is not None and lp.decoded_token is not None else self.text(token)
 
     def completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
@@ -242,6 +246,9 @@ class Serving:
         self.id = random_id(self.id_prefix)
         self.created = int(time.time())
         self.model = state.check_model(body.model)
+        if state.pooling:
+            raise bad_request("this server runs a pooling model (--runner pooling): it serves /v1/embeddings, not "
+                              "generation", "model")
         for name in ("n", "best_of"):   # checked first: both are sequence counts from here on
             value = getattr(body, name)
             if value is not None and value < 1:
@@ -249,7 +256,7 @@ class Serving:
         # (More sequences than the engine runs at once: refused by the engine, like every check
         # that depends on its configuration.)
         self.n = body.n
-        self.texts = TokenTexts(self.llm.tokenizer)
+        self.texts = TokenTexts(self.llm.tokenizer, state.options.return_tokens_as_token_ids)
         self.prompt_tokens: dict[int, int] = {}
         self._choices: dict[int, _ChoiceState] = {}
         include = body.stream_options.include_usage if body.stream_options else False
@@ -263,6 +270,7 @@ class Serving:
             logger.warning("ignoring request field(s) pagedserve does not support: %s (logged once per field)",
                            ", ".join(sorted(new_ignored)))
         self.defaults = self.llm.default_sampling
+        self.warning: str | None = None     # sent in a Warning header (tools the template does not show)
 
     def log_start(self, items: list) -> None:
         if not self.state.log_requests:
@@ -391,7 +399,7 @@ class Serving:
 
     def streaming_response(self, stream: RequestStream) -> StreamingResponse:
         return StreamingResponse(self._events(stream), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[str]:
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
@@ -505,6 +513,8 @@ class ChatServing(Serving):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
         self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
+        if self.tools is not None:
+            self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
         self._streamers: dict[int, ToolStreamer] = {}
         tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
         structured = await self.constraint(tool_constraint)
@@ -526,13 +536,14 @@ class ChatServing(Serving):
         choices = [self._choice(c) for c in self.returned(final)]
         response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.usage([final]))
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=warning_headers(self.warning))
 
     def _choice(self, c: CompletionOutput) -> ChatChoice:
         content, calls = c.text, []
         if self.tools is not None:
             content, calls = parse_tool_calls(self.tools, c.text)
-        return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+        message = ChatResponseMessage(role=self.state.options.response_role, content=content, tool_calls=calls)
+        return ChatChoice(index=c.index, message=message,
                           logprobs=self._logprobs(c, slice(0, len(c.token_ids))),
                           finish_reason=self._finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
 
@@ -554,7 +565,8 @@ class ChatServing(Serving):
             content, calls = streamer.feed(delta.text, delta.finished)
             calls = calls or None
             finish_reason = self._finish_reason(finish_reason, streamer.calls > 0)
-        message = DeltaMessage(role="assistant" if delta.first else None, content=content, tool_calls=calls)
+        message = DeltaMessage(role=self.state.options.response_role if delta.first else None, content=content,
+                               tool_calls=calls)
         choice = ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(c, delta.new_tokens),
                                   finish_reason=finish_reason if delta.finished else None,
                                   stop_reason=c.stop_reason if delta.finished else None)

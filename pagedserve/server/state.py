@@ -12,14 +12,16 @@ from functools import cached_property
 from typing import Any, Callable
 
 from pagedserve.engine.protocol import EngineClient
+from pagedserve.models.resolve import DEFAULT_HUB_ID
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import PrometheusStatLogger
 from pagedserve.server.prompts import PromptProcessor
 
 logger = logging.getLogger("pagedserve.server")
 
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = DEFAULT_HUB_ID     # the default model's Hub id (it resolves to the bundled file offline)
 
 
 @dataclass
@@ -35,6 +37,10 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     kv_snapshot_interval: float = 0.5   # seconds between the dashboard's KV snapshots (server/dashboard.py)
+    # The rest of the server's settings (response_role, the responses store, ...), and whether the
+    # engine is a pooling one (embeddings only: runner pooling).
+    options: ServerConfig = field(default_factory=ServerConfig)
+    pooling: bool = False
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None

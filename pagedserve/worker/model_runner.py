@@ -93,7 +93,7 @@ class ModelRunner:
         self.move_blocks(batch)
         seqs = batch.seqs      # decodes first, so attention can batch them
         sampled = [s for s in seqs if s.sample is not None]
-        prompt_lps = {}
+        prompt_lps, pooled = {}, {}
         logits = self._replay_decode(seqs)
         if logits is None:
             input_ids, positions, meta = self._prepare(seqs)
@@ -102,11 +102,12 @@ class ModelRunner:
             # None on a tensor-parallel rank but the driver (it only took part in the gather)
             logits = self.model.compute_logits(hidden[last]) if sampled else None
             prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
+            pooled = self._pool(seqs, hidden, meta)
         sample = None
         if logits is not None:   # on the model's device; the sampler sends ids and logprobs to the host
             sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled],
                                   batch.grammar_rows, batch.grammar_bitmask)
-        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps)
+        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled)
 
     def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
         """The logits of a step of decodes that all sample, from a captured graph; None when
@@ -154,6 +155,20 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
+
+    @staticmethod
+    def _pool(batch: list[ScheduledTokens], hidden: torch.Tensor, meta: AttentionMetadata) -> dict:
+        """Pooling requests' chunks: the hidden states (after the final norm) they need, in float32
+        on the host (the scheduler adds a MEAN request's chunk sums up)."""
+        out = {}
+        for i, s in enumerate(batch):
+            if s.pool is None:
+                continue
+            lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            rows = hidden[lo:hi].float()
+            row = rows[-1] if s.pool == "LAST" else rows[0] if s.pool == "CLS" else rows.sum(0)
+            out[s.seq_id] = row.cpu().numpy()
+        return out
 
     def _sampling_row(self, seq_id: int, row: SampleRow) -> SamplingRow:
         generator = None

@@ -1,0 +1,106 @@
+"""Embeddings (runner pooling): the pooled hidden state after the final norm equals transformers'
+last_hidden_state (LAST token, normalised, by default; MEAN and CLS), through chunked prefills
+and prefix-cache hits, offline (LLM.embed) and through /v1/embeddings with the openai client;
+and the default model in float32."""
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from pagedserve import LLM, InvalidRequestError, PoolingParams, SamplingParams
+from pagedserve.models.loader import default_model_path
+from tests.server_utils import API_KEY
+
+PROMPTS = ["Once upon a time there was a tiny language model that", "def add(a, b):", "The quick brown fox"]
+
+
+def hf_embedding(hf, ids: list[int], kind: str = "LAST", normalize: bool = True) -> torch.Tensor:
+    with torch.no_grad():
+        h = hf.model(torch.tensor([ids])).last_hidden_state[0].float()
+    v = {"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind]
+    return torch.nn.functional.normalize(v, dim=0) if normalize else v
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
+def test_embed_equals_transformers(tiny_llama, kind):
+    # A 5-token budget splits every prompt into chunks; the repeated prompts find their blocks
+    # in the prefix cache (LAST only: MEAN and CLS need every position computed).
+    llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, runner="pooling", max_num_seqs=4,
+              max_num_batched_tokens=5, check_invariants=True, pooler_config={"pooling_type": kind})
+    outs = llm.embed(PROMPTS + PROMPTS, use_tqdm=False)
+    for out in outs:
+        assert out.finished and len(out.outputs.embedding) == 64
+        ref = hf_embedding(tiny_llama.hf, out.prompt_token_ids, kind)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=1e-5, rtol=1e-5)
+    hits = llm.kv_cache_stats()["prefix_cache_hits"]
+    assert hits > 0 if kind == "LAST" else hits == 0
+    assert llm.kv_cache_stats()["num_used_blocks"] == 0
+    raw = llm.embed(PROMPTS[0], PoolingParams(normalize=False), use_tqdm=False)[0]
+    torch.testing.assert_close(torch.tensor(raw.outputs.embedding),
+                               hf_embedding(tiny_llama.hf, raw.prompt_token_ids, kind, normalize=False),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_pooling_and_generation_refuse_each_other(tiny_llama):
+    pooling = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=32, convert="embed")
+    with pytest.raises(InvalidRequestError, match="does not generate"):
+        pooling.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="matryoshka") as e:
+        pooling.embed("hi", PoolingParams(dimensions=8), use_tqdm=False)
+    assert e.value.param == "dimensions"
+    assert len(pooling.embed("hi", PoolingParams(dimensions=64), use_tqdm=False)[0].outputs.embedding) == 64
+    generating = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=32)
+    with pytest.raises(InvalidRequestError, match="runner='pooling'"):
+        generating.embed("hi", use_tqdm=False)
+
+
+def test_the_default_model_in_float32():
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
+                                              dtype=torch.float32).eval()
+    llm = LLM(dtype="float32", kv_cache_memory=64 * 1024**2, runner="pooling")
+    for out in llm.embed(PROMPTS, use_tqdm=False):
+        ref = hf_embedding(hf, out.prompt_token_ids)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def server(pooling_server):
+    """tests/api_servers.py: --runner pooling (LAST, normalised: the defaults)."""
+    return pooling_server
+
+
+def test_embeddings_route_with_the_openai_client(server, tiny_llama):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    r = client.embeddings.create(model="tiny", input=PROMPTS)       # the client asks for base64
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == "tiny"
+    ids = [tiny_llama.tokenizer.encode(p) for p in PROMPTS]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for d, i in zip(r.data, ids):
+        torch.testing.assert_close(torch.tensor(d.embedding), hf_embedding(tiny_llama.hf, i), atol=1e-5, rtol=1e-5)
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    one = http.post("/v1/embeddings", json={"input": PROMPTS[1], "encoding_format": "float"}).json()
+    assert one["object"] == "list" and one["data"][0]["object"] == "embedding"
+    assert np.allclose(one["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)
+    b64 = http.post("/v1/embeddings", json={"input": [ids[0]], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, r.data[0].embedding, atol=1e-6)
+    assert client.embeddings.create(model="tiny", input=ids[2]).data[0].embedding == r.data[2].embedding
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input="x", dimensions=8)
+    assert e.value.body["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert "--runner pooling" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="hi")
