@@ -5,6 +5,7 @@ runs steps and, on CUDA, its decode CUDA graphs. The engine gets back what it ne
 the number of device and host blocks, the context length and the model's shape."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,13 +14,17 @@ from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.llama import ModelArgs
-from pagedserve.models.loader import load_model
+from pagedserve.models.loader import is_gguf, load_model
 from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.models.quantized import model_weight_bytes, resolve_quantization
 from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
 from pagedserve.worker.device import default_kv_cache_memory, free_device_memory, resolve_device
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+
+logger = logging.getLogger(__name__)
 
 
 def make_ops(device: torch.device) -> ModelOps:
@@ -91,12 +96,17 @@ class Worker:
         ops = make_ops(device)
         shard = Shard(group.rank, group.world_size) if group else Shard()
         free_before_load = free_device_memory(device)
+        quantization = resolve_quantization(config.quantization, config.gguf_dequantize, is_gguf(model_path),
+                                            device)
         model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops,
-                                        config.load_format, device, config.seed, shard, group)
+                                        config.load_format, device, config.seed, shard, group, quantization)
         model.to(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()      # what building the weights left in the allocator's cache
         model.pack_linear_weights()
+        # The bytes the weights hold (quantized ones: their blocks), beside the KV cache's budget.
+        logger.info("weights: %.1f MiB%s", model_weight_bytes(model) / 2**20,
+                    f" ({quantization} blocks)" if quantization else "")
         max_model_len = resolve_max_model_len(config.max_model_len, args)
         num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, free_before_load)
         if group:
