@@ -282,7 +282,7 @@ def test_loading_holds_about_the_files_bytes():
 def test_an_hf_bf16_directory_loads_in_one_copy(tmp_path):
     """Tensor by tensor, no mapping kept: peak below 1.3x the checkpoint's bytes."""
     import transformers
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                                    num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
@@ -290,7 +290,8 @@ def test_an_hf_bf16_directory_loads_in_one_copy(tmp_path):
     g = torch.Generator().manual_seed(0)
     save_file({k: torch.randn(s, generator=g).mul_(0.02).to(torch.bfloat16) for k, s in shapes.items()},
               str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "torch_dtype": "bfloat16"}))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "architectures": ["LlamaForCausalLM"],
+                                                      "torch_dtype": "bfloat16"}))
     size = os.path.getsize(tmp_path / "model.safetensors")
     m = _load_memory(str(tmp_path), "bfloat16", None)
     assert m["peak"] - m["before"] < 1.3 * size, (m, size)

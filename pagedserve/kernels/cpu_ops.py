@@ -33,9 +33,13 @@ class CpuOps(TorchOps):
         weights (models/quantized.py) stay as they are (kernels/quant.py repacked them when they were
         made), and the compiled loop, which knows only packed float weights, is then off: the Python
         layer loop runs, over the same attention and norm kernels."""
+        from pagedserve.models.loader import trim_heap
         for w in model.layers:
-            w.qkv, w.o, w.gate_up, w.down = (_pack(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+            for name in ("qkv", "o", "gate_up", "down"):      # one at a time: each plain copy freed first
+                setattr(w, name, _pack(getattr(w, name)))
+            trim_heap()             # the plain copies just freed, back to the system: peak memory
         model.lm_head = _pack(model.lm_head)
+        trim_heap()
         if model.tp is None and isinstance(model.attention, CpuAttention) and cpu.DecoderLayers.supports(model):
             model.compiled_layers = CpuDecoderLayers(model)
 

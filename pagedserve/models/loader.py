@@ -224,23 +224,34 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._where[name][2]]
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name][3]
+
     def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
-        path, start, dtype_name, shape = self._where[name]
-        dtype = _SAFETENSORS_DTYPES[dtype_name]
+        shape = self.shape(name)
         r0, r1 = rows or (0, shape[0] if shape else 1)
-        row_elems = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        item = torch.empty((), dtype=dtype).element_size()
-        out = torch.empty([r1 - r0, *shape[1:]] if shape else [], dtype=dtype)
+        out = torch.empty([r1 - r0, *shape[1:]] if shape else [], dtype=self.dtype(name))
+        self.read_into(name, out, rows)
+        return out if cols is None else out[:, cols[0]:cols[1]].contiguous()
+
+    def read_into(self, name: str, out: torch.Tensor, rows: Range = None) -> None:
+        """Rows [start, end) of tensor `name` (all: None) read into `out`, a contiguous tensor of
+        their shape and the checkpoint's dtype (e.g. the part of a fused matrix they fill)."""
+        path, start, _, shape = self._where[name]
+        r0 = rows[0] if rows else 0
+        row_bytes = int(np.prod(shape[1:])) * out.element_size() if len(shape) > 1 else out.element_size()
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         with open(path, "rb", buffering=0) as fh:
-            fh.seek(start + r0 * row_elems * item)
-            view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+            fh.seek(start + r0 * row_bytes)
             got = 0
             while got < len(view):          # readinto may return less than asked
                 n = fh.readinto(view[got:])
                 if not n:
                     raise OSError(f"{path}: truncated tensor {name}")
                 got += n
-        return out if cols is None else out[:, cols[0]:cols[1]].contiguous()
 
 
 class GGUFSource:
@@ -326,6 +337,26 @@ class GGUFSource:
         return torch.from_numpy(np.array(out, dtype=np.float32))   # a writable copy
 
 
+_libc = None
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    Loading frees each matrix's parts after fusing or packing it; glibc keeps such freed memory
+    in the process, so without this a load's resident memory grows past the model it built."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
 # GGML types that are plain floats (read as float tensors, never "without a kernel").
 _FLOAT_GGML_TYPES = ("F32", "F16", "BF16", "F64")
 # quantize-at-load keeps the LM head at 8 bits, as llama.cpp keeps its output matrix at higher
@@ -381,10 +412,22 @@ class MatrixBuilder:
                                  f"(under tensor parallelism: choose another tensor_parallel_size)")
             self.made[qtype] += 1
             return quant.quantize(whole.float(), qtype)
-        floats = [self.float(n, r, cols) for n, r in parts]
-        if pad_rows:
-            floats.append(floats[0].new_zeros(pad_rows, floats[0].shape[1]))
-        return floats[0] if len(floats) == 1 else torch.cat(floats)
+        if isinstance(self.source, SafetensorsSource) and cols is None and \
+                all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
+            return self._read_fused(parts, pad_rows)
+        return self._float_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
+
+    def _read_fused(self, parts: list[tuple[str, Range]], pad_rows: int) -> torch.Tensor:
+        """A fused float matrix read part by part straight into its rows: no parts to concatenate
+        (and no freed parts left as holes in the heap, which a load's peak memory would keep)."""
+        counts = [(r[1] - r[0]) if r else self.source.shape(n)[0] for n, r in parts]
+        out = torch.empty(sum(counts) + pad_rows, self.source.shape(parts[0][0])[1], dtype=self.dtype)
+        at = 0
+        for (name, rows), n in zip(parts, counts):
+            self.source.read_into(name, out[at:at + n], rows)
+            at += n
+        out[at:].zero_()
+        return out
 
     def _gguf_matrix(self, parts: list[tuple[str, Range]], cols: Range, pad_rows: int):
         qtypes = [self._quantized_type(n) for n, _ in parts]
@@ -493,6 +536,7 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
             gate_up=build.matrix([(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)]),
             down=build.matrix([(p + "mlp.down_proj.weight", None)], cols=inter),
         ))
+        trim_heap()
     vocab = shard.vocab(args.vocab_size) if shard.size > 1 else None
     pad = shard.vocab_part(args.vocab_size) - (vocab[1] - vocab[0]) if vocab else 0
     embed = build.embedding("embed_tokens.weight", vocab, pad)
@@ -607,8 +651,8 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         quantization = None            # random float weights of the file's shapes
     if is_gguf(path):
         if dummy:
-            import gguf
-            args = args_from_gguf(gguf.GGUFReader(path))
+            from pagedserve.models.gguf_reader import GGUFFile
+            args = args_from_gguf(GGUFFile(path))
         elif quantization == "gguf" or sharded:
             args, source = _gguf_source(path, cached=quantization is None)
         else:
@@ -652,8 +696,8 @@ def _gguf_source(path: str, cached: bool = True) -> tuple[ModelArgs, TensorSourc
     if fresh:
         return ModelArgs(**json.loads((cache / "args.json").read_text())), \
             SafetensorsSource([cache / "model.safetensors"], prefix="")
-    import gguf
-    reader = gguf.GGUFReader(path)
+    from pagedserve.models.gguf_reader import GGUFFile
+    reader = GGUFFile(path)          # (gguf.GGUFReader would hold the tokenizer's arrays as objects)
     args = args_from_gguf(reader)
     return args, GGUFSource(reader, args)
 
