@@ -168,11 +168,12 @@ def auto_keeps_bf16() -> bool:
     return _active == "avx512bf16" or BF16_STORAGE_WITHOUT_BF16_ARITHMETIC
 
 
-def _build(v: Variant) -> Path:
-    """Compile variant v once (cached by source and flags; processes may race: atomic rename)."""
+def _build(v: Variant, source: Path = SOURCE) -> Path:
+    """Compile variant v of `source` once (cached by source and flags; processes may race:
+    atomic rename). kernels/quant.py builds quant_kernels.cpp through it too."""
     flags = [*COMMON_FLAGS, *v.target_flags, f"-DPAGEDSERVE_VARIANT=\"{v.name}\""]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
-    path = cache_dir("kernels") / f"cpu_kernels-{v.name}-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
+    path = cache_dir("kernels") / f"{source.stem}-{v.name}-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     compiler = shutil.which("g++") or shutil.which("c++")
@@ -181,7 +182,7 @@ def _build(v: Variant) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_so = Path(tmp) / path.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp_so)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(source), "-o", str(tmp_so)], check=True, capture_output=True,
                        text=True)
         os.replace(tmp_so, path)
     return path

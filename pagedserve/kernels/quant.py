@@ -1,0 +1,465 @@
+"""Linear layers over weights kept in GGUF block formats (quant_kernels.cpp, via ctypes).
+
+Formats (QTYPES): the llama.cpp/GGUF blocks, byte for byte as the file stores them.
+32-element blocks: `q4_0` (fp16 d, 16 bytes of nibbles: w = d*(q-8)), `q4_1` (d, m: w = d*q + m),
+`q5_0` / `q5_1` (the same with a fifth bit per element in a 32-bit qh: offset 16 / + m), `q8_0`
+(d, 32 int8). 256-element super-blocks: `q4_k` / `q5_k` (fp16 d and dmin, 8 sub-blocks of 32
+with 6-bit scale and min: w = d*sc*q - dmin*m), `q6_k` (16 sub-blocks of 16 with int8 scales:
+w = d*sc*(q-32)).
+
+Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLOCK * BLOCK_BYTES]
+(row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
+slicing by rows or whole blocks of columns is a view (rows may be strided). No repacking: the
+kernels read the blocks where they lie, so loading costs no copy and resident weights are the
+file's bytes.
+
+Two paths, chosen per call by the number of activation rows T:
+- T <= SMALL_BATCH_ROWS (decode, small batches): the activations are quantized once per call
+  into 8-bit blocks of 32 (int8 values, one float scale dx per block, and the block sums needed
+  by types with an offset or minimum), then each weight block is multiplied with integer dot
+  products (u8 weight codes x s8 activations) and accumulated in float32 per block:
+  y += dx * (A * sum(code * qx) + C * sum(qx)), with A, C the block's (sub-block's) scale and
+  offset terms (q6_k: per 16). Mathematically y = x8 @ W.T, with x8 = dx * qx the activations as
+  the q8 blocks hold them: `reference_linear` computes exactly that in float64 for the tests.
+  OpenMP over output rows (the thread count torch / the engine set).
+- larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
+  C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
+  float32 for float32) and multiplied by that GEMM (its address passed to quant_kernels.cpp:
+  one call per layer); the whole matrix never exists in float. Without cpu.py's kernels: a
+  float32 scratch tile and torch.matmul.
+
+Variants (VARIANTS, best first), the same source compiled with each family's flags:
+`avx512vnni` (AVX-512 VL + VNNI: vpdpbusd on 256-bit vectors), `avxvnni` (AVX2 + AVX-VNNI,
+the VEX vpdpbusd), `avx2` (maddubs + madd; q8_0 through the sign trick so no pair saturates),
+`scalar` (plain loops). Every variant computes the same integers, so results differ only by float
+summation order. The best the CPU's flags allow is chosen at first use; $PAGEDSERVE_QUANT_KERNELS
+forces one; `using_variant` runs a block with another (tests run all the CPU supports). Built
+like kernels/cpu.py's library (system C++ compiler on first use, cached under
+~/.cache/pagedserve/kernels by source and flags); where none builds, torch stands in (dequantize
+in row chunks, float matmul).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels import cpu
+
+logger = logging.getLogger(__name__)
+
+QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+_QTYPE_ID = {q: i for i, q in enumerate(QTYPES)}        # the `qtype` argument of the C functions
+QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
+
+SMALL_BATCH_ROWS = 16        # T up to this: integer dots on q8 activations; above: dequantized tiles
+TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
+ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
+
+SOURCE = Path(__file__).with_name("quant_kernels.cpp")
+ENV_VARIANT = "PAGEDSERVE_QUANT_KERNELS"
+_EXACT = ("-ffp-contract=off",)    # no fused multiply-adds the source does not ask for: dequantize matches gguf
+_AVX2 = _EXACT + ("-mavx2", "-mfma", "-mf16c")
+_AVX2_FLAGS = ("avx2", "fma", "f16c")
+VARIANTS = (     # best first
+    cpu.Variant("avx512vnni", _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+                _AVX2_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    cpu.Variant("avxvnni", _AVX2 + ("-mavxvnni",), _AVX2_FLAGS + ("avx_vnni",)),
+    cpu.Variant("avx2", _AVX2, _AVX2_FLAGS),
+    cpu.Variant("scalar", _EXACT, ()),
+)
+_BY_NAME = {v.name: v for v in VARIANTS}
+if platform.machine() not in ("x86_64", "AMD64"):
+    VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    # qtype, w, ldw (bytes), rows, cols, out (float32), ldo
+    "quant_dequantize": [ctypes.c_int, _P, _I, _I, _I, _P, _I],
+    # qtype, x, ldx, x_is_bf16, T, K, w, ldw, N, bias (float32 or null), y, ldy, y_is_bf16
+    "quant_linear_small": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int],
+    # qtype, x, x_is_bf16, T, K, w, ldw, N, bias, y, gemm (cpu.py's linear_packed_*), tile_rows
+    "quant_linear_tiles": [ctypes.c_int, _P, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _P, _I],
+}
+_libs: dict[str, ctypes.CDLL | None] = {}
+_active: str | None = None
+_lib: ctypes.CDLL | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A [out_features, in_features] matrix in a GGUF block format. data: uint8 [rows,
+    cols / BLOCK * BLOCK_BYTES], each row its blocks in the file's layout (rows may be strided:
+    a slice of whole blocks of columns is a view)."""
+    qtype: str
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if self.qtype not in BLOCK:
+            raise ValueError(f"no kernel for quantization type {self.qtype!r}; have {', '.join(QTYPES)}")
+        if cols % BLOCK[self.qtype]:
+            raise ValueError(f"{self.qtype}: {cols} columns are not a multiple of its block ({BLOCK[self.qtype]})")
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (rows, self.row_bytes) or \
+                (rows > 1 and self.data.stride(1) != 1):
+            raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 [{rows}, {self.row_bytes}] with "
+                             f"contiguous rows, got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1] // BLOCK[self.qtype] * BLOCK_BYTES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+
+def from_gguf_blocks(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+    """The weight a GGUF tensor stores: raw uint8 [rows, row_bytes] (or flat) exactly as the file
+    has it, kept as it is (no copy: a view of a memory map stays one)."""
+    rows, cols = int(shape[0]), int(shape[1])
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"raw GGUF blocks must be uint8, got {raw.dtype}")
+    if cols % BLOCK.get(qtype, 1):
+        raise ValueError(f"{qtype}: {cols} columns are not a multiple of its block ({BLOCK[qtype]})")
+    if raw.dim() == 1 and qtype in BLOCK:
+        raw = raw.view(rows, cols // BLOCK[qtype] * BLOCK_BYTES[qtype])
+    return QuantizedWeight(qtype, (rows, cols), raw)
+
+
+def slice_rows(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Rows [start, stop) (output features), a view."""
+    if not 0 <= start <= stop <= w.shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) out of range for {w.shape[0]} rows")
+    return QuantizedWeight(w.qtype, (stop - start, w.shape[1]), w.data[start:stop])
+
+
+def slice_cols(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Columns [start, stop) (input features) by whole blocks, a view; ValueError where a bound
+    is not on a block boundary."""
+    block = BLOCK[w.qtype]
+    if not 0 <= start <= stop <= w.shape[1] or start % block or stop % block:
+        raise ValueError(f"{w.qtype}: columns [{start}, {stop}) of {w.shape[1]} do not split by whole blocks "
+                         f"of {block}")
+    b0, b1 = start // block * BLOCK_BYTES[w.qtype], stop // block * BLOCK_BYTES[w.qtype]
+    return QuantizedWeight(w.qtype, (w.shape[0], stop - start), w.data[:, b0:b1])
+
+
+# ---- torch reference: block decoding, quantization --------------------------------------------
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte `offset` of each block, as float32 [n, 1]."""
+    return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, k] bytes -> [n, 2k]: the k low nibbles, then the k high nibbles."""
+    return torch.cat([qs & 15, qs >> 4], dim=1)
+
+
+def _bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, k] bytes -> [n, 8k] bits, little-endian (bit i of byte j is element 8j + i)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], -1)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_k / q5_k's 12 bytes -> 8 6-bit scales and 8 6-bit mins (float32 [n, 8])."""
+    a, b, c = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=1)
+    mn = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _dequantize_blocks(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, BLOCK_BYTES] -> float32 [n, BLOCK], the same float operations as gguf.quants."""
+    n = blocks.shape[0]
+    if qtype == "q8_0":
+        return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+    if qtype == "q4_0":
+        return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
+    if qtype == "q4_1":
+        return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+    if qtype in ("q5_0", "q5_1"):
+        offset = 2 if qtype == "q5_0" else 4
+        q = (_nibbles(blocks[:, offset + 4:]) | (_bits(blocks[:, offset:offset + 4]) << 4)).float()
+        return _f16(blocks, 0) * (q - 16) if qtype == "q5_0" else _f16(blocks, 0) * q + _f16(blocks, 2)
+    if qtype in ("q4_k", "q5_k"):
+        sc, mn = _k_scales(blocks[:, 4:16])
+        d, dm = (_f16(blocks, 0) * sc).unsqueeze(-1), (_f16(blocks, 2) * mn).unsqueeze(-1)
+        qs = blocks[:, 16:144] if qtype == "q4_k" else blocks[:, 48:176]
+        q = torch.stack([qs.view(n, 4, 32) & 15, qs.view(n, 4, 32) >> 4], dim=2).view(n, 8, 32)
+        if qtype == "q5_k":
+            q = q | ((blocks[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1) << 4
+        return (d * q.float() - dm).view(n, 256)
+    if qtype == "q6_k":
+        ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 1, 32)
+        low = torch.cat([ql & 15, ql >> 4], dim=2).view(n, 2, 4, 32)
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+        q = ((low | (high << 4)).view(n, 16, 16).float() - 32)
+        d = (_f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
+        return (d * q).view(n, 256)
+    raise ValueError(f"no kernel for quantization type {qtype!r}")
+
+
+def _row_chunks(rows: int, cols: int):
+    step = max(1, ROW_CHUNK_ELEMENTS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def dequantize_torch(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize in plain torch (the reference of the C++ decoder, and its fallback)."""
+    rows, cols = w.shape
+    out = torch.empty(rows, cols, dtype=dtype)
+    for r0, r1 in _row_chunks(rows, cols):
+        blocks = w.data[r0:r1].contiguous().view(-1, BLOCK_BYTES[w.qtype])
+        out[r0:r1] = _dequantize_blocks(w.qtype, blocks).view(r1 - r0, cols)
+    return out
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as a float matrix [rows, cols] (exactly gguf.quants.dequantize's values)."""
+    lib = load()
+    if lib is None:
+        return dequantize_torch(w, dtype)
+    rows, cols = w.shape
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    if rows and cols:
+        _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data.data_ptr(), w.data.stride(0), rows, cols,
+                                    out.data_ptr(), cols), "quant_dequantize")
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _round_half_away(v: torch.Tensor) -> torch.Tensor:
+    a = v.abs()
+    floored = a.floor()
+    return v.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def _quantize_blocks(qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 32] -> uint8 [n, BLOCK_BYTES], llama.cpp's reference rounding (as gguf.quants)."""
+    if qtype == "q8_0":
+        d = x.abs().amax(dim=1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = _round_half_away(x * inv).to(torch.int8).view(torch.uint8)
+        return torch.cat([d.half().view(torch.uint8), q], dim=1)
+    if qtype == "q4_0":
+        signed_max = x.gather(1, x.abs().argmax(dim=1, keepdim=True))
+        d = signed_max / -8
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = (x.double() * inv.double() + 8.5).float().trunc().clamp(0, 15).to(torch.uint8)
+        return torch.cat([d.half().view(torch.uint8), q[:, :16] | (q[:, 16:] << 4)], dim=1)
+    raise ValueError(f"quantize() makes {', '.join(QUANTIZE_TYPES)}, not {qtype!r}")
+
+
+def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
+    """A float / bf16 [rows, cols] weight in q8_0 or q4_0 (the same bytes as
+    gguf.quants.quantize), row chunk by row chunk (never a float32 copy of the whole matrix)."""
+    if qtype not in QUANTIZE_TYPES:
+        raise ValueError(f"quantize() makes {', '.join(QUANTIZE_TYPES)}, not {qtype!r}")
+    rows, cols = weight.shape
+    if cols % BLOCK[qtype]:
+        raise ValueError(f"{qtype}: {cols} columns are not a multiple of its block ({BLOCK[qtype]})")
+    row_bytes = cols // BLOCK[qtype] * BLOCK_BYTES[qtype]
+    data = torch.empty(rows, row_bytes, dtype=torch.uint8)
+    for r0, r1 in _row_chunks(rows, cols):
+        chunk = weight[r0:r1].float().reshape(-1, BLOCK[qtype])
+        data[r0:r1] = _quantize_blocks(qtype, chunk).view(r1 - r0, row_bytes)
+    return QuantizedWeight(qtype, (rows, cols), data)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the small-batch kernels multiply: x [T, K] as int8 values [T, K] and one float32
+    scale per 32 [T, K/32] (d = max|x| / 127, q = x * (1/d) rounded half to even)."""
+    t, k = x.shape
+    blocks = x.float().reshape(t, k // 32, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(blocks * inv).to(torch.int8)
+    return q.view(t, k), d.view(t, k // 32)
+
+
+def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The small-batch kernels' arithmetic in float64, no rounding but the inputs': the q8
+    activations times the dequantized weight (float64 [T, rows]). The tests' oracle."""
+    q, d = quantize_activations(x)
+    x8 = (q.double().view(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).view(x.shape)
+    return x8 @ dequantize_torch(w).double().T
+
+
+# ---- linear -----------------------------------------------------------------------------------
+def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in x's dtype. T up to
+    SMALL_BATCH_ROWS: integer dots over q8 activations; more: dequantized weight tiles."""
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {w.shape}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"linear: x must be float32 or bfloat16, got {x.dtype}")
+    rows, cols = w.shape
+    t = x.shape[0]
+    lib = load()
+    if t == 0 or rows == 0:
+        return torch.zeros(t, rows, dtype=x.dtype)
+    if lib is not None and t <= SMALL_BATCH_ROWS:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        out = torch.empty(t, rows, dtype=x.dtype)
+        bias32 = None if bias is None else bias.float().contiguous()
+        _check(lib.quant_linear_small(_QTYPE_ID[w.qtype], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                                      t, cols, w.data.data_ptr(), w.data.stride(0), rows,
+                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
+                                      int(out.dtype == torch.bfloat16)), "quant_linear_small")
+        return out
+    return _linear_tiles(x, w, bias, lib)
+
+
+def tile_rows(cols: int) -> int:
+    """Weight rows per tile of the large-batch path: about TILE_ELEMENTS weights, a multiple of
+    32 (the GEMM's strips), at least two strips per thread."""
+    return max(64 * torch.get_num_threads(), TILE_ELEMENTS // max(cols, 1) // 32 * 32)
+
+
+def _linear_tiles(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, lib) -> torch.Tensor:
+    """x @ W.T with W dequantized a tile of rows at a time: into kernels/cpu.py's packed GEMM
+    (bf16 tiles for bf16 x, float32 for float32 x), else a float32 scratch and torch.matmul."""
+    rows, cols = w.shape
+    gemm = cpu._kernel("linear_packed", x)
+    if lib is not None and gemm is not None and not (x.dtype == torch.bfloat16 and cols % 2):
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+        bias32 = None if bias is None else bias.float().contiguous()
+        _check(lib.quant_linear_tiles(_QTYPE_ID[w.qtype], x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
+                                      cols, w.data.data_ptr(), w.data.stride(0), rows,
+                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+                                      ctypes.cast(gemm, ctypes.c_void_p).value, tile_rows(cols)),
+               "quant_linear_tiles")
+        return out
+    x32 = x.float()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    step = tile_rows(cols)
+    scratch = torch.empty(min(step, rows), cols, dtype=torch.float32)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        tile = scratch[:r1 - r0]
+        if lib is not None:
+            _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data[r0:r1].data_ptr(), w.data.stride(0), r1 - r0,
+                                        cols, tile.data_ptr(), cols), "quant_dequantize")
+        else:
+            tile.copy_(dequantize_torch(slice_rows(w, r0, r1)))
+        out[:, r0:r1] = x32 @ tile.T
+    if bias is not None:
+        out += bias.float()
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name} failed (status {status})")
+
+
+# ---- variants ---------------------------------------------------------------------------------
+def supported_variants() -> list[str]:
+    """The variants this CPU can run, best first (always ends with `scalar`)."""
+    return [v.name for v in VARIANTS if set(v.cpu_flags) <= cpu.cpu_flags()]
+
+
+def _missing(name: str) -> list[str]:
+    return sorted(set(_BY_NAME[name].cpu_flags) - cpu.cpu_flags())
+
+
+def choose_variant() -> str:
+    """$PAGEDSERVE_QUANT_KERNELS if set (refused if this CPU cannot run it), else the best the
+    CPU supports."""
+    forced = os.environ.get(ENV_VARIANT, "").strip().lower()
+    if not forced or forced == "auto":
+        return supported_variants()[0]
+    if forced not in _BY_NAME:
+        raise ValueError(f"{ENV_VARIANT}={forced!r}: expected one of auto, {', '.join(_BY_NAME)}")
+    if _missing(forced):
+        raise RuntimeError(f"{ENV_VARIANT}={forced}: this CPU lacks {', '.join(_missing(forced))}; "
+                           f"it supports {', '.join(supported_variants())}")
+    return forced
+
+
+def load_variant(name: str) -> ctypes.CDLL | None:
+    """Variant `name`'s library, compiled on first use; None (with a warning) if it cannot be
+    built. Raises where this CPU cannot run it."""
+    if name in _libs:
+        return _libs[name]
+    if _missing(name):
+        raise RuntimeError(f"quant kernel variant {name!r} needs {', '.join(_missing(name))}, which this CPU lacks")
+    lib = None
+    try:
+        lib = ctypes.CDLL(str(cpu._build(_BY_NAME[name], SOURCE)))
+        for fn_name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, fn_name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
+        lib.quant_kernel_variant.restype = ctypes.c_char_p
+    except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("quantized-weight kernels (%s) unavailable, using torch: %s", name, detail[-2000:])
+        lib = None
+    _libs[name] = lib
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The active variant's library (chosen on first call; where the best fails to build, the
+    next); None if none can be built (then torch computes)."""
+    if _active is None:
+        chosen = choose_variant()
+        forced = os.environ.get(ENV_VARIANT, "").strip().lower() not in ("", "auto")
+        candidates = supported_variants()
+        for name in [chosen] if forced else candidates[candidates.index(chosen):]:
+            if use_variant(name) is not None:
+                break
+    return _lib
+
+
+def use_variant(name: str) -> ctypes.CDLL | None:
+    """Make variant `name` the one linear() and dequantize() call."""
+    global _active, _lib
+    _active, _lib = name, load_variant(name)
+    return _lib
+
+
+@contextlib.contextmanager
+def using_variant(name: str):
+    """Run a block with variant `name` active, then restore the previous one."""
+    previous = _active
+    use_variant(name)
+    try:
+        yield _lib
+    finally:
+        if previous is not None:
+            use_variant(previous)
+
+
+def variant() -> str | None:
+    """The variant in use, or None where none could be built (torch computes)."""
+    return _active if load() is not None else None
+
+
+def describe() -> dict:
+    """Which variant is in use and why, and which path runs which batch size."""
+    active = variant()
+    forced = os.environ.get(ENV_VARIANT, "").strip().lower()
+    return dict(
+        quant_kernels=active or "torch",
+        quant_kernels_supported=supported_variants(),
+        quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced not in ("", "auto") else
+                              "the best this CPU's flags allow" if active else "no variant could be built"),
+        quant_small_batch_rows=SMALL_BATCH_ROWS,
+        quant_paths={q: ("integer dots on q8 activations" if active else "torch (dequantize + matmul)")
+                     + f" for T <= {SMALL_BATCH_ROWS}; dequantized tiles + matmul above" for q in QTYPES},
+    )

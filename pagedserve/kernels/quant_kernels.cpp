@@ -1,0 +1,735 @@
+// Linear layers over weights in GGUF block formats (kernels/quant.py builds one library per CPU
+// family from this file and calls it through ctypes; no torch headers).
+//
+// quant_dequantize: blocks -> float32 rows, the same float operations as gguf.quants (exact).
+// quant_linear_small: y = x @ W.T for a few rows of x: x is quantized once per call into 8-bit
+// blocks of 32 (int8 q, float scale dx = max|x|/127, and dx * sum(q) for types with a minimum),
+// then each 32 elements of a weight row give one integer dot product (unsigned or signed codes
+// times the int8 activations) and one float32 multiply-add by its scale:
+//     y += (A * dx) * dot(code, q)   [+ C * dx * sum(q)   where the type has a minimum]
+// Offsets (q4_0: 8, q5_0: 16, q6_k: 32) are subtracted from the codes in integers (signed x
+// signed dot), q6_k's per-16 scales multiply the dot's lanes in integers; only the float sums'
+// order differs between variants and the scalar loop.
+//
+// Vector paths use 256-bit registers in every build; the build's target flags choose the dot
+// product: AVX512-VNNI (with VL) or AVX-VNNI vpdpbusd, else AVX2 maddubs + madd (no pair can
+// saturate: unsigned codes <= 31, and the signed dot multiplies |w| <= 128 by sign-adjusted q).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef PAGEDSERVE_VARIANT
+#define PAGEDSERVE_VARIANT "unknown"
+#endif
+
+extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
+
+namespace {
+
+enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, kNumTypes };   // kernels/quant.py's QTYPES order
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210};
+
+float f16(const uint8_t *p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 31, mant = h & 1023;
+    uint32_t bits;
+    if (exp == 0) {                         // zero or subnormal: mant * 2^-24
+        const float v = std::ldexp(float(mant), -24);
+        std::memcpy(&bits, &v, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
+
+float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+uint16_t f32_to_bf16(float f) {          // round to nearest even, NaN kept quiet (as torch)
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+    return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+// q4_k / q5_k: 12 bytes -> 8 six-bit scales and mins.
+void k_scales(const uint8_t *s, int sc[8], int mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 48);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 48);
+    }
+}
+
+// ---- dequantize: one block into kElems floats -------------------------------------------------
+void dequantize_block(int qt, const uint8_t *b, float *y) {
+    switch (qt) {
+    case Q8_0: {
+        const float d = f16(b);
+        for (int i = 0; i < 32; i++) y[i] = float(int8_t(b[2 + i])) * d;
+        return;
+    }
+    case Q4_0: case Q4_1: {
+        const float d = f16(b);
+        const uint8_t *qs = b + (qt == Q4_0 ? 2 : 4);
+        if (qt == Q4_0) {
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * float((qs[i] & 15) - 8);
+                y[i + 16] = d * float((qs[i] >> 4) - 8);
+            }
+        } else {
+            const float m = f16(b + 2);
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * float(qs[i] & 15) + m;
+                y[i + 16] = d * float(qs[i] >> 4) + m;
+            }
+        }
+        return;
+    }
+    case Q5_0: case Q5_1: {
+        const float d = f16(b);
+        const int off = qt == Q5_0 ? 2 : 4;
+        uint32_t qh;
+        std::memcpy(&qh, b + off, 4);
+        const uint8_t *qs = b + off + 4;
+        for (int i = 0; i < 16; i++) {
+            const int q0 = (qs[i] & 15) | (((qh >> i) & 1) << 4), q1 = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+            if (qt == Q5_0) {
+                y[i] = d * float(q0 - 16);
+                y[i + 16] = d * float(q1 - 16);
+            } else {
+                const float m = f16(b + 2);
+                y[i] = d * float(q0) + m;
+                y[i + 16] = d * float(q1) + m;
+            }
+        }
+        return;
+    }
+    case Q4_K: case Q5_K: {
+        const float d = f16(b), dmin = f16(b + 2);
+        int sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + (qt == Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            const float dj = d * float(sc[j]), mj = dmin * float(mn[j]);
+            const uint8_t *q = qs + (j / 2) * 32;
+            const int shift = (j % 2) * 4;
+            for (int l = 0; l < 32; l++) {
+                int v = (q[l] >> shift) & 15;
+                if (qt == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                y[j * 32 + l] = dj * float(v) - mj;
+            }
+        }
+        return;
+    }
+    case Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
+        const float d = f16(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++) {
+                    const int e = 128 * h + 32 * k + l;
+                    const int lo = (ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 15;
+                    const int hi = (qh[32 * h + l] >> (2 * k)) & 3;
+                    y[e] = (d * float(sc[e / 16])) * float((lo | (hi << 4)) - 32);
+                }
+        return;
+    }
+    }
+}
+
+// ---- activations: 8-bit blocks of 32 ------------------------------------------------------------
+struct Act {
+    const int8_t *q;     // [T][K]
+    const float *d;      // [T][K/32]
+    const float *ds;     // [T][K/32]: d * sum(q)
+    int64_t K, nb;
+};
+
+// One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
+void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+#if defined(__AVX2__)
+    for (int i = 0; i < 32; i += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)));
+        alignas(32) int32_t tmp[8];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(tmp), v);
+        for (int k = 0; k < 8; k++) {
+            q[i + k] = int8_t(tmp[k]);
+            sum += tmp[k];
+        }
+    }
+#else
+    for (int i = 0; i < 32; i++) {
+        const int v = int(std::nearbyint(x[i] * inv));
+        q[i] = int8_t(v);
+        sum += v;
+    }
+#endif
+    *d_out = d;
+    *ds_out = d * float(sum);
+}
+
+void quantize_rows(const void *x, int64_t ldx, bool bf16, int64_t T, int64_t K, int8_t *q, float *d, float *ds) {
+    const int64_t nb = K / 32;
+    float buf[32];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < nb; j++) {
+            const float *src;
+            if (bf16) {
+                const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
+                for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
+                src = buf;
+            } else {
+                src = static_cast<const float *>(x) + t * ldx + j * 32;
+            }
+            quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
+        }
+}
+
+// ---- the dot products of one weight row with NT activation rows ---------------------------------
+// Each type's decoder yields, per 32 elements j of the row: the codes, the float A (scale) and
+// C (minimum term, or 0), and for q6_k two integer scales of 16 elements each.
+#if defined(__AVX2__)
+__m256i dot_us(__m256i u, __m256i s) {       // 8 int32 lanes, each the sum of 4 adjacent u * s
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+__m256i dot_ss(__m256i w, __m256i s) { return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+
+float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__m256i nibbles16(const uint8_t *p) {       // 16 bytes -> [16 low nibbles | 16 high nibbles]
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p)), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+__m256i bits32(const uint8_t *p) {          // 32 bits (little-endian) -> 32 bytes of 0x10 or 0
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(int(qh)), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                      0x0101010101010101, 0x0000000000000000));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// One 32-element piece of a weight row, decoded: its codes (signed where the type has an
+// offset, already subtracted), its scale A and minimum term C, q6_k's two integer scales of 16.
+struct Piece {
+    __m256i codes;
+    float A, C;
+    int sc0, sc1;
+};
+
+template <int QT>
+constexpr bool kSigned = QT == Q4_0 || QT == Q5_0 || QT == Q8_0 || QT == Q6_K;
+template <int QT>
+constexpr bool kMin = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+template <int QT>
+constexpr int kPieces = QT == Q4_K || QT == Q5_K || QT == Q6_K ? 8 : 1;
+
+// The pieces of one block (super-block) at b.
+template <int QT>
+inline void decode(const uint8_t *b, Piece *p) {
+    if constexpr (QT == Q8_0) {
+        p[0] = {_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2)), f16(b), 0.f, 1, 1};
+    } else if constexpr (QT == Q4_0) {
+        p[0] = {_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), f16(b), 0.f, 1, 1};
+    } else if constexpr (QT == Q4_1) {
+        p[0] = {nibbles16(b + 4), f16(b), f16(b + 2), 1, 1};
+    } else if constexpr (QT == Q5_0) {
+        p[0] = {_mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bits32(b + 2)), _mm256_set1_epi8(16)), f16(b), 0.f,
+                1, 1};
+    } else if constexpr (QT == Q5_1) {
+        p[0] = {_mm256_or_si256(nibbles16(b + 8), bits32(b + 4)), f16(b), f16(b + 2), 1, 1};
+    } else if constexpr (QT == Q4_K || QT == Q5_K) {
+        const float d = f16(b), dmin = f16(b + 2);
+        int sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
+        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+        __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if constexpr (QT == Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            p[2 * c] = {lo, d * float(sc[2 * c]), -(dmin * float(mn[2 * c])), 1, 1};
+            p[2 * c + 1] = {hi, d * float(sc[2 * c + 1]), -(dmin * float(mn[2 * c + 1])), 1, 1};
+        }
+    } else if constexpr (QT == Q6_K) {
+        const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
+        const float d = f16(b + 208);
+        const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            for (int k = 0; k < 4; k++) {
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
+                const int g = 8 * h + 2 * k;       // the 16-element groups of these 32
+                p[4 * h + k] = {_mm256_sub_epi8(_mm256_or_si256(low[k], _mm256_slli_epi16(high, 4)), off), d, 0.f,
+                                sc[g], sc[g + 1]};
+            }
+        }
+    }
+}
+
+template <int NT>
+struct Acc {
+    __m256 v[NT];        // sums of the 256-bit pieces
+    float s[NT];         // their minimum terms
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m512 w[NT];        // sums of the 512-bit pairs
+    __m128 m2[NT];       // minimum terms of pairs of 32-element blocks
+    __m256 m8[NT];       // minimum terms of super-blocks' 8 sub-blocks
+#endif
+    Acc() {
+        for (int t = 0; t < NT; t++) {
+            v[t] = _mm256_setzero_ps();
+            s[t] = 0.f;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            w[t] = _mm512_setzero_ps();
+            m2[t] = _mm_setzero_ps();
+            m8[t] = _mm256_setzero_ps();
+#endif
+        }
+    }
+    float total(int t) const {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        const __m256 wide = _mm256_add_ps(_mm512_castps512_ps256(w[t]),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[t]), 1)));
+        const __m256 mins = _mm256_add_ps(m8[t], _mm256_zextps128_ps256(m2[t]));
+        return hsum(_mm256_add_ps(_mm256_add_ps(v[t], wide), mins)) + s[t];
+#else
+        return hsum(v[t]) + s[t];
+#endif
+    }
+};
+
+// acc[t] += (A * dx) * dot(codes, q[t]) (+ C * dx * sum q[t]) for one piece: q0, d0, ds0 point
+// at activation row t0's block of this piece.
+template <int QT, int NT>
+inline void accumulate(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                       const Piece &p) {
+    __m256i lanes = _mm256_setzero_si256();
+    if constexpr (QT == Q6_K) lanes = _mm256_set_epi32(p.sc1, p.sc1, p.sc1, p.sc1, p.sc0, p.sc0, p.sc0, p.sc0);
+    for (int t = 0; t < NT; t++) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q0 + t * a.K));
+        __m256i dot = kSigned<QT> ? dot_ss(p.codes, x) : dot_us(p.codes, x);
+        if constexpr (QT == Q6_K) dot = _mm256_mullo_epi32(dot, lanes);
+        acc.v[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(p.A * d0[t * a.nb]), acc.v[t]);
+        if constexpr (kMin<QT>) acc.s[t] += p.C * ds0[t * a.nb];
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// ---- AVX-512 VNNI: 64 elements (two pieces) per dot product, scales two or eight at a time ----
+__m128 f16x2(const uint8_t *p0, const uint8_t *p1) {     // [f16 at p0, f16 at p1, 0, 0]
+    uint16_t h0, h1;
+    std::memcpy(&h0, p0, 2);
+    std::memcpy(&h1, p1, 2);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(int(uint32_t(h0) | (uint32_t(h1) << 16))));
+}
+
+__m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(p))); }
+
+__m512i nibbles_pair(const uint8_t *q0, const uint8_t *q1) {   // two blocks' 16 bytes -> [lo0 hi0 lo1 hi1]
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i *>(q1)), 1);
+    const __m256i m = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
+                                     _mm512_castsi256_si512(hi));
+}
+
+// The integer dot of 64 codes with 64 activations: unsigned codes directly, signed ones as
+// |w| times q with w's sign.
+struct Codes {
+    __m512i u;
+    __mmask64 negative;
+};
+template <bool kSignedCodes>
+inline Codes codes_of(__m512i c) {
+    if constexpr (kSignedCodes) return {_mm512_abs_epi8(c), _mm512_movepi8_mask(c)};
+    return {c, 0};
+}
+template <bool kSignedCodes>
+inline __m512 dot64(const Codes &c, const int8_t *q) {
+    __m512i x = _mm512_loadu_si512(q);
+    if constexpr (kSignedCodes) x = _mm512_mask_sub_epi8(x, c.negative, _mm512_setzero_si512(), x);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c.u, x));
+}
+
+// Two 32-element blocks b0, b1 = b0 + kBytes: codes, scales A01 and minimum terms C01.
+template <int QT, int NT>
+inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                   const uint8_t *b0) {
+    const uint8_t *b1 = b0 + kBytes[QT];
+    const __m128 A = f16x2(b0, b1);
+    __m128 C = _mm_setzero_ps();
+    __m512i raw;
+    constexpr bool kSignedCodes = QT == Q8_0;
+    if constexpr (QT == Q8_0) {
+        raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b0 + 2))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b1 + 2)), 1);
+    } else if constexpr (QT == Q4_0) {
+        raw = nibbles_pair(b0 + 2, b1 + 2);
+        C = _mm_mul_ps(A, _mm_set1_ps(-8.f));
+    } else if constexpr (QT == Q4_1) {
+        raw = nibbles_pair(b0 + 4, b1 + 4);
+        C = f16x2(b0 + 2, b1 + 2);
+    } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+        constexpr int o = QT == Q5_0 ? 2 : 4;
+        raw = _mm512_or_si512(nibbles_pair(b0 + o + 4, b1 + o + 4),
+                              _mm512_inserti64x4(_mm512_castsi256_si512(bits32(b0 + o)), bits32(b1 + o), 1));
+        C = QT == Q5_0 ? _mm_mul_ps(A, _mm_set1_ps(-16.f)) : f16x2(b0 + 2, b1 + 2);
+    }
+    const Codes c = codes_of<kSignedCodes>(raw);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int t = 0; t < NT; t++) {
+        const __m128 dx = load2(d0 + t * a.nb);
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(A, dx)));
+        acc.w[t] = _mm512_fmadd_ps(dot64<kSignedCodes>(c, q0 + t * a.K), scale, acc.w[t]);
+        if constexpr (QT != Q8_0) acc.m2[t] = _mm_fmadd_ps(C, load2(ds0 + t * a.nb), acc.m2[t]);
+    }
+}
+
+// One super-block: q0, d0, ds0 point at its first 32 activations of row t0.
+template <int QT, int NT>
+inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                       const uint8_t *b) {
+    if constexpr (QT == Q4_K || QT == Q5_K) {
+        alignas(32) int32_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const __m256 A = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_load_si256(
+                                                                  reinterpret_cast<const __m256i *>(sc))));
+        const __m256 C = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_load_si256(
+                                                                       reinterpret_cast<const __m256i *>(mn))));
+        __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
+        for (int t = 0; t < NT; t++) {
+            S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+            acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
+        }
+        const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
+        const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+        const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
+        for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
+            __m512i raw = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+            if constexpr (QT == Q5_K) {
+                const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)),
+                                                     _mm256_srli_epi16(qh, 2 * c + 1), 1);
+                raw = _mm512_or_si512(raw, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+            }
+            const Codes codes = codes_of<false>(raw);
+            const __m512i spread = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                                     2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                     2 * c + 1, 2 * c + 1, 2 * c + 1);
+            for (int t = 0; t < NT; t++)
+                acc.w[t] = _mm512_fmadd_ps(dot64<false>(codes, q0 + t * a.K + 64 * c),
+                                           _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S[t])), acc.w[t]);
+        }
+    } else if constexpr (QT == Q6_K) {
+        // d * scale of the 16 groups of 16, times dx of their 32-element block, per row.
+        const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                          _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)))));
+        const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        __m512 S[NT];
+        for (int t = 0; t < NT; t++)
+            S[t] = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
+        const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_loadu_si512(b + 64 * h);     // ql of elements 128h + [0, 64) (low) / [64, 128) (high)
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            const __m512i Q = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
+                const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
+                const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
+                const Codes codes = codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
+                const int g = 8 * h + 4 * half;
+                const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
+                                                         g + 2, g + 3, g + 3, g + 3, g + 3);
+                for (int t = 0; t < NT; t++)
+                    acc.w[t] = _mm512_fmadd_ps(dot64<true>(codes, q0 + t * a.K + 128 * h + 64 * half),
+                                               _mm512_permutexvar_ps(spread, S[t]), acc.w[t]);
+            }
+        }
+    }
+}
+#endif
+
+template <int QT, int NT>
+void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    Acc<NT> acc;
+    const int64_t units = a.K / kElems[QT];
+    const int8_t *qa = a.q + t0 * a.K;
+    const float *da = a.d + t0 * a.nb, *dsa = a.ds + t0 * a.nb;
+    constexpr int P = kPieces<QT>;
+    int64_t u = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if constexpr (P == 1) {
+        for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+    } else {
+        for (; u < units; u++) superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, w + u * kBytes[QT]);
+    }
+#endif
+    for (; u < units; u++) {          // 256-bit pieces (every unit on AVX2 / AVX-VNNI; an odd last block here)
+        Piece p[P];
+        decode<QT>(w + u * kBytes[QT], p);
+        for (int i = 0; i < P; i++) {
+            const int64_t j = u * P + i;
+            accumulate<QT, NT>(acc, a, qa + j * 32, da + j, dsa + j, p[i]);
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t * ldo] = acc.total(t);
+}
+#else
+// Plain loops over the same integers.
+template <int QT, int NT>
+void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    float acc[NT] = {};
+    const int64_t units = a.K / kElems[QT];
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *b = w + u * kBytes[QT];
+        const int subs = int(kElems[QT] / 32);
+        int codes[256], scale16[16];
+        float A[8], C[8];
+        for (int i = 0; i < 16; i++) scale16[i] = 1;
+        for (int j = 0; j < 8; j++) C[j] = 0.f;
+        if constexpr (QT == Q8_0) {
+            for (int i = 0; i < 32; i++) codes[i] = int8_t(b[2 + i]);
+            A[0] = f16(b);
+        } else if constexpr (QT == Q4_0 || QT == Q4_1) {
+            const uint8_t *qs = b + (QT == Q4_0 ? 2 : 4);
+            const int off = QT == Q4_0 ? 8 : 0;
+            for (int i = 0; i < 16; i++) codes[i] = (qs[i] & 15) - off, codes[i + 16] = (qs[i] >> 4) - off;
+            A[0] = f16(b);
+            if (QT == Q4_1) C[0] = f16(b + 2);
+        } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+            const int o = QT == Q5_0 ? 2 : 4, off = QT == Q5_0 ? 16 : 0;
+            uint32_t qh;
+            std::memcpy(&qh, b + o, 4);
+            for (int i = 0; i < 16; i++) {
+                codes[i] = ((b[o + 4 + i] & 15) | (((qh >> i) & 1) << 4)) - off;
+                codes[i + 16] = ((b[o + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - off;
+            }
+            A[0] = f16(b);
+            if (QT == Q5_1) C[0] = f16(b + 2);
+        } else if constexpr (QT == Q4_K || QT == Q5_K) {
+            const float d = f16(b), dmin = f16(b + 2);
+            int sc[8], mn[8];
+            k_scales(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = b + (QT == Q4_K ? 16 : 48);
+            for (int j = 0; j < 8; j++) {
+                for (int l = 0; l < 32; l++) {
+                    int v = (qs[(j / 2) * 32 + l] >> ((j % 2) * 4)) & 15;
+                    if (QT == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                    codes[j * 32 + l] = v;
+                }
+                A[j] = d * float(sc[j]);
+                C[j] = -(dmin * float(mn[j]));
+            }
+        } else if constexpr (QT == Q6_K) {
+            const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
+            const float d = f16(b + 208);
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 4; k++)
+                    for (int l = 0; l < 32; l++) {
+                        const int lo = (b[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 15;
+                        const int hi = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+                        codes[128 * h + 32 * k + l] = (lo | (hi << 4)) - 32;
+                    }
+            for (int g = 0; g < 16; g++) scale16[g] = sc[g];
+            for (int j = 0; j < 8; j++) A[j] = d;
+        }
+        for (int s = 0; s < subs; s++) {
+            const int64_t j = u * subs + s;
+            for (int t = 0; t < NT; t++) {
+                const int8_t *q = a.q + (t0 + t) * a.K + j * 32;
+                int dot0 = 0, dot1 = 0;
+                for (int i = 0; i < 16; i++) dot0 += codes[s * 32 + i] * q[i], dot1 += codes[s * 32 + 16 + i] * q[16 + i];
+                const int dot = dot0 * scale16[2 * s] + dot1 * scale16[2 * s + 1];
+                acc[t] += (A[s] * a.d[(t0 + t) * a.nb + j]) * float(dot);
+                acc[t] += C[s] * a.ds[(t0 + t) * a.nb + j];
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t * ldo] = acc[t];
+}
+#endif
+
+#if defined(__AVX512VL__)
+constexpr int kMaxNT = 8;       // activation rows per pass over a weight row (32 vector registers)
+#else
+constexpr int kMaxNT = 4;
+#endif
+
+using RowFn = void (*)(const uint8_t *, const Act &, int64_t, float *, int64_t);
+
+template <int QT, int... NT>
+constexpr RowFn pick(int nt, std::integer_sequence<int, NT...>) {
+    RowFn fn = nullptr;
+    ((nt == NT + 1 ? (fn = row_dot<QT, NT + 1>, 0) : 0), ...);
+    return fn;
+}
+
+template <int QT>
+RowFn row_fn(int nt) { return pick<QT>(nt, std::make_integer_sequence<int, kMaxNT>{}); }
+
+RowFn row_fn(int qt, int nt) {
+    switch (qt) {
+    case Q4_0: return row_fn<Q4_0>(nt);
+    case Q4_1: return row_fn<Q4_1>(nt);
+    case Q5_0: return row_fn<Q5_0>(nt);
+    case Q5_1: return row_fn<Q5_1>(nt);
+    case Q8_0: return row_fn<Q8_0>(nt);
+    case Q4_K: return row_fn<Q4_K>(nt);
+    case Q5_K: return row_fn<Q5_K>(nt);
+    case Q6_K: return row_fn<Q6_K>(nt);
+    }
+    return nullptr;
+}
+}  // namespace
+
+// w: rows of blocks, ldw bytes apart; out float32 [rows][ldo]. 0 on success.
+extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t cols, float *out,
+                                int64_t ldo) {
+    if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
+    const int64_t units = cols / kElems[qt];
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t u = 0; u < units; u++) dequantize_block(qt, w + r * ldw + u * kBytes[qt], out + r * ldo + u * kElems[qt]);
+    return 0;
+}
+
+namespace {
+// Rows [0, rows) of W dequantized into kernels/cpu.py's packed GEMM layout (PackedWeight):
+// float32 [Np/16][K][16] or bf16 [Np/16][K/2][16][2] (rounded to nearest even), Np = rows
+// rounded up to 32, zero rows past `rows`. Threads take whole groups of 16 rows (no two write
+// one cache line).
+void dequantize_packed(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t K, void *out, bool bf16) {
+    const int64_t groups = (rows + 31) / 32 * 2, units = K / kElems[qt];
+#pragma omp parallel
+    {
+        std::vector<float> buf(16 * K);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, rows - 16 * g));
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t u = 0; u < units; u++)
+                    dequantize_block(qt, w + (16 * g + i) * ldw + u * kBytes[qt], buf.data() + i * K + u * kElems[qt]);
+            std::fill(buf.begin() + n * K, buf.end(), 0.f);
+            if (bf16) {
+                uint16_t *dst = static_cast<uint16_t *>(out) + g * K * 16;
+                for (int64_t kp = 0; kp < K / 2; kp++)
+                    for (int i = 0; i < 16; i++) {
+                        dst[kp * 32 + 2 * i] = f32_to_bf16(buf[i * K + 2 * kp]);
+                        dst[kp * 32 + 2 * i + 1] = f32_to_bf16(buf[i * K + 2 * kp + 1]);
+                    }
+            } else {
+                float *dst = static_cast<float *>(out) + g * K * 16;
+                for (int64_t k = 0; k < K; k++)
+                    for (int i = 0; i < 16; i++) dst[k * 16 + i] = buf[i * K + k];
+            }
+        }
+    }
+}
+}  // namespace
+
+// y [T][N] = x [T][K] @ W.T + bias for many rows of x (x, y contiguous, both float32 or both
+// bf16): tiles of tile_rows rows of W (a multiple of 32) dequantized into the packed layout of
+// kernels/cpu.py's GEMM and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or
+// _bf16, passed by address); the whole matrix never exists in float. 0 on success.
+using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t);
+extern "C" int quant_linear_tiles(int qt, const void *x, int x_bf16, int64_t T, int64_t K, const uint8_t *w,
+                                  int64_t ldw, int64_t N, const float *bias, void *y, void *gemm, int64_t tile_rows) {
+    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0 || tile_rows <= 0 || tile_rows % 32 ||
+        (x_bf16 && K % 2) || gemm == nullptr)
+        return 1;
+    const int64_t elem = x_bf16 ? 2 : 4;
+    std::vector<uint8_t> packed(tile_rows * K * elem), part(T * tile_rows * elem);
+    auto *y8 = static_cast<uint8_t *>(y);
+    for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
+        const int64_t n = std::min(tile_rows, N - r0);
+        dequantize_packed(qt, w + r0 * ldw, ldw, n, K, packed.data(), x_bf16 != 0);
+        const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + r0 : nullptr, part.data(),
+                                                              T, n, K);
+        if (status != 0) return status;
+#pragma omp parallel for schedule(static) if (T * n >= 65536)
+        for (int64_t t = 0; t < T; t++) std::memcpy(y8 + (t * N + r0) * elem, part.data() + t * n * elem, n * elem);
+    }
+    return 0;
+}
+
+// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias; W: N rows of K
+// columns in blocks of type qt, ldw bytes apart. 0 on success.
+extern "C" int quant_linear_small(int qt, const void *x, int64_t ldx, int x_bf16, int64_t T, int64_t K,
+                                  const uint8_t *w, int64_t ldw, int64_t N, const float *bias, void *y, int64_t ldy,
+                                  int y_bf16) {
+    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0) return 1;
+    const int64_t nb = K / 32;
+    std::vector<int8_t> q(T * K);
+    std::vector<float> d(T * nb), ds(T * nb), out(T * N);
+    quantize_rows(x, ldx, x_bf16 != 0, T, K, q.data(), d.data(), ds.data());
+    const Act a{q.data(), d.data(), ds.data(), K, nb};
+    const int64_t work = N * K * T;
+#pragma omp parallel for schedule(static) if (work >= 32768)
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
+            const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
+            row_fn(qt, nt)(w + r * ldw, a, t0, out.data() + t0 * N + r, N);
+        }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = 0; r < N; r++) {
+            const float v = out[t * N + r] + (bias ? bias[r] : 0.f);
+            if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
+            else static_cast<float *>(y)[t * ldy + r] = v;
+        }
+    return 0;
+}
