@@ -9,7 +9,9 @@ weights, written here as GGUF files (Q4_0 and Q8_0 quantized by kernels/quant.py
 of random valid Q4_K / Q6_K blocks, since no K-quant quantizer is at hand), each configuration runs
 in a child process of its own and reports: single-stream decode tok/s (128-token prompt, then the
 median decode step), prefill tok/s (one 512-token prompt, 128 with --quick), peak RSS while loading
-(the child's VmHWM after the load, and its RSS before it), and the bytes of weights each decode token
+(the child's VmHWM after the load less its RSS before it, the tokenizer already loaded; the table
+shows it less the KV cache's bytes, which the JSON lists; a file's pages become resident as the
+first steps read them, so "resident" is the RSS after the runs, less the same), and the bytes of weights each decode token
 reads (every layer's matmuls and the LM head) against the bound that reading them once per token at
 the measured read bandwidth sets. The dequantized bf16 row of the 1.7B shape is the float model of the
 same shape (load_format=dummy: the same compute as a dequantized file, without its float32 cache).
@@ -134,22 +136,33 @@ def run_child(spec: dict) -> dict:
     """Load one configuration and time it (the child's side)."""
     from benchmarks.throughput import decode_step_times
     from pagedserve import LLM, SamplingParams
+    from pagedserve.models.loader import load_tokenizer
     from pagedserve.models.quantized import model_weight_bytes, weight_nbytes
+    # The tokenizer first (a GGUF's is built once, then cached on disk), then the peak is reset:
+    # the load's peak is the model's.
+    load_tokenizer(spec.get("tokenizer") or spec["model"], stand_in=spec.get("load_format") == "dummy")
+    import gc
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                    # resets VmHWM to the current RSS (Linux 4.0+)
     rss_before = _status("VmRSS:")
     start = time.perf_counter()
     llm = LLM(spec["model"], tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "auto"),
               gguf_dequantize=spec.get("gguf_dequantize", False), load_format=spec.get("load_format", "auto"),
-              quantization=spec.get("quantization"), kv_cache_memory=spec.get("kv_cache_memory", 512 * 1024**2),
+              quantization=spec.get("quantization"), kv_cache_memory=spec.get("kv_cache_memory", 128 * 1024**2),
               max_num_batched_tokens=max(2048, spec["prefill_len"]), enable_prefix_caching=False)
     load_s = time.perf_counter() - start
     peak_load = _status("VmHWM:")
-    model = llm.engine.executor.worker.runner.model
+    runner = llm.engine.executor.worker.runner
+    model = runner.model
+    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     per_token = sum(weight_nbytes(getattr(w, n)) for w in model.layers for n in ("qkv", "o", "gate_up", "down")) + \
         weight_nbytes(model.lm_head)
     engine = llm.engine
     vocab = llm.engine.model_args.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()   # noqa: E731
+    llm.generate([{"prompt_token_ids": prompt(32)}], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     # Prefill: one prompt, one step (the first token's sampling included).
     prefills = []
     for i in range(spec["repeats"]):
@@ -165,12 +178,15 @@ def run_child(spec: dict) -> dict:
     median = sorted(steps)[len(steps) // 2]
     prefill_s = min(prefills)
     return dict(load_s=load_s, rss_before_load=rss_before, peak_rss_load=peak_load, rss_after=_status("VmRSS:"),
+                kv_cache_bytes=kv_bytes,
                 weight_bytes=model_weight_bytes(model), bytes_per_token=per_token,
                 decode_tok_s=1 / median, decode_ms=median * 1e3, prefill_tok_s=spec["prefill_len"] / prefill_s)
 
 
 def child(spec: dict, timeout: float) -> dict:
-    env = {**os.environ, "PAGEDSERVE_CACHE": spec["cache"]}
+    # The dequantized path writes a float32 copy of the file into the cache: a scratch cache for
+    # it (its kernels compile there once, before the timed part); the others use the user's cache.
+    env = {**os.environ, "PAGEDSERVE_CACHE": spec["cache"]} if spec.get("gguf_dequantize") else None
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                          timeout=timeout, env=env)
     if res.returncode:
@@ -262,7 +278,7 @@ def main() -> None:
             r["bound_tok_s"] = bandwidth / r["bytes_per_token"]
             r["fraction_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
     print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'prefill tok/s':>13} "
-          f"{'peak load MiB':>13} {'weights MiB':>11} {'llama.cpp tg/pp':>16}")
+          f"{'peak load MiB':>13} {'resident MiB':>12} {'weights MiB':>11} {'llama.cpp tg/pp':>16}")
     for r in runs:
         if "error" in r:
             print(f"{r['model']:<34} {r['config']:<26} error: {r['error'].strip().splitlines()[-1]}")
@@ -270,7 +286,8 @@ def main() -> None:
         lb = r.get("llama_bench") or {}
         lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else "-"
         print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
-              f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load']) / 2**20:>13.0f} "
+              f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
+              f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16}")
     result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, layers_of_1_7b_shape=layers,
                   prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, runs=runs,
