@@ -3,12 +3,14 @@ kernels/cpu.py, at a SmolLM2-1.7B-shaped layer (hidden 2048, MLP 8192: qkv 6144x
 2048x2048, gate_up 16384x2048, down 2048x8192), over several layers' worth of distinct weights
 so they stream from memory as in a real step.
 
-    .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T in 1, 4, 16, 128
-    .venv/bin/python benchmarks/quant_kernels.py             # ~5 min: 4 layers, more T, every variant
+    .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T 1-128, the active variant
+    .venv/bin/python benchmarks/quant_kernels.py --tiny      # seconds: shapes / 8 (checks the script runs)
+    .venv/bin/python benchmarks/quant_kernels.py             # ~10 min: 4 layers, more T, every variant
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
-per pass / time: the decode bound is the machine's bandwidth) and GFLOP/s; the bf16 row is
-the same shapes through cpu.linear over packed bf16 weights. Prints a table and writes
+per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
+the same shapes through cpu.linear over packed bf16 weights; rows with a `path` time the integer
+path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS should be). Prints a table and writes
 benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
 """
 from __future__ import annotations
@@ -61,11 +63,19 @@ def main() -> None:
         SHAPES = [(n // 8, k // 8) for n, k in SHAPES]
     layers = args.layers or (1 if args.tiny else 2 if args.quick else 4)
     tokens = [1, 20] if args.tiny else [1, 4, 16, 128] if args.quick else [1, 2, 4, 8, 16, 32, 128, 512]
+    crossover = [12, 20] if args.tiny else [8, 16, 32] if args.quick else [8, 16, 24, 32, 48, 64]
     variants = [quant.variant()] if args.quick or args.tiny else quant.supported_variants()
     repeats = 3 if args.quick else 5
     rng = np.random.default_rng(0)
     params = layers * sum(n * k for n, k in SHAPES)
     results = []
+
+    # The machine's read bandwidth (torch's threaded sum over 256 MiB): the bound decode should reach.
+    probe = torch.ones((16 if args.tiny else 256) << 18, dtype=torch.float32)
+    sec = median_seconds(lambda: probe.sum(), repeats)
+    read_gbs = probe.numel() * 4 / sec / 1e9
+    print(f"read bandwidth (torch sum): {read_gbs:.1f} GB/s")
+    del probe
 
     bf16 = [cpu.pack_weight(torch.randn(n, k).bfloat16()) for _ in range(layers) for n, k in SHAPES]
     for t in tokens:
@@ -88,12 +98,21 @@ def main() -> None:
                                         weight_gbs=nbytes / sec / 1e9, gflops=2 * t * params / sec / 1e9))
                     print(f"{qtype:12} {name:11} T={t:4} {1e3 * sec:9.2f} ms {nbytes / sec / 1e9:7.1f} GB/s "
                           f"{2 * t * params / sec / 1e9:7.1f} GFLOP/s")
+                # Where the integer path should hand over to the tiles (quant.SMALL_BATCH_ROWS).
+                for t in crossover:
+                    xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
+                    lib = quant.load()
+                    for path, fn in (("integer", quant._linear_small), ("tiles", quant._linear_tiles)):
+                        sec = median_seconds(lambda: [fn(xs[w.shape[1]], [w], None, lib) for w in weights], repeats)
+                        results.append(dict(type=qtype, variant=name, tokens=t, path=path, ms=1e3 * sec,
+                                            weight_gbs=nbytes / sec / 1e9, gflops=2 * t * params / sec / 1e9))
+                        print(f"{qtype:12} {name:11} T={t:4} {path:8} {1e3 * sec:9.2f} ms")
         del weights
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers, threads=torch.get_num_threads(),
-                                   results=results), indent=1))
+    out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers, read_gbs=read_gbs,
+                                   threads=torch.get_num_threads(), results=results), indent=1))
     print(f"wrote {out}")
 
 

@@ -31,16 +31,17 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     nb, bb = cols // 256, quant.BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(rows, nb, bb), dtype=np.uint8)
 
-    def f16(n):
+    def f16():
         return (rng.uniform(0.0005, 0.004, size=(rows, nb, 1)).astype(np.float16)).view(np.uint8)
     if qtype in ("q4_k", "q5_k"):
-        blocks[..., 0:2], blocks[..., 2:4] = f16(1), f16(1)
+        blocks[..., 0:2], blocks[..., 2:4] = f16(), f16()
     else:
-        blocks[..., 208:210] = f16(1)
+        blocks[..., 208:210] = f16()
     return blocks.reshape(rows, nb * bb)
 
 
-def weight(qtype: str, rows: int = ROWS, cols: int | None = None, seed: int = 0) -> tuple[quant.QuantizedWeight, np.ndarray]:
+def weight(qtype: str, rows: int = ROWS, cols: int | None = None,
+           seed: int = 0) -> tuple[quant.QuantizedWeight, np.ndarray]:
     cols = cols or cols_for(qtype)
     raw = random_blocks(qtype, rows, cols, seed)
     return quant.from_gguf_blocks(qtype, torch.from_numpy(raw), (rows, cols)), raw
@@ -49,7 +50,9 @@ def weight(qtype: str, rows: int = ROWS, cols: int | None = None, seed: int = 0)
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(quant, "load", lambda: None)
+        monkeypatch.setattr(quant, "load", lambda: None)        # as where no compiler builds a variant
+        monkeypatch.setattr(quant, "_lib", None)
+        monkeypatch.setattr(quant, "_active", "torch")
         yield "torch"
     else:
         with quant.using_variant(request.param) as lib:
@@ -88,8 +91,12 @@ def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bia
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 9, 16])
-def test_linear_small_batches(variant, qtype, tokens):
-    w, _ = weight(qtype)
+@pytest.mark.parametrize("width", ["narrow", "wide"])
+def test_linear_small_batches(variant, qtype, tokens, width):
+    """Widths of 3 or 9 blocks (32-element types), 1 or 3 super-blocks: every unrolled loop and
+    its tail; T across the passes of 4 or 8 activation rows."""
+    cols = cols_for(qtype) if width == "wide" else quant.BLOCK[qtype] * (3 if quant.BLOCK[qtype] == 32 else 1)
+    w, _ = weight(qtype, cols=cols)
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
     y = quant.linear(x, w)
     assert y.shape == (tokens, ROWS) and y.dtype == torch.float32
@@ -144,6 +151,8 @@ def test_bias_and_bf16(variant, qtype):
         assert y.dtype == torch.bfloat16
         y32 = quant.linear(x.float(), w, bias)
         assert torch.equal(y, y32.bfloat16())          # bf16 in: exact in float32; out: rounded once
+        wide = torch.cat([x, x[:, :64]], dim=1)[:, :w.shape[1]]   # rows strided (a view of a wider buffer)
+        assert wide.stride(0) != wide.shape[1] and torch.equal(quant.linear(wide, w, bias), y)
         if variant != "torch":
             _check_small(y32, x.float(), w, bias)
 
@@ -174,13 +183,49 @@ def test_slices(variant, qtype):
     assert rows.nbytes == 21 * w.row_bytes
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_stacked_parts(variant, tokens):
+    """Weights of different types stacked by rows (a Q4_K_M-style qkv): one product, equal to
+    each part's own."""
+    parts = [weight("q4_k", rows=9, seed=1)[0], weight("q6_k", rows=4, seed=2)[0], weight("q8_0", rows=37, cols=768)[0]]
+    x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens))
+    bias = torch.randn(50)
+    y = quant.linear(x, parts, bias)
+    singles = torch.cat([quant.linear(x, p) for p in parts], dim=1) + bias
+    torch.testing.assert_close(y, singles, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        quant.linear(x, [parts[0], weight("q4_0")[0]])
+
+
+def test_pickles_after_use():
+    import pickle
+    w, _ = weight("q4_0")
+    x = torch.randn(2, w.shape[1])
+    y = quant.linear(x, w)
+    w2 = pickle.loads(pickle.dumps(w))
+    assert w2.qtype == w.qtype and w2.shape == w.shape and torch.equal(quant.linear(x, w2), y)
+
+
+def test_concat_rows():
+    a, _ = weight("q4_k", rows=5, seed=1)
+    b, _ = weight("q4_k", rows=7, seed=2)
+    both = quant.concat_rows([a, b])
+    assert both.shape == (12, a.shape[1])
+    assert torch.equal(quant.dequantize(both), torch.cat([quant.dequantize(a), quant.dequantize(b)]))
+    with pytest.raises(ValueError):
+        quant.concat_rows([a, weight("q6_k", rows=5)[0]])
+
+
 @pytest.mark.parametrize("qtype", quant.QUANTIZE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_matches_gguf(qtype, dtype):
+def test_quantize_matches_gguf(variant, qtype, dtype):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 256, generator=g) * torch.rand(37, 1, generator=g)).to(dtype)
     x[3] = 0                                                     # an all-zero row: d = 0
-    x[4, :32] = torch.tensor([1.0, -1.0] * 16)
+    x[4, :32] = torch.tensor([1.0, -1.0] * 16)                   # ties in magnitude
+    x[5] *= 1e-6                                                 # d a subnormal fp16 (or zero)
+    x[6] *= 1e5                                                  # d past fp16's range
+    x[7, 64:96] = torch.linspace(-3.5, 4.5, 32)                  # values on rounding boundaries
     w = quant.quantize(x, qtype)
     expected = gq.quantize(x.float().numpy(), GGUF_TYPE[qtype])
     assert np.array_equal(w.data.numpy(), expected)
@@ -198,6 +243,21 @@ def test_refusals():
     assert flat.data.shape == (2, 68)
 
 
+def test_c_entry_points():
+    """A compiled caller's view: the C function by address, the weight as a QuantPart."""
+    import ctypes
+    w, _ = weight("q4_0")
+    x = torch.randn(2, w.shape[1])
+    address = quant.kernel_address("quant_linear_small")
+    assert address
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *quant._SIGNATURES["quant_linear_small"])(address)
+    y = torch.empty(2, w.shape[0])
+    part = quant.c_part(w)
+    assert fn(ctypes.addressof(part), 1, x.data_ptr(), x.stride(0), 0, 2, w.shape[1], None, y.data_ptr(),
+              w.shape[0], 0) == 0
+    assert torch.equal(y, quant.linear(x, w))
+
+
 def test_variant_choice(monkeypatch):
     info = quant.describe()
     assert info["quant_kernels"] in quant.supported_variants()
@@ -207,3 +267,45 @@ def test_variant_choice(monkeypatch):
     monkeypatch.setenv(quant.ENV_VARIANT, "nonsense")
     with pytest.raises(ValueError):
         quant.choose_variant()
+
+
+def test_the_default_models_gguf_tensors():
+    """Real blocks: the default model's file (Q4_1 layers, a Q8_0 embedding) as its memory map
+    holds them, decoded and multiplied."""
+    import warnings
+
+    import gguf
+    from pagedserve.models.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        qtype = t.tensor_type.name.lower()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                  # a read-only memory map
+            raw = torch.from_numpy(t.data)
+        w = quant.from_gguf_blocks(qtype, raw, (int(t.shape[1]), int(t.shape[0])))
+        assert w.data.data_ptr() == raw.data_ptr()
+        w = quant.slice_rows(w, 0, min(w.shape[0], 512))
+        expected = torch.from_numpy(gq.dequantize(t.data[:w.shape[0]], t.tensor_type))
+        assert torch.equal(quant.dequantize(w), expected)
+        for tokens in (1, 20):
+            x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
+            exact = x @ expected.T
+            assert float((quant.linear(x, w) - exact).norm() / exact.norm()) < 2e-2
+
+
+def test_thread_counts_agree():
+    """Rows split across threads by bytes: any thread count gives the same bits."""
+    parts = [weight("q4_k", rows=21, seed=1)[0], weight("q6_k", rows=30, seed=2)[0]]
+    x = torch.randn(3, 768)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(quant.linear(x, parts))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], r) for r in results[1:])

@@ -5,49 +5,58 @@ Formats (QTYPES): the llama.cpp/GGUF blocks, byte for byte as the file stores th
 `q5_0` / `q5_1` (the same with a fifth bit per element in a 32-bit qh: offset 16 / + m), `q8_0`
 (d, 32 int8). 256-element super-blocks: `q4_k` / `q5_k` (fp16 d and dmin, 8 sub-blocks of 32
 with 6-bit scale and min: w = d*sc*q - dmin*m), `q6_k` (16 sub-blocks of 16 with int8 scales:
-w = d*sc*(q-32)).
+w = d*sc*(q-32)). Other GGUF types (Q2_K, Q3_K, IQ*) have no kernel: the caller dequantizes.
 
 Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLOCK * BLOCK_BYTES]
 (row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
-slicing by rows or whole blocks of columns is a view (rows may be strided). No repacking: the
+slice_rows / slice_cols (whole blocks) are views (rows may then be strided); concat_rows stacks
+weights of one type (fused projections), one copy. No repacking (no interleaving of rows): the
 kernels read the blocks where they lie, so loading costs no copy and resident weights are the
-file's bytes.
+file's bytes; each thread streams a contiguous range of rows, and the activations it reuses
+per row stay in L1/L2.
 
 Two paths, chosen per call by the number of activation rows T:
 - T <= SMALL_BATCH_ROWS (decode, small batches): the activations are quantized once per call
-  into 8-bit blocks of 32 (int8 values, one float scale dx per block, and the block sums needed
-  by types with an offset or minimum), then each weight block is multiplied with integer dot
-  products (u8 weight codes x s8 activations) and accumulated in float32 per block:
-  y += dx * (A * sum(code * qx) + C * sum(qx)), with A, C the block's (sub-block's) scale and
-  offset terms (q6_k: per 16). Mathematically y = x8 @ W.T, with x8 = dx * qx the activations as
-  the q8 blocks hold them: `reference_linear` computes exactly that in float64 for the tests.
-  OpenMP over output rows (the thread count torch / the engine set).
+  into 8-bit blocks of 32 (int8 values q, one float scale dx per block, and dx * sum(q) for the
+  minimum terms), then every 32 weights give one integer dot product of their codes with q
+  (vpdpbusd: unsigned codes x signed q; q8_0 / q6_k signed codes as |w| x q with w's sign) and
+  one float32 multiply-add by the block's scale:
+      y += (A * dx) * dot(code, q) + C * (dx * sum(q))
+  A, C: the block's (sub-block's) scale and minimum or offset term (q4_0: C = -8 A; q6_k's
+  per-16 scales multiply the dot's lanes). Mathematically y = x8 @ W.T with x8 = dx * q, the
+  activations as the q8 blocks hold them: `reference_linear` computes that in float64 for the
+  tests; variants differ from it only by float32 summation order. OpenMP over output rows (the
+  thread count torch / the engine set), up to 8 (AVX-512) or 4 activation rows per pass over a
+  weight row. Every type, every variant has this path.
 - larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
   C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
   float32 for float32) and multiplied by that GEMM (its address passed to quant_kernels.cpp:
-  one call per layer); the whole matrix never exists in float. Without cpu.py's kernels: a
-  float32 scratch tile and torch.matmul.
+  one call per layer): exactly cpu.linear over the dequantized weight, without the whole matrix
+  ever in float. Without cpu.py's kernels: a float32 scratch tile and torch.matmul.
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
-`avx512vnni` (AVX-512 VL + VNNI: vpdpbusd on 256-bit vectors), `avxvnni` (AVX2 + AVX-VNNI,
-the VEX vpdpbusd), `avx2` (maddubs + madd; q8_0 through the sign trick so no pair saturates),
-`scalar` (plain loops). Every variant computes the same integers, so results differ only by float
-summation order. The best the CPU's flags allow is chosen at first use; $PAGEDSERVE_QUANT_KERNELS
-forces one; `using_variant` runs a block with another (tests run all the CPU supports). Built
-like kernels/cpu.py's library (system C++ compiler on first use, cached under
-~/.cache/pagedserve/kernels by source and flags); where none builds, torch stands in (dequantize
-in row chunks, float matmul).
+`avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
+super-block's eight converted together), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
+127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
+at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
+(tests run all the CPU supports). Built like kernels/cpu.py's library (cpu._build: system C++
+compiler on first use, cached under ~/.cache/pagedserve/kernels by source and flags; the
+flags add -ffp-contract=off so dequantize matches gguf bit for bit); where none builds, torch
+stands in (dequantize in row chunks, float matmul).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -82,13 +91,23 @@ if platform.machine() not in ("x86_64", "AMD64"):
     VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class QuantPart(ctypes.Structure):
+    """QuantPart in quant_kernels.cpp: a weight (one part of a row-stacked product) as the C
+    functions take it."""
+    _fields_ = [("qtype", ctypes.c_int64), ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
 _SIGNATURES = {
     # qtype, w, ldw (bytes), rows, cols, out (float32), ldo
     "quant_dequantize": [ctypes.c_int, _P, _I, _I, _I, _P, _I],
-    # qtype, x, ldx, x_is_bf16, T, K, w, ldw, N, bias (float32 or null), y, ldy, y_is_bf16
-    "quant_linear_small": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _I, ctypes.c_int],
-    # qtype, x, x_is_bf16, T, K, w, ldw, N, bias, y, gemm (cpu.py's linear_packed_*), tile_rows
-    "quant_linear_tiles": [ctypes.c_int, _P, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _P, _I],
+    # qtype, x, ldx, x_is_bf16, rows, cols, out, ldo (bytes)
+    "quant_quantize": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I],
+    # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
+    "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
+    # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_*), tile_rows
+    "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
 }
 _libs: dict[str, ctypes.CDLL | None] = {}
 _active: str | None = None
@@ -114,6 +133,14 @@ class QuantizedWeight:
                 (rows > 1 and self.data.stride(1) != 1):
             raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 [{rows}, {self.row_bytes}] with "
                              f"contiguous rows, got {self.data.dtype} {tuple(self.data.shape)}")
+
+    def __getstate__(self) -> dict:          # picklable (to other processes): without the address cache
+        return {k: v for k, v in self.__dict__.items() if k != "_part"}
+
+    @functools.cached_property
+    def _part(self) -> "QuantPart":
+        """This weight as the kernels' QuantPart (built once: linear() runs per layer per step)."""
+        return QuantPart(_QTYPE_ID[self.qtype], self.data.data_ptr(), self.data.stride(0), self.shape[0])
 
     @property
     def row_bytes(self) -> int:
@@ -153,6 +180,18 @@ def slice_cols(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
                          f"of {block}")
     b0, b1 = start // block * BLOCK_BYTES[w.qtype], stop // block * BLOCK_BYTES[w.qtype]
     return QuantizedWeight(w.qtype, (w.shape[0], stop - start), w.data[:, b0:b1])
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one type and width stacked by rows (a fused projection such as qkv or
+    gate_up): one copy of their bytes. ValueError where types or widths differ (a Q4_K_M file
+    may store q, k and v in different types: keep those apart)."""
+    first = weights[0]
+    if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
+        raise ValueError("concat_rows: weights differ in type or width: "
+                         + ", ".join(f"{w.qtype} {w.shape}" for w in weights))
+    return QuantizedWeight(first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
+                           torch.cat([w.data for w in weights]))
 
 
 # ---- torch reference: block decoding, quantization --------------------------------------------
@@ -264,7 +303,8 @@ def _quantize_blocks(qtype: str, x: torch.Tensor) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     """A float / bf16 [rows, cols] weight in q8_0 or q4_0 (the same bytes as
-    gguf.quants.quantize), row chunk by row chunk (never a float32 copy of the whole matrix)."""
+    gguf.quants.quantize): in C++ over the weight as it is, else in torch row chunk by row
+    chunk (never a float32 copy of the whole matrix)."""
     if qtype not in QUANTIZE_TYPES:
         raise ValueError(f"quantize() makes {', '.join(QUANTIZE_TYPES)}, not {qtype!r}")
     rows, cols = weight.shape
@@ -272,6 +312,15 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
         raise ValueError(f"{qtype}: {cols} columns are not a multiple of its block ({BLOCK[qtype]})")
     row_bytes = cols // BLOCK[qtype] * BLOCK_BYTES[qtype]
     data = torch.empty(rows, row_bytes, dtype=torch.uint8)
+    lib = load()
+    if lib is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_cpu:
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        if rows:
+            _check(lib.quant_quantize(_QTYPE_ID[qtype], weight.data_ptr(), weight.stride(0),
+                                      int(weight.dtype == torch.bfloat16), rows, cols, data.data_ptr(), row_bytes),
+                   "quant_quantize")
+        return QuantizedWeight(qtype, (rows, cols), data)
     for r0, r1 in _row_chunks(rows, cols):
         chunk = weight[r0:r1].float().reshape(-1, BLOCK[qtype])
         data[r0:r1] = _quantize_blocks(qtype, chunk).view(r1 - r0, row_bytes)
@@ -298,28 +347,48 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 # ---- linear -----------------------------------------------------------------------------------
-def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in x's dtype. T up to
-    SMALL_BATCH_ROWS: integer dots over q8 activations; more: dequantized weight tiles."""
-    if x.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {w.shape}")
+    SMALL_BATCH_ROWS: integer dots over q8 activations; more: dequantized weight tiles.
+    w may be several weights of one width (any types), stacked by rows as one product: a fused
+    projection (qkv, gate_up) whose parts are stored apart, with no copy of them (the
+    activations are quantized once, one parallel pass covers every part's rows)."""
+    if isinstance(w, QuantizedWeight):        # the common case, per layer per step: few checks
+        parts, (rows, cols) = [w], w.shape
+    else:
+        parts = list(w)
+        rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        if any(p.shape[1] != cols for p in parts):
+            raise ValueError(f"linear: weights of different widths {[p.shape for p in parts]}")
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match weights of width {cols}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"linear: x must be float32 or bfloat16, got {x.dtype}")
-    rows, cols = w.shape
-    t = x.shape[0]
-    lib = load()
-    if t == 0 or rows == 0:
-        return torch.zeros(t, rows, dtype=x.dtype)
-    if lib is not None and t <= SMALL_BATCH_ROWS:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        out = torch.empty(t, rows, dtype=x.dtype)
-        bias32 = None if bias is None else bias.float().contiguous()
-        _check(lib.quant_linear_small(_QTYPE_ID[w.qtype], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
-                                      t, cols, w.data.data_ptr(), w.data.stride(0), rows,
-                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
-                                      int(out.dtype == torch.bfloat16)), "quant_linear_small")
-        return out
-    return _linear_tiles(x, w, bias, lib)
+    lib = _lib if _active is not None else load()
+    if x.shape[0] == 0 or rows == 0:
+        return torch.zeros(x.shape[0], rows, dtype=x.dtype)
+    if lib is not None and x.shape[0] <= SMALL_BATCH_ROWS:
+        return _linear_small(x, parts, bias, lib)
+    return _linear_tiles(x, parts, bias, lib)
+
+
+def _c_parts(parts: list[QuantizedWeight]):
+    if len(parts) == 1:
+        return ctypes.byref(parts[0]._part), 1
+    return (QuantPart * len(parts))(*[p._part for p in parts]), len(parts)
+
+
+def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
+    """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS)."""
+    rows, cols = parts[0].shape[0] if len(parts) == 1 else sum(p.shape[0] for p in parts), x.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    bias32 = None if bias is None else bias.float().contiguous()
+    _check(lib.quant_linear_small(*_c_parts(parts), x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                                  x.shape[0], cols, None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+                                  rows, int(out.dtype == torch.bfloat16)), "quant_linear_small")
+    return out
 
 
 def tile_rows(cols: int) -> int:
@@ -328,34 +397,36 @@ def tile_rows(cols: int) -> int:
     return max(64 * torch.get_num_threads(), TILE_ELEMENTS // max(cols, 1) // 32 * 32)
 
 
-def _linear_tiles(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, lib) -> torch.Tensor:
+def _linear_tiles(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
     """x @ W.T with W dequantized a tile of rows at a time: into kernels/cpu.py's packed GEMM
     (bf16 tiles for bf16 x, float32 for float32 x), else a float32 scratch and torch.matmul."""
-    rows, cols = w.shape
+    rows, cols = sum(p.shape[0] for p in parts), x.shape[1]
     gemm = cpu._kernel("linear_packed", x)
     if lib is not None and gemm is not None and not (x.dtype == torch.bfloat16 and cols % 2):
         x = x.contiguous()
         out = torch.empty(x.shape[0], rows, dtype=x.dtype)
         bias32 = None if bias is None else bias.float().contiguous()
-        _check(lib.quant_linear_tiles(_QTYPE_ID[w.qtype], x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
-                                      cols, w.data.data_ptr(), w.data.stride(0), rows,
-                                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+        _check(lib.quant_linear_tiles(*_c_parts(parts), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0],
+                                      cols, None if bias32 is None else bias32.data_ptr(), out.data_ptr(), rows,
                                       ctypes.cast(gemm, ctypes.c_void_p).value, tile_rows(cols)),
                "quant_linear_tiles")
         return out
     x32 = x.float()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     step = tile_rows(cols)
-    scratch = torch.empty(min(step, rows), cols, dtype=torch.float32)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        tile = scratch[:r1 - r0]
-        if lib is not None:
-            _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data[r0:r1].data_ptr(), w.data.stride(0), r1 - r0,
-                                        cols, tile.data_ptr(), cols), "quant_dequantize")
-        else:
-            tile.copy_(dequantize_torch(slice_rows(w, r0, r1)))
-        out[:, r0:r1] = x32 @ tile.T
+    scratch = torch.empty(min(step, max(p.shape[0] for p in parts)), cols, dtype=torch.float32)
+    first = 0
+    for w in parts:
+        for r0 in range(0, w.shape[0], step):
+            r1 = min(w.shape[0], r0 + step)
+            tile = scratch[:r1 - r0]
+            if lib is not None:
+                _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data[r0:r1].data_ptr(), w.data.stride(0), r1 - r0,
+                                            cols, tile.data_ptr(), cols), "quant_dequantize")
+            else:
+                tile.copy_(dequantize_torch(slice_rows(w, r0, r1)))
+            out[:, first + r0:first + r1] = x32 @ tile.T
+        first += w.shape[0]
     if bias is not None:
         out += bias.float()
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -445,6 +516,21 @@ def using_variant(name: str):
             use_variant(previous)
 
 
+def kernel_address(name: str) -> int | None:
+    """The address of the active variant's C function `name` (quant_linear_small,
+    quant_linear_tiles, quant_dequantize, quant_quantize; signatures in quant_kernels.cpp), for
+    compiled callers such as a layer loop that runs every projection without Python; pass
+    weights as `c_part(w)`. None where no variant is built."""
+    lib = load()
+    return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def c_part(w: QuantizedWeight) -> QuantPart:
+    """w as the C functions' QuantPart (built once per weight; holds w.data's address: keep w
+    alive while it is used)."""
+    return w._part
+
+
 def variant() -> str | None:
     """The variant in use, or None where none could be built (torch computes)."""
     return _active if load() is not None else None
@@ -454,12 +540,13 @@ def describe() -> dict:
     """Which variant is in use and why, and which path runs which batch size."""
     active = variant()
     forced = os.environ.get(ENV_VARIANT, "").strip().lower()
+    gemm = f"cpu.py's packed GEMM ({cpu.variant()})" if active and cpu.load() is not None else "torch.matmul"
+    small = f"integer dots over q8 activations ({active})" if active else "torch (dequantize + matmul)"
     return dict(
         quant_kernels=active or "torch",
         quant_kernels_supported=supported_variants(),
         quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced not in ("", "auto") else
                               "the best this CPU's flags allow" if active else "no variant could be built"),
         quant_small_batch_rows=SMALL_BATCH_ROWS,
-        quant_paths={q: ("integer dots on q8 activations" if active else "torch (dequantize + matmul)")
-                     + f" for T <= {SMALL_BATCH_ROWS}; dequantized tiles + matmul above" for q in QTYPES},
+        quant_paths={q: f"T <= {SMALL_BATCH_ROWS}: {small}; above: tiles dequantized into {gemm}" for q in QTYPES},
     )

@@ -2,18 +2,24 @@
 // family from this file and calls it through ctypes; no torch headers).
 //
 // quant_dequantize: blocks -> float32 rows, the same float operations as gguf.quants (exact).
+// quant_quantize: float32 / bf16 rows -> q8_0 or q4_0 blocks, the bytes of gguf.quants.
 // quant_linear_small: y = x @ W.T for a few rows of x: x is quantized once per call into 8-bit
-// blocks of 32 (int8 q, float scale dx = max|x|/127, and dx * sum(q) for types with a minimum),
-// then each 32 elements of a weight row give one integer dot product (unsigned or signed codes
-// times the int8 activations) and one float32 multiply-add by its scale:
+// blocks of 32 (int8 q, float scale dx = max|x|/127, and dx * sum(q) for the minimum terms),
+// then each 32 weights of a row give one integer dot product (unsigned or signed codes times
+// the int8 activations) and one float32 multiply-add by its scale:
 //     y += (A * dx) * dot(code, q)   [+ C * dx * sum(q)   where the type has a minimum]
-// Offsets (q4_0: 8, q5_0: 16, q6_k: 32) are subtracted from the codes in integers (signed x
-// signed dot), q6_k's per-16 scales multiply the dot's lanes in integers; only the float sums'
-// order differs between variants and the scalar loop.
+// Offsets (q4_0: 8, q5_0: 16, q6_k: 32, q8_0 none) are subtracted from the codes (signed x
+// signed dot) or, on AVX-512 for q4_0 / q5_0, made minimum terms C = -8 A / -16 A; q6_k's
+// per-16 scales multiply the dot's lanes. The integers are exact everywhere: variants and the
+// scalar loop differ only in the order of the float sums.
+// quant_linear_tiles: y = x @ W.T for many rows of x: tiles of W dequantized into the packed
+// layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in).
 //
-// Vector paths use 256-bit registers in every build; the build's target flags choose the dot
-// product: AVX512-VNNI (with VL) or AVX-VNNI vpdpbusd, else AVX2 maddubs + madd (no pair can
-// saturate: unsigned codes <= 31, and the signed dot multiplies |w| <= 128 by sign-adjusted q).
+// Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
+// a super-block) with scales converted two or eight at a time; `avxvnni` and `avx2` run 32
+// per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
+// signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
+// A row's weights are read where they lie (the file's layout): each thread streams its rows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -72,6 +78,24 @@ uint16_t f32_to_bf16(float f) {          // round to nearest even, NaN kept quie
     std::memcpy(&bits, &f, 4);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
     return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+// float32 -> fp16 bits, rounded to nearest even as numpy's astype(float16) (subnormals, inf, NaN).
+uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0);
+    if (ax >= 0x477ff000u) return sign | 0x7c00;                // rounds past 65504
+    if (ax < 0x38800000u) {                                     // below 2^-14: a multiple of 2^-24
+        float a;
+        std::memcpy(&a, &ax, 4);
+        return sign | uint16_t(std::nearbyint(a * 16777216.0f));
+    }
+    uint32_t r = ax - 0x38000000u;                              // exponent rebiased 127 -> 15
+    r += 0xfffu + ((r >> 13) & 1);
+    return sign | uint16_t(r >> 13);
 }
 
 // q4_k / q5_k: 12 bytes -> 8 six-bit scales and mins.
@@ -197,21 +221,20 @@ void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
     *ds_out = d * float(sum);
 }
 
-void quantize_rows(const void *x, int64_t ldx, bool bf16, int64_t T, int64_t K, int8_t *q, float *d, float *ds) {
+// Block j of activation row t.
+void quantize_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, int64_t K, int8_t *q, float *d,
+                  float *ds) {
     const int64_t nb = K / 32;
     float buf[32];
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < nb; j++) {
-            const float *src;
-            if (bf16) {
-                const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
-                for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
-                src = buf;
-            } else {
-                src = static_cast<const float *>(x) + t * ldx + j * 32;
-            }
-            quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
-        }
+    const float *src;
+    if (bf16) {
+        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
+        for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
+        src = buf;
+    } else {
+        src = static_cast<const float *>(x) + t * ldx + j * 32;
+    }
+    quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
 }
 
 // ---- the dot products of one weight row with NT activation rows ---------------------------------
@@ -314,6 +337,32 @@ inline void decode(const uint8_t *b, Piece *p) {
                 const int g = 8 * h + 2 * k;       // the 16-element groups of these 32
                 p[4 * h + k] = {_mm256_sub_epi8(_mm256_or_si256(low[k], _mm256_slli_epi16(high, 4)), off), d, 0.f,
                                 sc[g], sc[g + 1]};
+            }
+        }
+    }
+}
+
+// A row's weights as floats from the decoded pieces: A * code (+ C), the float operations of
+// gguf.quants (q6_k: (d * scale) * code per 16), so the values are the same bit for bit.
+template <int QT>
+void dequantize_row_vec(const uint8_t *w, int64_t K, float *y) {
+    constexpr int P = kPieces<QT>;
+    for (int64_t u = 0; u < K / kElems[QT]; u++) {
+        Piece p[P];
+        decode<QT>(w + u * kBytes[QT], p);
+        for (int i = 0; i < P; i++) {
+            float *dst = y + (u * P + i) * 32;
+            const __m128i lo = _mm256_castsi256_si128(p[i].codes), hi = _mm256_extracti128_si256(p[i].codes, 1);
+            const __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+            for (int k = 0; k < 4; k++) {
+                float a = p[i].A;
+                if constexpr (QT == Q6_K) a = p[i].A * float(k < 2 ? p[i].sc0 : p[i].sc1);
+                __m256 v = _mm256_mul_ps(_mm256_set1_ps(a), q[k]);
+                if constexpr (kMin<QT>) v = _mm256_add_ps(v, _mm256_set1_ps(p[i].C));
+                _mm256_storeu_ps(dst + 8 * k, v);
             }
         }
     }
@@ -461,7 +510,8 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
         for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
-            __m512i raw = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+            __m512i raw = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
             if constexpr (QT == Q5_K) {
                 const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)),
                                                      _mm256_srli_epi16(qh, 2 * c + 1), 1);
@@ -477,21 +527,24 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         }
     } else if constexpr (QT == Q6_K) {
         // d * scale of the 16 groups of 16, times dx of their 32-element block, per row.
-        const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                          _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)))));
+        const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192));
+        const __m512 dsc =
+            _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
         const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         __m512 S[NT];
         for (int t = 0; t < NT; t++)
-            S[t] = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
+            S[t] = _mm512_mul_ps(
+                dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
         const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
         for (int h = 0; h < 2; h++) {
-            const __m512i L = _mm512_loadu_si512(b + 64 * h);     // ql of elements 128h + [0, 64) (low) / [64, 128) (high)
+            const __m512i L = _mm512_loadu_si512(b + 64 * h);   // ql: elements 128h + [0, 64) low, [64, 128) high
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
             const __m512i Q = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
             for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
                 const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
                 const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
-                const Codes codes = codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
+                const Codes codes =
+                    codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
                 const int g = 8 * h + 4 * half;
                 const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
                                                          g + 2, g + 3, g + 3, g + 3, g + 3);
@@ -514,11 +567,36 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (P == 1) {
+        if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
+            Acc<NT> other;
+            for (; u + 4 <= units; u += 4) {
+                pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+                pair32<QT, NT>(other, a, qa + (u + 2) * 32, da + u + 2, dsa + u + 2, w + (u + 2) * kBytes[QT]);
+            }
+            for (int t = 0; t < NT; t++) {
+                acc.w[t] = _mm512_add_ps(acc.w[t], other.w[t]);
+                acc.m2[t] = _mm_add_ps(acc.m2[t], other.m2[t]);
+            }
+        }
         for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
     } else {
         for (; u < units; u++) superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, w + u * kBytes[QT]);
     }
 #endif
+    if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
+        Acc<NT> other;
+        for (; u + 2 <= units; u += 2) {
+            Piece p0, p1;
+            decode<QT>(w + u * kBytes[QT], &p0);
+            decode<QT>(w + (u + 1) * kBytes[QT], &p1);
+            accumulate<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, p0);
+            accumulate<QT, NT>(other, a, qa + (u + 1) * 32, da + u + 1, dsa + u + 1, p1);
+        }
+        for (int t = 0; t < NT; t++) {
+            acc.v[t] = _mm256_add_ps(acc.v[t], other.v[t]);
+            acc.s[t] += other.s[t];
+        }
+    }
     for (; u < units; u++) {          // 256-bit pieces (every unit on AVX2 / AVX-VNNI; an odd last block here)
         Piece p[P];
         decode<QT>(w + u * kBytes[QT], p);
@@ -593,7 +671,10 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
             for (int t = 0; t < NT; t++) {
                 const int8_t *q = a.q + (t0 + t) * a.K + j * 32;
                 int dot0 = 0, dot1 = 0;
-                for (int i = 0; i < 16; i++) dot0 += codes[s * 32 + i] * q[i], dot1 += codes[s * 32 + 16 + i] * q[16 + i];
+                for (int i = 0; i < 16; i++) {
+                    dot0 += codes[s * 32 + i] * q[i];
+                    dot1 += codes[s * 32 + 16 + i] * q[16 + i];
+                }
                 const int dot = dot0 * scale16[2 * s] + dot1 * scale16[2 * s + 1];
                 acc[t] += (A[s] * a.d[(t0 + t) * a.nb + j]) * float(dot);
                 acc[t] += C[s] * a.ds[(t0 + t) * a.nb + j];
@@ -635,101 +716,245 @@ RowFn row_fn(int qt, int nt) {
     }
     return nullptr;
 }
+
+// Row w's K weights as floats (exactly gguf.quants' values).
+void dequantize_row(int qt, const uint8_t *w, int64_t K, float *y) {
+#if defined(__AVX2__)
+    switch (qt) {
+    case Q4_0: return dequantize_row_vec<Q4_0>(w, K, y);
+    case Q4_1: return dequantize_row_vec<Q4_1>(w, K, y);
+    case Q5_0: return dequantize_row_vec<Q5_0>(w, K, y);
+    case Q5_1: return dequantize_row_vec<Q5_1>(w, K, y);
+    case Q8_0: return dequantize_row_vec<Q8_0>(w, K, y);
+    case Q4_K: return dequantize_row_vec<Q4_K>(w, K, y);
+    case Q5_K: return dequantize_row_vec<Q5_K>(w, K, y);
+    case Q6_K: return dequantize_row_vec<Q6_K>(w, K, y);
+    }
+#else
+    for (int64_t u = 0; u < K / kElems[qt]; u++) dequantize_block(qt, w + u * kBytes[qt], y + u * kElems[qt]);
+#endif
+}
 }  // namespace
 
 // w: rows of blocks, ldw bytes apart; out float32 [rows][ldo]. 0 on success.
 extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t cols, float *out,
                                 int64_t ldo) {
     if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
-    const int64_t units = cols / kElems[qt];
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t u = 0; u < units; u++) dequantize_block(qt, w + r * ldw + u * kBytes[qt], out + r * ldo + u * kElems[qt]);
+    for (int64_t r = 0; r < rows; r++) dequantize_row(qt, w + r * ldw, cols, out + r * ldo);
     return 0;
 }
 
 namespace {
+// n floats -> bf16, rounded to nearest even (NaN stays a quiet NaN), as f32_to_bf16.
+void to_bf16(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff),
+                  inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+        const __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(bits, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one))), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, abs), inf);
+        const __m512i v = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), quiet);
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(y + i), _mm512_cvtepi32_epi16(v));
+    }
+#endif
+    for (; i < n; i++) y[i] = f32_to_bf16(x[i]);
+}
+
+// src: 16 rows of `cols` 32-bit values (row-major) -> dst [cols][16].
+void transpose16(const uint32_t *src, int64_t cols, uint32_t *dst) {
+#if defined(__AVX512F__)
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int(cols)));
+    if (16 * cols < (int64_t(1) << 31)) {
+        for (int64_t c = 0; c < cols; c++)
+            _mm512_storeu_si512(dst + c * 16, _mm512_i32gather_epi32(rows, reinterpret_cast<const int *>(src + c), 4));
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < cols; c++)
+        for (int i = 0; i < 16; i++) dst[c * 16 + i] = src[i * cols + c];
+}
+
 // Rows [0, rows) of W dequantized into kernels/cpu.py's packed GEMM layout (PackedWeight):
 // float32 [Np/16][K][16] or bf16 [Np/16][K/2][16][2] (rounded to nearest even), Np = rows
 // rounded up to 32, zero rows past `rows`. Threads take whole groups of 16 rows (no two write
 // one cache line).
 void dequantize_packed(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t K, void *out, bool bf16) {
-    const int64_t groups = (rows + 31) / 32 * 2, units = K / kElems[qt];
+    const int64_t groups = (rows + 31) / 32 * 2;
 #pragma omp parallel
     {
         std::vector<float> buf(16 * K);
+        std::vector<uint16_t> half(bf16 ? 16 * K : 0);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, rows - 16 * g));
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t u = 0; u < units; u++)
-                    dequantize_block(qt, w + (16 * g + i) * ldw + u * kBytes[qt], buf.data() + i * K + u * kElems[qt]);
+            for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + (16 * g + i) * ldw, K, buf.data() + i * K);
             std::fill(buf.begin() + n * K, buf.end(), 0.f);
             if (bf16) {
-                uint16_t *dst = static_cast<uint16_t *>(out) + g * K * 16;
-                for (int64_t kp = 0; kp < K / 2; kp++)
-                    for (int i = 0; i < 16; i++) {
-                        dst[kp * 32 + 2 * i] = f32_to_bf16(buf[i * K + 2 * kp]);
-                        dst[kp * 32 + 2 * i + 1] = f32_to_bf16(buf[i * K + 2 * kp + 1]);
-                    }
+                to_bf16(buf.data(), half.data(), 16 * K);
+                uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(out) + g * K * 16);
+                const uint32_t *src = reinterpret_cast<const uint32_t *>(half.data());   // bf16 pairs of 16 rows
+                transpose16(src, K / 2, dst);
             } else {
-                float *dst = static_cast<float *>(out) + g * K * 16;
-                for (int64_t k = 0; k < K; k++)
-                    for (int i = 0; i < 16; i++) dst[k * 16 + i] = buf[i * K + k];
+                transpose16(reinterpret_cast<const uint32_t *>(buf.data()), K,
+                            reinterpret_cast<uint32_t *>(static_cast<float *>(out) + g * K * 16));
             }
         }
     }
 }
 }  // namespace
 
-// y [T][N] = x [T][K] @ W.T + bias for many rows of x (x, y contiguous, both float32 or both
-// bf16): tiles of tile_rows rows of W (a multiple of 32) dequantized into the packed layout of
-// kernels/cpu.py's GEMM and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or
-// _bf16, passed by address); the whole matrix never exists in float. 0 on success.
+// A weight, or one part of weights stacked by rows (a fused projection stored apart, each part
+// in its own type): `rows` rows of blocks of type qtype, ldw bytes apart.
+struct QuantPart {
+    int64_t qtype;
+    const uint8_t *w;
+    int64_t ldw, rows;
+};
+
+namespace {
+bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
+    for (int64_t p = 0; p < nparts; p++)
+        if (parts[p].qtype < 0 || parts[p].qtype >= kNumTypes || K % kElems[parts[p].qtype] || parts[p].rows < 0)
+            return false;
+    return nparts > 0;
+}
+}  // namespace
+
+// y [T][ldy] = x [T][K] @ W.T + bias for many rows of x, W the parts stacked by rows (x
+// contiguous; x and y both float32 or both bf16; bias float32 over all rows or null): tiles of
+// tile_rows rows (a multiple of 32) dequantized into the packed layout of kernels/cpu.py's GEMM
+// and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or _bf16, passed by
+// address); the whole matrix never exists in float. 0 on success.
 using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t);
-extern "C" int quant_linear_tiles(int qt, const void *x, int x_bf16, int64_t T, int64_t K, const uint8_t *w,
-                                  int64_t ldw, int64_t N, const float *bias, void *y, void *gemm, int64_t tile_rows) {
-    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0 || tile_rows <= 0 || tile_rows % 32 ||
-        (x_bf16 && K % 2) || gemm == nullptr)
+extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
+                                  int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
+    if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
     const int64_t elem = x_bf16 ? 2 : 4;
     std::vector<uint8_t> packed(tile_rows * K * elem), part(T * tile_rows * elem);
     auto *y8 = static_cast<uint8_t *>(y);
-    for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
-        const int64_t n = std::min(tile_rows, N - r0);
-        dequantize_packed(qt, w + r0 * ldw, ldw, n, K, packed.data(), x_bf16 != 0);
-        const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + r0 : nullptr, part.data(),
-                                                              T, n, K);
-        if (status != 0) return status;
+    int64_t first = 0;            // the parts' first row in y
+    for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+        const QuantPart &q = parts[p];
+        for (int64_t r0 = 0; r0 < q.rows; r0 += tile_rows) {
+            const int64_t n = std::min(tile_rows, q.rows - r0);
+            dequantize_packed(int(q.qtype), q.w + r0 * q.ldw, q.ldw, n, K, packed.data(), x_bf16 != 0);
+            const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + first + r0 : nullptr,
+                                                                  part.data(), T, n, K);
+            if (status != 0) return status;
 #pragma omp parallel for schedule(static) if (T * n >= 65536)
-        for (int64_t t = 0; t < T; t++) std::memcpy(y8 + (t * N + r0) * elem, part.data() + t * n * elem, n * elem);
+            for (int64_t t = 0; t < T; t++)
+                std::memcpy(y8 + (t * ldy + first + r0) * elem, part.data() + t * n * elem, n * elem);
+        }
     }
     return 0;
 }
 
-// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias; W: N rows of K
-// columns in blocks of type qt, ldw bytes apart. 0 on success.
-extern "C" int quant_linear_small(int qt, const void *x, int64_t ldx, int x_bf16, int64_t T, int64_t K,
-                                  const uint8_t *w, int64_t ldw, int64_t N, const float *bias, void *y, int64_t ldy,
-                                  int y_bf16) {
-    if (qt < 0 || qt >= kNumTypes || K % kElems[qt] || T <= 0) return 1;
+namespace {
+// The first row (of the parts stacked) whose bytes start at or after byte `at` of their bytes.
+int64_t row_at_byte(const QuantPart *parts, int64_t nparts, int64_t K, int64_t at) {
+    int64_t first = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+        const int64_t bytes = parts[p].rows * row_bytes;
+        if (at < bytes) return first + (at + row_bytes - 1) / row_bytes;
+        at -= bytes;
+        first += parts[p].rows;
+    }
+    return first;
+}
+}  // namespace
+
+// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
+// by rows (K columns each), through the integer dots. 0 on success.
+extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
+                                  int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
+    if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     std::vector<int8_t> q(T * K);
-    std::vector<float> d(T * nb), ds(T * nb), out(T * N);
-    quantize_rows(x, ldx, x_bf16 != 0, T, K, q.data(), d.data(), ds.data());
+    std::vector<float> d(T * nb), ds(T * nb);
     const Act a{q.data(), d.data(), ds.data(), K, nb};
-    const int64_t work = N * K * T;
-#pragma omp parallel for schedule(static) if (work >= 32768)
-    for (int64_t r = 0; r < N; r++)
-        for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
-            const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
-            row_fn(qt, nt)(w + r * ldw, a, t0, out.data() + t0 * N + r, N);
+    std::vector<RowFn> full(nparts), tail(nparts);
+    std::vector<int64_t> ends(nparts);        // one past each part's last row in y
+    int64_t N = 0, total = 0;                 // rows, weight bytes
+    for (int64_t p = 0; p < nparts; p++) {
+        total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+        full[p] = row_fn(int(parts[p].qtype), int(std::min<int64_t>(kMaxNT, T)));
+        tail[p] = row_fn(int(parts[p].qtype), int(T % kMaxNT));
+        ends[p] = N += parts[p].rows;
+    }
+    // One parallel region: the activations' blocks, then the weight rows (each thread a
+    // contiguous range, so it streams its rows' bytes once; up to kMaxNT activation rows per pass).
+#pragma omp parallel if (N * K * T >= 32768)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * nb; i++)
+            quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
+        // Each thread a contiguous range of rows holding an equal share of the weight bytes
+        // (parts of different types cost differently per row).
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t begin = row_at_byte(parts, nparts, K, total * tid / nt);
+        const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
+        for (int64_t r = begin; r < end; r++) {
+            int64_t p = 0;
+            while (r >= ends[p]) p++;
+            const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
+            for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
+                const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
+                float vals[kMaxNT];
+                (nt == kMaxNT || nt == T ? full[p] : tail[p])(row, a, t0, vals, 1);
+                for (int i = 0; i < nt; i++) {
+                    const float v = vals[i] + (bias ? bias[r] : 0.f);
+                    if (y_bf16) static_cast<uint16_t *>(y)[(t0 + i) * ldy + r] = f32_to_bf16(v);
+                    else static_cast<float *>(y)[(t0 + i) * ldy + r] = v;
+                }
+            }
         }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t r = 0; r < N; r++) {
-            const float v = out[t * N + r] + (bias ? bias[r] : 0.f);
-            if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
-            else static_cast<float *>(y)[t * ldy + r] = v;
+    }
+    return 0;
+}
+
+// out [rows][ldo bytes] = x [rows][ldx] (float32 or bf16) in q8_0 or q4_0 blocks, llama.cpp's
+// reference rounding as gguf.quants computes it (q4_0's value in double, then float, then
+// truncated: -ffp-contract=off keeps it unfused). 0 on success.
+extern "C" int quant_quantize(int qt, const void *x, int64_t ldx, int x_bf16, int64_t rows, int64_t cols,
+                              uint8_t *out, int64_t ldo) {
+    if ((qt != Q8_0 && qt != Q4_0) || cols % 32) return 1;
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float v[32];
+        for (int64_t j = 0; j < cols / 32; j++) {
+            for (int i = 0; i < 32; i++)
+                v[i] = x_bf16 ? bf16_to_f32(static_cast<const uint16_t *>(x)[r * ldx + j * 32 + i])
+                              : static_cast<const float *>(x)[r * ldx + j * 32 + i];
+            uint8_t *b = out + r * ldo + j * kBytes[qt];
+            if (qt == Q8_0) {
+                float amax = 0.f;
+                for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
+                const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+                const uint16_t h = f32_to_f16(d);
+                std::memcpy(b, &h, 2);
+                for (int i = 0; i < 32; i++) b[2 + i] = uint8_t(int8_t(std::round(v[i] * id)));
+            } else {
+                int imax = 0;                    // the first element of largest magnitude, with its sign
+                for (int i = 1; i < 32; i++)
+                    if (std::fabs(v[i]) > std::fabs(v[imax])) imax = i;
+                const float d = v[imax] / -8.f, id = d != 0.f ? 1.f / d : 0.f;
+                const uint16_t h = f32_to_f16(d);
+                std::memcpy(b, &h, 2);
+                int q[32];
+                for (int i = 0; i < 32; i++) {
+                    const float t = std::trunc(float(double(v[i]) * double(id) + 8.5));
+                    q[i] = std::min(15, int(t));
+                }
+                for (int i = 0; i < 16; i++) b[2 + i] = uint8_t(q[i] | (q[i + 16] << 4));
+            }
         }
+    }
     return 0;
 }
