@@ -53,8 +53,10 @@ MIXES = {
     # as llama.cpp's Q4_K_M / Q5_K_M: v, down and the output matrix in Q6_K (q/k/v then differ)
     "q4_k_m": {"*": GGML.Q4_K, "attn_v": GGML.Q6_K, "ffn_down": GGML.Q6_K, "output": GGML.Q6_K},
     "q5_k_m": {"*": GGML.Q5_K, "attn_v": GGML.Q6_K, "ffn_down": GGML.Q6_K, "output": GGML.Q6_K},
-    # types without a kernel: dequantized at load (v: a float part of the fused q/k/v)
-    "q3_k_fallback": {"*": GGML.Q4_K, "attn_v": GGML.Q2_K, "ffn_down": GGML.Q3_K, "output": GGML.Q6_K},
+    # types without a kernel: dequantized at load (v: a float part of the fused q/k/v); the
+    # embedding's rows dequantized by the gguf package at each lookup
+    "q3_k_fallback": {"*": GGML.Q4_K, "attn_v": GGML.Q2_K, "ffn_down": GGML.Q3_K, "output": GGML.Q6_K,
+                      "token_embd": GGML.Q3_K},
 }
 
 
@@ -213,6 +215,13 @@ def test_mixed_types_stay_apart_and_same_types_fuse(base_model, tmp_path):
     assert isinstance(layer.gate_up, quant.QuantizedWeight) and layer.gate_up.qtype == "q4_k"
     assert layer.gate_up.shape == (2 * cfg.intermediate_size, cfg.hidden_size)
     assert layer.down.qtype == "q6_k" and model.lm_head.qtype == "q6_k"
+    # Both ops objects run the parts and join their outputs (TorchOps through quant's reference).
+    from pagedserve.kernels.cpu_ops import CpuOps
+    from pagedserve.models.ops import TorchOps
+    x = torch.randn(3, cfg.hidden_size)
+    expected = torch.cat([quant.dequantize(p, torch.float32) for p in layer.qkv]) @ x.T
+    for ops in (TorchOps(), CpuOps()):
+        torch.testing.assert_close(ops.linear(x, layer.qkv), expected.T, atol=0.05, rtol=0.05)
 
 
 def test_the_default_model_runs_in_its_blocks_like_its_dequantized_path():

@@ -101,8 +101,8 @@ def model_weight_bytes(model) -> int:
 class QuantizedEmbedding:
     """An embedding table kept in its GGUF blocks ([rows, bytes per row], possibly a view of the
     memory-mapped file): a lookup dequantizes only the rows of the step's tokens (one row per
-    token, so the cost is small next to the layers). Any GGML type works, kernel or not: the
-    rows are dequantized by the gguf package."""
+    token, so the cost is small next to the layers). Any GGML type works: one with a kernel is
+    dequantized by kernels/quant.py, any other by the gguf package."""
     tensor_type: object          # gguf.GGMLQuantizationType
     blocks: torch.Tensor         # uint8 [rows, bytes per row]
     cols: int
@@ -113,9 +113,13 @@ class QuantizedEmbedding:
         return self.blocks.shape[0], self.cols
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.to(torch.int64)]
+        qtype = kernel_qtype(self.tensor_type)
+        if qtype is not None:           # the compiled dequantize (the gguf package's values)
+            return quant.dequantize(quant.from_gguf_blocks(qtype, rows, (rows.shape[0], self.cols)), self.dtype)
         from gguf import quants
-        rows = self.blocks[ids.to(torch.int64)].numpy()
-        return torch.from_numpy(np.asarray(quants.dequantize(rows, self.tensor_type), dtype=np.float32)).to(self.dtype)
+        return torch.from_numpy(np.asarray(quants.dequantize(rows.numpy(), self.tensor_type),
+                                           dtype=np.float32)).to(self.dtype)
 
 
 def embedding(ids: torch.Tensor, table) -> torch.Tensor:
