@@ -206,6 +206,17 @@ def test_pickles_after_use():
     assert w2.qtype == w.qtype and w2.shape == w.shape and torch.equal(quant.linear(x, w2), y)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_embedding(variant, qtype):
+    w, _ = weight(qtype)
+    ids = torch.tensor([[3, 0, 36], [3, 5, 1]])
+    out = quant.embedding(w, ids, torch.bfloat16)
+    assert out.shape == (2, 3, w.shape[1]) and out.dtype == torch.bfloat16
+    assert torch.equal(out, quant.dequantize_torch(w)[ids].bfloat16())
+    with pytest.raises(IndexError):
+        quant.embedding(w, torch.tensor([37]))
+
+
 def test_concat_rows():
     a, _ = weight("q4_k", rows=5, seed=1)
     b, _ = weight("q4_k", rows=7, seed=2)

@@ -10,7 +10,8 @@ w = d*sc*(q-32)). Other GGUF types (Q2_K, Q3_K, IQ*) have no kernel: the caller 
 Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLOCK * BLOCK_BYTES]
 (row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
 slice_rows / slice_cols (whole blocks) are views (rows may then be strided); concat_rows stacks
-weights of one type (fused projections), one copy. No repacking (no interleaving of rows): the
+weights of one type (fused projections), one copy; `embedding` looks rows up (a quantized
+token table). No repacking (no interleaving of rows): the
 kernels read the blocks where they lie, so loading costs no copy and resident weights are the
 file's bytes; each thread streams a contiguous range of rows, and the activations it reuses
 per row stay in L1/L2.
@@ -102,6 +103,8 @@ class QuantPart(ctypes.Structure):
 _SIGNATURES = {
     # qtype, w, ldw (bytes), rows, cols, out (float32), ldo
     "quant_dequantize": [ctypes.c_int, _P, _I, _I, _I, _P, _I],
+    # qtype, w, ldw, ids (int64), n, cols, out (float32)
+    "quant_dequantize_rows": [ctypes.c_int, _P, _I, _P, _I, _I, _P],
     # qtype, x, ldx, x_is_bf16, rows, cols, out, ldo (bytes)
     "quant_quantize": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I],
     # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
@@ -277,6 +280,23 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
         _check(lib.quant_dequantize(_QTYPE_ID[w.qtype], w.data.data_ptr(), w.data.stride(0), rows, cols,
                                     out.data_ptr(), cols), "quant_dequantize")
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.shape[0]):
+        raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
+    lib = load()
+    if lib is None:
+        out = torch.stack([dequantize_torch(slice_rows(w, i, i + 1))[0] for i in flat.tolist()]) if flat.numel() \
+            else torch.empty(0, w.shape[1])
+    else:
+        out = torch.empty(flat.numel(), w.shape[1], dtype=torch.float32)
+        if flat.numel():
+            _check(lib.quant_dequantize_rows(_QTYPE_ID[w.qtype], w.data.data_ptr(), w.data.stride(0), flat.data_ptr(),
+                                             flat.numel(), w.shape[1], out.data_ptr()), "quant_dequantize_rows")
+    return out.view(*ids.shape, w.shape[1]).to(dtype)
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:

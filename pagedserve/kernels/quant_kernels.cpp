@@ -108,6 +108,16 @@ void k_scales(const uint8_t *s, int sc[8], int mn[8]) {
     }
 }
 
+// k_scales four bytes at a time: the 8 scales' bytes and the 8 mins' bytes (byte j: sub-block j).
+void k_scale_bytes(const uint8_t *s, uint64_t &sc, uint64_t &mn) {
+    uint32_t s0, s1, s2;
+    std::memcpy(&s0, s, 4);
+    std::memcpy(&s1, s + 4, 4);
+    std::memcpy(&s2, s + 8, 4);
+    sc = uint64_t(s0 & 0x3f3f3f3fu) | uint64_t((s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u)) << 32;
+    mn = uint64_t(s1 & 0x3f3f3f3fu) | uint64_t(((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u)) << 32;
+}
+
 // ---- dequantize: one block into kElems floats -------------------------------------------------
 void dequantize_block(int qt, const uint8_t *b, float *y) {
     switch (qt) {
@@ -305,8 +315,11 @@ inline void decode(const uint8_t *b, Piece *p) {
         p[0] = {_mm256_or_si256(nibbles16(b + 8), bits32(b + 4)), f16(b), f16(b + 2), 1, 1};
     } else if constexpr (QT == Q4_K || QT == Q5_K) {
         const float d = f16(b), dmin = f16(b + 2);
-        int sc[8], mn[8];
-        k_scales(b + 4, sc, mn);
+        uint64_t scb, mnb;
+        k_scale_bytes(b + 4, scb, mnb);
+        uint8_t sc[8], mn[8];
+        std::memcpy(sc, &scb, 8);
+        std::memcpy(mn, &mnb, 8);
         const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
         const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
         __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
@@ -494,12 +507,12 @@ template <int QT, int NT>
 inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
                        const uint8_t *b) {
     if constexpr (QT == Q4_K || QT == Q5_K) {
-        alignas(32) int32_t sc[8], mn[8];
-        k_scales(b + 4, sc, mn);
-        const __m256 A = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_load_si256(
-                                                                  reinterpret_cast<const __m256i *>(sc))));
-        const __m256 C = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_load_si256(
-                                                                       reinterpret_cast<const __m256i *>(mn))));
+        uint64_t sc, mn;
+        k_scale_bytes(b + 4, sc, mn);
+        const __m256 A = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                  _mm_cvtsi64_si128(int64_t(sc)))));
+        const __m256 C = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                       _mm_cvtsi64_si128(int64_t(mn)))));
         __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
         for (int t = 0; t < NT; t++) {
             S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
@@ -742,6 +755,15 @@ extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t r
     if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
     for (int64_t r = 0; r < rows; r++) dequantize_row(qt, w + r * ldw, cols, out + r * ldo);
+    return 0;
+}
+
+// out float32 [n][cols] = rows ids[0..n) of W (an embedding lookup); ids checked by the caller.
+extern "C" int quant_dequantize_rows(int qt, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
+                                     int64_t cols, float *out) {
+    if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
+#pragma omp parallel for schedule(static) if (n * cols >= 65536)
+    for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + ids[i] * ldw, cols, out + i * cols);
     return 0;
 }
 
