@@ -112,11 +112,14 @@ class QuantizedEmbedding:
     def shape(self) -> tuple[int, int]:
         return self.blocks.shape[0], self.cols
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks[ids.to(torch.int64)]
+    def __post_init__(self) -> None:
         qtype = kernel_qtype(self.tensor_type)
-        if qtype is not None:           # the compiled dequantize (the gguf package's values)
-            return quant.dequantize(quant.from_gguf_blocks(qtype, rows, (rows.shape[0], self.cols)), self.dtype)
+        self._weight = None if qtype is None else quant.from_gguf_blocks(qtype, self.blocks, self.shape)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._weight is not None:       # the compiled row dequantize (the gguf package's values)
+            return quant.embedding(self._weight, ids, self.dtype)
+        rows = self.blocks[ids.to(torch.int64)]
         from gguf import quants
         return torch.from_numpy(np.asarray(quants.dequantize(rows.numpy(), self.tensor_type),
                                            dtype=np.float32)).to(self.dtype)
