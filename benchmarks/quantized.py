@@ -106,7 +106,7 @@ def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0) -> None:
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             module, suffix = rest.rsplit(".", 1)
-            kind, gguf_name = _LAYER[module], None
+            kind = _LAYER[module]
             gguf_name = f"blk.{i}.{kind}.{suffix}"
         else:
             kind = {"embed_tokens.weight": "token_embd", "norm.weight": "output_norm",
