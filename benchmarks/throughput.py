@@ -157,6 +157,12 @@ def run_single_decode(llm, prompt_len: int, output_len: int, bandwidth: float) -
     # Bytes of the matmul weights (every layer and the LM head), each read once per token.
     shape = model_shape(llm)
     weight_bytes = (shape["layer_params"] + shape["lm_head_params"]) * engine.dtype.itemsize
+    model = engine.executor.worker.runner.model
+    from pagedserve.models.quantized import is_quantized, weight_nbytes
+    if is_quantized(model.lm_head) or any(is_quantized(getattr(w, "qkv", None)) for w in model.layers):
+        # quantized weights (a .gguf file in its blocks): the bytes they hold
+        weight_bytes = sum(weight_nbytes(getattr(w, n)) for w in model.layers for n in ("qkv", "o", "gate_up", "down")) \
+            + weight_nbytes(model.lm_head)
     bound = weight_bytes / bandwidth
     return dict(ms_per_token=per_token * 1e3, tok_s=1 / per_token, weight_bytes=weight_bytes,
                 read_bytes_s_measured=bandwidths, read_bytes_s=bandwidth,
@@ -176,6 +182,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=None)
     ap.add_argument("--no-single", action="store_true", help="skip the single-request decode run")
     ap.add_argument("--quick", action="store_true", help="few short requests: a smoke run")
+    ap.add_argument("--gguf-dequantize", action="store_true", help="a .gguf model dequantized to --dtype (the float "
+                    "path) instead of computed in its blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="default: benchmarks/results/throughput[_alpaca][_fp32][_quick].json, "
                     "one file per workload and dtype")
@@ -204,7 +212,8 @@ def main() -> None:
     bw = read_bandwidth()
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+              gguf_dequantize=args.gguf_dequantize)
     load_s = time.perf_counter() - t0
     shape = model_shape(llm)
     flops = workload_flops(shape, trace)

@@ -36,6 +36,9 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RUNNERS = ("auto", "generate", "pooling")               # vLLM's --runner: pooling serves embeddings
 CONVERTS = ("auto", "none", "embed")                    # vLLM's --convert: a causal LM used as an embedder
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# Quantized weights (models/quantized.py): gguf: a .gguf file's own blocks; q8_0 / q4_0: an HF
+# float model quantized at load into those GGML block types.
+QUANTIZATIONS = ("gguf", "q8_0", "q4_0")
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -227,9 +230,20 @@ class EngineConfig:
         None, "JSON object: pooling_type (LAST, MEAN or CLS; default LAST) and normalize (default true), "
               "e.g. '{\"pooling_type\": \"MEAN\"}'", parse=parse_json_object)
 
+    # Quantized weights (models/quantized.py; kernels/quant.py computes them, CPU only). None: a .gguf
+    # file runs in its own block formats (as "gguf", vLLM's name), an HF model in its float dtype;
+    # q8_0 / q4_0 quantize an HF float model's matmul weights at load. gguf_dequantize keeps the
+    # older path: every GGUF tensor dequantized to `dtype` at load (a float32 copy cached per file).
+    quantization: str | None = setting(None, "gguf: a .gguf file's weights computed in their own blocks (the default "
+                                             "for .gguf files on the CPU); q8_0 | q4_0: quantize an HF float model at "
+                                             "load", choices=QUANTIZATIONS, aliases=("-q",))
+    gguf_dequantize: bool = setting(False, "dequantize a .gguf file's weights to dtype at load (float compute, a "
+                                           "float32 copy cached per file) instead of computing in its blocks")
+
     def __post_init__(self) -> None:
         self._check_api_surface()
         _one_of("dtype", self.dtype, DTYPES)
+        self._check_quantization()
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.max_num_seqs < 1:
@@ -281,6 +295,26 @@ class EngineConfig:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+
+    def _check_quantization(self) -> None:
+        """What can be told before the model is resolved: the quantized kernels run on the CPU,
+        and a GGUF file is either computed in its blocks or dequantized, never re-quantized."""
+        if self.quantization is None:
+            return
+        _one_of("quantization", self.quantization, QUANTIZATIONS)
+        gguf_model = self.model is None or str(self.model).endswith(".gguf")    # None: the default model, a GGUF
+        if self.quantization != "gguf" and gguf_model:
+            raise ValueError(f"quantization={self.quantization!r} quantizes an HF float model at load; the model is "
+                             f"a .gguf file, whose weights are already quantized (quantization='gguf', the default)")
+        if self.quantization == "gguf" and self.gguf_dequantize:
+            raise ValueError("quantization='gguf' computes in the file's blocks; gguf_dequantize=True dequantizes "
+                             "them: pass one")
+        if self.quantization != "gguf" and self.gguf_dequantize:
+            raise ValueError(f"gguf_dequantize applies to .gguf files; quantization={self.quantization!r} is for HF "
+                             f"float models")
+        if (self.device or "cpu").startswith("cuda") or self.attention_backend == "triton":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (no CUDA/Triton kernels for "
+                             f"quantized weights yet); use device='cpu', or gguf_dequantize=True for a GGUF file")
 
     @property
     def swap_space_bytes(self) -> int:

@@ -40,7 +40,9 @@ def hf_model(default_path):
 
 @pytest.fixture(scope="module")
 def llm(default_path):
-    return LLM(dtype="float32", kv_cache_memory=256 * 1024**2)
+    # The dequantized path: token for token against transformers' own dequantized float32 (the
+    # native Q4_1 blocks, with 8-bit activations, are checked in tests/test_quantized_models.py).
+    return LLM(dtype="float32", kv_cache_memory=256 * 1024**2, gguf_dequantize=True)
 
 
 def test_default_model_greedy_matches_transformers(llm, hf_model):

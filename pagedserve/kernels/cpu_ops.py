@@ -12,6 +12,7 @@ import torch
 from pagedserve.attention.cpu_backend import CpuAttention
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import cpu
+from pagedserve.models import quantized
 from pagedserve.models.ops import TorchOps
 
 
@@ -28,15 +29,28 @@ class CpuOps(TorchOps):
         """Every matmul weight packed once into the tiles of our GEMMs (see cpu.pack_weight). A
         tied LM head gets its own packed copy; the embedding table stays plain for lookups.
         With the CPU attention backend, the whole layer loop then runs as one compiled call
-        (not under tensor parallelism: its all-reduces run between the layers' matmuls)."""
+        (not under tensor parallelism: its all-reduces run between the layers' matmuls). Quantized
+        weights (models/quantized.py) stay as they are (kernels/quant.py repacked them when they were
+        made), and the compiled loop, which knows only packed float weights, is then off: the Python
+        layer loop runs, over the same attention and norm kernels."""
+        from pagedserve.models.loader import trim_heap
         for w in model.layers:
-            w.qkv, w.o, w.gate_up, w.down = (cpu.pack_weight(t) for t in (w.qkv, w.o, w.gate_up, w.down))
-        model.lm_head = cpu.pack_weight(model.lm_head)
+            for name in ("qkv", "o", "gate_up", "down"):      # one at a time: each plain copy freed first
+                setattr(w, name, _pack(getattr(w, name)))
+            trim_heap()             # the plain copies just freed, back to the system: peak memory
+        model.lm_head = _pack(model.lm_head)
+        trim_heap()
         if model.tp is None and isinstance(model.attention, CpuAttention) and \
                 cpu.DecoderLayers.supports(model, model.attention.kv_format.code):
             model.compiled_layers = CpuDecoderLayers(model)
 
-    linear = staticmethod(cpu.linear)     # plain or packed weights (prepare_weights packs them)
+    @staticmethod
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain, packed (prepare_weights packs them) or quantized weights."""
+        if isinstance(weight, cpu.PackedWeight):
+            return cpu.linear(x, weight, bias)
+        return quantized.linear(x, weight, bias, cpu.linear)
+
     argmax = staticmethod(cpu.argmax_rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,6 +79,14 @@ class CpuOps(TorchOps):
             return super().rotate_queries_and_keys(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
         qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:]
+
+
+def _pack(weight):
+    if isinstance(weight, torch.Tensor):
+        return cpu.pack_weight(weight)
+    if isinstance(weight, tuple):
+        return tuple(_pack(part) for part in weight)
+    return weight
 
 
 class CpuDecoderLayers:

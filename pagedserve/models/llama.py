@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.ops import CompiledLayers, ModelOps, TorchOps
+from pagedserve.models.quantized import Weight, embedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -50,21 +50,23 @@ class ModelArgs:
 
 @dataclass
 class LayerWeights:
+    """A layer's matmul weights are float tensors or quantized ones (models/quantized.py); a fused
+    matrix whose parts have different quantized types is a tuple of them (ops.linear joins them)."""
     input_norm: torch.Tensor
-    qkv: torch.Tensor            # [(Hq + 2 Hkv) * D, hidden]
+    qkv: Weight                  # [(Hq + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor        # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Weight              # [2 * intermediate, hidden]
+    down: Weight
 
 
 class LlamaModel:
-    def __init__(self, args: ModelArgs, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, attention: AttentionBackend, max_positions: int,
+    def __init__(self, args: ModelArgs, embed, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: Weight, attention: AttentionBackend, max_positions: int,
                  ops: ModelOps | None = None, tp=None, vocab: tuple[int, int] | None = None) -> None:
         self.args = args          # this rank's shapes (heads, intermediate size) under tensor parallelism
-        self.embed = embed
+        self.embed = embed        # a float table or a QuantizedEmbedding (models/quantized.py)
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
@@ -88,14 +90,14 @@ class LlamaModel:
     def to(self, device: torch.device) -> "LlamaModel":
         """Move every weight and the RoPE tables to `device` (tied embeddings stay one tensor)."""
         tied = self.lm_head is self.embed
-        self.embed = self.embed.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        self.embed = _to(self.embed, device)
+        self.lm_head = self.embed if tied else _to(self.lm_head, device)
         self.norm = self.norm.to(device)
         for w in self.layers:
             for f in fields(w):
                 t = getattr(w, f.name)
                 if t is not None:
-                    setattr(w, f.name, t.to(device))
+                    setattr(w, f.name, _to(t, device))
         self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
         return self
 
@@ -136,11 +138,11 @@ class LlamaModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp:
-            return F.embedding(input_ids, self.embed)
+            return embedding(input_ids, self.embed)
         # Vocab-parallel: each rank looks up the ids in its part, zeros for the others; the sum is whole.
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        x = embedding(local.masked_fill(outside, 0), self.embed)
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()
@@ -153,6 +155,15 @@ class LlamaModel:
             return logits
         whole = self.tp.gather_columns(logits)
         return None if whole is None else whole[:, :self.vocab_size]
+
+
+def _to(weight, device: torch.device):
+    """A weight on `device`; quantized weights live on the CPU only (config refuses others)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.to(device)
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantized weights run on the CPU only, not on {device}")
+    return weight
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

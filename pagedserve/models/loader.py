@@ -1,8 +1,12 @@
 """Load a Llama-family model from an HF directory (config.json + safetensors) or a GGUF file.
 
-Both end in the same place: ModelArgs plus float tensors in HF's layout, fused
-into the matrices `LlamaModel` runs. GGUF weights are dequantized with the
-`gguf` package; its q/k rows are un-permuted from llama.cpp's rotary layout.
+Both end in the same place: ModelArgs plus tensors in HF's layout, fused into the matrices
+`LlamaModel` runs, read one tensor at a time (never a second copy of the whole model). A GGUF
+file is memory-mapped: by default (quantization "gguf") its matmul weights stay in their
+blocks (`quant.QuantizedWeight`, models/quantized.py) and the embedding table too; types
+without a kernel, and with gguf_dequantize every tensor, are dequantized with the `gguf`
+package. Its q/k rows are un-permuted from llama.cpp's rotary layout (whole rows, so blocks
+too). An HF model may be quantized at load (q8_0, q4_0), one fused matrix at a time.
 With load_format="dummy" the weights are random, of the model's shapes, made on the
 device (models/dummy.py); the model may then also be a preset name (models/presets.py).
 """
@@ -11,7 +15,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import mmap
 import os
+import warnings
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +31,8 @@ from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, Llama
 from pagedserve.models.opt import OPT_ARCHITECTURES, OPTArgs, build_opt_model
 from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.models.presets import PRESETS, is_preset
+from pagedserve.kernels import quant
+from pagedserve.models.quantized import QuantizedEmbedding, kernel_qtype
 from pagedserve.models.sharding import Shard
 
 logger = logging.getLogger(__name__)
@@ -189,25 +198,60 @@ class DictSource:
         return t if cols is None else t[:, cols[0]:cols[1]]
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class SafetensorsSource:
-    """Slices read straight from safetensors files (memory-mapped): a tensor-parallel rank
-    reads only its part of each tensor."""
+    """Tensors, or one rank's slices of them, read from safetensors files with plain reads into
+    tensors of their own: a tensor-parallel rank reads only its rows. Not memory-mapped, because
+    the pages of a mapping count as the process's memory while it is open, and a load would then
+    hold the checkpoint twice (its mapping and the model built from it)."""
 
     def __init__(self, files: list[Path], prefix: str = "model.") -> None:
-        from safetensors import safe_open
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {k.removeprefix(prefix): (h, k) for h in self._handles for k in h.keys()}
+        self._where: dict[str, tuple[Path, int, str, list[int]]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                start = 8 + size + info["data_offsets"][0]
+                self._where[key.removeprefix(prefix)] = (f, start, info["dtype"], info["shape"])
 
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._where[name][2]]
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name][3]
+
     def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
-        handle, key = self._where[name]
-        part = handle.get_slice(key)
-        r = slice(*rows) if rows else slice(None)
-        if cols is None:
-            return part[r]
-        return part[r, slice(*cols)]
+        shape = self.shape(name)
+        r0, r1 = rows or (0, shape[0] if shape else 1)
+        out = torch.empty([r1 - r0, *shape[1:]] if shape else [], dtype=self.dtype(name))
+        self.read_into(name, out, rows)
+        return out if cols is None else out[:, cols[0]:cols[1]].contiguous()
+
+    def read_into(self, name: str, out: torch.Tensor, rows: Range = None) -> None:
+        """Rows [start, end) of tensor `name` (all: None) read into `out`, a contiguous tensor of
+        their shape and the checkpoint's dtype (e.g. the part of a fused matrix they fill)."""
+        path, start, _, shape = self._where[name]
+        r0 = rows[0] if rows else 0
+        row_bytes = int(np.prod(shape[1:])) * out.element_size() if len(shape) > 1 else out.element_size()
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        with open(path, "rb", buffering=0) as fh:
+            fh.seek(start + r0 * row_bytes)
+            got = 0
+            while got < len(view):          # readinto may return less than asked
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{path}: truncated tensor {name}")
+                got += n
 
 
 class GGUFSource:
@@ -217,6 +261,7 @@ class GGUFSource:
     def __init__(self, reader, args: ModelArgs) -> None:
         self.args = args
         self.permuted = args.architecture == "LlamaForCausalLM"   # GGUF_ARCHITECTURES: llama.cpp's rotary layout
+        self._reader = reader
         self._tensors = {}
         for t in reader.tensors:
             if t.name.startswith("blk."):
@@ -230,6 +275,50 @@ class GGUFSource:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def tensor_type(self, name: str):
+        return self._tensors[name][0].tensor_type
+
+    def num_cols(self, name: str) -> int:
+        return int(self._tensors[name][0].shape[0])      # GGUF lists dimensions innermost first
+
+    def blocks(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        """The raw blocks of a quantized 2-D tensor's rows (un-permuted like `get`'s) and columns,
+        uint8 [rows, bytes per row]: a view of the memory-mapped file where nothing is moved, else
+        a copy of this slice only. Columns only by whole blocks (ValueError otherwise)."""
+        from gguf import GGML_QUANT_SIZES
+        t, kind = self._tensors[name]
+        data = t.data if rows is None else t.data[rows[0]:rows[1]]
+        if cols is not None:
+            block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+            if cols[0] % block or cols[1] % block:
+                raise ValueError(f"{name} ({t.tensor_type.name}) cannot be split at columns {cols[0]}:{cols[1]}: "
+                                 f"its blocks hold {block} columns (choose another tensor_parallel_size, or "
+                                 f"gguf_dequantize=True)")
+            data = data[:, cols[0] // block * block_bytes:cols[1] // block * block_bytes]
+        if kind in ("attn_q", "attn_k") and self.permuted:      # whole rows move: blocks with them
+            data = _unpermute_rotary(data, data.shape[0] // self.args.head_dim)
+        with warnings.catch_warnings():             # a read-only mapping: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(data)
+
+    def release(self, name: str, kept=None) -> None:
+        """Drop the file's pages of tensor `name` from this process's memory after it was read into
+        a copy: a mapped page counts as resident while mapped, so the whole file would otherwise
+        stay resident beside the model made from it. Not where `kept` (the weight made of it) still
+        reads the file's pages."""
+        t, _ = self._tensors[name]
+        mapped = self._reader.data
+        base = mapped.ctypes.data
+        data = getattr(kept, "data", kept)
+        ptr = data.data_ptr() if isinstance(data, torch.Tensor) else 0
+        if base + t.data_offset <= ptr < base + t.data_offset + t.n_bytes or getattr(mapped, "_mmap", None) is None:
+            return
+        page = mmap.PAGESIZE
+        lo = -(-t.data_offset // page) * page
+        hi = (t.data_offset + t.n_bytes) // page * page
+        if hi > lo:
+            mapped._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
         from gguf import GGML_QUANT_SIZES, quants
@@ -248,18 +337,185 @@ class GGUFSource:
         return torch.from_numpy(np.array(out, dtype=np.float32))   # a writable copy
 
 
+_libc = None
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    Loading frees each matrix's parts after fusing or packing it; glibc keeps such freed memory
+    in the process, so without this a load's resident memory grows past the model it built."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+# GGML types that are plain floats (read as float tensors, never "without a kernel").
+_FLOAT_GGML_TYPES = ("F32", "F16", "BF16", "F64")
+# quantize-at-load keeps the LM head at 8 bits, as llama.cpp keeps its output matrix at higher
+# precision than the layers: it decides every sampled token.
+LM_HEAD_QTYPE = "q8_0"
+
+
+class MatrixBuilder:
+    """Makes the model's weights of a checkpoint's tensors, one matrix at a time, in the load's
+    mode (models/quantized.py resolve_quantization): None: float tensors in `dtype`; "gguf": a
+    GGUF file's blocks (`quant.QuantizedWeight`), parts of a fused matrix joined where their
+    types agree, else kept apart (a tuple); "q8_0" / "q4_0": floats quantized as each fused
+    matrix is read. Counts what it made, for the load's one log line."""
+
+    def __init__(self, source: TensorSource, dtype: torch.dtype, quantization: str | None) -> None:
+        self.source, self.dtype, self.mode = source, dtype, quantization
+        self.blocks_of = isinstance(source, GGUFSource) and quantization == "gguf"
+        self.made: Counter = Counter()         # quantized matrices by type
+        self.dequantized: Counter = Counter()  # GGUF tensors of types without a kernel, by type
+
+    def float(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        if not self.source.has(name):
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        t = self.source.get(name, rows, cols).to(self.dtype).contiguous()
+        if isinstance(self.source, GGUFSource):
+            self.source.release(name)
+        return t
+
+    def _quantized_type(self, name: str) -> str | None:
+        """quant's name of a GGUF tensor's type with a kernel; None (counted) where it has none."""
+        if not self.source.has(name):
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        ggml = self.source.tensor_type(name)
+        qtype = kernel_qtype(ggml)
+        if qtype is None and ggml.name not in _FLOAT_GGML_TYPES:
+            self.dequantized[ggml.name] += 1
+        return qtype
+
+    def matrix(self, parts: list[tuple[str, Range]], cols: Range = None, pad_rows: int = 0, qtype: str | None = None):
+        """The fused matrix of `parts` (name, rows) stacked by rows, of columns `cols`, with
+        `pad_rows` zero rows after them (a padded vocabulary part)."""
+        if self.blocks_of:
+            return self._gguf_matrix(parts, cols, pad_rows)
+        if self.mode in ("q8_0", "q4_0"):
+            qtype = qtype or self.mode
+            floats = [self.source.get(n, r, cols) for n, r in parts]
+            if pad_rows:
+                floats.append(floats[0].new_zeros(pad_rows, floats[0].shape[1]))
+            whole = floats[0] if len(floats) == 1 else torch.cat(floats)
+            del floats
+            if whole.shape[1] % 32:
+                raise ValueError(f"{parts[0][0]}: {whole.shape[1]} columns are not whole {qtype} blocks of 32 "
+                                 f"(under tensor parallelism: choose another tensor_parallel_size)")
+            self.made[qtype] += 1
+            return quant.quantize(whole.float(), qtype)
+        if isinstance(self.source, SafetensorsSource) and cols is None and \
+                all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
+            return self._read_fused(parts, pad_rows)
+        return self._float_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
+
+    def _read_fused(self, parts: list[tuple[str, Range]], pad_rows: int) -> torch.Tensor:
+        """A fused float matrix read part by part straight into its rows: no parts to concatenate
+        (and no freed parts left as holes in the heap, which a load's peak memory would keep)."""
+        counts = [(r[1] - r[0]) if r else self.source.shape(n)[0] for n, r in parts]
+        out = torch.empty(sum(counts) + pad_rows, self.source.shape(parts[0][0])[1], dtype=self.dtype)
+        at = 0
+        for (name, rows), n in zip(parts, counts):
+            self.source.read_into(name, out[at:at + n], rows)
+            at += n
+        out[at:].zero_()
+        return out
+
+    def _gguf_matrix(self, parts: list[tuple[str, Range]], cols: Range, pad_rows: int):
+        qtypes = [self._quantized_type(n) for n, _ in parts]
+        if None in qtypes:      # some part is float (or has no kernel): quantized parts stay apart
+            if all(q is None for q in qtypes):
+                return self._float_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
+            return tuple(self._gguf_matrix([part], cols, 0) if q else self.float(*part, cols)
+                         for part, q in zip(parts, qtypes)) + ((self._zeros(pad_rows, parts[-1][0], cols),)
+                                                               if pad_rows else ())
+        if len(set(qtypes)) > 1:     # e.g. q, k in Q4_K and v in Q6_K: one matrix per part
+            weights = [self._gguf_matrix([part], cols, 0) for part in parts]
+            if pad_rows:
+                weights.append(self._zeros(pad_rows, parts[-1][0], cols))
+            return tuple(weights)
+        blocks = [self.source.blocks(n, r, cols) for n, r in parts]
+        if pad_rows:
+            blocks.append(blocks[0].new_zeros(pad_rows, blocks[0].shape[1]))   # zero blocks: zero scales
+        raw = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        del blocks
+        num_cols = cols[1] - cols[0] if cols else self.source.num_cols(parts[0][0])
+        weight = quant.from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
+        for n, _ in parts:
+            self.source.release(n, weight)
+        self.made[qtypes[0]] += 1
+        return weight
+
+    def _zeros(self, rows: int, like: str, cols: Range) -> torch.Tensor:
+        num_cols = cols[1] - cols[0] if cols else self.source.num_cols(like)
+        return torch.zeros(rows, num_cols, dtype=self.dtype)
+
+    @staticmethod
+    def _float_rows(floats: list[torch.Tensor], pad_rows: int) -> torch.Tensor:
+        if pad_rows:
+            floats.append(floats[0].new_zeros(pad_rows, floats[0].shape[1]))
+        return floats[0] if len(floats) == 1 else torch.cat(floats)
+
+    def embedding(self, name: str, rows: Range, pad_rows: int):
+        """The embedding table: a GGUF file's quantized table stays in its blocks (each lookup
+        dequantizes its rows: QuantizedEmbedding), any other is a float tensor."""
+        if self.blocks_of and self.source.has(name) and self.source.tensor_type(name).name not in _FLOAT_GGML_TYPES:
+            blocks = self.source.blocks(name, rows)
+            if pad_rows:
+                blocks = torch.cat([blocks, blocks.new_zeros(pad_rows, blocks.shape[1])])
+            return QuantizedEmbedding(self.source.tensor_type(name), blocks, self.source.num_cols(name), self.dtype)
+        return self.matrix([(name, rows)], pad_rows=pad_rows) if self.mode is None or self.blocks_of else \
+            self._float_rows([self.float(name, rows)], pad_rows)
+
+    def tied_lm_head(self, embed, name: str, rows: Range, pad_rows: int):
+        """The LM head of a model whose embedding is tied: the same blocks as a QuantizedWeight
+        (a type without a kernel: dequantized), or the table itself (float), or quantized at load."""
+        if isinstance(embed, QuantizedEmbedding):
+            qtype = self._quantized_type(name)
+            if qtype is None:
+                return self._float_rows([self.float(name, rows)], pad_rows)
+            self.made[qtype] += 1
+            weight = quant.from_gguf_blocks(qtype, embed.blocks, embed.shape)
+            self.source.release(name, weight)      # the lookups read the file's rows again when needed
+            return weight
+        if self.mode in ("q8_0", "q4_0"):
+            self.made[LM_HEAD_QTYPE] += 1
+            return quant.quantize(embed.float(), LM_HEAD_QTYPE)
+        return embed
+
+    def describe(self) -> str:
+        """The load log's line on quantized weights ('' for a float model)."""
+        if not self.made and not self.dequantized:
+            return ""
+        made = ", ".join(f"{n} {q.upper()}" for q, n in sorted(self.made.items()))
+        note = f"quantized matmul weights: {made or 'none'}"
+        if self.mode in ("q8_0", "q4_0"):
+            note += f" (quantized at load; the LM head at {LM_HEAD_QTYPE.upper()})"
+        if self.dequantized:
+            note += "; dequantized (types without a kernel): " + ", ".join(
+                f"{n} {t}" for t, n in sorted(self.dequantized.items()))
+        return note
+
+
 def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, attention,
                 max_positions: int, ops: ModelOps | None = None, shard: Shard = Shard(),
-                tp=None) -> LlamaModel:
+                tp=None, quantization: str | None = None) -> LlamaModel:
     """The model of `shard`'s rank (models/sharding.py): its query and KV heads of q/k/v
     (rows) and of the attention output (columns), its part of gate/up (rows) and down
     (columns), its part of the vocabulary (embedding and LM head rows, zero-padded to
-    equal parts), all of the norms. `tp`: the process group its all-reduces go through."""
-    def w(name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
-        if not source.has(name):
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        return source.get(name, rows, cols).to(dtype).contiguous()
-
+    equal parts), all of the norms. `tp`: the process group its all-reduces go through.
+    `quantization`: the mode (MatrixBuilder); quantized tensors split by whole rows, and by
+    whole blocks of columns (else a ValueError names the tensor)."""
+    build = MatrixBuilder(source, dtype, quantization)
+    w = build.float
     D = args.head_dim
     q0, q1 = shard.q_heads(args)
     k0, k1 = shard.kv_heads(args)
@@ -269,27 +525,29 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
     layers = []
     for i in range(args.num_layers):
         p = f"layers.{i}."
-        qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight", heads[n]) for n in "qkv"])
+        qkv = build.matrix([(p + f"self_attn.{n}_proj.weight", heads[n]) for n in "qkv"])
         bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", heads[n]) for n in "qkv"]) if args.qkv_bias else None
         layers.append(LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=qkv,
             qkv_bias=bias,
-            o=w(p + "self_attn.o_proj.weight", cols=q_cols),
+            o=build.matrix([(p + "self_attn.o_proj.weight", None)], cols=q_cols),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([w(p + "mlp.gate_proj.weight", inter), w(p + "mlp.up_proj.weight", inter)]),
-            down=w(p + "mlp.down_proj.weight", cols=inter),
+            gate_up=build.matrix([(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)]),
+            down=build.matrix([(p + "mlp.down_proj.weight", None)], cols=inter),
         ))
+        trim_heap()
     vocab = shard.vocab(args.vocab_size) if shard.size > 1 else None
     pad = shard.vocab_part(args.vocab_size) - (vocab[1] - vocab[0]) if vocab else 0
-
-    def vocab_rows(name: str) -> torch.Tensor:
-        t = w(name, vocab)
-        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-
-    embed = vocab_rows("embed_tokens.weight")
+    embed = build.embedding("embed_tokens.weight", vocab, pad)
     untied = not args.tie_word_embeddings and source.has("lm_head.weight")
-    lm_head = vocab_rows("lm_head.weight") if untied else embed
+    if untied:
+        lm_head = build.matrix([("lm_head.weight", vocab)], pad_rows=pad, qtype=LM_HEAD_QTYPE)
+    else:
+        lm_head = build.tied_lm_head(embed, "embed_tokens.weight", vocab, pad)
+    note = build.describe()
+    if note:
+        logger.info("%s", note)
     return LlamaModel(shard.local_args(args), embed, layers, w("norm.weight"), lm_head, attention, max_positions,
                       ops, tp=tp, vocab=(vocab[0] if vocab else 0, args.vocab_size))
 
@@ -376,34 +634,40 @@ def _checkpoint_dtype(cfg: dict) -> torch.dtype | None:
 
 def load_model(path: str, dtype_name: str, attention, max_model_len: int | None = None,
                ops: ModelOps | None = None, load_format: str = "auto", device: torch.device | str = "cpu",
-               seed: int = 0, shard: Shard = Shard(), tp=None):
+               seed: int = 0, shard: Shard = Shard(), tp=None, quantization: str | None = None):
     """Returns (model, args, dtype). `ops`: the dense ops the model runs (default plain torch),
     which also say whether dtype `auto` may keep bf16. Logs the dtype `dtype_name` resolved
     to (and what the ops say of themselves, e.g. the CPU kernel variant that will run).
     Real weights load on the CPU; dummy ones (seeded by `seed`) are made on `device`. With a
     `shard` of a tensor-parallel group, only that rank's slices are ever read (`args` stays
-    the whole model's)."""
+    the whole model's). `quantization`: the resolved mode (models/quantized.py
+    resolve_quantization): None (float weights; a GGUF file dequantized through its cached
+    float copy), "gguf" (the file's blocks, memory-mapped, nothing cached), "q8_0" / "q4_0"."""
     ops = ops or TorchOps()
     dummy = load_format == "dummy"
     sharded = shard.size > 1
     source: TensorSource | None = None
+    if dummy and quantization == "gguf":
+        quantization = None            # random float weights of the file's shapes
     if is_gguf(path):
         if dummy:
-            import gguf
-            args = args_from_gguf(gguf.GGUFReader(path))
+            from pagedserve.models.gguf_reader import GGUFFile
+            args = args_from_gguf(GGUFFile(path))
+        elif quantization == "gguf" or sharded:
+            args, source = _gguf_source(path, cached=quantization is None)
         else:
-            args, source = _gguf_source(path) if sharded else _gguf_dict_source(path)
+            args, source = _gguf_dict_source(path)
         checkpoint_dtype = None
     else:
         cfg = read_hf_config(path)
         is_opt = (cfg.get("architectures") or [""])[0] in OPT_ARCHITECTURES
         args = OPTArgs.from_hf_config(cfg) if is_opt else args_from_hf_config(cfg)
         if not dummy:
-            source = _hf_source(Path(path)) if sharded and not is_opt else DictSource(_hf_weights(Path(path)))
+            source = DictSource(_hf_weights(Path(path))) if is_opt else _hf_source(Path(path))
         checkpoint_dtype = _checkpoint_dtype(cfg)
-    if isinstance(args, OPTArgs) and (sharded or dummy):
-        raise ValueError("OPT runs in one process with its own weights: tensor parallelism and "
-                         "load_format='dummy' support the Llama family (Llama, Mistral, Qwen2)")
+    if isinstance(args, OPTArgs) and (sharded or dummy or quantization):
+        raise ValueError("OPT runs in one process with its own float weights: tensor parallelism, quantization "
+                         "and load_format='dummy' support the Llama family (Llama, Mistral, Qwen2)")
     if not isinstance(args, OPTArgs):
         shard.check(args)
     dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=ops.bf16_is_fast)
@@ -415,7 +679,7 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
     if isinstance(args, OPTArgs):
         return build_opt_model(args, source.weights, dtype, attention), args, dtype
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
-    model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp)
+    model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp, quantization)
     return model, args, dtype
 
 
@@ -424,15 +688,16 @@ def _gguf_dict_source(path: str) -> tuple[ModelArgs, TensorSource]:
     return args, DictSource(weights)
 
 
-def _gguf_source(path: str) -> tuple[ModelArgs, TensorSource]:
-    """A rank's view of a GGUF model: the float32 copy a one-process load saved, if there is
-    one, else the GGUF file itself (no copy is saved: that would hold the whole model)."""
-    cache, fresh = _derived_cache("models", path)
+def _gguf_source(path: str, cached: bool = True) -> tuple[ModelArgs, TensorSource]:
+    """A view of a GGUF model in slices: the float32 copy a one-process load saved, if there is
+    one and `cached` (a tensor-parallel rank of the dequantized path), else the GGUF file itself
+    (memory-mapped; no copy is saved: that would hold the whole model)."""
+    cache, fresh = _derived_cache("models", path) if cached else (None, False)
     if fresh:
         return ModelArgs(**json.loads((cache / "args.json").read_text())), \
             SafetensorsSource([cache / "model.safetensors"], prefix="")
-    import gguf
-    reader = gguf.GGUFReader(path)
+    from pagedserve.models.gguf_reader import GGUFFile
+    reader = GGUFFile(path)          # (gguf.GGUFReader would hold the tokenizer's arrays as objects)
     args = args_from_gguf(reader)
     return args, GGUFSource(reader, args)
 

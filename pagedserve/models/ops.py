@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from pagedserve.models import quantized
 from pagedserve.models.layers import apply_rope
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class TorchOps:
     def describe(self) -> str:
         return ""
 
-    linear = staticmethod(F.linear)       # called directly: no wrapper frame per matmul
+    linear = staticmethod(quantized.linear)   # float weights: F.linear; quantized: kernels/quant.py's reference
 
     def prepare_weights(self, model) -> None:
         pass

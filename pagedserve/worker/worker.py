@@ -5,6 +5,7 @@ runs steps and, on CUDA, its decode CUDA graphs. The engine gets back what it ne
 the number of device and host blocks, the context length and the model's shape."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,14 +14,18 @@ from pagedserve.attention.selector import make_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.llama import ModelArgs
-from pagedserve.models.loader import load_model
+from pagedserve.models.loader import is_gguf, load_model
 from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.models.quantized import model_weight_bytes, resolve_quantization
 from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
 from pagedserve.worker.device import (KVMemoryPlan, MemoryProbe, default_kv_cache_memory, memory_probe,
                                       profile_kv_memory, resolve_device)
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+
+logger = logging.getLogger(__name__)
 
 
 def make_ops(device: torch.device) -> ModelOps:
@@ -95,12 +100,17 @@ class Worker:
         shard = Shard(group.rank, group.world_size) if group else Shard()
         probe = probe or memory_probe(device)
         start = probe.snapshot() if probe else None
+        quantization = resolve_quantization(config.quantization, config.gguf_dequantize, is_gguf(model_path),
+                                            device)
         model, args, dtype = load_model(model_path, config.dtype, attention, config.max_model_len, ops,
-                                        config.load_format, device, config.seed, shard, group)
+                                        config.load_format, device, config.seed, shard, group, quantization)
         model.to(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()      # what building the weights left in the allocator's cache
         model.pack_linear_weights()
+        # The bytes the weights hold (quantized ones: their blocks), beside the KV cache's budget.
+        logger.info("weights: %.1f MiB%s", model_weight_bytes(model) / 2**20,
+                    f" ({quantization} blocks)" if quantization else "")
         max_model_len = resolve_max_model_len(config.max_model_len, args)
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         graphs = bool(sizes) and group is None and uses_cuda_graphs(config, device, attention)   # TP: eager

@@ -1,0 +1,302 @@
+"""Quantized weights: native GGUF blocks vs the dequantized bf16 path, on the CPU.
+
+    .venv/bin/python benchmarks/quantized.py                 # default model + SmolLM2-1.7B-shaped files
+    .venv/bin/python benchmarks/quantized.py --quick         # shorter runs, 1.7B shape cut to 4 layers (< 5 min)
+    .venv/bin/python benchmarks/quantized.py --llama-bench ~/llama.cpp/build/bin/llama-bench
+
+For the default model (SmolLM2-135M-Instruct, Q4_1) and a SmolLM2-1.7B-shaped model with random
+weights, written here as GGUF files (Q4_0 and Q8_0 quantized by kernels/quant.py; a Q4_K_M-like mix
+of random valid Q4_K / Q6_K blocks, since no K-quant quantizer is at hand), each configuration runs
+in a child process of its own and reports: single-stream decode tok/s (128-token prompt, then the
+median decode step), prefill tok/s (one 512-token prompt, 128 with --quick), peak RSS while loading
+(the child's VmHWM after the load less its RSS before it, the tokenizer already loaded; the table
+shows it less the KV cache's bytes, which the JSON lists; a file's pages become resident as the
+first steps read them, so "resident" is the RSS after the runs, less the same), and the bytes of weights each decode token
+reads (every layer's matmuls and the LM head) against the bound that reading them once per token at
+the measured read bandwidth sets. The dequantized bf16 row of the 1.7B shape is the float model of the
+same shape (load_format=dummy: the same compute as a dequantized file, without its float32 cache).
+With --llama-bench, llama.cpp's llama-bench runs on the same files with the same threads (-p, -n as
+ours). Results: a table, and benchmarks/results/quantized.json (quantized_quick.json with --quick).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# SmolLM2-1.7B's config (HuggingFaceTB/SmolLM2-1.7B-Instruct's config.json).
+SMOLLM2_1_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", torch_dtype="bfloat16",
+                    hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                    num_key_value_heads=32, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=130000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# GGML type of each tensor kind per file ("*": the rest), as llama.cpp's presets mix them.
+MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0"},
+         "Q8_0": {"*": "Q8_0"},
+         "Q4_K_M": {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}}
+# K-quant layouts: byte offsets of the float16 scale d and minimum scale dmin, dmin/d centring values.
+_K_SCALES = {"Q4_K": (0, 2, 7.5), "Q6_K": (208, None, 0.0)}
+
+
+# ---- writing GGUF files of a shape -----------------------------------------------------------
+
+def _raw_blocks(ggml: str, w: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
+    """A float matrix as GGML blocks: quantized where kernels/quant.py quantizes the type, random
+    valid blocks of about the same spread for the K-quants."""
+    import gguf
+
+    from pagedserve.kernels import quant
+    if ggml.lower() in quant.QUANTIZE_TYPES:
+        return quant.quantize(w.float(), ggml.lower()).data.numpy()
+    qtype = gguf.GGMLQuantizationType[ggml]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = w.shape
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    d_at, dmin_at, ratio = _K_SCALES[ggml]
+
+    def set_scales(d: float) -> None:
+        raw[..., d_at:d_at + 2] = np.full(raw.shape[:2], d, np.float16)[..., None].view(np.uint8)
+        if dmin_at is not None:
+            raw[..., dmin_at:dmin_at + 2] = np.full(raw.shape[:2], d * ratio, np.float16)[..., None].view(np.uint8)
+
+    set_scales(1.0)
+    sample = gguf.quants.dequantize(raw[: min(rows, 64)].reshape(min(rows, 64), -1), qtype)
+    set_scales(float(w.float().std()) / float(sample.std()))
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0) -> None:
+    """A `llama` GGUF file of `config`'s shapes, random weights (std 0.02; norms 1), tensor by
+    tensor in the mix's types (written to a temporary file as they are made: memory stays about
+    one tensor, not the model)."""
+    import gguf
+
+    from pagedserve.models.dummy import DummyWeights
+    from pagedserve.models.loader import args_from_hf_config
+    args = args_from_hf_config(config)
+    w = gguf.GGUFWriter(str(path), "llama", use_temp_file=True)
+    w.add_block_count(args.num_layers)
+    w.add_context_length(args.max_position_embeddings)
+    w.add_embedding_length(args.hidden_size)
+    w.add_feed_forward_length(args.intermediate_size)
+    w.add_head_count(args.num_heads)
+    w.add_head_count_kv(args.num_kv_heads)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_vocab_size(args.vocab_size)
+    weights = DummyWeights(args, torch.float32, "cpu", seed)
+    rng = np.random.default_rng(seed)
+    for name in weights:
+        t = weights[name]
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            module, suffix = rest.rsplit(".", 1)
+            kind = _LAYER[module]
+            gguf_name = f"blk.{i}.{kind}.{suffix}"
+        else:
+            kind = {"embed_tokens.weight": "token_embd", "norm.weight": "output_norm",
+                    "lm_head.weight": "output"}[name]
+            gguf_name = kind + ".weight"
+        if t.dim() == 1:
+            w.add_tensor(gguf_name, t.numpy())
+            continue
+        ggml = mix.get(kind, mix["*"])          # (random weights: q/k need no rotary permutation)
+        w.add_tensor(gguf_name, _raw_blocks(ggml, t, rng), raw_dtype=gguf.GGMLQuantizationType[ggml])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ---- one configuration, in a child process ---------------------------------------------------
+
+def _status(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_child(spec: dict) -> dict:
+    """Load one configuration and time it (the child's side)."""
+    from benchmarks.throughput import decode_step_times
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.models.loader import load_tokenizer
+    from pagedserve.models.quantized import model_weight_bytes, weight_nbytes
+    # The tokenizer first (a GGUF's is built once, then cached on disk), then the peak is reset:
+    # the load's peak is the model's.
+    load_tokenizer(spec.get("tokenizer") or spec["model"], stand_in=spec.get("load_format") == "dummy")
+    import gc
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                    # resets VmHWM to the current RSS (Linux 4.0+)
+    rss_before = _status("VmRSS:")
+    start = time.perf_counter()
+    llm = LLM(spec["model"], tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "auto"),
+              gguf_dequantize=spec.get("gguf_dequantize", False), load_format=spec.get("load_format", "auto"),
+              quantization=spec.get("quantization"), kv_cache_memory=spec.get("kv_cache_memory", 128 * 1024**2),
+              max_num_batched_tokens=max(2048, spec["prefill_len"]), enable_prefix_caching=False)
+    load_s = time.perf_counter() - start
+    peak_load = _status("VmHWM:")
+    runner = llm.engine.executor.worker.runner
+    model = runner.model
+    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    per_token = sum(weight_nbytes(getattr(w, n)) for w in model.layers for n in ("qkv", "o", "gate_up", "down")) + \
+        weight_nbytes(model.lm_head)
+    engine = llm.engine
+    vocab = llm.engine.model_args.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()   # noqa: E731
+    llm.generate([{"prompt_token_ids": prompt(32)}], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
+    # Prefill: one prompt, one step (the first token's sampling included).
+    prefills = []
+    for i in range(spec["repeats"]):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt(spec["prefill_len"])},
+                           SamplingParams(temperature=0, max_tokens=1))
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        prefills.append(time.perf_counter() - t0)
+    engine.add_request("d", {"prompt_token_ids": prompt(128)},
+                       SamplingParams(temperature=0, max_tokens=spec["decode_len"], ignore_eos=True))
+    steps = decode_step_times(engine)
+    median = sorted(steps)[len(steps) // 2]
+    prefill_s = min(prefills)
+    return dict(load_s=load_s, rss_before_load=rss_before, peak_rss_load=peak_load, rss_after=_status("VmRSS:"),
+                kv_cache_bytes=kv_bytes,
+                weight_bytes=model_weight_bytes(model), bytes_per_token=per_token,
+                decode_tok_s=1 / median, decode_ms=median * 1e3, prefill_tok_s=spec["prefill_len"] / prefill_s)
+
+
+def child(spec: dict, timeout: float) -> dict:
+    # The dequantized path writes a float32 copy of the file into the cache: a scratch cache for
+    # it (its kernels compile there once, before the timed part); the others use the user's cache.
+    env = {**os.environ, "PAGEDSERVE_CACHE": spec["cache"]} if spec.get("gguf_dequantize") else None
+    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    if res.returncode:
+        return {"error": res.stderr[-2000:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int) -> dict:
+    """llama.cpp's llama-bench on the same file: prefill (-p) and decode (-n) tok/s."""
+    res = subprocess.run([exe, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-o", "json"],
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode:
+        return {"error": res.stderr[-1000:]}
+    out = {}
+    for row in json.loads(res.stdout):
+        key = "prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"
+        out[key] = row.get("avg_ts")
+    return out
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short runs, the 1.7B shape cut to 4 layers (< 5 min)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the 1.7B shape (default: 24; 4 with --quick)")
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    ap.add_argument("--no-default-model", action="store_true")
+    ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench: run it on the same files")
+    ap.add_argument("--work-dir", default=None, help="where the GGUF files are written (default: a temporary dir, "
+                                                     "removed after)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))))
+        return
+
+    from benchmarks.throughput import read_bandwidth
+    from pagedserve.kernels import cpu, quant
+    from pagedserve.models.dummy import stand_in_tokenizer
+    from pagedserve.models.loader import default_model_path
+    threads = torch.get_num_threads()
+    layers = args.layers or (4 if args.quick else SMOLLM2_1_7B["num_hidden_layers"])
+    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (512, 128, 3)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="pagedserve-quantized-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cache = str(work / "cache")
+    print(f"{threads} threads; measuring read bandwidth ...", flush=True)
+    bandwidth = read_bandwidth(1 << 28 if args.quick else 1 << 30)
+    base = dict(cache=cache, prefill_len=prefill_len, decode_len=decode_len, repeats=repeats)
+    runs: list[dict] = []
+    timeout = 600 if args.quick else 3600
+
+    def run(label: str, model_file: str, spec: dict, gguf_file: str | None) -> None:
+        print(f"  {label} ...", flush=True)
+        result = {"model": model_file, "config": label, **child({**base, **spec}, timeout)}
+        if gguf_file and args.llama_bench:
+            result["llama_bench"] = llama_bench(args.llama_bench, gguf_file, threads, prefill_len, decode_len)
+        runs.append(result)
+
+    try:
+        if not args.no_default_model:
+            path = default_model_path()
+            run("Q4_1 native", "SmolLM2-135M-Instruct", dict(model=path), path)
+            run("bf16 dequantized", "SmolLM2-135M-Instruct", dict(model=path, gguf_dequantize=True,
+                                                                   dtype="bfloat16"), None)
+        config = {**SMOLLM2_1_7B, "num_hidden_layers": layers}
+        shape_dir = work / "smollm2-1.7b-shape"
+        shape_dir.mkdir(exist_ok=True)
+        (shape_dir / "config.json").write_text(json.dumps(config))
+        stand_in_tokenizer(config).save_pretrained(str(shape_dir))
+        name = f"SmolLM2-1.7B shape ({layers} layers)"
+        for mix in args.mixes:
+            path = work / f"smollm2-1.7b-shape-{mix}.gguf"
+            if not path.exists():
+                print(f"  writing {path.name} ...", flush=True)
+                write_gguf(config, MIXES[mix], path)
+            run(f"{mix} native", name, dict(model=str(path), tokenizer=str(shape_dir)), str(path))
+            runs[-1]["file_bytes"] = path.stat().st_size
+        run("bf16 (float, same shape)", name, dict(model=str(shape_dir), load_format="dummy", dtype="bfloat16"),
+            None)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    for r in runs:
+        if "bytes_per_token" in r:
+            r["bound_tok_s"] = bandwidth / r["bytes_per_token"]
+            r["fraction_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
+    print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'prefill tok/s':>13} "
+          f"{'peak load MiB':>13} {'resident MiB':>12} {'weights MiB':>11} {'llama.cpp tg/pp':>16}")
+    for r in runs:
+        if "error" in r:
+            print(f"{r['model']:<34} {r['config']:<26} error: {r['error'].strip().splitlines()[-1]}")
+            continue
+        lb = r.get("llama_bench") or {}
+        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else "-"
+        print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
+              f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
+              f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
+              f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16}")
+    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, layers_of_1_7b_shape=layers,
+                  prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, runs=runs,
+                  cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
+    out = Path(args.json) if args.json else RESULTS / ("quantized_quick.json" if args.quick else "quantized.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

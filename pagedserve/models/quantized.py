@@ -1,0 +1,131 @@
+"""Quantized weights in the model: which mode a load runs in, the linear layers' dispatch, and the
+embedding table kept in its GGUF blocks.
+
+A matmul weight is a float tensor, a `quant.QuantizedWeight` (GGML blocks, computed by
+kernels/quant.py) or, where a fused matrix's parts differ in type (a Q4_K_M file keeps v in Q6_K
+and q, k in Q4_K), a tuple of them whose outputs are concatenated. The compute of quantized
+weights is on the CPU only (kernels/quant.py, with a torch reference TorchOps runs too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import quant
+from pagedserve.kernels.quant import QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight | tuple
+
+
+def resolve_quantization(setting: str | None, gguf_dequantize: bool, is_gguf: bool,
+                         device: torch.device) -> str | None:
+    """The mode a load runs in: "gguf" (a GGUF file's blocks), "q8_0" / "q4_0" (an HF float model
+    quantized at load) or None (float weights). `setting`: EngineConfig.quantization, already
+    checked against what config.py can tell; here what needs the resolved model and device."""
+    if setting is None:
+        # The default for a GGUF file, where the quantized kernels run; a GPU keeps the float path.
+        return "gguf" if is_gguf and not gguf_dequantize and device.type == "cpu" else None
+    if device.type != "cpu":
+        raise ValueError(f"quantization={setting!r} runs on the CPU only; the engine resolved device {device}: "
+                         f"pass device='cpu'" + (", or gguf_dequantize=True" if is_gguf else ""))
+    if setting == "gguf" and not is_gguf:
+        raise ValueError("quantization='gguf' needs a .gguf model file; to quantize an HF float model at load, "
+                         "pass quantization='q8_0' or 'q4_0'")
+    if setting != "gguf" and is_gguf:
+        raise ValueError(f"quantization={setting!r} quantizes an HF float model at load; this model is a .gguf "
+                         f"file (quantization='gguf', the default, computes in its blocks)")
+    return setting
+
+
+def kernel_qtype(tensor_type) -> str | None:
+    """quant's name of a GGML type (gguf.GGMLQuantizationType) that has a kernel, else None."""
+    name = tensor_type.name.lower()
+    return name if name in quant.QTYPES else None
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear) -> torch.Tensor:
+    """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights."""
+    if isinstance(weight, QuantizedWeight):
+        return quant.linear(x, weight, bias)
+    if isinstance(weight, tuple):        # parts of a fused matrix in different types
+        out = torch.cat([linear(x, part, None, dense) for part in weight], dim=1)
+        return out if bias is None else out.add_(bias)
+    return dense(x, weight, bias)
+
+
+def is_quantized(weight) -> bool:
+    return isinstance(weight, (QuantizedWeight, QuantizedEmbedding)) or (
+        isinstance(weight, tuple) and any(is_quantized(p) for p in weight))
+
+
+def _storages(weight) -> list[torch.Tensor]:
+    """The tensors holding a weight's bytes."""
+    if isinstance(weight, tuple):
+        return [t for part in weight for t in _storages(part)]
+    if isinstance(weight, QuantizedWeight):
+        return [weight.data] if isinstance(weight.data, torch.Tensor) else []
+    if isinstance(weight, QuantizedEmbedding):
+        return [weight.blocks]
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    data = getattr(weight, "data", None)        # cpu.PackedWeight
+    return [data] if isinstance(data, torch.Tensor) else []
+
+
+def weight_nbytes(weight) -> int:
+    """Bytes a weight holds in memory (a quantized one: its blocks)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.nbytes
+    if isinstance(weight, tuple):
+        return sum(weight_nbytes(p) for p in weight)
+    return sum(t.numel() * t.element_size() for t in _storages(weight))
+
+
+def model_weight_bytes(model) -> int:
+    """Every weight's bytes in memory, each storage counted once (a tied LM head may read the
+    embedding's blocks)."""
+    from dataclasses import fields
+    weights = [getattr(w, f.name) for w in getattr(model, "layers", []) for f in fields(w)]
+    weights += [getattr(model, n, None) for n in ("embed", "norm", "lm_head")]
+    seen: dict[tuple[int, int], int] = {}
+    for weight in weights:
+        for t in _storages(weight):
+            seen[(t.data_ptr(), t.numel() * t.element_size())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+@dataclass
+class QuantizedEmbedding:
+    """An embedding table kept in its GGUF blocks ([rows, bytes per row], possibly a view of the
+    memory-mapped file): a lookup dequantizes only the rows of the step's tokens (one row per
+    token, so the cost is small next to the layers). Any GGML type works: one with a kernel is
+    dequantized by kernels/quant.py, any other by the gguf package."""
+    tensor_type: object          # gguf.GGMLQuantizationType
+    blocks: torch.Tensor         # uint8 [rows, bytes per row]
+    cols: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    def __post_init__(self) -> None:
+        qtype = kernel_qtype(self.tensor_type)
+        self._weight = None if qtype is None else quant.from_gguf_blocks(qtype, self.blocks, self.shape)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._weight is not None:       # the compiled row dequantize (the gguf package's values)
+            return quant.embedding(self._weight, ids, self.dtype)
+        rows = self.blocks[ids.to(torch.int64)]
+        from gguf import quants
+        return torch.from_numpy(np.asarray(quants.dequantize(rows.numpy(), self.tensor_type),
+                                           dtype=np.float32)).to(self.dtype)
+
+
+def embedding(ids: torch.Tensor, table) -> torch.Tensor:
+    if isinstance(table, QuantizedEmbedding):
+        return table.lookup(ids)
+    return F.embedding(ids, table)
