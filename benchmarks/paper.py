@@ -1,6 +1,6 @@
 """Reproduce the vLLM paper's headline results on pagedserve's own engine.
 
-    python benchmarks/paper.py [--quick] [--out DIR]
+    python benchmarks/paper.py [--quick | --sweep] [--out DIR]
     python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
 
 `--simulate DEVICE` runs the paper's figures in its own regime on the step-time simulator
@@ -129,6 +129,20 @@ def full_setup(scale: float) -> Setup:
                  engine_requests={"sharegpt": 1000, "alpaca": 1000},
                  rate_fractions=[0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.25, 1.5, 2.0],
                  block_sizes=sorted({max(1, round(b * scale)) for b in (8, 16, 32, 64, 128, 256)}),
+                 ablation_rate_fraction=0.6)
+
+
+def sweep_setup() -> Setup:
+    """The engine's whole sustained-rate sweep sized for this 2-core machine: both workloads at
+    lengths x1/8 (max_model_len 256, block size 2, 1920 KV slots), 300 requests per trace, seven
+    rates from a quarter of the highest capacity to twice it, three block sizes. Estimated from
+    the earlier runs' step times: ~30 min on a quiet 2-core machine (the low-rate points cost
+    most: a trace at rate r lasts 300 / r seconds), well under an hour."""
+    return Setup(workloads=["sharegpt", "alpaca"], allocators=list(ALLOCATORS), kv_capacity=7.5,
+                 memory_requests={"sharegpt": 1000, "alpaca": 4000},
+                 engine_workloads=["sharegpt", "alpaca"], length_scale=1 / 8,
+                 engine_requests={"sharegpt": 300, "alpaca": 300},
+                 rate_fractions=[0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], block_sizes=[1, 2, 4],
                  ablation_rate_fraction=0.6)
 
 
@@ -478,6 +492,8 @@ def report(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run (< 3 min)")
+    p.add_argument("--sweep", action="store_true",
+                   help="the engine's whole rate sweep sized for a 2-core machine (~30 min quiet; see sweep_setup)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16")
@@ -501,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         return simulate_main(args, argv)
 
-    setup = quick_setup() if args.quick else full_setup(args.length_scale)
+    setup = quick_setup() if args.quick else sweep_setup() if args.sweep else full_setup(args.length_scale)
     if args.workloads:
         setup.engine_workloads = args.workloads
         setup.engine_requests = {w: setup.engine_requests.get(w, 64) for w in args.workloads}
