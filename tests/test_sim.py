@@ -149,7 +149,7 @@ def _calibration() -> Calibration:
     return Calibration(linear=linear, lm_head=[(1.0, 1e-3), (64.0, 5e-3)],
                        decode_attention={"2": [1e-6, 2e-7, 3e-9], "16": [1e-6, 1e-7, 2e-9]},
                        contiguous_decode_attention=[1e-6, 1e-7, 1e-9], prefill_attention=[2e-6, 3e-6, 4e-11],
-                       elementwise=[5e-6, 6e-8], elementwise_parts={}, sampling=[1e-4, 2e-6], step=[2e-3, 3e-5])
+                       elementwise=[5e-6, 6e-8], elementwise_parts={}, sampling=[1e-4, 2e-6], step=[2e-3, 3e-5, 1e-7])
 
 
 def _local(**kw) -> CostModel:
@@ -173,7 +173,7 @@ def test_measured_terms_are_the_calibrations_tables_and_fits():
     assert t.prefill_attention == 0
     assert t.elementwise == pytest.approx(Lm * (5e-6 + 6e-8 * 64))
     assert t.sampling == pytest.approx(1e-4 + 2e-6 * 64)
-    assert t.overhead == pytest.approx(2e-3 + 3e-5 * 64) and t.allreduce == 0
+    assert t.overhead == pytest.approx(2e-3 + 3e-5 * 64 + 1e-7 * 64) and t.allreduce == 0
     # Block size and layout choose the attention fit.
     assert _local(block_size=2).step_time(decode).decode_attention == pytest.approx(
         Lm * (1e-6 + 2e-7 * 64 + 3e-9 * 6400))
@@ -270,4 +270,4 @@ def test_calibration_measures_the_engines_kernels_and_the_recorder_sees_each_ste
         assert "forward" not in model.__dict__ and "schedule" not in engine.scheduler.__dict__
         assert not engine.step_observers
     cost = CostModel(shape, local_device(cal), block_size=4)
-    assert cost.step_time(records[1].work).total > 0 and len(fit_step_cost(records)) == 2
+    assert cost.step_time(records[1].work).total > 0 and len(fit_step_cost(records)) == 3

@@ -50,7 +50,10 @@ class Calibration:
     elementwise: list[float]                            # per layer: [c0, per token] (norms, RoPE, SiLU, KV write)
     elementwise_parts: dict[str, list[float]]           # the same, per kernel (reported)
     sampling: list[float]                               # per step: [c0, per sampled row]
-    step: list[float]                                   # per step outside the kernels: [c0, per sequence]
+    step: list[float]                 # per step outside the kernels: [c0, per sequence, per token]
+    # One Python call of an op (wrapper, allocation, ctypes), taken out of the per-op times above:
+    # the compiled layer loop does not pay it; the Python layer loop pays it once per op.
+    call_overhead_s: float = 0.0
     source: str = ""
     meta: dict = field(default_factory=dict)            # model, dtype, threads, kernel variant, sizes
 

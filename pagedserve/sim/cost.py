@@ -118,7 +118,8 @@ class CostModel:
         s = c.sampling
         sampling = s[0] + s[1] * w.num_sampled if w.num_sampled else 0.0
         o = c.step
-        return StepTime(linear, lm_head, prefill, decode, elementwise, sampling, 0.0, o[0] + o[1] * w.num_seqs)
+        overhead = o[0] + o[1] * w.num_seqs + (o[2] * w.num_tokens if len(o) > 2 else 0.0)
+        return StepTime(linear, lm_head, prefill, decode, elementwise, sampling, 0.0, overhead)
 
     # ---- GPU presets: a roofline per term -------------------------------------------------------------
     def _roof(self, flops: float, nbytes: float, rate: float, bandwidth: float) -> float:

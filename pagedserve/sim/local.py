@@ -83,9 +83,25 @@ def _shape(w) -> tuple[int, int]:
     return (w.out_features, w.in_features) if hasattr(w, "out_features") else tuple(w.shape)
 
 
-def measure_linear(model, tokens: list[int], reps: int) -> dict[str, list[tuple[float, float]]]:
+def measure_call_overhead(model, reps: int = 200) -> float:
+    """One op call from Python with next to no work: a [1, 16] x [32, 16] product through the
+    model's ops (its weight packed as the model's are): the wrapper, the output's allocation and
+    the ctypes call, which each per-op time below includes and the compiled layer loop does not."""
+    w = torch.randn(32, 16, dtype=model.dtype)
+    if not isinstance(model.layers[0].qkv, torch.Tensor):          # the model's weights are packed
+        from pagedserve.kernels import cpu
+        w = cpu.pack_weight(w)
+    x = torch.randn(1, 16, dtype=model.dtype)
+    return _median_time(lambda: model.ops.linear(x, w), reps)
+
+
+def _less(t: float, overhead: float) -> float:
+    return max(t - overhead, 0.0)
+
+
+def measure_linear(model, tokens: list[int], reps: int, call_s: float = 0.0) -> dict[str, list[tuple[float, float]]]:
     """Per matrix shape: [(rows, seconds per call)], each call timed in a pass over all layers in
-    the engine's order (qkv, o, gate_up, down), on the model's own packed weights."""
+    the engine's order (qkv, o, gate_up, down), on the model's own packed weights; less call_s."""
     ops, dtype = model.ops, model.dtype
     out: dict[str, list[tuple[float, float]]] = {}
     for t in tokens:
@@ -104,7 +120,7 @@ def measure_linear(model, tokens: list[int], reps: int) -> dict[str, list[tuple[
                     if rep:
                         per_shape.setdefault(f"{n}x{k}", []).append(dt)
         for key, times in per_shape.items():
-            out.setdefault(key, []).append((float(t), statistics.median(times)))
+            out.setdefault(key, []).append((float(t), _less(statistics.median(times), call_s)))
     return out
 
 
@@ -136,9 +152,10 @@ def _attention_meta(seqs: list[tuple[int, int, list[int]]], block_size: int):
 class _AttentionBench:
     """The model's attention backend over a few layers' worth of KV cache in the runner's layout."""
 
-    def __init__(self, model, block_size: int, num_tokens: int, layers: int) -> None:
+    def __init__(self, model, block_size: int, num_tokens: int, layers: int, call_s: float = 0.0) -> None:
         from pagedserve.worker.model_runner import ModelRunner
         a = model.args
+        self.call_s = call_s
         self.model, self.block_size = model, block_size
         self.num_blocks = -(-num_tokens // block_size) + 1
         self.caches = ModelRunner._allocate(SimpleNamespace(num_layers=layers, num_kv_heads=a.num_kv_heads,
@@ -173,16 +190,17 @@ class _AttentionBench:
         else:
             k = torch.randn(t, a.num_kv_heads, a.head_dim, dtype=m.dtype)
             calls = [lambda c=c: attention.forward(q, k, k, c, meta, m.scale) for c in self.caches]
-        return _median_time(lambda: [f() for f in calls], reps) / len(calls)
+        return _less(_median_time(lambda: [f() for f in calls], reps) / len(calls), self.call_s)
 
 
-def measure_decode_attention(model, sizes: CalibrationSizes) -> tuple[dict[str, list[float]], list[float], dict]:
+def measure_decode_attention(model, sizes: CalibrationSizes,
+                             call_s: float = 0.0) -> tuple[dict[str, list[float]], list[float], dict]:
     """Fits c0 + c1 * seqs + c2 * keys per layer, per block size and for the contiguous layout."""
     most = max(sizes.batches) * max(sizes.contexts)
     paged, points = {}, {}
     for bs in [*sizes.block_sizes, None]:
         bench = _AttentionBench(model, bs or max(sizes.contexts), most if bs else max(sizes.batches) *
-                                max(sizes.contexts), sizes.attention_layers)
+                                max(sizes.contexts), sizes.attention_layers, call_s)
         rows = []
         for b in sizes.batches:
             for c in sizes.contexts:
@@ -198,10 +216,11 @@ def measure_decode_attention(model, sizes: CalibrationSizes) -> tuple[dict[str, 
     return paged, contiguous, points
 
 
-def measure_prefill_attention(model, sizes: CalibrationSizes, block_size: int = 16) -> tuple[list[float], list]:
+def measure_prefill_attention(model, sizes: CalibrationSizes, block_size: int = 16,
+                              call_s: float = 0.0) -> tuple[list[float], list]:
     """Fits c0 + c1 * chunks + c2 * (query, key) pairs per layer, chunks starting at 0."""
     most = max(k * n for k, n in sizes.chunks)
-    bench = _AttentionBench(model, block_size, most, sizes.attention_layers)
+    bench = _AttentionBench(model, block_size, most, sizes.attention_layers, call_s)
     rows = []
     for k, n in sizes.chunks:
         tables = bench.tables([n] * k, contiguous=False)
@@ -210,7 +229,7 @@ def measure_prefill_attention(model, sizes: CalibrationSizes, block_size: int = 
     return fit_linear(rows), [[k, p, t] for (k, p), t in rows]
 
 
-def measure_elementwise(model, tokens: list[int], reps: int) -> dict[str, list[float]]:
+def measure_elementwise(model, tokens: list[int], reps: int, call_s: float = 0.0) -> dict[str, list[float]]:
     """Per kernel, c0 + c1 * tokens per call: add-RMSNorm (x += y, then the norm), RoPE in place
     in the fused qkv rows, SiLU-and-mul, the KV write into scattered slots."""
     ops, a, dtype = model.ops, model.args, model.dtype
@@ -233,7 +252,7 @@ def measure_elementwise(model, tokens: list[int], reps: int) -> dict[str, list[f
         rows["silu_and_mul"].append(((t,), _median_time(lambda: ops.silu_and_mul(gate_up), reps)))
         rows["kv_write"].append(((t,), _median_time(lambda: model.attention.write_kv(bench.caches[0], k, k, slots),
                                                    reps)))
-    return {name: fit_linear(r) for name, r in rows.items()}
+    return {name: fit_linear([(f, _less(t, call_s)) for f, t in r]) for name, r in rows.items()}
 
 
 def measure_sampling(sampler, vocab_size: int, rows: list[int], reps: int) -> list[float]:
@@ -255,13 +274,14 @@ def measure_kernels(engine, sizes: CalibrationSizes | None = None, log=print) ->
     sizes = sizes or CalibrationSizes()
     model = engine.runner.model
     t0 = time.perf_counter()
-    linear = measure_linear(model, sizes.tokens, sizes.reps)
+    call_s = measure_call_overhead(model)
+    linear = measure_linear(model, sizes.tokens, sizes.reps, call_s)
     log(f"  linear layers {', '.join(linear)} ({time.perf_counter() - t0:.0f}s)")
     lm_head = measure_lm_head(model, sizes.lm_rows, sizes.reps)
-    paged, contiguous, decode_points = measure_decode_attention(model, sizes)
-    prefill, prefill_points = measure_prefill_attention(model, sizes)
+    paged, contiguous, decode_points = measure_decode_attention(model, sizes, call_s)
+    prefill, prefill_points = measure_prefill_attention(model, sizes, call_s=call_s)
     log(f"  attention ({time.perf_counter() - t0:.0f}s)")
-    parts = measure_elementwise(model, sizes.elementwise_tokens, sizes.reps)
+    parts = measure_elementwise(model, sizes.elementwise_tokens, sizes.reps, call_s)
     per_layer = [sum(c[i] * (2 if name == "add_rms_norm" else 1) for name, c in parts.items()) for i in (0, 1)]
     sampling = measure_sampling(engine.runner.sampler, model.args.vocab_size, sizes.sample_rows, sizes.reps)
     log(f"  element-wise, sampling ({time.perf_counter() - t0:.0f}s)")
@@ -272,7 +292,8 @@ def measure_kernels(engine, sizes: CalibrationSizes | None = None, log=print) ->
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     return Calibration(linear=linear, lm_head=lm_head, decode_attention=paged, contiguous_decode_attention=contiguous,
                        prefill_attention=prefill, elementwise=per_layer, elementwise_parts=parts, sampling=sampling,
-                       step=[0.0, 0.0], source="sim/local.py micro-benchmarks of the engine's kernels", meta=meta)
+                       step=[0.0, 0.0, 0.0], call_overhead_s=call_s,
+                       source="sim/local.py micro-benchmarks of the engine's kernels", meta=meta)
 
 
 # ---- the engine's own steps ------------------------------------------------------------------------
@@ -379,8 +400,9 @@ _MISSING = object()
 
 
 def fit_step_cost(records: list[StepRecord]) -> list[float]:
-    """The step's time outside the kernels: c0 + c1 * sequences, over recorded engine steps."""
-    return fit_linear([((r.work.num_seqs,), r.outside_kernels_s) for r in records])
+    """The step's time outside the kernels (scheduling, the batch's tensors, output processing):
+    c0 + c1 * sequences + c2 * tokens, over recorded engine steps."""
+    return fit_linear([((r.work.num_seqs, r.work.num_tokens), r.outside_kernels_s) for r in records])
 
 
 # ---- the preset ------------------------------------------------------------------------------------
@@ -392,9 +414,9 @@ def local_device(calibration: Calibration) -> Device:
     n, k = (int(v) for v in key.split("x"))
     table = calibration.linear[key]
     rows, t_big = table[-1]
-    flops = 2 * rows * n * k / t_big
+    flops = 2 * rows * n * k / max(t_big, 1e-12)
     dtype_bytes = 4 if calibration.meta.get("dtype") == "float32" else 2
-    bandwidth = n * k * dtype_bytes / table[0][1]
+    bandwidth = n * k * dtype_bytes / max(table[0][1], 1e-12)
     memory = 0
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
