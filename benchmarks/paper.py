@@ -513,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate on a device preset (a100-40gb, a100-80gb, h100, h200) instead of running the engine")
     p.add_argument("--model-preset", default="opt-13b", help="with --simulate: a model of models/presets.py")
     p.add_argument("--tp", type=int, default=None, help="with --simulate: GPUs (default: the paper's for the model)")
+    p.add_argument("--sim-size", choices=["quick", "medium", "full"], default="full",
+                   help="with --simulate: trace sizes (quick = --quick; medium: 500/1000 requests, ~3 min of CPU each)")
     args = p.parse_args(argv)
     if args.simulate:
         return simulate_main(args, argv)
@@ -576,7 +578,7 @@ def simulate_main(args, argv) -> int:
     validation = out / "sim_validation.json"     # sim_validate.py's output, here or in the default place
     if not validation.exists():
         validation = Path(__file__).resolve().parent / "results" / "sim_validation.json"
-    data = run_simulation(args.simulate, args.model_preset, args.quick, args.tp, out,
+    data = run_simulation(args.simulate, args.model_preset, "quick" if args.quick else args.sim_size, args.tp, out,
                           lambda msg: print(msg, flush=True), validation)
     data["command"] = " ".join(["python benchmarks/paper.py", *(sys.argv[1:] if argv is None else argv)])
     (out / "paper_sim.json").write_text(json.dumps(_finite(data), indent=1))

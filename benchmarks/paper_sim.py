@@ -71,6 +71,13 @@ def full_sim_setup() -> SimSetup:
                     chatbot_requests=500)
 
 
+def medium_sim_setup() -> SimSetup:
+    """Long enough that memory binds on every model's cache (OPT-175B's 57k slots too) and a sustained
+    rate is read on a backlog, short enough for ~3 min of CPU per model."""
+    return SimSetup(num_requests={"sharegpt": 500, "alpaca": 1000}, num_rates=6, fig14_requests=300,
+                    chatbot_requests=300, fig14_widths=[2, 4, 6])
+
+
 def quick_sim_setup() -> SimSetup:
     return SimSetup(num_requests={"sharegpt": 150, "alpaca": 300}, num_rates=5, fig14_requests=150,
                     chatbot_requests=100, fig14_widths=[2, 6])
@@ -147,9 +154,12 @@ def run_fig14(setup: SimSetup, costs: dict[str, CostModel], num_blocks: int, voc
     return out
 
 
-def run_simulation(device_name: str, model_preset: str, quick: bool, tp: int | None, out: Path, log,
+def run_simulation(device_name: str, model_preset: str, size: str | bool, tp: int | None, out: Path, log,
                    validation_path: Path) -> dict:
-    setup = quick_sim_setup() if quick else full_sim_setup()
+    """size: "quick", "medium" or "full" (True: quick, False: full)."""
+    size = {True: "quick", False: "full"}.get(size, size)
+    setup = {"quick": quick_sim_setup, "medium": medium_sim_setup, "full": full_sim_setup}[size]()
+    quick = size != "full"
     shape = ModelShape.preset(model_preset)
     device = DEVICES[device_name]
     tp = tp or PAPER_TP.get(model_preset, 1)
@@ -172,7 +182,7 @@ def run_simulation(device_name: str, model_preset: str, quick: bool, tp: int | N
     validation = (json.loads(validation_path.read_text()) if validation_path.exists() else
                   {"status": "not run here", "relative_error": None,
                    "command": "python benchmarks/sim_validate.py (on a quiet machine)"})
-    return {"device": device_name, "model_preset": model_preset, "tp": tp, "quick": quick,
+    return {"device": device_name, "model_preset": model_preset, "tp": tp, "quick": quick, "size": size,
             "device_preset": {k: v for k, v in device.__dict__.items() if k != "efficiency"},
             "efficiency": device.efficiency.__dict__, "efficiency_sources": EFFICIENCY_SOURCES,
             "kv_slots": slots, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, "setup": setup.__dict__,
