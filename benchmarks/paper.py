@@ -4,8 +4,8 @@
     python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
 
 `--simulate DEVICE` runs the paper's figures in its own regime on the step-time simulator
-instead (benchmarks/paper_sim.py: the real scheduler and KV managers, a roofline cost model of
-the GPU and model) and writes DIR/paper_sim.json and sim_fig*.png; the rest of this docstring
+instead (benchmarks/paper_sim.py: the real scheduler and KV managers, sim/cost.py's step-time
+model of the GPU and model) and writes DIR/paper_sim.json and sim_fig*.png; the rest of this docstring
 is the engine run.
 
 The same scheduler, model and attention serve the same traces with the paged KV

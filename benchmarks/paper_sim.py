@@ -1,10 +1,12 @@
 """The paper's figures in its own regime, on the step-time simulator (pagedserve/sim).
 
-    python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
+    python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick | --sim-size medium] [--out DIR]
 
 The real scheduler and KV managers (paged, and the paper's Orca baselines: Oracle, Pow2,
 Max) serve long ShareGPT-like and Alpaca-like traces on a simulated clock, the model step
-replaced by a roofline cost model of the chosen GPU and model (configs only, no weights).
+replaced by the step-time model (sim/cost.py: a roofline term per class of work on the chosen
+GPU preset, the paged kernel's published penalty on the paged cache only) and the model's shape
+(configs only, no weights).
 The paper's setup: 2048-token context, 16-token blocks, the KV cache that the GPUs' memory
 leaves after the weights (90% of it; 15.8k slots for OPT-13B on an A100-40GB, the paper's
 15.7k), OPT-66B on 4 GPUs and OPT-175B on 8 (tensor parallel).
