@@ -271,3 +271,46 @@ def test_calibration_measures_the_engines_kernels_and_the_recorder_sees_each_ste
         assert not engine.step_observers
     cost = CostModel(shape, local_device(cal), block_size=4)
     assert cost.step_time(records[1].work).total > 0 and len(fit_step_cost(records)) == 3
+
+
+def test_the_validation_fails_for_every_term_scaled_by_one_and_a_half():
+    """benchmarks/sim_validate.py's verdict on engine records that the cost model prices exactly
+    (made here from the model itself): it passes, and fails once any one term is scaled 1.5x."""
+    from types import SimpleNamespace
+
+    from benchmarks import sim_validate as sv
+    from pagedserve.sim.local import StepRecord
+    cal = _calibration()
+    cal.call_overhead_s = 2e-6
+    dev = Device("local", 1e11, 1e10, 2**34, 0.0, Efficiency(), "test", cal)
+    cost_for = lambda bs, **kw: CostModel(SMOL, dev, block_size=bs, **kw)  # noqa: E731
+    per_call = SMOL.num_layers * cal.call_overhead_s
+
+    def record(work, bs=16, ops=False):
+        t = cost_for(bs).step_time(work)
+        r = StepRecord(work, t.total, t.linear + t.decode_attention + t.prefill_attention + t.elementwise,
+                       t.lm_head, t.sampling)
+        if ops:
+            r.ops_s = {"linear": t.linear + 4 * per_call, "elementwise": t.elementwise + 5 * per_call,
+                       "attention": t.decode_attention + t.prefill_attention + per_call}
+        return r
+    decode = StepWork.of([(200, 1)] * 48, 48)
+    prefill = StepWork.of([(0, 200)] * 8, 8)
+    decomposed = [record(prefill, ops=True)] * 3 + [record(decode, ops=True)] * 10
+    runs = []
+    for bs in (2, 16):
+        trace = [SimRequest([3] * 30, 12) for _ in range(20)]
+        config = SimConfig(num_blocks=400 // bs, block_size=bs, max_model_len=128)
+        sim = simulate(trace, config, cost_for(bs))
+        runs.append({"workload": "toy", "block_size": bs, "rate": math.inf, "saturated": True, "num_requests": 20,
+                     "result": SimpleNamespace(duration_s=sim.duration_s, num_preemptions=sim.num_preemptions,
+                                               avg_batch_size=sim.avg_batch_size),
+                     "records": [record(prefill, bs)] + [record(decode, bs)] * 5, "sim_trace": trace,
+                     "sim_config": config})
+    assert sv.evaluate(cost_for, runs, decomposed)["passed"]
+    for term in TERMS:
+        if term == "allreduce":
+            continue
+        verdict = sv.evaluate(lambda bs, t=term: cost_for(bs, term_scale={t: 1.5}), runs, decomposed)
+        assert not verdict["passed"], term
+        assert not verdict["terms"][term]["ok"], term      # the term's own check catches it
