@@ -24,7 +24,8 @@ steps on this machine, judged per step.
    |step error| <= STEP_P90_BOUND; on every run |total error| <= TOTAL_BOUND; every term
    within TERM_BOUND. Mutation check: each term scaled by 1.5 must make this verdict fail.
 Writes DIR/sim_validation.json (read by paper.py --simulate). Timings: a quiet machine only.
-Expected: about 7 minutes with --calibrate on a quiet 2-core machine (--quick: about 4).
+Expected with --calibrate on a quiet 2-core machine (estimated from the earlier runs' step times):
+about 6-7 minutes (--quick: about 2.5).
 """
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ def full_setup() -> ValidationSetup:
 
 
 def quick_setup() -> ValidationSetup:
-    return ValidationSetup([Workload("sharegpt", 1 / 4, 80, 4096), Workload("alpaca", 1.0, 128, 2048)],
-                           calibration=CalibrationSizes.quick(), calibration_requests=48, decomposed_requests=32)
+    return ValidationSetup([Workload("sharegpt", 1 / 4, 64, 3072), Workload("alpaca", 1.0, 96, 1536)],
+                           calibration=CalibrationSizes.quick(), calibration_requests=48, decomposed_requests=24)
 
 
 def tiny_setup() -> ValidationSetup:
@@ -212,7 +213,7 @@ def decomposed_trace(setup: ValidationSetup, vocab: int):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calibrate", action="store_true", help="measure the local preset first (else read it)")
-    p.add_argument("--quick", action="store_true", help="fewer requests and calibration points (about 4 min)")
+    p.add_argument("--quick", action="store_true", help="fewer requests and calibration points (about 2.5 min)")
     p.add_argument("--tiny", action="store_true", help="a check that it runs (numbers meaningless)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--model", default=None)
