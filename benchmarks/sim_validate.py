@@ -177,7 +177,8 @@ def evaluate(cost_for, runs: list[dict], decomposed, log=None) -> dict:
                    step_error_median=statistics.median(errs), step_error_p90_abs=_p90([abs(e) for e in errs]))
         ok = abs(res["total_error"]) <= TOTAL_BOUND
         if run["saturated"]:
-            ok = ok and abs(res["step_error_median"]) <= STEP_MEDIAN_BOUND and res["step_error_p90_abs"] <= STEP_P90_BOUND
+            ok = ok and abs(res["step_error_median"]) <= STEP_MEDIAN_BOUND and \
+                res["step_error_p90_abs"] <= STEP_P90_BOUND
         res["ok"] = ok
         out_runs.append(res)
     cost16 = cost_for(16)
@@ -196,8 +197,9 @@ def calibrate(base: LLMEngine, setup: ValidationSetup, shape: ModelShape, log):
     device = with_step_cost(device, fit_step_cost(records))
     log(f"calibrated in {time.perf_counter() - t0:.0f}s: step cost {device.calibration.step[0] * 1e3:.2f} ms + "
         f"{device.calibration.step[1] * 1e6:.1f} us/seq + {device.calibration.step[2] * 1e6:.2f} us/token; "
-        f"one op call {device.calibration.call_overhead_s * 1e6:.1f} us; paged/contiguous decode attention (64 seqs x 256): " +
-        ", ".join(f"bs {b}: {device.calibration.paged_penalty(int(b)):.2f}x" for b in device.calibration.decode_attention))
+        f"one op call {device.calibration.call_overhead_s * 1e6:.1f} us; paged/contiguous decode attention "
+        "(64 seqs x 256): " + ", ".join(f"bs {b}: {device.calibration.paged_penalty(int(b)):.2f}x"
+                                       for b in device.calibration.decode_attention))
     return device
 
 

@@ -177,7 +177,8 @@ def test_measured_terms_are_the_calibrations_tables_and_fits():
     # Block size and layout choose the attention fit.
     assert _local(block_size=2).step_time(decode).decode_attention == pytest.approx(
         Lm * (1e-6 + 2e-7 * 64 + 3e-9 * 6400))
-    assert _local(paged=False).step_time(decode).decode_attention == pytest.approx(Lm * (1e-6 + 1e-7 * 64 + 1e-9 * 6400))
+    assert _local(paged=False).step_time(decode).decode_attention == pytest.approx(
+        Lm * (1e-6 + 1e-7 * 64 + 1e-9 * 6400))
     prefill = _local().step_time(StepWork.of([(0, 100), (0, 50)], 2))
     assert prefill.prefill_attention == pytest.approx(Lm * (2e-6 + 3e-6 * 2 + 4e-11 * (5050 + 1275)))
     assert prefill.decode_attention == 0
@@ -260,7 +261,8 @@ def test_calibration_measures_the_engines_kernels_and_the_recorder_sees_each_ste
     for ops in (False, True):
         model.compiled_layers = None if ops else compiled
         rec = StepRecorder(engine, ops=ops)
-        outs = llm.generate([[5 + 100 * ops + 10 * i + j for j in range(5)] for i in range(3)], SamplingParams(max_tokens=4, ignore_eos=True))
+        prompts = [[5 + 100 * ops + 10 * i + j for j in range(5)] for i in range(3)]   # no prefix shared
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         records = rec.close()
         model.compiled_layers = compiled
         assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
