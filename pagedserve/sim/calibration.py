@@ -76,7 +76,8 @@ class Calibration:
         """Paged / contiguous decode attention time at one batch (reported beside the GPU presets')."""
         def t(c):
             return c[0] + c[1] * num_seqs + c[2] * num_seqs * context
-        return t(self.decode_coefficients(block_size)) / t(self.contiguous_decode_attention)
+        contiguous = t(self.contiguous_decode_attention)
+        return t(self.decode_coefficients(block_size)) / contiguous if contiguous > 0 else float("nan")
 
     def to_json(self) -> dict:
         return asdict(self)
