@@ -21,7 +21,7 @@ Part `sim`: the same policies at 8, 32 and 128 replicas without models (pagedser
 sim.py: each replica the real Scheduler and KV cache manager, a step-time model, a
 simulated clock) on a trace of --sim-requests requests: hit rate, queueing delay (arrival
 to first scheduled) mean and p99, TTFT, imbalance. Simulated seconds: the routing and
-caching are the real code, the times come from sim.LinearStepTime's made-up constants.
+caching are the real code, the times come from sim.CostStepTime (sim/cost.py's step-time model, Llama-3-8B on an H100 preset).
 
 Writes benchmarks/results/cluster.json (a run of one part keeps the other's last results) and
 cluster.png; prints markdown tables.

@@ -1,11 +1,11 @@
 """Reproduce the vLLM paper's headline results on pagedserve's own engine.
 
-    python benchmarks/paper.py [--quick] [--out DIR]
+    python benchmarks/paper.py [--quick | --sweep] [--out DIR]
     python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
 
 `--simulate DEVICE` runs the paper's figures in its own regime on the step-time simulator
-instead (benchmarks/paper_sim.py: the real scheduler and KV managers, a roofline cost model of
-the GPU and model) and writes DIR/paper_sim.json and sim_fig*.png; the rest of this docstring
+instead (benchmarks/paper_sim.py: the real scheduler and KV managers, sim/cost.py's step-time
+model of the GPU and model) and writes DIR/paper_sim.json and sim_fig*.png; the rest of this docstring
 is the engine run.
 
 The same scheduler, model and attention serve the same traces with the paged KV
@@ -129,6 +129,20 @@ def full_setup(scale: float) -> Setup:
                  engine_requests={"sharegpt": 1000, "alpaca": 1000},
                  rate_fractions=[0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.25, 1.5, 2.0],
                  block_sizes=sorted({max(1, round(b * scale)) for b in (8, 16, 32, 64, 128, 256)}),
+                 ablation_rate_fraction=0.6)
+
+
+def sweep_setup() -> Setup:
+    """The engine's whole sustained-rate sweep sized for this 2-core machine: both workloads at
+    lengths x1/8 (max_model_len 256, block size 2, 1920 KV slots), 300 requests per trace, seven
+    rates from a quarter of the highest capacity to twice it, three block sizes. Estimated from
+    the earlier runs' step times: ~30 min on a quiet 2-core machine (the low-rate points cost
+    most: a trace at rate r lasts 300 / r seconds), well under an hour."""
+    return Setup(workloads=["sharegpt", "alpaca"], allocators=list(ALLOCATORS), kv_capacity=7.5,
+                 memory_requests={"sharegpt": 1000, "alpaca": 4000},
+                 engine_workloads=["sharegpt", "alpaca"], length_scale=1 / 8,
+                 engine_requests={"sharegpt": 300, "alpaca": 300},
+                 rate_fractions=[0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], block_sizes=[1, 2, 4],
                  ablation_rate_fraction=0.6)
 
 
@@ -478,6 +492,8 @@ def report(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run (< 3 min)")
+    p.add_argument("--sweep", action="store_true",
+                   help="the engine's whole rate sweep sized for a 2-core machine (~30 min quiet; see sweep_setup)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16")
@@ -497,11 +513,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate on a device preset (a100-40gb, a100-80gb, h100, h200) instead of running the engine")
     p.add_argument("--model-preset", default="opt-13b", help="with --simulate: a model of models/presets.py")
     p.add_argument("--tp", type=int, default=None, help="with --simulate: GPUs (default: the paper's for the model)")
+    p.add_argument("--sim-size", choices=["quick", "medium", "full"], default="full",
+                   help="with --simulate: trace sizes (quick = --quick; medium: 500/1000 requests, ~3 min of CPU each)")
     args = p.parse_args(argv)
     if args.simulate:
         return simulate_main(args, argv)
 
-    setup = quick_setup() if args.quick else full_setup(args.length_scale)
+    setup = quick_setup() if args.quick else sweep_setup() if args.sweep else full_setup(args.length_scale)
     if args.workloads:
         setup.engine_workloads = args.workloads
         setup.engine_requests = {w: setup.engine_requests.get(w, 64) for w in args.workloads}
@@ -560,7 +578,7 @@ def simulate_main(args, argv) -> int:
     validation = out / "sim_validation.json"     # sim_validate.py's output, here or in the default place
     if not validation.exists():
         validation = Path(__file__).resolve().parent / "results" / "sim_validation.json"
-    data = run_simulation(args.simulate, args.model_preset, args.quick, args.tp, out,
+    data = run_simulation(args.simulate, args.model_preset, "quick" if args.quick else args.sim_size, args.tp, out,
                           lambda msg: print(msg, flush=True), validation)
     data["command"] = " ".join(["python benchmarks/paper.py", *(sys.argv[1:] if argv is None else argv)])
     (out / "paper_sim.json").write_text(json.dumps(_finite(data), indent=1))

@@ -1,10 +1,12 @@
 """The paper's figures in its own regime, on the step-time simulator (pagedserve/sim).
 
-    python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick] [--out DIR]
+    python benchmarks/paper.py --simulate a100-40gb --model-preset opt-13b [--quick | --sim-size medium] [--out DIR]
 
 The real scheduler and KV managers (paged, and the paper's Orca baselines: Oracle, Pow2,
 Max) serve long ShareGPT-like and Alpaca-like traces on a simulated clock, the model step
-replaced by a roofline cost model of the chosen GPU and model (configs only, no weights).
+replaced by the step-time model (sim/cost.py: a roofline term per class of work on the chosen
+GPU preset, the paged kernel's published penalty on the paged cache only) and the model's shape
+(configs only, no weights).
 The paper's setup: 2048-token context, 16-token blocks, the KV cache that the GPUs' memory
 leaves after the weights (90% of it; 15.8k slots for OPT-13B on an A100-40GB, the paper's
 15.7k), OPT-66B on 4 GPUs and OPT-175B on 8 (tensor parallel).
@@ -71,6 +73,13 @@ def full_sim_setup() -> SimSetup:
                     chatbot_requests=500)
 
 
+def medium_sim_setup() -> SimSetup:
+    """Long enough that memory binds on every model's cache (OPT-175B's 57k slots too) and a sustained
+    rate is read on a backlog, short enough for ~3 min of CPU per model."""
+    return SimSetup(num_requests={"sharegpt": 500, "alpaca": 1000}, num_rates=6, fig14_requests=300,
+                    chatbot_requests=300, fig14_widths=[2, 4, 6])
+
+
 def quick_sim_setup() -> SimSetup:
     return SimSetup(num_requests={"sharegpt": 150, "alpaca": 300}, num_rates=5, fig14_requests=150,
                     chatbot_requests=100, fig14_widths=[2, 6])
@@ -88,7 +97,7 @@ def _chatbot_trace(num_requests: int, rate: float, seed: int) -> list[SimRequest
             for (p, o), t in zip(lengths, poisson_arrivals(num_requests, rate, seed))]
 
 
-def run_workload(workload: str, setup: SimSetup, cost: CostModel, num_blocks: int, vocab: int, log,
+def run_workload(workload: str, setup: SimSetup, costs: dict[str, CostModel], num_blocks: int, vocab: int, log,
                  make=None) -> dict:
     """Saturation, then the rate sweep, for every allocator. `make(rate)`: the trace (default:
     the workload's from benchmarks/workloads.py, setup.num_requests of them)."""
@@ -99,7 +108,7 @@ def run_workload(workload: str, setup: SimSetup, cost: CostModel, num_blocks: in
     saturation = {}
     for a in ALLOCATORS:
         t0 = time.perf_counter()
-        r = simulate(make(math.inf), config(a), cost)
+        r = simulate(make(math.inf), config(a), costs[a])
         saturation[a] = r.summary()
         log(f"  {workload:8s} {a:6s} saturation: {r.steady_throughput_rps:7.3f} req/s steady, batch "
             f"{r.avg_batch_size:5.1f}, {r.num_preemptions} preemptions  ({time.perf_counter() - t0:.0f}s)")
@@ -110,7 +119,7 @@ def run_workload(workload: str, setup: SimSetup, cost: CostModel, num_blocks: in
     for rate in rates:
         trace = make(rate)
         for a in ALLOCATORS:
-            r = simulate(trace, config(a), cost)
+            r = simulate(trace, config(a), costs[a])
             sweep[a].append({"rate": rate, **r.summary()})
         log(f"  {workload:8s} {rate:7.3f} req/s: " + ", ".join(
             f"{a} {sweep[a][-1]['mean_normalized_latency']:.3f}" for a in ALLOCATORS) + " s/token")
@@ -123,7 +132,7 @@ def run_workload(workload: str, setup: SimSetup, cost: CostModel, num_blocks: in
             "sustained_rate_note": {a: s["note"] for a, s in sustained.items()}}
 
 
-def run_fig14(setup: SimSetup, cost: CostModel, num_blocks: int, vocab: int, log) -> dict:
+def run_fig14(setup: SimSetup, costs: dict[str, CostModel], num_blocks: int, vocab: int, log) -> dict:
     """Parallel sampling and beam search on the Alpaca-like trace, all at once: the paged cache's
     memory saving from sharing, and saturation throughput against the baselines. The baselines
     cannot share blocks, so each of a request's `width` sequences runs as a request of its own
@@ -135,11 +144,11 @@ def run_fig14(setup: SimSetup, cost: CostModel, num_blocks: int, vocab: int, log
             kw = {"n": w} if kind == "parallel" else {"beam_width": w}
             config = lambda a: SimConfig(kv_allocator=a, num_blocks=num_blocks, block_size=BLOCK_SIZE,  # noqa: E731
                                          max_model_len=MAX_MODEL_LEN, seed=setup.seed)
-            r = simulate(_trace("alpaca", n, math.inf, setup.seed, vocab, **kw), config("paged"), cost)
+            r = simulate(_trace("alpaca", n, math.inf, setup.seed, vocab, **kw), config("paged"), costs["paged"])
             point = {"width": w, **r.summary(), "throughput_rps_by_allocator": {"paged": r.steady_throughput_rps}}
             split = [q for q in _trace("alpaca", n, math.inf, setup.seed, vocab) for _ in range(w)]
             for a in ALLOCATORS[1:]:
-                b = simulate(split, config(a), cost)
+                b = simulate(split, config(a), costs[a])
                 point["throughput_rps_by_allocator"][a] = b.steady_throughput_rps / w   # requests of w sequences
             out[kind].append(point)
             log(f"  alpaca {kind:8s} {w}: sharing saves {r.sharing_saving_avg:.1%} of blocks; req/s " + ", ".join(
@@ -147,37 +156,42 @@ def run_fig14(setup: SimSetup, cost: CostModel, num_blocks: int, vocab: int, log
     return out
 
 
-def run_simulation(device_name: str, model_preset: str, quick: bool, tp: int | None, out: Path, log,
+def run_simulation(device_name: str, model_preset: str, size: str | bool, tp: int | None, out: Path, log,
                    validation_path: Path) -> dict:
-    setup = quick_sim_setup() if quick else full_sim_setup()
+    """size: "quick", "medium" or "full" (True: quick, False: full)."""
+    size = {True: "quick", False: "full"}.get(size, size)
+    setup = {"quick": quick_sim_setup, "medium": medium_sim_setup, "full": full_sim_setup}[size]()
+    quick = size != "full"
     shape = ModelShape.preset(model_preset)
     device = DEVICES[device_name]
     tp = tp or PAPER_TP.get(model_preset, 1)
-    cost = CostModel(shape, device, tp)
-    slots = cost.kv_cache_tokens()
+    # The paged cache runs the paged attention kernel (the preset's paged/contiguous penalty), the
+    # baselines the contiguous one: the same step-time model otherwise.
+    costs = {a: CostModel(shape, device, tp, paged=a == "paged", block_size=BLOCK_SIZE) for a in ALLOCATORS}
+    slots = costs["paged"].kv_cache_tokens()
     num_blocks = slots // BLOCK_SIZE
     vocab = PRESETS[model_preset]["vocab_size"]
     log(f"simulating {model_preset} on {tp} x {device_name}: {shape.weight_bytes / 1e9:.1f} GB of weights, "
         f"{slots} KV slots ({num_blocks} blocks of {BLOCK_SIZE})")
     t0 = time.perf_counter()
-    workloads = {w: run_workload(w, setup, cost, num_blocks, vocab, log) for w in ("sharegpt", "alpaca")}
+    workloads = {w: run_workload(w, setup, costs, num_blocks, vocab, log) for w in ("sharegpt", "alpaca")}
     for res in workloads.values():
         _add_ratios(res)
-    fig14 = run_fig14(setup, cost, num_blocks, vocab, log)
-    chatbot = run_workload("chatbot", setup, cost, num_blocks, vocab, log,
+    fig14 = run_fig14(setup, costs, num_blocks, vocab, log)
+    chatbot = run_workload("chatbot", setup, costs, num_blocks, vocab, log,
                            make=lambda rate: _chatbot_trace(setup.chatbot_requests, rate, setup.seed))
     _add_ratios(chatbot)
     validation = (json.loads(validation_path.read_text()) if validation_path.exists() else
                   {"status": "not run here", "relative_error": None,
                    "command": "python benchmarks/sim_validate.py (on a quiet machine)"})
-    return {"device": device_name, "model_preset": model_preset, "tp": tp, "quick": quick,
+    return {"device": device_name, "model_preset": model_preset, "tp": tp, "quick": quick, "size": size,
             "device_preset": {k: v for k, v in device.__dict__.items() if k != "efficiency"},
             "efficiency": device.efficiency.__dict__, "efficiency_sources": EFFICIENCY_SOURCES,
             "kv_slots": slots, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, "setup": setup.__dict__,
             "paper_ratios": PAPER_RATIOS, "paper_fig14_saving": PAPER_FIG14_SAVING, **workloads, "fig14": fig14,
             "chatbot": chatbot,
-            "validation": {k: validation.get(k) for k in ("status", "relative_error", "command", "runs")
-                           if k in validation},
+            "validation": {k: validation.get(k) for k in ("status", "passed", "mutation_check_passed", "relative_error",
+                                                          "command", "runs", "terms") if k in validation},
             "wall_s": time.perf_counter() - t0}
 
 
@@ -252,6 +266,6 @@ def report(data: dict) -> str:
             lines.append(f"| {kind} | {p['width']} | {p['sharing_saving_avg']:.1%} ({PAPER_FIG14_SAVING[kind]}) | "
                          + " / ".join(f"{by[a]:.3f}" for a in ALLOCATORS) + " |")
     v = data["validation"]
-    lines.append(f"\nvalidation (local preset vs this machine): {v.get('status', '')} "
-                 f"relative error {v.get('relative_error')}")
+    lines.append(f"\nvalidation (local preset vs this machine): {v.get('status', '')}, passed {v.get('passed')}, "
+                 f"mutation check {v.get('mutation_check_passed')}, worst total error {v.get('relative_error')}")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pagedserve.cluster.routing import KVIndex, NoReplicaError, Router
-from pagedserve.cluster.sim import ClusterSim, SimReplica, SimRequest, LinearStepTime
+from pagedserve.cluster.sim import ClusterSim, SimReplica, SimRequest, CostStepTime
 from pagedserve.config import EngineConfig
 from pagedserve.kv.block_pool import lookup_block_keys
 from pagedserve.kv.events import KVEventLog
@@ -114,7 +114,7 @@ def test_the_index_is_exactly_each_replicas_cache_through_evictions(policy):
     config = EngineConfig(block_size=B, max_num_seqs=4, max_num_batched_tokens=64)
     router = Router(3, B, policy)
     logs = [KVEventLog() for _ in range(3)]
-    replicas = [SimReplica(config, 24, 256, LinearStepTime(), logs[i]) for i in range(3)]
+    replicas = [SimReplica(config, 24, 256, CostStepTime(), logs[i]) for i in range(3)]
     evictions = exact = 0
     for req in shared_prefix_trace(150, seed=7):
         for i, r in enumerate(replicas):                # requests admitted right after routing
@@ -139,13 +139,13 @@ def test_the_index_is_exactly_each_replicas_cache_through_evictions(policy):
 def test_a_reset_replica_is_empty_in_the_index():
     log, index = KVEventLog(), KVIndex(1)
     config = EngineConfig(block_size=B)
-    replica = SimReplica(config, 32, 256, LinearStepTime(), log)
+    replica = SimReplica(config, 32, 256, CostStepTime(), log)
     replica.add(SimRequest("a", 0.0, tokens(1, 20), [1, 2]))
     while replica.busy:
         replica.step(0.0)
     index.apply(0, log.drain())
     assert index.keys[0] and index.keys[0] == set(replica.sched.kv.pool.cached)
-    replica = SimReplica(config, 32, 256, LinearStepTime(), log)   # what LLMEngine.reset does: a new pool
+    replica = SimReplica(config, 32, 256, CostStepTime(), log)   # what LLMEngine.reset does: a new pool
     index.apply(0, log.drain())
     assert index.keys[0] == set()
 

@@ -3,9 +3,9 @@ and KV cache manager, routed by the real Router, on a simulated clock.
 
 A replica's step is planned by its scheduler exactly as in the engine; the "model"
 then produces the trace's own output tokens (so a later turn's prompt, which contains
-them, finds them in the cache) and the step takes `step_time(batch)` simulated seconds.
-The step-time model is one function of the scheduled batch, so a finer model (a
-roofline of a real GPU) can replace `LinearStepTime` without touching the rest.
+them, finds them in the cache) and the step takes `step_time(batch)` simulated seconds:
+`CostStepTime`, the single-engine simulator's step-time model (sim/cost.py: a term per
+class of work, a GPU preset's rooflines) priced on what the scheduler planned.
 KV events go from each replica's block pool straight into the router's index.
 """
 from __future__ import annotations
@@ -21,27 +21,24 @@ from pagedserve.kv.events import KVEventSink
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler, SchedulerOutput
+from pagedserve.sim.cost import CostModel, StepWork
+from pagedserve.sim.devices import DEVICES
+from pagedserve.sim.shapes import ModelShape
 
 # Seconds one step of this batch takes.
 StepTimeModel = Callable[[SchedulerOutput], float]
 
 
-@dataclass
-class LinearStepTime:
-    """A step costs a fixed overhead plus a cost per computed token (prefill and decode alike)
-    plus a cost per token of context the batch's sequences attend over. Made-up constants of
-    a small model on one accelerator; only the routing comparison, not the absolute times,
-    means anything."""
-    base: float = 0.005
-    per_token: float = 0.00005
-    per_context_token: float = 0.0000002
+class CostStepTime:
+    """Seconds of one step from sim/cost.py's CostModel (default: Llama-3-8B on one H100, the
+    paged kernel, 16-token blocks)."""
+
+    def __init__(self, cost: CostModel | None = None) -> None:
+        self.cost = cost or CostModel(ModelShape.preset("llama-3-8b"), DEVICES["h100"])
 
     def __call__(self, out: SchedulerOutput) -> float:
-        tokens = context = 0
-        for s in out.scheduled:
-            tokens += s.num_new_tokens
-            context += s.start + s.num_new_tokens
-        return self.base + self.per_token * tokens + self.per_context_token * context
+        return self.cost.step_time(StepWork.of(((s.start, s.num_new_tokens) for s in out.scheduled),
+                                               len(out.sampled))).total
 
 
 @dataclass
@@ -126,7 +123,7 @@ class ClusterSim:
     def build(cls, num_replicas: int, policy: str, config: EngineConfig, num_blocks: int, max_model_len: int,
               step_time: StepTimeModel | None = None) -> "ClusterSim":
         router = Router(num_replicas, config.block_size, policy)
-        step_time = step_time or LinearStepTime()
+        step_time = step_time or CostStepTime()
         replicas = [SimReplica(config, num_blocks, max_model_len, step_time, router.index.sink(i))
                     for i in range(num_replicas)]
         return cls(router, replicas)

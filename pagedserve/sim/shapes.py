@@ -55,6 +55,14 @@ class ModelShape:
         return h * q + 2 * h * kv + q * h + (3 if self.gated_mlp else 2) * h * self.ffn_size
 
     @property
+    def matrices(self) -> list[tuple[int, int]]:
+        """One layer's matrix multiplies as the engine runs them, (out_features, in_features):
+        Q, K and V fused, the output projection, the MLP's first matrix (gate and up fused
+        where it is gated) and its second."""
+        h, q, kv, f = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.ffn_size
+        return [(q + 2 * kv, h), (h, q), ((2 if self.gated_mlp else 1) * f, h), (h, f)]
+
+    @property
     def head_params(self) -> int:
         return self.hidden_size * self.vocab_size
 
