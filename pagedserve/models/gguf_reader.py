@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+from pagedserve.utils import cdiv
 
 _MAGIC = 0x46554747                     # "GGUF", little-endian
 # GGUF value types: struct format of the scalars; 8: string, 9: array
@@ -67,7 +68,7 @@ class GGUFFile:
             dims = [self._unpack("Q") for _ in range(self._unpack("I"))]
             infos.append((name, GGMLQuantizationType(self._unpack("I")), dims, self._unpack("Q")))
         alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
-        start = -(-self._pos // alignment) * alignment
+        start = cdiv(self._pos, alignment) * alignment
         floats = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                   "I32": np.int32, "I64": np.int64}
         self.tensors: list[Tensor] = []

@@ -34,6 +34,7 @@ from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.kernels import quant
 from pagedserve.models.quantized import QuantizedEmbedding, kernel_qtype
 from pagedserve.models.sharding import Shard
+from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ class GGUFSource:
         if base + t.data_offset <= ptr < base + t.data_offset + t.n_bytes or getattr(mapped, "_mmap", None) is None:
             return
         page = mmap.PAGESIZE
-        lo = -(-t.data_offset // page) * page
+        lo = cdiv(t.data_offset, page) * page
         hi = (t.data_offset + t.n_bytes) // page * page
         if hi > lo:
             mapped._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)

@@ -36,6 +36,7 @@ import torch
 from pagedserve.sim.calibration import Calibration, fit_linear
 from pagedserve.sim.cost import StepWork
 from pagedserve.sim.devices import Device, Efficiency
+from pagedserve.utils import cdiv
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "local_device.json"
 
@@ -157,10 +158,11 @@ class _AttentionBench:
         a = model.args
         self.call_s = call_s
         self.model, self.block_size = model, block_size
-        self.num_blocks = -(-num_tokens // block_size) + 1
+        self.num_blocks = cdiv(num_tokens, block_size) + 1
         self.caches = ModelRunner._allocate(SimpleNamespace(num_layers=layers, num_kv_heads=a.num_kv_heads,
                                                             head_dim=a.head_dim), self.num_blocks, block_size,
-                                            model.dtype, torch.device("cpu"), model.attention.head_major_cache)
+                                            model.dtype, torch.device("cpu"), model.attention.head_major_cache,
+                                            model.attention.kv_format)
         self.caches.normal_()
 
     def tables(self, lengths: list[int], contiguous: bool) -> list[list[int]]:
@@ -170,7 +172,7 @@ class _AttentionBench:
             random.Random(0).shuffle(ids)
         out, i = [], 0
         for n in lengths:
-            k = -(-n // self.block_size)
+            k = cdiv(n, self.block_size)
             out.append(ids[i:i + k])
             i += k
         return out
