@@ -155,3 +155,39 @@ def test_no_block_is_held_and_the_server_still_answers(server, http):
     assert r.status_code == 200 and events[-1] == "[DONE]"
     log = server.log()
     assert "Traceback" not in log and "internal error" not in log, log[-5000:]
+
+
+# ---- chat: the cheap limits and the tokenizer lanes -------------------------------------------
+def test_many_empty_messages_are_refused_before_the_template_renders_them(http):
+    """Empty messages have no characters, but each renders the template's overhead of a message."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 100_000,
+                                                "max_tokens": 1})
+    check_400(r, "messages", "100k empty messages")
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "100000 messages" in err["message"], err
+
+
+def test_a_huge_render_does_not_hold_a_small_one(tiny_tokenizer):
+    """The large lane renders on its own thread: a small chat is answered while a huge one renders."""
+    import asyncio
+
+    from pagedserve.server.prompts import PromptProcessor
+    from pagedserve.server.protocol import ChatMessage
+    release = threading.Event()
+
+    def render(tokenizer, messages):
+        if len(messages) > 300:
+            release.wait(60)
+        return tokenizer.encode("x" * len(messages))
+
+    async def main():
+        prompts = PromptProcessor(tiny_tokenizer, 4096, lambda n: None)
+        huge = asyncio.ensure_future(prompts.render_chat(render, [ChatMessage(role="user", content="")] * 400))
+        await asyncio.sleep(0)
+        small = await asyncio.wait_for(prompts.render_chat(render, [ChatMessage(role="user", content="hi")]), 30)
+        assert not huge.done()
+        release.set()
+        await huge
+        prompts.close()
+        return small
+    assert asyncio.run(main())

@@ -166,7 +166,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        body = await parse_body(raw, ChatCompletionRequest)
+        body = await parse_body(raw, ChatCompletionRequest, state.prompts.precheck_chat_body)
         return await ChatServing(state, body, raw).create()
 
     @app.post("/tokenize")

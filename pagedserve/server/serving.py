@@ -570,7 +570,8 @@ class ChatServing(Serving):
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
         ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, add_generation_prompt,
                                                    body.continue_final_message, body.chat_template_kwargs,
-                                                   self.tools.tools if self.tools else None)
+                                                   self.tools.tools if self.tools else None,
+                                                   tools=self.tools.tools if self.tools else None)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if not explicit:
