@@ -27,6 +27,9 @@ SLOW_STEP_SECONDS = 0.02
 # interrupted: the compile pool's time limit and abandonment must cope with it).
 SLOW_COMPILE = "SLOW-COMPILE"
 SLOW_COMPILE_SECONDS = 30.0
+# A chat whose message holds this string takes SLOW_RENDER_SECONDS to render (a huge template).
+SLOW_RENDER = "SLOW-RENDER"
+SLOW_RENDER_SECONDS = 30.0
 
 
 class InjectedFault(RuntimeError):
@@ -81,6 +84,14 @@ def install(patch=None) -> None:
             time.sleep(SLOW_COMPILE_SECONDS)
         return compile_grammar(self, ebnf)
     patch(GrammarCompiler, "_compile", slow_compile)
+    from pagedserve.server import serving
+    render_chat = serving.render_chat
+
+    def slow_render(tokenizer, conversation, *args, **kwargs):
+        if any(SLOW_RENDER in str(m.get("content")) for m in conversation):
+            time.sleep(SLOW_RENDER_SECONDS)
+        return render_chat(tokenizer, conversation, *args, **kwargs)
+    patch(serving, "render_chat", slow_render)
 
 
 if __name__ == "__main__":
