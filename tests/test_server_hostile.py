@@ -191,3 +191,20 @@ def test_a_huge_render_does_not_hold_a_small_one(tiny_tokenizer):
         prompts.close()
         return small
     assert asyncio.run(main())
+
+
+# ---- tenants: the dashboard hides what salted requests hold ----------------------------------
+SECRET = "Tenant alpha's secret plan: the zebra moves at dawn, and the fox keeps watch by the river. " * 3
+
+
+def test_the_dashboard_hides_the_text_of_salted_blocks(http):
+    r = http.post("/v1/completions", json={"prompt": SECRET, "max_tokens": 2, "cache_salt": "tenant-alpha"})
+    assert r.status_code == 200, r.text
+    public = "An operating system maps pages of virtual memory to physical frames. " * 3
+    assert http.post("/v1/completions", json={"prompt": public, "max_tokens": 2}).status_code == 200
+    snap = http.get("/v1/kv/snapshot")
+    assert snap.status_code == 200
+    texts = [b.get("text", "") for b in snap.json()["blocks"]]
+    assert any("virtual memory" in t for t in texts)          # unsalted blocks keep their text
+    assert not any(w in snap.text for w in ("zebra", "secret", "dawn", "Tenant")), "a salted prompt leaked"
+    assert any(b.get("hidden") for b in snap.json()["blocks"])  # its blocks are marked, not shown
