@@ -155,6 +155,8 @@ class EngineConfig:
                                                  "tensor_parallel_size")
     distributed_timeout: float = setting(120.0, "seconds a tensor-parallel collective waits for a rank before "
                                                 "the engine fails")
+    tensor_parallel_host: str | None = setting(None, "address the tensor-parallel rendezvous listens on (the ranks "
+                                                     "connect to it); default: 127.0.0.1 (mp), this node's IP (ray)")
     # Structured outputs (structured/manager.py): limits on what one request's constraint may cost.
     structured_outputs_compile_timeout: float = setting(10.0, "seconds one grammar compile may take; longer fails "
                                                               "its request with a 400 (<= 0: no limit)")
