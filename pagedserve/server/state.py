@@ -88,11 +88,11 @@ class ServerState:
         # Aborted engine requests answer their clients (503) at once; a request still before the
         # engine (tokenizing, a grammar's checks) is answered 503 by the gate (app.py), so no
         # client waits for uvicorn's own timeout and its plain-text 500.
-        await self._wait_idle(1.0)
+        await self._wait_idle(0.5)
         if self.num_in_flight:
             logger.info("answering %d requests still in flight with 503", self.num_in_flight)
         self.hard_stop.set()
-        await self._wait_idle(1.0)
+        await self._wait_idle(0.5)
         stop_server()
 
     async def _wait_idle(self, seconds: float) -> None:
