@@ -53,8 +53,15 @@ def _message_chars(m: Any) -> int:
     chars = _text_chars(m.content) + len(getattr(m, "name", None) or "") + len(getattr(m, "tool_call_id", None) or "")
     calls = getattr(m, "tool_calls", None)
     if calls:
-        chars += len(json.dumps(calls, default=str))
+        chars += _json_chars(calls)
     return chars
+
+
+def _json_chars(value: Any) -> int:
+    try:
+        return len(json.dumps(value, default=str))
+    except (RecursionError, ValueError):
+        return LARGE_CHARS + 1   # too deep to measure: the large lane (the template refuses it there)
 
 
 class _Lane:
@@ -178,7 +185,7 @@ class PromptProcessor:
         self.check_chars(chars, "messages")
         self.check_messages(len(messages), chars)
         # The lane by all the text the template may show (names, earlier calls, tool definitions).
-        size = sum(_message_chars(m) for m in messages) + (len(json.dumps(tools, default=str)) if tools else 0)
+        size = sum(_message_chars(m) for m in messages) + (_json_chars(tools) if tools else 0)
         return await self._lane(size, len(messages)).run(render, messages, *args)
 
     def close(self) -> None:

@@ -145,7 +145,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
         return render_chat(tokenizer, conversation, add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
                            tools=tools)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, TemplateError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, TemplateError) as e:
         # The template met a message shape it does not take (the client's data, not our fault).
         raise bad_request(f"could not render the chat template: {type(e).__name__}: {e}", "messages") from None
 
