@@ -15,7 +15,7 @@ from tests.fault_server import SLOW_COMPILE, SLOW_RENDER, SLOW_STEPS
 from tests.server_utils import PROMPT, sse_events, tiny_server_args
 
 SHUTDOWN_TIMEOUT = 1
-EXIT_BOUND = SHUTDOWN_TIMEOUT + 5    # the drain, 1 s of answering 503s, slack for a loaded machine; far below the 30 s stuck
+EXIT_BOUND = SHUTDOWN_TIMEOUT + 5   # the drain, 1 s of 503s, slack for a loaded machine (the stuck ones: 30 s)
 
 
 def test_sigterm_answers_every_client_503_and_exits_in_time(tiny_llama, tmp_path):
