@@ -208,3 +208,11 @@ def test_the_dashboard_hides_the_text_of_salted_blocks(http):
     assert any("virtual memory" in t for t in texts)          # unsalted blocks keep their text
     assert not any(w in snap.text for w in ("zebra", "secret", "dawn", "Tenant")), "a salted prompt leaked"
     assert any(b.get("hidden") for b in snap.json()["blocks"])  # its blocks are marked, not shown
+
+
+def test_a_grammar_that_never_ends_stops_at_max_tokens(http):
+    """No terminating derivation: the request ends with a clear finish reason, not an error."""
+    r = http.post("/v1/chat/completions", json=chat(guided_grammar='root ::= "a" root', max_tokens=5))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and set(choice["message"]["content"]) <= {"a"}
