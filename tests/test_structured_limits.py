@@ -146,3 +146,17 @@ def test_close_fails_queued_and_running_compiles_at_once(compiler, blocked):
     for f in futures:
         with pytest.raises(Exception, match="shutting down"):
             f.result(WAIT)
+
+
+def test_failed_constraints_count_against_the_cache_too(compiler):
+    """A refused constraint stays cached (a repeat is refused at once) but its text counts: a
+    flood of distinct bad ones cannot grow the cache past its bytes."""
+    c = compiler(max_cache_bytes=4000)
+    for i in range(30):
+        f = c.compile(StructuredOutputsParams(grammar=f"root ::= r{i}\nr{i} ::= r{i}"))
+        with pytest.raises(InvalidRequestError):
+            f.result(WAIT)
+    assert c.cache_bytes <= 4000 and len(c._cache) < 30
+    assert c.num_compiles == 30
+    again = c.compile(StructuredOutputsParams(grammar="root ::= r29\nr29 ::= r29"))
+    assert again.done() and c.num_compiles == 30    # refused again at once, not recompiled

@@ -27,6 +27,8 @@ from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.pool import CompilePool, Task
 
 BITS = 32
+ENTRY_OVERHEAD = 512          # bytes of an entry's own bookkeeping, besides its key and grammar
+MAX_ENTRIES = 4096            # cached constraints (failed ones too), whatever their bytes
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -37,7 +39,7 @@ def bitmask_width(vocab_size: int) -> int:
 @dataclass(eq=False)
 class _Entry:
     """A constraint's compile: its future (the CompiledGrammar), the requests using it, and its
-    bytes (xgrammar's memory_size_bytes plus the grammar text) once compiled."""
+    bytes: the key's text, plus xgrammar's memory_size_bytes once compiled."""
     key: tuple[str, str]
     future: Future
     task: Task | None = None
@@ -96,7 +98,8 @@ class GrammarCompiler:
                 self._forget(entry)
                 entry = None
             if entry is None:
-                entry = _Entry(key, Future())
+                entry = _Entry(key, Future(), nbytes=len(key[0]) + len(key[1]) + ENTRY_OVERHEAD)
+                self.cache_bytes += entry.nbytes
                 entry.task = self._pool.submit(lambda e=entry: self._build(params, e))
                 entry.future = entry.task.future
                 entry.future.add_done_callback(lambda f, e=entry: self._done(e))
@@ -104,6 +107,7 @@ class GrammarCompiler:
             entry.users += 1
             if entry.cached:
                 self._cache[key] = entry          # most recently used last
+                self._evict()
         return entry
 
     def release(self, entry: _Entry) -> None:
@@ -136,13 +140,20 @@ class GrammarCompiler:
         with self._lock:
             if not entry.cached or entry.future.done():   # abandoned, timed out
                 return
-            entry.nbytes = _grammar_bytes(compiled)
-            self.cache_bytes += entry.nbytes
-            for old in list(self._cache.values()):
-                if self.cache_bytes <= self.max_cache_bytes:
-                    return
-                if old is entry or old.future.done():
-                    self._forget(old)
+            grammar_bytes = _grammar_bytes(compiled)
+            entry.nbytes += grammar_bytes
+            self.cache_bytes += grammar_bytes
+            self._evict(finishing=entry)
+
+    def _evict(self, finishing: _Entry | None = None) -> None:
+        """(Lock held.) Least recently used first, drop finished entries (and `finishing`, about
+        to finish) while the cache is over its bytes or MAX_ENTRIES; a compile still running
+        stays (its requests wait for it)."""
+        for old in list(self._cache.values()):
+            if self.cache_bytes <= self.max_cache_bytes and len(self._cache) <= MAX_ENTRIES:
+                return
+            if old is finishing or old.future.done():
+                self._forget(old)
 
     def _build(self, params: StructuredOutputsParams, entry: _Entry):
         """(Pool thread.) Grammar text, size check, compile, and the check that it matches something."""
