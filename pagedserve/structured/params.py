@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
@@ -38,6 +38,7 @@ class StructuredOutputsParams:
     # Let the model put any whitespace between JSON tokens (vLLM's default). Off here: JSON comes in
     # one compact layout, so a small model at a high temperature cannot ramble in whitespace.
     any_whitespace: bool = False
+    _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -65,6 +66,7 @@ class StructuredOutputsParams:
             self.grammar_text()   # parse it now (linear, fast): a bad regex or grammar is the caller's error
         # A schema is converted to a grammar on the compile pool (structured/manager.py): the
         # conversion's cost grows with the schema, and xgrammar's errors then fail the request.
+        self._key = self._make_key()
 
     @property
     def kind(self) -> str:
@@ -72,7 +74,13 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """What the compiled grammar is cached by."""
+        """What the compiled grammar is cached by (computed when built: its size is the
+        constraint's, so the engine thread never does it)."""
+        if self._key is None:
+            self._key = self._make_key()
+        return self._key
+
+    def _make_key(self) -> tuple[str, str]:
         kind = self.kind
         if kind == "json":
             return (f"json/{self.any_whitespace}", json.dumps(self.json, sort_keys=True))
