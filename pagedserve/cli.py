@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import types
@@ -185,7 +186,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if config.model and not (config.load_format == "dummy" and is_preset(config.model)):
         resolve_model(config.model, config.revision)   # a missing model is one line, not a failed server
-    return run_server(config, server)
+    code = run_server(config, server)
+    # Everything has stopped (engine, ranks, Ray): leave now, not seconds later after the
+    # interpreter's teardown of torch and the model, so SIGTERM exits within --shutdown-timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

@@ -208,6 +208,17 @@ class EngineConfig:
                                                  "tensor_parallel_size")
     distributed_timeout: float = setting(120.0, "seconds a tensor-parallel collective waits for a rank before "
                                                 "the engine fails")
+    tensor_parallel_host: str | None = setting(None, "address the tensor-parallel rendezvous listens on (the ranks "
+                                                     "connect to it); default: 127.0.0.1 (mp), this node's IP (ray)")
+    # Structured outputs (structured/manager.py): limits on what one request's constraint may cost.
+    structured_outputs_compile_timeout: float = setting(10.0, "seconds one grammar compile may take; longer fails "
+                                                              "its request with a 400 (<= 0: no limit)")
+    structured_outputs_max_grammar_bytes: int = setting(256 * 1024, "largest grammar (EBNF text of a schema, regex, "
+                                                                    "choice or grammar) compiled; larger ones get a "
+                                                                    "400 (<= 0: no limit)", parse=parse_size)
+    structured_outputs_cache_bytes: int = setting(256 * 1024**2, "memory of the cache of compiled grammars "
+                                                                 "(xgrammar's size of each), least recently used "
+                                                                 "evicted", parse=parse_size)
 
     # vLLM's flags of the API surface (issue 33): accepted with vLLM's meaning, or with a log line
     # saying how pagedserve differs.

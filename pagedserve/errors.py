@@ -12,3 +12,6 @@ class InvalidRequestError(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+    def __reduce__(self):   # keeps param and code across processes (Ray replicas)
+        return (type(self), (self.message, self.param, self.code))

@@ -268,6 +268,8 @@ class Scheduler:
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)
+        if req.structured is not None:
+            req.structured.release()   # a compile only it waited for is abandoned
         req.structured = None   # its matchers go with it
         req.status = RequestStatus.FINISHED
 

@@ -15,6 +15,7 @@ import time
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.scheduler import Scheduler
+from pagedserve.structured.manager import GrammarCompiler
 from pagedserve.worker.model_runner import ModelRunner
 
 REQUEST_FAULT = "FAULT-IN-ONE-REQUEST"
@@ -22,6 +23,13 @@ STEP_FAULT = "FAULT-IN-THE-STEP"
 FATAL_FAULT = "FAULT-OUTSIDE-ANY-REQUEST"
 SLOW_STEPS = "SLOW-STEPS"
 SLOW_STEP_SECONDS = 0.02
+# A grammar holding this string compiles for SLOW_COMPILE_SECONDS (xgrammar's compile cannot be
+# interrupted: the compile pool's time limit and abandonment must cope with it).
+SLOW_COMPILE = "SLOW-COMPILE"
+SLOW_COMPILE_SECONDS = 30.0
+# A chat whose message holds this string takes SLOW_RENDER_SECONDS to render (a huge template).
+SLOW_RENDER = "SLOW-RENDER"
+SLOW_RENDER_SECONDS = 30.0
 
 
 class InjectedFault(RuntimeError):
@@ -69,6 +77,21 @@ def install(patch=None) -> None:
     patch(Scheduler, "schedule", marking_schedule)
     patch(ModelRunner, "execute", faulty_execute)
     patch(LLMEngine, "kv_cache_stats", faulty_kv_cache_stats)
+    compile_grammar = GrammarCompiler._compile
+
+    def slow_compile(self, ebnf):
+        if SLOW_COMPILE in ebnf:
+            time.sleep(SLOW_COMPILE_SECONDS)
+        return compile_grammar(self, ebnf)
+    patch(GrammarCompiler, "_compile", slow_compile)
+    from pagedserve.server import serving
+    render_chat = serving.render_chat
+
+    def slow_render(tokenizer, conversation, *args, **kwargs):
+        if any(SLOW_RENDER in str(m.get("content")) for m in conversation):
+            time.sleep(SLOW_RENDER_SECONDS)
+        return render_chat(tokenizer, conversation, *args, **kwargs)
+    patch(serving, "render_chat", slow_render)
 
 
 if __name__ == "__main__":

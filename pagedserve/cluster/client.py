@@ -125,7 +125,7 @@ class DataParallelLLM:
         self._started: asyncio.Future | None = None
         self._dead: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
-        self._where: dict[str, int] = {}            # request id -> replica running it
+        self._where: dict[str, tuple[int, int]] = {}   # request id -> (replica, its incarnation) running it
         self._gone: set[int] = set()                # replicas that could not come back
         self._router_metrics()
 
@@ -263,16 +263,16 @@ class DataParallelLLM:
             except NoReplicaError as e:
                 raise EngineNotReadyError(str(e)) from None
             self._decisions(route.decision).inc()
-            self._estimated.inc(route.matched_blocks * self.router.block_size)
             i = route.replica
-            self._where[rid] = i
+            self._where[rid] = (i, route.incarnation)
             gen = self.actors[i].generate.remote(rid, prompt, params)
             try:
                 kind, value = await (await gen.__anext__())
             except RayActorError:
                 self._forget(rid)
-                self._replica_down(i)
+                self._replica_down(i, route.incarnation)
                 tried.append(i)
+                self.router.rerouted(route, len(ids))
                 self._rerouted.inc()
                 logger.warning("replica %d failed before taking request %s: routing it again", i, rid)
                 continue
@@ -282,6 +282,8 @@ class DataParallelLLM:
             if kind == "error":
                 self._forget(rid)
                 raise rebuild_error(*value)
+            # Counted once the request is taken: a rerouted one counts its last route only.
+            self._estimated.inc(route.matched_blocks * self.router.block_size)
             return gen, i
 
     async def _pump(self, stream: RoutedStream, rid: str, replica: int, gen) -> None:
@@ -297,7 +299,8 @@ class DataParallelLLM:
                     self._actual.inc(value.num_cached_tokens)
                 stream._put(value)
         except RayActorError as e:
-            self._replica_down(replica)
+            where = self._where.get(rid)
+            self._replica_down(replica, where[1] if where else None)
             stream._put(EngineStepError(f"replica {replica} died while running this request: "
                                                      f"{type(e).__name__}"))
         except asyncio.CancelledError:
@@ -308,15 +311,15 @@ class DataParallelLLM:
             self._forget(rid)
 
     def _forget(self, rid: str) -> None:
-        i = self._where.pop(rid, None)
-        if i is not None:
-            self.router.finished(i)
+        where = self._where.pop(rid, None)
+        if where is not None:
+            self.router.finished(*where)   # ignored if that incarnation has gone down since
 
     def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
             if rid in self._where:
-                by_replica.setdefault(self._where[rid], []).append(rid)
+                by_replica.setdefault(self._where[rid][0], []).append(rid)
         for i, rids in by_replica.items():
             self.actors[i].abort.remote(rids)
 
@@ -330,7 +333,11 @@ class DataParallelLLM:
                                   f"{self.num_replicas} data-parallel replicas")
 
     # ---- replica health ----------------------------------------------------------------------
-    def _replica_down(self, i: int) -> None:
+    def _replica_down(self, i: int, incarnation: int | None = None) -> None:
+        """Replica i is down; with `incarnation`, only if it is still that one (a dead
+        incarnation's late errors must not take down the one Ray restarted)."""
+        if incarnation is not None and incarnation != self.router.replicas[i].incarnation:
+            return
         if self.router.replicas[i].alive:
             logger.error("replica %d is down: its requests fail, new ones go to the others", i)
             self.router.set_alive(i, False)
@@ -361,8 +368,11 @@ class DataParallelLLM:
                 continue
             if result.incarnation != self.infos[i].incarnation:   # restarted between two polls
                 self._replica_down(i)
-                self._rejoin(i, await actor.start.remote())
-                continue
+                info = await actor.start.remote()
+                self._rejoin(i, info)
+                if result.incarnation != info.incarnation:
+                    continue   # restarted again since: the next poll has the news
+                # Else the poll's events are the new incarnation's first ones: applied below.
             self.router.apply_events(i, result.events)
             self._indexed[i].set(len(self.router.index.keys[i]))
             self._up[i].set(1 if self.router.replicas[i].alive else 0)

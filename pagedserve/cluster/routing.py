@@ -88,6 +88,7 @@ class ReplicaView:
     """What the router knows of one replica."""
     alive: bool = True
     in_flight: int = 0        # requests routed here and not finished (its running + waiting)
+    incarnation: int = 0      # +1 each time it goes down: a dead incarnation's late news is ignored
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Route:
     replica: int
     decision: str             # why: round_robin | least_loaded | prefix_hash | prefix | load | imbalanced
     matched_blocks: int       # blocks of the prompt the router expects the replica to hold
+    incarnation: int = 0      # the replica's incarnation when routed (Router sets it)
 
 
 class RoutingPolicy:
@@ -258,15 +260,29 @@ class Router:
             view = [ReplicaView(alive=r.alive and i not in excluded, in_flight=r.in_flight)
                     for i, r in enumerate(self.replicas)]
         route = self.policy.choose(req, view, live, self.index)
-        self.replicas[route.replica].in_flight += 1
+        target = self.replicas[route.replica]
+        target.in_flight += 1
+        route.incarnation = target.incarnation
         c = self.counters
         c.decisions[route.decision] += 1
         c.prompt_tokens += len(token_ids)
         c.estimated_hit_tokens += route.matched_blocks * self.block_size
         return route
 
-    def finished(self, replica: int) -> None:
+    def rerouted(self, route: Route, num_prompt_tokens: int) -> None:
+        """The route's replica failed before taking the request, which is routed again: its
+        prompt and expected hits are counted by the next route, not twice."""
+        c = self.counters
+        c.rerouted += 1
+        c.prompt_tokens -= num_prompt_tokens
+        c.estimated_hit_tokens -= route.matched_blocks * self.block_size
+
+    def finished(self, replica: int, incarnation: int | None = None) -> None:
+        """A request routed to `replica` (in `incarnation`, if given) has ended. One of an
+        incarnation that has since gone down was already uncounted when it went."""
         view = self.replicas[replica]
+        if incarnation is not None and incarnation != view.incarnation:
+            return
         view.in_flight = max(0, view.in_flight - 1)
 
     def apply_events(self, replica: int, events: Iterable[KVEvent]) -> None:
@@ -275,6 +291,8 @@ class Router:
     def set_alive(self, replica: int, alive: bool) -> None:
         """A replica that went away lost its cache and its requests; it comes back empty."""
         view = self.replicas[replica]
+        if not alive and view.alive:
+            view.incarnation += 1
         view.alive = alive
         if not alive:
             view.in_flight = 0

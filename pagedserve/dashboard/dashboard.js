@@ -302,6 +302,10 @@
       dt.textContent = "tokens"; pre.textContent = b.text; dd.dataset.field = "text";
       dd.appendChild(pre);
       dl.append(dt, dd);
+    } else if (b.hidden) {   // a request with a cache_salt: its tokens are its tenant's
+      const dt = document.createElement("dt"), dd = document.createElement("dd");
+      dt.textContent = "tokens"; dd.textContent = "hidden (cache_salt)"; dd.dataset.field = "text";
+      dl.append(dt, dd);
     }
   }
 

@@ -2,7 +2,8 @@
 
 Two groups over the same ranks:
 - the control group (gloo, the default group), which carries the driver's step commands
-  (pickled `StepBatch`es) to the other ranks. A rank waits on it between steps for as long
+  (`StepBatch`es as msgpack plain data, each authenticated with the launch's HMAC secret:
+  distributed/wire.py) to the other ranks. A rank waits on it between steps for as long
   as the engine is idle, so its timeout is long; the driver's sends wait `distributed_timeout`;
 - the compute group (gloo on CPU, NCCL on CUDA), which carries the model's all-reduces and
   the LM head's gather, with `distributed_timeout` seconds per collective: a rank that hangs
@@ -10,15 +11,21 @@ Two groups over the same ranks:
   connections close).
 
 Rank 0 is the driver (in the engine's process); it alone samples, from the gathered logits.
+
+The init method is `tcp://HOST:PORT#SECRET`: the driver's rendezvous store listens on HOST
+only (a socket bound here and handed to torch's TCPStore; never 0.0.0.0 unless HOST is), and
+SECRET (made per launch, handed to the ranks with their start arguments) keys every command.
 """
 from __future__ import annotations
 
-import pickle
 import socket
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
+from pagedserve.distributed.wire import ControlChannel
 
 # How long a rank waits for the driver's next command (the engine may idle for days).
 CONTROL_TIMEOUT = timedelta(days=30)
@@ -37,8 +44,22 @@ class TensorParallelGroup:
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process (shut the other one down first)")
         self.rank, self.world_size = rank, world_size
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=CONTROL_TIMEOUT)
+        address, _, secret = init_method.partition("#")
+        if not secret:
+            raise ValueError("the tensor-parallel init method needs the launch's secret (tcp://HOST:PORT#SECRET)")
+        self.channel = ControlChannel(secret)
+        url = urlsplit(address)
+        host, port = url.hostname, url.port
+        self._listener = None
+        if rank == 0:
+            # Bound here, to HOST alone: torch's own store server would listen on every interface.
+            self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
+                                                  else socket.AF_INET, backlog=max(16, world_size * 4))
+            store = dist.TCPStore(host, port, world_size, True, CONTROL_TIMEOUT,
+                                  master_listen_fd=self._listener.fileno())
+        else:
+            store = dist.TCPStore(host, port, world_size, False, CONTROL_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=CONTROL_TIMEOUT)
         backend = "nccl" if device.type == "cuda" else "gloo"
         self.timeout = timedelta(seconds=timeout_s)
         self.compute = dist.new_group(backend=backend, timeout=self.timeout)
@@ -68,10 +89,12 @@ class TensorParallelGroup:
 
     def broadcast(self, command: object = None) -> object:
         """The driver's command, on every rank (the driver passes it, the others receive it),
-        pickled. The other ranks wait for it as long as the engine idles; the driver waits
-        `timeout_s` at most for them to take it (gloo's send waits for the receiver)."""
+        sealed by the control channel (msgpack, HMAC: a message that is not the driver's next
+        one raises RefusedMessage on the rank). The other ranks wait for it as long as the
+        engine idles; the driver waits `timeout_s` at most for them to take it (gloo's send
+        waits for the receiver)."""
         if self.is_driver:
-            data = bytearray(pickle.dumps(command))
+            data = bytearray(self.channel.seal(command))
             for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(data, dtype=torch.uint8)):
                 dist.broadcast(t, src=0, async_op=True).wait(self.timeout)
             return command
@@ -79,8 +102,11 @@ class TensorParallelGroup:
         dist.broadcast(size, src=0)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0)
-        return pickle.loads(data.numpy().tobytes())
+        return self.channel.open(data.numpy().tobytes())
 
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

@@ -41,6 +41,7 @@ from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
 from pagedserve.engine.protocol import Params, check_num_prompts
 from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.errors import InvalidRequestError
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
 from pagedserve.kv.events import KVEventSink
@@ -481,12 +482,15 @@ class AsyncLLM:
     def _fail_requests(self, failures: dict[str, BaseException]) -> None:
         """Drop the requests (if the engine still has them) and fail their streams."""
         for rid, error in failures.items():
-            logger.error("request %s failed in the engine: %r", rid, error, exc_info=error)
+            if isinstance(error, InvalidRequestError):   # the request's own fault (e.g. its grammar): a 400
+                logger.info("request %s refused in the engine: %s", rid, error)
+            else:
+                logger.error("request %s failed in the engine: %r", rid, error, exc_info=error)
             if rid in self.engine.requests:
                 self.engine.abort_request(rid)
             self._progress.pop(rid, None)
-            self._call_soon(self._fail, [rid], EngineStepError(f"the engine failed while running this request: "
-                                                               f"{error!r}"))
+            self._call_soon(self._fail, [rid], error if isinstance(error, InvalidRequestError) else
+                            EngineStepError(f"the engine failed while running this request: {error!r}"))
 
     def _account(self, out: RequestOutput, it: IterationStats) -> None:
         """Fold one output into the step's stats. Generated tokens are counted over all the

@@ -7,9 +7,9 @@ from typing import Any
 Conversation = list[dict[str, Any]]
 
 # apply_chat_template's own arguments: not variables of the template, so not chat_template_kwargs.
-_RESERVED = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
-             "return_dict", "return_tensors", "tools", "documents", "padding", "truncation", "max_length",
-             "tokenizer_kwargs", "return_assistant_tokens_mask"}
+_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+             "chat_template", "return_dict", "return_tensors", "tools", "documents", "padding", "truncation",
+             "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -216,9 +216,12 @@ class KVView:
         out: dict[str, Any] = {"id": block_id, "state": state, "ref_cnt": ref, "owners": owners, "seqs": seqs}
         if key is not None:
             out["hash"] = key.hex()[:HASH_CHARS]
-            text = self._text(cap, key)
-            if text is not None:
-                out["text"] = text
+            if key in cap.kv.cached_tokens and cap.kv.cached_tokens[key] is None:
+                out["hidden"] = True   # a salted request's block: its text stays its tenant's
+            else:
+                text = self._text(cap, key)
+                if text is not None:
+                    out["text"] = text
         return out
 
     def _text(self, cap: EngineCapture, key: bytes) -> str | None:

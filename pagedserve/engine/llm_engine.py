@@ -155,7 +155,11 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         """Compiles structured-output grammars off this thread (structured/manager.py)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            c = self.config
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                             max_cache_bytes=c.structured_outputs_cache_bytes,
+                                             compile_timeout=c.structured_outputs_compile_timeout,
+                                             max_grammar_bytes=c.structured_outputs_max_grammar_bytes)
             self._grammars.on_ready = lambda: self.on_grammar_ready()
         return self._grammars
 
@@ -357,7 +361,9 @@ class LLMEngine:
         return dropped
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes (tensor parallelism); nothing to do in one process."""
+        """Stop the executor's worker processes (tensor parallelism) and the grammar compiles."""
+        if self._grammars is not None:
+            self._grammars.close()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:

@@ -33,7 +33,8 @@ class MultiprocRanks(Ranks):
         self._finalizer = None
 
     def init_method(self) -> str:
-        return f"tcp://127.0.0.1:{free_port()}"
+        host = self.config.tensor_parallel_host or "127.0.0.1"
+        return f"tcp://{host}:{free_port(host)}"
 
     def start(self, model_path: str, eos_token_ids: set[int], init_method: str) -> None:
         for rank in range(1, self.config.tensor_parallel_size):

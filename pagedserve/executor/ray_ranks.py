@@ -98,7 +98,8 @@ class RayRanks(Ranks):
 
     def init_method(self) -> str:
         import ray
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
+        host = self.config.tensor_parallel_host or ray.util.get_node_ip_address()   # never 0.0.0.0
+        return f"tcp://{host}:{free_port(host)}"
 
     def driver_device(self):
         """The driver's GPU: the one Ray reserved in bundle 0 (None on CPUs)."""

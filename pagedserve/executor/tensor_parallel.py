@@ -21,6 +21,7 @@ import torch
 from pagedserve.batch import RunnerOutput, StepBatch
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.distributed.wire import new_secret
 from pagedserve.executor.base import Executor, WorkerFailedError
 from pagedserve.executor.rank import EXECUTE, MOVE_BLOCKS, STOP, rank_device, threads_per_rank
 
@@ -76,7 +77,8 @@ class TensorParallelExecutor(Executor):
         n, threads = config.tensor_parallel_size, threads_per_rank(config)
         logger.info("tensor parallelism: %d ranks (%s backend), %d threads each", n,
                     config.distributed_executor_backend, threads)
-        init_method = ranks.init_method()
+        # The rendezvous address, and this launch's secret: the ranks refuse commands without it.
+        init_method = f"{ranks.init_method()}#{new_secret()}"
 
         def start_driver() -> None:
             torch.set_num_threads(threads)

@@ -46,7 +46,7 @@ class KVCacheManager(PoolCapacity):
         self.swap = SwapSpace(self, num_host_blocks)
         # The tokens behind each prefix-cache key, so a snapshot can show a cached block's text
         # after its last owner is gone. Pruned to the keys still in use when it doubles.
-        self.cached_tokens: dict[BlockKey, tuple[int, ...]] = {}
+        self.cached_tokens: dict[BlockKey, tuple[int, ...] | None] = {}   # None: salted, hidden
 
     # ---- queries (num_blocks, num_free_blocks, num_used_blocks: PoolCapacity) --------------
     def block_ids(self, seq_id: int) -> list[int]:
@@ -223,9 +223,10 @@ class KVCacheManager(PoolCapacity):
         new = list(prefix_block_keys(token_ids, self.block_size, num_tokens // self.block_size,
                                      self.salts[seq_id], known=keys, kv_cache_dtype=self.kv_cache_dtype))
         B = self.block_size
+        salted = self.salts[seq_id] is not None   # a tenant's blocks: no one else sees their tokens
         for i, key in enumerate(new, start=len(keys)):
             self.pool.cache(table[i], key)
-            self.cached_tokens[key] = tuple(token_ids[i * B:(i + 1) * B])
+            self.cached_tokens[key] = None if salted else tuple(token_ids[i * B:(i + 1) * B])
         keys.extend(new)
         # At most one live key per block of either pool, so pruning at twice that frees half or more.
         if len(self.cached_tokens) > 2 * (self.pool.num_blocks + self.swap.num_blocks) + 64:

@@ -39,7 +39,7 @@ class KVSnapshot:
     host: PoolSnapshot | None = None                       # swap space, where there is one
     # Token ids of cached blocks by key (what the prefix cache remembers; may hold keys no
     # longer cached: look up only the keys in `device.keys`).
-    cached_tokens: Mapping[BlockKey, tuple[int, ...]] = field(default_factory=dict)
+    cached_tokens: Mapping[BlockKey, tuple[int, ...] | None] = field(default_factory=dict)
     kv_allocator: str = "paged"
 
 

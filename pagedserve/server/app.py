@@ -3,8 +3,10 @@
 The server listens at once and answers 503 until the model is loaded. SIGTERM
 (or Ctrl-C) starts a drain: the server keeps listening but answers every new
 request 503 (/health too, so a load balancer stops sending), gives the requests
-in flight `shutdown_timeout` seconds to finish, aborts the rest and exits 0. A
-second signal exits at once (aborting what is left).
+in flight `shutdown_timeout` seconds to finish, aborts the rest (their clients get
+an OpenAI-shaped 503; one not yet in the engine, e.g. still tokenizing, is answered
+503 by the gate a second later) and exits 0; grammar compiles are cancelled and no
+worker thread holds the exit. A second signal exits at once (aborting what is left).
 If the engine dies (a fault it cannot recover from), /health and every request get
 503, the requests in flight fail, and the server exits 1 for a supervisor to
 restart it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from typing import Callable
 
@@ -66,11 +69,52 @@ class GateMiddleware:
                 receive = self._limited(receive, self.state.max_request_body_bytes)
             self.state.num_in_flight += 1
             try:
-                await self.app(scope, receive, send)
+                await self._serve(scope, receive, send)
             finally:
                 self.state.num_in_flight -= 1
             return
         await self.app(scope, receive, send)
+
+    async def _serve(self, scope, receive, send) -> None:
+        """Run the app until it answers, or until the shutdown's drain is over (state.hard_stop):
+        then cancel it and answer 503 (OpenAI's shape; a stream already begun gets the error as
+        its last event)."""
+        started = finished = sse = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started, finished, sse
+            if message["type"] == "http.response.start":
+                started = True
+                sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                          for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+        app_task = asyncio.ensure_future(self.app(scope, receive, tracked_send))
+        stop_task = asyncio.ensure_future(self.state.hard_stop.wait())
+        try:
+            await asyncio.wait({app_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            app_task.cancel()
+            raise
+        finally:
+            stop_task.cancel()
+        if app_task.done():
+            app_task.result()   # its exception, if any, goes to the servers' handlers as before
+            return
+        app_task.cancel()
+        try:
+            await app_task
+        except BaseException:   # noqa: BLE001 - cancelled on purpose; nothing left to report
+            pass
+        if finished:
+            return
+        error = APIError(503, "the server is shutting down: the request could not be finished in time")
+        if not started:
+            await error.response(headers={"Connection": "close"})(scope, receive, send)
+        else:
+            body = f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode() if sse else b""
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
     @staticmethod
     def _body_error(limit: int, size: str) -> APIError:
@@ -131,7 +175,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             task.cancel()
         if "prompts" in state.__dict__:
             state.prompts.close()
-        await state.llm.shutdown()
+        await state.llm.shutdown(timeout=5.0)   # a step is short; never hold the exit long
 
     no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if server and server.disable_fastapi_docs else {}
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **no_docs)
@@ -181,7 +225,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        body = await parse_body(raw, ChatCompletionRequest)
+        body = await parse_body(raw, ChatCompletionRequest, state.prompts.precheck_chat_body)
         return await ChatServing(state, body, raw).create()
 
     @app.post("/tokenize")

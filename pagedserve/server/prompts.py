@@ -6,20 +6,34 @@ is refused first: more prompts than can ever be queued (checked on a plain JSON
 parse, before pydantic, which takes seconds over a million prompts), token-id
 prompts longer than the context, and text longer than the context could hold
 (no token stands for more characters than the longest entry of the vocabulary).
-Then the tokenizer and the chat template run on one worker thread: the fast
-tokenizer releases the GIL while it works, and is not safe to call from two
-threads at once.
+A chat's cheap limit counts its messages too: each renders at least the template's
+overhead of a message (measured once, from the template), so 400,000 empty
+messages are refused before the template renders millions of tokens.
+Then the tokenizer and the chat template run off the event loop in two lanes, each
+one thread with its own tokenizer (a fast tokenizer is not safe to call from two
+threads at once): requests estimated small go to one, large ones to the other, so one
+huge request cannot hold every other client's tokenizing for seconds. The threads
+are daemons: a render in progress never holds the process's exit.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
-from concurrent.futures import ThreadPoolExecutor
+import copy
+import json
+import logging
 from typing import Any, Callable
 
 import pydantic_core
 
 from pagedserve.server.errors import APIError, bad_request
+from pagedserve.structured.pool import CompilePool
+
+logger = logging.getLogger(__name__)
+
+# A request whose text is estimated at more characters than this (or with more messages) goes to
+# the large lane.
+LARGE_CHARS = 64 * 1024
+LARGE_MESSAGES = 256
 
 
 def context_length_error(num_tokens: int, max_model_len: int, param: str) -> APIError:
@@ -34,6 +48,44 @@ def _text_chars(content: str | list | None) -> int:
     return len(content or "")
 
 
+def _message_chars(m: Any) -> int:
+    """The characters of a message the template may show: its content, name and earlier calls."""
+    chars = _text_chars(m.content) + len(getattr(m, "name", None) or "") + len(getattr(m, "tool_call_id", None) or "")
+    calls = getattr(m, "tool_calls", None)
+    if calls:
+        chars += _json_chars(calls)
+    return chars
+
+
+def _json_chars(value: Any) -> int:
+    try:
+        return len(json.dumps(value, default=str))
+    except (RecursionError, ValueError):
+        return LARGE_CHARS + 1   # too deep to measure: the large lane (the template refuses it there)
+
+
+class _Lane:
+    """One thread and its own tokenizer (a copy for every lane but the first)."""
+
+    def __init__(self, name: str, tokenizer: Any, copy_tokenizer: bool) -> None:
+        self._tokenizer = tokenizer
+        self._copy = copy_tokenizer
+        self._pool = CompilePool(1, None, lambda _: RuntimeError("no time limit"), max_orphans=0, name=name)
+
+    def tokenizer(self) -> Any:
+        """(The lane's thread.) Its tokenizer, copied on first use."""
+        if self._copy:
+            self._tokenizer, self._copy = copy.deepcopy(self._tokenizer), False
+        return self._tokenizer
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        task = self._pool.submit(lambda: fn(self.tokenizer(), *args))
+        return await asyncio.wrap_future(task.future)
+
+    def close(self) -> None:
+        self._pool.close(RuntimeError("the server is shutting down"))
+
+
 class PromptProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, check_num_prompts: Callable[[int], None]) -> None:
         self.tokenizer = tokenizer
@@ -41,7 +93,23 @@ class PromptProcessor:
         self._check_num_prompts = check_num_prompts    # ValueError when over the limit
         self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
         self.max_chars = max_model_len * self.max_token_chars
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+        self._small = _Lane("pagedserve-tokenizer", tokenizer, copy_tokenizer=False)
+        self._large = _Lane("pagedserve-tokenizer-large", tokenizer, copy_tokenizer=True)
+        self.message_tokens = self._measure_message_tokens(tokenizer)
+
+    @staticmethod
+    def _measure_message_tokens(tokenizer: Any) -> int:
+        """The fewest tokens one more (empty) message adds to a rendered chat, at least 1."""
+        from pagedserve.engine.chat import render_chat
+        found = []
+        for role in ("user", "assistant", "system"):
+            try:
+                one = render_chat(tokenizer, [{"role": role, "content": ""}], False)
+                two = render_chat(tokenizer, [{"role": role, "content": ""}] * 2, False)
+                found.append(len(two) - len(one))
+            except Exception:   # noqa: BLE001 - a template may refuse such a chat: measure another
+                continue
+        return max(1, min(found, default=1))
 
     # ---- cheap limits (event loop) -------------------------------------------------------------
     def check_context(self, num_tokens: int, param: str) -> None:
@@ -61,6 +129,27 @@ class PromptProcessor:
                               f"{self.max_token_chars} characters, so at most {self.max_chars} characters fit",
                               param, "context_length_exceeded")
 
+    def check_messages(self, num_messages: int, chars: int = 0, param: str = "messages") -> None:
+        """A chat of this many messages renders at least message_tokens each, plus its text."""
+        tokens = num_messages * self.message_tokens + chars // self.max_token_chars
+        if tokens >= self.max_model_len:
+            raise bad_request(f"the chat has {num_messages} messages (and {chars} characters of text); each message "
+                              f"renders at least {self.message_tokens} tokens of this model's chat template, so it "
+                              f"is at least {tokens} tokens long; this model's maximum context length is "
+                              f"{self.max_model_len} tokens", param, "context_length_exceeded")
+
+    def precheck_chat_body(self, data: bytes) -> None:
+        """The message count of a chat body, before the body is validated (pydantic takes seconds
+        over hundreds of thousands of messages)."""
+        if len(data) < 64 * 1024:
+            return
+        try:
+            messages = pydantic_core.from_json(data).get("messages")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(messages, list):
+            self.check_messages(len(messages))
+
     def precheck_completion_body(self, data: bytes) -> None:
         """The prompt count and token-id prompt lengths of a /v1/completions body, before the body
         is validated (an invalid body is left to the validation to describe)."""
@@ -77,8 +166,8 @@ class PromptProcessor:
                 self.check_context(len(p), "prompt")
 
     # ---- off the event loop ----------------------------------------------------------------------
-    async def _run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+    def _lane(self, chars: int, num_messages: int = 0) -> _Lane:
+        return self._large if chars > LARGE_CHARS or num_messages > LARGE_MESSAGES else self._small
 
     async def run(self, fn: Callable, *args: Any) -> Any:
         """fn(*args) on the tokenizer's thread: for others that use the front-end tokenizer (the
@@ -90,14 +179,20 @@ class PromptProcessor:
             self.check_chars(len(text), param)
         if not texts:
             return []   # token-id prompts do not wait behind other requests' tokenization
-        return await self._run(lambda: [self.tokenizer.encode(t, add_special_tokens=add_special_tokens)
-                                        for t in texts])
+        return await self._lane(sum(map(len, texts))).run(
+            lambda tok: [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
 
-    async def render_chat(self, render: Callable[..., list[int]], messages: list, *args: Any) -> list[int]:
-        """render(tokenizer, messages, *args) on the worker thread, after the character limit on
-        the messages' text."""
-        self.check_chars(sum(_text_chars(m.content) for m in messages), "messages")
-        return await self._run(render, self.tokenizer, messages, *args)
+    async def render_chat(self, render: Callable[..., list[int]], messages: list, *args: Any,
+                          tools: list | None = None) -> list[int]:
+        """render(tokenizer, messages, *args) off the event loop, after the limits on the
+        messages' text and count (`tools`: the definitions the template will show, counted too)."""
+        chars = sum(_text_chars(m.content) for m in messages)   # text every template shows
+        self.check_chars(chars, "messages")
+        self.check_messages(len(messages), chars)
+        # The lane by all the text the template may show (names, earlier calls, tool definitions).
+        size = sum(_message_chars(m) for m in messages) + (_json_chars(tools) if tools else 0)
+        return await self._lane(size, len(messages)).run(render, messages, *args)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._small.close()
+        self._large.close()

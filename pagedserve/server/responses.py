@@ -292,7 +292,7 @@ class ResponsesServing(ChatServing):
             entry.task = asyncio.create_task(self._run_in_background(stream))
             return JSONResponse(entry.response, headers=warning_headers(self.warning))
         if self.req.stream:
-            return StreamingResponse(self._events(stream), media_type="text/event-stream",
+            return StreamingResponse(self._response_events(stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
         try:
             (final,) = await self.final_outputs(stream)
@@ -365,7 +365,7 @@ class ResponsesServing(ChatServing):
                 "reasoning": None}
 
     # -- streaming --------------------------------------------------------------------------------
-    async def _events(self, stream) -> AsyncIterator[str]:
+    async def _response_events(self, stream) -> AsyncIterator[str]:
         numbers = itertools.count()
 
         def event(kind: str, **data: Any) -> str:

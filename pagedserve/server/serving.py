@@ -146,8 +146,29 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
         return render_chat(tokenizer, conversation, add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
                            tools=tools)
-    except (ValueError, TemplateError) as e:
-        raise bad_request(f"could not render the chat template: {e}", "messages") from None
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, TemplateError) as e:
+        # The template met a message shape it does not take (the client's data, not our fault).
+        raise bad_request(f"could not render the chat template: {type(e).__name__}: {e}", "messages") from None
+
+
+# Names apply_chat_template and the template renderer take as their own arguments, and the
+# template's conversation: none may come from chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs", "self"})
+
+
+def check_chat_options(body: ChatCompletionRequest) -> None:
+    """vLLM's 400s for chat options that cannot go together."""
+    if body.continue_final_message and body.add_generation_prompt and \
+            "add_generation_prompt" in body.model_fields_set:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    reserved = RESERVED_TEMPLATE_KWARGS & set(body.chat_template_kwargs or ())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: the server sets them",
+                          "chat_template_kwargs")
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
@@ -271,6 +292,7 @@ class Serving:
                            ", ".join(sorted(new_ignored)))
         self.defaults = self.llm.default_sampling
         self.warning: str | None = None     # sent in a Warning header (tools the template does not show)
+        self.constraint_field: str | None = None   # the field of the request's output constraint, if any
 
     def log_start(self, items: list) -> None:
         if not self.state.log_requests:
@@ -304,6 +326,7 @@ class Serving:
         found = found or extra
         if found is None:
             return None
+        self.constraint_field = found[0]
         return await asyncio.to_thread(build_constraint, *found)
 
     # -- submit and wait --------------------------------------------------------------------------
@@ -339,6 +362,14 @@ class Serving:
             why = "the server is shutting down" if self.state.shutting_down else "the request was aborted"
             raise APIError(503, f"request aborted: {why}")
 
+    def engine_refusal(self, e: InvalidRequestError) -> APIError:
+        """A request refused by the engine after it was queued (its grammar failed to compile, took
+        too long, matches nothing): a 400 naming the field the client used."""
+        param = e.param
+        if param and param.startswith("structured_outputs") and self.constraint_field:
+            param = self.constraint_field
+        return bad_request(e.message, param, e.code)
+
     async def final_outputs(self, stream: RequestStream) -> list[RequestOutput]:
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
         finals: dict[str, RequestOutput] = {}
@@ -347,6 +378,9 @@ class Serving:
                 if out.finished:
                     self._check_aborted(out)
                     finals[out.request_id] = out
+        except InvalidRequestError as e:
+            self.log_finish(None, e.message)
+            raise self.engine_refusal(e) from None
         except (EngineStepError, EngineDeadError) as e:
             self.log_finish(None, str(e))
             raise APIError(500, str(e)) from None
@@ -397,17 +431,43 @@ class Serving:
     def usage_chunk(self) -> BaseModel:
         raise NotImplementedError
 
-    def streaming_response(self, stream: RequestStream) -> StreamingResponse:
-        return StreamingResponse(self._events(stream), media_type="text/event-stream",
+    async def streaming_response(self, stream: RequestStream) -> StreamingResponse:
+        outputs = stream.__aiter__()
+        first: list[RequestOutput] = []
+        if self.constraint_field is not None:
+            # A constrained request can still be refused after it is queued (its grammar fails to
+            # compile): wait for its first output, so that a refusal is a 400, not an error event
+            # in a 200 stream.
+            watcher = asyncio.create_task(self._abort_on_disconnect(stream))
+            try:
+                first.append(await outputs.__anext__())
+            except StopAsyncIteration:
+                pass
+            except InvalidRequestError as e:
+                stream.close()
+                self.log_finish(None, e.message)
+                raise self.engine_refusal(e) from None
+            except BaseException:
+                stream.close()
+                raise
+            finally:
+                watcher.cancel()
+        return StreamingResponse(self._events(stream, outputs, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
 
-    async def _events(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, outputs: AsyncIterator[RequestOutput],
+                      first: list[RequestOutput]) -> AsyncIterator[str]:
+        async def chained() -> AsyncIterator[RequestOutput]:
+            for out in first:
+                yield out
+            async for out in outputs:
+                yield out
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
         prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
         last: dict[str, RequestOutput] = {}
         error = None
         try:
-            async for out in stream:
+            async for out in chained():
                 self._check_aborted(out)
                 last[out.request_id] = out
                 i = prompt_index[out.request_id]
@@ -422,6 +482,9 @@ class Serving:
         except APIError as e:
             error = e.message
             yield _sse(e.body())
+        except InvalidRequestError as e:
+            error = e.message
+            yield _sse(self.engine_refusal(e).body())
         except (EngineStepError, EngineDeadError) as e:
             error = str(e)
             yield _sse(APIError(500, str(e)).body())
@@ -464,7 +527,7 @@ class CompletionServing(Serving):
         for text, ids, _ in items:
             self.prompt_texts.append(text if text is not None or not body.echo else llm.tokenizer.decode(ids))
         if body.stream:
-            return self.streaming_response(stream)
+            return await self.streaming_response(stream)
         finals = await self.final_outputs(stream)
         choices = []
         for i, out in enumerate(finals):
@@ -512,6 +575,7 @@ class ChatServing(Serving):
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
+        check_chat_options(body)
         self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
         if self.tools is not None:
             self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
@@ -521,7 +585,8 @@ class ChatServing(Serving):
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
         ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, add_generation_prompt,
                                                    body.continue_final_message, body.chat_template_kwargs,
-                                                   self.tools.tools if self.tools else None)
+                                                   self.tools.tools if self.tools else None,
+                                                   tools=self.tools.tools if self.tools else None)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if not explicit:
@@ -531,7 +596,7 @@ class ChatServing(Serving):
                              defaults=self.defaults)
         stream = await self.submit([(None, ids, params)])
         if body.stream:
-            return self.streaming_response(stream)
+            return await self.streaming_response(stream)
         (final,) = await self.final_outputs(stream)
         choices = [self._choice(c) for c in self.returned(final)]
         response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,

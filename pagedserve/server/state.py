@@ -47,6 +47,8 @@ class ServerState:
     on_engine_dead: Callable[[], None] = lambda: None
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)   # e.g. end the dashboard's streams
     loop: asyncio.AbstractEventLoop | None = None
+    # Set when the drain is over: the gate answers whatever is still in flight with a 503 itself.
+    hard_stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[Any] = field(default_factory=list)
 
     @property
@@ -89,4 +91,18 @@ class ServerState:
         if self.num_in_flight:
             logger.info("aborting %d requests still in flight", self.num_in_flight)
         self.llm.abort_all()
+        # Aborted engine requests answer their clients (503) at once; a request still before the
+        # engine (tokenizing, a grammar's checks) is answered 503 by the gate (app.py), so no
+        # client waits for uvicorn's own timeout and its plain-text 500.
+        await self._wait_idle(0.5)
+        if self.num_in_flight:
+            logger.info("answering %d requests still in flight with 503", self.num_in_flight)
+        self.hard_stop.set()
+        await self._wait_idle(0.5)
         stop_server()
+
+    async def _wait_idle(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)

@@ -54,14 +54,9 @@ def plan_tools(body: ChatCompletionRequest, auto_tool_choice: bool, parser: str 
                               "tool_choice")
         return ToolPlan("auto", body.tools)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
-                  "required": ["name", "parameters"]} for name, params in functions.items()]
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-        if not body.parallel_tool_calls:
-            schema["maxItems"] = 1
-        return ToolPlan("required", body.tools, {"json": schema})
+        return ToolPlan("required", body.tools, {"json": _required_schema(functions, body.parallel_tool_calls)})
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        name = _named_choice(choice)
         if name not in functions:
             raise bad_request(f'tool_choice must be "none", "auto", "required" or {{"type": "function", '
                               f'"function": {{"name": NAME}}}} naming one of the tools ({", ".join(functions)})',
@@ -71,12 +66,58 @@ def plan_tools(body: ChatCompletionRequest, auto_tool_choice: bool, parser: str 
                       "tool_choice")
 
 
+_NAMED = '{"type": "function", "function": {"name": NAME}}'
+_DEFS = ("$defs", "definitions")   # where schemas keep what "$ref": "#/$defs/..." points to
+
+
+def _named_choice(choice: dict[str, Any]) -> str:
+    """The function a tool_choice object names (400 for any other shape)."""
+    if choice.get("type") != "function":
+        raise bad_request(f"tool_choice as an object must be {_NAMED}; its type is {choice.get('type')!r}",
+                          "tool_choice")
+    fn = choice.get("function")
+    if not isinstance(fn, dict):
+        raise bad_request(f"tool_choice.function must be an object {{\"name\": NAME}}; got {type(fn).__name__}",
+                          "tool_choice")
+    name = fn.get("name")
+    if not isinstance(name, str):
+        raise bad_request(f"tool_choice.function.name must be a string; got {type(name).__name__}", "tool_choice")
+    return name
+
+
+def _required_schema(functions: dict[str, dict], parallel: bool) -> dict:
+    """tool_choice "required": an array of {"name", "parameters"} calls. Each tool's $defs move to
+    the top of the array's schema, where the tools' "#/$defs/..." references resolve."""
+    defs: dict[str, dict[str, Any]] = {}
+    calls = []
+    for name, params in functions.items():
+        params = dict(params)
+        for where in _DEFS:
+            hoisted = params.pop(where, None)
+            if hoisted is None:
+                continue
+            if not isinstance(hoisted, dict):
+                raise bad_request(f"the parameters of tool {name!r}: {where} must be an object", "tools")
+            for key, value in hoisted.items():
+                if key in defs.setdefault(where, {}) and defs[where][key] != value:
+                    raise bad_request(f"tools define {where}/{key} differently ({name!r} and another); with "
+                                      f'tool_choice "required" their definitions share one namespace', "tools")
+                defs[where][key] = value
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    schema.update(defs)
+    return schema
+
+
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict]:
     """name -> parameters schema of each function tool."""
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(fn, dict):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):

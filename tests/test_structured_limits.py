@@ -1,0 +1,162 @@
+"""Structured outputs against a hostile client (issue 34): the compile pool's time limit,
+abandoned compiles, the cache's byte bound, schema depth and size limits, repeat caps, and
+grammars that can match nothing. The compiler runs over the tests' tiny tokenizer (400 tokens),
+so real xgrammar compiles stay fast; slow compiles are simulated by blocking `_compile`."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import xgrammar
+
+from pagedserve import InvalidRequestError, StructuredOutputsParams
+from pagedserve.structured.manager import GrammarCompiler
+
+WAIT = 60   # seconds any future may take here before the test fails (never reached when it passes)
+
+
+@pytest.fixture
+def compiler(tiny_tokenizer):
+    made = []
+
+    def make(**kw):
+        c = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), [2], **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    """`_compile` blocks until the event is set, for grammars whose text holds "slow"."""
+    release = threading.Event()
+    original = GrammarCompiler._compile
+
+    def maybe_slow(self, ebnf):
+        if "slow" in ebnf:
+            release.wait(WAIT)
+        return original(self, ebnf)
+    monkeypatch.setattr(GrammarCompiler, "_compile", maybe_slow)
+    yield release
+    release.set()
+
+
+def test_grammar_text_is_built_on_the_compile_pool_only(compiler, monkeypatch):
+    """Converting a schema is proportional to its size (quadratic in xgrammar for bounded
+    repeats): neither building the params nor compile() may do it on the caller's thread."""
+    threads = []
+    convert = xgrammar.Grammar.from_json_schema
+
+    def recording(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return convert(*a, **kw)
+    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema", staticmethod(recording))
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    c = compiler()
+    c.compile(params).result(WAIT)
+    assert threads and all(t.startswith("pagedserve-grammar") for t in threads), threads
+
+
+def test_a_compile_over_the_time_limit_fails_with_a_clear_error_and_frees_the_pool(compiler, blocked):
+    c = compiler(num_threads=1, compile_timeout=0.2)
+    slow = c.compile(StructuredOutputsParams(grammar='root ::= "slow"'))
+    with pytest.raises(InvalidRequestError, match="time limit") as e:
+        slow.result(WAIT)
+    assert e.value.param == "structured_outputs"
+    # The timed-out compile still runs (xgrammar cannot be interrupted) but holds no slot.
+    assert c.compile(StructuredOutputsParams(regex="ab?")).result(WAIT) is not None
+
+
+def test_abandoned_compiles_do_not_hold_new_ones(compiler, blocked):
+    c = compiler(num_threads=1, compile_timeout=0)
+    states = [c.new_state(StructuredOutputsParams(grammar=f'root ::= "slow{i}"')) for i in range(4)]
+    for s in states:
+        s.release()                      # their clients left
+    assert c.compile(StructuredOutputsParams(regex="quick")).result(WAIT) is not None
+    for s in states:                     # the queued ones were dropped, not compiled
+        with pytest.raises(Exception):
+            s.compiled.result(WAIT)
+
+
+def test_the_cache_is_bounded_in_bytes(compiler):
+    c = compiler(max_cache_bytes=1)     # nothing fits: every finished compile is dropped from the cache
+    for i in range(3):
+        c.compile(StructuredOutputsParams(choice=[f"x{i}", "y"])).result(WAIT)
+    assert c.cache_bytes <= 1 and c.num_cached == 0
+    big = compiler(max_cache_bytes=1 << 30)
+    futures = [big.compile(StructuredOutputsParams(choice=[f"x{i}", "y"])) for i in range(3)]
+    for f in futures:
+        f.result(WAIT)
+    assert big.num_cached == 3 and big.cache_bytes > 0
+    entry_bytes = big.cache_bytes // 3
+    small = compiler(max_cache_bytes=2 * entry_bytes + entry_bytes // 2)
+    for i in range(3):
+        small.compile(StructuredOutputsParams(choice=[f"x{i}", "y"])).result(WAIT)
+    assert small.num_cached == 2 and small.cache_bytes <= 2 * entry_bytes + entry_bytes // 2
+
+
+def nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def nested_arrays_text(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+
+
+@pytest.mark.parametrize("schema", [nested_arrays(150), nested_arrays_text(300), "[" * 5000 + "]" * 5000,
+                                    nested_arrays_text(5000)])
+def test_deep_schemas_are_refused_not_a_recursion_error(schema):
+    with pytest.raises(InvalidRequestError, match="deep") as e:
+        StructuredOutputsParams(json=schema)
+    assert e.value.param == "structured_outputs.json"
+
+
+@pytest.mark.parametrize("kwargs", [{"json": {"type": "string", "pattern": ".{1,4588}"}},
+                                    {"regex": "a{0,9000}"},
+                                    {"json": {"type": "object", "properties": {
+                                        f"p{i}": {"type": "string", "pattern": "[a-z]{1,400}"} for i in range(5)}}}])
+def test_large_bounded_repeats_are_refused_when_built(kwargs):
+    with pytest.raises(InvalidRequestError, match="repeat"):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_a_grammar_over_the_size_cap_is_refused(compiler):
+    with pytest.raises(InvalidRequestError, match="large"):
+        compiler(max_grammar_bytes=10_000).compile(
+            StructuredOutputsParams(json={"enum": [f"value{i}" for i in range(2000)]})).result(WAIT)
+
+
+@pytest.mark.parametrize("grammar", ["root ::= root", 'root ::= a\na ::= a "x"'])
+def test_a_grammar_that_matches_nothing_is_refused_at_compile(compiler, grammar):
+    with pytest.raises(InvalidRequestError, match="matches no") as e:
+        compiler().compile(StructuredOutputsParams(grammar=grammar)).result(WAIT)
+    assert e.value.param == "structured_outputs.grammar"
+
+
+def test_close_fails_queued_and_running_compiles_at_once(compiler, blocked):
+    c = compiler(num_threads=1, compile_timeout=0)
+    futures = [c.compile(StructuredOutputsParams(grammar=f'root ::= "slow{i}"')) for i in range(3)]
+    c.close()
+    for f in futures:
+        with pytest.raises(Exception, match="shutting down"):
+            f.result(WAIT)
+
+
+def test_failed_constraints_count_against_the_cache_too(compiler):
+    """A refused constraint stays cached (a repeat is refused at once) but its text counts: a
+    flood of distinct bad ones cannot grow the cache past its bytes."""
+    c = compiler(max_cache_bytes=4000)
+    for i in range(30):
+        f = c.compile(StructuredOutputsParams(grammar=f"root ::= r{i}\nr{i} ::= r{i}"))
+        with pytest.raises(InvalidRequestError):
+            f.result(WAIT)
+    assert c.cache_bytes <= 4000 and len(c._cache) < 30
+    assert c.num_compiles == 30
+    again = c.compile(StructuredOutputsParams(grammar="root ::= r29\nr29 ::= r29"))
+    assert again.done() and c.num_compiles == 30    # refused again at once, not recompiled
