@@ -171,8 +171,8 @@ class PromptProcessor:
 
     async def run(self, fn: Callable, *args: Any) -> Any:
         """fn(*args) on the tokenizer's thread: for others that use the front-end tokenizer (the
-        dashboard's block text)."""
-        return await self._run(fn, *args)
+        dashboard's block text), in the small lane: fn does not take the tokenizer."""
+        return await self._small.run(lambda _tokenizer: fn(*args))
 
     async def encode(self, texts: list[str], param: str = "prompt", add_special_tokens: bool = True) -> list[list[int]]:
         for text in texts:
