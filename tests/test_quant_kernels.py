@@ -51,8 +51,8 @@ def weight(qtype: str, rows: int = ROWS, cols: int | None = None,
 def variant(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(quant, "load", lambda: None)        # as where no compiler builds a variant
-        monkeypatch.setattr(quant, "_lib", None)
-        monkeypatch.setattr(quant, "_active", "torch")
+        monkeypatch.setattr(quant.KERNELS, "lib", None)
+        monkeypatch.setattr(quant.KERNELS, "active", "torch")
         yield "torch"
     else:
         with quant.using_variant(request.param) as lib:

@@ -18,6 +18,9 @@ dtype="bfloat16" still runs bf16 weights through every variant).
 Only the chosen variant is compiled, with the system C++ compiler on first use, and cached
 under ~/.cache/pagedserve/kernels by source and flags; no torch headers and no build step at
 install time. Where it cannot be built, callers fall back to plain torch (with a warning).
+KernelLibrary does the choosing, building, caching and switching for a source and its variants;
+this module's functions (choose_variant, load, use_variant, using_variant, ...) front its
+instance KERNELS, and kernels/quant.py holds another for quant_kernels.cpp.
 """
 from __future__ import annotations
 
@@ -58,6 +61,112 @@ class Variant:
     cpu_flags: tuple[str, ...]
 
 
+class KernelLibrary:
+    """One C++ source compiled per CPU family and loaded through ctypes: its variants (best
+    first; only `scalar` off x86), the environment variable that forces one, the C functions'
+    signatures, and the active variant with its library. Picks the variant (the override, else
+    the best the CPU's flags allow, else the next that builds), builds each on first use
+    (_build: cached by source and flags) and switches between them. cpu.py and quant.py each
+    hold one (KERNELS) behind their module-level functions."""
+
+    def __init__(self, source: Path, variants: tuple[Variant, ...], env_var: str, signatures: dict,
+                 variant_symbol: str, kind: str, log: logging.Logger, unavailable: str,
+                 on_switch=None) -> None:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            variants = tuple(v for v in variants if v.name == "scalar")
+        self.source, self.variants, self.env_var, self.signatures = source, variants, env_var, signatures
+        self.by_name = {v.name: v for v in variants}
+        self.variant_symbol = variant_symbol     # the C function naming the build (restype char*)
+        self.kind, self.log, self.unavailable = kind, log, unavailable    # messages: "<kind> variant ...", warning
+        self.on_switch = on_switch               # called after every switch of the active variant
+        self.libs: dict[str, ctypes.CDLL | None] = {}     # per variant; None: it failed to build or load
+        self.active: str | None = None                    # the variant the module's wrappers call
+        self.lib: ctypes.CDLL | None = None               # its library
+
+    def supported(self) -> list[str]:
+        """The variants this CPU can run, best first (always ends with `scalar`)."""
+        return [v.name for v in self.variants if set(v.cpu_flags) <= cpu_flags()]
+
+    def missing_flags(self, name: str) -> list[str]:
+        """The CPU flags variant `name` needs that this CPU lacks."""
+        return sorted(set(self.by_name[name].cpu_flags) - cpu_flags())
+
+    def forced(self) -> str | None:
+        """The variant the environment variable names (None where unset or `auto`)."""
+        value = os.environ.get(self.env_var, "").strip().lower()
+        return None if value in ("", "auto") else value
+
+    def choose(self) -> str:
+        """The environment variable's variant if set (refused if this CPU cannot run it), else
+        the best the CPU supports."""
+        forced = self.forced()
+        if forced is None:
+            return self.supported()[0]
+        if forced not in self.by_name:
+            raise ValueError(f"{self.env_var}={forced!r}: expected one of auto, {', '.join(self.by_name)}")
+        if self.missing_flags(forced):
+            raise RuntimeError(f"{self.env_var}={forced}: this CPU lacks {', '.join(self.missing_flags(forced))}; "
+                               f"it supports {', '.join(self.supported())}")
+        return forced
+
+    def load_variant(self, name: str) -> ctypes.CDLL | None:
+        """Variant `name`'s library, compiled on first use; None (with a warning) if it cannot
+        be built. Raises where this CPU cannot run it."""
+        if name in self.libs:
+            return self.libs[name]
+        if self.missing_flags(name):
+            raise RuntimeError(f"{self.kind} variant {name!r} needs {', '.join(self.missing_flags(name))}, "
+                               "which this CPU lacks")
+        lib = None
+        try:
+            lib = ctypes.CDLL(str(_build(self.by_name[name], self.source)))
+            for fn_name, argtypes in self.signatures.items():
+                fn = getattr(lib, fn_name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = argtypes
+            getattr(lib, self.variant_symbol).restype = ctypes.c_char_p
+        except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            self.log.warning(self.unavailable, name, detail[-2000:])
+            lib = None
+        self.libs[name] = lib
+        return lib
+
+    def load(self) -> ctypes.CDLL | None:
+        """The active variant's library (chosen by choose() on first call; where the best one
+        fails to build, e.g. a compiler without its flags, the next one); None if none can be
+        built."""
+        if self.active is None:
+            chosen = self.choose()
+            candidates = self.supported()
+            for name in [chosen] if self.forced() else candidates[candidates.index(chosen):]:
+                if self.use(name) is not None:
+                    break
+        return self.lib
+
+    def use(self, name: str) -> ctypes.CDLL | None:
+        """Make variant `name` the active one."""
+        self.active, self.lib = name, self.load_variant(name)
+        if self.on_switch is not None:
+            self.on_switch()
+        return self.lib
+
+    @contextlib.contextmanager
+    def using(self, name: str):
+        """Run a block with variant `name` active, then restore the previous one."""
+        previous = self.active
+        self.use(name)
+        try:
+            yield self.lib
+        finally:
+            if previous is not None:
+                self.use(previous)
+
+    def variant(self) -> str | None:
+        """The variant in use (after load()), or None where none could be loaded."""
+        return self.active if self.load() is not None else None
+
+
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 VARIANTS = (     # best first
@@ -67,10 +176,7 @@ VARIANTS = (     # best first
     Variant("avx2", _AVX2, ("avx2", "fma", "f16c")),
     Variant("scalar", (), ()),     # the compiler's baseline for this architecture (x86-64: SSE2)
 )
-_BY_NAME = {v.name: v for v in VARIANTS}
 TILED_PREFILL_VARIANTS = ("avx512bf16", "avx512", "avx2")    # scalar runs prefill tokens through the decode kernel
-if platform.machine() not in ("x86_64", "AMD64"):
-    VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -96,9 +202,10 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
-_libs: dict[str, ctypes.CDLL | None] = {}     # per variant; None: it failed to build or load
-_active: str | None = None                    # the variant the wrappers below call
-_lib: ctypes.CDLL | None = None               # its library
+KERNELS = KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "kernel_variant", "CPU kernel", logger,
+                        "CPU kernels (%s) unavailable, using slower torch paths: %s",
+                        on_switch=lambda: _compiled.cache_clear())    # wrappers resolve functions per variant
+VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
 @functools.cache
@@ -116,26 +223,18 @@ def cpu_flags() -> frozenset[str]:
 
 def supported_variants() -> list[str]:
     """The variants this CPU can run, best first (always ends with `scalar`)."""
-    return [v.name for v in VARIANTS if set(v.cpu_flags) <= cpu_flags()]
+    return KERNELS.supported()
 
 
 def missing_flags(name: str) -> list[str]:
     """The CPU flags variant `name` needs that this CPU lacks."""
-    return sorted(set(_BY_NAME[name].cpu_flags) - cpu_flags())
+    return KERNELS.missing_flags(name)
 
 
 def choose_variant() -> str:
     """$PAGEDSERVE_CPU_KERNELS if set (refused if this CPU cannot run it), else the best the
     CPU supports."""
-    forced = os.environ.get(ENV_VARIANT, "").strip().lower()
-    if not forced or forced == "auto":
-        return supported_variants()[0]
-    if forced not in _BY_NAME:
-        raise ValueError(f"{ENV_VARIANT}={forced!r}: expected one of auto, {', '.join(_BY_NAME)}")
-    if missing_flags(forced):
-        raise RuntimeError(f"{ENV_VARIANT}={forced}: this CPU lacks {', '.join(missing_flags(forced))}; "
-                           f"it supports {', '.join(supported_variants())}")
-    return forced
+    return KERNELS.choose()
 
 
 def describe() -> dict:
@@ -152,7 +251,7 @@ def describe() -> dict:
 
 def variant() -> str | None:
     """The kernel variant in use (after load()), or None where none could be loaded."""
-    return _active if load() is not None else None
+    return KERNELS.variant()
 
 
 # CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16): True keeps bf16 weights (half the
@@ -171,7 +270,7 @@ def auto_keeps_bf16() -> bool:
     own bf16 matmul elsewhere runs at ~1.5% of its float32 rate."""
     if load() is None:
         return "avx512_bf16" in cpu_flags()
-    return _active == "avx512bf16" or BF16_STORAGE_WITHOUT_BF16_ARITHMETIC
+    return KERNELS.active == "avx512bf16" or BF16_STORAGE_WITHOUT_BF16_ARITHMETIC
 
 
 def _build(v: Variant, source: Path = SOURCE) -> Path:
@@ -197,59 +296,26 @@ def _build(v: Variant, source: Path = SOURCE) -> Path:
 def load_variant(name: str) -> ctypes.CDLL | None:
     """Variant `name`'s library, compiled on first use; None (with a warning) if it cannot be
     built. Raises where this CPU cannot run it."""
-    if name in _libs:
-        return _libs[name]
-    if missing_flags(name):
-        raise RuntimeError(f"CPU kernel variant {name!r} needs {', '.join(missing_flags(name))}, which this CPU lacks")
-    lib = None
-    try:
-        lib = ctypes.CDLL(str(_build(_BY_NAME[name])))
-        for fn_name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, fn_name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
-        lib.kernel_variant.restype = ctypes.c_char_p
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("CPU kernels (%s) unavailable, using slower torch paths: %s", name, detail[-2000:])
-        lib = None
-    _libs[name] = lib
-    return lib
+    return KERNELS.load_variant(name)
 
 
 def load() -> ctypes.CDLL | None:
     """The active variant's library (chosen by choose_variant on first call; where the best
     one fails to build, e.g. a compiler without -mavx512bf16, the next one); None if none can
     be built."""
-    if _active is None:
-        chosen = choose_variant()
-        forced = os.environ.get(ENV_VARIANT, "").strip().lower() not in ("", "auto")
-        candidates = supported_variants()
-        for name in [chosen] if forced else candidates[candidates.index(chosen):]:
-            if use_variant(name) is not None:
-                break
-    return _lib
+    return KERNELS.load()
 
 
 def use_variant(name: str) -> ctypes.CDLL | None:
     """Make variant `name` the one every wrapper below calls (tests and benchmarks run each
     variant the CPU supports). Weights packed before stay valid: every variant packs alike."""
-    global _active, _lib
-    _active, _lib = name, load_variant(name)
-    _compiled.cache_clear()
-    return _lib
+    return KERNELS.use(name)
 
 
-@contextlib.contextmanager
 def using_variant(name: str):
-    """Run a block with variant `name` active, then restore the previous one."""
-    previous = _active
-    use_variant(name)
-    try:
-        yield _lib
-    finally:
-        if previous is not None:
-            use_variant(previous)
+    """Run a block with variant `name` active, then restore the previous one (a context manager
+    yielding its library)."""
+    return KERNELS.using(name)
 
 
 class AttentionRows(ctypes.Structure):
@@ -317,21 +383,21 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
             k.stride(-1) != 1 or v.stride(-1) != 1 or slot_mapping.dtype != torch.int64 or \
             k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         return False
-    num_tokens, num_kv_heads, head_dim = k.shape
+    lib, (num_tokens, num_kv_heads, head_dim) = KERNELS.lib, k.shape
     slots = slot_mapping.contiguous()
     if kv_code:
         if kv_cache.dtype != torch.uint8 or k.dtype not in (torch.float32, torch.bfloat16):
             return False
-        status = _lib.write_kv8(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads,
-                                head_dim, k_cache.shape[1], *k_cache.stride()[:3], int(k.dtype == torch.bfloat16),
-                                kv_code)
+        status = lib.write_kv8(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads,
+                               head_dim, k_cache.shape[1], *k_cache.stride()[:3], int(k.dtype == torch.bfloat16),
+                               kv_code)
         return status == 0
     if k.dtype != kv_cache.dtype:
         return False
-    _lib.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                  k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads, head_dim,
-                  k_cache.shape[1], *k_cache.stride()[:3], k.element_size())
+    lib.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                 k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_kv_heads, head_dim,
+                 k_cache.shape[1], *k_cache.stride()[:3], k.element_size())
     return True
 
 
@@ -447,7 +513,7 @@ def _compiled(name: str, dtype: torch.dtype):
     suffix = _SUFFIX.get(dtype)
     if suffix is None or load() is None:
         return None
-    return getattr(_lib, f"{name}_{suffix}")
+    return getattr(KERNELS.lib, f"{name}_{suffix}")
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,

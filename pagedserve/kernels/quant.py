@@ -41,20 +41,17 @@ super-block's eight converted together), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpd
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
 127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
 at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
-(tests run all the CPU supports). Built like kernels/cpu.py's library (cpu._build: system C++
-compiler on first use, cached under ~/.cache/pagedserve/kernels by source and flags; the
-flags add -ffp-contract=off so dequantize matches gguf bit for bit); where none builds, torch
-stands in (dequantize in row chunks, float matmul).
+(tests run all the CPU supports). Chosen, built and loaded by a cpu.KernelLibrary (KERNELS),
+as kernels/cpu.py's library is (system C++ compiler on first use, cached under
+~/.cache/pagedserve/kernels by source and flags; the flags add -ffp-contract=off so dequantize
+matches gguf bit for bit); where none builds, torch stands in (dequantize in row chunks, float
+matmul).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
-import os
-import platform
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -87,9 +84,6 @@ VARIANTS = (     # best first
     cpu.Variant("avx2", _AVX2, _AVX2_FLAGS),
     cpu.Variant("scalar", _EXACT, ()),
 )
-_BY_NAME = {v.name: v for v in VARIANTS}
-if platform.machine() not in ("x86_64", "AMD64"):
-    VARIANTS, _BY_NAME = (_BY_NAME["scalar"],), {"scalar": _BY_NAME["scalar"]}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -112,9 +106,9 @@ _SIGNATURES = {
     # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_*), tile_rows
     "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
 }
-_libs: dict[str, ctypes.CDLL | None] = {}
-_active: str | None = None
-_lib: ctypes.CDLL | None = None
+KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
+                            "quantized-weight kernels (%s) unavailable, using torch: %s")
+VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
 @dataclass(frozen=True, eq=False)
@@ -385,7 +379,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
         raise ValueError(f"linear: x {tuple(x.shape)} does not match weights of width {cols}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"linear: x must be float32 or bfloat16, got {x.dtype}")
-    lib = _lib if _active is not None else load()
+    lib = KERNELS.lib if KERNELS.active is not None else load()
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=x.dtype)
     if lib is not None and x.shape[0] <= SMALL_BATCH_ROWS:
@@ -460,80 +454,36 @@ def _check(status: int, name: str) -> None:
 # ---- variants ---------------------------------------------------------------------------------
 def supported_variants() -> list[str]:
     """The variants this CPU can run, best first (always ends with `scalar`)."""
-    return [v.name for v in VARIANTS if set(v.cpu_flags) <= cpu.cpu_flags()]
-
-
-def _missing(name: str) -> list[str]:
-    return sorted(set(_BY_NAME[name].cpu_flags) - cpu.cpu_flags())
+    return KERNELS.supported()
 
 
 def choose_variant() -> str:
     """$PAGEDSERVE_QUANT_KERNELS if set (refused if this CPU cannot run it), else the best the
     CPU supports."""
-    forced = os.environ.get(ENV_VARIANT, "").strip().lower()
-    if not forced or forced == "auto":
-        return supported_variants()[0]
-    if forced not in _BY_NAME:
-        raise ValueError(f"{ENV_VARIANT}={forced!r}: expected one of auto, {', '.join(_BY_NAME)}")
-    if _missing(forced):
-        raise RuntimeError(f"{ENV_VARIANT}={forced}: this CPU lacks {', '.join(_missing(forced))}; "
-                           f"it supports {', '.join(supported_variants())}")
-    return forced
+    return KERNELS.choose()
 
 
 def load_variant(name: str) -> ctypes.CDLL | None:
     """Variant `name`'s library, compiled on first use; None (with a warning) if it cannot be
     built. Raises where this CPU cannot run it."""
-    if name in _libs:
-        return _libs[name]
-    if _missing(name):
-        raise RuntimeError(f"quant kernel variant {name!r} needs {', '.join(_missing(name))}, which this CPU lacks")
-    lib = None
-    try:
-        lib = ctypes.CDLL(str(cpu._build(_BY_NAME[name], SOURCE)))
-        for fn_name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, fn_name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
-        lib.quant_kernel_variant.restype = ctypes.c_char_p
-    except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("quantized-weight kernels (%s) unavailable, using torch: %s", name, detail[-2000:])
-        lib = None
-    _libs[name] = lib
-    return lib
+    return KERNELS.load_variant(name)
 
 
 def load() -> ctypes.CDLL | None:
     """The active variant's library (chosen on first call; where the best fails to build, the
     next); None if none can be built (then torch computes)."""
-    if _active is None:
-        chosen = choose_variant()
-        forced = os.environ.get(ENV_VARIANT, "").strip().lower() not in ("", "auto")
-        candidates = supported_variants()
-        for name in [chosen] if forced else candidates[candidates.index(chosen):]:
-            if use_variant(name) is not None:
-                break
-    return _lib
+    return KERNELS.load()
 
 
 def use_variant(name: str) -> ctypes.CDLL | None:
     """Make variant `name` the one linear() and dequantize() call."""
-    global _active, _lib
-    _active, _lib = name, load_variant(name)
-    return _lib
+    return KERNELS.use(name)
 
 
-@contextlib.contextmanager
 def using_variant(name: str):
-    """Run a block with variant `name` active, then restore the previous one."""
-    previous = _active
-    use_variant(name)
-    try:
-        yield _lib
-    finally:
-        if previous is not None:
-            use_variant(previous)
+    """Run a block with variant `name` active, then restore the previous one (a context manager
+    yielding its library)."""
+    return KERNELS.using(name)
 
 
 def kernel_address(name: str) -> int | None:
@@ -553,19 +503,19 @@ def c_part(w: QuantizedWeight) -> QuantPart:
 
 def variant() -> str | None:
     """The variant in use, or None where none could be built (torch computes)."""
-    return _active if load() is not None else None
+    return KERNELS.active if load() is not None else None
 
 
 def describe() -> dict:
     """Which variant is in use and why, and which path runs which batch size."""
     active = variant()
-    forced = os.environ.get(ENV_VARIANT, "").strip().lower()
+    forced = KERNELS.forced()
     gemm = f"cpu.py's packed GEMM ({cpu.variant()})" if active and cpu.load() is not None else "torch.matmul"
     small = f"integer dots over q8 activations ({active})" if active else "torch (dequantize + matmul)"
     return dict(
         quant_kernels=active or "torch",
         quant_kernels_supported=supported_variants(),
-        quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced not in ("", "auto") else
+        quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced else
                               "the best this CPU's flags allow" if active else "no variant could be built"),
         quant_small_batch_rows=SMALL_BATCH_ROWS,
         quant_paths={q: f"T <= {SMALL_BATCH_ROWS}: {small}; above: tiles dequantized into {gemm}" for q in QTYPES},
