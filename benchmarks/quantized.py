@@ -36,21 +36,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 
+from tests.gguf_utils import finish, gguf_name, gguf_writer, random_k_blocks  # noqa: E402
+
 # SmolLM2-1.7B's config (HuggingFaceTB/SmolLM2-1.7B-Instruct's config.json).
 SMOLLM2_1_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", torch_dtype="bfloat16",
                     hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
                     num_key_value_heads=32, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                     rope_theta=130000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
-_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 # GGML type of each tensor kind per file ("*": the rest), as llama.cpp's presets mix them.
 MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0"},
          "Q8_0": {"*": "Q8_0"},
          "Q4_K_M": {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}}
-# K-quant layouts: byte offsets of the float16 scale d and minimum scale dmin, dmin/d centring values.
-_K_SCALES = {"Q4_K": (0, 2, 7.5), "Q6_K": (208, None, 0.0)}
 
 
 # ---- writing GGUF files of a shape -----------------------------------------------------------
@@ -63,21 +60,8 @@ def _raw_blocks(ggml: str, w: torch.Tensor, rng: np.random.Generator) -> np.ndar
     from pagedserve.kernels import quant
     if ggml.lower() in quant.QUANTIZE_TYPES:
         return quant.quantize(w.float(), ggml.lower()).data.numpy()
-    qtype = gguf.GGMLQuantizationType[ggml]
-    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = w.shape
-    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
-    d_at, dmin_at, ratio = _K_SCALES[ggml]
-
-    def set_scales(d: float) -> None:
-        raw[..., d_at:d_at + 2] = np.full(raw.shape[:2], d, np.float16)[..., None].view(np.uint8)
-        if dmin_at is not None:
-            raw[..., dmin_at:dmin_at + 2] = np.full(raw.shape[:2], d * ratio, np.float16)[..., None].view(np.uint8)
-
-    set_scales(1.0)
-    sample = gguf.quants.dequantize(raw[: min(rows, 64)].reshape(min(rows, 64), -1), qtype)
-    set_scales(float(w.float().std()) / float(sample.std()))
-    return raw.reshape(rows, -1)
+    return random_k_blocks(gguf.GGMLQuantizationType[ggml], *w.shape, rng, std=float(w.float().std()),
+                           sample_rows=64)
 
 
 def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0) -> None:
@@ -89,38 +73,21 @@ def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0) -> None:
     from pagedserve.models.dummy import DummyWeights
     from pagedserve.models.loader import args_from_hf_config
     args = args_from_hf_config(config)
-    w = gguf.GGUFWriter(str(path), "llama", use_temp_file=True)
-    w.add_block_count(args.num_layers)
-    w.add_context_length(args.max_position_embeddings)
-    w.add_embedding_length(args.hidden_size)
-    w.add_feed_forward_length(args.intermediate_size)
-    w.add_head_count(args.num_heads)
-    w.add_head_count_kv(args.num_kv_heads)
-    w.add_layer_norm_rms_eps(args.rms_norm_eps)
-    w.add_rope_freq_base(args.rope_theta)
-    w.add_vocab_size(args.vocab_size)
+    w = gguf_writer(path, "llama", layers=args.num_layers, context=args.max_position_embeddings,
+                    hidden=args.hidden_size, intermediate=args.intermediate_size, heads=args.num_heads,
+                    kv_heads=args.num_kv_heads, eps=args.rms_norm_eps, vocab=args.vocab_size,
+                    rope_theta=args.rope_theta, use_temp_file=True)
     weights = DummyWeights(args, torch.float32, "cpu", seed)
     rng = np.random.default_rng(seed)
     for name in weights:
         t = weights[name]
-        if name.startswith("layers."):
-            _, i, rest = name.split(".", 2)
-            module, suffix = rest.rsplit(".", 1)
-            kind = _LAYER[module]
-            gguf_name = f"blk.{i}.{kind}.{suffix}"
-        else:
-            kind = {"embed_tokens.weight": "token_embd", "norm.weight": "output_norm",
-                    "lm_head.weight": "output"}[name]
-            gguf_name = kind + ".weight"
+        kind, name_in_file = gguf_name(name)
         if t.dim() == 1:
-            w.add_tensor(gguf_name, t.numpy())
+            w.add_tensor(name_in_file, t.numpy())
             continue
         ggml = mix.get(kind, mix["*"])          # (random weights: q/k need no rotary permutation)
-        w.add_tensor(gguf_name, _raw_blocks(ggml, t, rng), raw_dtype=gguf.GGMLQuantizationType[ggml])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(name_in_file, _raw_blocks(ggml, t, rng), raw_dtype=gguf.GGMLQuantizationType[ggml])
+    finish(w)
 
 
 # ---- one configuration, in a child process ---------------------------------------------------

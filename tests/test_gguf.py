@@ -13,42 +13,17 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.conftest import hf_greedy
-
-_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
+from tests.gguf_utils import finish, gguf_name, hf_writer
 
 def write_qwen2_gguf(tm, path) -> None:
     """As llama.cpp's converter writes a Qwen2 model: float32 tensors, q/k rows as in HF."""
-    import gguf
     cfg = tm.hf.config
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
+    w = hf_writer(path, "qwen2", cfg)
     for name, t in tm.hf.state_dict().items():
-        name = name.removeprefix("model.")
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name.startswith("layers."):
-            _, i, rest = name.split(".", 2)
-            module, suffix = rest.rsplit(".", 1)
-            name = f"blk.{i}.{_LAYER[module]}.{suffix}"
-        else:
-            name = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(gguf_name(name)[1], t.detach().float().numpy().astype(np.float32))
+    finish(w)
 
 
 @pytest.fixture

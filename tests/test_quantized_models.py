@@ -22,7 +22,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import cache_dir
 from pagedserve.kernels import quant
 from pagedserve.models.loader import _unpermute_rotary, default_model_path
-from tests.test_gguf import _LAYER
+from tests.gguf_utils import K_SCALES, finish, gguf_name, hf_writer, random_k_blocks
 
 gguf = pytest.importorskip("gguf")
 GGML = gguf.GGMLQuantizationType
@@ -38,11 +38,6 @@ DEFAULT_MODEL_MARGIN = 0.35
 TEXT = "Paged attention stores keys and values in fixed-size blocks. Continuous batching schedules every " \
        "running sequence at each iteration."
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def add(a, b):"]
-
-# GGML block layouts of the K-quants (and the Q2_K / Q3_K fallbacks): the byte offsets of their
-# float16 super-block scale d and minimum scale dmin, and dmin / d that centres the values.
-_K_SCALES = {GGML.Q2_K: (80, 82, 1.5), GGML.Q3_K: (108, None, 0), GGML.Q4_K: (0, 2, 7.5),
-             GGML.Q5_K: (0, 2, 15.5), GGML.Q6_K: (208, None, 0)}
 
 # name -> (the layers' type, by GGUF tensor kind; default for kinds not listed)
 MIXES = {
@@ -65,26 +60,9 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator, std: float) -> np.ndarray:
-    """Random valid K-quant blocks (their bits uniform; d, dmin scaled to values of about `std`)."""
-    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
-    d_at, dmin_at, ratio = _K_SCALES[qtype]
-
-    def set_scales(d: float) -> None:
-        raw[..., d_at:d_at + 2] = np.full(raw.shape[:2], d, np.float16)[..., None].view(np.uint8)
-        if dmin_at is not None:
-            raw[..., dmin_at:dmin_at + 2] = np.full(raw.shape[:2], d * ratio, np.float16)[..., None].view(np.uint8)
-
-    set_scales(1.0)
-    values = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
-    set_scales(std / float(values.std()))
-    return raw.reshape(rows, -1)
-
-
 def _ggml_raw(qtype, w: np.ndarray, rng) -> np.ndarray:
-    if qtype in _K_SCALES:
-        return _random_blocks(qtype, *w.shape, rng, std=float(w.std()))
+    if qtype.name in K_SCALES:
+        return random_k_blocks(qtype, *w.shape, rng, std=float(w.std()))
     return gguf.quants.quantize(w, qtype)
 
 
@@ -93,45 +71,24 @@ def write_quantized_llama(cfg, state: dict[str, torch.Tensor], path, mix: dict) 
     each matmul weight in the mix's type; return the oracle's state dict: the file's weights
     dequantized (and un-permuted) into HF's names, the weights the native kernels compute with."""
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
+    w = hf_writer(path, "llama", cfg)
     oracle = {}
     for name, t in state.items():
-        short = name.removeprefix("model.")
-        if short.startswith("layers."):
-            _, i, rest = short.split(".", 2)
-            module, suffix = rest.rsplit(".", 1)
-            kind = _LAYER[module]
-            gguf_name = f"blk.{i}.{kind}.{suffix}"
-        else:
-            kind = {"embed_tokens.weight": "token_embd", "norm.weight": "output_norm",
-                    "lm_head.weight": "output"}[short]
-            gguf_name = kind + ".weight"
+        kind, name_in_file = gguf_name(name)
         a = t.detach().float().numpy().astype(np.float32)
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(kind)
         if heads:
             a = _permute(a, heads)
         if a.ndim == 1:
-            w.add_tensor(gguf_name, a)
+            w.add_tensor(name_in_file, a)
             oracle[name] = t.detach().float().clone()
             continue
         qtype = mix.get(kind, mix["*"])
         raw = _ggml_raw(qtype, a, rng)
-        w.add_tensor(gguf_name, raw, raw_dtype=qtype)
+        w.add_tensor(name_in_file, raw, raw_dtype=qtype)
         back = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
         oracle[name] = torch.from_numpy(_unpermute_rotary(back, heads) if heads else back).clone()
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return oracle
 
 

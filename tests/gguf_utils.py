@@ -1,0 +1,81 @@
+"""Writing GGUF files as llama.cpp's converter does, for tests/test_gguf.py,
+tests/test_quantized_models.py and benchmarks/quantized.py: HF tensor names as GGUF's, the
+model header, random valid K-quant blocks."""
+from __future__ import annotations
+
+import numpy as np
+
+# HF decoder-layer modules -> GGUF tensor kinds (blk.<i>.<kind>.<weight|bias>)
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"embed_tokens.weight": "token_embd", "norm.weight": "output_norm", "lm_head.weight": "output"}
+
+# K-quant layouts (gguf.GGMLQuantizationType names): the byte offsets of the float16
+# super-block scale d and minimum scale dmin, and dmin / d that centres the values.
+K_SCALES = {"Q2_K": (80, 82, 1.5), "Q3_K": (108, None, 0), "Q4_K": (0, 2, 7.5), "Q5_K": (0, 2, 15.5),
+            "Q6_K": (208, None, 0)}
+
+
+def gguf_name(name: str) -> tuple[str, str]:
+    """An HF tensor name (with or without `model.`) as (its GGUF kind, its GGUF name)."""
+    name = name.removeprefix("model.")
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        module, suffix = rest.rsplit(".", 1)
+        return LAYER[module], f"blk.{i}.{LAYER[module]}.{suffix}"
+    return _TOP[name], _TOP[name] + ".weight"
+
+
+def gguf_writer(path, arch: str, *, layers: int, context: int, hidden: int, intermediate: int, heads: int,
+                kv_heads: int, eps: float, vocab: int, rope_theta: float = 10000.0, **kwargs):
+    """A gguf.GGUFWriter for `path` with the model header written (kwargs: the writer's)."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch, **kwargs)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(rope_theta)
+    w.add_vocab_size(vocab)
+    return w
+
+
+def hf_writer(path, arch: str, cfg, **kwargs):
+    """gguf_writer with the header of an HF config."""
+    return gguf_writer(path, arch, layers=cfg.num_hidden_layers, context=cfg.max_position_embeddings,
+                       hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads,
+                       kv_heads=cfg.num_key_value_heads, eps=cfg.rms_norm_eps, vocab=cfg.vocab_size, **kwargs)
+
+
+def finish(w) -> None:
+    """Write the header, metadata and tensors added to `w`, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator, std: float,
+                    sample_rows: int | None = None) -> np.ndarray:
+    """Random valid K-quant blocks [rows, bytes] (their bits uniform; d, dmin scaled to values of
+    about `std`, measured over the first sample_rows rows: all where None)."""
+    import gguf
+    qtype = gguf.GGMLQuantizationType(qtype)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    d_at, dmin_at, ratio = K_SCALES[qtype.name]
+
+    def set_scales(d: float) -> None:
+        raw[..., d_at:d_at + 2] = np.full(raw.shape[:2], d, np.float16)[..., None].view(np.uint8)
+        if dmin_at is not None:
+            raw[..., dmin_at:dmin_at + 2] = np.full(raw.shape[:2], d * ratio, np.float16)[..., None].view(np.uint8)
+
+    set_scales(1.0)
+    n = rows if sample_rows is None else min(rows, sample_rows)
+    values = gguf.quants.dequantize(raw[:n].reshape(n, -1), qtype)
+    set_scales(std / float(values.std()))
+    return raw.reshape(rows, -1)
