@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.cpu_kernels import median_seconds  # noqa: E402
 from pagedserve.kernels import cpu, quant  # noqa: E402
 
 SHAPES = [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
@@ -38,16 +38,6 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     for offset in {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q4_1": (0, 2), "q5_1": (0, 2)}.get(qtype, (0,)):
         blocks[..., offset:offset + 2] = scale
     return quant.from_gguf_blocks(qtype, torch.from_numpy(blocks.reshape(rows, nb * bb)), (rows, cols))
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
