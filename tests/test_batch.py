@@ -80,6 +80,14 @@ def _run(llm, round_trip: bool, batches: list, monkeypatch) -> list:
         return execute(self, batch)
 
     monkeypatch.setattr(ModelRunner, "execute", execute_data)
+    outputs = run_workload(llm)
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    return outputs
+
+
+def run_workload(llm) -> list:
+    """_workload() through llm's engine, step by step: per request, each completion's tokens,
+    cumulative logprob and logprobs, then the prompt logprobs."""
     engine = llm.engine
     for i, (prompt, params) in enumerate(_workload()):
         engine.add_request(str(i), prompt, params)
@@ -89,7 +97,6 @@ def _run(llm, round_trip: bool, batches: list, monkeypatch) -> list:
             if out.finished:
                 finals[out.request_id] = [(c.token_ids, c.cumulative_logprob, c.logprobs) for c in out.outputs] + \
                     [out.prompt_logprobs]
-    monkeypatch.setattr(ModelRunner, "execute", execute)
     return [finals[str(i)] for i in range(len(_workload()))]
 
 

@@ -16,7 +16,7 @@ import pytest
 from pagedserve.batch import StepBatch
 from pagedserve.distributed.wire import ControlChannel, RefusedMessage, new_secret
 from pagedserve.worker.model_runner import ModelRunner
-from tests.test_batch import _run, make_llm
+from tests.test_batch import _run, make_llm, run_workload
 
 
 def test_real_step_batches_round_trip_exactly_and_give_the_same_outputs(tiny_llama, monkeypatch):
@@ -33,18 +33,7 @@ def test_real_step_batches_round_trip_exactly_and_give_the_same_outputs(tiny_lla
         trips.append((batch, got))
         return execute(self, got)
     monkeypatch.setattr(ModelRunner, "execute", execute_over_the_wire)
-    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=512, seed=1)
-    engine = llm.engine
-    from tests.test_batch import _workload
-    for i, (prompt, params) in enumerate(_workload()):
-        engine.add_request(str(i), prompt, params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = [(c.token_ids, c.cumulative_logprob, c.logprobs) for c in out.outputs] + \
-                    [out.prompt_logprobs]
-    assert [finals[str(i)] for i in range(len(expected))] == expected
+    assert run_workload(make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=512, seed=1)) == expected
     assert any(b.grammar_bitmask is not None for b, _ in trips)
     for sent, got in trips:
         if sent.grammar_bitmask is not None:
