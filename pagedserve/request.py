@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.batch import SamplingSettings
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.spec_decode.stats import SpecDecodeCounters
 
 
 def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSettings:
@@ -96,6 +97,8 @@ class Request:
     sampling: SamplingSettings | None = None  # the sampler's view of params (set by create)
     # Structured outputs: the grammar's compile and each sequence's matcher (structured/manager.py).
     structured: Any = None
+    # Speculative decoding: this request's drafts and how many were accepted (spec_decode/stats.py).
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -456,6 +456,8 @@ class LLMEngine:
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
                      sharing_saving_avg=sched.sharing_saving_avg)
+        if self.config.speculative_config is not None:
+            stats.update(sched.spec.as_dict())
         return stats
 
     def scheduler_stats(self) -> SchedulerStats:
