@@ -469,7 +469,11 @@ class LLMEngine:
             kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
             num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
-            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
+            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"],
+            spec_decode_num_drafts=self.scheduler.stats.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.scheduler.stats.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.scheduler.stats.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos))
 
     def kv_snapshot(self) -> dict:
         """The KV cache block by block, the requests with their block tables, and the counters,

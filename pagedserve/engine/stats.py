@@ -27,6 +27,11 @@ class SchedulerStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_recomputed_tokens: int = 0       # computed tokens thrown away by recompute preemption
+    # Speculative decoding (spec_decode/stats.py): cumulative, as vLLM's spec_decode counters.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass
