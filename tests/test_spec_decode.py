@@ -153,22 +153,49 @@ def test_parallel_sampling_and_best_of(plain, spec, prompts):
     assert_no_blocks_held(spec)
 
 
-def test_stop_strings_drop_tokens_after_them(plain, spec, prompts, tiny_llama):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = run(plain, prompts, params)
-    for (tokens, _, _, _), p in zip((r[0] for r in ref), prompts):
-        # A stop string from the middle of the reference output's text.
-        text = tiny_llama.tokenizer.decode(tokens)
-        stop = text[len(text) // 2:len(text) // 2 + 3]
-        if not stop.strip():
+def _stop_inside_accepted_drafts(tok, tokens: list[int], steps: list[tuple[int, int]]) -> list[str]:
+    """Stop strings that first appear in a token which accepted drafts follow in its step:
+    steps are (output index of the step's first token, tokens emitted)."""
+    full = tok.decode(tokens)
+    stops = []
+    for i, n in steps:
+        if n < 2 or i + 1 >= len(tokens):
             continue
-        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], logprobs=1)
-        got, want = spec.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0], \
-            plain.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
-        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
-            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
-        assert len(got.logprobs) == len(want.logprobs)
-        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+        end = len(tok.decode(tokens[:i + 1]))
+        for m in range(2, end):
+            cand = full[end - m:end]
+            if full.find(cand) == end - m and cand.strip():
+                stops.append(cand)
+                break
+    return stops[:4]
+
+
+def test_stop_strings_drop_tokens_after_them(plain, spec, prompts, tiny_llama, monkeypatch):
+    """A stop string in a token that accepted drafts follow in the same step: those tokens go
+    (text, token ids, logprobs and their sum as plain decoding's)."""
+    from pagedserve.engine.detokenizer import OutputText
+    from pagedserve.scheduler import Scheduler
+    steps = []
+    verified = Scheduler._append_verified
+    monkeypatch.setattr(Scheduler, "_append_verified", lambda self, s, emitted: (
+        steps.append((s.seq.num_output_tokens, len(emitted.token_ids))), verified(self, s, emitted)))
+    dropped = []
+    drop = OutputText._drop_tail
+    monkeypatch.setattr(OutputText, "_drop_tail", staticmethod(lambda seq, n: (dropped.append(n), drop(seq, n))))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tok = tiny_llama.tokenizer
+    for p in prompts[:3]:
+        steps.clear()
+        tokens = run(spec, [p], params)[0][0][0]
+        for stop in _stop_inside_accepted_drafts(tok, tokens, list(steps)):
+            sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], logprobs=1)
+            got, want = spec.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0], \
+                plain.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+                (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+            assert len(got.logprobs) == len(want.logprobs)
+            assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    assert dropped, "no stop string fell inside a step's accepted drafts: the test tests nothing"
     assert_no_blocks_held(spec)
 
 
