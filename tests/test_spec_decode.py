@@ -331,3 +331,15 @@ def test_spec_decode_counters_on_metrics(spec, prompts):
         per_pos = [x for x in text.splitlines() if x.startswith(prefix + "spec_decode_num_accepted_tokens_per_pos")]
         assert sum(float(x.split()[-1]) for x in per_pos) == s.spec_decode_num_accepted_tokens
         assert 'position="0"' in per_pos[0]
+
+
+def test_periodic_log_line_reports_acceptance(caplog):
+    import logging
+
+    from pagedserve.engine.stats import LoggingStatLogger
+    log = LoggingStatLogger(interval=0.0)
+    log.record(SchedulerStats(num_running=1, spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                              spec_decode_num_accepted_tokens=6), None)
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
+        log.maybe_log()
+    assert any("draft acceptance rate: 50.0%, mean accepted length: 2.50" in r.getMessage() for r in caplog.records)
