@@ -246,6 +246,14 @@ def test_preemption_with_drafts(tiny_llama, plain, prompts, mode):
     assert_no_blocks_held(llm)
 
 
+def test_structured_output_requests_run_without_drafts(plain, spec, prompts):
+    from pagedserve import StructuredOutputsParams
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab)+c"))
+    drafts = spec.kv_cache_stats()["spec_decode_num_drafts"]
+    assert run(spec, prompts[:1], params) == run(plain, prompts[:1], params)
+    assert spec.kv_cache_stats()["spec_decode_num_drafts"] == drafts
+
+
 # ---- never a net loss -----------------------------------------------------------------------
 def test_no_drafts_above_disable_by_batch_size(tiny_llama, prompts):
     llm = make(tiny_llama, spec={**SPEC, "disable_by_batch_size": 1})
