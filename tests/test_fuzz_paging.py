@@ -57,7 +57,8 @@ class PagingMachine(RuleBasedStateMachine):
         # by _model_output with a random number accepted.
         spec = {"method": "ngram", "num_speculative_tokens": spec_k, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 2, "disable_by_batch_size": 8} if spec_k else None
-        config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
+        config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
+                              max_num_seqs=max_seqs,
                               enable_prefix_caching=caching, speculative_config=spec,
                               preemption_mode="swap" if num_host_blocks else "recompute")
         self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})

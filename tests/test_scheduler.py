@@ -294,7 +294,8 @@ def check_every_request_finishes(reqs, sched: Scheduler) -> None:
 @example(reqs=[(7, 12, 1), (15, 1, 3)], num_blocks=24, block_size=1, budget=33, max_seqs=4, caching=True,
          watermark=0.0)
 def test_every_request_finishes_without_leaks(reqs, num_blocks, block_size, budget, max_seqs, caching, watermark):
-    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
+    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
+                                   max_num_seqs=max_seqs,
                                    enable_prefix_caching=caching, admission_watermark=watermark), num_blocks)
     check_every_request_finishes(reqs, sched)
 
@@ -311,7 +312,8 @@ def test_swap_preemption_finishes_everything_without_leaks(reqs, num_blocks, blo
     """Tight device memory and a swap space from none to plenty: groups are swapped out and
     back (or recomputed when swap space is short), the shadow worker checks every byte of
     KV comes back, and both pools end empty."""
-    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
+    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
+                                   max_num_seqs=max_seqs,
                                    enable_prefix_caching=caching, preemption_mode="swap"), num_blocks,
                       num_host_blocks=num_host_blocks)
     check_every_request_finishes(reqs, sched)
@@ -337,7 +339,8 @@ def test_the_oldest_request_advances_every_step(reqs, num_blocks, block_size, bu
     oldest running request computes a token in every step and is never preempted
     (fake_step checks both), so it finishes within as many steps as it has tokens to
     compute: its prompt, its sequences' outputs if it rejoins, then one step per token."""
-    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
+    sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
+                                   max_num_seqs=max_seqs,
                                    enable_prefix_caching=caching,
                                    preemption_mode="swap" if num_host_blocks else "recompute",
                                    admission_watermark=watermark),

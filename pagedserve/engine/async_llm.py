@@ -13,12 +13,13 @@ batching across clients comes from the scheduler seeing all of them.
 The KV dashboard's snapshots are commands too (`kv_capture`): the engine
 thread copies the cache between two steps and hands the copy back.
 
-No exception ends the thread silently. One raised while handling a single
-request's results fails that request (EngineStepError) and the rest go on. A
-step that fails as a whole fails every request in flight and starts the KV
-bookkeeping afresh; MAX_STEP_FAILURES such steps in a row, or an exception
-anywhere else in the loop, mean the engine cannot go on: it is "dead", every
-request fails with EngineDeadError, new ones are refused, and wait_dead()
+No exception ends the thread silently. What a failed step means is the engine's
+policy (LLMEngine.recover, which the offline LLM applies too): one raised while
+handling a single request's results fails that request (EngineStepError) and the
+rest go on; a step that fails as a whole fails every request in flight and starts
+the KV bookkeeping afresh; a lost rank or MAX_STEP_FAILURES such steps in a row, or
+an exception anywhere else in the loop, mean the engine cannot go on: it is "dead",
+every request fails with EngineDeadError, new ones are refused, and wait_dead()
 returns (the server then answers 503 and exits non-zero).
 """
 from __future__ import annotations

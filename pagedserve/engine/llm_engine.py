@@ -50,8 +50,8 @@ MAX_STEP_FAILURES = 3
 
 class EngineStalledError(RuntimeError):
     """The engine made no progress for `EngineConfig.watchdog_steps` steps while requests
-    waited. Raised by `step()`; the caller fails those requests (`request_ids`) by aborting
-    them, as after any failed step (LLM raises it, AsyncLLM hands it to their streams)."""
+    waited. Raised by `step()`; `recover` treats it as a step failed as a whole: those requests
+    (`request_ids`, every one in flight) fail (LLM raises it, AsyncLLM hands it to their streams)."""
 
     def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)

@@ -333,7 +333,8 @@ class KVCacheManager(PoolCapacity):
         assert not stray, f"sequences {sorted(stray)} hold blocks but are not live in a running request"
         for seq_id, seq in live.items():
             table = self.tables.get(seq_id, ())
-            assert cdiv(seq.num_computed_tokens, B) <= len(table) <= cdiv(len(seq.token_ids) + seq.num_draft_slots, B), (
+            slots = len(seq.token_ids) + seq.num_draft_slots    # drafts: slots past the tokens, this step
+            assert cdiv(seq.num_computed_tokens, B) <= len(table) <= cdiv(slots, B), (
                 f"sequence {seq_id}: {len(table)} blocks for {seq.num_computed_tokens} computed of "
                 f"{len(seq.token_ids)} tokens")
             keys = self.keys.get(seq_id, [])
