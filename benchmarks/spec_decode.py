@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, single stream.
 
     .venv/bin/python benchmarks/spec_decode.py            # the default model, bf16: k = 3 and 5
-    .venv/bin/python benchmarks/spec_decode.py --quick    # fewer tokens, k = 3 only (< 5 min)
+    .venv/bin/python benchmarks/spec_decode.py --quick    # fewer tokens, k = 3 only, and suffix (< 5 min)
     .venv/bin/python benchmarks/spec_decode.py --model PATH --dtype float32 --max-tokens 8 --doc-tokens 200
 
 Workloads (chat-formatted, one request at a time):
@@ -102,7 +102,7 @@ def main() -> None:
 
     methods = [("plain", None)] + [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
                                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4})
-                                   for k in ks]
+                                   for k in ks] + [("suffix", {"method": "suffix", "num_speculative_tokens": max(ks)})]
     results: dict = {}
     ref_outputs: dict = {}
     for name, spec in methods:

@@ -79,6 +79,7 @@ from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
 from pagedserve.spec_decode import ngram
+from pagedserve.spec_decode.suffix import SuffixProposer
 from pagedserve.spec_decode.stats import SpecDecodeCounters
 from pagedserve.utils import cdiv
 
@@ -221,6 +222,10 @@ class Scheduler:
         self.spec_config = config.speculative_config
         self._drafts: dict[int, list[int]] = {}
         self._spec_on = False
+        spec = self.spec_config
+        self.suffix = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                                     spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob) \
+            if spec is not None and spec.method == "suffix" else None
 
     # ---- requests in and out ---------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -278,6 +283,8 @@ class Scheduler:
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)
+            if self.suffix is not None and seq.finish_reason != "abort":
+                self.suffix.add_output(seq.output_token_ids)   # suffix drafts for later requests
         req.structured = None   # its matchers go with it
         req.status = RequestStatus.FINISHED
 
@@ -459,7 +466,10 @@ class Scheduler:
         if not self._spec_on or room <= 0 or not self._may_speculate(req):
             return []
         k = min(spec.num_speculative_tokens, room, req.max_tokens - seq.num_output_tokens - 1)
-        drafts = ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if self.suffix is not None:
+            drafts = self.suffix.propose(seq.token_ids, k)
+        else:
+            drafts = ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts:
             self._drafts[seq.seq_id] = drafts
         return drafts

@@ -50,13 +50,13 @@ HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
 class PagingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
-                spec_k=st.sampled_from([0, 0, 1, 3]),
+                spec_k=st.sampled_from([0, 0, 1, 3]), suffix=st.booleans(),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
-    def setup(self, num_blocks, block_size, budget, max_seqs, caching, spec_k, num_host_blocks=0):
-        # spec_k > 0: n-gram drafts (the tiny vocabulary repeats, so they come often), verified
-        # by _model_output with a random number accepted.
-        spec = {"method": "ngram", "num_speculative_tokens": spec_k, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 2, "disable_by_batch_size": 8} if spec_k else None
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, spec_k, suffix, num_host_blocks=0):
+        # spec_k > 0: n-gram or suffix drafts (the tiny vocabulary repeats, so they come often),
+        # verified by _model_output with a random number accepted.
+        spec = {"method": "suffix" if suffix else "ngram", "num_speculative_tokens": spec_k,
+                "prompt_lookup_min": 1, "prompt_lookup_max": 2, "disable_by_batch_size": 8} if spec_k else None
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
                               max_num_seqs=max_seqs,
                               enable_prefix_caching=caching, speculative_config=spec,

@@ -72,14 +72,14 @@ def test_config_takes_vllm_keys_and_json():
     assert EngineConfig().speculative_config is None
 
 
-@pytest.mark.parametrize("method", ["suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "medusa", "mtp"])
 def test_methods_we_lack_are_refused_by_name(method):
     with pytest.raises(ValueError, match=f"'{method}' is not yet supported"):
         EngineConfig(speculative_config={"method": method, "num_speculative_tokens": 3})
 
 
 @pytest.mark.parametrize("bad,match", [({"method": "ngram"}, "num_speculative_tokens"),
-                                       ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 16\]"),
+                                       ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 32\]"),
                                        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys"),
                                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
                                          "prompt_lookup_max": 2}, "prompt_lookup_min"),
@@ -111,6 +111,37 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert ngram.propose([1, 2, 3, 4], 3, 1, 3) == []
     assert ngram.propose([4, 1, 2, 4], 3, 2, 3) == []                               # n >= 2 only
     assert ngram.propose([1, 2, 1, 2], 5, 1, 2) == [1, 2]                           # what there is
+
+
+def test_suffix_drafts_follow_the_longest_match_while_confident():
+    from pagedserve.spec_decode.suffix import SuffixProposer
+    s = SuffixProposer(max_depth=8, max_cached_requests=2, max_spec_factor=1.0, min_token_prob=0.5)
+    assert s.propose([1, 2, 3, 4, 5, 1, 2, 3], 8) == [4, 5, 1]     # match of 3: at most 3 tokens
+    s.add_output([7, 8, 9, 10, 11, 12])
+    assert s.propose([5, 6, 7, 8, 9], 8) == [10, 11, 12]            # from a cached output
+    s.add_output([7, 8, 9, 20, 21, 22])
+    # Two matches of 3 disagree on what follows: each has half, enough for min_token_prob 0.5.
+    assert s.propose([5, 7, 8, 9], 8) in ([10, 11, 12], [20, 21, 22])
+    s.min_token_prob = 0.6
+    assert s.propose([5, 7, 8, 9], 8) == []
+    s.add_output([1, 1])
+    s.add_output([2, 2])
+    assert len(s.cache) == 2                                        # bounded: the oldest left
+    assert SuffixProposer().propose([1, 2, 3], 4) == []
+
+
+def test_suffix_method_is_exact_and_learns_from_earlier_outputs(tiny_llama, plain, prompts):
+    llm = make(tiny_llama, spec={"method": "suffix", "num_speculative_tokens": 8})
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert run(llm, prompts, params) == run(plain, prompts, params)
+    first = llm.kv_cache_stats()
+    # The same prompts again: the cached outputs predict most of what comes.
+    assert run(llm, prompts, params) == run(plain, prompts, params)
+    second = llm.kv_cache_stats()
+    rate = (second["spec_decode_num_accepted_tokens"] - first["spec_decode_num_accepted_tokens"]) / \
+        (second["spec_decode_num_draft_tokens"] - first["spec_decode_num_draft_tokens"])
+    assert rate > 0.9 and second["spec_decode_mean_accepted_length"] > first["spec_decode_mean_accepted_length"]
+    assert_no_blocks_held(llm)
 
 
 # ---- exactness, greedy ----------------------------------------------------------------------

@@ -6,9 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # Methods vLLM has that pagedserve does not (yet): refused by name.
-UNSUPPORTED_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator",
-                       "deepseek_mtp")
-METHODS = ("ngram",)
+UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "deepseek_mtp")
+METHODS = ("ngram", "suffix")
 
 # Drafts are off while more requests than this run: verifying 1+k tokens per sequence costs
 # about one decode only while a step is bound by weight reads, i.e. at small batches. 4 is a
@@ -27,6 +26,12 @@ class SpeculativeConfig:
     # rate (accepted / proposed draft tokens) below min_acceptance: guessing costs slots.
     min_acceptance: float = 0.1
     min_acceptance_after: int = 16
+    # method "suffix" (spec_decode/suffix.py), vLLM's keys. max_cached_requests is small here:
+    # the search's cost grows with the cached tokens (vLLM's suffix tree allows 10000).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 64
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +66,8 @@ def parse(value: Any) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config has unknown keys {unknown} (known: {', '.join(sorted(known))})")
     if d.get("disable_by_batch_size") is None:
         d.pop("disable_by_batch_size", None)
+    if method == "suffix":   # as vLLM: the draft length defaults to the tree depth
+        d.setdefault("num_speculative_tokens", d.get("suffix_decoding_max_tree_depth", 24))
     if "num_speculative_tokens" not in d:
         raise ValueError("speculative_config needs num_speculative_tokens (the draft length k)")
     # As vLLM: one of the two lookup bounds given sets the other.
@@ -70,8 +77,12 @@ def parse(value: Any) -> SpeculativeConfig | None:
         d["prompt_lookup_max"] = d["prompt_lookup_min"]
     d = {key: v for key, v in d.items() if v is not None}
     cfg = SpeculativeConfig(**d)
-    if not 1 <= cfg.num_speculative_tokens <= 16:
-        raise ValueError(f"num_speculative_tokens must be in [1, 16], got {cfg.num_speculative_tokens}")
+    if not 1 <= cfg.num_speculative_tokens <= 32:
+        raise ValueError(f"num_speculative_tokens must be in [1, 32], got {cfg.num_speculative_tokens}")
+    if cfg.suffix_decoding_max_tree_depth < 1 or cfg.suffix_decoding_max_cached_requests < 0 or \
+            cfg.suffix_decoding_max_spec_factor <= 0 or not 0 <= cfg.suffix_decoding_min_token_prob <= 1:
+        raise ValueError("suffix decoding needs max_tree_depth >= 1, max_cached_requests >= 0, "
+                         "max_spec_factor > 0 and min_token_prob in [0, 1]")
     if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
         raise ValueError(f"need 1 <= prompt_lookup_min ({cfg.prompt_lookup_min}) <= prompt_lookup_max "
                          f"({cfg.prompt_lookup_max})")
