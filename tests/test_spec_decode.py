@@ -382,3 +382,27 @@ def test_periodic_log_line_reports_acceptance(caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         log.maybe_log()
     assert any("draft acceptance rate: 50.0%, mean accepted length: 2.50" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_flag_and_metrics_end_to_end(tiny_llama, plain, prompts, tmp_path):
+    """`serve --speculative-config JSON`: completions as plain decoding's, vLLM's counters on /metrics."""
+    import httpx
+
+    from pagedserve.server.launcher import launch_server
+    from tests.server_utils import metrics, tiny_server_args
+    srv = launch_server(tiny_llama.path, tiny_server_args("--speculative-config", json.dumps(SPEC),
+                                                          "--shutdown-timeout", "0"), tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            body = http.post("/v1/completions", json={"model": tiny_llama.path, "prompt": prompts[0],
+                                                      "max_tokens": 24, "temperature": 0,
+                                                      "ignore_eos": True}).json()
+            want = plain.generate([{"prompt_token_ids": prompts[0]}],
+                                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+            assert body["choices"][0]["text"] == want[0].outputs[0].text
+            m = metrics(http)
+            assert m["pagedserve:spec_decode_num_drafts_total"] > 0
+            assert m["pagedserve:spec_decode_num_accepted_tokens_total"] > 0
+            assert m['pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
