@@ -244,11 +244,14 @@ def test_logprobs_of_accepted_tokens_are_plain_decodings(plain, spec, prompts):
                 assert pg[t].decoded_token == pw[t].decoded_token
 
 
-def test_penalties_and_bad_words_see_the_drafts(plain, spec, prompts):
-    """Each position is processed as plain decoding would with the drafts before it as output."""
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
-                            frequency_penalty=0.2, min_tokens=10)
+def test_penalties_see_the_drafts(plain, spec, prompts):
+    """Each position is processed as plain decoding would with the drafts before it as output
+    (penalties that favour repeats, so drafts are accepted under them)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=0.9,
+                            frequency_penalty=-0.3, presence_penalty=0.1, min_tokens=10)
+    before = accepted(spec)
     assert run(spec, prompts, params) == run(plain, prompts, params)
+    assert accepted(spec) > before
 
 
 def test_prefix_caching_with_drafts(plain, spec, prompts):
@@ -309,6 +312,17 @@ def test_seeded_sampling_with_drafts_is_reproducible(spec, prompts):
     a = run(spec, prompts, params)
     assert run(spec, prompts[:1], params) == a[:1]      # the batch does not matter
     assert run(spec, prompts, params) == a
+
+
+def test_each_position_counts_the_drafts_before_it():
+    """Row j's penalties count drafts 1..j as output: here draft 1's token, penalised in row 2,
+    lets draft 2 win; without counting it, draft 2 is rejected."""
+    logits = torch.tensor([[9.0, 0.0, 0.0, 0.0],      # row 1: draft 0 is the argmax
+                           [5.5, 5.0, 0.0, 0.0],      # row 2: 0 leads by 0.5 until penalised by 1.0
+                           [0.0, 0.0, 9.0, 0.0]])     # row 3: the bonus token
+    row = SamplingRow(SamplingSettings(frequency_penalty=1.0), 0, [3], None, None)
+    out = verify(Sampler(set()), logits, [DraftRow(row, [0, 1])])[0]
+    assert out.token_ids == [0, 1, 2]
 
 
 def _counts(trials: int, probs: list[float], drafts: list[int], residual: bool, position: int) -> torch.Tensor:
