@@ -372,6 +372,9 @@ def test_spec_decode_counters_on_metrics(spec, prompts):
                   use_tqdm=False)
     s = spec.engine.scheduler_stats()
     assert s.spec_decode_num_drafts > 0 and s.spec_decode_num_accepted_tokens > 0
+    # The dashboard's snapshot carries them with the other counters.
+    counters = spec.kv_snapshot()["counters"]
+    assert counters["spec_decode_num_accepted_tokens"] == s.spec_decode_num_accepted_tokens
     for prefix in ("pagedserve:", "vllm:"):
         logger = PrometheusStatLogger("m", prefix=prefix)
         logger.record(SchedulerStats(), None)
