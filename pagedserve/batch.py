@@ -77,10 +77,19 @@ class ScheduledTokens:
     # A pooling request's chunk whose hidden states it needs: LAST (the chunk ending the prompt:
     # its last row), MEAN (every chunk: the sum of its rows), CLS (the chunk at position 0: its first row).
     pool: str | None = None
+    # Speculative decoding: guessed tokens computed after token_ids (their KV slots are in
+    # block_ids); the step then samples at each of the 1 + len(draft_token_ids) positions and
+    # verifies the guesses (spec_decode/rejection.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens the forward computes for this sequence: its own and its drafts."""
+        return len(self.token_ids) + len(self.draft_token_ids)
 
 
 @dataclass
@@ -124,6 +133,10 @@ class RunnerOutput:
     sample: SamplerOutput | None
     prompt_logprobs: dict[int, list[PromptTokenLogprob]] = field(default_factory=dict)   # seq_id -> per position
     pooled: dict[int, np.ndarray] = field(default_factory=dict)   # seq_id -> the chunk's pooled hidden state (float32)
+    # Sequences that had drafts: seq_id -> the tokens the step emits for it, in order (the accepted
+    # drafts, then the target's own token: 1 .. k+1 rows), with their logprobs as plain decoding
+    # gives them. These sequences are not in sampled_seq_ids.
+    spec: dict[int, SamplerOutput] = field(default_factory=dict)
 
     @classmethod
     def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":

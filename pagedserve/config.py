@@ -1,6 +1,7 @@
 """Engine configuration: what to load, how much KV memory, how to batch."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import MISSING, dataclass, field
@@ -251,6 +252,13 @@ class EngineConfig:
     gguf_dequantize: bool = setting(False, "dequantize a .gguf file's weights to dtype at load (float compute, a "
                                            "float32 copy cached per file) instead of computing in its blocks")
 
+    # Speculative decoding (spec_decode/): vLLM's speculative_config, a dict or its JSON
+    # ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ...}); None: off.
+    # Made a spec_decode.config.SpeculativeConfig by __post_init__.
+    speculative_config: dict | None = setting(None, "speculative decoding as JSON, vLLM's keys: "
+                                                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'",
+                                              parse=json.loads)
+
     def __post_init__(self) -> None:
         self._check_api_surface()
         _one_of("dtype", self.dtype, DTYPES)
@@ -306,6 +314,11 @@ class EngineConfig:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        from pagedserve.spec_decode.config import parse as parse_speculative_config
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.kv_allocator != "paged"):
+            raise ValueError("speculative_config is not yet supported with tensor_parallel_size > 1 or a "
+                             "kv_allocator other than paged")
 
     def _check_quantization(self) -> None:
         """What can be told before the model is resolved: the quantized kernels run on the CPU,

@@ -43,7 +43,8 @@ def check_paging_invariants(scheduler: "Scheduler", out: "SchedulerOutput | None
     """
     kv = scheduler.kv
     _check_queues(scheduler, request_ids)
-    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, r.cache_salt)
+    drafts = {s.seq.seq_id: len(s.draft_token_ids) for s in out.scheduled} if out is not None else {}
+    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, r.cache_salt, drafts.get(s.seq_id, 0))
             for r in scheduler.running for s in r.live_seqs}
     swapped = {s.seq_id for r in scheduler.swapped for s in r.live_seqs}
     kv.check_invariants(live, swapped)
@@ -90,7 +91,9 @@ def _check_step(out: "SchedulerOutput") -> list[StepWrite]:
                                                           f"{s.request.status}"
         assert s.num_new_tokens > 0 and s.start == s.seq.num_computed_tokens
         assert s.start + s.num_new_tokens <= s.seq.num_tokens, f"sequence {seq_id} computes tokens it lacks"
-        writes.append(StepWrite(seq_id, s.start, s.num_new_tokens, s.block_ids))
+        assert not s.draft_token_ids or (s.samples and s.num_new_tokens == 1), (
+            f"sequence {seq_id} has drafts but does not decode")
+        writes.append(StepWrite(seq_id, s.start, s.num_new_tokens + len(s.draft_token_ids), s.block_ids))
     return writes
 
 
@@ -107,7 +110,10 @@ def _check_batch(scheduler: "Scheduler", out: "SchedulerOutput") -> None:
             f"sequence {t.seq_id}: the batch computes other tokens")
         assert t.block_ids == scheduler.kv.block_ids(t.seq_id), f"sequence {t.seq_id}: stale block table in the batch"
         assert (t.sample is not None) == s.samples, f"sequence {t.seq_id}: the batch samples where the step does not"
-    assert [s.seq.seq_id for s in out.sampled] == [t.seq_id for t in batch.seqs if t.sample is not None]
+        assert t.draft_token_ids == s.draft_token_ids, f"sequence {t.seq_id}: the batch has other drafts"
+    assert [s.seq.seq_id for s in out.sampled] == [t.seq_id for t in batch.seqs
+                                                   if t.sample is not None and not t.draft_token_ids]
+    assert [s.seq.seq_id for s in out.spec] == [t.seq_id for t in batch.seqs if t.draft_token_ids]
     assert (batch.swap_out, batch.swap_in, batch.block_copies) == (out.swap_out, out.swap_in, out.block_copies), \
         "the batch moves other blocks than the step"
     constrained = [row for row, s in enumerate(out.sampled) if s.request.structured is not None]

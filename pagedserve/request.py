@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.batch import SamplingSettings
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.spec_decode.stats import SpecDecodeCounters
 
 
 def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSettings:
@@ -100,6 +101,8 @@ class Request:
     # computed so far pooled (a float32 vector; MEAN: the sum of the rows).
     pooling: str | None = None
     pooled: Any = None
+    # Speculative decoding: this request's drafts and how many were accepted (spec_decode/stats.py).
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -78,6 +78,9 @@ from pagedserve.request import Request, RequestStatus, Sequence, sampling_settin
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
+from pagedserve.spec_decode import ngram
+from pagedserve.spec_decode.suffix import SuffixProposer
+from pagedserve.spec_decode.stats import SpecDecodeCounters
 from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,7 @@ class ScheduledSeq:
     block_ids: list[int]        # the sequence's block table after allocation
     start: int = 0              # first position computed (the sequence's computed count)
     samples: bool = False       # the step reaches the sequence's last token: sample from it
+    draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts after its last token
 
     @classmethod
     def of(cls, req: Request, seq: Sequence, n: int, block_ids: list[int]) -> "ScheduledSeq":
@@ -109,6 +113,7 @@ class SchedulerOutput:
     # What the worker gets (data only), and the scheduled sequences in its sampling order.
     batch: StepBatch = field(default_factory=StepBatch)
     sampled: list[ScheduledSeq] = field(default_factory=list)
+    spec: list[ScheduledSeq] = field(default_factory=list)   # those with drafts, in the batch's order
 
     @property
     def empty(self) -> bool:
@@ -125,6 +130,7 @@ class SchedulerCounters:
     # the run's sharing saving as the paper measures it (blocks saved / blocks needed).
     logical_block_steps: int = 0
     physical_block_steps: int = 0
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
 
     @property
     def sharing_saving_avg(self) -> float:
@@ -211,6 +217,15 @@ class Scheduler:
         self._next_seq_id = 0
         self._warned_preemption = False
         self._finished_seq_ids: list[int] = []   # for the next batch: the worker forgets them
+        # Speculative decoding (spec_decode/): this step's drafts by seq id (set by _plan) and
+        # whether drafts are on in this step (off above disable_by_batch_size running requests).
+        self.spec_config = config.speculative_config
+        self._drafts: dict[int, list[int]] = {}
+        self._spec_on = False
+        spec = self.spec_config
+        self.suffix = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                                     spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob) \
+            if spec is not None and spec.method == "suffix" else None
 
     # ---- requests in and out ---------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -268,6 +283,8 @@ class Scheduler:
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)
+            if self.suffix is not None and seq.finish_reason != "abort":
+                self.suffix.add_output(seq.output_token_ids)   # suffix drafts for later requests
         if req.structured is not None:
             req.structured.release()   # a compile only it waited for is abandoned
         req.structured = None   # its matchers go with it
@@ -289,6 +306,9 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._drafts = {}
+        spec = self.spec_config
+        self._spec_on = spec is not None and len(self.running) <= spec.disable_by_batch_size
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
@@ -356,7 +376,7 @@ class Scheduler:
 
     def _make_batch(self, out: SchedulerOutput) -> None:
         """The worker's copy of the step: data only, decodes first (attention batches them)."""
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens + len(s.draft_token_ids) != 1)
         seqs = []
         for s in order:
             seq = s.seq
@@ -364,8 +384,9 @@ class Scheduler:
                 seq.seq_id, seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_ids,
                 self._sample_row(s.request, seq) if s.samples else None,
                 self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None,
-                self._pool_kind(s)))
-        out.sampled = [s for s in order if s.samples]
+                pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids)))
+        out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
+        out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
         self._finished_seq_ids = []
         constrained = [(row, s) for row, s in enumerate(out.sampled) if s.request.structured is not None]
@@ -424,8 +445,11 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, req: Request, plan: Plan, copies: list) -> int:
         out.block_copies.extend(copies)
-        out.scheduled.extend(ScheduledSeq.of(req, s, n, self.kv.block_ids(s.seq_id)) for s, n in plan)
-        return sum(n for _, n in plan)
+        added = [ScheduledSeq.of(req, s, n, self.kv.block_ids(s.seq_id)) for s, n in plan]
+        for x in added:
+            x.draft_token_ids = self._drafts.get(x.seq.seq_id, [])
+        out.scheduled.extend(added)
+        return sum(x.num_new_tokens + len(x.draft_token_ids) for x in added)
 
     def _is_decoding(self, req: Request) -> bool:
         return all(s.num_computed_tokens >= s.num_tokens - 1 for s in req.live_seqs)
@@ -433,6 +457,8 @@ class Scheduler:
     def _plan(self, req: Request, budget: int) -> Plan:
         """How many tokens each live sequence of the request computes this step (changes nothing)."""
         live = req.live_seqs
+        for seq in live:
+            self._drafts.pop(seq.seq_id, None)
         if req.leader_only:
             leader = live[0]
             short = leader.num_prompt_tokens - 1 - leader.num_computed_tokens
@@ -441,6 +467,8 @@ class Scheduler:
         if len(live) == 1:
             seq = live[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1:
+                self._propose(req, seq, budget - 1)
             return [(seq, n)] if n > 0 else []
         plan: Plan = []
         for seq in live:   # catch up to one token short of the end
@@ -450,7 +478,39 @@ class Scheduler:
                 budget -= n
         if plan or len(live) > budget:
             return plan
+        room = budget - len(live)
+        for seq in live:
+            room -= len(self._propose(req, seq, room // len(live)))
         return [(seq, 1) for seq in live]   # all sample together
+
+    def _propose(self, req: Request, seq: Sequence, room: int) -> list[int]:
+        """Speculative drafts for a decoding sequence, at most `room` of them (the token budget's
+        share), none for a request that may not have them; recorded for this step."""
+        spec = self.spec_config
+        if not self._spec_on or room <= 0 or not self._may_speculate(req):
+            return []
+        k = min(spec.num_speculative_tokens, room, req.max_tokens - seq.num_output_tokens - 1)
+        if self.suffix is not None:
+            drafts = self.suffix.propose(seq.token_ids, k)
+        else:
+            drafts = ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if drafts:
+            self._drafts[seq.seq_id] = drafts
+        return drafts
+
+    def _may_speculate(self, req: Request) -> bool:
+        """Not for beam search or structured output (drafts would need the grammar's check first),
+        nor for a best_of request with stop strings and no logprobs (tokens past a stop string in
+        one step are dropped, and its ranking logprob could not drop theirs), nor for a request
+        whose drafts have mostly been wrong."""
+        p = req.params
+        if req.is_beam_search or req.structured is not None:
+            return False
+        if p.stop_strings and p.best_of > p.n and p.logprobs is None:
+            return False
+        spec, c = self.spec_config, req.spec
+        return c.num_drafts < spec.min_acceptance_after or \
+            c.num_accepted_tokens >= spec.min_acceptance * c.num_draft_tokens
 
     def _fork_if_ready(self, req: Request) -> None:
         """Once a leader-only group's leader has computed all but the last prompt token, the
@@ -471,8 +531,15 @@ class Scheduler:
             req.rejoin = False
 
     def _allocate(self, plan: Plan) -> list[tuple[int, int]] | None:
-        """Reserve the slots of a plan, all or nothing; returns the copy-on-write copies."""
-        return self.kv.allocate_slots([(s.seq_id, s.token_ids, s.num_computed_tokens, n) for s, n in plan])
+        """Reserve the slots of a plan (with its drafts'), all or nothing; returns the
+        copy-on-write copies. Drafts never cost a preemption: short of blocks, they are dropped."""
+        copies = self.kv.allocate_slots([(s.seq_id, s.token_ids, s.num_computed_tokens,
+                                          n + len(self._drafts.get(s.seq_id, ()))) for s, n in plan])
+        if copies is None and any(s.seq_id in self._drafts for s, _ in plan):
+            for s, _ in plan:
+                self._drafts.pop(s.seq_id, None)
+            return self._allocate(plan)
+        return copies
 
     def _admit(self, req: Request, budget: int) -> tuple[Plan, list] | None:
         """Take prefix-cache hits, then reserve the first step's slots; undo all if short."""
@@ -598,6 +665,9 @@ class Scheduler:
                 self._isolated(update, s.request, self._pool_step, s, result.pooled)
                 if s.seq.finished:
                     touched[s.request.request_id] = s.request
+        for s in out.spec:
+            touched[s.request.request_id] = s.request
+            self._isolated(update, s.request, self._append_verified, s, result.spec[s.seq.seq_id])
 
         now = time.monotonic()
         for rid, req in touched.items():
@@ -626,6 +696,22 @@ class Scheduler:
     def _length_done(self, req: Request, seq: Sequence) -> bool:
         return seq.num_output_tokens >= req.max_tokens or \
             (self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
+
+    def _append_verified(self, s: ScheduledSeq, emitted: SamplerOutput) -> None:
+        """A sequence's verified drafts: the accepted ones (their KV is computed) and the
+        target's token after them, appended one by one with the usual stop checks (so nothing
+        after a stop is kept). Blocks held only for rejected drafts' slots are released."""
+        req, seq = s.request, s.seq
+        accepted = len(emitted.token_ids) - 1
+        self.stats.spec.record(len(s.draft_token_ids), accepted)
+        req.spec.record(len(s.draft_token_ids), accepted)
+        for row in range(len(emitted.token_ids)):
+            self._append_token(req, seq, emitted, row)
+            if seq.finished:
+                return
+            if row < accepted:
+                seq.num_computed_tokens += 1
+        self.kv.trim(seq.seq_id, seq.num_tokens)
 
     def _append_token(self, req: Request, seq: Sequence, sample: SamplerOutput, row: int) -> None:
         p: SamplingParams = req.params

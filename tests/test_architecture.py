@@ -75,6 +75,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "kernels": UPPER + ("pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine"),
     "distributed": UPPER + ("pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine",
                             "pagedserve.models"),
+    # spec_decode/: proposers run on the scheduler's side on token ids, verification in the worker
+    # on plain data; neither reaches the engine, the scheduler or the requests.
+    "spec_decode": UPPER + ("pagedserve.engine", "pagedserve.scheduler", "pagedserve.request",
+                            "pagedserve.structured", "pagedserve.executor", "pagedserve.cluster"),
     # sim/ stands beside the engine: it drives the real Scheduler, with no model and no engine.
     "sim": UPPER + ("pagedserve.engine", "pagedserve.worker", "pagedserve.executor", "pagedserve.models.llama",
                     "pagedserve.attention", "pagedserve.kernels", "pagedserve.cluster"),

@@ -50,11 +50,16 @@ HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
 class PagingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
+                spec_k=st.sampled_from([0, 0, 1, 3]), suffix=st.booleans(),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
-    def setup(self, num_blocks, block_size, budget, max_seqs, caching, num_host_blocks=0):
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, spec_k, suffix, num_host_blocks=0):
+        # spec_k > 0: n-gram or suffix drafts (the tiny vocabulary repeats, so they come often),
+        # verified by _model_output with a random number accepted.
+        spec = {"method": "suffix" if suffix else "ngram", "num_speculative_tokens": spec_k,
+                "prompt_lookup_min": 1, "prompt_lookup_max": 2, "disable_by_batch_size": 8} if spec_k else None
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
                               max_num_seqs=max_seqs,
-                              enable_prefix_caching=caching,
+                              enable_prefix_caching=caching, speculative_config=spec,
                               preemption_mode="swap" if num_host_blocks else "recompute")
         self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})
         self.host: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
@@ -111,7 +116,7 @@ class PagingMachine(RuleBasedStateMachine):
         self._run_on_shadow_memory(out)
 
         sampled: dict[str, list[Sequence]] = {}
-        for s in out.sampled:
+        for s in out.sampled + out.spec:   # with drafts or without
             sampled.setdefault(s.request.request_id, []).append(s.seq)
         for rid, seqs in sampled.items():
             req = self.requests[rid]
@@ -135,7 +140,15 @@ class PagingMachine(RuleBasedStateMachine):
             top_ids.append(rng.sample(VOCAB + [EOS], k))
             top_lps.append(sorted((-3 * rng.random() for _ in range(k)), reverse=True))
         sample = SamplerOutput(tokens, logprobs, top_ids, top_lps, [1] * len(tokens)) if tokens else None
-        return RunnerOutput([s.seq.seq_id for s in out.sampled], sample, {})
+        spec = {}
+        for s in out.spec:   # a random number of drafts accepted, then a token that is not the next draft
+            drafts = s.draft_token_ids
+            a = rng.randint(0, len(drafts))
+            last = rng.choice([t for t in VOCAB + [EOS] if a == len(drafts) or t != drafts[a]])
+            emitted = drafts[:a] + [last]
+            spec[s.seq.seq_id] = SamplerOutput(emitted, [-rng.random() for _ in emitted], None, None,
+                                               [1] * len(emitted))
+        return RunnerOutput([s.seq.seq_id for s in out.sampled], sample, {}, spec=spec)
 
     def _run_on_shadow_memory(self, out) -> None:
         """The worker's view: swaps, copies, then writes; then each sequence reads its tokens back."""
@@ -147,8 +160,10 @@ class PagingMachine(RuleBasedStateMachine):
         saved = {dst: list(self.content[src]) for src, dst in out.block_copies}   # all read, then written
         self.content.update(saved)
         for s in out.scheduled:
-            for pos in range(s.start, s.start + s.num_new_tokens):
-                self.content[s.block_ids[pos // B]][pos % B] = s.seq.token_ids[pos]
+            tokens = s.seq.token_ids[:s.start + s.num_new_tokens] + s.draft_token_ids
+            for pos in range(s.start, len(tokens)):
+                self.content[s.block_ids[pos // B]][pos % B] = tokens[pos]
+            self.stats["drafts"] += len(s.draft_token_ids)
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
             seen = [self.content[s.block_ids[p // B]][p % B] for p in range(end)]
@@ -218,7 +233,7 @@ class PagingMachine(RuleBasedStateMachine):
 
 
 _TOTALS = {"examples": 0, "requests": 0, "steps": 0, "preemptions": 0, "copies": 0, "refused": 0,
-           "refused_seqs": 0, "refused_blocks": 0}
+           "refused_seqs": 0, "refused_blocks": 0, "drafts": 0}
 
 PagingMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=40, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
@@ -231,4 +246,4 @@ def test_fuzzing_exercised_the_hard_paths():
         import pytest
         pytest.skip("run together with TestPagingMachine")
     print(f"\nfuzz totals: {_TOTALS}")
-    assert _TOTALS["preemptions"] > 0 and _TOTALS["copies"] > 0 and _TOTALS["refused"] > 0
+    assert _TOTALS["preemptions"] > 0 and _TOTALS["copies"] > 0 and _TOTALS["refused"] > 0 and _TOTALS["drafts"] > 0

@@ -98,16 +98,31 @@ class OutputText:
                 stop = detok.add_token(seq.token_ids[n_prompt + k], check_stop=k + 1 >= p.min_tokens)
                 if stop is None:
                     continue
-                # A stop string outranks the length limit, never an EOS or stop token id.
+                # Speculative decoding may have appended tokens after this one in the same step:
+                # plain decoding would have stopped here, so they go.
+                dropped = total - (k + 1)
+                if dropped:
+                    self._drop_tail(seq, dropped)
+                # A stop string outranks the length limit, never an EOS or stop token id (of the
+                # same token: a later token's is dropped with it).
                 if not seq.finished:
                     stopped.append((seq, stop))
-                elif seq.finish_reason == "length":
+                elif seq.finish_reason == "length" or dropped:
                     seq.finish_reason, seq.stop_reason = "stop", stop
-                detok.num_tokens = total   # nothing after a stop string is text
+                detok.num_tokens = k + 1   # nothing after a stop string is text
                 break
         if req.prompt_logprobs:
             self._name_prompt_tokens(req.prompt_logprobs)
         return stopped
+
+    @staticmethod
+    def _drop_tail(seq: Sequence, n: int) -> None:
+        """Remove the last n output tokens (and their logprobs from the running sum)."""
+        del seq.token_ids[-n:]
+        if seq.logprobs is not None:
+            for entry in seq.logprobs[-n:]:
+                seq.cumulative_logprob -= next(iter(entry.values())).logprob   # the sampled token's is first
+            del seq.logprobs[-n:]
 
     @staticmethod
     def visible_text(seq: Sequence) -> str:

@@ -559,6 +559,8 @@ class LLMEngine:
         sched = self.scheduler.stats
         stats.update(num_preemptions=sched.num_preemptions, num_recomputed_tokens=sched.num_recomputed_tokens,
                      sharing_saving_avg=sched.sharing_saving_avg, **self.kv_storage)
+        if self.config.speculative_config is not None:
+            stats.update(sched.spec.as_dict())
         return stats
 
     def scheduler_stats(self) -> SchedulerStats:
@@ -570,7 +572,11 @@ class LLMEngine:
             kv_cache_usage=kv["usage"],
             prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
             num_preemptions=kv["num_preemptions"], num_swapped_out_blocks=kv["num_swapped_out_blocks"],
-            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"])
+            num_swapped_in_blocks=kv["num_swapped_in_blocks"], num_recomputed_tokens=kv["num_recomputed_tokens"],
+            spec_decode_num_drafts=self.scheduler.stats.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.scheduler.stats.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.scheduler.stats.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos))
 
     def kv_snapshot(self) -> dict:
         """The KV cache block by block, the requests with their block tables, and the counters,

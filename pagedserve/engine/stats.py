@@ -27,6 +27,11 @@ class SchedulerStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_recomputed_tokens: int = 0       # computed tokens thrown away by recompute preemption
+    # Speculative decoding (spec_decode/stats.py): cumulative, as vLLM's spec_decode counters.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass
@@ -93,6 +98,7 @@ class LoggingStatLogger:
         self._hits_at_last = 0
         self._last: SchedulerStats = SchedulerStats()
         self._was_active = False
+        self._spec_at_last = (0, 0, 0)   # drafts, draft tokens, accepted tokens at the last log
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats | None) -> None:
         self._last = scheduler
@@ -127,3 +133,9 @@ class LoggingStatLogger:
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
         self._queries_at_last, self._hits_at_last = s.prefix_cache_queries, s.prefix_cache_hits
+        spec = (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens)
+        drafts, proposed, accepted = (a - b for a, b in zip(spec, self._spec_at_last))
+        if drafts > 0:
+            logger.info("Speculative decoding: %d drafts, draft acceptance rate: %.1f%%, mean accepted length: %.2f",
+                        drafts, 100 * accepted / proposed, 1 + accepted / drafts)
+        self._spec_at_last = spec

@@ -235,6 +235,10 @@ class ContiguousKVCacheManager(PoolCapacity):
     def fork(self, parent_id: int, child_id: int) -> None:
         raise ValueError(f"kv_allocator={self.policy!r} cannot share blocks between sequences")
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """A reservation holds its slots to the end: nothing to release (speculative decoding,
+        which trims, runs on the paged cache only)."""
+
     def free(self, seq_id: int) -> None:
         region = self.tables.pop(seq_id, None)
         self.max_lens.pop(seq_id, None)

@@ -27,6 +27,7 @@ class SeqState:
     token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None = None
+    num_draft_slots: int = 0   # slots for speculative drafts past token_ids, in the step about to run
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,10 @@ class KVCache(Protocol):
     def fork(self, parent_id: int, child_id: int) -> None: ...
 
     def free(self, seq_id: int) -> None: ...
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Release the sequence's blocks past its first num_tokens slots (speculative decoding's
+        rejected drafts; only the paged cache has them)."""
 
     def block_ids(self, seq_id: int) -> list[int]: ...
 

@@ -160,8 +160,22 @@ class KVCacheManager(PoolCapacity):
         self.num_logical_blocks += len(table) - held
         # Invariant 2: a block with more than one reference is never written.
         assert not self._shared_write_targets(table, num_computed, num_new)
-        self._cache_full_blocks(seq_id, token_ids, num_computed + num_new)
+        # Only tokens the sequence has are hashed: slots past them (speculative drafts) are not
+        # its tokens until accepted, and their block enters the prefix cache only then.
+        self._cache_full_blocks(seq_id, token_ids, min(num_computed + num_new, len(token_ids)))
         return copies
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Release the blocks past the first num_tokens slots (rejected drafts' slots): they
+        hold no token of the sequence, so they were never hashed."""
+        table = self.tables[seq_id]
+        keep = cdiv(num_tokens, self.block_size)
+        if len(table) > keep:
+            assert len(self.keys[seq_id]) <= keep, f"sequence {seq_id}: a trimmed block was hashed"
+            tail = table[keep:]
+            del table[keep:]
+            self.num_logical_blocks -= len(tail)
+            self.pool.release(tail[::-1])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copy-on-write later)."""
@@ -321,7 +335,8 @@ class KVCacheManager(PoolCapacity):
         assert not stray, f"sequences {sorted(stray)} hold blocks but are not live in a running request"
         for seq_id, seq in live.items():
             table = self.tables.get(seq_id, ())
-            assert cdiv(seq.num_computed_tokens, B) <= len(table) <= cdiv(len(seq.token_ids), B), (
+            slots = len(seq.token_ids) + seq.num_draft_slots    # drafts: slots past the tokens, this step
+            assert cdiv(seq.num_computed_tokens, B) <= len(table) <= cdiv(slots, B), (
                 f"sequence {seq_id}: {len(table)} blocks for {seq.num_computed_tokens} computed of "
                 f"{len(seq.token_ids)} tokens")
             keys = self.keys.get(seq_id, [])

@@ -61,9 +61,15 @@ class PrometheusStatLogger:
             num_swapped_in_blocks=counter("num_swapped_in_blocks", "KV blocks copied back from swap space."),
             num_recomputed_tokens=counter("num_recomputed_tokens",
                                           "Computed tokens thrown away by recompute preemption."),
+            spec_decode_num_drafts=counter("spec_decode_num_drafts", "Speculative decoding: sequence steps "
+                                                                     "with drafts verified."),
+            spec_decode_num_draft_tokens=counter("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+            spec_decode_num_accepted_tokens=counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
             prompt_tokens=counter("prompt_tokens", "Prompt tokens processed."),
             generation_tokens=counter("generation_tokens", "Tokens generated."),
         )
+        per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                          "position in the draft.", label + ["position"], registry=r)
         success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                           label + ["finished_reason"], registry=r)
         series.update(
@@ -82,7 +88,7 @@ class PrometheusStatLogger:
             request_generation_tokens=histogram("request_generation_tokens", "Tokens generated per request.",
                                                 TOKEN_BUCKETS),
         )
-        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e)
+        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e, per_pos)
                         for i, e in enumerate(engines)]
 
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
@@ -99,8 +105,9 @@ class PrometheusStatLogger:
 class EngineSeries:
     """One engine's children of the metric families."""
 
-    def __init__(self, series: dict, success: Counter, labels: tuple[str, ...]) -> None:
+    def __init__(self, series: dict, success: Counter, labels: tuple[str, ...], per_pos: Counter | None = None) -> None:
         self.__dict__.update(series)
+        self._per_pos = per_pos
         self._success = success
         self._labels = labels
         for reason in ("stop", "length", "abort"):
@@ -115,8 +122,15 @@ class EngineSeries:
         # The engine reports cumulative counts; counters only move forward.
         self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - self._last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - self._last.prefix_cache_hits))
-        for name in ("num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_recomputed_tokens"):
+        for name in ("num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_recomputed_tokens",
+                     "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
             getattr(self, name).inc(max(0, getattr(s, name) - getattr(self._last, name)))
+        if self._per_pos is not None:
+            last = self._last.spec_decode_num_accepted_tokens_per_pos
+            for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                delta = n - (last[pos] if pos < len(last) else 0)
+                if delta > 0:
+                    self._per_pos.labels(*self._labels, str(pos)).inc(delta)
         self._last = s
         if it is None or it.empty:
             return

@@ -17,6 +17,7 @@ from pagedserve.attention.kv_format import KVFormat, kv_format
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch
 from pagedserve.sampling.sampler import Sampler, SamplingRow
+from pagedserve.spec_decode.rejection import DraftRow, verify
 from pagedserve.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 
 
@@ -92,29 +93,41 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> RunnerOutput:
         self.move_blocks(batch)
         seqs = batch.seqs      # decodes first, so attention can batch them
-        sampled = [s for s in seqs if s.sample is not None]
+        # Sequences with drafts sample at each of their 1 + k positions and are verified
+        # (spec_decode/rejection.py); the others sample once, as ever.
+        sampled = [s for s in seqs if s.sample is not None and not s.draft_token_ids]
+        drafted = [s for s in seqs if s.sample is not None and s.draft_token_ids]
         prompt_lps, pooled = {}, {}
         logits = self._replay_decode(seqs)
+        spec_logits = None
         if logits is None:
             input_ids, positions, meta = self._prepare(seqs)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
-            last = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None]
+            qsl = meta.query_start_loc_cpu
+            last = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None and not s.draft_token_ids]
+            spec_rows = [r for i, s in enumerate(seqs) if s.sample is not None and s.draft_token_ids
+                         for r in range(qsl[i + 1] - 1 - len(s.draft_token_ids), qsl[i + 1])]
             # None on a tensor-parallel rank but the driver (it only took part in the gather)
             logits = self.model.compute_logits(hidden[last]) if sampled else None
+            spec_logits = self.model.compute_logits(hidden[spec_rows]) if drafted else None
             prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
             pooled = self._pool(seqs, hidden, meta)
         sample = None
         if logits is not None:   # on the model's device; the sampler sends ids and logprobs to the host
             sample = self.sampler(logits, [self._sampling_row(s.seq_id, s.sample) for s in sampled],
                                   batch.grammar_rows, batch.grammar_bitmask)
-        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled)
+        spec = {}
+        if spec_logits is not None:
+            rows = [DraftRow(self._sampling_row(s.seq_id, s.sample), s.draft_token_ids) for s in drafted]
+            spec = dict(zip([s.seq_id for s in drafted], verify(self.sampler, spec_logits.float(), rows)))
+        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled=pooled, spec=spec)
 
     def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
         """The logits of a step of decodes that all sample, from a captured graph; None when
         there are no graphs or the step is not one they take."""
         graphs = self.decode_graphs
         if graphs is None or not graphs.fits(len(seqs), max(len(s.block_ids) for s in seqs)) or \
-                any(len(s.token_ids) != 1 or s.sample is None or s.prompt_logprobs is not None for s in seqs):
+                any(s.num_query_tokens != 1 or s.sample is None or s.prompt_logprobs is not None for s in seqs):
             return None
         B = self.block_size
         return graphs.run(DecodeBatch(
@@ -131,10 +144,11 @@ class ModelRunner:
         seq_lens = []
         tables = []
         for s in batch:
-            n = len(s.token_ids)
+            n = s.num_query_tokens
             start, end = s.start, s.start + n
             table = s.block_ids
             ids.extend(s.token_ids)
+            ids.extend(s.draft_token_ids)
             rng = range(start, end)
             pos.extend(rng)
             slots.extend(table[p // B] * B + p % B for p in rng)
@@ -149,7 +163,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             block_tables=block_tables,
-            num_decodes=sum(1 for s in batch if len(s.token_ids) == 1),
+            num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             max_seq_len=max(seq_lens),

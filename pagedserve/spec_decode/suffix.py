@@ -1,0 +1,73 @@
+"""Suffix drafts (as in suffix decoding): the continuation of the longest earlier match of the
+sequence's recent tokens, searched in the request's own tokens and in a bounded cache of recent
+requests' outputs; the draft goes on while its next token is the most frequent continuation
+among the matches with at least `min_token_prob` of them, and is at most `max_spec_factor`
+times the match length (a longer match earns a longer guess).
+
+Not a suffix tree: a vectorised search over the token arrays (numpy), whose cost grows with
+the tokens searched, hence the small default cache. Scheduler side, on token ids; no model.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+
+
+class SuffixProposer:
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 64, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1) -> None:
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.cache: deque[np.ndarray] = deque(maxlen=max_cached_requests)   # recent outputs, newest last
+
+    def add_output(self, token_ids: list[int]) -> None:
+        """A finished sequence's output joins the cache (the oldest leaves beyond the bound)."""
+        if len(token_ids) > 1:
+            self.cache.append(np.asarray(token_ids, dtype=np.int64))
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) < 2:
+            return []
+        ctx = np.asarray(token_ids[-self.max_depth:], dtype=np.int64)
+        # The request's own tokens, all but the last as a place a match may end before.
+        corpora = [np.asarray(token_ids[:-1], dtype=np.int64), *self.cache]
+        best, matches = 0, []
+        for c, corpus in enumerate(corpora):
+            m, ends = _longest_match(corpus, ctx, full=corpus if c else np.asarray(token_ids, dtype=np.int64))
+            if m > best:
+                best, matches = m, [(c, e) for e in ends]
+            elif m == best and m > 0:
+                matches += [(c, e) for e in ends]
+        if not best:
+            return []
+        limit = min(k, max(1, int(best * self.max_spec_factor)))
+        full = [np.asarray(token_ids, dtype=np.int64), *self.cache]
+        draft: list[int] = []
+        while matches and len(draft) < limit:
+            nexts = [int(full[c][e]) for c, e in matches if e < len(full[c])]
+            if not nexts:
+                break
+            token, count = Counter(nexts).most_common(1)[0]
+            if count / len(nexts) < self.min_token_prob:
+                break
+            draft.append(token)
+            matches = [(c, e + 1) for c, e in matches if e < len(full[c]) and full[c][e] == token]
+        return draft
+
+
+def _longest_match(corpus: np.ndarray, ctx: np.ndarray, full: np.ndarray) -> tuple[int, np.ndarray]:
+    """The longest m such that ctx's last m tokens occur in corpus, and the indices (into
+    `full`, of which corpus is a prefix) of the token after each such occurrence."""
+    ends = np.flatnonzero(corpus == ctx[-1]) + 1    # index of the token after each match
+    ends = ends[ends < len(full)]
+    m = 1 if ends.size else 0
+    while ends.size and m < len(ctx):
+        prev = ends - m - 1
+        keep = prev >= 0
+        keep[keep] = corpus[prev[keep]] == ctx[-m - 1]
+        if not keep.any():
+            break
+        ends, m = ends[keep], m + 1
+    return m, ends
