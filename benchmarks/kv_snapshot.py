@@ -53,6 +53,7 @@ class SimEngine:
         config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=256, max_num_batched_tokens=8192,
                               preemption_mode="swap" if num_host_blocks else "recompute",
                               swap_space=1 if num_host_blocks else 0)
+        self.config = config
         self.scheduler = Scheduler(config, num_blocks, MAX_MODEL_LEN, num_host_blocks)
         self.max_model_len = MAX_MODEL_LEN
         self.num_steps = 0
