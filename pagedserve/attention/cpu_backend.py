@@ -36,11 +36,7 @@ class CpuAttention(TorchAttention):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale, self.kv_format.code)
-        if out is not None:
-            return out
-        if self.kv_format.quantized:       # the reference, over what was just written
-            return self._attend(q.float(), k, v, kv_cache, meta, scale).to(q.dtype)
-        return self._attend(q, k, v, kv_cache, meta, scale)
+        return out if out is not None else self._reference(q, k, v, kv_cache, meta, scale)
 
     def kernel_rows(self, meta: AttentionMetadata) -> cpu_kernels.AttentionRows:
         """The step's query rows as the kernel reads them; built once per step (`prepare`), used by

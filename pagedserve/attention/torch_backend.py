@@ -65,6 +65,11 @@ class TorchAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, Hq, D]."""
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self._reference(q, k, v, kv_cache, meta, scale)
+
+    def _reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache the step's K/V were already written into."""
         if self.kv_format.quantized:       # float32 over the dequantized cache (never the step's own k, v)
             return self._attend(q.float(), k, v, kv_cache, meta, scale).to(q.dtype)
         return self._attend(q, k, v, kv_cache, meta, scale)

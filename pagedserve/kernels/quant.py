@@ -503,7 +503,7 @@ def c_part(w: QuantizedWeight) -> QuantPart:
 
 def variant() -> str | None:
     """The variant in use, or None where none could be built (torch computes)."""
-    return KERNELS.active if load() is not None else None
+    return KERNELS.variant()
 
 
 def describe() -> dict:

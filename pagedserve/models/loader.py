@@ -403,11 +403,7 @@ class MatrixBuilder:
             return self._gguf_matrix(parts, cols, pad_rows)
         if self.mode in ("q8_0", "q4_0"):
             qtype = qtype or self.mode
-            floats = [self.source.get(n, r, cols) for n, r in parts]
-            if pad_rows:
-                floats.append(floats[0].new_zeros(pad_rows, floats[0].shape[1]))
-            whole = floats[0] if len(floats) == 1 else torch.cat(floats)
-            del floats
+            whole = self._stack_rows([self.source.get(n, r, cols) for n, r in parts], pad_rows)
             if whole.shape[1] % 32:
                 raise ValueError(f"{parts[0][0]}: {whole.shape[1]} columns are not whole {qtype} blocks of 32 "
                                  f"(under tensor parallelism: choose another tensor_parallel_size)")
@@ -416,7 +412,7 @@ class MatrixBuilder:
         if isinstance(self.source, SafetensorsSource) and cols is None and \
                 all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
             return self._read_fused(parts, pad_rows)
-        return self._float_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
+        return self._stack_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
 
     def _read_fused(self, parts: list[tuple[str, Range]], pad_rows: int) -> torch.Tensor:
         """A fused float matrix read part by part straight into its rows: no parts to concatenate
@@ -432,22 +428,16 @@ class MatrixBuilder:
 
     def _gguf_matrix(self, parts: list[tuple[str, Range]], cols: Range, pad_rows: int):
         qtypes = [self._quantized_type(n) for n, _ in parts]
-        if None in qtypes:      # some part is float (or has no kernel): quantized parts stay apart
-            if all(q is None for q in qtypes):
-                return self._float_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
-            return tuple(self._gguf_matrix([part], cols, 0) if q else self.float(*part, cols)
-                         for part, q in zip(parts, qtypes)) + ((self._zeros(pad_rows, parts[-1][0], cols),)
-                                                               if pad_rows else ())
-        if len(set(qtypes)) > 1:     # e.g. q, k in Q4_K and v in Q6_K: one matrix per part
-            weights = [self._gguf_matrix([part], cols, 0) for part in parts]
+        if all(q is None for q in qtypes):      # float parts (or types without a kernel)
+            return self._stack_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
+        if len(set(qtypes)) > 1:     # a float part, or e.g. q, k in Q4_K and v in Q6_K: one matrix per part
+            weights = [self._gguf_matrix([part], cols, 0) if q else self.float(*part, cols)
+                       for part, q in zip(parts, qtypes)]
             if pad_rows:
                 weights.append(self._zeros(pad_rows, parts[-1][0], cols))
             return tuple(weights)
-        blocks = [self.source.blocks(n, r, cols) for n, r in parts]
-        if pad_rows:
-            blocks.append(blocks[0].new_zeros(pad_rows, blocks[0].shape[1]))   # zero blocks: zero scales
-        raw = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        del blocks
+        # Zero blocks for padding rows: zero scales.
+        raw = self._stack_rows([self.source.blocks(n, r, cols) for n, r in parts], pad_rows)
         num_cols = cols[1] - cols[0] if cols else self.source.num_cols(parts[0][0])
         weight = quant.from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
         for n, _ in parts:
@@ -460,10 +450,11 @@ class MatrixBuilder:
         return torch.zeros(rows, num_cols, dtype=self.dtype)
 
     @staticmethod
-    def _float_rows(floats: list[torch.Tensor], pad_rows: int) -> torch.Tensor:
+    def _stack_rows(parts: list[torch.Tensor], pad_rows: int) -> torch.Tensor:
+        """Parts (float rows, or GGUF block rows) stacked by rows, with pad_rows zero rows after."""
         if pad_rows:
-            floats.append(floats[0].new_zeros(pad_rows, floats[0].shape[1]))
-        return floats[0] if len(floats) == 1 else torch.cat(floats)
+            parts.append(parts[0].new_zeros(pad_rows, parts[0].shape[1]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def embedding(self, name: str, rows: Range, pad_rows: int):
         """The embedding table: a GGUF file's quantized table stays in its blocks (each lookup
@@ -474,7 +465,7 @@ class MatrixBuilder:
                 blocks = torch.cat([blocks, blocks.new_zeros(pad_rows, blocks.shape[1])])
             return QuantizedEmbedding(self.source.tensor_type(name), blocks, self.source.num_cols(name), self.dtype)
         return self.matrix([(name, rows)], pad_rows=pad_rows) if self.mode is None or self.blocks_of else \
-            self._float_rows([self.float(name, rows)], pad_rows)
+            self._stack_rows([self.float(name, rows)], pad_rows)
 
     def tied_lm_head(self, embed, name: str, rows: Range, pad_rows: int):
         """The LM head of a model whose embedding is tied: the same blocks as a QuantizedWeight
@@ -482,9 +473,9 @@ class MatrixBuilder:
         if isinstance(embed, QuantizedEmbedding):
             qtype = self._quantized_type(name)
             if qtype is None:
-                return self._float_rows([self.float(name, rows)], pad_rows)
+                return self._stack_rows([self.float(name, rows)], pad_rows)
             self.made[qtype] += 1
-            weight = quant.from_gguf_blocks(qtype, embed.blocks, embed.shape)
+            weight = embed.weight                  # the table's own blocks, already a QuantizedWeight
             self.source.release(name, weight)      # the lookups read the file's rows again when needed
             return weight
         if self.mode in ("q8_0", "q4_0"):

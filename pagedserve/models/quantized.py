@@ -114,11 +114,12 @@ class QuantizedEmbedding:
 
     def __post_init__(self) -> None:
         qtype = kernel_qtype(self.tensor_type)
-        self._weight = None if qtype is None else quant.from_gguf_blocks(qtype, self.blocks, self.shape)
+        # The table as a QuantizedWeight over the same blocks (None: a type without a kernel).
+        self.weight = None if qtype is None else quant.from_gguf_blocks(qtype, self.blocks, self.shape)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._weight is not None:       # the compiled row dequantize (the gguf package's values)
-            return quant.embedding(self._weight, ids, self.dtype)
+        if self.weight is not None:        # the compiled row dequantize (the gguf package's values)
+            return quant.embedding(self.weight, ids, self.dtype)
         rows = self.blocks[ids.to(torch.int64)]
         from gguf import quants
         return torch.from_numpy(np.asarray(quants.dequantize(rows.numpy(), self.tensor_type),
