@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-import logging
 
 import torch
 
@@ -87,7 +86,6 @@ def parse_human_int(value: int | str) -> int:
 
 def parse_json_object(text: str) -> dict:
     """A flag's JSON object (vLLM's dict-valued flags, e.g. --override-generation-config)."""
-    import json
     value = json.loads(text) if isinstance(text, str) else text
     if not isinstance(value, dict):
         raise ValueError(f"must be a JSON object; got {text!r}")

@@ -93,7 +93,7 @@ def _check_step(out: "SchedulerOutput") -> list[StepWrite]:
         assert s.start + s.num_new_tokens <= s.seq.num_tokens, f"sequence {seq_id} computes tokens it lacks"
         assert not s.draft_token_ids or (s.samples and s.num_new_tokens == 1), (
             f"sequence {seq_id} has drafts but does not decode")
-        writes.append(StepWrite(seq_id, s.start, s.num_new_tokens + len(s.draft_token_ids), s.block_ids))
+        writes.append(StepWrite(seq_id, s.start, s.num_query_tokens, s.block_ids))
     return writes
 
 

@@ -74,7 +74,7 @@ from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.outputs import Logprob
-from pagedserve.request import Request, RequestStatus, Sequence, sampling_settings  # noqa: F401 - re-exported
+from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
@@ -95,6 +95,11 @@ class ScheduledSeq:
     start: int = 0              # first position computed (the sequence's computed count)
     samples: bool = False       # the step reaches the sequence's last token: sample from it
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts after its last token
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens the forward computes for this sequence: its own and its drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @classmethod
     def of(cls, req: Request, seq: Sequence, n: int, block_ids: list[int]) -> "ScheduledSeq":
@@ -376,7 +381,7 @@ class Scheduler:
 
     def _make_batch(self, out: SchedulerOutput) -> None:
         """The worker's copy of the step: data only, decodes first (attention batches them)."""
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens + len(s.draft_token_ids) != 1)
+        order = sorted(out.scheduled, key=lambda s: s.num_query_tokens != 1)
         seqs = []
         for s in order:
             seq = s.seq
@@ -449,7 +454,7 @@ class Scheduler:
         for x in added:
             x.draft_token_ids = self._drafts.get(x.seq.seq_id, [])
         out.scheduled.extend(added)
-        return sum(x.num_new_tokens + len(x.draft_token_ids) for x in added)
+        return sum(x.num_query_tokens for x in added)
 
     def _is_decoding(self, req: Request) -> bool:
         return all(s.num_computed_tokens >= s.num_tokens - 1 for s in req.live_seqs)

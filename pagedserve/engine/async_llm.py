@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import MAX_STEP_FAILURES, LLMEngine, PromptType  # noqa: F401 - re-exported
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
 from pagedserve.engine.protocol import Params, check_num_prompts

@@ -172,10 +172,8 @@ class KVCacheManager(PoolCapacity):
         keep = cdiv(num_tokens, self.block_size)
         if len(table) > keep:
             assert len(self.keys[seq_id]) <= keep, f"sequence {seq_id}: a trimmed block was hashed"
-            tail = table[keep:]
+            self._release(table[keep:])
             del table[keep:]
-            self.num_logical_blocks -= len(tail)
-            self.pool.release(tail[::-1])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copy-on-write later)."""
@@ -205,9 +203,12 @@ class KVCacheManager(PoolCapacity):
         blocks are released first so that, among cached blocks, a prefix's later blocks are
         evicted before its earlier ones."""
         for sid in seq_ids:
-            table = self.tables.pop(sid, [])
-            self.num_logical_blocks -= len(table)
-            self.pool.release(table[::-1])
+            self._release(self.tables.pop(sid, []))
+
+    def _release(self, blocks: list[KVBlock]) -> None:
+        """Give a table's blocks (or its tail) back to the pool, the last first."""
+        self.num_logical_blocks -= len(blocks)
+        self.pool.release(blocks[::-1])
 
     def restore_tables(self, tables: dict[int, list[KVBlock]]) -> list[BlockCopy]:
         """Give swapped-out sequences device tables again, mirroring `tables` (their host

@@ -135,6 +135,16 @@ class Sampler:
         key = (len(rows), tuple(rand), seeded, tuple((p.temperature, p.min_p, p.top_p, p.top_k) for p in params))
         if key == self._params_key:
             return self._params
+        self._params = self._build_random_rows(rows, rand)
+        self._params_key = key
+        self.host_copies += 1
+        return self._params
+
+    def _build_random_rows(self, rows: list[SamplingRow], rand: list[int]) -> "RandomRows":
+        """The random rows' indices and parameters, uploaded now (no step cache: speculative
+        decoding's verification builds its own without displacing the step's)."""
+        params = [rows[i].params for i in rand]
+        seeded = tuple(rows[i].generator is not None for i in rand)
         pin = self.device.type == "cuda"
         unseeded = [j for j, s in enumerate(seeded) if not s]
         truncate = any(p.top_k for p in params) or any(p.top_p < 1.0 for p in params)
@@ -143,7 +153,7 @@ class Sampler:
             host = torch.tensor(values, dtype=dtype)
             return host.pin_memory().to(self.device, non_blocking=True) if pin else host.to(self.device)
 
-        self._params = RandomRows(
+        return RandomRows(
             idx=None if len(rand) == len(rows) else up(rand, torch.long),
             unseeded=None if len(unseeded) in (0, len(rand)) else up(unseeded, torch.long),
             num_unseeded=len(unseeded),
@@ -152,9 +162,6 @@ class Sampler:
             # top_k and top_p are applied together, as one mask, when any row uses either.
             top_k=up([p.top_k for p in params], torch.long) if truncate else None,
             top_p=up([p.top_p for p in params], torch.float32)[:, None] if truncate else None)
-        self._params_key = key
-        self.host_copies += 1
-        return self._params
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -50,7 +50,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[DraftRow],
     raw = torch.log_softmax(logits, dim=-1) if any(r.needs_logprob or r.num_logprobs for r in rows) else None
     sampler._apply_bias_and_min_tokens(logits, rows, set())
     sampler._apply_penalties(logits, rows)
-    targets = sampler.argmax(logits).tolist()
+    targets = sampler.argmax(logits).tolist() if any(d.row.params.greedy for d in drafts) else None
     outputs = []
     at = 0
     for d in drafts:
@@ -76,7 +76,7 @@ def _accept_sampled(sampler: Sampler, logits: torch.Tensor, d: DraftRow, residua
     p = d.row.params
     x = logits / p.temperature
     n = x.shape[0]
-    x = sampler._truncate(x, sampler._random_rows([d.row] * n, list(range(n))))   # min_p, top-k/p per row
+    x = sampler._truncate(x, sampler._build_random_rows([d.row] * n, list(range(n))))   # min_p, top-k/p per row
     probs = torch.softmax(x, dim=-1)
     gen = d.row.generator if d.row.generator is not None else sampler.generator
     tokens = []
@@ -105,15 +105,8 @@ def _draw(dist: torch.Tensor, row: SamplingRow, gen: torch.Generator) -> int:
 
 
 def _logprobs(raw: torch.Tensor | None, at: int, tokens: list[int], rows: list[SamplingRow]) -> SamplerOutput:
+    """The emitted tokens' logprobs, as the sampler gathers them for plain decoding."""
     if raw is None:
         return SamplerOutput(tokens, None, None, None, None)
-    idx = torch.arange(at, at + len(tokens), device=raw.device)
-    lp = raw[idx]
-    chosen = lp.gather(1, torch.tensor(tokens, device=raw.device)[:, None])
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    k = rows[0].num_logprobs
-    top_ids = top_lps = None
-    if k:
-        vals, ids = lp.topk(k, dim=-1)
-        top_ids, top_lps = ids.tolist(), vals.tolist()
-    return SamplerOutput(tokens, chosen[:, 0].tolist(), top_ids, top_lps, ranks)
+    n = len(tokens)
+    return Sampler._gather_logprobs(raw[at:at + n], torch.tensor(tokens, device=raw.device), rows[:n])
