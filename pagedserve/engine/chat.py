@@ -7,7 +7,7 @@ from typing import Any
 Conversation = list[dict[str, Any]]
 
 # apply_chat_template's own arguments: not variables of the template, so not chat_template_kwargs.
-_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+RESERVED_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
              "chat_template", "return_dict", "return_tensors", "tools", "documents", "padding", "truncation",
              "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
@@ -50,7 +50,7 @@ def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bo
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ValueError(f"each message needs a role of system, developer, user, assistant or tool; got {m!r}")
     conversation = developer_as_system(conversation, chat_template or tokenizer.chat_template)
-    reserved = _RESERVED & set(chat_template_kwargs or ())
+    reserved = RESERVED_KWARGS & set(chat_template_kwargs or ())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     if continue_final_message and add_generation_prompt:

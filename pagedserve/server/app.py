@@ -18,13 +18,11 @@ import contextlib
 import hmac
 import json
 import logging
-from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 import pagedserve
 from pagedserve.config import EngineConfig
@@ -32,7 +30,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import PAGE_FILES, KVStreamHub, add_dashboard_routes
-from pagedserve.server.errors import APIError, bad_request, install_error_handlers, invalid_body
+from pagedserve.server.errors import APIError, bad_request, install_error_handlers, parse_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
@@ -259,17 +257,6 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)
     return app
-
-
-async def parse_body(raw: Request, model: type[BaseModel],
-                     precheck: Callable[[bytes], None] | None = None) -> BaseModel:
-    data = await raw.body()
-    if precheck is not None:
-        precheck(data)
-    try:
-        return model.model_validate_json(data)
-    except ValidationError as e:
-        raise invalid_body(e) from None
 
 
 async def _watch_start(state: ServerState) -> None:

@@ -17,11 +17,10 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.server.errors import bad_request, invalid_body
+from pagedserve.server.errors import bad_request, parse_body
 from pagedserve.server.protocol import Int, OpenAIModel, random_id
 from pagedserve.server.serving import Serving, completion_prompts
 from pagedserve.server.state import ServerState
@@ -97,9 +96,5 @@ def _encode(embedding: list[float], fmt: str) -> list[float] | str:
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request) -> Any:
-        data = await raw.body()
-        try:
-            body = EmbeddingRequest.model_validate_json(data)
-        except ValidationError as e:
-            raise invalid_body(e) from None
+        body = await parse_body(raw, EmbeddingRequest)
         return await EmbeddingServing(state, body, raw).create()

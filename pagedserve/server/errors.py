@@ -4,11 +4,12 @@ that disconnects before its whole body arrives is not an error of ours: one log 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -57,6 +58,18 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         where = ".".join(loc)
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return "invalid request body: " + "; ".join(parts), param
+
+
+async def parse_body(raw: Request, model: type[BaseModel],
+                     precheck: Callable[[bytes], None] | None = None) -> BaseModel:
+    """The request body as `model` (after `precheck` on its bytes); a malformed one is a 400."""
+    data = await raw.body()
+    if precheck is not None:
+        precheck(data)
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        raise invalid_body(e) from None
 
 
 def invalid_body(exc: ValidationError) -> APIError:

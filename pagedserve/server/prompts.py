@@ -48,9 +48,9 @@ def _text_chars(content: str | list | None) -> int:
     return len(content or "")
 
 
-def _message_chars(m: Any) -> int:
-    """The characters of a message the template may show: its content, name and earlier calls."""
-    chars = _text_chars(m.content) + len(getattr(m, "name", None) or "") + len(getattr(m, "tool_call_id", None) or "")
+def _extra_chars(m: Any) -> int:
+    """The characters of a message the template may show besides its content: name and earlier calls."""
+    chars = len(getattr(m, "name", None) or "") + len(getattr(m, "tool_call_id", None) or "")
     calls = getattr(m, "tool_calls", None)
     if calls:
         chars += _json_chars(calls)
@@ -190,7 +190,7 @@ class PromptProcessor:
         self.check_chars(chars, "messages")
         self.check_messages(len(messages), chars)
         # The lane by all the text the template may show (names, earlier calls, tool definitions).
-        size = sum(_message_chars(m) for m in messages) + (_json_chars(tools) if tools else 0)
+        size = chars + sum(_extra_chars(m) for m in messages) + (_json_chars(tools) if tools else 0)
         return await self._lane(size, len(messages)).run(render, messages, *args)
 
     def close(self) -> None:

@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import json
 import logging
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -35,7 +34,7 @@ from pydantic import ValidationError
 
 from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.server.errors import APIError, bad_request, invalid_body
+from pagedserve.server.errors import APIError, bad_request, invalid_body, parse_body
 from pagedserve.server.protocol import ChatCompletionRequest, Int, OpenAIModel
 from pagedserve.server.serving import (ChatServing, _ignored_fields_logged, chat_prompt_ids, check_max_tokens,
                                        make_params)
@@ -250,8 +249,6 @@ class ResponsesServing(ChatServing):
             raise invalid_body(e) from None
         super().__init__(state, body, raw)
         self.id = _id("resp")
-        self.created = int(time.time())
-        self.final: RequestOutput | None = None
 
     # -- the engine request -----------------------------------------------------------------------
     async def start(self):
@@ -311,7 +308,7 @@ class ResponsesServing(ChatServing):
 
     def _finish_entry(self, final: RequestOutput | None, error: str | None = None) -> dict[str, Any]:
         """The finished response (also into the store, with its output for the next turn)."""
-        entry = getattr(self, "_entry", None)
+        entry = self._entry
         if final is None:
             cancelled = entry is not None and entry.cancelled
             response = self.response_dict("cancelled" if cancelled else "failed", [],
@@ -320,9 +317,13 @@ class ResponsesServing(ChatServing):
         else:
             status, incomplete = self._status(final)
             response = self.response_dict(status, self.output_items(final.outputs[0]), incomplete, final)
-        if entry is not None:
-            entry.response, entry.serving = response, None
-            entry.conversation = self.conversation + items_to_messages(response["output"])
+        return self._store(response)
+
+    def _store(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The finished response into the store (with its output for the next turn), if stored."""
+        if self._entry is not None:
+            self._entry.response, self._entry.serving = response, None
+            self._entry.conversation = self.conversation + items_to_messages(response["output"])
         return response
 
     # -- shapes -----------------------------------------------------------------------------------
@@ -439,10 +440,7 @@ class ResponsesServing(ChatServing):
             if not items:    # nothing generated: still one (empty) message
                 items.append(message_item(_id("msg"), ""))
             status, incomplete = self._status(final)
-            response = self.response_dict(status, items, incomplete, final)
-            if self._entry is not None:
-                self._entry.response, self._entry.serving = response, None
-                self._entry.conversation = self.conversation + items_to_messages(items)
+            response = self._store(self.response_dict(status, items, incomplete, final))
             kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
             yield event(kind, response=response)
         except APIError as e:
@@ -461,13 +459,6 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     options = state.options
     store = ResponseStore(options.responses_api_store_size) if options.enable_responses_api_store else None
 
-    async def parse(raw: Request) -> ResponsesRequest:
-        data = await raw.body()
-        try:
-            return ResponsesRequest.model_validate_json(data)
-        except ValidationError as e:
-            raise invalid_body(e) from None
-
     def stored(response_id: str) -> StoredResponse:
         entry = store.get(response_id) if store is not None else None
         if entry is None:
@@ -477,7 +468,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def create_response(raw: Request):
-        return await ResponsesServing(state, await parse(raw), raw, store).create()
+        return await ResponsesServing(state, await parse_body(raw, ResponsesRequest), raw, store).create()
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> JSONResponse:

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.engine.async_llm import (EngineDeadError, EngineNotReadyError, EngineStepError, QueueFullError,
                                          RequestStream)
+from pagedserve.engine.chat import RESERVED_KWARGS
 from pagedserve.engine.llm import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -152,11 +153,9 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
 
 
 # Names apply_chat_template and the template renderer take as their own arguments, and the
-# template's conversation: none may come from chat_template_kwargs.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs", "self"})
+# template's conversation: none may come from chat_template_kwargs (the engine's set, and the
+# renderer's own names, refused by the server only).
+RESERVED_TEMPLATE_KWARGS = frozenset(RESERVED_KWARGS | {"conversations", "kwargs", "self"})
 
 
 def check_chat_options(body: ChatCompletionRequest) -> None:

@@ -103,7 +103,7 @@ class GrammarCompiler:
                 self.cache_bytes += entry.nbytes
                 entry.task = self._pool.submit(lambda e=entry: self._build(params, e))
                 entry.future = entry.task.future
-                entry.future.add_done_callback(lambda f, e=entry: self._done(e))
+                entry.future.add_done_callback(lambda _: self.on_ready())
                 self.num_compiles += 1
             entry.users += 1
             if entry.cached:
@@ -129,10 +129,6 @@ class GrammarCompiler:
         if entry.cached:
             self.cache_bytes -= entry.nbytes
         entry.cached = False
-
-    def _done(self, entry: _Entry) -> None:
-        """(The thread that answered the future.)"""
-        self.on_ready()
 
     def _count(self, entry: _Entry, compiled) -> None:
         """(Pool thread, before the future is answered.) Count the entry's bytes and evict the

@@ -89,10 +89,6 @@ class CompilePool:
         for task in tasks:
             _answer(task.future, error=error)
 
-    @property
-    def num_orphans(self) -> int:
-        return self._orphans
-
     # ---- threads -----------------------------------------------------------------------------
     def _spawn_if_needed(self) -> None:
         """(Lock held.) A thread for the queued work if every thread is busy and the free ones
