@@ -95,8 +95,9 @@ class ModelRunner:
         seqs = batch.seqs      # decodes first, so attention can batch them
         # Sequences with drafts sample at each of their 1 + k positions and are verified
         # (spec_decode/rejection.py); the others sample once, as ever.
-        sampled = [s for s in seqs if s.sample is not None and not s.draft_token_ids]
-        drafted = [s for s in seqs if s.sample is not None and s.draft_token_ids]
+        sampled_at = [i for i, s in enumerate(seqs) if s.sample is not None and not s.draft_token_ids]
+        drafted_at = [i for i, s in enumerate(seqs) if s.sample is not None and s.draft_token_ids]
+        sampled, drafted = [seqs[i] for i in sampled_at], [seqs[i] for i in drafted_at]
         prompt_lps, pooled = {}, {}
         logits = self._replay_decode(seqs)
         spec_logits = None
@@ -104,9 +105,8 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(seqs)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
             qsl = meta.query_start_loc_cpu
-            last = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.sample is not None and not s.draft_token_ids]
-            spec_rows = [r for i, s in enumerate(seqs) if s.sample is not None and s.draft_token_ids
-                         for r in range(qsl[i + 1] - 1 - len(s.draft_token_ids), qsl[i + 1])]
+            last = [qsl[i + 1] - 1 for i in sampled_at]
+            spec_rows = [r for i in drafted_at for r in range(qsl[i + 1] - 1 - len(seqs[i].draft_token_ids), qsl[i + 1])]
             # None on a tensor-parallel rank but the driver (it only took part in the gather)
             logits = self.model.compute_logits(hidden[last]) if sampled else None
             spec_logits = self.model.compute_logits(hidden[spec_rows]) if drafted else None
