@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--record-steps", default=None,
+                   help="also write every recorded engine step (work, wall and kernel times) to this JSON file")
     args = p.parse_args(argv)
     setup = tiny_setup() if args.tiny else quick_setup() if args.quick else full_setup()
     out = Path(args.out)
@@ -265,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      preemption_mode=c.preemption_mode)})
                 log(f"  {w.name:8s} bs {bs:2d} {'saturated' if saturated else f'{rate:.2f} req/s'}: "
                     f"{result.duration_s:.1f}s, {len(records)} steps, {result.num_preemptions} preemptions")
+    if args.record_steps:
+        save_records(Path(args.record_steps), runs, decomposed)
     verdict = evaluate(cost_for, runs, decomposed)
     mutations = {}
     for term in TERMS:
@@ -294,6 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     print(report(data))
     print(f"\nwrote {out / 'sim_validation.json'} in {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def save_records(path: Path, runs: list[dict], decomposed) -> None:
+    """The raw steps, so a cost model can be checked (or fitted) later without timing anything."""
+    def rows(records):
+        return [dataclasses.asdict(r) for r in records]
+    data = {"decomposed": rows(decomposed),
+            "runs": [{**{k: run[k] for k in ("workload", "block_size", "rate", "saturated", "num_requests")},
+                      "records": rows(run["records"])} for run in runs]}
+    path.write_text(json.dumps(paper._finite(data)))
 
 
 def report(data: dict) -> str:
