@@ -4,7 +4,8 @@ A request whose prompt text contains one of the markers below meets a fault:
 REQUEST_FAULT raises while its own tokens are handled (after its second token),
 STEP_FAULT raises in the model step that runs it (the whole step fails), and
 FATAL_FAULT breaks the engine outside any request (reading the KV stats raises
-once it is queued). SLOW_STEPS is no fault: every model step that runs such a request
+once it is queued). A prompt given as token ids (chat, /v1/responses) is marked by its
+decoded text. SLOW_STEPS is no fault: every model step that runs such a request
 takes at least 20 ms longer, so a test can hold requests running for a known time. `install()` patches the classes of this process;
 `python -m tests.fault_server serve ...` runs the server with them installed.
 """
@@ -77,6 +78,14 @@ def install(patch=None) -> None:
     patch(Scheduler, "schedule", marking_schedule)
     patch(ModelRunner, "execute", faulty_execute)
     patch(LLMEngine, "kv_cache_stats", faulty_kv_cache_stats)
+    tokenize_prompt = LLMEngine.tokenize_prompt
+
+    def text_of_every_prompt(self, prompt):     # so that rendered chats carry their markers
+        text, ids = tokenize_prompt(self, prompt)
+        if text is None and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            text = self.tokenizer.decode(ids)    # (bad ids are left to the engine's validation)
+        return text, ids
+    patch(LLMEngine, "tokenize_prompt", text_of_every_prompt)
     compile_grammar = GrammarCompiler._compile
 
     def slow_compile(self, ebnf):

@@ -8,6 +8,7 @@ any request kills the engine: /health 503, requests 5xx at once, exit status 1.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -73,7 +74,7 @@ def test_offline_llm_after_a_failed_step_does_not_read_its_half_written_blocks(t
 # ---- the server: the engine goes on -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def faulty_server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--shutdown-timeout", "0"),
+    srv = launch_server(tiny_llama.path, tiny_server_args("--shutdown-timeout", "0", "--enable-responses-api-store"),
                         tmp_path_factory.mktemp("faults") / "server.log", module="tests.fault_server")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
@@ -123,6 +124,25 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_engine_goes_on(fault
             ok = http.post("/v1/completions", json={"prompt": clean, "max_tokens": 20, **GREEDY})
             assert ok.json()["choices"][0]["text"] == reference_text(offline, clean, 20)
     assert "Traceback" in faulty_server.log()   # each fault is logged with its traceback
+
+
+def test_a_fault_in_a_streamed_response_ends_it_failed_and_stored_so(faulty_server, offline):
+    """/v1/responses streamed: an engine error mid-stream is a response.failed event and an error
+    event (not a cut stream), the stored response says failed, and the engine goes on."""
+    with httpx.Client(base_url=faulty_server.url, timeout=60) as http:
+        body = {"input": f"{PROMPT} {REQUEST_FAULT}", "max_output_tokens": 20, "stream": True,
+                "store": True, "temperature": 0}
+        with http.stream("POST", "/v1/responses", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "response.created" and kinds[-2:] == ["response.failed", "error"], kinds
+        assert "injected fault in one request" in events[-1]["message"]
+        stored = http.get(f"/v1/responses/{events[0]['response']['id']}").json()
+        assert stored["status"] == "failed" and "injected fault" in stored["error"]["message"]
+        assert wait_idle(http)["pagedserve:kv_cache_usage_perc"] == 0
+        ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, **GREEDY})
+        assert ok.json()["choices"][0]["text"] == reference_text(offline, PROMPT, 12)
 
 
 # ---- the server: the engine dies ----------------------------------------------------------------

@@ -139,6 +139,18 @@ def test_a_slow_compile_of_a_queued_request_ends_it_with_a_clear_400(http):
         assert "time limit" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_whose_schema_the_engine_refuses_gets_a_400_streamed_or_not(http, stream):
+    """/v1/responses: a text.format schema refused once queued (too big to compile, past the
+    time limit) is a 400 before any event, as on /v1/chat/completions."""
+    for name, schema in (("huge-bounded-repeat", {"type": "string", "pattern": ".{1,4588}"}),
+                         ("over-the-time-limit", {"const": f"{SLOW_COMPILE}-response-{stream}"})):
+        r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": stream,
+                                             "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}})
+        check_400(r, None, name)
+    assert http.get("/health").status_code == 200
+
+
 def test_required_tool_choice_resolves_defs_like_a_named_one(http):
     """pydantic puts nested models under $defs: "required" hoists each tool's $defs."""
     for choice in ("required", {"type": "function", "function": {"name": "make_city"}}):

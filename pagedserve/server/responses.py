@@ -36,8 +36,8 @@ from pagedserve.chat_templates import tools_warning, warning_headers
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.errors import APIError, bad_request, invalid_body, parse_body
 from pagedserve.server.protocol import ChatCompletionRequest, Int, OpenAIModel
-from pagedserve.server.serving import (ChatServing, _ignored_fields_logged, chat_prompt_ids, check_max_tokens,
-                                       make_params)
+from pagedserve.server.serving import (STREAM_ERRORS, ChatServing, _ignored_fields_logged, chained, chat_prompt_ids,
+                                       check_max_tokens, make_params)
 from pagedserve.server.state import ServerState
 from pagedserve.server.tools import ToolStreamer, parse_tool_calls, plan_tools
 
@@ -289,7 +289,14 @@ class ResponsesServing(ChatServing):
             entry.task = asyncio.create_task(self._run_in_background(stream))
             return JSONResponse(entry.response, headers=warning_headers(self.warning))
         if self.req.stream:
-            return StreamingResponse(self._response_events(stream), media_type="text/event-stream",
+            outputs = stream.__aiter__()
+            try:
+                first = await self.first_output(stream, outputs)
+            except APIError as e:
+                self._finish_entry(None, e.message)
+                raise
+            return StreamingResponse(self._response_events(stream, chained(first, outputs)),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
         try:
             (final,) = await self.final_outputs(stream)
@@ -366,7 +373,7 @@ class ResponsesServing(ChatServing):
                 "reasoning": None}
 
     # -- streaming --------------------------------------------------------------------------------
-    async def _response_events(self, stream) -> AsyncIterator[str]:
+    async def _response_events(self, stream, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         numbers = itertools.count()
 
         def event(kind: str, **data: Any) -> str:
@@ -400,7 +407,7 @@ class ResponsesServing(ChatServing):
         yield event("response.created", response=self.response_dict("in_progress", []))
         yield event("response.in_progress", response=self.response_dict("in_progress", []))
         try:
-            async for out in stream:
+            async for out in outputs:
                 self._check_aborted(out)
                 self.prompt_tokens[0] = len(out.prompt_token_ids)
                 final = out
@@ -443,7 +450,8 @@ class ResponsesServing(ChatServing):
             response = self._store(self.response_dict(status, items, incomplete, final))
             kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
             yield event(kind, response=response)
-        except APIError as e:
+        except STREAM_ERRORS as error:
+            e = self.api_error(error)
             response = self._finish_entry(None, e.message)
             yield event("response.failed" if response["status"] == "failed" else "response.cancelled",
                         response=response)

@@ -43,6 +43,9 @@ from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+# What a request's stream can raise once it was accepted: Serving.api_error turns each into a reply.
+STREAM_ERRORS = (APIError, InvalidRequestError, EngineStepError, EngineDeadError)
+
 # Request fields we do not know were logged once each (vLLM logs them too), not silently dropped.
 _ignored_fields_logged: set[str] = set()
 
@@ -369,6 +372,35 @@ class Serving:
             param = self.constraint_field
         return bad_request(e.message, param, e.code)
 
+    def api_error(self, e: Exception) -> APIError:
+        """What the client sees of an error raised while its request streamed (one of STREAM_ERRORS)."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, InvalidRequestError):
+            return self.engine_refusal(e)
+        return APIError(500, str(e))
+
+    async def first_output(self, stream: RequestStream, outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+        """A constrained request can still be refused after it is queued (its grammar fails to
+        compile): before a stream starts, wait for its first output, so that a refusal is a 400,
+        not an error event in a 200 stream. Unconstrained requests start at once."""
+        if self.constraint_field is None:
+            return []
+        watcher = asyncio.create_task(self._abort_on_disconnect(stream))
+        try:
+            return [await outputs.__anext__()]
+        except StopAsyncIteration:
+            return []
+        except InvalidRequestError as e:
+            stream.close()
+            self.log_finish(None, e.message)
+            raise self.engine_refusal(e) from None
+        except BaseException:
+            stream.close()
+            raise
+        finally:
+            watcher.cancel()
+
     async def final_outputs(self, stream: RequestStream) -> list[RequestOutput]:
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
         finals: dict[str, RequestOutput] = {}
@@ -377,15 +409,10 @@ class Serving:
                 if out.finished:
                     self._check_aborted(out)
                     finals[out.request_id] = out
-        except InvalidRequestError as e:
-            self.log_finish(None, e.message)
-            raise self.engine_refusal(e) from None
-        except (EngineStepError, EngineDeadError) as e:
-            self.log_finish(None, str(e))
-            raise APIError(500, str(e)) from None
-        except APIError as e:
-            self.log_finish(None, e.message)
-            raise
+        except STREAM_ERRORS as e:
+            error = self.api_error(e)
+            self.log_finish(None, error.message)
+            raise error from None
         finally:
             watcher.cancel()
             stream.close()
@@ -432,41 +459,18 @@ class Serving:
 
     async def streaming_response(self, stream: RequestStream) -> StreamingResponse:
         outputs = stream.__aiter__()
-        first: list[RequestOutput] = []
-        if self.constraint_field is not None:
-            # A constrained request can still be refused after it is queued (its grammar fails to
-            # compile): wait for its first output, so that a refusal is a 400, not an error event
-            # in a 200 stream.
-            watcher = asyncio.create_task(self._abort_on_disconnect(stream))
-            try:
-                first.append(await outputs.__anext__())
-            except StopAsyncIteration:
-                pass
-            except InvalidRequestError as e:
-                stream.close()
-                self.log_finish(None, e.message)
-                raise self.engine_refusal(e) from None
-            except BaseException:
-                stream.close()
-                raise
-            finally:
-                watcher.cancel()
+        first = await self.first_output(stream, outputs)
         return StreamingResponse(self._events(stream, outputs, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **warning_headers(self.warning)})
 
     async def _events(self, stream: RequestStream, outputs: AsyncIterator[RequestOutput],
                       first: list[RequestOutput]) -> AsyncIterator[str]:
-        async def chained() -> AsyncIterator[RequestOutput]:
-            for out in first:
-                yield out
-            async for out in outputs:
-                yield out
         watcher = asyncio.create_task(self._abort_on_disconnect(stream))
         prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
         last: dict[str, RequestOutput] = {}
         error = None
         try:
-            async for out in chained():
+            async for out in chained(first, outputs):
                 self._check_aborted(out)
                 last[out.request_id] = out
                 i = prompt_index[out.request_id]
@@ -478,20 +482,23 @@ class Serving:
                     yield _sse(chunk)
             if self.stream_usage:
                 yield _sse(self.usage_chunk())
-        except APIError as e:
-            error = e.message
-            yield _sse(e.body())
-        except InvalidRequestError as e:
-            error = e.message
-            yield _sse(self.engine_refusal(e).body())
-        except (EngineStepError, EngineDeadError) as e:
-            error = str(e)
-            yield _sse(APIError(500, str(e)).body())
+        except STREAM_ERRORS as e:
+            failure = self.api_error(e)
+            error = failure.message
+            yield _sse(failure.body())
         finally:
             watcher.cancel()
             stream.close()
             self.log_finish(list(last.values()), error)
         yield "data: [DONE]\n\n"
+
+
+async def chained(first: list[RequestOutput], rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The outputs a stream already gave (Serving.first_output), then the rest."""
+    for out in first:
+        yield out
+    async for out in rest:
+        yield out
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
