@@ -32,14 +32,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from pagedserve.chat_templates import tools_warning, warning_headers
+from pagedserve.chat_templates import warning_headers
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.errors import APIError, bad_request, invalid_body, parse_body
 from pagedserve.server.protocol import ChatCompletionRequest, Int, OpenAIModel
-from pagedserve.server.serving import (STREAM_ERRORS, ChatServing, _ignored_fields_logged, chained, chat_prompt_ids,
-                                       check_max_tokens, make_params)
+from pagedserve.server.serving import STREAM_ERRORS, ChatServing, _ignored_fields_logged, chained
 from pagedserve.server.state import ServerState
-from pagedserve.server.tools import ToolStreamer, parse_tool_calls, plan_tools
+from pagedserve.server.tools import ToolStreamer, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -253,24 +252,10 @@ class ResponsesServing(ChatServing):
     # -- the engine request -----------------------------------------------------------------------
     async def start(self):
         """Render the conversation and submit it; returns the engine stream."""
-        body, llm = self.body, self.llm
         self.top = None
-        self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
-        if self.tools is not None:
-            self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
-        tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
-        structured = await self.constraint(tool_constraint)
-        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, True, False, None,
-                                                   self.tools.tools if self.tools else None)
         explicit = self.req.max_output_tokens is not None
         requested = self.req.max_output_tokens if explicit else self.defaults.get("max_tokens")
-        try:
-            check_max_tokens(requested, explicit, len(ids), llm.max_model_len)
-        except APIError as e:
-            e.param = "max_output_tokens"
-            raise
-        params = make_params(body, requested, None, structured=structured, defaults=self.defaults)
-        self.stream = await self.submit([(None, ids, params)])
+        self.stream = await self.submit_chat(True, False, None, requested, explicit)
         return self.stream
 
     async def _abort_on_disconnect(self, stream) -> None:

@@ -577,30 +577,18 @@ class ChatServing(Serving):
     body: ChatCompletionRequest
 
     async def create(self) -> JSONResponse | StreamingResponse:
-        body, llm = self.body, self.llm
+        body = self.body
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         self.top = (body.top_logprobs or 0) if body.logprobs else None
         check_chat_options(body)
-        self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
-        if self.tools is not None:
-            self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
-        self._streamers: dict[int, ToolStreamer] = {}
-        tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
-        structured = await self.constraint(tool_constraint)
-        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
-        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, add_generation_prompt,
-                                                   body.continue_final_message, body.chat_template_kwargs,
-                                                   self.tools.tools if self.tools else None,
-                                                   tools=self.tools.tools if self.tools else None)
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if not explicit:
             requested = self.defaults.get("max_tokens", requested)
-        check_max_tokens(requested, explicit, len(ids), llm.max_model_len)
-        params = make_params(body, requested, self.top, logprobs_param="top_logprobs", structured=structured,
-                             defaults=self.defaults)
-        stream = await self.submit([(None, ids, params)])
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        stream = await self.submit_chat(add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                                        requested, explicit)
         if body.stream:
             return await self.streaming_response(stream)
         (final,) = await self.final_outputs(stream)
@@ -608,6 +596,29 @@ class ChatServing(Serving):
         response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.usage([final]))
         return JSONResponse(response.model_dump(), headers=warning_headers(self.warning))
+
+    async def submit_chat(self, add_generation_prompt: bool, continue_final_message: bool,
+                          template_kwargs: dict | None, requested: int | None, explicit: bool) -> RequestStream:
+        """Plan the tools, build the constraint, render the conversation off the event loop and
+        submit it (chat completions and /v1/responses)."""
+        body = self.body
+        self.tools = plan_tools(body, self.state.enable_auto_tool_choice, self.state.tool_call_parser)
+        if self.tools is not None:
+            self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
+        self._streamers: dict[int, ToolStreamer] = {}
+        tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
+        structured = await self.constraint(tool_constraint)
+        tools = self.tools.tools if self.tools else None
+        ids = await self.state.prompts.render_chat(chat_prompt_ids, body.messages, add_generation_prompt,
+                                                   continue_final_message, template_kwargs, tools, tools=tools)
+        try:
+            check_max_tokens(requested, explicit, len(ids), self.llm.max_model_len)
+        except APIError as e:
+            e.param = self.renamed_params.get("max_tokens", "max_tokens")
+            raise
+        params = make_params(body, requested, self.top, logprobs_param="top_logprobs", structured=structured,
+                             defaults=self.defaults)
+        return await self.submit([(None, ids, params)])
 
     def _choice(self, c: CompletionOutput) -> ChatChoice:
         content, calls = c.text, []
