@@ -8,6 +8,7 @@ engine returns the outputs of every request that made progress.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -272,7 +273,7 @@ class LLMEngine:
             what = ", ".join(map(str, allowed)) if allowed else f"1 .. {self.hidden_size}"
             raise InvalidRequestError(f"dimensions {d} is not one this model supports ({what})", "dimensions")
 
-    @property
+    @functools.cached_property
     def matryoshka_dimensions(self) -> list[int] | None:
         """[] for any size up to the hidden size, a list of sizes, or None (not a Matryoshka model)."""
         cfg = Path(self.model_path) / "config.json"

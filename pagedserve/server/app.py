@@ -238,7 +238,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             ids = await state.prompts.render_chat(chat_prompt_ids, body.messages, body.add_generation_prompt)
         out = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = state.llm.tokenizer.convert_ids_to_tokens(ids)
+            out["token_strs"] = await state.prompts.run(state.llm.tokenizer.convert_ids_to_tokens, ids)
         return out
 
     @app.post("/detokenize")
