@@ -48,8 +48,8 @@ from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.sim import CostModel, ModelShape, SimConfig, SimRequest, simulate  # noqa: E402
 from pagedserve.sim.cost import TERMS  # noqa: E402
-from pagedserve.sim.local import (CalibrationSizes, StepRecorder, fit_step_cost, load_local_device,  # noqa: E402
-                                  local_device, measure_kernels, save_local_device, with_step_cost)
+from pagedserve.sim.local import (CalibrationSizes, StepRecorder, fit_in_steps, fit_step_cost,  # noqa: E402
+                                  load_local_device, local_device, measure_kernels, save_local_device, with_step_cost)
 
 STEP_MEDIAN_BOUND, STEP_P90_BOUND, TOTAL_BOUND, TERM_BOUND = 0.10, 0.15, 0.10, 0.15
 BELOW_FRACTION = 0.6
@@ -149,7 +149,10 @@ def term_checks(cost: CostModel, decomposed, compiled) -> dict:
         "linear": check([(t.linear + 4 * per_call, r.ops_s.get("linear", 0)) for r, t in t_dec]),
         "decode_attention": attention("decode_attention"),
         "prefill_attention": attention("prefill_attention"),
-        "elementwise": check([(t.elementwise + 5 * per_call, r.ops_s.get("elementwise", 0)) for r, t in t_dec]),
+        # Element-wise: all of the forward that is not a linear layer or attention (the norms, RoPE,
+        # SiLU, KV write and the layer loop between the ops).
+        "elementwise": check([(t.elementwise + 6 * per_call, r.forward_s - r.ops_s.get("linear", 0)
+                               - r.ops_s.get("attention", 0)) for r, t in t_dec]),
         "lm_head": check([(t.lm_head, r.lm_head_s) for r, t in t_all if r.work.num_sampled]),
         "sampling": check([(t.sampling, r.sampler_s) for r, t in t_all if r.work.num_sampled]),
         "overhead": check([(t.overhead, r.outside_kernels_s) for r, t in t_all]),
@@ -200,15 +203,30 @@ def calibrate(base: LLMEngine, setup: ValidationSetup, shape: ModelShape, log):
         f"one op call {device.calibration.call_overhead_s * 1e6:.1f} us; paged/contiguous decode attention "
         "(64 seqs x 256): " + ", ".join(f"bs {b}: {device.calibration.paged_penalty(int(b)):.2f}x"
                                        for b in device.calibration.decode_attention))
-    return device
+    return device, records
+
+
+def fit_device(device, decomposed, calibration_steps, shape: ModelShape, compiled_loop: bool):
+    """The micro-benchmarked preset rescaled to the calibration and decomposed engine runs'
+    steps (sim/local.py fit_in_steps); never the validation runs."""
+    cal = device.calibration
+    fitted = fit_in_steps(cal, shape.num_layers, decomposed, calibration_steps,
+                          per_call_s=cal.call_overhead_s if compiled_loop else 0.0)
+    # The fitted terms hold the per-op call already (the Python loop) or had it taken out (compiled).
+    return dataclasses.replace(device, calibration=dataclasses.replace(fitted, call_overhead_s=0.0,
+                                                                      meta={**fitted.meta,
+                                                                            "micro_call_overhead_s":
+                                                                                cal.call_overhead_s}))
 
 
 def decomposed_trace(setup: ValidationSetup, vocab: int):
-    """Prefill-only steps (long prompts at once), then decode-only steps."""
+    """Prefill-only steps (long prompts at once), then decode-only steps at every batch size
+    from all the requests down to one (request i generates decomposed_output + i tokens), so the
+    in-step fit sees each row count the kernels may switch paths at."""
     trace = make_trace("alpaca", setup.decomposed_requests, setup.seed + 2000, vocab, setup.max_model_len)
-    for r in trace:
+    for i, r in enumerate(trace):
         r.prompt_token_ids = (r.prompt_token_ids * setup.decomposed_prompt)[:setup.decomposed_prompt]
-        r.output_len = setup.decomposed_output
+        r.output_len = setup.decomposed_output + i
     return trace
 
 
@@ -236,16 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     # The first steps pay one-time costs (allocations, kernel selection): keep them out.
     record_run(base, make_trace("sharegpt", 4, 12345, base.vocab_size, setup.max_model_len, scale=1 / 8), 16,
                setup.workloads[0].kv_slots, "warmup", math.inf)
+    slots = setup.decomposed_requests * (setup.decomposed_prompt + setup.decomposed_output +
+                                         setup.decomposed_requests + 16)
+    calibration_steps = []
     if args.calibrate:
-        device = calibrate(base, setup, shape, log)
-        save_local_device(device, device_path)
+        micro, calibration_steps = calibrate(base, setup, shape, log)
+        save_local_device(micro, out / "local_device_micro.json")
     else:
         device = load_local_device(device_path)
-    cost_for = lambda bs, **kw: CostModel(shape, device, block_size=bs, **kw)  # noqa: E731
-
-    slots = setup.decomposed_requests * (setup.decomposed_prompt + setup.decomposed_output + 16)
     _, _, decomposed = record_run(base, decomposed_trace(setup, base.vocab_size), 16, slots, "decomposed", math.inf,
                                   ops=True)
+    if args.calibrate:
+        device = fit_device(micro, decomposed, calibration_steps, shape,
+                            compiled_loop=base.runner.model.compiled_layers is not None)
+        save_local_device(device, device_path)
+        log(f"in-step fit: {json.dumps(device.calibration.meta['in_step_fit'], default=str)[:600]}")
+    cost_for = lambda bs, **kw: CostModel(shape, device, block_size=bs, **kw)  # noqa: E731
     runs = []
     for w in setup.workloads:
         for bs in setup.block_sizes:
@@ -268,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {w.name:8s} bs {bs:2d} {'saturated' if saturated else f'{rate:.2f} req/s'}: "
                     f"{result.duration_s:.1f}s, {len(records)} steps, {result.num_preemptions} preemptions")
     if args.record_steps:
-        save_records(Path(args.record_steps), runs, decomposed)
+        save_records(Path(args.record_steps), runs, decomposed, calibration_steps)
     verdict = evaluate(cost_for, runs, decomposed)
     mutations = {}
     for term in TERMS:
@@ -300,12 +324,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_records(path: Path, runs: list[dict], decomposed) -> None:
-    """The raw steps, so a cost model can be checked (or fitted) later without timing anything."""
+def save_records(path: Path, runs: list[dict], decomposed, calibration_steps=()) -> None:
+    """The raw steps, so a cost model can be checked (or fitted) later without timing anything
+    (benchmarks/sim_fit.py): the calibration and decomposed runs (what the fit may use) and
+    the validation runs, each with what the simulator needs to serve its trace again."""
     def rows(records):
         return [dataclasses.asdict(r) for r in records]
-    data = {"decomposed": rows(decomposed),
+    data = {"decomposed": rows(decomposed), "calibration": rows(calibration_steps),
             "runs": [{**{k: run[k] for k in ("workload", "block_size", "rate", "saturated", "num_requests")},
+                      "result": {"duration_s": run["result"].duration_s,
+                                 "num_preemptions": run["result"].num_preemptions,
+                                 "avg_batch_size": run["result"].avg_batch_size},
+                      "sim_config": dataclasses.asdict(run["sim_config"]),
                       "records": rows(run["records"])} for run in runs]}
     path.write_text(json.dumps(paper._finite(data)))
 

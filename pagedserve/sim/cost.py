@@ -113,8 +113,7 @@ class CostModel:
         decode = L * (d[0] + d[1] * w.num_decodes + d[2] * w.decode_pairs) if w.num_decodes else 0.0
         p = c.prefill_attention
         prefill = L * (p[0] + p[1] * w.num_prefills + p[2] * w.prefill_pairs) if w.num_prefills else 0.0
-        e = c.elementwise
-        elementwise = L * (e[0] + e[1] * w.num_tokens)
+        elementwise = L * c.elementwise_time(w.num_tokens)
         s = c.sampling
         sampling = s[0] + s[1] * w.num_sampled if w.num_sampled else 0.0
         o = c.step
