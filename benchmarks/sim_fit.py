@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import math
 import statistics
@@ -35,6 +36,15 @@ from benchmarks.workloads import make_trace  # noqa: E402
 from pagedserve.sim import CostModel, ModelShape, SimConfig, SimRequest  # noqa: E402
 from pagedserve.sim.cost import StepWork  # noqa: E402
 from pagedserve.sim.local import StepRecord, load_local_device, save_local_device  # noqa: E402
+
+
+def load_steps(path: Path | str) -> dict:
+    """A --record-steps file (gzipped where it ends in .gz)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
 
 
 def records_of(rows: list[dict]) -> list[StepRecord]:
@@ -77,6 +87,17 @@ def load_runs(data: dict, vocab_size: int, validation: dict | None = None) -> li
     return runs
 
 
+def stand_in_calibration(data: dict, which: str) -> tuple[list[StepRecord], dict]:
+    """which = "WORKLOAD:BLOCK_SIZE": that saturated validation run's steps, to stand in for the
+    calibration run a recording lacks, and the recording without it (it must not judge a fit
+    made on it)."""
+    name, bs = which.split(":")
+    found = [r for r in data["runs"] if r["workload"] == name and r["block_size"] == int(bs) and r["saturated"]]
+    if not found:
+        raise ValueError(f"no saturated run {which} in the recording")
+    return records_of(found[0]["records"]), {**data, "runs": [r for r in data["runs"] if r is not found[0]]}
+
+
 def parts(cost_for, runs: list[dict]) -> list[dict]:
     """Per run, the median of predicted / measured - 1 for each part of a step the engine timed."""
     out = []
@@ -116,17 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the (refitted) device here")
     p.add_argument("--mutations", action="store_true", help="also check that each term scaled 1.5x fails")
     args = p.parse_args(argv)
-    data = json.loads(Path(args.steps).read_text())
+    data = load_steps(args.steps)
     device = load_local_device(args.device)
     meta = device.calibration.meta
     shape = ModelShape.preset("smollm2-135m", meta.get("dtype") or "bfloat16")
     decomposed = records_of(data["decomposed"])
     calibration = records_of(data.get("calibration", []))
     if args.calibration_from:
-        name, bs = args.calibration_from.split(":")
-        stand_in = [r for r in data["runs"] if r["workload"] == name and r["block_size"] == int(bs) and r["saturated"]]
-        calibration = records_of(stand_in[0]["records"])
-        data["runs"] = [r for r in data["runs"] if r is not stand_in[0]]
+        calibration, data = stand_in_calibration(data, args.calibration_from)
     if args.refit:
         device = sv.fit_device(device, decomposed, calibration, shape, compiled_loop=False)
     if args.out:

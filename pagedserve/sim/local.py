@@ -44,11 +44,11 @@ DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / 
 
 @dataclass
 class CalibrationSizes:
-    # Every row count to 24: the kernels switch paths at small row counts (the quantized GEMV's
-    # integer dots up to 16 rows, tiles above), and a table interpolated across a switch is wrong.
-    tokens: list[int] = field(default_factory=lambda: [*range(1, 25), 28, 32, 40, 48, 64, 96, 128, 192, 256, 512,
+    # 16 and 17 both: the quantized GEMV's integer dots stop at 16 rows (tiles above), and a table
+    # interpolated across such a switch is wrong. Real steps' row counts come from fit_in_steps.
+    tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 512,
                                                        1024, 2048])
-    lm_rows: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 17, 20, 24, 32, 48, 64, 128, 256])
+    lm_rows: list[int] = field(default_factory=lambda: [1, 4, 16, 17, 32, 64, 128, 256])
     block_sizes: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32])
     batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])
     contexts: list[int] = field(default_factory=lambda: [32, 128, 256, 512])
@@ -61,7 +61,7 @@ class CalibrationSizes:
 
     @classmethod
     def quick(cls) -> "CalibrationSizes":
-        return cls(tokens=[1, 2, 4, 8, 16, 17, 24, 32, 64, 128, 256, 1024], lm_rows=[1, 8, 16, 17, 32, 64, 256],
+        return cls(tokens=[1, 4, 16, 17, 64, 128, 256, 1024], lm_rows=[1, 16, 17, 64, 256],
                    block_sizes=[2, 16],
                    batches=[1, 32, 128], contexts=[32, 256, 512], chunks=[(1, 16), (1, 256), (4, 64), (2, 512)],
                    elementwise_tokens=[1, 64, 1024], sample_rows=[1, 64, 256], reps=3)
