@@ -5,14 +5,20 @@ steps on this machine, judged per step.
 
 1. `--calibrate`: micro-benchmarks of the engine's own kernels (pagedserve/sim/local.py: linear
    layers by shape, paged attention by batch, context and block size against the contiguous
-   layout, prefill attention, element-wise kernels by tokens, the LM head, the sampler) and the
-   step's cost outside the kernels (fitted on a separate engine run); writes DIR/local_device.json.
-   Without it, that file is read.
-2. A decomposed engine run (the layer loop in Python, each op timed) checks each term on its
-   own: linear, decode attention (decode-only steps), prefill attention (prefill-only steps),
-   element-wise, LM head, sampling; the compiled runs of 3 check the step cost outside the
-   kernels. A term is trusted where the median over steps of predicted / measured - 1 is
-   within TERM_BOUND.
+   layout, prefill attention, element-wise kernels by tokens, the LM head, the sampler; written
+   to DIR/local_device_micro.json), then a calibration engine run (Alpaca-like, saturated,
+   its own seed) and a decomposed engine run (the layer loop in Python, each op timed:
+   prefill-only steps, then decode-only steps at every batch size from 48 down to 1). Every
+   term is then rescaled to what it took inside those runs' steps (local.py `fit_in_steps`:
+   the micro-benchmarks run hot caches, one op at a time; real steps run each layer's weights
+   after 29 other layers' and pay the layer loop), and the step cost outside the model is fit
+   on the calibration run; writes DIR/local_device.json. Without it, that file is read. The
+   eight validation runs below are never fit on.
+2. The term checks, per step: linear, decode attention (decode-only steps), prefill attention
+   (prefill-only steps), element-wise (the forward less linear and attention) on the decomposed
+   run (what the fit used: a check of the fit); the LM head, sampling and the step cost outside
+   the model on every step of the validation runs (held out). A term is trusted where the
+   median over steps of predicted / measured - 1 is within TERM_BOUND.
 3. The engine (paged) serves two workloads (ShareGPT-like, long contexts; Alpaca-like, many
    short requests) at two block sizes, saturated (every request at t=0, the KV cache binding,
    preemptions happening) and below saturation (Poisson at BELOW_FRACTION of the saturated
@@ -24,8 +30,10 @@ steps on this machine, judged per step.
    |step error| <= STEP_P90_BOUND; on every run |total error| <= TOTAL_BOUND; every term
    within TERM_BOUND. Mutation check: each term scaled by 1.5 must make this verdict fail.
 Writes DIR/sim_validation.json (read by paper.py --simulate). Timings: a quiet machine only.
-Expected with --calibrate on a quiet 2-core machine (estimated from the earlier runs' step times):
-about 6-7 minutes (--quick: about 2.5).
+`--record-steps FILE` also writes every step of the calibration, decomposed and validation runs,
+so that a cost model can be evaluated (or refit) offline: benchmarks/sim_fit.py.
+Expected with --calibrate on a quiet 2-core machine: about 10 minutes (598 s before the in-step
+fit, which adds about 10 s of decode steps to the decomposed run; --quick: about 3).
 """
 from __future__ import annotations
 
