@@ -218,6 +218,9 @@ def fit_device(device, decomposed, calibration_steps, shape: ModelShape, compile
     """The micro-benchmarked preset rescaled to the calibration and decomposed engine runs'
     steps (sim/local.py fit_in_steps); never the validation runs."""
     cal = device.calibration
+    if "in_step_fit" in cal.meta:
+        raise ValueError("this preset is already fitted to engine steps: refit the micro-benchmarks' "
+                         "(local_device_micro.json)")
     fitted = fit_in_steps(cal, shape.num_layers, decomposed, calibration_steps,
                           per_call_s=cal.call_overhead_s if compiled_loop else 0.0)
     # The fitted terms hold the per-op call already (the Python loop) or had it taken out (compiled).

@@ -274,6 +274,12 @@ def test_calibration_measures_the_engines_kernels_and_the_recorder_sees_each_ste
         assert not engine.step_observers
     cost = CostModel(shape, local_device(cal), block_size=4)
     assert cost.step_time(records[1].work).total > 0 and len(fit_step_cost(records)) == 3
+    # A layout the kernel refuses times nothing: the bench says so (the contiguous layout had been
+    # one 512-token block, past the kernel's largest, and its "measurement" a refused call).
+    from pagedserve.sim.local import CONTIGUOUS_BLOCK, _AttentionBench
+    bench = _AttentionBench(model, 2 * CONTIGUOUS_BLOCK, 2 * CONTIGUOUS_BLOCK, 1)
+    with pytest.raises(RuntimeError, match="refused"):
+        bench.time([(9, 1, t) for t in bench.tables([10], contiguous=True)], 1)
 
 
 def test_the_validation_fails_for_every_term_scaled_by_one_and_a_half():
