@@ -223,8 +223,10 @@ def fit_device(device, decomposed, calibration_steps, shape: ModelShape, compile
                          "(local_device_micro.json)")
     fitted = fit_in_steps(cal, shape.num_layers, decomposed, calibration_steps,
                           per_call_s=cal.call_overhead_s if compiled_loop else 0.0)
-    # The fitted terms hold the per-op call already (the Python loop) or had it taken out (compiled).
-    return dataclasses.replace(device, calibration=dataclasses.replace(fitted, call_overhead_s=0.0,
+    # The fitted terms hold the per-op call (the Python loop: call_overhead_s 0) or had it taken out
+    # (the compiled loop: the term checks add it back where they compare with the decomposed run).
+    return dataclasses.replace(device, calibration=dataclasses.replace(fitted, call_overhead_s=cal.call_overhead_s
+                                                                      if compiled_loop else 0.0,
                                                                       meta={**fitted.meta,
                                                                             "micro_call_overhead_s":
                                                                                 cal.call_overhead_s}))
