@@ -281,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         device = fit_device(micro, decomposed, calibration_steps, shape,
                             compiled_loop=base.runner.model.compiled_layers is not None)
         save_local_device(device, device_path)
-        log(f"in-step fit: {json.dumps(device.calibration.meta['in_step_fit'], default=str)[:600]}")
+        fit = device.calibration.meta["in_step_fit"]
+        log(f"in-step fit ({fit['decomposed_steps']} decomposed, {fit['calibration_steps']} calibration steps): "
+            f"decode attention x{fit['decode_attention_factor'] or 1:.2f}, prefill attention "
+            f"x{fit['prefill_attention_factor'] or 1:.2f}, linear x" +
+            ", x".join(f"{f:.2f} at {int(n)}" for n, f in fit.get("linear_factors", [])[::8]))
     cost_for = lambda bs, **kw: CostModel(shape, device, block_size=bs, **kw)  # noqa: E731
     runs = []
     for w in setup.workloads:
