@@ -18,6 +18,14 @@ back by `load_local_device`.
   less its forward, LM head and sampler), since it is the engine's Python, not a kernel.
 Times are medians of repeated calls (the engine runs on a loaded, shared cache: the best of
 many calls would be optimistic).
+
+The micro-benchmarks alone are too fast for real steps (on the 2-core machine, 17-23% per
+saturated step, 30-40% on small ones): they run hot caches and one op at a time, where a step
+runs each layer's weights after the other layers' and pays the layer loop's Python, and below
+16 rows the quantized GEMV runs about twice its micro-benchmarked time. `fit_in_steps` therefore
+rescales every term to what it took inside the steps of a calibration and a decomposed engine
+run (never the runs that validate it); the micro-benchmarks keep the shape of each term
+between and beyond the sizes those steps ran.
 """
 from __future__ import annotations
 
