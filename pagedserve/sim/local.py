@@ -21,8 +21,10 @@ many calls would be optimistic).
 
 The micro-benchmarks alone are too fast for real steps (on the 2-core machine, 17-23% per
 saturated step, 30-40% on small ones): they run hot caches and one op at a time, where a step
-runs each layer's weights after the other layers' and pays the layer loop's Python, and below
-16 rows the quantized GEMV runs about twice its micro-benchmarked time. `fit_in_steps` therefore
+runs each layer's weights after the other layers' and pays the layer loop's Python (at 1-5
+rows the linear layers took 1.5-2x their micro-benchmarked time in the quiet recording; at 17-24
+rows, past the quantized GEMV's switch to tiles, 1.4-1.9x the table interpolated between 16 and
+32 rows). `fit_in_steps` therefore
 rescales every term to what it took inside the steps of a calibration and a decomposed engine
 run (never the runs that validate it); the micro-benchmarks keep the shape of each term
 between and beyond the sizes those steps ran.
