@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import gzip
 import json
+import logging
 import math
 import statistics
 import sys
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the (refitted) device here")
     p.add_argument("--mutations", action="store_true", help="also check that each term scaled 1.5x fails")
     args = p.parse_args(argv)
+    logging.getLogger("pagedserve.scheduler").setLevel(logging.ERROR)   # the replayed runs' preemption notes
     data = load_steps(args.steps)
     device = load_local_device(args.device)
     meta = device.calibration.meta
