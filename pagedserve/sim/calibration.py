@@ -94,6 +94,9 @@ class Calibration:
     # RoPE, SiLU-and-mul, KV write and the layer loop's Python between the kernels); used instead
     # of `elementwise` when present (sim/local.py fit_in_steps).
     elementwise_steps: list[tuple[float, float]] = field(default_factory=list)
+    # Sampling per step by sampled rows as real steps ran it (the sampler switches paths with the
+    # batch: no straight line fits it); used instead of `sampling` when present.
+    sampling_steps: list[tuple[float, float]] = field(default_factory=list)
     source: str = ""
     meta: dict = field(default_factory=dict)            # model, dtype, threads, kernel variant, sizes
 
@@ -108,6 +111,12 @@ class Calibration:
         if self.elementwise_steps:
             return interpolate(self.elementwise_steps, tokens)
         return self.elementwise[0] + self.elementwise[1] * tokens
+
+    def sampling_time(self, rows: float) -> float:
+        """The sampler on this many rows, per step."""
+        if self.sampling_steps:
+            return interpolate(self.sampling_steps, rows)
+        return self.sampling[0] + self.sampling[1] * rows
 
     def decode_coefficients(self, block_size: int | None) -> list[float]:
         """The paged kernel's fit at this block size (the nearest measured one below it, or
@@ -134,6 +143,7 @@ class Calibration:
         d["linear"] = {k: [tuple(p) for p in v] for k, v in d["linear"].items()}
         d["lm_head"] = [tuple(p) for p in d["lm_head"]]
         d["elementwise_steps"] = [tuple(p) for p in d.get("elementwise_steps", [])]
+        d["sampling_steps"] = [tuple(p) for p in d.get("sampling_steps", [])]
         return cls(**d)
 
     def save(self, path: Path | str) -> None:

@@ -114,8 +114,7 @@ class CostModel:
         p = c.prefill_attention
         prefill = L * (p[0] + p[1] * w.num_prefills + p[2] * w.prefill_pairs) if w.num_prefills else 0.0
         elementwise = L * c.elementwise_time(w.num_tokens)
-        s = c.sampling
-        sampling = s[0] + s[1] * w.num_sampled if w.num_sampled else 0.0
+        sampling = c.sampling_time(w.num_sampled) if w.num_sampled else 0.0
         o = c.step
         overhead = o[0] + o[1] * w.num_seqs + (o[2] * w.num_tokens if len(o) > 2 else 0.0)
         return StepTime(linear, lm_head, prefill, decode, elementwise, sampling, 0.0, overhead)

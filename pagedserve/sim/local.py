@@ -455,8 +455,9 @@ def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord]
       SiLU, KV write and the loop's Python between the ops: the forward less its linear and
       attention), decode and prefill attention (one factor each, on the steps that are mostly
       one or the other; every block size and the contiguous layout scaled alike);
-    - steps: plain engine steps (a calibration run): the LM head by sampled rows, sampling, and
-      the step cost outside the model (fit_step_cost).
+    - steps: plain engine steps (a calibration run), with the decomposed run's: the LM head and
+      sampling by sampled rows (tables of the steps' medians), and the step cost outside the
+      model (fit_step_cost, the calibration run's alone).
     per_call_s: taken out of each op's time where the validated engine runs the compiled layer
     loop (which has no per-op Python call); 0 where it runs the Python loop, as the decomposed
     run does."""
@@ -513,12 +514,14 @@ def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord]
         head = _median_by([(r.work.num_sampled, r.lm_head_s) for r in sampled])
         lm_head = rescale(cal.lm_head, _factors(head, lambda n: interpolate(cal.lm_head, n)))
         sampling = fit_linear([((r.work.num_sampled,), r.sampler_s) for r in sampled], relative=True)
+        fit["sampling_steps"] = _median_by([(r.work.num_sampled, r.sampler_s) for r in sampled])
     if steps:
         step = fit_step_cost(list(steps))
     meta["in_step_fit"] = fit
     return replace(cal, linear=linear, lm_head=lm_head, decode_attention=dec, contiguous_decode_attention=contiguous,
                    prefill_attention=pre, sampling=sampling, step=step,
-                   elementwise_steps=fit.get("elementwise_steps", list(cal.elementwise_steps)), meta=meta,
+                   elementwise_steps=fit.get("elementwise_steps", list(cal.elementwise_steps)),
+                   sampling_steps=fit.get("sampling_steps", list(cal.sampling_steps)), meta=meta,
                    source=cal.source + "; rescaled to real engine steps (fit_in_steps)")
 
 
