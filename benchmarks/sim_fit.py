@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                         "it is then left out of the verdict")
     p.add_argument("--out", default=None, help="write the (refitted) device here")
     p.add_argument("--mutations", action="store_true", help="also check that each term scaled 1.5x fails")
+    p.add_argument("--quick", action="store_true",
+                   help="the saturated runs only (seconds; the full replay, a minute or so with --mutations)")
     args = p.parse_args(argv)
     logging.getLogger("pagedserve.scheduler").setLevel(logging.ERROR)   # the replayed runs' preemption notes
     data = load_steps(args.steps)
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         device = sv.fit_device(device, decomposed, calibration, shape, compiled_loop=False)
     if args.out:
         save_local_device(device, args.out)
+    if args.quick:
+        data = {**data, "runs": [r for r in data["runs"] if r["saturated"]]}
     validation = json.loads(Path(args.validation).read_text()) if args.validation else None
     runs = load_runs(data, shape.vocab_size, validation)
     cost_for = lambda bs, **kw: CostModel(shape, device, block_size=bs, **kw)  # noqa: E731
