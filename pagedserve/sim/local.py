@@ -495,15 +495,18 @@ def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord]
         pre = [c * fp for c in pre]
     fit.update(decode_attention_factor=fd, prefill_attention_factor=fp)
     if ops:
-        # Row counts the decomposed run did not reach: the calibration run's decode-only steps, their
-        # forward less the element-wise and attention terms just fitted (the same layer loop).
+        # Row counts the decomposed run did not reach: the calibration run's steps, their forward
+        # less the element-wise and attention terms just fitted (the same layer loop).
         seen = {x for x, _ in lin}
         elementwise_steps = fit["elementwise_steps"]
-        d_fit = [c * (fd or 1.0) for c in d16]
-        extra = _median_by([(r.work.num_tokens, r.forward_s - L * interpolate(elementwise_steps, r.work.num_tokens)
-                             - L * (d_fit[0] + d_fit[1] * r.work.num_decodes + d_fit[2] * r.work.decode_pairs))
-                            for r in steps if r.work.num_prefills == 0 and r.work.num_tokens not in seen
-                            and r.forward_s > 0])
+        d_fit, p_fit = [c * (fd or 1.0) for c in d16], [c * (fp or 1.0) for c in pre]
+
+        def others(w: StepWork) -> float:
+            d = d_fit[0] + d_fit[1] * w.num_decodes + d_fit[2] * w.decode_pairs if w.num_decodes else 0.0
+            p = p_fit[0] + p_fit[1] * w.num_prefills + p_fit[2] * w.prefill_pairs if w.num_prefills else 0.0
+            return L * (interpolate(elementwise_steps, w.num_tokens) + d + p)
+        extra = _median_by([(r.work.num_tokens, r.forward_s - others(r.work)) for r in steps
+                            if r.work.num_tokens not in seen and r.forward_s > 0])
         factors = _factors(sorted(lin + extra), micro_linear)
         linear = {k: rescale(v, factors) for k, v in cal.linear.items()}
         fit["linear_factors"] = factors
