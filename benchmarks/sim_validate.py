@@ -5,14 +5,20 @@ steps on this machine, judged per step.
 
 1. `--calibrate`: micro-benchmarks of the engine's own kernels (pagedserve/sim/local.py: linear
    layers by shape, paged attention by batch, context and block size against the contiguous
-   layout, prefill attention, element-wise kernels by tokens, the LM head, the sampler) and the
-   step's cost outside the kernels (fitted on a separate engine run); writes DIR/local_device.json.
-   Without it, that file is read.
-2. A decomposed engine run (the layer loop in Python, each op timed) checks each term on its
-   own: linear, decode attention (decode-only steps), prefill attention (prefill-only steps),
-   element-wise, LM head, sampling; the compiled runs of 3 check the step cost outside the
-   kernels. A term is trusted where the median over steps of predicted / measured - 1 is
-   within TERM_BOUND.
+   layout, prefill attention, element-wise kernels by tokens, the LM head, the sampler; written
+   to DIR/local_device_micro.json), then a calibration engine run (Alpaca-like, saturated,
+   its own seed) and a decomposed engine run (the layer loop in Python, each op timed:
+   prefill-only steps, then decode-only steps at every batch size from 48 down to 1). Every
+   term is then rescaled to what it took inside those runs' steps (local.py `fit_in_steps`:
+   the micro-benchmarks run hot caches, one op at a time; real steps run each layer's weights
+   after 29 other layers' and pay the layer loop), and the step cost outside the model is fit
+   on the calibration run; writes DIR/local_device.json. Without it, that file is read. The
+   eight validation runs below are never fit on.
+2. The term checks, per step: linear, decode attention (decode-only steps), prefill attention
+   (prefill-only steps), element-wise (the forward less linear and attention) on the decomposed
+   run (what the fit used: a check of the fit); the LM head, sampling and the step cost outside
+   the model on every step of the validation runs (held out). A term is trusted where the
+   median over steps of predicted / measured - 1 is within TERM_BOUND.
 3. The engine (paged) serves two workloads (ShareGPT-like, long contexts; Alpaca-like, many
    short requests) at two block sizes, saturated (every request at t=0, the KV cache binding,
    preemptions happening) and below saturation (Poisson at BELOW_FRACTION of the saturated
@@ -24,8 +30,10 @@ steps on this machine, judged per step.
    |step error| <= STEP_P90_BOUND; on every run |total error| <= TOTAL_BOUND; every term
    within TERM_BOUND. Mutation check: each term scaled by 1.5 must make this verdict fail.
 Writes DIR/sim_validation.json (read by paper.py --simulate). Timings: a quiet machine only.
-Expected with --calibrate on a quiet 2-core machine (estimated from the earlier runs' step times):
-about 6-7 minutes (--quick: about 2.5).
+`--record-steps FILE` also writes every step of the calibration, decomposed and validation runs,
+so that a cost model can be evaluated (or refit) offline: benchmarks/sim_fit.py.
+Expected with --calibrate on a quiet 2-core machine: about 10 minutes (598 s before the in-step
+fit, which adds about 10 s of decode steps to the decomposed run; --quick: about 3).
 """
 from __future__ import annotations
 
@@ -48,8 +56,8 @@ from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.sim import CostModel, ModelShape, SimConfig, SimRequest, simulate  # noqa: E402
 from pagedserve.sim.cost import TERMS  # noqa: E402
-from pagedserve.sim.local import (CalibrationSizes, StepRecorder, fit_step_cost, load_local_device,  # noqa: E402
-                                  local_device, measure_kernels, save_local_device, with_step_cost)
+from pagedserve.sim.local import (CalibrationSizes, StepRecorder, fit_in_steps, fit_step_cost,  # noqa: E402
+                                  load_local_device, local_device, measure_kernels, save_local_device, with_step_cost)
 
 STEP_MEDIAN_BOUND, STEP_P90_BOUND, TOTAL_BOUND, TERM_BOUND = 0.10, 0.15, 0.10, 0.15
 BELOW_FRACTION = 0.6
@@ -149,7 +157,10 @@ def term_checks(cost: CostModel, decomposed, compiled) -> dict:
         "linear": check([(t.linear + 4 * per_call, r.ops_s.get("linear", 0)) for r, t in t_dec]),
         "decode_attention": attention("decode_attention"),
         "prefill_attention": attention("prefill_attention"),
-        "elementwise": check([(t.elementwise + 5 * per_call, r.ops_s.get("elementwise", 0)) for r, t in t_dec]),
+        # Element-wise: all of the forward that is not a linear layer or attention (the norms, RoPE,
+        # SiLU, KV write and the layer loop between the ops).
+        "elementwise": check([(t.elementwise + 6 * per_call, r.forward_s - r.ops_s.get("linear", 0)
+                               - r.ops_s.get("attention", 0)) for r, t in t_dec]),
         "lm_head": check([(t.lm_head, r.lm_head_s) for r, t in t_all if r.work.num_sampled]),
         "sampling": check([(t.sampling, r.sampler_s) for r, t in t_all if r.work.num_sampled]),
         "overhead": check([(t.overhead, r.outside_kernels_s) for r, t in t_all]),
@@ -200,15 +211,35 @@ def calibrate(base: LLMEngine, setup: ValidationSetup, shape: ModelShape, log):
         f"one op call {device.calibration.call_overhead_s * 1e6:.1f} us; paged/contiguous decode attention "
         "(64 seqs x 256): " + ", ".join(f"bs {b}: {device.calibration.paged_penalty(int(b)):.2f}x"
                                        for b in device.calibration.decode_attention))
-    return device
+    return device, records
+
+
+def fit_device(device, decomposed, calibration_steps, shape: ModelShape, compiled_loop: bool):
+    """The micro-benchmarked preset rescaled to the calibration and decomposed engine runs'
+    steps (sim/local.py fit_in_steps); never the validation runs."""
+    cal = device.calibration
+    if "in_step_fit" in cal.meta:
+        raise ValueError("this preset is already fitted to engine steps: refit the micro-benchmarks' "
+                         "(local_device_micro.json)")
+    fitted = fit_in_steps(cal, shape.num_layers, decomposed, calibration_steps,
+                          per_call_s=cal.call_overhead_s if compiled_loop else 0.0)
+    # The fitted terms hold the per-op call (the Python loop: call_overhead_s 0) or had it taken out
+    # (the compiled loop: the term checks add it back where they compare with the decomposed run).
+    return dataclasses.replace(device, calibration=dataclasses.replace(fitted, call_overhead_s=cal.call_overhead_s
+                                                                      if compiled_loop else 0.0,
+                                                                      meta={**fitted.meta,
+                                                                            "micro_call_overhead_s":
+                                                                                cal.call_overhead_s}))
 
 
 def decomposed_trace(setup: ValidationSetup, vocab: int):
-    """Prefill-only steps (long prompts at once), then decode-only steps."""
+    """Prefill-only steps (long prompts at once), then decode-only steps at every batch size
+    from all the requests down to one (request i generates decomposed_output + i tokens), so the
+    in-step fit sees each row count the kernels may switch paths at."""
     trace = make_trace("alpaca", setup.decomposed_requests, setup.seed + 2000, vocab, setup.max_model_len)
-    for r in trace:
+    for i, r in enumerate(trace):
         r.prompt_token_ids = (r.prompt_token_ids * setup.decomposed_prompt)[:setup.decomposed_prompt]
-        r.output_len = setup.decomposed_output
+        r.output_len = setup.decomposed_output + i
     return trace
 
 
@@ -236,16 +267,26 @@ def main(argv: list[str] | None = None) -> int:
     # The first steps pay one-time costs (allocations, kernel selection): keep them out.
     record_run(base, make_trace("sharegpt", 4, 12345, base.vocab_size, setup.max_model_len, scale=1 / 8), 16,
                setup.workloads[0].kv_slots, "warmup", math.inf)
+    slots = setup.decomposed_requests * (setup.decomposed_prompt + setup.decomposed_output +
+                                         setup.decomposed_requests + 16)
+    calibration_steps = []
     if args.calibrate:
-        device = calibrate(base, setup, shape, log)
-        save_local_device(device, device_path)
+        micro, calibration_steps = calibrate(base, setup, shape, log)
+        save_local_device(micro, out / "local_device_micro.json")
     else:
         device = load_local_device(device_path)
-    cost_for = lambda bs, **kw: CostModel(shape, device, block_size=bs, **kw)  # noqa: E731
-
-    slots = setup.decomposed_requests * (setup.decomposed_prompt + setup.decomposed_output + 16)
     _, _, decomposed = record_run(base, decomposed_trace(setup, base.vocab_size), 16, slots, "decomposed", math.inf,
                                   ops=True)
+    if args.calibrate:
+        device = fit_device(micro, decomposed, calibration_steps, shape,
+                            compiled_loop=base.runner.model.compiled_layers is not None)
+        save_local_device(device, device_path)
+        fit = device.calibration.meta["in_step_fit"]
+        log(f"in-step fit ({fit['decomposed_steps']} decomposed, {fit['calibration_steps']} calibration steps): "
+            f"decode attention x{fit['decode_attention_factor'] or 1:.2f}, prefill attention "
+            f"x{fit['prefill_attention_factor'] or 1:.2f}, linear x" +
+            ", x".join(f"{f:.2f} at {int(n)}" for n, f in fit.get("linear_factors", [])[::8]))
+    cost_for = lambda bs, **kw: CostModel(shape, device, block_size=bs, **kw)  # noqa: E731
     runs = []
     for w in setup.workloads:
         for bs in setup.block_sizes:
@@ -268,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {w.name:8s} bs {bs:2d} {'saturated' if saturated else f'{rate:.2f} req/s'}: "
                     f"{result.duration_s:.1f}s, {len(records)} steps, {result.num_preemptions} preemptions")
     if args.record_steps:
-        save_records(Path(args.record_steps), runs, decomposed)
+        save_records(Path(args.record_steps), runs, decomposed, calibration_steps)
     verdict = evaluate(cost_for, runs, decomposed)
     mutations = {}
     for term in TERMS:
@@ -300,12 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_records(path: Path, runs: list[dict], decomposed) -> None:
-    """The raw steps, so a cost model can be checked (or fitted) later without timing anything."""
+def save_records(path: Path, runs: list[dict], decomposed, calibration_steps=()) -> None:
+    """The raw steps, so a cost model can be checked (or fitted) later without timing anything
+    (benchmarks/sim_fit.py): the calibration and decomposed runs (what the fit may use) and
+    the validation runs, each with what the simulator needs to serve its trace again."""
     def rows(records):
         return [dataclasses.asdict(r) for r in records]
-    data = {"decomposed": rows(decomposed),
+    data = {"decomposed": rows(decomposed), "calibration": rows(calibration_steps),
             "runs": [{**{k: run[k] for k in ("workload", "block_size", "rate", "saturated", "num_requests")},
+                      "result": {"duration_s": run["result"].duration_s,
+                                 "num_preemptions": run["result"].num_preemptions,
+                                 "avg_batch_size": run["result"].avg_batch_size},
+                      "sim_config": dataclasses.asdict(run["sim_config"]),
                       "records": rows(run["records"])} for run in runs]}
     path.write_text(json.dumps(paper._finite(data)))
 

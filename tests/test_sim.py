@@ -1,6 +1,7 @@
 """The step-time simulator: model shapes from configs, the cost model's arithmetic, and the
 driver running the real scheduler and KV managers to the end on the simulated clock."""
 import math
+from pathlib import Path
 
 import pytest
 
@@ -273,6 +274,12 @@ def test_calibration_measures_the_engines_kernels_and_the_recorder_sees_each_ste
         assert not engine.step_observers
     cost = CostModel(shape, local_device(cal), block_size=4)
     assert cost.step_time(records[1].work).total > 0 and len(fit_step_cost(records)) == 3
+    # A layout the kernel refuses times nothing: the bench says so (the contiguous layout had been
+    # one 512-token block, past the kernel's largest, and its "measurement" a refused call).
+    from pagedserve.sim.local import CONTIGUOUS_BLOCK, _AttentionBench
+    bench = _AttentionBench(model, 2 * CONTIGUOUS_BLOCK, 2 * CONTIGUOUS_BLOCK, 1)
+    with pytest.raises(RuntimeError, match="refused"):
+        bench.time([(9, 1, t) for t in bench.tables([10], contiguous=True)], 1)
 
 
 def test_the_validation_fails_for_every_term_scaled_by_one_and_a_half():
@@ -295,6 +302,7 @@ def test_the_validation_fails_for_every_term_scaled_by_one_and_a_half():
         if ops:
             r.ops_s = {"linear": t.linear + 4 * per_call, "elementwise": t.elementwise + 5 * per_call,
                        "attention": t.decode_attention + t.prefill_attention + per_call}
+            r.forward_s += 11 * per_call       # the Python loop's per-op calls (the element-wise check's 6 include its own)
         return r
     decode = StepWork.of([(200, 1)] * 48, 48)
     prefill = StepWork.of([(0, 200)] * 8, 8)
@@ -313,6 +321,118 @@ def test_the_validation_fails_for_every_term_scaled_by_one_and_a_half():
     for term in TERMS:
         if term == "allreduce":
             continue
-        verdict = sv.evaluate(lambda bs, t=term: cost_for(bs, term_scale={t: 1.5}), runs, decomposed)
-        assert not verdict["passed"], term
-        assert not verdict["terms"][term]["ok"], term      # the term's own check catches it
+        for scale in (1.5, 0.0):       # scaled, or removed
+            verdict = sv.evaluate(lambda bs, t=term: cost_for(bs, term_scale={t: scale}), runs, decomposed)
+            assert not verdict["passed"], (term, scale)
+            assert not verdict["terms"][term]["ok"], (term, scale)      # the term's own check catches it
+
+
+# ---- the in-step fit (sim/local.py fit_in_steps) and the offline evaluation (benchmarks/sim_fit.py) ----
+
+def _true_step(cal: Calibration, work: StepWork) -> dict:
+    """What the made-up engine's steps take: the micro-benchmarks' terms, each off by its own
+    factor, as real steps are (linear 2x at up to 16 rows, 1.3x above; attention 1.4x and 1.1x;
+    element-wise and the layer loop 2e-5 s + 1e-6 s/token per layer; the LM head 1.2x)."""
+    L = SMOL.num_layers
+    g = 2.0 if work.num_tokens <= 16 else 1.3
+    d, p = cal.decode_attention["16"], cal.prefill_attention
+    return {"linear": g * L * sum(interpolate(t, work.num_tokens) for t in cal.linear.values()),
+            "attention": (1.4 * L * (d[0] + d[1] * work.num_decodes + d[2] * work.decode_pairs) if work.num_decodes
+                          else 0.0) + (1.1 * L * (p[0] + p[1] * work.num_prefills + p[2] * work.prefill_pairs)
+                                       if work.num_prefills else 0.0),
+            "elementwise": L * (2e-5 + 1e-6 * work.num_tokens),
+            "lm_head": 1.2 * interpolate(cal.lm_head, work.num_sampled),
+            "sampling": 5e-5 + 8e-6 * work.num_sampled,
+            "outside": 3e-4 + 4e-5 * work.num_seqs + 1e-7 * work.num_tokens}
+
+
+def _true_record(cal: Calibration, work: StepWork, ops: bool):
+    from pagedserve.sim.local import StepRecord
+    t = _true_step(cal, work)
+    forward = t["linear"] + t["attention"] + t["elementwise"]
+    r = StepRecord(work, forward + t["lm_head"] + t["sampling"] + t["outside"], forward, t["lm_head"], t["sampling"])
+    if ops:
+        r.ops_s = {"linear": t["linear"], "attention": t["attention"], "elementwise": 0.8 * t["elementwise"]}
+    return r
+
+
+def test_the_in_step_fit_takes_each_term_as_the_engines_steps_ran_it():
+    """fit_in_steps on made-up engine steps whose every term is off the micro-benchmarks by its
+    own factor: the fitted model prices steps it never saw as those steps ran, term by term
+    (the test fails if any term's fit is dropped or mis-scaled)."""
+    from pagedserve.sim.local import fit_in_steps
+    micro = _calibration()
+    decode = lambda n, ctx: StepWork.of([(ctx, 1)] * n, n)  # noqa: E731
+    decomposed = [_true_record(micro, StepWork.of([(0, 200)] * 8, 8), True) for _ in range(3)]
+    decomposed += [_true_record(micro, decode(n, 150), True) for n in range(48, 0, -1)]
+    calibration = [_true_record(micro, decode(n, 60 + n), False) for n in range(1, 120)]
+    calibration += [_true_record(micro, StepWork.of([(0, 100)] * 20, 20), False)]
+    fitted = fit_in_steps(micro, SMOL.num_layers, decomposed, calibration)
+    dev = Device("local", 1e11, 1e10, 2**34, 0.0, Efficiency(), "test", fitted)
+    cost = CostModel(SMOL, dev, block_size=16)
+    for work in (decode(7, 300), decode(17, 90), decode(90, 40), StepWork.of([(0, 300)] * 4, 4)):
+        t, true = cost.step_time(work), _true_step(micro, work)
+        assert t.linear == pytest.approx(true["linear"], rel=1e-6)
+        assert t.decode_attention + t.prefill_attention == pytest.approx(true["attention"], rel=1e-6)
+        assert t.elementwise == pytest.approx(true["elementwise"], rel=1e-6)
+        assert t.lm_head == pytest.approx(true["lm_head"], rel=1e-6)
+        assert t.sampling == pytest.approx(true["sampling"], rel=1e-6)
+        assert t.overhead == pytest.approx(true["outside"], rel=1e-6)
+    # The contiguous layout and the other block sizes move with the paged kernel's factor.
+    assert fitted.contiguous_decode_attention[2] == pytest.approx(1.4 * micro.contiguous_decode_attention[2])
+    assert fitted.decode_attention["2"][2] == pytest.approx(1.4 * micro.decode_attention["2"][2])
+
+
+def test_fit_linear_refits_without_a_negative_coefficient():
+    """A coefficient that would come out negative is dropped and the rest refitted (clipping after
+    one fit left the others fitted against it); relative=True weights small rows like large."""
+    rows = [((x, 2 * x + (1 if x % 2 else -1) * 0.01), 5 + 3 * x) for x in range(1, 20)]
+    c = fit_linear(rows)
+    assert min(c) >= 0 and c[0] == pytest.approx(5, rel=0.05)
+    assert fit_linear([((n,), 1e-4 + 1e-6 * n) for n in (1, 2, 4, 1000)], relative=True) == pytest.approx([1e-4, 1e-6])
+
+
+_QUIET = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def quiet_recording():
+    """The quiet machine's recording (tests/data: its micro-benchmark calibration, its decomposed
+    run, two saturated validation runs), the alpaca one standing in for the calibration run."""
+    from benchmarks import sim_fit
+    from benchmarks.sim_validate import fit_device
+    from pagedserve.sim.local import load_local_device
+    data = sim_fit.load_steps(_QUIET / "sim_steps_quiet.json.gz")
+    micro = load_local_device(_QUIET / "sim_local_device_quiet.json")
+    calibration, data = sim_fit.stand_in_calibration(data, "alpaca:16")
+    decomposed = sim_fit.records_of(data["decomposed"])
+    fitted = fit_device(micro, decomposed, calibration, SMOL, compiled_loop=False)
+    return micro, fitted, decomposed, sim_fit.load_runs(data, SMOL.vocab_size)
+
+
+def test_the_quiet_recording_validates_per_step_after_the_in_step_fit(quiet_recording):
+    """Held out (the fit never saw it): the saturated ShareGPT-like run at block size 16, per step
+    and in total, within the validation's bounds; the micro-benchmarks alone are too fast."""
+    from benchmarks import sim_validate as sv
+    micro, fitted, decomposed, runs = quiet_recording
+    before = sv.evaluate(lambda bs, **kw: CostModel(SMOL, micro, block_size=bs, **kw), runs, decomposed)
+    assert not before["passed"] and before["runs"][0]["step_error_median"] < -sv.STEP_MEDIAN_BOUND
+    after = sv.evaluate(lambda bs, **kw: CostModel(SMOL, fitted, block_size=bs, **kw), runs, decomposed)
+    run = after["runs"][0]
+    assert after["passed"], after
+    assert run["measured_steps"] == run["predicted_steps"] and run["measured_preemptions"] == run["predicted_preemptions"]
+    # The fixed contiguous measurement is still the broken one in this recording; the fit keeps its shape.
+    assert fitted.calibration.meta["in_step_fit"]["decode_attention_factor"] > 1
+
+
+@pytest.mark.parametrize("scale", [1.5, 0.0])
+def test_the_quiet_recordings_validation_fails_for_each_term_scaled_or_removed(quiet_recording, scale):
+    from benchmarks import sim_validate as sv
+    _, fitted, decomposed, runs = quiet_recording
+    for term in TERMS:
+        if term == "allreduce":
+            continue
+        v = sv.evaluate(lambda bs, **kw: CostModel(SMOL, fitted, block_size=bs, term_scale={term: scale}), runs,
+                        decomposed)
+        assert not v["passed"], (term, scale)
+        assert not v["terms"][term]["ok"], (term, scale)

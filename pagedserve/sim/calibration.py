@@ -26,14 +26,50 @@ def interpolate(table: list[tuple[float, float]], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def fit_linear(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
-    """Least squares y = c0 + c1 x1 + c2 x2 + ... over (features, y) rows; the coefficients
-    clipped at 0 (no term makes a step faster)."""
+def interpolate_clamped(table: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through sorted (x, y) points, the end values beyond the ends (for
+    factors, which must not run away outside the sizes they were measured at)."""
+    if not table:
+        return 1.0
+    if x <= table[0][0]:
+        return table[0][1]
+    if x >= table[-1][0]:
+        return table[-1][1]
+    return interpolate(table, x)
+
+
+def rescale(table: list[tuple[float, float]], factors: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A micro-benchmark's table times measured/micro-benchmark factors at the sizes real steps
+    ran (clamped beyond them): at those sizes the result is what the real steps took; between
+    and beyond them, the micro-benchmark's shape."""
+    if not factors:
+        return list(table)
+    xs = sorted({x for x, _ in table} | {x for x, _ in factors})
+    return [(x, interpolate(table, x) * interpolate_clamped(factors, x)) for x in xs]
+
+
+def fit_linear(rows: list[tuple[tuple[float, ...], float]], relative: bool = False) -> list[float]:
+    """Least squares y = c0 + c1 x1 + c2 x2 + ... over (features, y) rows, no coefficient below 0
+    (no term makes a step faster): a coefficient that comes out negative is set to 0 and the
+    rest refitted without it (clipping it after one unconstrained fit would leave the others
+    fitted against it). relative: minimise relative rather than absolute errors (each row
+    weighted by 1 / y), so that the many small steps count as much as the few large ones."""
     import numpy as np
+    if relative:
+        rows = [r for r in rows if r[1] > 0]
     a = np.array([[1.0, *f] for f, _ in rows])
     y = np.array([t for _, t in rows])
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    return [max(0.0, float(c)) for c in coef]
+    if relative:
+        a, y = a / y[:, None], np.ones_like(y)
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
 
 
 @dataclass
@@ -54,6 +90,13 @@ class Calibration:
     # One Python call of an op (wrapper, allocation, ctypes), taken out of the per-op times above:
     # the compiled layer loop does not pay it; the Python layer loop pays it once per op.
     call_overhead_s: float = 0.0
+    # Element-wise per layer by tokens, as real engine steps ran it ([(tokens, seconds)]: the norms,
+    # RoPE, SiLU-and-mul, KV write and the layer loop's Python between the kernels); used instead
+    # of `elementwise` when present (sim/local.py fit_in_steps).
+    elementwise_steps: list[tuple[float, float]] = field(default_factory=list)
+    # Sampling per step by sampled rows as real steps ran it (the sampler switches paths with the
+    # batch: no straight line fits it); used instead of `sampling` when present.
+    sampling_steps: list[tuple[float, float]] = field(default_factory=list)
     source: str = ""
     meta: dict = field(default_factory=dict)            # model, dtype, threads, kernel variant, sizes
 
@@ -62,6 +105,18 @@ class Calibration:
         if key not in self.linear:
             raise KeyError(f"no linear-layer measurement for shape {key} (measured: {', '.join(self.linear)})")
         return interpolate(self.linear[key], tokens)
+
+    def elementwise_time(self, tokens: float) -> float:
+        """One layer's element-wise work at this many tokens."""
+        if self.elementwise_steps:
+            return interpolate(self.elementwise_steps, tokens)
+        return self.elementwise[0] + self.elementwise[1] * tokens
+
+    def sampling_time(self, rows: float) -> float:
+        """The sampler on this many rows, per step."""
+        if self.sampling_steps:
+            return interpolate(self.sampling_steps, rows)
+        return self.sampling[0] + self.sampling[1] * rows
 
     def decode_coefficients(self, block_size: int | None) -> list[float]:
         """The paged kernel's fit at this block size (the nearest measured one below it, or
@@ -87,6 +142,8 @@ class Calibration:
         d = dict(d)
         d["linear"] = {k: [tuple(p) for p in v] for k, v in d["linear"].items()}
         d["lm_head"] = [tuple(p) for p in d["lm_head"]]
+        d["elementwise_steps"] = [tuple(p) for p in d.get("elementwise_steps", [])]
+        d["sampling_steps"] = [tuple(p) for p in d.get("sampling_steps", [])]
         return cls(**d)
 
     def save(self, path: Path | str) -> None:

@@ -113,10 +113,8 @@ class CostModel:
         decode = L * (d[0] + d[1] * w.num_decodes + d[2] * w.decode_pairs) if w.num_decodes else 0.0
         p = c.prefill_attention
         prefill = L * (p[0] + p[1] * w.num_prefills + p[2] * w.prefill_pairs) if w.num_prefills else 0.0
-        e = c.elementwise
-        elementwise = L * (e[0] + e[1] * w.num_tokens)
-        s = c.sampling
-        sampling = s[0] + s[1] * w.num_sampled if w.num_sampled else 0.0
+        elementwise = L * c.elementwise_time(w.num_tokens)
+        sampling = c.sampling_time(w.num_sampled) if w.num_sampled else 0.0
         o = c.step
         overhead = o[0] + o[1] * w.num_seqs + (o[2] * w.num_tokens if len(o) > 2 else 0.0)
         return StepTime(linear, lm_head, prefill, decode, elementwise, sampling, 0.0, overhead)

@@ -18,6 +18,16 @@ back by `load_local_device`.
   less its forward, LM head and sampler), since it is the engine's Python, not a kernel.
 Times are medians of repeated calls (the engine runs on a loaded, shared cache: the best of
 many calls would be optimistic).
+
+The micro-benchmarks alone are too fast for real steps (on the 2-core machine, 17-23% per
+saturated step, 30-40% on small ones): they run hot caches and one op at a time, where a step
+runs each layer's weights after the other layers' and pays the layer loop's Python (at 1-5
+rows the linear layers took 1.5-2x their micro-benchmarked time in the quiet recording; at 17-24
+rows, past the quantized GEMV's switch to tiles, 1.4-1.9x the table interpolated between 16 and
+32 rows). `fit_in_steps` therefore
+rescales every term to what it took inside the steps of a calibration and a decomposed engine
+run (never the runs that validate it); the micro-benchmarks keep the shape of each term
+between and beyond the sizes those steps ran.
 """
 from __future__ import annotations
 
@@ -33,18 +43,22 @@ from types import SimpleNamespace
 
 import torch
 
-from pagedserve.sim.calibration import Calibration, fit_linear
+from pagedserve.sim.calibration import Calibration, fit_linear, interpolate, rescale
 from pagedserve.sim.cost import StepWork
 from pagedserve.sim.devices import Device, Efficiency
 from pagedserve.utils import cdiv
 
+CONTIGUOUS_BLOCK = 256     # the CPU attention kernel's largest block (kMaxBlock in cpu_kernels.cpp)
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "local_device.json"
 
 
 @dataclass
 class CalibrationSizes:
-    tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048])
-    lm_rows: list[int] = field(default_factory=lambda: [1, 4, 16, 32, 64, 128, 256])
+    # 16 and 17 both: the quantized GEMV's integer dots stop at 16 rows (tiles above), and a table
+    # interpolated across such a switch is wrong. Real steps' row counts come from fit_in_steps.
+    tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 512,
+                                                       1024, 2048])
+    lm_rows: list[int] = field(default_factory=lambda: [1, 4, 16, 17, 32, 64, 128, 256])
     block_sizes: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32])
     batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])
     contexts: list[int] = field(default_factory=lambda: [32, 128, 256, 512])
@@ -57,7 +71,8 @@ class CalibrationSizes:
 
     @classmethod
     def quick(cls) -> "CalibrationSizes":
-        return cls(tokens=[1, 4, 16, 64, 128, 256, 1024], lm_rows=[1, 16, 64, 256], block_sizes=[2, 16],
+        return cls(tokens=[1, 4, 16, 17, 64, 128, 256, 1024], lm_rows=[1, 16, 17, 64, 256],
+                   block_sizes=[2, 16],
                    batches=[1, 32, 128], contexts=[32, 256, 512], chunks=[(1, 16), (1, 256), (4, 64), (2, 512)],
                    elementwise_tokens=[1, 64, 1024], sample_rows=[1, 64, 256], reps=3)
 
@@ -108,7 +123,8 @@ def measure_linear(model, tokens: list[int], reps: int, call_s: float = 0.0) -> 
     for t in tokens:
         per_shape: dict[str, list[float]] = {}
         inputs = {}
-        for rep in range(reps + 1):          # the first pass warms up
+        # Past 256 rows a pass takes seconds and its 30 calls per shape vary little: fewer passes.
+        for rep in range((reps if t <= 256 else max(1, reps // 2)) + 1):     # the first pass warms up
             for w in model.layers:
                 for weight in (w.qkv, w.o, w.gate_up, w.down):
                     n, k = _shape(weight)
@@ -189,6 +205,8 @@ class _AttentionBench:
             from pagedserve.kernels import cpu
             rows = attention.kernel_rows(meta)
             calls = [lambda c=c: cpu.paged_attention(q, c, rows, m.scale) for c in self.caches]
+            if cpu.paged_attention(q, self.caches[0], rows, m.scale) is None:
+                raise RuntimeError(f"the attention kernel refused block size {self.block_size}: nothing to time")
         else:
             k = torch.randn(t, a.num_kv_heads, a.head_dim, dtype=m.dtype)
             calls = [lambda c=c: attention.forward(q, k, k, c, meta, m.scale) for c in self.caches]
@@ -197,12 +215,15 @@ class _AttentionBench:
 
 def measure_decode_attention(model, sizes: CalibrationSizes,
                              call_s: float = 0.0) -> tuple[dict[str, list[float]], list[float], dict]:
-    """Fits c0 + c1 * seqs + c2 * keys per layer, per block size and for the contiguous layout."""
+    """Fits c0 + c1 * seqs + c2 * keys per layer, per block size and for the contiguous layout:
+    each sequence's keys in consecutive blocks of the largest size the kernel takes
+    (CONTIGUOUS_BLOCK), in order (a block of the longest context would be refused by the kernel,
+    and a refused call times nothing: the bench raises)."""
     most = max(sizes.batches) * max(sizes.contexts)
     paged, points = {}, {}
     for bs in [*sizes.block_sizes, None]:
-        bench = _AttentionBench(model, bs or max(sizes.contexts), most if bs else max(sizes.batches) *
-                                max(sizes.contexts), sizes.attention_layers, call_s)
+        bench = _AttentionBench(model, bs or min(CONTIGUOUS_BLOCK, max(sizes.contexts)), most,
+                                sizes.attention_layers, call_s)
         rows = []
         for b in sizes.batches:
             for c in sizes.contexts:
@@ -403,8 +424,108 @@ _MISSING = object()
 
 def fit_step_cost(records: list[StepRecord]) -> list[float]:
     """The step's time outside the kernels (scheduling, the batch's tensors, output processing):
-    c0 + c1 * sequences + c2 * tokens, over recorded engine steps."""
-    return fit_linear([((r.work.num_seqs, r.work.num_tokens), r.outside_kernels_s) for r in records])
+    c0 + c1 * sequences + c2 * tokens, over recorded engine steps (relative errors: most steps
+    are small)."""
+    return fit_linear([((r.work.num_seqs, r.work.num_tokens), r.outside_kernels_s) for r in records], relative=True)
+
+
+def _median_by(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(x, y) points -> sorted (x, median y at that x)."""
+    by: dict[float, list[float]] = {}
+    for x, y in points:
+        by.setdefault(float(x), []).append(y)
+    return [(x, statistics.median(ys)) for x, ys in sorted(by.items())]
+
+
+def _factors(measured: list[tuple[float, float]], predicted) -> list[tuple[float, float]]:
+    """measured / predicted(x) at each x of the (x, median measured) points."""
+    return [(x, m / p) for x, m in measured if (p := predicted(x)) > 0 and m > 0]
+
+
+def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord], steps: list[StepRecord],
+                 per_call_s: float = 0.0, block_size: int = 16) -> Calibration:
+    """The calibration as real engine steps ran it: each micro-benchmarked term rescaled to the
+    time that term took inside the steps of engine runs, which run each layer's weights after
+    the other layers' and pay the Python layer loop (the micro-benchmarks run hot caches and one
+    op at a time). Never fit on the runs that validate the model.
+
+    - decomposed: steps of the Python layer loop with each op timed (StepRecorder(ops=True)):
+      linear (by tokens: measured / micro-benchmark factors, so the tables keep their shape
+      between the sizes the steps ran), element-wise per layer by tokens (the norms, RoPE,
+      SiLU, KV write and the loop's Python between the ops: the forward less its linear and
+      attention), decode and prefill attention (one factor each, on the steps that are mostly
+      one or the other; every block size and the contiguous layout scaled alike);
+    - steps: plain engine steps (a calibration run), with the decomposed run's: the LM head and
+      sampling by sampled rows (tables of the steps' medians), and the step cost outside the
+      model (fit_step_cost, the calibration run's alone).
+    per_call_s: taken out of each op's time where the validated engine runs the compiled layer
+    loop (which has no per-op Python call); 0 where it runs the Python loop, as the decomposed
+    run does."""
+    L = num_layers
+    ops = [r for r in decomposed if r.ops_s]
+    linear = {k: list(v) for k, v in cal.linear.items()}
+    meta = dict(cal.meta)
+    fit: dict = {"decomposed_steps": len(ops), "calibration_steps": len(steps), "per_call_s": per_call_s}
+    if ops:
+        def micro_linear(t: float) -> float:
+            return L * sum(interpolate(table, t) for table in cal.linear.values())
+        lin = _median_by([(r.work.num_tokens, r.ops_s.get("linear", 0.0) - 4 * L * per_call_s) for r in ops])
+        elem = _median_by([(r.work.num_tokens, (r.forward_s - r.ops_s.get("linear", 0.0) - r.ops_s.get("attention", 0.0)
+                                                - 6 * L * per_call_s) / L) for r in ops])
+        fit["elementwise_steps"] = elem
+    dec, pre = cal.decode_attention, cal.prefill_attention
+    contiguous = cal.contiguous_decode_attention
+    d16 = cal.decode_coefficients(block_size)
+
+    def attention_factor(pick) -> float | None:
+        ratios = []
+        for r in ops:
+            w = r.work
+            d = L * (d16[0] + d16[1] * w.num_decodes + d16[2] * w.decode_pairs) if w.num_decodes else 0.0
+            p = L * (pre[0] + pre[1] * w.num_prefills + pre[2] * w.prefill_pairs) if w.num_prefills else 0.0
+            if pick(d, p) >= 0.8 * (d + p) > 0:
+                ratios.append((r.ops_s.get("attention", 0.0) - L * per_call_s) / (d + p))
+        return statistics.median(ratios) if ratios else None
+    fd = attention_factor(lambda d, p: d)
+    fp = attention_factor(lambda d, p: p)
+    if fd:
+        dec = {k: [c * fd for c in v] for k, v in dec.items()}
+        contiguous = [c * fd for c in contiguous]
+    if fp:
+        pre = [c * fp for c in pre]
+    fit.update(decode_attention_factor=fd, prefill_attention_factor=fp)
+    if ops:
+        # Row counts the decomposed run did not reach: the calibration run's steps, their forward
+        # less the element-wise and attention terms just fitted (the same layer loop).
+        seen = {x for x, _ in lin}
+        elementwise_steps = fit["elementwise_steps"]
+        d_fit, p_fit = [c * (fd or 1.0) for c in d16], [c * (fp or 1.0) for c in pre]
+
+        def others(w: StepWork) -> float:
+            d = d_fit[0] + d_fit[1] * w.num_decodes + d_fit[2] * w.decode_pairs if w.num_decodes else 0.0
+            p = p_fit[0] + p_fit[1] * w.num_prefills + p_fit[2] * w.prefill_pairs if w.num_prefills else 0.0
+            return L * (interpolate(elementwise_steps, w.num_tokens) + d + p)
+        extra = _median_by([(r.work.num_tokens, r.forward_s - others(r.work)) for r in steps
+                            if r.work.num_tokens not in seen and r.forward_s > 0])
+        factors = _factors(sorted(lin + extra), micro_linear)
+        linear = {k: rescale(v, factors) for k, v in cal.linear.items()}
+        fit["linear_factors"] = factors
+    both = ops + list(steps)
+    lm_head, sampling, step = cal.lm_head, cal.sampling, cal.step
+    sampled = [r for r in both if r.work.num_sampled]
+    if sampled:
+        head = _median_by([(r.work.num_sampled, r.lm_head_s) for r in sampled])
+        lm_head = rescale(cal.lm_head, _factors(head, lambda n: interpolate(cal.lm_head, n)))
+        sampling = fit_linear([((r.work.num_sampled,), r.sampler_s) for r in sampled], relative=True)
+        fit["sampling_steps"] = _median_by([(r.work.num_sampled, r.sampler_s) for r in sampled])
+    if steps:
+        step = fit_step_cost(list(steps))
+    meta["in_step_fit"] = fit
+    return replace(cal, linear=linear, lm_head=lm_head, decode_attention=dec, contiguous_decode_attention=contiguous,
+                   prefill_attention=pre, sampling=sampling, step=step,
+                   elementwise_steps=fit.get("elementwise_steps", list(cal.elementwise_steps)),
+                   sampling_steps=fit.get("sampling_steps", list(cal.sampling_steps)), meta=meta,
+                   source=cal.source + "; rescaled to real engine steps (fit_in_steps)")
 
 
 # ---- the preset ------------------------------------------------------------------------------------
