@@ -46,13 +46,14 @@ def kernel_qtype(tensor_type) -> str | None:
     return name if name in quant.QTYPES else None
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear) -> torch.Tensor:
-    """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear,
+           decode: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights;
+    `decode`: x holds decode tokens only (quant.linear's integer path then takes larger batches)."""
     if isinstance(weight, QuantizedWeight):
-        return quant.linear(x, weight, bias)
-    if isinstance(weight, tuple):        # parts of a fused matrix in different types
-        out = torch.cat([linear(x, part, None, dense) for part in weight], dim=1)
-        return out if bias is None else out.add_(bias)
+        return quant.linear(x, weight, bias, decode)
+    if isinstance(weight, tuple):        # parts of a fused matrix in different types: one product, no concat
+        return quant.linear(x, weight, bias, decode)
     return dense(x, weight, bias)
 
 
