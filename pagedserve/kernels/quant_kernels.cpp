@@ -546,16 +546,17 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
             acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
         }
         const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
-        const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
-        const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
+        const __m512i m4 = _mm512_set1_epi8(15);
+        const __m512i qh2 = QT == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)))
+                                       : _mm512_setzero_si512();     // q5_k's qh in both halves
         for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
-            __m512i raw = _mm512_and_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
-            if constexpr (QT == Q5_K) {
-                const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)),
-                                                     _mm256_srli_epi16(qh, 2 * c + 1), 1);
-                raw = _mm512_or_si512(raw, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+            // the 32 bytes in both halves (a broadcast load), the upper half shifted: [low | high nibbles]
+            __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c)));
+            raw = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), m4);
+            if constexpr (QT == Q5_K) {    // fifth bits: bit 2c of qh (low half), 2c + 1 (high half), as a mask
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
+                                                       _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
+                raw = _mm512_mask_add_epi8(raw, _mm512_test_epi8_mask(qh2, bit), raw, _mm512_set1_epi8(16));
             }
             const __m512i spread = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
                                                      2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
