@@ -38,7 +38,11 @@ Two paths, chosen per call by the number of activation rows T:
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
-super-block's eight converted together), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+super-block's eight converted together; codes always unsigned, a type's offset (q4_0 8, q5_0 16,
+q8_0 128 after flipping its sign bit, q6_k 32) taken off in the integers by starting the dot from
+-offset times the activations' sums of 4, computed once per call: for one- or two-row passes,
+and for q6_k always; nibbles and fifth bits unpacked by broadcast loads, masked shifts and byte
+masks, with no permutes), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
 127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
 at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another

@@ -3,7 +3,7 @@ embedding table kept in its GGUF blocks.
 
 A matmul weight is a float tensor, a `quant.QuantizedWeight` (GGML blocks, computed by
 kernels/quant.py) or, where a fused matrix's parts differ in type (a Q4_K_M file keeps v in Q6_K
-and q, k in Q4_K), a tuple of them whose outputs are concatenated. The compute of quantized
+and q, k in Q4_K), a tuple of them that quant.linear multiplies as one product. The compute of quantized
 weights is on the CPU only (kernels/quant.py, with a torch reference TorchOps runs too).
 """
 from __future__ import annotations
