@@ -304,7 +304,8 @@ def main() -> None:
             print(f"{r['model']:<34} {r['config']:<26} error: {r['error'].strip().splitlines()[-1]}")
             continue
         lb = r.get("llama_bench") or {}
-        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else "-"
+        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else \
+            "error (see JSON)" if "error" in lb else "-"
         print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
               f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
