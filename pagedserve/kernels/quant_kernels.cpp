@@ -490,7 +490,6 @@ template <int QT, int NT>
 inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
                    const uint8_t *b0) {
     const uint8_t *b1 = b0 + kBytes[QT];
-    const __m128 A = f16x2(b0, b1);
     __m512i codes;
     __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
     if constexpr (QT == Q8_0) {
@@ -514,6 +513,24 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
         codes = _mm512_or_si512(nibbles64(b0 + h + 4, b1 + h + 4), _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
     }
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    if constexpr ((QT == Q4_1 || QT == Q5_1) && NT <= 2) {
+        // One or two rows: d, m of both blocks in one conversion: [d0 m0 d1 m1] times [dx0 ds0 dx1 ds1]: the two
+        // scales (spread to the dot's lanes) and the two minimum terms (lanes 1, 3 of m2).
+        uint32_t w0, w1;
+        std::memcpy(&w0, b0, 4);
+        std::memcpy(&w1, b1, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(uint64_t(w0) | (uint64_t(w1) << 32))));
+        const __m512i spread02 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        for (int t = 0; t < NT; t++) {
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(q0 + t * a.K));
+            const __m128 P = _mm_mul_ps(dm, _mm_unpacklo_ps(load2(d0 + t * a.nb), load2(ds0 + t * a.nb)));
+            acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread02, _mm512_castps128_ps512(P)),
+                                       acc.w[t]);
+            acc.m2[t] = _mm_mask_add_ps(acc.m2[t], 0xA, acc.m2[t], P);
+        }
+        return;
+    }
+    const __m128 A = f16x2(b0, b1);
     constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
     const __m128 C = QT == Q4_1 || QT == Q5_1 ? f16x2(b0 + 2, b1 + 2)
                      : kOffsetTerm ? _mm_mul_ps(A, _mm_set1_ps(-float(kOffset[QT]))) : _mm_setzero_ps();
