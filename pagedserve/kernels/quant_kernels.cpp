@@ -553,14 +553,19 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
     if constexpr (QT == Q4_K || QT == Q5_K) {
         uint64_t sc, mn;
         k_scale_bytes(b + 4, sc, mn);
-        const __m256 A = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                  _mm_cvtsi64_si128(int64_t(sc)))));
-        const __m256 C = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                       _mm_cvtsi64_si128(int64_t(mn)))));
+        // [d * sc (8) | dmin * mn (8)] in one conversion and one multiply
+        uint32_t dd;
+        std::memcpy(&dd, b, 4);
+        const __m512 dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                  _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dd)))));
+        const __m512 AC = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                  _mm_insert_epi64(_mm_cvtsi64_si128(int64_t(sc)), int64_t(mn), 1))));
+        const __m256 A = _mm512_castps512_ps256(AC);
+        const __m256 C = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(AC), 1));   // dmin * mn
         __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
         for (int t = 0; t < NT; t++) {
             S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
-            acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
+            acc.m8[t] = _mm256_fnmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
         }
         const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
         const __m512i m4 = _mm512_set1_epi8(15);
