@@ -21,6 +21,10 @@ ours; its build commit and number go into the JSON). With --llama-quantize, the 
 what users download instead: an f16 GGUF of the shape is written once and llama.cpp's llama-quantize
 makes each mix from it (real K-quant blocks, llama.cpp's own choice of type per tensor). Every file
 carries the default model's tokenizer (the same 49152-token vocabulary), so llama.cpp can load it.
+llama.cpp built with -DGGML_NATIVE=ON on a CPU with AMX (Sapphire Rapids) may crash in its AMX
+matmul (seen: llama-bench segfaults in ggml_backend_amx_mul_mat); build it with -DGGML_NATIVE=OFF
+and the CPU's flags named (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+-DGGML_AVX_VNNI=ON ...; AMX off, as on the issue's Zen 4).
 --tiny runs a 2-layer 256-wide shape: it checks the script (and llama.cpp's tools) in seconds and
 measures nothing. Results: a table, and benchmarks/results/quantized.json (quantized_quick.json
 with --quick).
