@@ -314,7 +314,8 @@ def main() -> None:
               f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16}")
-    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, tiny=args.tiny, layers_of_1_7b_shape=layers,
+    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, tiny=args.tiny,
+                  layers_of_1_7b_shape=layers,
                   prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, runs=runs,
                   cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
     if args.tiny and not args.json:

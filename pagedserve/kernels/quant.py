@@ -18,7 +18,8 @@ per row stay in L1/L2.
 
 Two paths, chosen per call by the number of activation rows T:
 - T <= SMALL_BATCH_ROWS, or DECODE_BATCH_ROWS for a batch of decode tokens only (decode, small
-  batches; prefill chunks switch earlier, since tiles keep them closer to the float model): the activations are quantized once per call
+  batches; prefill chunks switch earlier, since tiles keep them closer to the float model): the
+  activations are quantized once per call
   into 8-bit blocks of 32 (int8 values q, one float scale dx per block, and dx * sum(q) for the
   minimum terms), then every 32 weights give one integer dot product of their codes with q
   (vpdpbusd: unsigned codes x signed q; q8_0 / q6_k signed codes as |w| x q with w's sign) and
