@@ -10,7 +10,8 @@ so they stream from memory as in a real step.
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
 the same shapes through cpu.linear over packed bf16 weights; rows with a `path` time the integer
-path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS should be). Prints a table and writes
+path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS and DECODE_BATCH_ROWS should
+be). Prints a table and writes
 benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
 """
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/quantized.py                 # default model + SmolLM2-1.7B-shaped files
     .venv/bin/python benchmarks/quantized.py --quick         # shorter runs, 1.7B shape cut to 4 layers (< 5 min)
-    .venv/bin/python benchmarks/quantized.py --llama-bench ~/llama.cpp/build/bin/llama-bench
+    .venv/bin/python benchmarks/quantized.py --llama-bench ~/llama.cpp/build/bin/llama-bench \
+        --llama-quantize ~/llama.cpp/build/bin/llama-quantize    # files made by llama.cpp, and its speed on them
 
 For the default model (SmolLM2-135M-Instruct, Q4_1) and a SmolLM2-1.7B-shaped model with random
 weights, written here as GGUF files (Q4_0 and Q8_0 quantized by kernels/quant.py; a Q4_K_M-like mix
@@ -16,7 +17,17 @@ reads (every layer's matmuls and the LM head) against the bound that reading the
 the measured read bandwidth sets. The dequantized bf16 row of the 1.7B shape is the float model of the
 same shape (load_format=dummy: the same compute as a dequantized file, without its float32 cache).
 With --llama-bench, llama.cpp's llama-bench runs on the same files with the same threads (-p, -n as
-ours). Results: a table, and benchmarks/results/quantized.json (quantized_quick.json with --quick).
+ours; its build commit and number go into the JSON). With --llama-quantize, the 1.7B-shaped files are
+what users download instead: an f16 GGUF of the shape is written once and llama.cpp's llama-quantize
+makes each mix from it (real K-quant blocks, llama.cpp's own choice of type per tensor). Every file
+carries the default model's tokenizer (the same 49152-token vocabulary), so llama.cpp can load it.
+llama.cpp built with -DGGML_NATIVE=ON on a CPU with AMX (Sapphire Rapids) may crash in its AMX
+matmul (seen: llama-bench segfaults in ggml_backend_amx_mul_mat); build it with -DGGML_NATIVE=OFF
+and the CPU's flags named (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+-DGGML_AVX_VNNI=ON ...; AMX off, as on the issue's Zen 4).
+--tiny runs a 2-layer 256-wide shape: it checks the script (and llama.cpp's tools) in seconds and
+measures nothing. Results: a table, and benchmarks/results/quantized.json (quantized_quick.json
+with --quick).
 """
 from __future__ import annotations
 
@@ -53,21 +64,38 @@ MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0"},
 # ---- writing GGUF files of a shape -----------------------------------------------------------
 
 def _raw_blocks(ggml: str, w: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
-    """A float matrix as GGML blocks: quantized where kernels/quant.py quantizes the type, random
-    valid blocks of about the same spread for the K-quants."""
+    """A float matrix as GGML blocks: f16 as it is, quantized where kernels/quant.py quantizes the
+    type, random valid blocks of about the same spread for the K-quants."""
     import gguf
 
     from pagedserve.kernels import quant
+    if ggml == "F16":
+        return w.half().numpy()
     if ggml.lower() in quant.QUANTIZE_TYPES:
         return quant.quantize(w.float(), ggml.lower()).data.numpy()
     return random_k_blocks(gguf.GGMLQuantizationType[ggml], *w.shape, rng, std=float(w.float().std()),
                            sample_rows=64)
 
 
-def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0) -> None:
+def copy_tokenizer(writer, source: str) -> None:
+    """The tokenizer.ggml.* fields of GGUF file `source` into `writer` (llama.cpp loads no model
+    without a vocabulary)."""
+    import gguf
+    reader = gguf.GGUFReader(source)
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer.ggml."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), kind)
+
+
+def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0, tokenizer_from: str | None = None) -> None:
     """A `llama` GGUF file of `config`'s shapes, random weights (std 0.02; norms 1), tensor by
     tensor in the mix's types (written to a temporary file as they are made: memory stays about
-    one tensor, not the model)."""
+    one tensor, not the model); with the tokenizer of GGUF file `tokenizer_from`."""
     import gguf
 
     from pagedserve.models.dummy import DummyWeights
@@ -77,6 +105,8 @@ def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0) -> None:
                     hidden=args.hidden_size, intermediate=args.intermediate_size, heads=args.num_heads,
                     kv_heads=args.num_kv_heads, eps=args.rms_norm_eps, vocab=args.vocab_size,
                     rope_theta=args.rope_theta, use_temp_file=True)
+    if tokenizer_from:
+        copy_tokenizer(w, tokenizer_from)
     weights = DummyWeights(args, torch.float32, "cpu", seed)
     rng = np.random.default_rng(seed)
     for name in weights:
@@ -171,7 +201,17 @@ def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int) ->
     for row in json.loads(res.stdout):
         key = "prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"
         out[key] = row.get("avg_ts")
+        out.update(build_commit=row.get("build_commit"), build_number=row.get("build_number"),
+                   cpu_info=row.get("cpu_info"), backends=row.get("backends"))
     return out
+
+
+def llama_quantize(exe: str, source: Path, path: Path, ftype: str, threads: int) -> None:
+    """llama.cpp's llama-quantize: GGUF `source` (f16) as `ftype` (Q4_0, Q8_0, Q4_K_M, ...) at `path`."""
+    res = subprocess.run([exe, str(source), str(path), ftype, str(threads)], capture_output=True, text=True,
+                         timeout=3600)
+    if res.returncode:
+        raise RuntimeError(f"llama-quantize {ftype} failed: {res.stderr[-2000:]}")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -183,6 +223,9 @@ def main() -> None:
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     ap.add_argument("--no-default-model", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench: run it on the same files")
+    ap.add_argument("--llama-quantize", default=None, help="path of llama.cpp's llama-quantize: make the 1.7B-shaped "
+                                                          "files with it from an f16 file of the shape")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer 256-wide shape: checks the script, measures nothing")
     ap.add_argument("--work-dir", default=None, help="where the GGUF files are written (default: a temporary dir, "
                                                      "removed after)")
     ap.add_argument("--json", default=None)
@@ -222,18 +265,32 @@ def main() -> None:
             run("bf16 dequantized", "SmolLM2-135M-Instruct", dict(model=path, gguf_dequantize=True,
                                                                    dtype="bfloat16"), None)
         config = {**SMOLLM2_1_7B, "num_hidden_layers": layers}
+        if args.tiny:
+            config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4)
+            layers = 2
+        tokenizer_from = default_model_path()      # its vocabulary is SmolLM2-1.7B's
         shape_dir = work / "smollm2-1.7b-shape"
         shape_dir.mkdir(exist_ok=True)
         (shape_dir / "config.json").write_text(json.dumps(config))
         stand_in_tokenizer(config).save_pretrained(str(shape_dir))
-        name = f"SmolLM2-1.7B shape ({layers} layers)"
+        name = f"SmolLM2-1.7B shape ({layers} layers)" if not args.tiny else "tiny shape (2 layers, 256 wide)"
+        maker = "llama-quantize" if args.llama_quantize else "benchmarks/quantized.py"
+        f16 = work / "smollm2-1.7b-shape-F16.gguf"
         for mix in args.mixes:
-            path = work / f"smollm2-1.7b-shape-{mix}.gguf"
+            path = work / f"smollm2-1.7b-shape-{mix}{'-llama' if args.llama_quantize else ''}.gguf"
             if not path.exists():
-                print(f"  writing {path.name} ...", flush=True)
-                write_gguf(config, MIXES[mix], path)
+                if args.llama_quantize:
+                    if not f16.exists():
+                        print(f"  writing {f16.name} ...", flush=True)
+                        write_gguf(config, {"*": "F16"}, f16, tokenizer_from=tokenizer_from)
+                    print(f"  llama-quantize {mix} ...", flush=True)
+                    llama_quantize(args.llama_quantize, f16, path, mix, threads)
+                else:
+                    print(f"  writing {path.name} ...", flush=True)
+                    write_gguf(config, MIXES[mix], path, tokenizer_from=tokenizer_from)
             run(f"{mix} native", name, dict(model=str(path), tokenizer=str(shape_dir)), str(path))
-            runs[-1]["file_bytes"] = path.stat().st_size
+            runs[-1].update(file_bytes=path.stat().st_size, file_made_by=maker)
         run("bf16 (float, same shape)", name, dict(model=str(shape_dir), load_format="dummy", dtype="bfloat16"),
             None)
     finally:
@@ -251,14 +308,18 @@ def main() -> None:
             print(f"{r['model']:<34} {r['config']:<26} error: {r['error'].strip().splitlines()[-1]}")
             continue
         lb = r.get("llama_bench") or {}
-        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else "-"
+        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else \
+            "error (see JSON)" if "error" in lb else "-"
         print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
               f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16}")
-    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, layers_of_1_7b_shape=layers,
+    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, tiny=args.tiny,
+                  layers_of_1_7b_shape=layers,
                   prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, runs=runs,
                   cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
+    if args.tiny and not args.json:
+        return                   # a check of the script: no results file
     out = Path(args.json) if args.json else RESULTS / ("quantized_quick.json" if args.quick else "quantized.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -197,6 +197,18 @@ def test_stacked_parts(variant, tokens):
         quant.linear(x, [parts[0], weight("q4_0")[0]])
 
 
+def test_decode_batches_take_the_integer_path_further():
+    """A decode-only batch (decode=True) of up to DECODE_BATCH_ROWS rows runs the integer dots;
+    the same rows as a prefill chunk run the dequantized tiles (the float product)."""
+    assert quant.SMALL_BATCH_ROWS < quant.DECODE_BATCH_ROWS
+    w, _ = weight("q4_0")
+    x = torch.randn(quant.DECODE_BATCH_ROWS, w.shape[1], generator=torch.Generator().manual_seed(3))
+    _check_small(quant.linear(x, w, decode=True), x, w)
+    tiles = quant.linear(x, w)
+    torch.testing.assert_close(tiles, x @ quant.dequantize(w).T, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(tiles, quant.linear(x, w, decode=True), rtol=1e-5, atol=1e-5)
+
+
 def test_pickles_after_use():
     import pickle
     w, _ = weight("q4_0")

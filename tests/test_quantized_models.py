@@ -323,3 +323,27 @@ def test_quantization_settings_are_checked():
 def test_gguf_quantization_needs_a_gguf_file(tiny_llama):
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
         LLM(tiny_llama.path, quantization="gguf")
+
+
+def test_decode_batches_tell_the_kernels_so(base_model, tmp_path, monkeypatch):
+    """LlamaModel.forward passes decode=True to the quantized linears on batches of decode
+    tokens only (their integer path goes to DECODE_BATCH_ROWS), and never on a prefill chunk."""
+    cfg, hf, tok_dir, _ = base_model
+    path = tmp_path / "tiny-q4_0.gguf"
+    write_quantized_llama(cfg, hf.state_dict(), path, MIXES["q4_0"])
+    llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
+    calls: list[tuple[int, bool]] = []
+    real = quant.linear
+
+    lm_head = _model_of(llm).lm_head
+
+    def spy(x, w, bias=None, decode=False):
+        if w is not lm_head:                                   # the logits' rows: not a batch kind
+            calls.append((x.shape[0], decode))
+        return real(x, w, bias, decode)
+    monkeypatch.setattr(quant, "linear", spy)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 24)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    prefill = [rows for rows, decode in calls if not decode]
+    assert prefill and min(prefill) > 2 and all(not decode for rows, decode in calls if rows > 2), calls
+    assert {(2, True), (1, True)} >= {c for c in calls if c[1]} and (2, True) in calls, calls   # the decode steps

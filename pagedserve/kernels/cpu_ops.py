@@ -45,11 +45,11 @@ class CpuOps(TorchOps):
             model.compiled_layers = CpuDecoderLayers(model)
 
     @staticmethod
-    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Plain, packed (prepare_weights packs them) or quantized weights."""
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+        """Plain, packed (prepare_weights packs them) or quantized weights (`decode`: models/quantized.py's)."""
         if isinstance(weight, cpu.PackedWeight):
             return cpu.linear(x, weight, bias)
-        return quantized.linear(x, weight, bias, cpu.linear)
+        return quantized.linear(x, weight, bias, cpu.linear, decode)
 
     argmax = staticmethod(cpu.argmax_rows)
 

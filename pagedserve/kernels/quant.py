@@ -17,7 +17,9 @@ file's bytes; each thread streams a contiguous range of rows, and the activation
 per row stay in L1/L2.
 
 Two paths, chosen per call by the number of activation rows T:
-- T <= SMALL_BATCH_ROWS (decode, small batches): the activations are quantized once per call
+- T <= SMALL_BATCH_ROWS, or DECODE_BATCH_ROWS for a batch of decode tokens only (decode, small
+  batches; prefill chunks switch earlier, since tiles keep them closer to the float model): the
+  activations are quantized once per call
   into 8-bit blocks of 32 (int8 values q, one float scale dx per block, and dx * sum(q) for the
   minimum terms), then every 32 weights give one integer dot product of their codes with q
   (vpdpbusd: unsigned codes x signed q; q8_0 / q6_k signed codes as |w| x q with w's sign) and
@@ -37,7 +39,11 @@ Two paths, chosen per call by the number of activation rows T:
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
-super-block's eight converted together), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+super-block's eight converted together; codes always unsigned, a type's offset (q4_0 8, q5_0 16,
+q8_0 128 after flipping its sign bit, q6_k 32) taken off in the integers by starting the dot from
+-offset times the activations' sums of 4, computed once per call: for one- or two-row passes,
+and for q6_k always; nibbles and fifth bits unpacked by broadcast loads, masked shifts and byte
+masks, with no permutes), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
 127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
 at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
@@ -69,6 +75,8 @@ _QTYPE_ID = {q: i for i, q in enumerate(QTYPES)}        # the `qtype` argument o
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 
 SMALL_BATCH_ROWS = 16        # T up to this: integer dots on q8 activations; above: dequantized tiles
+DECODE_BATCH_ROWS = 32       # the same for batches of decode tokens only (linear(decode=True)): prefill
+                             # chunks above 16 keep the tiles, closer to the float model than 8-bit activations
 TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
@@ -362,9 +370,10 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 # ---- linear -----------------------------------------------------------------------------------
 def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
     """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in x's dtype. T up to
-    SMALL_BATCH_ROWS: integer dots over q8 activations; more: dequantized weight tiles.
+    SMALL_BATCH_ROWS (DECODE_BATCH_ROWS where `decode`: x holds decode tokens only): integer dots
+    over q8 activations; more: dequantized weight tiles.
     w may be several weights of one width (any types), stacked by rows as one product: a fused
     projection (qkv, gate_up) whose parts are stored apart, with no copy of them (the
     activations are quantized once, one parallel pass covers every part's rows)."""
@@ -382,7 +391,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     lib = KERNELS.lib if KERNELS.active is not None else load()
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=x.dtype)
-    if lib is not None and x.shape[0] <= SMALL_BATCH_ROWS:
+    if lib is not None and x.shape[0] <= (DECODE_BATCH_ROWS if decode else SMALL_BATCH_ROWS):
         return _linear_small(x, parts, bias, lib)
     return _linear_tiles(x, parts, bias, lib)
 
@@ -518,5 +527,7 @@ def describe() -> dict:
         quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced else
                               "the best this CPU's flags allow" if active else "no variant could be built"),
         quant_small_batch_rows=SMALL_BATCH_ROWS,
-        quant_paths={q: f"T <= {SMALL_BATCH_ROWS}: {small}; above: tiles dequantized into {gemm}" for q in QTYPES},
+        quant_decode_batch_rows=DECODE_BATCH_ROWS,
+        quant_paths={q: f"T <= {SMALL_BATCH_ROWS} ({DECODE_BATCH_ROWS} decode tokens): {small}; above: tiles "
+                        f"dequantized into {gemm}" for q in QTYPES},
     )

@@ -202,7 +202,14 @@ struct Act {
     const float *d;      // [T][K/32]
     const float *ds;     // [T][K/32]: d * sum(q)
     int64_t K, nb;
+    // AVX-512 only (else null). start[type], for the types whose codes carry an offset (q4_0: 8,
+    // q5_0: 16, q8_0: 128 (its codes made unsigned), q6_k: 32) and that the call multiplies:
+    // -offset * (the sums of each 4 consecutive q) [T][K/4], vpdpbusd's lanes, so that a dot of
+    // the unsigned codes started from them has the offset subtracted, in the integers.
+    const int32_t *start[kNumTypes];
 };
+
+constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32};     // what start[type] subtracts
 
 // One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
 void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
@@ -245,6 +252,17 @@ void quantize_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, i
         src = static_cast<const float *>(x) + t * ldx + j * 32;
     }
     quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
+}
+
+// Block j of row t's Act::start, from its q.
+void start_one(const Act &a, int64_t t, int64_t j) {
+    const int8_t *q = a.q + t * a.K + j * 32;
+    int32_t sums[8];
+    for (int l = 0; l < 8; l++) sums[l] = int32_t(q[4 * l]) + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+    for (int qt = 0; qt < kNumTypes; qt++)
+        if (a.start[qt] != nullptr)
+            for (int l = 0; l < 8; l++)
+                const_cast<int32_t *>(a.start[qt])[t * (a.K / 4) + j * 8 + l] = -kOffset[qt] * sums[l];
 }
 
 // ---- the dot products of one weight row with NT activation rows ---------------------------------
@@ -431,111 +449,142 @@ inline void accumulate(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // ---- AVX-512 VNNI: 64 elements (two pieces) per dot product, scales two or eight at a time ----
-__m128 f16x2(const uint8_t *p0, const uint8_t *p1) {     // [f16 at p0, f16 at p1, 0, 0]
+// The integer dot of 64 unsigned codes with 64 activations, as floats (16 lanes of 4).
+inline __m512 dot64(__m512i codes, const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(q)));
+}
+
+// Two 32-element blocks (blocks u, u + 1 of the row, at b0) against activation rows t0 ..:
+// codes in the activations' order [0, 64), unsigned; for one or two rows (decode) their
+// offsets (q4_0, q5_0, q8_0) are taken off in the integers by a dot started from Act::start,
+// for more (where Act::start's loads would cost more than they save) as C * ds (q4_0, q5_0:
+// C = -offset * A) or, q8_0, by signed codes (|w| times q with w's sign); q6_k always from
+// Act::start. The two scales A times the two dx in one 128-bit multiply, spread to the dot's
+// lanes; the minimums (q4_1, q5_1) as C * ds.
+template <int QT, int NT>
+constexpr bool kStarts = kOffset[QT] != 0 && (QT == Q6_K || NT <= 2);
+
+template <int QT, int NT>
+inline __m512i offset_start(const Act &a, int64_t row, int64_t e) {   // Act::start at row's element e
+    if constexpr (!kStarts<QT, NT>) return _mm512_setzero_si512();
+    else return _mm512_loadu_si512(a.start[QT] + row * (a.K / 4) + e / 4);
+}
+
+inline __m512i nibbles64(const uint8_t *q0, const uint8_t *q1) {   // two blocks' 16 bytes -> [lo0 hi0 lo1 hi1]
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q0)));
+    v = _mm512_mask_broadcast_i32x4(v, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i *>(q1)));
+    v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);
+    return _mm512_and_si512(v, _mm512_set1_epi8(15));
+}
+
+inline __m128 f16x2(const uint8_t *p0, const uint8_t *p1) {     // [f16 at p0, f16 at p1, 0, 0]
     uint16_t h0, h1;
     std::memcpy(&h0, p0, 2);
     std::memcpy(&h1, p1, 2);
     return _mm_cvtph_ps(_mm_cvtsi32_si128(int(uint32_t(h0) | (uint32_t(h1) << 16))));
 }
 
-__m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(p))); }
+inline __m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(p))); }
 
-__m512i nibbles_pair(const uint8_t *q0, const uint8_t *q1) {   // two blocks' 16 bytes -> [lo0 hi0 lo1 hi1]
-    const __m256i v = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q0))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i *>(q1)), 1);
-    const __m256i m = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
-                                     _mm512_castsi256_si512(hi));
-}
-
-// The integer dot of 64 codes with 64 activations: unsigned codes directly, signed ones as
-// |w| times q with w's sign.
-struct Codes {
-    __m512i u;
-    __mmask64 negative;
-};
-template <bool kSignedCodes>
-inline Codes codes_of(__m512i c) {
-    if constexpr (kSignedCodes) return {_mm512_abs_epi8(c), _mm512_movepi8_mask(c)};
-    return {c, 0};
-}
-template <bool kSignedCodes>
-inline __m512 dot64(const Codes &c, const int8_t *q) {
-    __m512i x = _mm512_loadu_si512(q);
-    if constexpr (kSignedCodes) x = _mm512_mask_sub_epi8(x, c.negative, _mm512_setzero_si512(), x);
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c.u, x));
-}
-
-// Two 32-element blocks b0, b1 = b0 + kBytes: codes, scales A01 and minimum terms C01.
 template <int QT, int NT>
-inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
                    const uint8_t *b0) {
     const uint8_t *b1 = b0 + kBytes[QT];
-    const __m128 A = f16x2(b0, b1);
-    __m128 C = _mm_setzero_ps();
-    __m512i raw;
-    constexpr bool kSignedCodes = QT == Q8_0;
+    __m512i codes;
+    __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
     if constexpr (QT == Q8_0) {
-        raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b0 + 2))),
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b1 + 2)), 1);
-    } else if constexpr (QT == Q4_0) {
-        raw = nibbles_pair(b0 + 2, b1 + 2);
-        C = _mm_mul_ps(A, _mm_set1_ps(-8.f));
-    } else if constexpr (QT == Q4_1) {
-        raw = nibbles_pair(b0 + 4, b1 + 4);
-        C = f16x2(b0 + 2, b1 + 2);
-    } else if constexpr (QT == Q5_0 || QT == Q5_1) {
-        constexpr int o = QT == Q5_0 ? 2 : 4;
-        raw = _mm512_or_si512(nibbles_pair(b0 + o + 4, b1 + o + 4),
-                              _mm512_inserti64x4(_mm512_castsi256_si512(bits32(b0 + o)), bits32(b1 + o), 1));
-        C = QT == Q5_0 ? _mm_mul_ps(A, _mm_set1_ps(-16.f)) : f16x2(b0 + 2, b1 + 2);
+        codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b0 + 2))),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b1 + 2)), 1);
+        if constexpr (kStarts<QT, NT>) {
+            codes = _mm512_xor_si512(codes, _mm512_set1_epi8(char(0x80)));   // w + 128; the 128 through Act::start
+        } else {
+            negative = _mm512_movepi8_mask(codes);
+            codes = _mm512_abs_epi8(codes);
+        }
+    } else if constexpr (QT == Q4_0 || QT == Q4_1) {
+        constexpr int o = QT == Q4_0 ? 2 : 4;       // the nibbles
+        codes = nibbles64(b0 + o, b1 + o);
+    } else {                                        // q5_0, q5_1: the fifth bits as a byte mask
+        constexpr int h = QT == Q5_0 ? 2 : 4;       // qh
+        uint32_t h0, h1;
+        std::memcpy(&h0, b0 + h, 4);
+        std::memcpy(&h1, b1 + h, 4);
+        const __mmask64 fifth = __mmask64(h0) | (__mmask64(h1) << 32);
+        codes = _mm512_or_si512(nibbles64(b0 + h + 4, b1 + h + 4), _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
     }
-    const Codes c = codes_of<kSignedCodes>(raw);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    if constexpr ((QT == Q4_1 || QT == Q5_1) && NT <= 2) {
+        // One or two rows: d, m of both blocks in one conversion: [d0 m0 d1 m1] times [dx0 ds0 dx1 ds1]: the two
+        // scales (spread to the dot's lanes) and the two minimum terms (lanes 1, 3 of m2).
+        uint32_t w0, w1;
+        std::memcpy(&w0, b0, 4);
+        std::memcpy(&w1, b1, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(uint64_t(w0) | (uint64_t(w1) << 32))));
+        const __m512i spread02 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        for (int t = 0; t < NT; t++) {
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(q0 + t * a.K));
+            const __m128 P = _mm_mul_ps(dm, _mm_unpacklo_ps(load2(d0 + t * a.nb), load2(ds0 + t * a.nb)));
+            acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread02, _mm512_castps128_ps512(P)),
+                                       acc.w[t]);
+            acc.m2[t] = _mm_mask_add_ps(acc.m2[t], 0xA, acc.m2[t], P);
+        }
+        return;
+    }
+    const __m128 A = f16x2(b0, b1);
+    constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
+    const __m128 C = QT == Q4_1 || QT == Q5_1 ? f16x2(b0 + 2, b1 + 2)
+                     : kOffsetTerm ? _mm_mul_ps(A, _mm_set1_ps(-float(kOffset[QT]))) : _mm_setzero_ps();
     for (int t = 0; t < NT; t++) {
-        const __m128 dx = load2(d0 + t * a.nb);
-        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(A, dx)));
-        acc.w[t] = _mm512_fmadd_ps(dot64<kSignedCodes>(c, q0 + t * a.K), scale, acc.w[t]);
-        if constexpr (QT != Q8_0) acc.m2[t] = _mm_fmadd_ps(C, load2(ds0 + t * a.nb), acc.m2[t]);
+        __m512i x = _mm512_loadu_si512(q0 + t * a.K);
+        if constexpr (QT == Q8_0 && !kStarts<QT, NT>) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+        const __m512i dot = _mm512_dpbusd_epi32(
+            kStarts<QT, NT> ? _mm512_loadu_si512(st0 + t * (a.K / 4)) : _mm512_setzero_si512(), codes, x);
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(A, load2(d0 + t * a.nb))));
+        acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc.w[t]);
+        if constexpr (QT == Q4_1 || QT == Q5_1 || kOffsetTerm)
+            acc.m2[t] = _mm_fmadd_ps(C, load2(ds0 + t * a.nb), acc.m2[t]);
     }
 }
 
 // One super-block: q0, d0, ds0 point at its first 32 activations of row t0.
 template <int QT, int NT>
 inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
-                       const uint8_t *b) {
+                       int64_t t0, int64_t e0, const uint8_t *b) {
     if constexpr (QT == Q4_K || QT == Q5_K) {
         uint64_t sc, mn;
         k_scale_bytes(b + 4, sc, mn);
-        const __m256 A = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                  _mm_cvtsi64_si128(int64_t(sc)))));
-        const __m256 C = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                       _mm_cvtsi64_si128(int64_t(mn)))));
+        // [d * sc (8) | dmin * mn (8)] in one conversion and one multiply
+        uint32_t dd;
+        std::memcpy(&dd, b, 4);
+        const __m512 dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                  _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dd)))));
+        const __m512 AC = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                  _mm_insert_epi64(_mm_cvtsi64_si128(int64_t(sc)), int64_t(mn), 1))));
+        const __m256 A = _mm512_castps512_ps256(AC);
+        const __m256 C = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(AC), 1));   // dmin * mn
         __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
         for (int t = 0; t < NT; t++) {
             S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
-            acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
+            acc.m8[t] = _mm256_fnmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
         }
         const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
-        const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
-        const __m256i qh = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)) : __m256i();
+        const __m512i m4 = _mm512_set1_epi8(15);
+        const __m512i qh2 = QT == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)))
+                                       : _mm512_setzero_si512();     // q5_k's qh in both halves
         for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c));
-            __m512i raw = _mm512_and_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
-            if constexpr (QT == Q5_K) {
-                const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * c)),
-                                                     _mm256_srli_epi16(qh, 2 * c + 1), 1);
-                raw = _mm512_or_si512(raw, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+            // the 32 bytes in both halves (a broadcast load), the upper half shifted: [low | high nibbles]
+            __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c)));
+            raw = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), m4);
+            if constexpr (QT == Q5_K) {    // fifth bits: bit 2c of qh (low half), 2c + 1 (high half), as a mask
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
+                                                       _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
+                raw = _mm512_mask_add_epi8(raw, _mm512_test_epi8_mask(qh2, bit), raw, _mm512_set1_epi8(16));
             }
-            const Codes codes = codes_of<false>(raw);
             const __m512i spread = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
                                                      2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
                                                      2 * c + 1, 2 * c + 1, 2 * c + 1);
             for (int t = 0; t < NT; t++)
-                acc.w[t] = _mm512_fmadd_ps(dot64<false>(codes, q0 + t * a.K + 64 * c),
+                acc.w[t] = _mm512_fmadd_ps(dot64(raw, q0 + t * a.K + 64 * c),
                                            _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S[t])), acc.w[t]);
         }
     } else if constexpr (QT == Q6_K) {
@@ -548,7 +597,7 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         for (int t = 0; t < NT; t++)
             S[t] = _mm512_mul_ps(
                 dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
-        const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+        const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
         for (int h = 0; h < 2; h++) {
             const __m512i L = _mm512_loadu_si512(b + 64 * h);   // ql: elements 128h + [0, 64) low, [64, 128) high
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
@@ -556,14 +605,16 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
             for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
                 const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
                 const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
-                const Codes codes =
-                    codes_of<true>(_mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), off));
+                const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));   // unsigned; 32 via ls
                 const int g = 8 * h + 4 * half;
                 const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
                                                          g + 2, g + 3, g + 3, g + 3, g + 3);
-                for (int t = 0; t < NT; t++)
-                    acc.w[t] = _mm512_fmadd_ps(dot64<true>(codes, q0 + t * a.K + 128 * h + 64 * half),
-                                               _mm512_permutexvar_ps(spread, S[t]), acc.w[t]);
+                for (int t = 0; t < NT; t++) {
+                    const int64_t e = 128 * h + 64 * half;
+                    const __m512i dot = _mm512_dpbusd_epi32(offset_start<QT, NT>(a, t0 + t, e0 + e), codes,
+                                                            _mm512_loadu_si512(q0 + t * a.K + e));
+                    acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[t]), acc.w[t]);
+                }
             }
         }
     }
@@ -577,23 +628,29 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     const int8_t *qa = a.q + t0 * a.K;
     const float *da = a.d + t0 * a.nb, *dsa = a.ds + t0 * a.nb;
     constexpr int P = kPieces<QT>;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const int32_t *sta = a.start[QT] == nullptr ? nullptr : a.start[QT] + t0 * (a.K / 4);   // Act::start of row t0
+#endif
     int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (P == 1) {
         if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
             Acc<NT> other;
             for (; u + 4 <= units; u += 4) {
-                pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
-                pair32<QT, NT>(other, a, qa + (u + 2) * 32, da + u + 2, dsa + u + 2, w + (u + 2) * kBytes[QT]);
+                pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
+                pair32<QT, NT>(other, a, qa + (u + 2) * 32, da + u + 2, dsa + u + 2, sta + (u + 2) * 8,
+                               w + (u + 2) * kBytes[QT]);
             }
             for (int t = 0; t < NT; t++) {
                 acc.w[t] = _mm512_add_ps(acc.w[t], other.w[t]);
                 acc.m2[t] = _mm_add_ps(acc.m2[t], other.m2[t]);
             }
         }
-        for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+        for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
     } else {
-        for (; u < units; u++) superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, w + u * kBytes[QT]);
+        for (; u < units; u++)
+            superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, t0, u * 256,
+                               w + u * kBytes[QT]);
     }
 #endif
     if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
@@ -900,7 +957,18 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     const int64_t nb = K / 32;
     std::vector<int8_t> q(T * K);
     std::vector<float> d(T * nb), ds(T * nb);
-    const Act a{q.data(), d.data(), ds.data(), K, nb};
+    Act a{q.data(), d.data(), ds.data(), K, nb, {}};
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    std::vector<int32_t> starts[kNumTypes];
+    // (the pair types read them only in passes of one or two rows: kStarts)
+    const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
+    for (int64_t p = 0; p < nparts; p++)
+        if (kOffset[parts[p].qtype] != 0 && starts[parts[p].qtype].empty() &&
+            (parts[p].qtype == Q6_K || small_pass)) {
+            starts[parts[p].qtype].resize(T * K / 4);
+            a.start[parts[p].qtype] = starts[parts[p].qtype].data();
+        }
+#endif
     std::vector<RowFn> full(nparts), tail(nparts);
     std::vector<int64_t> ends(nparts);        // one past each part's last row in y
     int64_t N = 0, total = 0;                 // rows, weight bytes
@@ -915,8 +983,12 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
 #pragma omp parallel if (N * K * T >= 32768)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * nb; i++)
+        for (int64_t i = 0; i < T * nb; i++) {
             quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            start_one(a, i / nb, i % nb);
+#endif
+        }
         // Each thread a contiguous range of rows holding an equal share of the weight bytes
         // (parts of different types cost differently per row).
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();

@@ -16,6 +16,8 @@ the vocabulary parts on the driver (rank 0).
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -122,7 +124,8 @@ class LlamaModel:
         if self.compiled_layers is not None and self.compiled_layers.forward(
                 x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta):
             return h
-        linear = ops.linear
+        # Decode-only batches: quantized weights keep their integer path up to larger batches.
+        linear = ops.linear if meta.num_decodes < num_tokens else functools.partial(ops.linear, decode=True)
         reduce = self.tp.all_reduce if self.tp else _whole
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)

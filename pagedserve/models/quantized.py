@@ -3,7 +3,8 @@ embedding table kept in its GGUF blocks.
 
 A matmul weight is a float tensor, a `quant.QuantizedWeight` (GGML blocks, computed by
 kernels/quant.py) or, where a fused matrix's parts differ in type (a Q4_K_M file keeps v in Q6_K
-and q, k in Q4_K), a tuple of them whose outputs are concatenated. The compute of quantized
+and q, k in Q4_K), a tuple of them that quant.linear multiplies as one product (concatenated where a
+part was dequantized: a type without a kernel). The compute of quantized
 weights is on the CPU only (kernels/quant.py, with a torch reference TorchOps runs too).
 """
 from __future__ import annotations
@@ -46,12 +47,16 @@ def kernel_qtype(tensor_type) -> str | None:
     return name if name in quant.QTYPES else None
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear) -> torch.Tensor:
-    """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear,
+           decode: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights;
+    `decode`: x holds decode tokens only (quant.linear's integer path then takes larger batches)."""
     if isinstance(weight, QuantizedWeight):
-        return quant.linear(x, weight, bias)
+        return quant.linear(x, weight, bias, decode)
     if isinstance(weight, tuple):        # parts of a fused matrix in different types
-        out = torch.cat([linear(x, part, None, dense) for part in weight], dim=1)
+        if all(isinstance(part, QuantizedWeight) for part in weight):   # one product: no concat
+            return quant.linear(x, weight, bias, decode)
+        out = torch.cat([linear(x, part, None, dense, decode) for part in weight], dim=1)   # some dequantized
         return out if bias is None else out.add_(bias)
     return dense(x, weight, bias)
 
