@@ -2,7 +2,8 @@
 quantized weights: it runs the same quant kernels (kernels/quant.py) as the Python layer loop, so
 its logits equal the Python loop's over the same weights (up to float summation order) and its
 greedy tokens are the same; for GGUF files of Q4_0, Q8_0, Q4_K, a Q4_K_M-like mix (a fused qkv
-stored in parts of different types), a model quantized at load with a qkv bias, bf16 and float32
+stored in parts of different types), a layer mixing float and quantized projections, a model
+quantized at load with a qkv bias, bf16 and float32
 activations, an 8-bit KV cache, every ISA variant of both libraries; and it is really on (no
 silent fallback), and off where the quant kernels are not built."""
 from __future__ import annotations
@@ -33,8 +34,10 @@ def gguf_files(base_model, tmp_path_factory):  # noqa: F811
     cfg, hf, tok_dir, tok = base_model
     root = tmp_path_factory.mktemp("compiled_quant")
     files = {}
-    for mix, types in {**{m: MIXES[m] for m in ("q4_0", "q8_0", "q4_k_m")},
-                       "q4_k": {"*": gguf.GGMLQuantizationType.Q4_K}}.items():
+    ggml = gguf.GGMLQuantizationType
+    for mix, types in {**{m: MIXES[m] for m in ("q4_0", "q8_0", "q4_k_m")}, "q4_k": {"*": ggml.Q4_K},
+                       # float and quantized projections in one layer: o in F16 (packed float), down in Q8_0
+                       "float_o": {"*": ggml.Q4_0, "attn_output": ggml.F16, "ffn_down": ggml.Q8_0}}.items():
         files[mix] = root / f"tiny-{mix}.gguf"
         write_quantized_llama(cfg, hf.state_dict(), files[mix], types)
     return files, tok_dir, tok
@@ -78,7 +81,7 @@ def _assert_loops_agree(model, compiled, prompt: list[int], dtype: str) -> None:
         assert torch.equal(fused.argmax(-1), layer_by_layer.argmax(-1)), chunk
 
 
-@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k", "q4_k_m"])
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k", "q4_k_m", "float_o"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_loop_equals_the_python_loop_on_gguf_blocks(gguf_files, mix, dtype):
     files = gguf_files[0]
@@ -87,6 +90,8 @@ def test_compiled_loop_equals_the_python_loop_on_gguf_blocks(gguf_files, mix, dt
     model, compiled = _quantized_model(files[mix], dtype, quantization="gguf")
     if mix == "q4_k_m":         # q, k in Q4_K and v in Q6_K: qkv is a tuple of parts
         assert isinstance(model.layers[0].qkv, tuple)
+    if mix == "float_o":
+        assert isinstance(model.layers[0].o, cpu.PackedWeight) and model.layers[0].down.qtype == "q8_0"
     _assert_loops_agree(model, compiled, gguf_files[2].encode(PROMPT), dtype)
 
 
