@@ -451,6 +451,7 @@ class _CacheRefs(ctypes.Structure):
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
 
 
 def _quant_parts(weight) -> list | None:
@@ -476,7 +477,6 @@ class DecoderLayers:
     8-bit KV format (attention/kv_format.py; 0: the model's dtype)."""
 
     def __init__(self, model, kv_code: int = 0) -> None:
-        from pagedserve.kernels import quant
         a = model.args
         self.dtype = model.dtype
         self.kv_code = kv_code
@@ -485,28 +485,33 @@ class DecoderLayers:
         self._norms = [t.contiguous() for w in model.layers for t in (w.input_norm, w.post_norm)] + \
                       [model.norm.contiguous()]
         self._parts = []          # the QuantPart arrays the table points to
+        self._tiles: list[tuple[int, int, int]] = []    # (layer, column of tile_rows in the table, weight columns)
         rows = []
         for i, (w, bias) in enumerate(zip(model.layers, self._biases)):
             qkv, o, gate_up, down = (self._projection(getattr(w, name)) for name in _PROJECTIONS)
             rows.append([*qkv, 0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
                          self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr()])
+            for column, proj in zip(_TILE_COLUMNS, (qkv, o, gate_up, down)):
+                if proj[1]:
+                    self._tiles.append((i, column, proj[2]))
         self._table = torch.tensor(rows, dtype=torch.int64)
+        self._threads = 0         # the thread count tile_rows was computed for (0: not yet)
         self._weights = [tuple(getattr(w, n) for n in _PROJECTIONS) for w in model.layers]    # the table points into them
         self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
-                                a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5, 0, 0,
-                                quant.SMALL_BATCH_ROWS, getattr(quant, "DECODE_BATCH_ROWS", quant.SMALL_BATCH_ROWS))
+                                a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)    # quant_*: _quant_calls
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
 
     def _projection(self, weight) -> tuple[int, int, int]:
-        """A projection's (w, nparts, tile_rows) of its table row (Proj in cpu_kernels.cpp)."""
+        """A projection's (w, nparts, its weight columns) for its table row (Proj in
+        cpu_kernels.cpp; the columns become tile_rows in _quant_calls)."""
         from pagedserve.kernels import quant
         parts = _quant_parts(weight)
         if parts is None:
             return weight.data.data_ptr(), 0, 0
         array = (quant.QuantPart * len(parts))(*[quant.c_part(p) for p in parts])
         self._parts.append(array)
-        return ctypes.addressof(array), len(parts), quant.tile_rows(parts[0].shape[1])
+        return ctypes.addressof(array), len(parts), parts[0].shape[1]
 
     @staticmethod
     def supports(model, kv_code: int = 0) -> bool:
@@ -531,6 +536,10 @@ class DecoderLayers:
         d.quant_small, d.quant_tiles = small, tiles
         d.small_rows = quant.SMALL_BATCH_ROWS
         d.decode_rows = getattr(quant, "DECODE_BATCH_ROWS", quant.SMALL_BATCH_ROWS)
+        if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
+            self._threads = torch.get_num_threads()
+            for layer, column, cols in self._tiles:
+                self._table[layer, column] = quant.tile_rows(cols)
         return True
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
