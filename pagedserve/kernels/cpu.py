@@ -2,7 +2,8 @@
 paged attention (decode rows; prefill chunks in tiles of queries x keys on AVX2 and up, token
 by token in the scalar build), writing K/V into their slots, bf16 and float32 GEMMs over weights
 packed once at load, the fused element-wise layers (residual add + RMSNorm, RoPE in place,
-SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers).
+SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers,
+over packed float weights and quantized ones, through kernels/quant.py's kernels by address).
 
 Variants (VARIANTS): the same source compiled with each family's target flags, which select
 its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
