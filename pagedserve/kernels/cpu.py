@@ -2,7 +2,8 @@
 paged attention (decode rows; prefill chunks in tiles of queries x keys on AVX2 and up, token
 by token in the scalar build), writing K/V into their slots, bf16 and float32 GEMMs over weights
 packed once at load, the fused element-wise layers (residual add + RMSNorm, RoPE in place,
-SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers).
+SiLU-and-mul), greedy argmax, and the loop over all decoder layers as one call (DecoderLayers,
+over packed float weights and quantized ones, through kernels/quant.py's kernels by address).
 
 Variants (VARIANTS): the same source compiled with each family's target flags, which select
 its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
@@ -442,17 +443,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
 
 class _ModelDims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
-               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
+               [(n, ctypes.c_int64) for n in ("quant_small", "quant_tiles", "small_rows", "decode_rows")]
 
 
 class _CacheRefs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layer", "kv", "block", "token", "head", "block_size", "partition_size")]
 
 
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
+
+
+def _quant_parts(weight) -> list | None:
+    """A projection's quantized weights (kernels/quant.py): [w] for one QuantizedWeight, the
+    parts of a fused projection stored apart (a tuple of them); None for anything else (a
+    packed float weight, or a tuple with a float part: the compiled loop does not run those)."""
+    from pagedserve.kernels import quant      # quant imports this module
+    if isinstance(weight, quant.QuantizedWeight):
+        return [weight]
+    if isinstance(weight, tuple) and weight and all(isinstance(p, quant.QuantizedWeight) for p in weight):
+        return list(weight)
+    return None
+
+
 class DecoderLayers:
     """Every decoder layer of a Llama-family model as one compiled call per step
     (`decoder_layers_*` in cpu_kernels.cpp: the loop of LlamaModel.forward over the same
-    kernels). Built once from packed weights; holds a table of their addresses. kv_code: the
+    kernels). Built once from the layers' weights; holds a table of their addresses. Each
+    projection is a packed float weight or quantized (a quant.QuantizedWeight, or a tuple of
+    them for a fused projection stored in parts): the table says which, and quantized ones run
+    through kernels/quant.py's kernels by address (quant_linear_small up to its thresholds,
+    quant_linear_tiles over this library's GEMM above), as quant.linear does. kv_code: the
     8-bit KV format (attention/kv_format.py; 0: the model's dtype)."""
 
     def __init__(self, model, kv_code: int = 0) -> None:
@@ -463,21 +485,63 @@ class DecoderLayers:
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in model.layers]
         self._norms = [t.contiguous() for w in model.layers for t in (w.input_norm, w.post_norm)] + \
                       [model.norm.contiguous()]
+        self._parts = []          # the QuantPart arrays the table points to
+        self._tiles: list[tuple[int, int, int]] = []    # (layer, column of tile_rows in the table, weight columns)
         rows = []
         for i, (w, bias) in enumerate(zip(model.layers, self._biases)):
-            rows.append([w.qkv.data.data_ptr(), 0 if bias is None else bias.data_ptr(), w.o.data.data_ptr(),
-                         w.gate_up.data.data_ptr(), w.down.data.data_ptr(), self._norms[2 * i].data_ptr(),
-                         self._norms[2 * i + 1].data_ptr()])
+            qkv, o, gate_up, down = (self._projection(getattr(w, name)) for name in _PROJECTIONS)
+            rows.append([*qkv, 0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
+                         self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr()])
+            for column, proj in zip(_TILE_COLUMNS, (qkv, o, gate_up, down)):
+                if proj[1]:
+                    self._tiles.append((i, column, proj[2]))
         self._table = torch.tensor(rows, dtype=torch.int64)
-        self._weights = [(w.qkv, w.o, w.gate_up, w.down) for w in model.layers]    # the table points into them
+        self._threads = 0         # the thread count tile_rows was computed for (0: not yet)
+        self._weights = [tuple(getattr(w, n) for n in _PROJECTIONS) for w in model.layers]    # the table points into them
+        self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
-                                a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)
+                                a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)    # quant_*: _quant_calls
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
+
+    def _projection(self, weight) -> tuple[int, int, int]:
+        """A projection's (w, nparts, its weight columns) for its table row (Proj in
+        cpu_kernels.cpp; the columns become tile_rows in _quant_calls)."""
+        from pagedserve.kernels import quant
+        parts = _quant_parts(weight)
+        if parts is None:
+            return weight.data.data_ptr(), 0, 0
+        array = (quant.QuantPart * len(parts))(*[quant.c_part(p) for p in parts])
+        self._parts.append(array)
+        return ctypes.addressof(array), len(parts), parts[0].shape[1]
 
     @staticmethod
     def supports(model, kv_code: int = 0) -> bool:
-        return _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is not None and all(
-            isinstance(t, PackedWeight) for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down))
+        """Whether the compiled loop runs this model: its kernels are built, and every projection
+        is a packed float weight or quantized with kernels/quant.py's kernels built."""
+        from pagedserve.kernels import quant
+        if _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is None:
+            return False
+        weights = [getattr(w, n) for w in model.layers for n in _PROJECTIONS]
+        quantized = [t for t in weights if not isinstance(t, PackedWeight)]
+        return all(_quant_parts(t) is not None for t in quantized) and (
+            not quantized or quant.kernel_address("quant_linear_small") is not None)
+
+    def _quant_calls(self) -> bool:
+        """The quant kernels' addresses and thresholds as kernels/quant.py has them now (it may
+        have switched variants since the table was built); False where none is built."""
+        from pagedserve.kernels import quant
+        small, tiles = quant.kernel_address("quant_linear_small"), quant.kernel_address("quant_linear_tiles")
+        if small is None or tiles is None:
+            return False
+        d = self._dims
+        d.quant_small, d.quant_tiles = small, tiles
+        d.small_rows = quant.SMALL_BATCH_ROWS
+        d.decode_rows = getattr(quant, "DECODE_BATCH_ROWS", quant.SMALL_BATCH_ROWS)
+        if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
+            self._threads = torch.get_num_threads()
+            for layer, column, cols in self._tiles:
+                self._table[layer, column] = quant.tile_rows(cols)
+        return True
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows) -> bool:
@@ -489,6 +553,8 @@ class DecoderLayers:
         cache_dtype = torch.uint8 if self.kv_code else self.dtype
         if kv_caches.dtype != cache_dtype or kv_caches.stride(-1) != 1 or not (
                 x.is_contiguous() and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+            return False
+        if self.quantized and not self._quant_calls():
             return False
         st = kv_caches.stride()
         refs = _CacheRefs(st[0], st[1], st[2], st[3], st[4], kv_caches.shape[3], PARTITION_SIZE)

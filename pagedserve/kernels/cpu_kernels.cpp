@@ -1727,16 +1727,36 @@ int paged_attention_kv8_bf16(const uint16_t *q, int64_t q_stride, const uint8_t 
 // stream and h [T, H] the first layer's normalised input; on return x is the final residual
 // and h the final normalised hidden state.
 namespace {
+// One projection of a layer: a packed float weight (nparts 0: w is its PackedWeight's data) or a
+// quantized one (w: an array of nparts QuantParts of quant_kernels.cpp, stacked by rows: one
+// weight, or a fused projection whose parts are stored apart; tile_rows: rows per dequantized
+// tile of its large-batch path).
+struct Proj {
+    int64_t w, nparts, tile_rows;
+};
 struct LayerPtrs {    // one row of the pointer table built in Python (kernels/cpu.py)
-    int64_t qkv, qkv_bias, o, gate_up, down, input_norm, post_norm;
+    Proj qkv;
+    int64_t qkv_bias;
+    Proj o, gate_up, down;
+    int64_t input_norm, post_norm;
 };
 struct ModelDims {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
+    // Quantized projections: quant_kernels.cpp's quant_linear_small and quant_linear_tiles by
+    // address (a separate library: kernels/quant.py's kernel_address; 0 where no layer is
+    // quantized), and the row counts up to which the integer path runs (kernels/quant.py's
+    // thresholds: any batch, and a batch of decode tokens only); more rows take the tiles.
+    int64_t quant_small, quant_tiles, small_rows, decode_rows;
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
 };
+
+using QuantSmall = int (*)(const void *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16, int64_t T,
+                           int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16);
+using QuantTiles = int (*)(const void *parts, int64_t nparts, const void *x, int x_bf16, int64_t T, int64_t K,
+                           const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows);
 
 inline int linear_any(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t N, int64_t K) {
     return linear_packed_f32(x, w, b, y, M, N, K);
@@ -1744,6 +1764,21 @@ inline int linear_any(const float *x, const float *w, const float *b, float *y, 
 inline int linear_any(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, int64_t M, int64_t N,
                       int64_t K) {
     return linear_packed_bf16(x, w, b, y, M, N, K);
+}
+
+// y [M, N] = x [M, K] @ W.T (+ b) for either kind of projection, as kernels/quant.py's linear
+// chooses its path (`decode`: the step's rows are all decode tokens).
+template <typename T>
+int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const float *b, T *y, int64_t M, int64_t N,
+            int64_t K) {
+    if (p.nparts == 0) return linear_any(x, reinterpret_cast<const T *>(p.w), b, y, M, N, K);
+    constexpr int bf16 = std::is_same_v<T, uint16_t>;
+    const void *parts = reinterpret_cast<const void *>(p.w);
+    if (M <= (decode ? m.decode_rows : m.small_rows))
+        return reinterpret_cast<QuantSmall>(m.quant_small)(parts, p.nparts, x, K, bf16, M, K, b, y, N, bf16);
+    // The tiles multiply by this library's packed GEMM, as quant.py passes cpu.py's.
+    void *gemm = bf16 ? reinterpret_cast<void *>(&linear_packed_bf16) : reinterpret_cast<void *>(&linear_packed_f32);
+    return reinterpret_cast<QuantTiles>(m.quant_tiles)(parts, p.nparts, x, bf16, M, K, b, y, N, gemm, p.tile_rows);
 }
 
 // K: the cache's element type (T, or an 8-bit format: written through write_kv_quant).
@@ -1758,12 +1793,12 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
     T *qkv = scratch.data(), *attn = qkv + T_ * qkv_size, *proj = attn + T_ * q_size, *gate_up = proj + T_ * H,
       *act = gate_up + T_ * 2 * I;
     const Layout L{c.block, c.token, c.head};
+    const bool decode = rows.num_decodes == T_;      // decode tokens only: quantized weights' decode threshold
     for (int64_t l = 0; l < m.layers; l++) {
         const LayerPtrs &w = layers[l];
         K *kc = cache + l * c.layer, *vc = kc + c.kv;
         const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
-        if (linear_any(h, reinterpret_cast<const T *>(w.qkv), reinterpret_cast<const float *>(w.qkv_bias), qkv, T_,
-                       qkv_size, H))
+        if (project(w.qkv, m, decode, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_, qkv_size, H))
             return 2;
         rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
         if constexpr (kQuant<K>)
@@ -1777,11 +1812,11 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
                    c.partition_size))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
-        if (linear_any(attn, reinterpret_cast<const T *>(w.o), nullptr, proj, T_, H, q_size)) return 2;
+        if (project(w.o, m, decode, attn, nullptr, proj, T_, H, q_size)) return 2;
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
-        if (linear_any(h, reinterpret_cast<const T *>(w.gate_up), nullptr, gate_up, T_, 2 * I, H)) return 2;
+        if (project(w.gate_up, m, decode, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
         silu_and_mul(gate_up, act, T_, I);
-        if (linear_any(act, reinterpret_cast<const T *>(w.down), nullptr, proj, T_, H, I)) return 2;
+        if (project(w.down, m, decode, act, nullptr, proj, T_, H, I)) return 2;
         add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
     }
     return 0;

@@ -30,9 +30,9 @@ class CpuOps(TorchOps):
         tied LM head gets its own packed copy; the embedding table stays plain for lookups.
         With the CPU attention backend, the whole layer loop then runs as one compiled call
         (not under tensor parallelism: its all-reduces run between the layers' matmuls). Quantized
-        weights (models/quantized.py) stay as they are (kernels/quant.py repacked them when they were
-        made), and the compiled loop, which knows only packed float weights, is then off: the Python
-        layer loop runs, over the same attention and norm kernels."""
+        weights (models/quantized.py) stay as they are (kernels/quant.py computes them in their
+        blocks); the compiled loop runs them too, through quant's kernels (cpu.DecoderLayers), where
+        those are built; else the Python layer loop runs, over the same kernels."""
         from pagedserve.models.loader import trim_heap
         for w in model.layers:
             for name in ("qkv", "o", "gate_up", "down"):      # one at a time: each plain copy freed first
