@@ -336,6 +336,7 @@ def test_decode_batches_tell_the_kernels_so(base_model, tmp_path, monkeypatch):
     real = quant.linear
 
     lm_head = _model_of(llm).lm_head
+    _model_of(llm).compiled_layers = None    # the Python layer loop's flag (the compiled loop's: test_compiled_quantized_layers)
 
     def spy(x, w, bias=None, decode=False):
         if w is not lm_head:                                   # the logits' rows: not a batch kind
