@@ -6,8 +6,9 @@ call; the minimum of each is kept), so the cost of each format's conversion show
     .venv/bin/python benchmarks/kv_dtype_kernels.py --against HEAD~1      # this source vs that commit's
     .venv/bin/python benchmarks/kv_dtype_kernels.py --variant avx2
 
-Shape: SmolLM2-135M's attention (9 query heads, 3 KV heads, 64 dims), bf16 queries, blocks of 16
-scattered at random; `auto` is the bf16 cache. Prints microseconds per call, and per format the
+Shapes: SmolLM2-135M's attention (9 query heads, 3 KV heads, 64 dims; decode_mha: 8 query and 8
+KV heads, as SmolLM2-1.7B's), bf16 queries, blocks of 16 scattered at random, a buffer larger than
+L2 written between calls (every call reads its blocks from memory); `auto` is the bf16 cache. Prints microseconds per call, and per format the
 ratio to `auto` (and to the other build with --against). JSON in benchmarks/results/kv_dtype_kernels.json.
 """
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--variant", default=None, help="kernel variant (default: the best this CPU runs)")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--against", default=None, help="a git revision whose kernels run interleaved with these")
-    ap.add_argument("--shapes", default="decode,decode_batch8,prefill_chunk")
+    ap.add_argument("--shapes", default="decode,decode_batch8,decode_mha,prefill_chunk")
     ap.add_argument("--evict-mib", type=int, default=32, help="buffer written between calls, MiB (0: none)")
     ap.add_argument("--rounds", type=int, default=None, help="calls per (shape, format, build); default by shape")
     ap.add_argument("--json", default="benchmarks/results/kv_dtype_kernels.json")
@@ -103,13 +104,16 @@ def main() -> None:
     context = 1024 if args.quick else 2048
     # Calls per (shape, format, build): the minimum of many short calls is what survives a busy
     # machine; the longer shapes need fewer.
-    rounds = {"decode": 100, "decode_batch8": 30, "prefill_chunk": 10}
+    rounds = {"decode": 100, "decode_batch8": 30, "decode_mha": 50, "prefill_chunk": 10}
     if not args.quick:
         rounds = {k: 4 * v for k, v in rounds.items()}
     if args.rounds:
         rounds = dict.fromkeys(rounds, args.rounds)
     shapes = {"decode": dict(seqs=1, context=context, query_tokens=1),
               "decode_batch8": dict(seqs=8, context=context, query_tokens=1),
+              # SmolLM2-1.7B's attention has a KV head per query head (no grouping to share a
+              # converted row): 8 of its 32 heads.
+              "decode_mha": dict(seqs=1, context=context, query_tokens=1, Hq=8, Hkv=8),
               "prefill_chunk": dict(seqs=1, context=context, query_tokens=64 if args.quick else 256)}
     results: dict = dict(variant=variant, threads=torch.get_num_threads(), context=context, rounds=rounds,
                          **cpu.describe(), timings_us={})

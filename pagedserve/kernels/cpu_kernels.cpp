@@ -394,6 +394,27 @@ void scores_kv8(const float *q, int64_t G, const K *const *krow, const K *const 
                 _mm_prefetch(reinterpret_cast<const char *>(krow[i]) + b, _MM_HINT_T1);
                 _mm_prefetch(reinterpret_cast<const char *>(vrow[i]) + b, _MM_HINT_T1);
             }
+        __m512 kv = sv;
+        if constexpr (kScaled<K>) {
+            alignas(64) float ksc[16];
+            for (int i = 0; i < 16; i++) ksc[i] = row_scale(krow[t + i], D);
+            kv = _mm512_mul_ps(sv, _mm512_load_ps(ksc));
+        }
+        if (G == 1) {      // one head (no grouping): the converted row goes straight into its dot
+            __m512 qr[2 * J], dots[16];
+            for (int j = 0; j < 2 * J; j++) qr[j] = _mm512_loadu_ps(q + 16 * j);
+            for (int i = 0; i < 16; i++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int j = 0; j < J; j++) {
+                    __m512 a, b;
+                    load32(krow[t + i] + 32 * j, a, b);
+                    dot = _mm512_fmadd_ps(qr[2 * j + 1], b, _mm512_fmadd_ps(qr[2 * j], a, dot));
+                }
+                dots[i] = dot;
+            }
+            _mm512_storeu_ps(s + t, _mm512_mul_ps(transpose_sum16(dots), kv));
+            continue;
+        }
         for (int i = 0; i < 16; i++)
             for (int j = 0; j < J; j++) {
                 __m512 a, b;
@@ -401,12 +422,6 @@ void scores_kv8(const float *q, int64_t G, const K *const *krow, const K *const 
                 _mm512_store_ps(tile + i * D + 32 * j, a);
                 _mm512_store_ps(tile + i * D + 32 * j + 16, b);
             }
-        __m512 kv = sv;
-        if constexpr (kScaled<K>) {
-            alignas(64) float ksc[16];
-            for (int i = 0; i < 16; i++) ksc[i] = row_scale(krow[t + i], D);
-            kv = _mm512_mul_ps(sv, _mm512_load_ps(ksc));
-        }
         for (int64_t g = 0; g < G; g++) {
             __m512 qr[2 * J], dots[16];
             for (int j = 0; j < 2 * J; j++) qr[j] = _mm512_loadu_ps(q + g * D + 16 * j);
