@@ -5,6 +5,10 @@ call; the minimum of each is kept), so the cost of each format's conversion show
     .venv/bin/python benchmarks/kv_dtype_kernels.py --quick
     .venv/bin/python benchmarks/kv_dtype_kernels.py --against HEAD~1      # this source vs that commit's
     .venv/bin/python benchmarks/kv_dtype_kernels.py --variant avx2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kv_dtype_kernels.py --against HEAD~1   # on a busy machine
+
+On a busy machine use one thread: with two, a call whose other thread is descheduled waits for
+it (the minimum over many calls then still holds such waits).
 
 Shapes: SmolLM2-135M's attention (9 query heads, 3 KV heads, 64 dims; decode_mha: 8 query and 8
 KV heads, as SmolLM2-1.7B's), bf16 queries, blocks of 16 scattered at random, a buffer larger than
@@ -104,9 +108,9 @@ def main() -> None:
     context = 1024 if args.quick else 2048
     # Calls per (shape, format, build): the minimum of many short calls is what survives a busy
     # machine; the longer shapes need fewer.
-    rounds = {"decode": 100, "decode_batch8": 30, "decode_mha": 50, "prefill_chunk": 10}
+    rounds = {"decode": 300, "decode_batch8": 90, "decode_mha": 150, "prefill_chunk": 30}
     if not args.quick:
-        rounds = {k: 4 * v for k, v in rounds.items()}
+        rounds = {k: 2 * v for k, v in rounds.items()}
     if args.rounds:
         rounds = dict.fromkeys(rounds, args.rounds)
     shapes = {"decode": dict(seqs=1, context=context, query_tokens=1),
