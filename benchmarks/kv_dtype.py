@@ -13,9 +13,11 @@ Parts, per format:
   and attention's share of a decode step at that batch.
 - small_budget: the same trace in a KV budget where the 16-bit cache preempts (the paper's
   regime): throughput, preemptions and recomputed tokens side by side.
-- quality: greedy agreement on the 12-prompt set (tests/test_default_model.py) with the float32
-  engine (which equals transformers' float32 there), and the mean |logprob - 16-bit cache's| of
-  a 2k-token prompt (bf16 model).
+- quality: greedy agreement on the 12-prompt set (tests/test_default_model.py, 32 tokens) with
+  transformers' float32 oracle (the engine in float32 on the same dequantized weights, so only
+  the KV cache differs) and with the 16-bit cache, and the mean |logprob - 16-bit cache's| of a
+  2k-token prompt (bf16 model).
+The last lines printed sum each format up (attention's share of the step beside each speed).
 JSON in benchmarks/results/kv_dtype.json.
 """
 from __future__ import annotations
@@ -132,22 +134,51 @@ def throughput(args, kv: str, trace, **kw) -> dict:
     return result
 
 
+def oracle_tokens(args, prompts: list[str], tok) -> list[list[int]]:
+    """transformers' float32 greedy tokens for `prompts` (the default model: its GGUF file,
+    dequantized by transformers itself): the oracle every format is compared with."""
+    from transformers import AutoModelForCausalLM
+    from pagedserve.models.loader import default_model_path
+    path = Path(args.model or default_model_path())
+    kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent if kw else path), dtype=torch.float32, **kw).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok.encode(p)
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=args.quality_tokens,
+                              min_new_tokens=args.quality_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def first_divergences(tokens, reference) -> list[int | None]:
+    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens, reference)]
+
+
 def quality(args, kv: str, reference: dict) -> dict:
+    """Greedy agreement on the 12-prompt set with transformers' float32 oracle (the engine in
+    float32 on the same dequantized weights, so only the KV cache differs) and with the 16-bit
+    cache; the mean |logprob - the 16-bit cache's| of a long prompt (bf16 model)."""
     from pagedserve import SamplingParams
     from tests.test_default_model import PROMPTS
-    llm = make_llm(args, kv, dtype="float32")
+    gguf = dict(gguf_dequantize=True) if args.model is None or str(args.model).endswith(".gguf") else {}
+    llm = make_llm(args, kv, dtype="float32", **gguf)
     tok = llm.get_tokenizer()
     chat = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             for q in CHAT]
     prompts = (PROMPTS + chat)[:args.quality_prompts]
+    if "oracle" not in reference:
+        reference["oracle"] = oracle_tokens(args, prompts, tok)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.quality_tokens,
                                                 min_tokens=args.quality_tokens), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
-    reference.setdefault("tokens", tokens)           # auto (float32) runs first: the oracle's tokens
-    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-              for x, y in zip(tokens, reference["tokens"])]
+    reference.setdefault("tokens", tokens)           # auto (float32 cache) runs first
+    oracle = first_divergences(tokens, reference["oracle"])
+    firsts = first_divergences(tokens, reference["tokens"])
+    del llm
     # Logprobs of a long prompt, bf16 model: this cache against the 16-bit one.
-    llm16 = make_llm(args, kv, dtype="bfloat16")
+    llm16 = make_llm(args, kv, dtype="bfloat16", **gguf)
     rng = random.Random(5)
     text = " ".join(rng.choice(PROMPTS) for _ in range(4 * args.context // 8))
     ids = tok.encode(text)[:args.context]
@@ -155,10 +186,41 @@ def quality(args, kv: str, reference: dict) -> dict:
                          use_tqdm=False)[0]
     lps = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0])
     reference.setdefault("logprobs", lps)
-    return dict(greedy_agree=sum(f is None for f in firsts), prompts=len(prompts), tokens=args.quality_tokens,
-                first_divergence=firsts, logprob_context=len(ids),
+    return dict(prompts=len(prompts), tokens=args.quality_tokens,
+                oracle_greedy_agree=sum(f is None for f in oracle), oracle_first_divergence=oracle,
+                oracle_tokens_agree=sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                                        for x, y in zip(tokens, reference["oracle"])),
+                greedy_agree_16bit=sum(f is None for f in firsts), first_divergence_16bit=firsts,
+                logprob_context=len(ids),
                 logprob_mean_abs_diff=(lps - reference["logprobs"]).abs().mean().item(),
                 logprob_max_abs_diff=(lps - reference["logprobs"]).abs().max().item())
+
+
+def summary(results: dict) -> list[str]:
+    """One line per format, what the issue's goals read: capacity, each speed beside attention's
+    share of the step it was measured in, preemptions, quality against the oracle."""
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+    lines = []
+    for kv, r in results["formats"].items():
+        cols = [f"{kv:9s}"]
+        if "capacity" in r:
+            cols.append(f"blocks {r['capacity']['num_blocks']}")
+        if "decode" in r:
+            cols.append(f"decode {r['decode']['tok_s']:.1f} tok/s (attention {pct(r['decode']['attention_share'])})")
+        if "throughput" in r:
+            t = r["throughput"]
+            cols.append(f"batch {t['output_tok_s']:.1f} tok/s (attention {pct(t['attention_share'])})")
+        if "small_budget" in r:
+            t = r["small_budget"]
+            cols.append(f"small budget {t['output_tok_s']:.1f} tok/s, {t['num_preemptions']} preemptions")
+        if "quality" in r:
+            q = r["quality"]
+            cols.append(f"greedy = oracle {q['oracle_greedy_agree']}/{q['prompts']} "
+                        f"(= 16-bit {q['greedy_agree_16bit']}/{q['prompts']}), "
+                        f"logprob diff {q['logprob_mean_abs_diff']:.3f}")
+        lines.append(" | ".join(cols))
+    return lines
 
 
 def main() -> None:
@@ -216,6 +278,8 @@ def main() -> None:
                 r[part] = quality(args, kv, reference)
             r[part]["wall_s"] = time.perf_counter() - start
             print(kv, part, json.dumps(r[part]), flush=True)
+    results["summary"] = summary(results)
+    print("\n".join(results["summary"]))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
