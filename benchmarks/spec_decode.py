@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/spec_decode.py --quick             # grounded + chat, k = 3 (< 3 min quiet)
     .venv/bin/python benchmarks/spec_decode.py                     # + k = 5, a second grounded prompt, batch
     .venv/bin/python benchmarks/spec_decode.py --crossover --quick # step cost of 1 vs 1+k tokens by batch size
+    .venv/bin/python benchmarks/spec_decode.py --batch --quick     # ShareGPT/Alpaca-like batches, spec on vs off
     .venv/bin/python benchmarks/spec_decode.py --native            # the GGUF's Q4_1 blocks instead of bf16
 
 The target is the default model dequantized to bf16 (--native: computed in its Q4_1 blocks).
@@ -28,7 +29,12 @@ rounds differently from a 1-token step, so a near tie may go the other way; floa
 one forward + LM head for B sequences of 1 query token against B sequences of 1+k, at a
 512-token context. The ratio is the mean accepted length a draft needs to pay at batch size B;
 the crossover is the first B where it exceeds the grounded run's mean accepted length
-(--accepted-length, default 2.7). Writes benchmarks/results/spec_decode.json (or --out).
+(--accepted-length, default 2.7: tokens per decode step on the grounded run, k = 3).
+
+--batch: ShareGPT-like and Alpaca-like traces (benchmarks/workloads.py, all requests at once),
+plain against ngram k = 3 with the default disable_by_batch_size, two engines in one process,
+runs alternated (plain, spec, plain, spec), the best of each: spec's output tok/s over plain's.
+Writes benchmarks/results/spec_decode.json (or --out).
 """
 from __future__ import annotations
 
@@ -165,6 +171,36 @@ def crossover(args) -> dict:
     return dict(k=k, accepted_length=length, rows=rows, crossover_batch_size=cross)
 
 
+def batch(args) -> dict:
+    from benchmarks.workloads import make_trace
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3, "prompt_lookup_max": 3}
+    engines = {name: LLM(args.model, dtype=args.dtype, gguf_dequantize=not args.native, speculative_config=cfg)
+               for name, cfg in (("plain", None), ("ngram k=3", spec))}
+    out = {}
+    for workload in ("sharegpt", "alpaca"):
+        trace = make_trace(workload, 16 if args.quick else 64, seed=0)
+        if args.quick:
+            for r in trace:
+                r.prompt_token_ids, r.output_len = r.prompt_token_ids[:128], min(r.output_len, 32)
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in trace]
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in trace]
+        best = {name: 0.0 for name in engines}
+        for _ in range(2):
+            for name, llm in engines.items():
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                best[name] = max(best[name], tokens / (time.perf_counter() - t0))
+        drafts = engines["ngram k=3"].kv_cache_stats()["spec_decode_num_drafts"]
+        out[workload] = dict(num_requests=len(trace), plain_tok_s=best["plain"], spec_tok_s=best["ngram k=3"],
+                             ratio=best["ngram k=3"] / best["plain"], spec_drafts_so_far=drafts)
+        print(f"{workload:<9} {len(trace)} requests: plain {best['plain']:.1f} tok/s, ngram k=3 "
+              f"{best['ngram k=3']:.1f} tok/s, ratio {out[workload]['ratio']:.3f} ({drafts} drafted steps so far)")
+    for llm in engines.values():
+        llm.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
@@ -176,6 +212,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="draft lengths (default: 3 5; quick: 3)")
     ap.add_argument("--doc-tokens", type=int, default=600, help="most tokens of the grounded document")
     ap.add_argument("--crossover", action="store_true", help="only the step cost of 1 vs 1+k tokens by batch size")
+    ap.add_argument("--batch", action="store_true", help="only ShareGPT/Alpaca-like batch throughput, spec on vs off")
     ap.add_argument("--accepted-length", type=float, default=2.7, help="with --crossover: the mean accepted length")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))
     args = ap.parse_args()
@@ -183,6 +220,8 @@ def main() -> None:
         args.native = True   # gguf_dequantize applies to .gguf files only
     if args.crossover:
         result = dict(crossover=crossover(args))
+    elif args.batch:
+        result = dict(batch=batch(args))
     else:
         result = dict(results=single_stream(args))
     out = Path(args.out)
