@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup, suffix) against plain decoding, single stream.
 
-    .venv/bin/python benchmarks/spec_decode.py --quick             # grounded + chat, k = 3 (< 3 min quiet)
-    .venv/bin/python benchmarks/spec_decode.py                     # + k = 5, a second grounded prompt, batch
+    .venv/bin/python benchmarks/spec_decode.py --quick             # grounded + chat, ngram k = 4, suffix (< 3 min quiet)
+    .venv/bin/python benchmarks/spec_decode.py                     # ngram k = 3, 5, 8, a second grounded prompt, batch
     .venv/bin/python benchmarks/spec_decode.py --crossover --quick # step cost of 1 vs 1+k tokens by batch size
     .venv/bin/python benchmarks/spec_decode.py --batch --quick     # ShareGPT/Alpaca-like batches, spec on vs off
     .venv/bin/python benchmarks/spec_decode.py --native            # the GGUF's Q4_1 blocks instead of bf16
@@ -29,10 +29,10 @@ rounds differently from a 1-token step, so a near tie may go the other way; floa
 one forward + LM head for B sequences of 1 query token against B sequences of 1+k, at a
 512-token context. The ratio is the mean accepted length a draft needs to pay at batch size B;
 the crossover is the first B where it exceeds the grounded run's mean accepted length
-(--accepted-length, default 2.7: tokens per decode step on the grounded run, k = 3).
+(--accepted-length, default 3.2: tokens per decode step, ngram k = 4 on the grounded run).
 
 --batch: ShareGPT-like and Alpaca-like traces (benchmarks/workloads.py, all requests at once),
-plain against ngram k = 3 with the default disable_by_batch_size, two engines in one process,
+plain against ngram k = 4 with the default disable_by_batch_size, two engines in one process,
 runs alternated (plain, spec, plain, spec), the best of each: spec's output tok/s over plain's.
 Writes benchmarks/results/spec_decode.json (or --out).
 """
@@ -49,6 +49,9 @@ sys.path.insert(0, str(ROOT))
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.spec_decode import ngram  # noqa: E402
 
+# Lookups of 4 down to 2 tokens: on the grounded run (160 tokens, bf16) ngram k = 4 takes 50 decode
+# steps with them against 59 with 3-token lookups only; k = 5 with 2..5, 48; suffix k = 8, 48.
+LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CHAT = ["Tell me a short story about a robot who learns to paint.",
         "What are three good habits for staying healthy? Explain each briefly.",
         "Why is the sky blue?",
@@ -152,7 +155,7 @@ def step_costs(llm, batch_sizes: list[int], k: int, context: int, rounds: int) -
 
 def crossover(args) -> dict:
     sizes = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16, 24, 32]
-    k = (args.ks or [3])[0]
+    k = (args.ks or [4])[0]
     blocks = max(sizes) * (512 // 16 + 2) + 8
     llm = LLM(args.model, dtype=args.dtype, gguf_dequantize=not args.native, num_gpu_blocks_override=blocks)
     rows = step_costs(llm, sizes, k, 512, 10 if args.quick else 30)
@@ -173,9 +176,9 @@ def crossover(args) -> dict:
 
 def batch(args) -> dict:
     from benchmarks.workloads import make_trace
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, **LOOKUP}
     engines = {name: LLM(args.model, dtype=args.dtype, gguf_dequantize=not args.native, speculative_config=cfg)
-               for name, cfg in (("plain", None), ("ngram k=3", spec))}
+               for name, cfg in (("plain", None), ("ngram k=4", spec))}
     out = {}
     for workload in ("sharegpt", "alpaca"):
         trace = make_trace(workload, 16 if args.quick else 64, seed=0)
@@ -191,11 +194,11 @@ def batch(args) -> dict:
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 best[name] = max(best[name], tokens / (time.perf_counter() - t0))
-        drafts = engines["ngram k=3"].kv_cache_stats()["spec_decode_num_drafts"]
-        out[workload] = dict(num_requests=len(trace), plain_tok_s=best["plain"], spec_tok_s=best["ngram k=3"],
-                             ratio=best["ngram k=3"] / best["plain"], spec_drafts_so_far=drafts)
-        print(f"{workload:<9} {len(trace)} requests: plain {best['plain']:.1f} tok/s, ngram k=3 "
-              f"{best['ngram k=3']:.1f} tok/s, ratio {out[workload]['ratio']:.3f} ({drafts} drafted steps so far)")
+        drafts = engines["ngram k=4"].kv_cache_stats()["spec_decode_num_drafts"]
+        out[workload] = dict(num_requests=len(trace), plain_tok_s=best["plain"], spec_tok_s=best["ngram k=4"],
+                             ratio=best["ngram k=4"] / best["plain"], spec_drafts_so_far=drafts)
+        print(f"{workload:<9} {len(trace)} requests: plain {best['plain']:.1f} tok/s, ngram k=4 "
+              f"{best['ngram k=4']:.1f} tok/s, ratio {out[workload]['ratio']:.3f} ({drafts} drafted steps so far)")
     for llm in engines.values():
         llm.shutdown()
     return out
@@ -209,11 +212,11 @@ def main() -> None:
                                                            "dequantized to --dtype)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: 256 grounded / 128 chat (quick: 160 / 48)")
-    ap.add_argument("--ks", type=int, nargs="+", default=None, help="draft lengths (default: 3 5; quick: 3)")
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help="ngram draft lengths (default: 3 5 8; quick: 4)")
     ap.add_argument("--doc-tokens", type=int, default=600, help="most tokens of the grounded document")
     ap.add_argument("--crossover", action="store_true", help="only the step cost of 1 vs 1+k tokens by batch size")
     ap.add_argument("--batch", action="store_true", help="only ShareGPT/Alpaca-like batch throughput, spec on vs off")
-    ap.add_argument("--accepted-length", type=float, default=2.7, help="with --crossover: the mean accepted length")
+    ap.add_argument("--accepted-length", type=float, default=3.2, help="with --crossover: the mean accepted length")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))
     args = ap.parse_args()
     if args.model is not None and not args.model.endswith(".gguf"):
@@ -232,12 +235,11 @@ def main() -> None:
 
 
 def single_stream(args) -> dict:
-    ks = args.ks or ([3] if args.quick else [3, 5])
+    ks = args.ks or ([4] if args.quick else [3, 5, 8])
     grounded_tokens = args.max_tokens or (160 if args.quick else 256)
     chat_tokens = args.max_tokens or (48 if args.quick else 128)
-    methods = [("plain", None)] + [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
-                                                      "prompt_lookup_min": 3, "prompt_lookup_max": 3})
-                                   for k in ks] + [("suffix", {"method": "suffix", "num_speculative_tokens": max(ks)})]
+    methods = [("plain", None)] + [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k, **LOOKUP})
+                                   for k in ks] + [("suffix k=8", {"method": "suffix", "num_speculative_tokens": 8})]
     results: dict = {}
     ref_outputs: dict = {}
     for name, spec in methods:
