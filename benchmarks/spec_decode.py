@@ -34,7 +34,7 @@ the crossover is the first B where it exceeds the grounded run's mean accepted l
 --batch: ShareGPT-like and Alpaca-like traces (benchmarks/workloads.py, all requests at once),
 plain against ngram k = 4 with the default disable_by_batch_size, two engines in one process,
 runs alternated (plain, spec, plain, spec), the best of each: spec's output tok/s over plain's.
-Writes benchmarks/results/spec_decode.json (or --out).
+Writes benchmarks/results/spec_decode[_crossover|_batch][_native][_quick].json (or --out).
 """
 from __future__ import annotations
 
@@ -217,7 +217,8 @@ def main() -> None:
     ap.add_argument("--crossover", action="store_true", help="only the step cost of 1 vs 1+k tokens by batch size")
     ap.add_argument("--batch", action="store_true", help="only ShareGPT/Alpaca-like batch throughput, spec on vs off")
     ap.add_argument("--accepted-length", type=float, default=3.2, help="with --crossover: the mean accepted length")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_decode.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/spec_decode[_crossover|_batch]"
+                                                "[_native][_quick].json")
     args = ap.parse_args()
     if args.model is not None and not args.model.endswith(".gguf"):
         args.native = True   # gguf_dequantize applies to .gguf files only
@@ -227,7 +228,9 @@ def main() -> None:
         result = dict(batch=batch(args))
     else:
         result = dict(results=single_stream(args))
-    out = Path(args.out)
+    mode = "_crossover" if args.crossover else "_batch" if args.batch else ""
+    out = Path(args.out or ROOT / "benchmarks" / "results" /
+               f"spec_decode{mode}{'_native' if args.native else ''}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(model=args.model or "default", dtype=args.dtype, native=args.native,
                                    quick=args.quick, **result), indent=2))
