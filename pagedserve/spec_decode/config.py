@@ -20,7 +20,8 @@ METHODS = ("ngram", "suffix")
 
 # Drafts are off while more requests than this run: verifying 1+k tokens per sequence costs
 # about one decode only while a step is bound by weight reads, i.e. at small batches. 4 is a
-# conservative guess for this CPU; it must be measured (benchmarks/spec_decode.py).
+# conservative guess for this CPU; `benchmarks/spec_decode.py --crossover` measures where the
+# cost of a 1+k-token step exceeds the tokens it gains.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
