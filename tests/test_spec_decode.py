@@ -78,6 +78,11 @@ def test_methods_we_lack_are_refused_by_name(method):
         EngineConfig(speculative_config={"method": method, "num_speculative_tokens": 3})
 
 
+def test_draft_model_refusal_says_why():
+    with pytest.raises(ValueError, match="costs about as much as the target's.*use 'ngram' or 'suffix'"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 3})
+
+
 @pytest.mark.parametrize("bad,match", [({"method": "ngram"}, "num_speculative_tokens"),
                                        ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 32\]"),
                                        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys"),
@@ -154,6 +159,42 @@ def test_greedy_equals_plain_and_drafts_are_accepted(plain, spec, prompts):
     assert 0 < stats["spec_decode_acceptance_rate"] <= 1 and stats["spec_decode_mean_accepted_length"] > 1
     assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
     assert_no_blocks_held(spec)
+
+
+def test_each_draft_is_verified_at_its_own_position(spec, prompts, monkeypatch):
+    """The counters against the drafts themselves: a draft token is accepted exactly when it is
+    the token greedy decoding puts at its position (no off-by-one between proposal and
+    verification, no stale context), and every drafted step also emits the target's own token
+    (the bonus token is kept): steps = output tokens - accepted drafts."""
+    proposals = []
+    real = ngram.propose
+
+    def record(token_ids, k, n_min, n_max):
+        drafts = real(token_ids, k, n_min, n_max)
+        proposals.append((len(token_ids), drafts))
+        return drafts
+    monkeypatch.setattr(ngram, "propose", record)
+    before = {k: v for k, v in spec.kv_cache_stats().items() if k.startswith("spec_decode_num_")}
+    prompt = prompts[1]
+    out = spec.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    full = [*prompt, *out]
+    # The prefill emits the first token; but where the prompt was cached (an earlier test ran
+    # it), its last token is a one-token step of its own, and drafts follow it already.
+    from_prompt = proposals[0][0] == len(prompt)
+    agree, at_next = 0, len(prompt) + (not from_prompt)
+    for at, drafts in proposals:
+        assert at == at_next   # proposed from all the tokens so far: none stale, none missing
+        m = 0
+        while m < len(drafts) and at + m < len(full) and full[at + m] == drafts[m]:
+            m += 1
+        agree += m
+        at_next = at + m + 1   # the accepted drafts and the target's own token
+    after = spec.kv_cache_stats()
+    accepted_now = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert agree == accepted_now > 0
+    assert after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"] == sum(1 for _, d in proposals if d)
+    assert len(proposals) == len(out) - (not from_prompt) - accepted_now   # a step per proposal call, none lost
 
 
 def test_transformers_oracle_holds_with_drafts(tiny_llama, spec, prompts):

@@ -7,11 +7,21 @@ from typing import Any
 
 # Methods vLLM has that pagedserve does not (yet): refused by name.
 UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "deepseek_mtp")
+# Why draft_model is not built: a draft model runs k one-token steps of its own (with its own
+# paged KV) before each verification, and the only same-tokenizer draft the project ships is a
+# quantized copy of the default model itself, whose step costs about the target's (native Q4_1
+# 83.9 tok/s against bf16 89.2 on the 2-core machine), so k + 1 steps' cost would buy at most
+# k + 1 tokens: a loss by construction until a smaller draft model exists.
+DRAFT_MODEL_REFUSAL = ("speculative_config method 'draft_model' is not yet supported by pagedserve: its draft "
+                       "would be a quantized copy of the target (the only model sharing its tokenizer), whose "
+                       "decode step costs about as much as the target's, so k draft steps plus a verification "
+                       "cost more than the at most k + 1 tokens they give; use 'ngram' or 'suffix'")
 METHODS = ("ngram", "suffix")
 
 # Drafts are off while more requests than this run: verifying 1+k tokens per sequence costs
 # about one decode only while a step is bound by weight reads, i.e. at small batches. 4 is a
-# conservative guess for this CPU; it must be measured (benchmarks/spec_decode.py).
+# conservative guess for this CPU; `benchmarks/spec_decode.py --crossover` measures where the
+# cost of a 1+k-token step exceeds the tokens it gains.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
@@ -54,6 +64,8 @@ def parse(value: Any) -> SpeculativeConfig | None:
     method = d.get("method") or ("ngram" if "prompt_lookup_max" in d or "prompt_lookup_min" in d else None)
     if method is None:
         raise ValueError("speculative_config needs a method (supported: ngram)")
+    if method == "draft_model":
+        raise ValueError(DRAFT_MODEL_REFUSAL)
     if method in UNSUPPORTED_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not yet supported by pagedserve "
                          f"(supported: {', '.join(METHODS)})")

@@ -4,7 +4,6 @@ prompt_lookup_min. Runs on the scheduler's side, on token ids; no model."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -13,12 +12,20 @@ def propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     if k <= 0 or L < n_min + 1:
         return []
     arr = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = arr[L - n:]
-        # Windows starting at 0 .. L-n-1: every occurrence but the suffix itself.
-        windows = sliding_window_view(arr[:L - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+    # Where the last token occurred before (an occurrence's last index), then, one token back
+    # at a time, those where the n-gram goes on matching: one pass over the sequence.
+    ends = np.flatnonzero(arr[:L - 1] == arr[-1])
+    n_top = min(n_max, L - 1)
+    match = {1: ends}
+    for n in range(2, n_top + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[arr[ends - (n - 1)] == arr[L - n]]
+        match[n] = ends
+        if not ends.size:
+            break
+    for n in range(n_top, n_min - 1, -1):
+        hits = match.get(n)
+        if hits is not None and hits.size:
+            start = int(hits[-1]) + 1
             return arr[start:start + k].tolist()
     return []
