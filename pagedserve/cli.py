@@ -18,7 +18,6 @@ from pagedserve.server.config import ServerConfig
 
 # vLLM options pagedserve does not implement, for a clearer refusal than "unrecognized arguments".
 VLLM_ONLY_OPTIONS = (
-    "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
     "--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-cache-dtype", "--cpu-offload-gb",
     "--limit-mm-per-prompt", "--mm-processor-kwargs", "--guided-decoding-backend", "--reasoning-parser",
     "--rope-scaling", "--rope-theta", "--tokenizer-mode", "--task", "--config",

@@ -1,0 +1,138 @@
+"""The worker's LoRA weights: max_loras slots of stacked tensors on the model's device, a host
+cache of the last max_cpu_loras adapters read, and the per-step delta.
+
+Per linear module (qkv, o, gate_up, down) and slot, A holds the shrink matrices of the parts
+the slot's adapter targets, packed along the rank axis ([slots, layers, parts * max_rank, in]),
+so a module's shrink is one GEMM; B holds each part's expand matrix with the scale folded in
+([slots, layers, out, max_rank], zero-padded past the adapter's rank). A step adds, for the
+rows of each adapter, B[slot] @ (A[slot] @ x) to each part's own output columns. The base
+model's rows (-1) get nothing and a step without adapter rows does not come here at all.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.batch import LoRALoad
+from pagedserve.lora.adapter import load_tensors, part_shapes, read_adapter
+
+# Each linear module of a layer and its parts, in the order of its output columns.
+MODULES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    offset: int     # its rows in the slot's packed A of the module
+    cols: slice     # its output columns in the module's (fused) output
+
+
+class LoRAWeights:
+    def __init__(self, args, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.args, self.max_rank, self.dtype, self.device = args, max_lora_rank, dtype, torch.device(device)
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
+        self.shapes = part_shapes(args)
+        offsets = {}
+        for module, parts in MODULES.items():
+            start = 0
+            for p in parts:
+                offsets[p] = (start, start + self.shapes[p][1])
+                start += self.shapes[p][1]
+        self.part_cols = {p: slice(*c) for p, c in offsets.items()}
+        self.A: dict[str, torch.Tensor] = {}   # module -> [slots, layers, parts * R, in], made when first needed
+        self.B: dict[str, torch.Tensor] = {}   # part -> [slots, layers, out, R]
+        self.held: list[tuple[int, str] | None] = [None] * max_loras   # slot -> (lora_int_id, path)
+        self.plan: list[dict[str, tuple[int, list[_Part]]]] = [{} for _ in range(max_loras)]
+        self.rank = [0] * max_loras
+        self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
+
+    # ---- slots ---------------------------------------------------------------------------
+    def load(self, load: LoRALoad) -> None:
+        key = (load.lora_int_id, load.path)
+        if self.held[load.slot] == key:
+            return
+        spec, tensors = self._host(key)
+        s, L, R = load.slot, self.args.num_layers, self.max_rank
+        for t in (*self.A.values(), *self.B.values()):
+            t[s].zero_()
+        plan = {}
+        for module, parts in MODULES.items():
+            targeted = [p for p in parts if p in spec.parts]
+            if not targeted:
+                continue
+            if module not in self.A:
+                self.A[module] = self._zeros(len(parts) * R, self.shapes[parts[0]][0])
+            for p in targeted:
+                if p not in self.B:
+                    self.B[p] = self._zeros(self.shapes[p][1], R)
+            plan[module] = (len(targeted) * spec.rank,
+                            [_Part(p, j * spec.rank, self.part_cols[p]) for j, p in enumerate(targeted)])
+            for layer in range(L):
+                for j, p in enumerate(targeted):
+                    a_b = tensors.get((layer, p))
+                    if a_b is not None:
+                        r = spec.rank
+                        self.A[module][s, layer, j * r:(j + 1) * r].copy_(a_b[0])
+                        self.B[p][s, layer, :, :r].copy_(a_b[1])
+        self.held[s], self.plan[s], self.rank[s] = key, plan, spec.rank
+
+    def _zeros(self, rows: int, cols: int) -> torch.Tensor:
+        return torch.zeros(self.max_loras, self.args.num_layers, rows, cols, dtype=self.dtype, device=self.device)
+
+    def _host(self, key: tuple[int, str]):
+        """An adapter's checked spec and host tensors, read at most once while it stays in the
+        host cache (max_cpu_loras adapters, least recently used out first)."""
+        hit = self.host.get(key)
+        if hit is None:
+            spec = read_adapter(key[1], str(key[0]), self.args, self.max_rank)
+            hit = self.host[key] = (spec, load_tensors(spec, self.dtype))
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
+        self.host.move_to_end(key)
+        return hit
+
+    # ---- a step ----------------------------------------------------------------------------
+    def step(self, slots: list[int], row_counts: list[int]) -> "LoRAStep | None":
+        """The step's delta: `slots[i]` is sequence i's slot (-1: base), `row_counts[i]` its
+        query rows (in the flat batch's order). None when no row has an adapter."""
+        if all(s < 0 for s in slots):
+            return None
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for s, n in zip(slots, row_counts):
+            if s >= 0:
+                rows.setdefault(s, []).extend(range(start, start + n))
+            start += n
+        groups = []
+        for s, idx in rows.items():
+            whole = len(idx) == start          # one adapter for the whole step: no gather/scatter
+            groups.append((s, None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)))
+        return LoRAStep(self, groups)
+
+
+@dataclass
+class LoRAStep:
+    weights: LoRAWeights
+    groups: list[tuple[int, torch.Tensor | None]]    # slot, its rows (None: every row)
+
+    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows, part columns] += (x[rows] @ A.T) @ B.T for each adapter's rows (in place)."""
+        w = self.weights
+        for slot, rows in self.groups:
+            plan = w.plan[slot].get(module)
+            if plan is None:
+                continue
+            k, parts = plan
+            xs = x if rows is None else x.index_select(0, rows)
+            shrunk = xs @ w.A[module][slot, layer, :k].T                   # [n, parts * r]
+            r = w.rank[slot]
+            for p in parts:
+                delta = shrunk[:, p.offset:p.offset + r] @ w.B[p.name][slot, layer, :, :r].T
+                target = out[:, p.cols]
+                if rows is None:
+                    target += delta
+                else:
+                    target.index_add_(0, rows, delta)
