@@ -157,6 +157,7 @@ class AsyncLLM:
         self.max_model_len = 0
         self.vocab_size = 0
         self.model_path = ""
+        self.model_args: Any = None        # the base model's shapes (the server checks LoRA adapters against them)
         self.num_blocks = 0
         self.default_sampling: dict = {}   # the model's sampling defaults (LLMEngine.default_sampling)
         self.scheduler_stats = SchedulerStats()
@@ -344,6 +345,7 @@ class AsyncLLM:
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
+            self.model_args = self.engine.model_args
             self.num_blocks = self.engine.kv_cache_stats()["num_blocks"]
         except BaseException as e:   # noqa: BLE001 - reported to whoever waits for the start
             logger.exception("the engine failed to start")

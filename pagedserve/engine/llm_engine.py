@@ -609,7 +609,19 @@ class LLMEngine:
             spec_decode_num_drafts=self.scheduler.stats.spec.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.stats.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.stats.spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos),
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.loras is None:
+            return {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for status, req in self.scheduler.queues.by_status():
+            if req.lora is not None:
+                side = waiting if status == "waiting" else running
+                side[req.lora.lora_name] = side.get(req.lora.lora_name, 0) + 1
+        return dict(running_lora_adapters=running, waiting_lora_adapters=waiting, max_lora=self.config.max_loras)
 
     def kv_snapshot(self) -> dict:
         """The KV cache block by block, the requests with their block tables, and the counters,
