@@ -67,7 +67,7 @@ class LLM:
         names = {"num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
                  "num_swapped": "num_requests_swapped", "kv_cache_usage": "kv_cache_usage_perc"}
         return [Metric("pagedserve:" + names.get(f.name, f.name), float(getattr(stats, f.name)))
-                for f in dataclasses.fields(stats) if not isinstance(getattr(stats, f.name), tuple)]
+                for f in dataclasses.fields(stats) if not isinstance(getattr(stats, f.name), (tuple, dict))]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Only between requests (as vLLM): False while
