@@ -181,3 +181,17 @@ def test_chat_with_an_adapter(tiny_llama, setup):
     ids = llm.chat(conv, sp, use_tqdm=False)[0].prompt_token_ids
     got = llm.chat(conv, sp, use_tqdm=False, lora_request=requests["attn"])[0].outputs[0].token_ids
     assert got == run(llm, [ids], requests["attn"])[0] != run(llm, [ids], None)[0]
+
+
+def test_slots_reuse_the_least_recently_used_free_slot():
+    from pagedserve.lora.slots import LoRASlots
+    slots = LoRASlots(2)
+    a, b, c = (LoRARequest(n, i, "/x") for i, n in enumerate("abc", 1))
+    assert slots.acquire(a) == 0 and slots.acquire(b) == 1 and slots.acquire(a) == 0
+    assert [(x.slot, x.lora_int_id) for x in slots.take_loads()] == [(0, 1), (1, 2)]
+    assert not slots.can_acquire(c)            # both slots in use
+    slots.release(1)
+    assert slots.acquire(c) == 1 and slots.take_loads()[0].lora_int_id == 3   # b's slot, the free one
+    slots.release(0), slots.release(0), slots.release(1)
+    assert slots.acquire(b) == 0               # a's slot: used before c's
+    assert slots.slot_of == {2: 0, 3: 1}
