@@ -103,5 +103,7 @@ def test_runtime_load_and_unload(server, client, http, adapters):
 
 def test_lora_requests_info_gauge(client, http, adapters):
     tokens(client, "sql", adapters[1])
-    info = [k for k in metrics(http) if k.startswith("pagedserve:lora_requests_info")]
+    m = metrics(http)
+    info = [k for k in m if k.startswith("pagedserve:lora_requests_info")]
     assert len(info) == 1 and 'max_lora="2"' in info[0] and "running_lora_adapters=" in info[0]
+    assert m['pagedserve:lora_requests_total{lora_name="sql"}'] >= 2

@@ -519,7 +519,8 @@ class AsyncLLM:
             it.finished.append(FinishedRequestStats(
                 finish_reason=reason, e2e_latency=finished_time - m.arrival_time,
                 queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
-                num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
+                num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens,
+                lora_name=out.lora_request.lora_name if out.lora_request is not None else None))
 
     def _publish(self, iteration: IterationStats | None) -> None:
         self._queue_view = (self.engine.scheduler.queues.num_waiting, self._num_taken)   # one object: read whole

@@ -530,7 +530,7 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.last_token_time, time.monotonic() if finished else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outputs,
-                             finished, req.num_cached_tokens, metrics)
+                             finished, req.num_cached_tokens, metrics, lora_request=req.lora)
 
     def _pooling_output(self, req: Request, finished: bool) -> RequestOutput:
         """A pooling request's output: no text or tokens; once finished, its embedding (MEAN:

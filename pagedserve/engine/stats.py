@@ -46,6 +46,7 @@ class FinishedRequestStats:
     queue_time: float | None             # arrival -> first scheduled (None: never scheduled)
     num_prompt_tokens: int
     num_generation_tokens: int
+    lora_name: str | None = None         # its LoRA adapter (None: the base model)
 
 
 @dataclass

@@ -92,7 +92,10 @@ class PrometheusStatLogger:
         # (comma-separated) and max_lora; its value is when it was set. Only with LoRA on.
         lora_info = Gauge(prefix + "lora_requests_info", "Running and waiting LoRA adapters (labels).",
                           ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
-        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e, per_pos, lora_info)
+        lora_requests = Counter(prefix + "lora_requests", "Finished requests per LoRA adapter.",
+                                label + ["lora_name"], registry=r)
+        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e, per_pos, lora_info,
+                                     lora_requests)
                         for i, e in enumerate(engines)]
 
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
@@ -110,8 +113,9 @@ class EngineSeries:
     """One engine's children of the metric families."""
 
     def __init__(self, series: dict, success: Counter, labels: tuple[str, ...], per_pos: Counter | None = None,
-                 lora_info: Gauge | None = None) -> None:
+                 lora_info: Gauge | None = None, lora_requests: Counter | None = None) -> None:
         self.__dict__.update(series)
+        self._lora_requests = lora_requests
         self._lora_info = lora_info
         self._lora_labels: tuple | None = None
         self._per_pos = per_pos
@@ -159,6 +163,8 @@ class EngineSeries:
             self.tpot.observe(t)
         for f in it.finished:
             self._success.labels(*self._labels, f.finish_reason).inc()
+            if f.lora_name is not None and self._lora_requests is not None:
+                self._lora_requests.labels(*self._labels, f.lora_name).inc()
             self.e2e.observe(f.e2e_latency)
             if f.queue_time is not None:
                 self.queue_time.observe(f.queue_time)
