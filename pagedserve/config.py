@@ -333,9 +333,6 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not yet supported with tensor_parallel_size > 1 (the adapters' A and "
-                             "B are not sharded yet)")
 
     def _check_quantization(self) -> None:
         """What can be told before the model is resolved: the quantized kernels run on the CPU,

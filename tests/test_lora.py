@@ -195,3 +195,14 @@ def test_slots_reuse_the_least_recently_used_free_slot():
     slots.release(0), slots.release(0), slots.release(1)
     assert slots.acquire(b) == 0               # a's slot: used before c's
     assert slots.slot_of == {2: 0, 3: 1}
+
+
+@pytest.mark.parametrize("tp", [2, 4])   # 4: KV heads (2) < ranks, replicated
+def test_tensor_parallel_shards_the_adapters(tiny_llama, setup, tp):
+    """A and B sliced like the layers they adapt: the mixed batch equals peft's over tp ranks."""
+    batch_prompts, loras, expected = mixed(setup)
+    llm = make_llm(tiny_llama, tensor_parallel_size=tp)
+    try:
+        assert run(llm, batch_prompts, loras) == expected
+    finally:
+        llm.shutdown()

@@ -7,6 +7,11 @@ so a module's shrink is one GEMM; B holds each part's expand matrix with the sca
 ([slots, layers, out, max_rank], zero-padded past the adapter's rank). A step adds, for the
 rows of each adapter, B[slot] @ (A[slot] @ x) to each part's own output columns. The base
 model's rows (-1) get nothing and a step without adapter rows does not come here at all.
+
+Under tensor parallelism each rank holds the slices of its shard (models/sharding.py), as the
+layers they adapt: a column-parallel part (q, k, v, gate, up) its rows of B (A whole), a
+row-parallel one (o, down) its columns of A (B whole), so its delta is a partial sum that the
+layer's all-reduce completes with the base output's.
 """
 from __future__ import annotations
 
@@ -31,10 +36,12 @@ class _Part:
 
 class LoRAWeights:
     def __init__(self, args, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, shard=None) -> None:
+        """args: the whole model's shapes; shard: this rank's (models/sharding.py Shard; None: one process)."""
         self.args, self.max_rank, self.dtype, self.device = args, max_lora_rank, dtype, torch.device(device)
         self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
-        self.shapes = part_shapes(args)
+        self.slices = _shard_slices(args, shard)
+        self.shapes = part_shapes(shard.local_args(args) if shard is not None else args)
         offsets = {}
         for module, parts in MODULES.items():
             start = 0
@@ -75,9 +82,19 @@ class LoRAWeights:
                     a_b = tensors.get((layer, p))
                     if a_b is not None:
                         r = spec.rank
-                        self.A[module][s, layer, j * r:(j + 1) * r].copy_(a_b[0])
-                        self.B[p][s, layer, :, :r].copy_(a_b[1])
+                        a, b = self._slice(p, *a_b)
+                        self.A[module][s, layer, j * r:(j + 1) * r].copy_(a)
+                        self.B[p][s, layer, :, :r].copy_(b)
         self.held[s], self.plan[s], self.rank[s] = key, plan, spec.rank
+
+    def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's A and B of a part: B's rows of a column-parallel one, A's columns of a row-parallel one."""
+        rows = self.slices.get(part)
+        if rows is None:
+            return a, b
+        if part in ("o", "down"):
+            return a[:, rows[0]:rows[1]], b
+        return a, b[rows[0]:rows[1]]
 
     def _zeros(self, rows: int, cols: int) -> torch.Tensor:
         return torch.zeros(self.max_loras, self.args.num_layers, rows, cols, dtype=self.dtype, device=self.device)
@@ -111,6 +128,19 @@ class LoRAWeights:
             whole = len(idx) == start          # one adapter for the whole step: no gather/scatter
             groups.append((s, None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)))
         return LoRAStep(self, groups)
+
+
+def _shard_slices(args, shard) -> dict[str, tuple[int, int]]:
+    """Per part, the range of the whole model's features this rank holds: output rows of the
+    column-parallel parts, input columns of the row-parallel ones (none: one process)."""
+    if shard is None or shard.size == 1:
+        return {}
+    D = args.head_dim
+    q0, q1 = shard.q_heads(args)
+    k0, k1 = shard.kv_heads(args)
+    inter = shard.split(args.intermediate_size)
+    return {"q": (q0 * D, q1 * D), "k": (k0 * D, k1 * D), "v": (k0 * D, k1 * D), "o": (q0 * D, q1 * D),
+            "gate": inter, "up": inter, "down": inter}
 
 
 @dataclass
