@@ -194,7 +194,7 @@ def test_slots_reuse_the_least_recently_used_free_slot():
     assert slots.acquire(c) == 1 and slots.take_loads()[0].lora_int_id == 3   # b's slot, the free one
     slots.release(0), slots.release(0), slots.release(1)
     assert slots.acquire(b) == 0               # a's slot: used before c's
-    assert slots.slot_of == {2: 0, 3: 1}
+    assert slots.slot_of == {(2, "/x"): 0, (3, "/x"): 1}
 
 
 @pytest.mark.parametrize("tp", [2, 4])   # 4: KV heads (2) < ranks, replicated
@@ -206,3 +206,27 @@ def test_tensor_parallel_shards_the_adapters(tiny_llama, setup, tp):
         assert run(llm, batch_prompts, loras) == expected
     finally:
         llm.shutdown()
+
+
+def test_unload_while_its_requests_run(tiny_llama, setup):
+    """remove_lora while requests of the adapter run: they finish with it (tokens equal peft's);
+    its slot is free again once they are done, and the adapter can come back."""
+    _, prompts, requests, want = setup
+    llm = make_llm(tiny_llama, max_loras=1)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, lora_request=requests["attn"])
+    engine.step()
+    assert engine.remove_lora(requests["attn"].lora_int_id) and not engine.remove_lora(99)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == want["attn"]
+    assert finals["r0"].lora_request.lora_name == "attn"
+    assert run(llm, prompts, requests["mlp"]) == want["mlp"]          # the one slot, refilled
+    assert run(llm, prompts, requests["attn"]) == want["attn"]        # checked and loaded again
+    engine.remove_lora(requests["attn"].lora_int_id)    # the same id, now another adapter
+    again = LoRARequest("attn2", requests["attn"].lora_int_id, requests["mlp"].lora_path)
+    assert run(llm, prompts, again) == want["mlp"]
+    assert_no_blocks_held(llm)

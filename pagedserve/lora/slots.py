@@ -18,25 +18,28 @@ from pagedserve.lora.request import LoRARequest
 class LoRASlots:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
-        self.slot_of: dict[int, int] = {}                     # lora_int_id -> slot
-        self.held: list[int | None] = [None] * max_loras      # slot -> lora_int_id
+        # An adapter is its (lora_int_id, lora_path): an id unloaded and given again with another
+        # path is another adapter.
+        self.slot_of: dict[tuple[int, str], int] = {}
+        self.held: list[tuple[int, str] | None] = [None] * max_loras      # slot -> adapter
         self.users = [0] * max_loras
         self.recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU first
         self.pending: list[LoRALoad] = []                     # for the next batch
 
     def can_acquire(self, lora: LoRARequest) -> bool:
-        return lora.lora_int_id in self.slot_of or self._free_slot() is not None
+        return _key(lora) in self.slot_of or self._free_slot() is not None
 
     def acquire(self, lora: LoRARequest) -> int:
         """The adapter's slot, filling a free one (least recently used first) if it is not there."""
-        slot = self.slot_of.get(lora.lora_int_id)
+        key = _key(lora)
+        slot = self.slot_of.get(key)
         if slot is None:
             slot = self._free_slot()
             assert slot is not None, "acquire after can_acquire"
             old = self.held[slot]
             if old is not None:
                 del self.slot_of[old]
-            self.held[slot], self.slot_of[lora.lora_int_id] = lora.lora_int_id, slot
+            self.held[slot], self.slot_of[key] = key, slot
             self.pending.append(LoRALoad(slot, lora.lora_int_id, lora.lora_path))
         self.users[slot] += 1
         self.recent.move_to_end(slot)
@@ -48,18 +51,19 @@ class LoRASlots:
 
     def forget(self, lora_int_id: int) -> None:
         """An unloaded adapter: its slot, if no one uses it, is free to refill at once."""
-        slot = self.slot_of.get(lora_int_id)
-        if slot is not None and self.users[slot] == 0:
-            del self.slot_of[lora_int_id]
-            self.held[slot] = None
-            self.recent.move_to_end(slot, last=False)
+        for key, slot in list(self.slot_of.items()):
+            if key[0] == lora_int_id and self.users[slot] == 0:
+                del self.slot_of[key]
+                self.held[slot] = None
+                self.recent.move_to_end(slot, last=False)
 
     def take_loads(self) -> list[LoRALoad]:
         loads, self.pending = self.pending, []
         return loads
 
-    def resident(self) -> list[int]:
-        return [i for i in self.held if i is not None]
-
     def _free_slot(self) -> int | None:
         return next((s for s in self.recent if self.users[s] == 0), None)
+
+
+def _key(lora: LoRARequest) -> tuple[int, str]:
+    return lora.lora_int_id, lora.lora_path
