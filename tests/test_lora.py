@@ -230,3 +230,18 @@ def test_unload_while_its_requests_run(tiny_llama, setup):
     again = LoRARequest("attn2", requests["attn"].lora_int_id, requests["mlp"].lora_path)
     assert run(llm, prompts, again) == want["mlp"]
     assert_no_blocks_held(llm)
+
+
+def test_the_dashboard_names_each_requests_adapter(tiny_llama, setup):
+    from pagedserve.engine.kv_view import KVView, capture
+    _, prompts, requests, _ = setup
+    llm = make_llm(tiny_llama)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=2)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, sp, lora_request=requests["attn"])
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, sp)
+    engine.step()
+    page = KVView(engine.decode_tokens).full(capture(engine))
+    assert {r["id"]: r["lora"] for r in page["requests"]} == {"a": "attn", "b": None}
+    while engine.has_unfinished_requests():
+        engine.step()
