@@ -2,7 +2,7 @@
 distinct rank-16 adapters spread over the batch, in one engine and one run.
 
     .venv/bin/python benchmarks/lora.py            # the default model: 64 requests, 3 rounds
-    .venv/bin/python benchmarks/lora.py --quick    # 24 requests, 2 rounds (< 3 min)
+    .venv/bin/python benchmarks/lora.py --quick    # 16 requests, 1 round (< 3 min)
     .venv/bin/python benchmarks/lora.py --model PATH --dtype float32 --requests 8 --rounds 1
 
 The adapters are random PEFT directories the script writes (every projection targeted,
@@ -82,11 +82,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--quick", action="store_true", help="24 requests, 2 rounds")
+    ap.add_argument("--quick", action="store_true", help="16 requests, 1 round")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora.json"))
     a = ap.parse_args()
     if a.quick:
-        a.requests, a.rounds = min(a.requests, 24), min(a.rounds, 2)
+        a.requests, a.rounds = min(a.requests, 16), min(a.rounds, 1)
     most = max(a.adapters)
     llm = LLM(a.model, dtype=a.dtype, enable_lora=True, max_loras=most, max_lora_rank=RANK, max_cpu_loras=most + 1,
               enable_prefix_caching=False)
