@@ -63,6 +63,7 @@ class LoRAWeights:
             return
         spec, tensors = self._host(key)
         s, L, R = load.slot, self.args.num_layers, self.max_rank
+        self.held[s] = None          # until the copy below is complete
         for t in (*self.A.values(), *self.B.values()):
             t[s].zero_()
         plan = {}
