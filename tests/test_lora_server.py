@@ -107,3 +107,23 @@ def test_lora_requests_info_gauge(client, http, adapters):
     info = [k for k in m if k.startswith("pagedserve:lora_requests_info")]
     assert len(info) == 1 and 'max_lora="2"' in info[0] and "running_lora_adapters=" in info[0]
     assert m['pagedserve:lora_requests_total{lora_name="sql"}'] >= 2
+
+
+def test_runtime_routes_need_the_switch_and_modules_parse(monkeypatch):
+    from fastapi import FastAPI
+
+    from pagedserve.server.lora import RUNTIME_UPDATES_ENV, ServerLoRAs, add_lora_routes, parse_lora_module
+
+    class State:
+        loras = ServerLoRAs(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}'])
+    assert [(r.lora_name, r.lora_int_id, r.lora_path, r.base_model_name) for r in State.loras.adapters.values()] == \
+        [("a", 1, "/x", None), ("b", 2, "/y", "m")]
+    for bad in ("a", "=x", '{"name": "a"}', "{not json"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)
+    for value, routes in (("", False), ("0", False), ("false", False), ("true", True), ("1", True)):
+        monkeypatch.setenv(RUNTIME_UPDATES_ENV, value)
+        app = FastAPI()
+        add_lora_routes(app, State())
+        paths = {r.path for r in app.routes}
+        assert ("/v1/load_lora_adapter" in paths and "/v1/unload_lora_adapter" in paths) == routes, value
