@@ -114,11 +114,12 @@ def main() -> None:
             model.compiled_layers = compiled
 
     for name in configs:                    # warm-up: kernels, and every adapter read into its slot
-        once(name)
+        print(f"warm-up {name}: {once(name)[0]:.1f} s", flush=True)
     best: dict[str, tuple[float, int, int]] = {}
-    for _ in range(a.rounds):
+    for i in range(a.rounds):
         for name in configs:
             r = once(name)
+            print(f"round {i + 1} {name}: {r[0]:.2f} s, {r[1]} steps", flush=True)
             if name not in best or r[0] < best[name][0]:
                 best[name] = r
     base_step = best["base"][0] / best["base"][1]
