@@ -3,9 +3,11 @@ cache of the last max_cpu_loras adapters read, and the per-step delta.
 
 Per linear module (qkv, o, gate_up, down) and slot, A holds the shrink matrices of the parts
 the slot's adapter targets, packed along the rank axis ([slots, layers, parts * max_rank, in]),
-so a module's shrink is one GEMM; B holds each part's expand matrix with the scale folded in
-([slots, layers, out, max_rank], zero-padded past the adapter's rank). A step adds, for the
-rows of each adapter, B[slot] @ (A[slot] @ x) to each part's own output columns. The base
+and B the expand matrices with the scale folded in, each part's in its own output rows and
+rank columns ([slots, layers, out, parts * max_rank], zero elsewhere), so a module's delta is
+one shrink and one expand GEMM whatever parts the adapter targets (a fused qkv or gate_up
+gets each part's delta in its own columns). A step adds, for the rows of each adapter,
+B[slot] @ (A[slot] @ x) to the module's output. The base
 model's rows (-1) get nothing and a step without adapter rows does not come here at all.
 
 Under tensor parallelism each rank holds the slices of its shard (models/sharding.py), as the
@@ -27,13 +29,6 @@ from pagedserve.lora.adapter import load_tensors, part_shapes, read_adapter
 MODULES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
-@dataclass(frozen=True)
-class _Part:
-    name: str
-    offset: int     # its rows in the slot's packed A of the module
-    cols: slice     # its output columns in the module's (fused) output
-
-
 class LoRAWeights:
     def __init__(self, args, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
                  device: torch.device, shard=None) -> None:
@@ -50,10 +45,10 @@ class LoRAWeights:
                 start += self.shapes[p][1]
         self.part_cols = {p: slice(*c) for p, c in offsets.items()}
         self.A: dict[str, torch.Tensor] = {}   # module -> [slots, layers, parts * R, in], made when first needed
-        self.B: dict[str, torch.Tensor] = {}   # part -> [slots, layers, out, R]
+        self.B: dict[str, torch.Tensor] = {}   # module -> [slots, layers, out, parts * R]
         self.held: list[tuple[int, str] | None] = [None] * max_loras   # slot -> (lora_int_id, path)
-        self.plan: list[dict[str, tuple[int, list[_Part]]]] = [{} for _ in range(max_loras)]
-        self.rank = [0] * max_loras
+        # Per slot, the modules its adapter targets and the rank columns its parts fill (parts * r).
+        self.plan: list[dict[str, int]] = [{} for _ in range(max_loras)]
         self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
 
     # ---- slots ---------------------------------------------------------------------------
@@ -73,20 +68,17 @@ class LoRAWeights:
                 continue
             if module not in self.A:
                 self.A[module] = self._zeros(len(parts) * R, self.shapes[parts[0]][0])
-            for p in targeted:
-                if p not in self.B:
-                    self.B[p] = self._zeros(self.shapes[p][1], R)
-            plan[module] = (len(targeted) * spec.rank,
-                            [_Part(p, j * spec.rank, self.part_cols[p]) for j, p in enumerate(targeted)])
+                self.B[module] = self._zeros(sum(self.shapes[p][1] for p in parts), len(parts) * R)
+            r = spec.rank
+            plan[module] = len(targeted) * r
             for layer in range(L):
                 for j, p in enumerate(targeted):
                     a_b = tensors.get((layer, p))
                     if a_b is not None:
-                        r = spec.rank
                         a, b = self._slice(p, *a_b)
                         self.A[module][s, layer, j * r:(j + 1) * r].copy_(a)
-                        self.B[p][s, layer, :, :r].copy_(b)
-        self.held[s], self.plan[s], self.rank[s] = key, plan, spec.rank
+                        self.B[module][s, layer, self.part_cols[p], j * r:(j + 1) * r].copy_(b)
+        self.held[s], self.plan[s] = key, plan
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's A and B of a part: B's rows of a column-parallel one, A's columns of a row-parallel one."""
@@ -150,20 +142,14 @@ class LoRAStep:
     groups: list[tuple[int, torch.Tensor | None]]    # slot, its rows (None: every row)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows, part columns] += (x[rows] @ A.T) @ B.T for each adapter's rows (in place)."""
+        """out[rows] += (x[rows] @ A.T) @ B.T for each adapter's rows (in place)."""
         w = self.weights
         for slot, rows in self.groups:
-            plan = w.plan[slot].get(module)
-            if plan is None:
+            k = w.plan[slot].get(module)
+            if k is None:
                 continue
-            k, parts = plan
-            xs = x if rows is None else x.index_select(0, rows)
-            shrunk = xs @ w.A[module][slot, layer, :k].T                   # [n, parts * r]
-            r = w.rank[slot]
-            for p in parts:
-                delta = shrunk[:, p.offset:p.offset + r] @ w.B[p.name][slot, layer, :, :r].T
-                target = out[:, p.cols]
-                if rows is None:
-                    target += delta
-                else:
-                    target.index_add_(0, rows, delta)
+            a, b = w.A[module][slot, layer, :k], w.B[module][slot, layer, :, :k]
+            if rows is None:
+                out.addmm_(x @ a.T, b.T)
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
