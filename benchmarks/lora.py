@@ -10,9 +10,10 @@ rank 16, small weights) over the model's shapes. Every configuration serves the 
 requests (all at t=0, EOS ignored); the configurations alternate round by round and each
 one's fastest round counts (machine noise only adds time). Reported per configuration:
 steps, seconds per step and its ratio to the base model's (the cost of serving adapters,
-goal < 1.15 with 4 adapters), output tok/s. "base, python loop" is the base model with the
-compiled CPU layer loop off: steps with adapter rows take the Python loop, so this splits
-the cost into the loop's share and the deltas' share. Then time to first token of one
+goal < 1.15 with 4 adapters), output tok/s. "base, python loop" (only where the model has
+the compiled CPU layer loop: float weights, not the default model's GGUF blocks) is the base
+model with that loop off: steps with adapter rows take the Python loop, so this splits the
+cost into the loop's share and the deltas' share. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
 the base model. Writes benchmarks/results/lora.json.
 """
