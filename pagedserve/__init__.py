@@ -6,6 +6,7 @@ apply_openmp_defaults()
 
 from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, EmbeddingOutput,
                                 EmbeddingRequestOutput, RequestOutput)
 from pagedserve.pooling_params import PoolingParams
@@ -14,5 +15,5 @@ from pagedserve.structured.params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "BeamSearchOutput", "BeamSearchSequence", "InvalidRequestError", "RequestOutputKind",
-           "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput"]
+           "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest"]
 __version__ = "0.1.0"

@@ -81,6 +81,7 @@ class ScheduledTokens:
     # block_ids); the step then samples at each of the 1 + len(draft_token_ids) positions and
     # verifies the guesses (spec_decode/rejection.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    lora_slot: int = -1                    # the LoRA slot of its adapter (lora/); -1: the base model
 
     @property
     def num_new_tokens(self) -> int:
@@ -90,6 +91,14 @@ class ScheduledTokens:
     def num_query_tokens(self) -> int:
         """Tokens the forward computes for this sequence: its own and its drafts."""
         return len(self.token_ids) + len(self.draft_token_ids)
+
+
+@dataclass(frozen=True)
+class LoRALoad:
+    """Put adapter lora_int_id (a checked PEFT directory, lora/adapter.py) into a LoRA slot."""
+    slot: int
+    lora_int_id: int
+    path: str
 
 
 @dataclass
@@ -107,6 +116,8 @@ class StepBatch:
     # int32 words whose bit t (word t // 32, bit t % 32) is set where token t is allowed.
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Multi-LoRA: adapters to put into slots before the forward (the rows' lora_slot name them).
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
 
 @dataclass

@@ -18,7 +18,6 @@ from pagedserve.server.config import ServerConfig
 
 # vLLM options pagedserve does not implement, for a clearer refusal than "unrecognized arguments".
 VLLM_ONLY_OPTIONS = (
-    "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
     "--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-cache-dtype", "--cpu-offload-gb",
     "--limit-mm-per-prompt", "--mm-processor-kwargs", "--guided-decoding-backend", "--reasoning-parser",
     "--rope-scaling", "--rope-theta", "--tokenizer-mode", "--task", "--config",
@@ -184,6 +183,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if server.enable_auto_tool_choice and not server.tool_call_parser:
         print("pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
+    if server.lora_modules and not config.enable_lora:
+        print("pagedserve serve: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
+    if config.enable_lora:
+        from pagedserve.server.lora import parse_lora_module
+        try:
+            for text in server.lora_modules or ():
+                parse_lora_module(text)
+        except ValueError as e:
+            sys.exit(f"pagedserve: error: {e}")
     if config.model and not (config.load_format == "dummy" and is_preset(config.model)):
         resolve_model(config.model, config.revision)   # a missing model is one line, not a failed server
     code = run_server(config, server)

@@ -257,6 +257,13 @@ class EngineConfig:
                                                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'",
                                               parse=json.loads)
 
+    # Multi-LoRA (lora/): PEFT adapters over the base model, batched per step (not merged), in
+    # max_loras device slots filled from a host cache of max_cpu_loras adapters.
+    enable_lora: bool = setting(False, "serve LoRA adapters (LoRARequest offline, --lora-modules on the server)")
+    max_loras: int = setting(1, "adapters that can run in one batch (device slots)")
+    max_lora_rank: int = setting(16, "the largest adapter rank accepted (slots are padded to it)")
+    max_cpu_loras: int | None = setting(None, "adapters kept in host memory (LRU); default: max_loras")
+
     def __post_init__(self) -> None:
         self._check_api_surface()
         _one_of("dtype", self.dtype, DTYPES)
@@ -312,11 +319,20 @@ class EngineConfig:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        self._check_lora()
         from pagedserve.spec_decode.config import parse as parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.kv_allocator != "paged"):
             raise ValueError("speculative_config is not yet supported with tensor_parallel_size > 1 or a "
                              "kv_allocator other than paged")
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1; got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     def _check_quantization(self) -> None:
         """What can be told before the model is resolved: the quantized kernels run on the CPU,

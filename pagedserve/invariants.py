@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from pagedserve.kv.block_pool import kv_salt
 from pagedserve.kv.interface import SeqState, StepWrite
 from pagedserve.request import RequestStatus
 
@@ -44,7 +45,7 @@ def check_paging_invariants(scheduler: "Scheduler", out: "SchedulerOutput | None
     kv = scheduler.kv
     _check_queues(scheduler, request_ids)
     drafts = {s.seq.seq_id: len(s.draft_token_ids) for s in out.scheduled} if out is not None else {}
-    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, r.cache_salt, drafts.get(s.seq_id, 0))
+    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, kv_salt(r.cache_salt, r.lora_name), drafts.get(s.seq_id, 0))
             for r in scheduler.running for s in r.live_seqs}
     swapped = {s.seq_id for r in scheduler.swapped for s in r.live_seqs}
     kv.check_invariants(live, swapped)

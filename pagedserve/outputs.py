@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None   # a pooling request's pooled hidden state, once finished
+    lora_request: Any = None               # its LoRA adapter (a LoRARequest; None: the base model)
 
 
 @dataclass

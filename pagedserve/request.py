@@ -103,12 +103,16 @@ class Request:
     pooled: Any = None
     # Speculative decoding: this request's drafts and how many were accepted (spec_decode/stats.py).
     spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
+    # Multi-LoRA: its adapter (lora/request.py LoRARequest, lora_path resolved to a checked local
+    # directory; None: the base model), and the slot it holds while admitted (-1: none).
+    lora: Any = None
+    lora_slot: int = -1
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                params: SamplingParams | BeamSearchParams | Any, max_tokens: int, seq_id: int, *,
                arrival_time: float | None = None, cache_salt: str | None = None,
-               structured: Any = None, pooling: str | None = None) -> "Request":
+               structured: Any = None, pooling: str | None = None, lora: Any = None) -> "Request":
         """The one way a request is made (the engine, the simulators and tests call it): its
         first sequence (`seq_id`, from the scheduler's new_seq_id), the pending fork of a
         parallel-sampling request, the sampler's settings, the prompt-logprobs record and its
@@ -116,7 +120,7 @@ class Request:
         A pooling request (`pooling`: its pooling type) has no sampler settings."""
         ids = list(prompt_token_ids)
         req = cls(request_id, prompt, ids, params, max_tokens, cache_salt=cache_salt, structured=structured,
-                  sampling=sampling_settings(params) if pooling is None else None, pooling=pooling)
+                  sampling=sampling_settings(params) if pooling is None else None, pooling=pooling, lora=lora)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         seq = Sequence(seq_id, 0, list(ids), len(ids))
@@ -128,6 +132,11 @@ class Request:
                 req.prompt_logprobs = [None]
         req.seqs.append(seq)
         return req
+
+    @property
+    def lora_name(self) -> str | None:
+        """Its adapter's name (None: the base model): part of its prefix-cache keys (kv_salt)."""
+        return None if self.lora is None else self.lora.lora_name
 
     @property
     def waiting_for_grammar(self) -> bool:

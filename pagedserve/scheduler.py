@@ -69,10 +69,12 @@ from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOut
                               ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
+from pagedserve.kv.block_pool import kv_salt
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.lora.slots import LoRASlots
 from pagedserve.outputs import Logprob
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import select_candidates
@@ -231,6 +233,8 @@ class Scheduler:
         self.suffix = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                                      spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob) \
             if spec is not None and spec.method == "suffix" else None
+        # Multi-LoRA (lora/slots.py): which adapter each device slot holds and who uses it.
+        self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
 
     # ---- requests in and out ---------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -285,6 +289,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
+        self._release_lora(req)
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)
@@ -356,11 +361,12 @@ class Scheduler:
 
         # Then waiting requests, first come first served, while nothing had to be preempted
         # and nothing waits in swap space (it would starve). One whose grammar is still
-        # compiling keeps its place and is passed over until the grammar is ready.
+        # compiling, or whose LoRA adapter has no slot (all max_loras hold adapters that
+        # admitted requests use), keeps its place and is passed over.
         compiling: list[Request] = []
         while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             req = self.waiting[0]
-            if req.waiting_for_grammar:
+            if req.waiting_for_grammar or (req.lora is not None and not self.loras.can_acquire(req.lora)):
                 compiling.append(self.waiting.popleft())
                 continue
             if num_seqs + req.max_seqs > self.config.max_num_seqs:
@@ -369,6 +375,8 @@ class Scheduler:
             if admitted is None:
                 break          # out of blocks: stop admitting
             plan, copies = admitted
+            if req.lora is not None:
+                req.lora_slot = self.loras.acquire(req.lora)
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -389,10 +397,12 @@ class Scheduler:
                 seq.seq_id, seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_ids,
                 self._sample_row(s.request, seq) if s.samples else None,
                 self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None,
-                pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids)))
+                pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids), lora_slot=s.request.lora_slot))
         out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
+        if self.loras is not None:
+            out.batch.lora_loads = self.loras.take_loads()
         self._finished_seq_ids = []
         constrained = [(row, s) for row, s in enumerate(out.sampled) if s.request.structured is not None]
         if constrained:
@@ -553,7 +563,8 @@ class Scheduler:
         seqs = req.live_seqs[:1] if req.leader_only else req.live_seqs
         for seq in seqs:
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
-            seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens, req.cache_salt,
+            seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens,
+                                                    kv_salt(req.cache_salt, req.lora_name),
                                                     use_prefix_cache=not req.computes_every_prompt_token)
         if self.running and not self._above_watermark(seqs, prompt_len):
             self._release_blocks(req)
@@ -601,10 +612,16 @@ class Scheduler:
                 req.request_id, "swapped to host memory" if swap else "to be recomputed", self.kv.num_blocks)
 
     def _preempt_by_recompute(self, req: Request) -> None:
-        """Free every block of the request and requeue it first."""
+        """Free every block of the request (and its LoRA slot) and requeue it first."""
         self.stats.num_recomputed_tokens += self._release_blocks(req)
+        self._release_lora(req)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _release_blocks(self, req: Request) -> int:
         """Free every block of the request's sequences, to be computed again from the start.

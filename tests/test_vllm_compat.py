@@ -93,7 +93,7 @@ def test_parse_size(text, value):
 
 
 def test_an_option_we_do_not_have_says_so(capsys):
-    for flag, words in (("--lora-modules", "vLLM option"), ("--no-such-thing", "unknown option")):
+    for flag, words in (("--limit-mm-per-prompt", "vLLM option"), ("--no-such-thing", "unknown option")):
         with pytest.raises(SystemExit) as e:
             main(["serve", flag, "x=y"])
         err = capsys.readouterr().err

@@ -31,6 +31,7 @@ from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture
 from pagedserve.engine.protocol import EngineStatLogger, Params, check_num_prompts
 from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.kv.block_pool import kv_salt
 from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,15 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
-def _prompt_ids(prompt: PromptType, tokenizer) -> tuple[list[int], str | None]:
+def _prompt_ids(prompt: PromptType, tokenizer) -> tuple[list[int], str | tuple | None]:
+    """The prompt's token ids and its KV salt (cache salt and LoRA adapter: kv_salt), which the
+    router looks its blocks up by, as the replica's prefix cache keys them."""
     if isinstance(prompt, dict):
         ids = prompt.get("prompt_token_ids")
         if ids is None:
             ids = tokenizer.encode(prompt["prompt"])
-        return list(ids), prompt.get("cache_salt")
+        lora = prompt.get("lora_request")
+        return list(ids), kv_salt(prompt.get("cache_salt"), lora.lora_name if lora is not None else None)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt), None
     return list(prompt), None

@@ -226,9 +226,10 @@
         const chip = document.createElement("span");
         chip.className = "req" + (r.id === selectedRequest ? " selected" : "");
         chip.dataset.requestId = r.id;
-        chip.textContent = shortId(r.id) + (r.seqs.length > 1 ? ` x${r.seqs.filter((s) => !s.finished).length}` : "");
+        chip.textContent = shortId(r.id) + (r.seqs.length > 1 ? ` x${r.seqs.filter((s) => !s.finished).length}` : "") +
+          (r.lora ? ` [${r.lora}]` : "");
         chip.title = `${r.id}: ${r.kind}, n=${r.n}, prompt ${r.num_prompt_tokens} tokens (${r.num_cached_tokens} cached), ` +
-          `max_tokens ${r.max_tokens}, preempted ${r.num_preemptions}x`;
+          `max_tokens ${r.max_tokens}, preempted ${r.num_preemptions}x` + (r.lora ? `, LoRA adapter ${r.lora}` : "");
         chip.addEventListener("click", () => {
           selectedRequest = selectedRequest === r.id ? null : r.id;
           renderRequests(); renderTables();

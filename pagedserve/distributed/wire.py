@@ -18,11 +18,11 @@ import secrets
 import msgpack
 import numpy as np
 
-from pagedserve.batch import PromptLogprobsRange, SampleRow, SamplingSettings, ScheduledTokens, StepBatch
+from pagedserve.batch import LoRALoad, PromptLogprobsRange, SampleRow, SamplingSettings, ScheduledTokens, StepBatch
 
 MAC_BYTES = 32
 _CLASSES = {cls.__name__: cls for cls in (StepBatch, ScheduledTokens, SampleRow, SamplingSettings,
-                                          PromptLogprobsRange)}
+                                          PromptLogprobsRange, LoRALoad)}
 _DTYPES = {"int32", "int64", "float32", "uint8", "bool"}
 _TUPLE, _DATACLASS, _ARRAY = 1, 2, 3     # msgpack extension type codes
 

@@ -157,6 +157,7 @@ class AsyncLLM:
         self.max_model_len = 0
         self.vocab_size = 0
         self.model_path = ""
+        self.model_args: Any = None        # the base model's shapes (the server checks LoRA adapters against them)
         self.num_blocks = 0
         self.default_sampling: dict = {}   # the model's sampling defaults (LLMEngine.default_sampling)
         self.scheduler_stats = SchedulerStats()
@@ -344,6 +345,7 @@ class AsyncLLM:
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
+            self.model_args = self.engine.model_args
             self.num_blocks = self.engine.kv_cache_stats()["num_blocks"]
         except BaseException as e:   # noqa: BLE001 - reported to whoever waits for the start
             logger.exception("the engine failed to start")
@@ -517,7 +519,8 @@ class AsyncLLM:
             it.finished.append(FinishedRequestStats(
                 finish_reason=reason, e2e_latency=finished_time - m.arrival_time,
                 queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
-                num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens))
+                num_prompt_tokens=p.num_prompt_tokens, num_generation_tokens=p.num_tokens,
+                lora_name=out.lora_request.lora_name if out.lora_request is not None else None))
 
     def _publish(self, iteration: IterationStats | None) -> None:
         self._queue_view = (self.engine.scheduler.queues.num_waiting, self._num_taken)   # one object: read whole

@@ -54,6 +54,7 @@ class RequestView:
     num_cached_tokens: int        # prompt tokens found in the prefix cache
     num_preemptions: int
     seqs: tuple[SeqView, ...]
+    lora: str | None = None       # its LoRA adapter's name (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def capture(engine: LLMEngine, extra_counters: dict[str, Any] | None = None) -> 
             p.beam_width if isinstance(p, BeamSearchParams) else p.n, req.max_seqs,
             len(req.prompt_token_ids), req.max_tokens, req.num_cached_tokens, req.num_preemptions,
             tuple(SeqView(s.seq_id, s.index, s.num_tokens, s.num_prompt_tokens, s.num_computed_tokens,
-                          s.finished) for s in req.seqs)))
+                          s.finished) for s in req.seqs), req.lora_name))
     counters = engine.kv_cache_stats()
     counters.update(num_running=queues.num_running, num_waiting=queues.num_waiting, num_swapped=queues.num_swapped)
     if extra_counters:
@@ -254,7 +255,7 @@ class KVView:
             requests.append({"id": r.request_id, "status": r.status, "kind": r.kind, "n": r.n,
                              "max_seqs": r.max_seqs, "num_prompt_tokens": r.num_prompt_tokens,
                              "max_tokens": r.max_tokens, "num_cached_tokens": r.num_cached_tokens,
-                             "num_preemptions": r.num_preemptions, "seqs": seqs})
+                             "num_preemptions": r.num_preemptions, "lora": r.lora, "seqs": seqs})
         return {"time": cap.time, "step": cap.step, "kv_allocator": kv.kv_allocator, "block_size": kv.block_size,
                 "num_blocks": kv.device.num_blocks, "num_host_blocks": 0 if kv.host is None else kv.host.num_blocks,
                 "max_model_len": cap.max_model_len, "requests": requests, "counters": counters,

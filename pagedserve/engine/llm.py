@@ -14,6 +14,7 @@ from tqdm import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template, render_chat  # noqa: F401 - the server imports render_chat here
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -66,7 +67,7 @@ class LLM:
         names = {"num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
                  "num_swapped": "num_requests_swapped", "kv_cache_usage": "kv_cache_usage_perc"}
         return [Metric("pagedserve:" + names.get(f.name, f.name), float(getattr(stats, f.name)))
-                for f in dataclasses.fields(stats) if not isinstance(getattr(stats, f.name), tuple)]
+                for f in dataclasses.fields(stats) if not isinstance(getattr(stats, f.name), (tuple, dict))]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Only between requests (as vLLM): False while
@@ -89,7 +90,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """lora_request: one LoRA adapter for every prompt, or one per prompt (None: the base
+        model); the engine needs enable_lora=True."""
         prompts = self._as_list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, list):
@@ -97,14 +101,20 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         else:
             params = [params] * len(prompts)
-        finals = self._run(list(zip(prompts, params)), use_tqdm)
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} lora requests for {len(prompts)} prompts")
+        else:
+            lora_request = [lora_request] * len(prompts)
+        finals = self._run(list(zip(prompts, params, lora_request)), use_tqdm)
         return finals
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the chat template: `chat_template`
         (a template or a file holding one; default: the engine's), `chat_template_kwargs`
         (more variables for it), `continue_final_message` (go on with the last message, an
@@ -116,7 +126,7 @@ class LLM:
         template = load_chat_template(chat_template)
         prompts = [{"prompt_token_ids": render_chat(tok, conv, add_generation_prompt, template, continue_final_message,
                                                     chat_template_kwargs, tools)} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: PromptType | list[PromptType],
               pooling_params: PoolingParams | list[PoolingParams] | None = None,
@@ -152,8 +162,8 @@ class LLM:
         engine = self.engine
         ids = []
         try:
-            for prompt, params in items:
-                req = engine.add_request(None, prompt, params)
+            for prompt, params, *lora in items:
+                req = engine.add_request(None, prompt, params, lora_request=lora[0] if lora else None)
                 ids.append(req.request_id)
                 if requests is not None:
                     requests.append(req)

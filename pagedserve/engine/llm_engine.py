@@ -28,10 +28,13 @@ from pagedserve.executor import WorkerFailedError, make_executor
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.lora.registry import LoRARegistry
+from pagedserve.lora.request import LoRARequest
 from pagedserve.engine.stats import SchedulerStats
 from pagedserve.kernels.threads import configure_threads
 from pagedserve.models.loader import (GENERATION_DEFAULTS, default_model_path, generation_defaults, is_gguf,
                                      load_tokenizer)
+from pagedserve.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
@@ -141,6 +144,7 @@ class LLMEngine:
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
         self.scheduler = self._new_scheduler()
+        self.loras = self._lora_registry(config)   # None unless enable_lora
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
         self.text = OutputText(self.tokenizer)   # the output side: token text and stop strings
@@ -174,6 +178,33 @@ class LLMEngine:
                 raise
             raise ModelNotFoundError(f"{e}; with load_format='dummy' the model may also be a preset: "
                                      f"{', '.join(PRESETS)}") from None
+
+    def _lora_registry(self, config: EngineConfig) -> LoRARegistry | None:
+        if not config.enable_lora:
+            return None
+        if self.model_args.architecture not in LLAMA_ARCHITECTURES:
+            raise ValueError(f"enable_lora: LoRA adapters are served over Llama-family models "
+                             f"({', '.join(LLAMA_ARCHITECTURES)}), not {self.model_args.architecture}")
+        return LoRARegistry(self.model_args, config.max_lora_rank)
+
+    def lora_request_of(self, prompt: PromptType, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The request's adapter (the argument, or a prompt dict's `lora_request`), checked and
+        resolved; InvalidRequestError if LoRA is off or the adapter cannot be served."""
+        if lora_request is None and isinstance(prompt, dict):
+            lora_request = prompt.get("lora_request")
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters: start it with enable_lora=True "
+                                      "(--enable-lora)", "lora_request")
+        return self.loras.check(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already queued with it finish with it)."""
+        if self.loras is None or not self.loras.remove(lora_int_id):
+            return False
+        self.scheduler.loras.forget(lora_int_id)
+        return True
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
@@ -217,7 +248,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. Everything about it is validated here, once, before anything is
         allocated: InvalidRequestError (a ValueError) names the parameter at fault."""
         request_id = request_id if request_id is not None else self.next_request_id()
@@ -228,6 +259,7 @@ class LLMEngine:
         if isinstance(params, (SamplingParams, PoolingParams)) and params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
         salt = self.prompt_cache_salt(prompt)
+        lora = self.lora_request_of(prompt, lora_request)
         if isinstance(params, PoolingParams):
             self.validate_prompt(ids)
             self.validate_pooling(params)
@@ -239,7 +271,8 @@ class LLMEngine:
             structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
         req = Request.create(request_id, text, ids, params, max_tokens, self.scheduler.new_seq_id(),
                              arrival_time=arrival_time, cache_salt=salt, structured=structured,
-                             pooling=self.config.pooling_type if isinstance(params, PoolingParams) else None)
+                             pooling=self.config.pooling_type if isinstance(params, PoolingParams) else None,
+                             lora=lora)
         self.text.start(req)
         self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
         self.requests[request_id] = req
@@ -498,7 +531,7 @@ class LLMEngine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.last_token_time, time.monotonic() if finished else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outputs,
-                             finished, req.num_cached_tokens, metrics)
+                             finished, req.num_cached_tokens, metrics, lora_request=req.lora)
 
     def _pooling_output(self, req: Request, finished: bool) -> RequestOutput:
         """A pooling request's output: no text or tokens; once finished, its embedding (MEAN:
@@ -577,7 +610,19 @@ class LLMEngine:
             spec_decode_num_drafts=self.scheduler.stats.spec.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.stats.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.stats.spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos),
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.loras is None:
+            return {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for status, req in self.scheduler.queues.by_status():
+            if req.lora is not None:
+                side = waiting if status == "waiting" else running
+                side[req.lora.lora_name] = side.get(req.lora.lora_name, 0) + 1
+        return dict(running_lora_adapters=running, waiting_lora_adapters=waiting, max_lora=self.config.max_loras)
 
     def kv_snapshot(self) -> dict:
         """The KV cache block by block, the requests with their block tables, and the counters,

@@ -32,6 +32,11 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Multi-LoRA (vLLM's lora_requests_info): requests per adapter name, running and waiting
+    # (swapped ones count as running, as they hold their slot); max_lora 0: LoRA is off.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    max_lora: int = 0
 
 
 @dataclass
@@ -41,6 +46,7 @@ class FinishedRequestStats:
     queue_time: float | None             # arrival -> first scheduled (None: never scheduled)
     num_prompt_tokens: int
     num_generation_tokens: int
+    lora_name: str | None = None         # its LoRA adapter (None: the base model)
 
 
 @dataclass

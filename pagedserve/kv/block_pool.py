@@ -29,19 +29,29 @@ _LENGTHS = struct.Struct("<II")         # token count, extra-key bytes: no two i
 
 def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> BlockKey:
     """The key of a full block. `extra_keys` hold what changes a block's content besides its
-    tokens and prefix (a cache salt; a LoRA id or multimodal hashes would go here too)."""
+    tokens and prefix (a cache salt, a LoRA adapter's name; multimodal hashes would go here too)."""
     extra = json.dumps(extra_keys).encode() if extra_keys else b""
     tokens = array("q", token_ids).tobytes()
     return hashlib.sha256(b"".join((parent or _NO_PARENT, _LENGTHS.pack(len(token_ids), len(extra)),
                                     tokens, extra))).digest()
 
 
-def first_block_extra_keys(cache_salt: str | None, kv_cache_dtype: str = "auto") -> tuple[str, ...]:
+def kv_salt(cache_salt: str | None, lora_name: str | None) -> str | tuple | None:
+    """A request's salt for the KV cache: its cache salt, and with a LoRA adapter the adapter's
+    name too (its blocks hold other keys and values than the base model's for the same tokens).
+    A tuple never encodes like a string salt (first_block_extra_keys), so no cache_salt a client
+    picks can reach an adapter's blocks."""
+    return cache_salt if lora_name is None else ("lora", lora_name, cache_salt)
+
+
+def first_block_extra_keys(cache_salt: str | tuple | None, kv_cache_dtype: str = "auto") -> tuple[str, ...]:
     """The cache salt is an extra key of a sequence's first block, so it reaches every later key
     through the chain: requests with different salts never share a block. So is an 8-bit KV
     cache's format (kv_cache_dtype): its blocks hold other bytes than a 16-bit cache's for the
-    same tokens, so keys compared or kept across engines never mix them ("auto" adds nothing)."""
-    salt = () if cache_salt is None else ("cache_salt", cache_salt)
+    same tokens, so keys compared or kept across engines never mix them ("auto" adds nothing).
+    A tuple salt (kv_salt: a LoRA adapter's) adds its items."""
+    salt = () if cache_salt is None else ("cache_salt", *cache_salt) if isinstance(cache_salt, tuple) \
+        else ("cache_salt", cache_salt)
     return salt if kv_cache_dtype == "auto" else (*salt, "kv_cache_dtype", kv_cache_dtype)
 
 

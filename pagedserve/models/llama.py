@@ -111,9 +111,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: torch.Tensor) -> torch.Tensor:
+                kv_caches: torch.Tensor, lora=None) -> torch.Tensor:
         """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, Hkv, D].
-        Returns the final hidden states [T, hidden] (normalised)."""
+        lora: a step with adapter rows (lora/weights.py LoRAStep; it adds their deltas to each
+        linear's output, so such a step takes the Python loop). Returns the final hidden states
+        [T, hidden] (normalised)."""
         a, ops = self.args, self.ops
         num_tokens = input_ids.shape[0]
         self.attention.prepare(meta)
@@ -121,7 +123,7 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
         h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
-        if self.compiled_layers is not None and self.compiled_layers.forward(
+        if lora is None and self.compiled_layers is not None and self.compiled_layers.forward(
                 x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta):
             return h
         # Decode-only batches: quantized weights keep their integer path up to larger batches.
@@ -129,14 +131,24 @@ class LlamaModel:
         reduce = self.tp.all_reduce if self.tp else _whole
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
             q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
-            attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale)
-            x, h = ops.add_rms_norm(x, reduce(linear(attn.reshape(num_tokens, self.q_size), w.o)), w.post_norm,
-                                    a.rms_norm_eps)
+            attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale).reshape(num_tokens, self.q_size)
+            o = linear(attn, w.o)
+            if lora is not None:
+                lora.add(i, "o", attn, o)
+            x, h = ops.add_rms_norm(x, reduce(o), w.post_norm, a.rms_norm_eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x, h = ops.add_rms_norm(x, reduce(linear(ops.silu_and_mul(linear(h, w.gate_up)), w.down)), next_norm,
-                                    a.rms_norm_eps)
+            gate_up = linear(h, w.gate_up)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gate_up)
+            act = ops.silu_and_mul(gate_up)
+            down = linear(act, w.down)
+            if lora is not None:
+                lora.add(i, "down", act, down)
+            x, h = ops.add_rms_norm(x, reduce(down), next_norm, a.rms_norm_eps)
         return h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

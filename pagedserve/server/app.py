@@ -35,6 +35,7 @@ from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
 from pagedserve.server.embeddings import add_embedding_routes
+from pagedserve.server.lora import ServerLoRAs, add_lora_routes, check_startup_adapters, lora_cards
 from pagedserve.server.responses import add_responses_routes
 from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
 from pagedserve.server.state import DEFAULT_MODEL_NAME, ServerState
@@ -212,6 +213,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
     async def models() -> JSONResponse:
         cards = [ModelCard(id=name, root=state.llm.model_path, max_model_len=state.llm.max_model_len)
                  for name in state.served_model_names]
+        cards += lora_cards(state)
         return JSONResponse(ModelList(data=cards).model_dump())
 
     # Bodies are parsed here rather than by FastAPI so that any content type is read as JSON
@@ -251,6 +253,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.llm.tokenizer.decode(body.tokens)}
 
+    add_lora_routes(app, state)
     add_responses_routes(app, state)
     add_embedding_routes(app, state)
     hub = KVStreamHub(state.llm, state.kv_snapshot_interval, run=lambda fn, *args: state.prompts.run(fn, *args))
@@ -266,7 +269,10 @@ async def _watch_start(state: ServerState) -> None:
         logger.error("the engine failed to start (%s: %s); stopping the server", type(e).__name__, e)
         state.on_start_failed()
         return
-    logger.info("ready to serve %s", ", ".join(state.served_model_names))
+    if state.loras is not None:
+        await check_startup_adapters(state)
+    logger.info("ready to serve %s", ", ".join(state.served_model_names + (list(state.loras.adapters) if state.loras
+                                                                             else [])))
 
 
 async def _watch_engine(state: ServerState) -> None:
@@ -325,7 +331,8 @@ def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
                         max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
                         s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
                         enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
-                        kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling)
+                        kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling,
+                        loras=ServerLoRAs(s.lora_modules) if config.enable_lora else None)
     app = build_app(state, s)
     uv_config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.uvicorn_log_level,
                                access_log=not s.disable_uvicorn_access_log,

@@ -88,7 +88,14 @@ class PrometheusStatLogger:
             request_generation_tokens=histogram("request_generation_tokens", "Tokens generated per request.",
                                                 TOKEN_BUCKETS),
         )
-        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e, per_pos)
+        # vLLM's lora_requests_info: one series whose labels name the adapters running and waiting
+        # (comma-separated) and max_lora; its value is when it was set. Only with LoRA on.
+        lora_info = Gauge(prefix + "lora_requests_info", "Running and waiting LoRA adapters (labels).",
+                          ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        lora_requests = Counter(prefix + "lora_requests", "Finished requests per LoRA adapter.",
+                                label + ["lora_name"], registry=r)
+        self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e, per_pos, lora_info,
+                                     lora_requests)
                         for i, e in enumerate(engines)]
 
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
@@ -105,8 +112,12 @@ class PrometheusStatLogger:
 class EngineSeries:
     """One engine's children of the metric families."""
 
-    def __init__(self, series: dict, success: Counter, labels: tuple[str, ...], per_pos: Counter | None = None) -> None:
+    def __init__(self, series: dict, success: Counter, labels: tuple[str, ...], per_pos: Counter | None = None,
+                 lora_info: Gauge | None = None, lora_requests: Counter | None = None) -> None:
         self.__dict__.update(series)
+        self._lora_requests = lora_requests
+        self._lora_info = lora_info
+        self._lora_labels: tuple | None = None
         self._per_pos = per_pos
         self._success = success
         self._labels = labels
@@ -119,6 +130,13 @@ class EngineSeries:
         self.num_requests_waiting.set(s.num_waiting)
         self.num_requests_swapped.set(s.num_swapped)
         self.kv_cache_usage.set(s.kv_cache_usage)
+        if s.max_lora and self._lora_info is not None:
+            labels = (",".join(sorted(s.running_lora_adapters)), ",".join(sorted(s.waiting_lora_adapters)),
+                      str(s.max_lora))
+            if labels != self._lora_labels:
+                self._lora_info.clear()
+                self._lora_info.labels(*labels).set_to_current_time()
+                self._lora_labels = labels
         # The engine reports cumulative counts; counters only move forward.
         self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - self._last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - self._last.prefix_cache_hits))
@@ -145,6 +163,8 @@ class EngineSeries:
             self.tpot.observe(t)
         for f in it.finished:
             self._success.labels(*self._labels, f.finish_reason).inc()
+            if f.lora_name is not None and self._lora_requests is not None:
+                self._lora_requests.labels(*self._labels, f.lora_name).inc()
             self.e2e.observe(f.e2e_latency)
             if f.queue_time is not None:
                 self.queue_time.observe(f.queue_time)

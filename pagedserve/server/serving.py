@@ -269,6 +269,7 @@ class Serving:
         self.id = random_id(self.id_prefix)
         self.created = int(time.time())
         self.model = state.check_model(body.model)
+        self.lora = state.lora_request(body.model)     # the adapter the model field names, if any
         if state.pooling:
             raise bad_request("this server runs a pooling model (--runner pooling): it serves /v1/embeddings, not "
                               "generation", "model")
@@ -305,6 +306,8 @@ class Serving:
         else:
             what = (f"n={p.n}, temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
                     f"max_tokens={p.max_tokens}, seed={p.seed}")
+        if self.lora is not None:
+            what += f", lora={self.lora.lora_name}"
         logger.info("request %s: %d prompt(s) of %s tokens, %s, stream=%s", self.id, len(items),
                     "/".join(str(len(ids)) for _, ids, _ in items), what, bool(self.body.stream))
 
@@ -334,7 +337,7 @@ class Serving:
     # -- submit and wait --------------------------------------------------------------------------
     async def submit(self, items: list[tuple[str | None, list[int], Params]]) -> RequestStream:
         engine_items = [(f"{self.id}-{i}", {"prompt": text, "prompt_token_ids": ids,
-                                            "cache_salt": self.body.cache_salt}, params)
+                                            "cache_salt": self.body.cache_salt, "lora_request": self.lora}, params)
                         for i, (text, ids, params) in enumerate(items)]
         try:
             stream = await self.llm.add_requests(engine_items, self.arrival)

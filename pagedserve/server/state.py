@@ -41,6 +41,7 @@ class ServerState:
     # engine is a pooling one (embeddings only: runner pooling).
     options: ServerConfig = field(default_factory=ServerConfig)
     pooling: bool = False
+    loras: Any = None                   # server/lora.py ServerLoRAs: adapters by name (--enable-lora)
     shutting_down: bool = False
     num_in_flight: int = 0              # HTTP requests let in and not answered yet (streams included)
     on_start_failed: Callable[[], None] = lambda: None
@@ -61,10 +62,19 @@ class ServerState:
         return PromptProcessor(self.llm.tokenizer, self.llm.max_model_len, self.llm.check_num_prompts)
 
     def check_model(self, name: str | None) -> str:
+        """The name responses carry: the base model's, or the LoRA adapter's the request names."""
+        if name is not None and self.loras is not None and name in self.loras.adapters:
+            return name
         if name is not None and name not in self.served_model_names:
+            adapters = list(self.loras.adapters) if self.loras is not None else []
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, self.served_model_names))}", "model", "model_not_found")
+                                f"{', '.join(map(repr, self.served_model_names + adapters))}", "model",
+                           "model_not_found")
         return self.model_name
+
+    def lora_request(self, name: str | None):
+        """The LoRARequest of the adapter a request's `model` names (None: the base model)."""
+        return self.loras.adapters.get(name) if self.loras is not None and name is not None else None
 
     def log_refusal(self, method: str, path: str, error: APIError) -> None:
         if self.log_requests and 400 <= error.status < 500:

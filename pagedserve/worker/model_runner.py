@@ -56,6 +56,7 @@ class ModelRunner:
                                          fmt, pin_memory=torch.device(device).type == "cuda")
         self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
+        self.lora = None   # multi-LoRA (lora/weights.py LoRAWeights): set by the worker when enabled
 
     def capture_cuda_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> None:
         """Capture the decode step for these batch sizes (capture=False: pad and run the same
@@ -79,6 +80,8 @@ class ModelRunner:
         swap_blocks(self.kv_cache, self.host_cache, batch.swap_out)
         swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
         self.copy_blocks(batch.block_copies)
+        for load in batch.lora_loads:
+            self.lora.load(load)
 
     def forget_sequences(self) -> None:
         """Drop every sequence's state (after the engine dropped all requests)."""
@@ -103,7 +106,10 @@ class ModelRunner:
         spec_logits = None
         if logits is None:
             input_ids, positions, meta = self._prepare(seqs)
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+            lora = self.lora.step([s.lora_slot for s in seqs], [s.num_query_tokens for s in seqs]) \
+                if self.lora is not None else None
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora) if lora is not None \
+                else self.model.forward(input_ids, positions, meta, self.kv_cache)
             qsl = meta.query_start_loc_cpu
             last = [qsl[i + 1] - 1 for i in sampled_at]
             spec_rows = [r for i in drafted_at for r in range(qsl[i + 1] - 1 - len(seqs[i].draft_token_ids), qsl[i + 1])]
@@ -127,7 +133,8 @@ class ModelRunner:
         there are no graphs or the step is not one they take."""
         graphs = self.decode_graphs
         if graphs is None or not graphs.fits(len(seqs), max(len(s.block_ids) for s in seqs)) or \
-                any(s.num_query_tokens != 1 or s.sample is None or s.prompt_logprobs is not None for s in seqs):
+                any(s.num_query_tokens != 1 or s.sample is None or s.prompt_logprobs is not None or s.lora_slot >= 0
+                    for s in seqs):
             return None
         B = self.block_size
         return graphs.run(DecodeBatch(

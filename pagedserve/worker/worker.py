@@ -123,6 +123,10 @@ class Worker:
             num_blocks, num_host_blocks = group.min_int(num_blocks), group.min_int(num_host_blocks)
         sampler = make_sampler(eos_token_ids, config.seed, device)
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
+        if config.enable_lora:
+            from pagedserve.lora.weights import LoRAWeights
+            runner.lora = LoRAWeights(args, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                      dtype, device, shard)
         if graphs:
             runner.capture_cuda_graphs(sizes, max_model_len)
         return cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)

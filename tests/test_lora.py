@@ -1,0 +1,247 @@
+"""Multi-LoRA serving against the oracle: peft (float32) over a tiny random llama.
+
+Three random adapters of different ranks, targets and scalings (one rsLoRA), and the base
+model: greedy tokens of each alone and of batches mixing all four equal peft's, with fewer
+slots than adapters (requests wait for a slot, adapters are reloaded from the host cache or
+disk), under preemption (both modes), and with prefix caching (no block shared between
+adapters). Breaking the delta or mixing up rows between adapters fails the comparison.
+Bad adapters are refused with clear errors and the engine goes on serving.
+"""
+import json
+import shutil
+
+import pytest
+
+from pagedserve import LLM, InvalidRequestError, LoRARequest, SamplingParams
+from pagedserve.kv.block_pool import kv_salt, lookup_block_keys
+from pagedserve.lora import weights as lora_weights
+from tests.conftest import PROMPTS
+from tests.lora_utils import make_adapter, oracle_greedy
+from tests.test_preemption import host_bytes
+
+MAX_TOKENS = 8
+ADAPTERS = {   # name: (int id, seed, rank, alpha, targets, rslora)
+    "all7": (1, 11, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "attn": (2, 12, 4, 8, ["q_proj", "v_proj", "o_proj"], True),
+    "mlp": (3, 13, 2, 4, ["k_proj", "up_proj", "down_proj"], False),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    """The adapters on disk, their LoRARequests, the prompts and the oracle's tokens
+    (name -> per prompt; None: the base model)."""
+    root = tmp_path_factory.mktemp("loras")
+    prompts = [tiny_llama.tokenizer.encode(p) for p in PROMPTS[:3]]
+    requests, want = {None: None}, {None: [oracle_greedy(tiny_llama.hf, p, MAX_TOKENS) for p in prompts]}
+    for name, (int_id, seed, rank, alpha, targets, rslora) in ADAPTERS.items():
+        model = make_adapter(tiny_llama.hf, root / name, seed, rank, alpha, targets, rslora)
+        requests[name] = LoRARequest(name, int_id, str(root / name))
+        want[name] = [oracle_greedy(model, p, MAX_TOKENS) for p in prompts]
+    assert len({tuple(w[0]) for w in want.values()}) == 4, "the adapters must change the tokens"
+    return root, prompts, requests, want
+
+
+def make_llm(tm, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("num_gpu_blocks_override", 128)
+    kw.setdefault("enable_lora", True)
+    kw.setdefault("max_loras", 3)
+    kw.setdefault("max_lora_rank", 8)
+    return LLM(tm.path, **kw)
+
+
+def run(llm, prompts, loras):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False,
+                        lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def mixed(setup):
+    """Every (adapter or base, prompt) pair, interleaved: the batch mixes all four."""
+    _, prompts, requests, want = setup
+    pairs = [(name, i) for i in range(len(prompts)) for name in requests]
+    return ([prompts[i] for _, i in pairs], [requests[n] for n, _ in pairs], [want[n][i] for n, i in pairs])
+
+
+def assert_no_blocks_held(llm):
+    stats = llm.kv_cache_stats()
+    assert stats["num_used_blocks"] == 0
+    llm.engine.check_paging_invariants()
+
+
+def test_each_adapter_alone_and_a_mixed_batch_equal_peft(tiny_llama, setup):
+    _, prompts, requests, want = setup
+    llm = make_llm(tiny_llama)
+    for name, lora in requests.items():
+        assert run(llm, prompts, lora) == want[name], name
+    batch_prompts, loras, expected = mixed(setup)
+    assert run(llm, batch_prompts, loras) == expected
+    assert_no_blocks_held(llm)
+
+
+def test_the_comparison_fails_without_the_delta_or_with_rows_mixed_up(tiny_llama, setup, monkeypatch):
+    batch_prompts, loras, expected = mixed(setup)
+    llm = make_llm(tiny_llama, enable_prefix_caching=False)
+    with monkeypatch.context() as m:
+        m.setattr(lora_weights.LoRAStep, "add", lambda self, layer, module, x, out: None)
+        assert run(llm, batch_prompts, loras) != expected
+    step = lora_weights.LoRAWeights.step
+    with monkeypatch.context() as m:   # each adapter's rows get the next slot's weights
+        m.setattr(lora_weights.LoRAWeights, "step",
+                  lambda self, slots, counts: step(self, [(s + 1) % 3 if s >= 0 else s for s in slots], counts))
+        assert run(llm, batch_prompts, loras) != expected
+    assert run(llm, batch_prompts, loras) == expected
+
+
+@pytest.mark.parametrize("max_loras,max_cpu_loras", [(1, 1), (2, 3)])
+def test_fewer_slots_than_adapters(tiny_llama, setup, max_loras, max_cpu_loras):
+    """Requests whose adapter has no slot wait (others go ahead); slots are refilled, from the
+    host cache or, past max_cpu_loras, from disk again."""
+    batch_prompts, loras, expected = mixed(setup)
+    llm = make_llm(tiny_llama, max_loras=max_loras, max_cpu_loras=max_cpu_loras)
+    loads = []
+    weights = llm.engine.runner.lora
+    original = weights.load
+    weights.load = lambda load: (loads.append(load), original(load))[1]
+    assert run(llm, batch_prompts, loras) == expected
+    assert len(loads) >= 3 and max(load.slot for load in loads) == max_loras - 1
+    assert len(weights.host) <= max_cpu_loras
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_adapters(tiny_llama, setup, mode):
+    batch_prompts, loras, expected = mixed(setup)
+    kw = dict(preemption_mode=mode, swap_space=host_bytes(tiny_llama, 64) / 1024**3) if mode == "swap" else {}
+    llm = make_llm(tiny_llama, block_size=2, num_gpu_blocks_override=24, enable_prefix_caching=False, **kw)
+    assert run(llm, batch_prompts, loras) == expected
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert_no_blocks_held(llm)
+
+
+def test_prefix_cache_blocks_are_never_shared_between_adapters(tiny_llama, setup):
+    _, prompts, requests, want = setup
+    long_prompt = prompts[2] * 3
+    llm = make_llm(tiny_llama, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def cached(lora):
+        return llm.generate([{"prompt_token_ids": long_prompt}], sp, use_tqdm=False,
+                            lora_request=lora)[0].num_cached_tokens
+    assert cached(requests["all7"]) == 0
+    assert cached(requests["attn"]) == 0 and cached(None) == 0      # other adapters: no hit
+    assert cached(requests["all7"]) > 0 and cached(requests["attn"]) > 0 and cached(None) > 0   # same: hits
+    # The keys (what KV events carry to a data-parallel router) differ by adapter, and no
+    # client cache_salt can reach an adapter's.
+    keys = {str(salt): lookup_block_keys(long_prompt, 4, salt)[0]
+            for salt in (None, kv_salt(None, "a"), kv_salt(None, "b"), kv_salt("s", "a"), "s",
+                         json.dumps(["lora", "a", None]))}
+    assert len(set(keys.values())) == len(keys)
+    assert run(llm, prompts, requests["mlp"]) == want["mlp"]
+
+
+def test_bad_adapters_are_refused_clearly_and_the_engine_still_serves(tiny_llama, tiny_models, setup, tmp_path):
+    root, prompts, requests, want = setup
+    llm = make_llm(tiny_llama, max_lora_rank=4)
+    other = tiny_models("llama_head64")          # hidden 192, not 64
+    make_adapter(other.hf, tmp_path / "other", 5, rank=2, alpha=2)
+    unknown = tmp_path / "unknown"
+    shutil.copytree(root / "mlp", unknown)
+    cfg = json.loads((unknown / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "embed_tokens"]
+    (unknown / "adapter_config.json").write_text(json.dumps(cfg))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(root / "mlp" / "adapter_config.json", no_weights)
+    cases = [(LoRARequest("big", 9, str(root / "all7")), "above max_lora_rank=4"),
+             (LoRARequest("other", 10, str(tmp_path / "other")), "expected"),
+             (LoRARequest("unknown", 11, str(unknown)), "embed_tokens"),
+             (LoRARequest("empty", 12, str(no_weights)), "no adapter_model.safetensors"),
+             (LoRARequest("missing", 13, str(tmp_path / "nowhere")), "not a directory"),
+             (LoRARequest("again", 3, str(root / "attn")), "already adapter")]
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1), use_tqdm=False,
+                 lora_request=requests["mlp"])     # id 3 is taken by "mlp"
+    for lora, words in cases:
+        with pytest.raises(InvalidRequestError, match=words):
+            run(llm, prompts, lora)
+    assert run(llm, prompts, [requests["mlp"], None, requests["mlp"]]) == [want["mlp"][0], want[None][1],
+                                                                          want["mlp"][2]]
+    assert_no_blocks_held(llm)
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        run(make_llm(tiny_llama, enable_lora=False), prompts[:1], requests["mlp"])
+
+
+def test_chat_with_an_adapter(tiny_llama, setup):
+    _, _, requests, _ = setup
+    llm = make_llm(tiny_llama)
+    conv = [{"role": "user", "content": "The quick brown fox"}]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = llm.chat(conv, sp, use_tqdm=False)[0].prompt_token_ids
+    got = llm.chat(conv, sp, use_tqdm=False, lora_request=requests["attn"])[0].outputs[0].token_ids
+    assert got == run(llm, [ids], requests["attn"])[0] != run(llm, [ids], None)[0]
+
+
+def test_slots_reuse_the_least_recently_used_free_slot():
+    from pagedserve.lora.slots import LoRASlots
+    slots = LoRASlots(2)
+    a, b, c = (LoRARequest(n, i, "/x") for i, n in enumerate("abc", 1))
+    assert slots.acquire(a) == 0 and slots.acquire(b) == 1 and slots.acquire(a) == 0
+    assert [(x.slot, x.lora_int_id) for x in slots.take_loads()] == [(0, 1), (1, 2)]
+    assert not slots.can_acquire(c)            # both slots in use
+    slots.release(1)
+    assert slots.acquire(c) == 1 and slots.take_loads()[0].lora_int_id == 3   # b's slot, the free one
+    slots.release(0), slots.release(0), slots.release(1)
+    assert slots.acquire(b) == 0               # a's slot: used before c's
+    assert slots.slot_of == {(2, "/x"): 0, (3, "/x"): 1}
+
+
+@pytest.mark.parametrize("tp", [2, 4])   # 4: KV heads (2) < ranks, replicated
+def test_tensor_parallel_shards_the_adapters(tiny_llama, setup, tp):
+    """A and B sliced like the layers they adapt: the mixed batch equals peft's over tp ranks."""
+    batch_prompts, loras, expected = mixed(setup)
+    llm = make_llm(tiny_llama, tensor_parallel_size=tp)
+    try:
+        assert run(llm, batch_prompts, loras) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_unload_while_its_requests_run(tiny_llama, setup):
+    """remove_lora while requests of the adapter run: they finish with it (tokens equal peft's);
+    its slot is free again once they are done, and the adapter can come back."""
+    _, prompts, requests, want = setup
+    llm = make_llm(tiny_llama, max_loras=1)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, lora_request=requests["attn"])
+    engine.step()
+    assert engine.remove_lora(requests["attn"].lora_int_id) and not engine.remove_lora(99)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == want["attn"]
+    assert finals["r0"].lora_request.lora_name == "attn"
+    assert run(llm, prompts, requests["mlp"]) == want["mlp"]          # the one slot, refilled
+    assert run(llm, prompts, requests["attn"]) == want["attn"]        # checked and loaded again
+    engine.remove_lora(requests["attn"].lora_int_id)    # the same id, now another adapter
+    again = LoRARequest("attn2", requests["attn"].lora_int_id, requests["mlp"].lora_path)
+    assert run(llm, prompts, again) == want["mlp"]
+    assert_no_blocks_held(llm)
+
+
+def test_the_dashboard_names_each_requests_adapter(tiny_llama, setup):
+    from pagedserve.engine.kv_view import KVView, capture
+    _, prompts, requests, _ = setup
+    llm = make_llm(tiny_llama)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=2)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, sp, lora_request=requests["attn"])
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, sp)
+    engine.step()
+    page = KVView(engine.decode_tokens).full(capture(engine))
+    assert {r["id"]: r["lora"] for r in page["requests"]} == {"a": "attn", "b": None}
+    while engine.has_unfinished_requests():
+        engine.step()
