@@ -100,6 +100,13 @@ def stand_in_calibration(data: dict, which: str) -> tuple[list[StepRecord], dict
     return records_of(found[0]["records"]), {**data, "runs": [r for r in data["runs"] if r is not found[0]]}
 
 
+def compiled_loop(data: dict, loop: str = "auto") -> bool:
+    """Whether the recorded engine ran the compiled layer loop: --loop, else the recording's note
+    (sim_validate.save_records), else yes (the CPU backend's loop for float and quantized models;
+    the quiet recordings before the note ran it)."""
+    return {"compiled": True, "python": False}.get(loop, bool(data.get("compiled_loop", True)))
+
+
 def parts(cost_for, runs: list[dict]) -> list[dict]:
     """Per run, the median of predicted / measured - 1 for each part of a step the engine timed."""
     out = []
@@ -155,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibration_from:
         calibration, data = stand_in_calibration(data, args.calibration_from)
     if args.refit:
-        compiled = {"compiled": True, "python": False}.get(args.loop, data.get("compiled_loop", True))
-        device = sv.fit_device(device, decomposed, calibration, shape, compiled_loop=compiled)
+        device = sv.fit_device(device, decomposed, calibration, shape, compiled_loop=compiled_loop(data, args.loop))
     if args.out:
         save_local_device(device, args.out)
     if args.quick:

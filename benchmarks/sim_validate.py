@@ -11,8 +11,10 @@ steps on this machine, judged per step.
    prefill-only steps, then decode-only steps at every batch size from 48 down to 1). Every
    term is then rescaled to what it took inside those runs' steps (local.py `fit_in_steps`:
    the micro-benchmarks run hot caches, one op at a time; real steps run each layer's weights
-   after 29 other layers' and pay the layer loop), and the step cost outside the model is fit
-   on the calibration run; writes DIR/local_device.json. Without it, that file is read. The
+   after 29 other layers' and pay the layer loop), the linear and element-wise terms carried
+   over from the decomposed run's Python layer loop to the calibration run's (compiled) one by
+   loop factors, and the step cost outside the model is fit on the calibration run; writes
+   DIR/local_device.json. Without it, that file is read. The
    eight validation runs below are never fit on.
 2. The term checks, per step: linear, decode attention (decode-only steps), prefill attention
    (prefill-only steps), element-wise (the forward less linear and attention) on the decomposed

@@ -411,6 +411,18 @@ def test_the_in_step_fit_carries_linear_and_elementwise_over_to_the_calibration_
         assert terms[term]["median_error"] == pytest.approx(0.0, abs=1e-6), term
 
 
+def test_a_recording_notes_its_layer_loop_and_sim_fit_refits_for_it(tmp_path):
+    """sim_fit --refit fits for the loop the recorded engine ran (sim_validate --calibrate does):
+    the recording's note, else the compiled loop; --loop overrides."""
+    from benchmarks import sim_fit
+    from benchmarks.sim_validate import save_records
+    save_records(tmp_path / "steps.json", [], [], compiled_loop=False)
+    data = sim_fit.load_steps(tmp_path / "steps.json")
+    assert data["compiled_loop"] is False and sim_fit.compiled_loop(data) is False
+    assert sim_fit.compiled_loop(data, "compiled") is True
+    assert sim_fit.compiled_loop({"decomposed": []}) is True and sim_fit.compiled_loop({}, "python") is False
+
+
 def test_fit_linear_refits_without_a_negative_coefficient():
     """A coefficient that would come out negative is dropped and the rest refitted (clipping after
     one fit left the others fitted against it); relative=True weights small rows like large."""
