@@ -13,7 +13,8 @@ Also printed: per run, the median error of each part of a step the engine timed 
 LM head, sampler, outside the model), which says which term is off.
 
 --refit: first rescale the device's terms to the recorded calibration and decomposed steps
-(sim/local.py fit_in_steps), as `sim_validate.py --calibrate` now does.
+(sim/local.py fit_in_steps), as `sim_validate.py --calibrate` now does, for the layer loop the
+recorded engine ran (--loop; the recording notes it since the compiled loop's loop factors).
 --validation: the measured totals for recordings that predate their "result" field.
 """
 from __future__ import annotations
@@ -99,6 +100,13 @@ def stand_in_calibration(data: dict, which: str) -> tuple[list[StepRecord], dict
     return records_of(found[0]["records"]), {**data, "runs": [r for r in data["runs"] if r is not found[0]]}
 
 
+def compiled_loop(data: dict, loop: str = "auto") -> bool:
+    """Whether the recorded engine ran the compiled layer loop: --loop, else the recording's note
+    (sim_validate.save_records), else yes (the CPU backend's loop for float and quantized models;
+    the quiet recordings before the note ran it)."""
+    return {"compiled": True, "python": False}.get(loop, bool(data.get("compiled_loop", True)))
+
+
 def parts(cost_for, runs: list[dict]) -> list[dict]:
     """Per run, the median of predicted / measured - 1 for each part of a step the engine timed."""
     out = []
@@ -135,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="for recordings without a calibration run: take this saturated validation run's steps as "
                         "the calibration run's (e.g. alpaca:16, the calibration run's own workload and block size); "
                         "it is then left out of the verdict")
+    p.add_argument("--loop", choices=("auto", "compiled", "python"), default="auto",
+                   help="--refit: the layer loop the recorded engine ran (as sim_validate.py --calibrate fits for "
+                        "it); auto: the recording's own note, else compiled (the CPU backend's loop for float and "
+                        "quantized models alike)")
     p.add_argument("--out", default=None, help="write the (refitted) device here")
     p.add_argument("--mutations", action="store_true", help="also check that each term scaled 1.5x fails")
     p.add_argument("--quick", action="store_true",
@@ -150,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibration_from:
         calibration, data = stand_in_calibration(data, args.calibration_from)
     if args.refit:
-        device = sv.fit_device(device, decomposed, calibration, shape, compiled_loop=False)
+        device = sv.fit_device(device, decomposed, calibration, shape, compiled_loop=compiled_loop(data, args.loop))
     if args.out:
         save_local_device(device, args.out)
     if args.quick:

@@ -11,8 +11,10 @@ steps on this machine, judged per step.
    prefill-only steps, then decode-only steps at every batch size from 48 down to 1). Every
    term is then rescaled to what it took inside those runs' steps (local.py `fit_in_steps`:
    the micro-benchmarks run hot caches, one op at a time; real steps run each layer's weights
-   after 29 other layers' and pay the layer loop), and the step cost outside the model is fit
-   on the calibration run; writes DIR/local_device.json. Without it, that file is read. The
+   after 29 other layers' and pay the layer loop), the linear and element-wise terms carried
+   over from the decomposed run's Python layer loop to the calibration run's (compiled) one by
+   loop factors, and the step cost outside the model is fit on the calibration run; writes
+   DIR/local_device.json. Without it, that file is read. The
    eight validation runs below are never fit on.
 2. The term checks, per step: linear, decode attention (decode-only steps), prefill attention
    (prefill-only steps), element-wise (the forward less linear and attention) on the decomposed
@@ -142,11 +144,16 @@ def term_checks(cost: CostModel, decomposed, compiled) -> dict:
         errs = [_rel(p, m) for p, m in pairs if m > 0]
         med = statistics.median(errs) if errs else math.nan
         return {"median_error": med, "steps": len(errs), "ok": bool(errs) and abs(med) <= TERM_BOUND}
-    t_dec = [(r, cost.step_time(r.work)) for r in decomposed]
+    cal = cost.device.calibration
+    # The decomposed run's own layer loop (the Python one): without the factor that carries the
+    # linear and element-wise terms over to the validated engine's loop (the same term scales).
+    python_loop = cost if not (cal and cal.loop_factors) else CostModel(
+        cost.model, dataclasses.replace(cost.device, calibration=dataclasses.replace(cal, loop_factors=[])),
+        tp=cost.tp, paged=cost.paged, block_size=cost.block_size, term_scale=cost.term_scale)
+    t_dec = [(r, python_loop.step_time(r.work)) for r in decomposed]
     t_all = [(r, cost.step_time(r.work)) for r in compiled]
     # The Python layer loop pays one call per op per layer that the compiled loop does not (the
     # calibration took it out): 4 linear, 1 attention, 5 element-wise (two norms, RoPE, SiLU, KV write).
-    cal = cost.device.calibration
     per_call = cost.model.num_layers * (cal.call_overhead_s if cal else 0.0)
 
     def attention(share_of):     # decodes and prefills run in one kernel call: steps that one of them dominates
@@ -309,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {w.name:8s} bs {bs:2d} {'saturated' if saturated else f'{rate:.2f} req/s'}: "
                     f"{result.duration_s:.1f}s, {len(records)} steps, {result.num_preemptions} preemptions")
     if args.record_steps:
-        save_records(Path(args.record_steps), runs, decomposed, calibration_steps)
+        save_records(Path(args.record_steps), runs, decomposed, calibration_steps,
+                     compiled_loop=base.runner.model.compiled_layers is not None)
     verdict = evaluate(cost_for, runs, decomposed)
     mutations = {}
     for term in TERMS:
@@ -341,13 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_records(path: Path, runs: list[dict], decomposed, calibration_steps=()) -> None:
+def save_records(path: Path, runs: list[dict], decomposed, calibration_steps=(), compiled_loop: bool = True) -> None:
     """The raw steps, so a cost model can be checked (or fitted) later without timing anything
     (benchmarks/sim_fit.py): the calibration and decomposed runs (what the fit may use) and
     the validation runs, each with what the simulator needs to serve its trace again."""
     def rows(records):
         return [dataclasses.asdict(r) for r in records]
-    data = {"decomposed": rows(decomposed), "calibration": rows(calibration_steps),
+    data = {"compiled_loop": compiled_loop, "decomposed": rows(decomposed), "calibration": rows(calibration_steps),
             "runs": [{**{k: run[k] for k in ("workload", "block_size", "rate", "saturated", "num_requests")},
                       "result": {"duration_s": run["result"].duration_s,
                                  "num_preemptions": run["result"].num_preemptions,

@@ -329,26 +329,27 @@ def test_the_validation_fails_for_every_term_scaled_by_one_and_a_half():
 
 # ---- the in-step fit (sim/local.py fit_in_steps) and the offline evaluation (benchmarks/sim_fit.py) ----
 
-def _true_step(cal: Calibration, work: StepWork) -> dict:
+def _true_step(cal: Calibration, work: StepWork, loop: float = 1.0) -> dict:
     """What the made-up engine's steps take: the micro-benchmarks' terms, each off by its own
     factor, as real steps are (linear 2x at up to 16 rows, 1.3x above; attention 1.4x and 1.1x;
-    element-wise and the layer loop 2e-5 s + 1e-6 s/token per layer; the LM head 1.2x)."""
+    element-wise and the layer loop 2e-5 s + 1e-6 s/token per layer; the LM head 1.2x); `loop`:
+    another layer loop's linear and element-wise time over the decomposed run's."""
     L = SMOL.num_layers
     g = 2.0 if work.num_tokens <= 16 else 1.3
     d, p = cal.decode_attention["16"], cal.prefill_attention
-    return {"linear": g * L * sum(interpolate(t, work.num_tokens) for t in cal.linear.values()),
+    return {"linear": loop * g * L * sum(interpolate(t, work.num_tokens) for t in cal.linear.values()),
             "attention": (1.4 * L * (d[0] + d[1] * work.num_decodes + d[2] * work.decode_pairs) if work.num_decodes
                           else 0.0) + (1.1 * L * (p[0] + p[1] * work.num_prefills + p[2] * work.prefill_pairs)
                                        if work.num_prefills else 0.0),
-            "elementwise": L * (2e-5 + 1e-6 * work.num_tokens),
+            "elementwise": loop * L * (2e-5 + 1e-6 * work.num_tokens),
             "lm_head": 1.2 * interpolate(cal.lm_head, work.num_sampled),
             "sampling": 5e-5 + 8e-6 * work.num_sampled,
             "outside": 3e-4 + 4e-5 * work.num_seqs + 1e-7 * work.num_tokens}
 
 
-def _true_record(cal: Calibration, work: StepWork, ops: bool):
+def _true_record(cal: Calibration, work: StepWork, ops: bool, loop: float = 1.0):
     from pagedserve.sim.local import StepRecord
-    t = _true_step(cal, work)
+    t = _true_step(cal, work, loop)
     forward = t["linear"] + t["attention"] + t["elementwise"]
     r = StepRecord(work, forward + t["lm_head"] + t["sampling"] + t["outside"], forward, t["lm_head"], t["sampling"])
     if ops:
@@ -381,6 +382,45 @@ def test_the_in_step_fit_takes_each_term_as_the_engines_steps_ran_it():
     # The contiguous layout and the other block sizes move with the paged kernel's factor.
     assert fitted.contiguous_decode_attention[2] == pytest.approx(1.4 * micro.contiguous_decode_attention[2])
     assert fitted.decode_attention["2"][2] == pytest.approx(1.4 * micro.decode_attention["2"][2])
+
+
+def test_the_in_step_fit_carries_linear_and_elementwise_over_to_the_calibration_runs_layer_loop():
+    """The calibration run runs the validated engine's layer loop (the compiled one), the
+    decomposed run the Python one: here the former's linear and element-wise work take 0.6x the
+    latter's at 1-2 rows and 0.8x above (the quiet recording's shape). The fitted model prices the
+    compiled loop's steps as they ran, also at 1 row, which the calibration run never reached (its
+    2-row factor), while the term checks still see the Python loop's terms on the decomposed run.
+    Without the loop factors the decomposed run's linear factors price those steps 1.25-1.7x."""
+    from benchmarks import sim_validate as sv
+    from pagedserve.sim.local import fit_in_steps
+    micro = _calibration()
+    decode = lambda n, ctx: StepWork.of([(ctx, 1)] * n, n)  # noqa: E731
+    loop = lambda w: 0.6 if w.num_tokens <= 2 else 0.8  # noqa: E731
+    decomposed = [_true_record(micro, StepWork.of([(0, 200)] * 8, 8), True) for _ in range(3)]
+    decomposed += [_true_record(micro, decode(n, 150), True) for n in range(48, 0, -1)]
+    calibration = [_true_record(micro, w, False, loop(w)) for n in range(2, 120) for w in [decode(n, 60 + n)]]
+    calibration += [_true_record(micro, w, False, loop(w)) for w in [StepWork.of([(0, 100)] * 20, 20)]]
+    fitted = fit_in_steps(micro, SMOL.num_layers, decomposed, calibration)
+    cost = CostModel(SMOL, Device("local", 1e11, 1e10, 2**34, 0.0, Efficiency(), "test", fitted), block_size=16)
+    for work in (decode(1, 300), decode(2, 40), decode(7, 300), decode(17, 90), decode(40, 100), decode(90, 40)):
+        t, true = cost.step_time(work), _true_step(micro, work, loop(work))
+        assert t.linear + t.elementwise + t.decode_attention == pytest.approx(
+            true["linear"] + true["elementwise"] + true["attention"], rel=1e-6), work.num_tokens
+    terms = sv.term_checks(cost, decomposed, calibration)
+    for term in ("linear", "decode_attention", "elementwise"):
+        assert terms[term]["median_error"] == pytest.approx(0.0, abs=1e-6), term
+
+
+def test_a_recording_notes_its_layer_loop_and_sim_fit_refits_for_it(tmp_path):
+    """sim_fit --refit fits for the loop the recorded engine ran (sim_validate --calibrate does):
+    the recording's note, else the compiled loop; --loop overrides."""
+    from benchmarks import sim_fit
+    from benchmarks.sim_validate import save_records
+    save_records(tmp_path / "steps.json", [], [], compiled_loop=False)
+    data = sim_fit.load_steps(tmp_path / "steps.json")
+    assert data["compiled_loop"] is False and sim_fit.compiled_loop(data) is False
+    assert sim_fit.compiled_loop(data, "compiled") is True
+    assert sim_fit.compiled_loop({"decomposed": []}) is True and sim_fit.compiled_loop({}, "python") is False
 
 
 def test_fit_linear_refits_without_a_negative_coefficient():

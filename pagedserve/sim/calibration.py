@@ -97,6 +97,11 @@ class Calibration:
     # Sampling per step by sampled rows as real steps ran it (the sampler switches paths with the
     # batch: no straight line fits it); used instead of `sampling` when present.
     sampling_steps: list[tuple[float, float]] = field(default_factory=list)
+    # The layer loop the validated engine runs against the one the linear and element-wise terms
+    # were fitted in (the decomposed run's Python loop), by tokens: [(tokens, its time / theirs)]
+    # from the calibration run's steps (sim/local.py fit_in_steps), 1 where those terms were fitted
+    # on the calibration run's own steps; clamped beyond the ends. Empty: the fitted loop's own.
+    loop_factors: list[tuple[float, float]] = field(default_factory=list)
     source: str = ""
     meta: dict = field(default_factory=dict)            # model, dtype, threads, kernel variant, sizes
 
@@ -111,6 +116,10 @@ class Calibration:
         if self.elementwise_steps:
             return interpolate(self.elementwise_steps, tokens)
         return self.elementwise[0] + self.elementwise[1] * tokens
+
+    def loop_factor(self, tokens: float) -> float:
+        """The validated layer loop's linear and element-wise time / the fitted loop's, at this many tokens."""
+        return interpolate_clamped(self.loop_factors, tokens) if self.loop_factors else 1.0
 
     def sampling_time(self, rows: float) -> float:
         """The sampler on this many rows, per step."""
@@ -144,6 +153,7 @@ class Calibration:
         d["lm_head"] = [tuple(p) for p in d["lm_head"]]
         d["elementwise_steps"] = [tuple(p) for p in d.get("elementwise_steps", [])]
         d["sampling_steps"] = [tuple(p) for p in d.get("sampling_steps", [])]
+        d["loop_factors"] = [tuple(p) for p in d.get("loop_factors", [])]
         return cls(**d)
 
     def save(self, path: Path | str) -> None:

@@ -107,13 +107,14 @@ class CostModel:
     def _measured(self, w: StepWork) -> StepTime:
         c, m = self.device.calibration, self.model
         L = m.num_layers
-        linear = L * sum(c.linear_time(n, k, w.num_tokens) for n, k in m.matrices)
+        loop = c.loop_factor(w.num_tokens)     # the validated layer loop against the one the terms were fitted in
+        linear = loop * L * sum(c.linear_time(n, k, w.num_tokens) for n, k in m.matrices)
         lm_head = interpolate(c.lm_head, w.num_sampled) if w.num_sampled else 0.0
         d = c.decode_coefficients(self.block_size if self.paged else None)
         decode = L * (d[0] + d[1] * w.num_decodes + d[2] * w.decode_pairs) if w.num_decodes else 0.0
         p = c.prefill_attention
         prefill = L * (p[0] + p[1] * w.num_prefills + p[2] * w.prefill_pairs) if w.num_prefills else 0.0
-        elementwise = L * c.elementwise_time(w.num_tokens)
+        elementwise = loop * L * c.elementwise_time(w.num_tokens)
         sampling = c.sampling_time(w.num_sampled) if w.num_sampled else 0.0
         o = c.step
         overhead = o[0] + o[1] * w.num_seqs + (o[2] * w.num_tokens if len(o) > 2 else 0.0)

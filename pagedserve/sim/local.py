@@ -457,7 +457,10 @@ def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord]
       one or the other; every block size and the contiguous layout scaled alike);
     - steps: plain engine steps (a calibration run), with the decomposed run's: the LM head and
       sampling by sampled rows (tables of the steps' medians), and the step cost outside the
-      model (fit_step_cost, the calibration run's alone).
+      model (fit_step_cost, the calibration run's alone); and, since they run the validated
+      engine's layer loop (the compiled one) where the decomposed run runs the Python one, the
+      loop factors (Calibration.loop_factors): their linear and element-wise time over the
+      decomposed run's, by tokens, at the row counts both ran.
     per_call_s: taken out of each op's time where the validated engine runs the compiled layer
     loop (which has no per-op Python call); 0 where it runs the Python loop, as the decomposed
     run does."""
@@ -510,6 +513,19 @@ def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord]
         factors = _factors(sorted(lin + extra), micro_linear)
         linear = {k: rescale(v, factors) for k, v in cal.linear.items()}
         fit["linear_factors"] = factors
+        # The calibration run runs the validated engine's layer loop (the compiled one, where the
+        # model has it), the decomposed run the Python one, which pays per op and per layer what the
+        # compiled loop does not, and not alike at every row count (in the quiet recording the compiled
+        # loop's forward was 0.6x the Python loop's at 1-2 rows and 0.8x at 33-48). Where both ran a
+        # row count: the calibration steps' forward less attention, over the linear and element-wise
+        # terms just fitted on the decomposed run; 1 where the linear factors came from these steps.
+        def loop_ratio(r: StepRecord) -> float:
+            w, elem = r.work, L * interpolate(elementwise_steps, r.work.num_tokens)
+            fitted = L * sum(interpolate(t, w.num_tokens) for t in linear.values()) + elem
+            return (r.forward_s - (others(w) - elem)) / fitted
+        ratios = [(r.work.num_tokens, loop_ratio(r) if r.work.num_tokens in seen else 1.0)
+                  for r in steps if r.forward_s > 0]
+        fit["loop_factors"] = _median_by(ratios)
     both = ops + list(steps)
     lm_head, sampling, step = cal.lm_head, cal.sampling, cal.step
     sampled = [r for r in both if r.work.num_sampled]
@@ -524,7 +540,8 @@ def fit_in_steps(cal: Calibration, num_layers: int, decomposed: list[StepRecord]
     return replace(cal, linear=linear, lm_head=lm_head, decode_attention=dec, contiguous_decode_attention=contiguous,
                    prefill_attention=pre, sampling=sampling, step=step,
                    elementwise_steps=fit.get("elementwise_steps", list(cal.elementwise_steps)),
-                   sampling_steps=fit.get("sampling_steps", list(cal.sampling_steps)), meta=meta,
+                   sampling_steps=fit.get("sampling_steps", list(cal.sampling_steps)),
+                   loop_factors=fit.get("loop_factors", list(cal.loop_factors)), meta=meta,
                    source=cal.source + "; rescaled to real engine steps (fit_in_steps)")
 
 
