@@ -9,8 +9,7 @@
 The target is the default model dequantized to bf16 (--native: computed in its Q4_1 blocks).
 bf16 runs the compiled layer loop, whose GEMM tiles load each weight once for up to 8 rows,
 so a 1+k-token step reads the same bytes as a 1-token one; the Q4_1 kernels are bound by their
-integer arithmetic and the quantized layer loop runs in Python, so there verification costs
-about k+1 times as much (see --crossover --native).
+integer arithmetic, so there verification costs more per drafted token (see --crossover --native).
 
 Workloads (chat-formatted, one request at a time, greedy):
 - grounded: the model is asked to repeat a 600-token section of docs/architecture.md (text the
