@@ -185,10 +185,10 @@ _SIGNATURES = {
     "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
     "paged_attention_kv8_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
     "paged_attention_kv8_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
-    "decoder_layers_f32": [_P] * 11 + [_I],
-    "decoder_layers_bf16": [_P] * 11 + [_I],
-    "decoder_layers_kv8_f32": [_P] * 11 + [_I, _I],
-    "decoder_layers_kv8_bf16": [_P] * 11 + [_I, _I],
+    "decoder_layers_f32": [_P] * 12 + [_I],
+    "decoder_layers_bf16": [_P] * 12 + [_I],
+    "decoder_layers_kv8_f32": [_P] * 12 + [_I, _I],
+    "decoder_layers_kv8_bf16": [_P] * 12 + [_I, _I],
     "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
@@ -451,6 +451,14 @@ class _CacheRefs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layer", "kv", "block", "token", "head", "block_size", "partition_size")]
 
 
+class _LoraProj(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("a", "b", "n")]
+
+
+class _LoraRefs(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_void_p), ("row_block", ctypes.c_void_p), ("k", ctypes.c_int64 * 4)]
+
+
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
 
@@ -544,10 +552,12 @@ class DecoderLayers:
         return True
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows) -> bool:
+                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows,
+                lora: "tuple[LoraTable, torch.Tensor] | None" = None) -> bool:
         """x (residual) and h (first layer's normalised input) [T, H], updated in place to the
         final residual and normalised hidden state; cos, sin [T, D]; kv_caches [layers, 2,
-        blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows.
+        blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows;
+        lora: the step's LoRA weights and each row's slot block (int64 [T]; negative: none).
         False (nothing done to x and h) where it does not apply."""
         num_tokens = x.shape[0]
         cache_dtype = torch.uint8 if self.kv_code else self.dtype
@@ -559,13 +569,40 @@ class DecoderLayers:
         st = kv_caches.stride()
         refs = _CacheRefs(st[0], st[1], st[2], st[3], st[4], kv_caches.shape[3], PARTITION_SIZE)
         slots = slot_mapping.contiguous()
+        lora_refs = None
+        if lora is not None:
+            table, row_block = lora
+            lora_refs = _LoraRefs(ctypes.addressof(table.rows), row_block.data_ptr(), (ctypes.c_int64 * 4)(*table.k))
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
                           x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
-                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows), num_tokens,
+                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows),
+                          None if lora_refs is None else ctypes.addressof(lora_refs), num_tokens,
                           *((self.kv_code,) if self.kv_code else ()))
         if status == 2:
             raise RuntimeError("decoder_layers: a kernel failed after the first layer ran")
         return status == 0
+
+
+class LoraTable:
+    """A LoRA slot range's weights packed for the compiled loop's deltas (LoraProj in
+    cpu_kernels.cpp): per layer and projection, A [n, in] and B [out, n] over the range's n
+    rank columns, k of them per slot. views: per projection name, per layer (A.T [in, n],
+    B.T [n, out]) (lora/weights.py LoRAWeights.layer_views; None: no delta); kept, so a
+    caller can tell whether a step's views are the ones packed here. `ok` is False where our
+    GEMM does not take them (then the step takes the Python loop)."""
+
+    def __init__(self, num_layers: int, views: dict, k: tuple[int, int, int, int]) -> None:
+        self.views, self.k, self.ok = views, k, True
+        self.rows = (_LoraProj * (num_layers * 4))()
+        self._packed = []         # the table points into them
+        for j, name in enumerate(_PROJECTIONS):
+            for layer, (a_t, bt) in enumerate(views.get(name) or ()):
+                a, b = pack_weight(a_t.t()), pack_weight(bt.t())
+                if not (isinstance(a, PackedWeight) and isinstance(b, PackedWeight)):
+                    self.ok = False
+                    return
+                self._packed += [a, b]
+                self.rows[layer * 4 + j] = _LoraProj(a.data.data_ptr(), b.data.data_ptr(), a.out_features)
 
 
 def _kernel(name: str, x: torch.Tensor):

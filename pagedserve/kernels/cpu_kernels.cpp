@@ -1842,10 +1842,62 @@ int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const fl
     return reinterpret_cast<QuantTiles>(m.quant_tiles)(parts, p.nparts, x, bf16, M, K, b, y, N, gemm, p.tile_rows);
 }
 
+// LoRA deltas (lora/weights.py LoRAStep, kernels/cpu.py LoraTable): per layer and
+// projection, the rank columns of the step's slot range packed as two weights, A [n, in] and
+// B [out, n] (n = span * k: k columns per slot); row_block[t] is row t's slot less the first
+// (-1: a base row). y += ((x @ A.T) masked to each row's own k columns) @ B.T: two GEMMs per
+// projection whatever number of adapters the rows use.
+struct LoraProj {
+    int64_t a, b, n;     // packed A and B (a = 0: no delta), rank columns
+};
+struct LoraRefs {
+    const LoraProj *layers;      // [layers][4]: qkv, o, gate_up, down
+    const int64_t *row_block;    // [T]
+    int64_t k[4];                // columns per slot of each projection
+};
+
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline void store_as(float *dst, float v) { *dst = v; }
+inline void store_as(uint16_t *dst, float v) {     // to nearest even (the values are finite)
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    *dst = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t out,
+               int64_t T_) {
+    if (lr == nullptr) return 0;
+    const LoraProj &p = lr->layers[layer * 4 + which];
+    if (p.a == 0) return 0;
+    thread_local std::vector<T> scratch;
+    const int64_t need = T_ * (p.n + out);
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+    T *u = scratch.data(), *d = u + T_ * p.n;
+    if (linear_any(x, reinterpret_cast<const T *>(p.a), nullptr, u, T_, p.n, in)) return 1;
+    const int64_t k = lr->k[which];
+    for (int64_t t = 0; t < T_; t++) {            // each row keeps its own slot's columns
+        const int64_t keep = lr->row_block[t];
+        T *row = u + t * p.n;
+        for (int64_t c = 0; c < p.n; c++)
+            if (c / k != keep) row[c] = T(0);
+    }
+    if (linear_any(u, reinterpret_cast<const T *>(p.b), nullptr, d, T_, out, p.n)) return 1;
+    for (int64_t i = 0; i < T_ * out; i++) store_as(y + i, as_float(y[i]) + as_float(d[i]));
+    return 0;
+}
+
 // K: the cache's element type (T, or an 8-bit format: written through write_kv_quant).
 template <typename T, typename K = T>
 int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,
-                   const T *sin, K *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_) {
+                   const T *sin, K *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_,
+                   const LoraRefs *lora) {
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
     thread_local std::vector<T> scratch;           // qkv, attention out, o/down out, gate_up, act
@@ -1859,7 +1911,8 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         const LayerPtrs &w = layers[l];
         K *kc = cache + l * c.layer, *vc = kc + c.kv;
         const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
-        if (project(w.qkv, m, decode, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_, qkv_size, H))
+        if (project(w.qkv, m, decode, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_, qkv_size, H) ||
+            lora_delta(lora, l, 0, h, H, qkv, qkv_size, T_))
             return 2;
         rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
         if constexpr (kQuant<K>)
@@ -1873,11 +1926,15 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
                    c.partition_size))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
-        if (project(w.o, m, decode, attn, nullptr, proj, T_, H, q_size)) return 2;
+        if (project(w.o, m, decode, attn, nullptr, proj, T_, H, q_size) || lora_delta(lora, l, 1, attn, q_size, proj, H, T_))
+            return 2;
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
-        if (project(w.gate_up, m, decode, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
+        if (project(w.gate_up, m, decode, h, nullptr, gate_up, T_, 2 * I, H) ||
+            lora_delta(lora, l, 2, h, H, gate_up, 2 * I, T_))
+            return 2;
         silu_and_mul(gate_up, act, T_, I);
-        if (project(w.down, m, decode, act, nullptr, proj, T_, H, I)) return 2;
+        if (project(w.down, m, decode, act, nullptr, proj, T_, H, I) || lora_delta(lora, l, 3, act, I, proj, H, T_))
+            return 2;
         add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
     }
     return 0;
@@ -1887,24 +1944,24 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
 extern "C" {
 int decoder_layers_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
                        const float *cos, const float *sin, float *cache, const CacheRefs *c, const int64_t *slots,
-                       const AttentionRows *rows, int64_t T) {
-    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
+                       const AttentionRows *rows, const LoraRefs *lora, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T, lora);
 }
 int decoder_layers_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
                         uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint16_t *cache, const CacheRefs *c,
-                        const int64_t *slots, const AttentionRows *rows, int64_t T) {
-    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
+                        const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T, lora);
 }
 }
 namespace {
 template <typename T>
 int decoder_layers_kv8(const LayerPtrs *layers, const T *final_norm, const ModelDims *m, T *x, T *h, const T *cos,
                        const T *sin, uint8_t *cache, const CacheRefs *c, const int64_t *slots,
-                       const AttentionRows *rows, int64_t T_, int64_t code) {
+                       const AttentionRows *rows, const LoraRefs *lora, int64_t T_, int64_t code) {
     return with_kv_format(code, [&](auto tag) {
         using K = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         return decoder_layers(layers, final_norm, *m, x, h, cos, sin, reinterpret_cast<K *>(cache), *c, slots, *rows,
-                              T_);
+                              T_, lora);
     });
 }
 }  // namespace
@@ -1912,12 +1969,14 @@ int decoder_layers_kv8(const LayerPtrs *layers, const T *final_norm, const Model
 extern "C" {
 int decoder_layers_kv8_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
                            const float *cos, const float *sin, uint8_t *cache, const CacheRefs *c,
-                           const int64_t *slots, const AttentionRows *rows, int64_t T, int64_t code) {
-    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, T, code);
+                           const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T,
+                           int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, lora, T, code);
 }
 int decoder_layers_kv8_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
                             uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint8_t *cache, const CacheRefs *c,
-                            const int64_t *slots, const AttentionRows *rows, int64_t T, int64_t code) {
-    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, T, code);
+                            const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T,
+                            int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, lora, T, code);
 }
 }
