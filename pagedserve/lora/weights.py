@@ -63,6 +63,7 @@ class LoRAWeights:
         self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
         # (module, first slot, last slot) -> per layer (A[range].T, BT[range]): views, valid while the tensors live
         self.views: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.last_range = (-1, -1)      # the slots the last step multiplied (_range)
 
     # ---- slots ---------------------------------------------------------------------------
     def load(self, load: LoRALoad) -> None:
@@ -132,14 +133,23 @@ class LoRAWeights:
             return None
         row_slot = [s for s, n in zip(slots, row_counts) for _ in range(n)]
         T = len(row_slot)
-        if len(active) == 1 and all(s >= 0 for s in slots):   # one adapter, every row: no mask, no gather
-            return LoRAStep(self, active, active[0], active[0], T, None, None)
-        if T <= MASKED_ROWS:
-            return LoRAStep(self, active, active[0], active[-1], T,
-                            torch.tensor(row_slot, dtype=torch.long, device=self.device), None)
+        lo, hi = self._range(active)
+        whole = lo == hi and all(s >= 0 for s in slots)     # one adapter, every row: no mask, no gather
+        if whole or T <= MASKED_ROWS:
+            return LoRAStep(self, lo, hi, T,
+                            None if whole else torch.tensor(row_slot, dtype=torch.long, device=self.device), None)
         groups = {s: torch.tensor([i for i, r in enumerate(row_slot) if r == s], dtype=torch.long, device=self.device)
                   for s in active}
-        return LoRAStep(self, active, active[0], active[-1], T, None, groups)
+        return LoRAStep(self, lo, hi, T, None, groups)
+
+    def _range(self, active: list[int]) -> tuple[int, int]:
+        """The slots a step multiplies: the last step's range while it holds the active slots
+        and is at most twice as wide as they need (as requests finish, the same views and
+        packed weights serve on), else active[0] .. active[-1]."""
+        lo, hi = self.last_range
+        if not (0 <= lo <= active[0] and active[-1] <= hi and hi - lo + 1 <= 2 * (active[-1] - active[0] + 1)):
+            lo, hi = self.last_range = active[0], active[-1]
+        return lo, hi
 
     def layer_views(self, module: str, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per layer, A's and BT's rank rows of slots lo..hi ([in, span * K] transposed, [span * K, out];
@@ -169,8 +179,7 @@ def _shard_slices(args, shard) -> dict[str, tuple[int, int]]:
 @dataclass
 class LoRAStep:
     weights: LoRAWeights
-    active: list[int]                        # the slots the rows use, ascending
-    lo: int                                  # the range of slots multiplied (active[0] .. active[-1])
+    lo: int                                  # the range of slots multiplied (LoRAWeights._range)
     hi: int
     num_rows: int
     row_slot: torch.Tensor | None            # masked: each row's slot (-1: base); None with groups or one adapter
@@ -178,9 +187,9 @@ class LoRAStep:
 
     def __post_init__(self) -> None:
         w = self.weights
-        # Per module: the per-layer views, or None where no active slot's adapter targets it.
-        self.views = {m: w.layer_views(m, self.lo, self.hi) if any(m in w.plan[s] for s in self.active) else None
-                      for m in MODULES}
+        # Per module: the per-layer views, or None where no adapter of the range targets it.
+        self.views = {m: w.layer_views(m, self.lo, self.hi)
+                      if any(m in w.plan[s] for s in range(self.lo, self.hi + 1)) else None for m in MODULES}
         self.masks: dict[int, torch.Tensor] = {}   # K -> _mask's
 
     @property
