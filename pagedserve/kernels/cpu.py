@@ -451,12 +451,16 @@ class _CacheRefs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layer", "kv", "block", "token", "head", "block_size", "partition_size")]
 
 
+class _LoraPart(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("b", "offset", "size")]
+
+
 class _LoraProj(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("a", "b", "n")]
+    _fields_ = [("a", ctypes.c_int64), ("n", ctypes.c_int64), ("nparts", ctypes.c_int64), ("parts", _LoraPart * 3)]
 
 
 class _LoraRefs(ctypes.Structure):
-    _fields_ = [("layers", ctypes.c_void_p), ("row_block", ctypes.c_void_p), ("k", ctypes.c_int64 * 4)]
+    _fields_ = [("layers", ctypes.c_void_p), ("row_block", ctypes.c_void_p), ("rank", ctypes.c_int64)]
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -572,7 +576,7 @@ class DecoderLayers:
         lora_refs = None
         if lora is not None:
             table, row_block = lora
-            lora_refs = _LoraRefs(ctypes.addressof(table.rows), row_block.data_ptr(), (ctypes.c_int64 * 4)(*table.k))
+            lora_refs = _LoraRefs(ctypes.addressof(table.rows), row_block.data_ptr(), table.rank)
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
                           x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
                           ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows),
@@ -585,24 +589,39 @@ class DecoderLayers:
 
 class LoraTable:
     """A LoRA slot range's weights packed for the compiled loop's deltas (LoraProj in
-    cpu_kernels.cpp): per layer and projection, A [n, in] and B [out, n] over the range's n
-    rank columns, k of them per slot. views: per projection name, per layer (A.T [in, n],
-    B.T [n, out]) (lora/weights.py LoRAWeights.layer_views; None: no delta); kept, so a
-    caller can tell whether a step's views are the ones packed here. `ok` is False where our
-    GEMM does not take them (then the step takes the Python loop)."""
+    cpu_kernels.cpp): per layer and projection, A [span * K, in] whole and each part's B
+    [out_part, span * R] on its own (only its rank rows of each slot: no zero blocks).
+    modules: per projection name None (no delta) or (A [layers, span * K, in], BT [layers,
+    span * K, out], the parts' output sizes), as lora/weights.py LoRAStep.compiled_inputs
+    gives them; key: theirs, to tell when they change. `ok` is False where our GEMM does not
+    take them (then the step takes the Python loop)."""
 
-    def __init__(self, num_layers: int, views: dict, k: tuple[int, int, int, int]) -> None:
-        self.views, self.k, self.ok = views, k, True
+    def __init__(self, num_layers: int, key: tuple, modules: dict, rank: int) -> None:
+        self.key, self.rank, self.ok = key, rank, True
         self.rows = (_LoraProj * (num_layers * 4))()
         self._packed = []         # the table points into them
         for j, name in enumerate(_PROJECTIONS):
-            for layer, (a_t, bt) in enumerate(views.get(name) or ()):
-                a, b = pack_weight(a_t.t()), pack_weight(bt.t())
-                if not (isinstance(a, PackedWeight) and isinstance(b, PackedWeight)):
+            if modules.get(name) is None:
+                continue
+            A, BT, sizes = modules[name]
+            n = A.shape[1]
+            span = n // (len(sizes) * rank)
+            for layer in range(num_layers):
+                a = pack_weight(A[layer])
+                bt = BT[layer].view(span, len(sizes), rank, BT.shape[2])
+                parts, offset = [], 0
+                for i, size in enumerate(sizes):
+                    b = pack_weight(bt[:, i, :, offset:offset + size].reshape(span * rank, size).t())
+                    parts.append((b, offset, size))
+                    offset += size
+                if not all(isinstance(w, PackedWeight) for w in (a, *(p[0] for p in parts))):
                     self.ok = False
                     return
-                self._packed += [a, b]
-                self.rows[layer * 4 + j] = _LoraProj(a.data.data_ptr(), b.data.data_ptr(), a.out_features)
+                self._packed += [a, *(p[0] for p in parts)]
+                row = self.rows[layer * 4 + j]
+                row.a, row.n, row.nparts = a.data.data_ptr(), n, len(parts)
+                for i, (b, offset, size) in enumerate(parts):
+                    row.parts[i] = _LoraPart(b.data.data_ptr(), offset, size)
 
 
 def _kernel(name: str, x: torch.Tensor):

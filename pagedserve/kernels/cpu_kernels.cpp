@@ -1843,17 +1843,23 @@ int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const fl
 }
 
 // LoRA deltas (lora/weights.py LoRAStep, kernels/cpu.py LoraTable): per layer and
-// projection, the rank columns of the step's slot range packed as two weights, A [n, in] and
-// B [out, n] (n = span * k: k columns per slot); row_block[t] is row t's slot less the first
-// (-1: a base row). y += ((x @ A.T) masked to each row's own k columns) @ B.T: two GEMMs per
-// projection whatever number of adapters the rows use.
+// projection, the rank columns of the step's slot range (span slots, K = nparts * R columns
+// each, R per part) packed as A [span * K, in], and each part's B [size, span * R] (its own R
+// rank rows of each slot). row_block[t] is row t's slot less the range's first (negative: a
+// base row). u = x @ A.T; per part, each row's own slot's R columns of u (others zero) times
+// B.T go to the part's output columns of y: a few GEMMs per projection whatever number of
+// adapters the rows use.
+struct LoraPart {
+    int64_t b, offset, size;     // packed B (0: none), the part's first output column and count
+};
 struct LoraProj {
-    int64_t a, b, n;     // packed A and B (a = 0: no delta), rank columns
+    int64_t a, n, nparts;        // packed A (0: no delta), its rows (span * K), parts
+    LoraPart parts[3];
 };
 struct LoraRefs {
     const LoraProj *layers;      // [layers][4]: qkv, o, gate_up, down
     const int64_t *row_block;    // [T]
-    int64_t k[4];                // columns per slot of each projection
+    int64_t rank;                // R
 };
 
 inline float as_float(float v) { return v; }
@@ -1870,26 +1876,41 @@ inline void store_as(uint16_t *dst, float v) {     // to nearest even (the value
     *dst = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
 template <typename T>
-int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t out,
+int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
                int64_t T_) {
     if (lr == nullptr) return 0;
     const LoraProj &p = lr->layers[layer * 4 + which];
     if (p.a == 0) return 0;
+    const int64_t R = lr->rank, K = p.nparts * R, span = p.n / K, m = span * R;
+    int64_t most = 0;
+    for (int64_t j = 0; j < p.nparts; j++) most = std::max(most, p.parts[j].size);
     thread_local std::vector<T> scratch;
-    const int64_t need = T_ * (p.n + out);
+    const int64_t need = T_ * (p.n + m + most);
     if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
-    T *u = scratch.data(), *d = u + T_ * p.n;
+    T *u = scratch.data(), *g = u + T_ * p.n, *d = g + T_ * m;
     if (linear_any(x, reinterpret_cast<const T *>(p.a), nullptr, u, T_, p.n, in)) return 1;
-    const int64_t k = lr->k[which];
-    for (int64_t t = 0; t < T_; t++) {            // each row keeps its own slot's columns
-        const int64_t keep = lr->row_block[t];
-        T *row = u + t * p.n;
-        for (int64_t c = 0; c < p.n; c++)
-            if (c / k != keep) row[c] = T(0);
+    for (int64_t j = 0; j < p.nparts; j++) {
+        const LoraPart &q = p.parts[j];
+        if (q.b == 0) continue;
+        for (int64_t t = 0; t < T_; t++) {        // each row: its own slot's R columns of part j
+            const int64_t keep = lr->row_block[t];
+            for (int64_t s = 0; s < span; s++) {
+                T *dst = g + t * m + s * R;
+                if (s == keep)
+                    std::memcpy(dst, u + t * p.n + s * K + j * R, R * sizeof(T));
+                else
+                    std::memset(dst, 0, R * sizeof(T));     // +0.0 in float and bf16
+            }
+        }
+        if (linear_any(g, reinterpret_cast<const T *>(q.b), nullptr, d, T_, q.size, m)) return 1;
+        for (int64_t t = 0; t < T_; t++) {
+            T *row = y + t * ldy + q.offset;
+            const T *delta = d + t * q.size;
+            for (int64_t o = 0; o < q.size; o++) store_as(row + o, as_float(row[o]) + as_float(delta[o]));
+        }
     }
-    if (linear_any(u, reinterpret_cast<const T *>(p.b), nullptr, d, T_, out, p.n)) return 1;
-    for (int64_t i = 0; i < T_ * out; i++) store_as(y + i, as_float(y[i]) + as_float(d[i]));
     return 0;
 }
 

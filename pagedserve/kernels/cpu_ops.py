@@ -101,13 +101,14 @@ class CpuDecoderLayers:
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None) -> bool:
         """lora: a step with adapter rows (lora/weights.py LoRAStep) whose deltas the loop
-        computes (`compiled`): its views packed once per slot range (until a slot is reloaded)."""
+        computes (`compiled`): its weights packed once per slot range (until a slot is reloaded)."""
         deltas = None
         if lora is not None:
-            views, row_block, k = lora.compiled_inputs()
+            key, modules, row_block, rank = lora.compiled_inputs()
             table = self._lora
-            if table is None or table.k != k or any(table.views[m] is not views[m] for m in views):
-                table = self._lora = cpu.LoraTable(self.num_layers, views, k)
+            if table is None or table.key != key:
+                self._lora = None        # the old copies freed first
+                table = self._lora = cpu.LoraTable(self.num_layers, key, modules, rank)
             if not table.ok:
                 return False
             deltas = (table, row_block)

@@ -1,12 +1,13 @@
 """The worker's LoRA weights: max_loras slots of stacked tensors on the model's device, a host
 cache of the last max_cpu_loras adapters read, and the per-step delta.
 
-Per linear module (qkv, o, gate_up, down) a slot owns K = parts * max_rank rank columns: A
-holds the shrink matrices of the parts the slot's adapter targets, packed along the rank
-axis, every slot's block after the previous one ([layers, slots * K, in]), and BT the expand
-matrices transposed with the scale folded in, each part's in its own rank rows and output
-columns ([layers, slots * K, out], zero elsewhere; a fused qkv or gate_up gets each part's
-delta in its own columns). So the slots of a contiguous range are one [span * K, in] matrix.
+Per linear module (qkv, o, gate_up, down) a slot owns K = parts * max_rank rank columns, R
+per part (the adapter's r of them filled): A holds the shrink matrices of the parts the
+slot's adapter targets, every slot's block after the previous one ([layers, slots * K, in]),
+and BT the expand matrices transposed with the scale folded in, each part's in its own rank
+rows and output columns ([layers, slots * K, out], zero elsewhere; a fused qkv or gate_up
+gets each part's delta in its own columns). So the slots of a contiguous range are one
+[span * K, in] matrix.
 
 A step's delta (LoRAStep.add) costs the same few ops per module whatever number of adapters
 its rows use: with few rows (decodes, MASKED_ROWS), u = x @ A[range].T over the rank columns
@@ -58,12 +59,13 @@ class LoRAWeights:
         self.BT: dict[str, torch.Tensor] = {}   # module -> [layers, slots * K, out]
         self.K = {m: len(parts) * max_lora_rank for m, parts in MODULES.items()}   # rank columns per slot
         self.held: list[tuple[int, str] | None] = [None] * max_loras   # slot -> (lora_int_id, path)
-        # Per slot, the modules its adapter targets and the rank columns its parts fill (parts * r).
+        # Per slot, the modules its adapter targets and how many of its K columns they reach.
         self.plan: list[dict[str, int]] = [{} for _ in range(max_loras)]
         self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
         # (module, first slot, last slot) -> per layer (A[range].T, BT[range]): views, valid while the tensors live
         self.views: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.last_range = (-1, -1)      # the slots the last step multiplied (_range)
+        self.generation = 0             # loads so far
 
     # ---- slots ---------------------------------------------------------------------------
     def load(self, load: LoRALoad) -> None:
@@ -74,6 +76,7 @@ class LoRAWeights:
         s, L = load.slot, self.args.num_layers
         self.held[s] = None          # until the copy below is complete
         self.views.clear()           # a single slot's views are trimmed to its adapter's rank
+        self.generation += 1         # and a compiled loop's packed copies are stale
         for module, a in self.A.items():
             K = self.K[module]
             a[:, s * K:(s + 1) * K].zero_()
@@ -87,14 +90,15 @@ class LoRAWeights:
             if module not in self.A:
                 self.A[module] = self._zeros(K, self.shapes[parts[0]][0])
                 self.BT[module] = self._zeros(K, sum(self.shapes[p][1] for p in parts))
-            r = spec.rank
-            plan[module] = len(targeted) * r
+            r, R = spec.rank, self.max_rank
+            plan[module] = parts.index(targeted[-1]) * R + r
             for layer in range(L):
-                for j, p in enumerate(targeted):
+                for p in targeted:
                     a_b = tensors.get((layer, p))
                     if a_b is not None:
                         a, b = self._slice(p, *a_b)
-                        rows = slice(s * K + j * r, s * K + (j + 1) * r)
+                        start = s * K + parts.index(p) * R       # each part in its own R columns
+                        rows = slice(start, start + r)
                         self.A[module][layer, rows].copy_(a)
                         self.BT[module][layer, rows, self.part_cols[p]].copy_(b.T)
         self.held[s], self.plan[s] = key, plan
@@ -198,17 +202,21 @@ class LoRAStep:
         ones (many rows) stay in the Python loop."""
         return self.groups is None
 
-    def compiled_inputs(self) -> tuple[dict, torch.Tensor, tuple[int, int, int, int]]:
-        """For a compiled loop (kernels/cpu.py LoraTable): the per-layer views of each module
-        (None: no delta; the same objects while the slot range and its slots stay), each row's
-        block of rank columns (its slot - lo; negative: a base row), and the columns per block."""
-        if self.row_slot is None:
-            blocks = torch.zeros(self.num_rows, dtype=torch.long, device=self.weights.device)
-        else:
-            blocks = self.row_slot - self.lo
-        single = self.lo == self.hi
-        k = tuple((v[0][0].shape[1] if single else self.weights.K[m]) if v else 1 for m, v in self.views.items())
-        return self.views, blocks, k
+    def compiled_inputs(self) -> tuple[tuple, dict, torch.Tensor, int]:
+        """For a compiled loop (kernels/cpu.py LoraTable): a key that changes when the weights
+        below do (the range and the loads so far); per module (None: no delta) A and BT over
+        the range's rank columns ([layers, span * K, in], [layers, span * K, out]) and its parts'
+        output sizes (each part's rank rows are R of each slot's K); each row's block (its slot
+        - lo; negative: a base row); R."""
+        w = self.weights
+        modules = {}
+        for m, parts in MODULES.items():
+            rows = slice(self.lo * w.K[m], (self.hi + 1) * w.K[m])
+            modules[m] = None if self.views[m] is None else \
+                (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts])
+        blocks = torch.zeros(self.num_rows, dtype=torch.long, device=w.device) if self.row_slot is None \
+            else self.row_slot - self.lo
+        return (self.lo, self.hi, w.generation), modules, blocks, w.max_rank
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += (x[rows] @ A.T) @ BT for each adapter's rows (in place)."""
