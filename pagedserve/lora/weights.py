@@ -204,7 +204,7 @@ class LoRAStep:
 
     def compiled_inputs(self) -> tuple[tuple, dict, torch.Tensor, int]:
         """For a compiled loop (kernels/cpu.py LoraTable): a key that changes when the weights
-        below do (the range and the loads so far); per module (None: no delta) A and BT over
+        below do (the range, the loads so far, the modules with a delta); per module (None: no delta) A and BT over
         the range's rank columns ([layers, span * K, in], [layers, span * K, out]) and its parts'
         output sizes (each part's rank rows are R of each slot's K); each row's block (its slot
         - lo; negative: a base row); R."""
@@ -216,7 +216,8 @@ class LoRAStep:
                 (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts])
         blocks = torch.zeros(self.num_rows, dtype=torch.long, device=w.device) if self.row_slot is None \
             else self.row_slot - self.lo
-        return (self.lo, self.hi, w.generation), modules, blocks, w.max_rank
+        key = (self.lo, self.hi, w.generation, tuple(m for m, v in modules.items() if v is not None))
+        return key, modules, blocks, w.max_rank
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += (x[rows] @ A.T) @ BT for each adapter's rows (in place)."""
