@@ -13,8 +13,9 @@ A step's delta (LoRAStep.add) costs the same few ops per module whatever number 
 its rows use: with few rows (decodes, MASKED_ROWS), u = x @ A[range].T over the rank columns
 of every slot from the lowest to the highest active one, u *= mask (each row keeps its own
 slot's columns; base rows (-1) none), out += u @ BT[range]: 3 ops, 2 when one adapter has
-every row. The mask and the per-layer views are made once per step (views once per range).
-With many rows (prefill) the wasted columns would cost more than the ops they save, so each
+every row. The mask is made once per step, the per-layer views once per slot range (sticky:
+_range). Where the model has a compiled CPU layer loop, such a step runs there instead
+(compiled_inputs; kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta). With many rows (prefill) the wasted columns would cost more than the ops they save, so each
 adapter's rows are gathered, multiplied by its own block, and added back. The base model's
 rows get nothing and a step without adapter rows does not come here at all.
 
