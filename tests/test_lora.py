@@ -71,21 +71,45 @@ def assert_no_blocks_held(llm):
     llm.engine.check_paging_invariants()
 
 
-def test_each_adapter_alone_and_a_mixed_batch_equal_peft(tiny_llama, setup):
+def count_compiled_lora_steps(model) -> list[bool]:
+    """Per call of the compiled layer loop: whether it ran a step with adapter rows."""
+    calls, inner = [], model.compiled_layers.forward
+
+    def forward(*args):
+        done = inner(*args)
+        calls.append(len(args) > 6 and done)
+        return done
+    model.compiled_layers.forward = forward
+    return calls
+
+
+@pytest.mark.parametrize("loop", ["compiled", "python"])
+def test_each_adapter_alone_and_a_mixed_batch_equal_peft(tiny_llama, setup, loop):
+    """Both layer loops: the compiled one adds the deltas of steps with few rows (decodes),
+    the Python one those of prefills (each adapter's rows gathered) and of everything without it."""
     _, prompts, requests, want = setup
     llm = make_llm(tiny_llama)
+    model = llm.engine.runner.model
+    if loop == "python":
+        model.compiled_layers = None
+    elif model.compiled_layers is None:
+        pytest.skip("no compiled layer loop here (no CPU kernels)")
+    else:
+        calls = count_compiled_lora_steps(model)
     for name, lora in requests.items():
         assert run(llm, prompts, lora) == want[name], name
     batch_prompts, loras, expected = mixed(setup)
     assert run(llm, batch_prompts, loras) == expected
     assert_no_blocks_held(llm)
+    if loop == "compiled":
+        assert any(calls), "the compiled loop ran no step with adapter rows"
 
 
 def test_the_comparison_fails_without_the_delta_or_with_rows_mixed_up(tiny_llama, setup, monkeypatch):
     batch_prompts, loras, expected = mixed(setup)
     llm = make_llm(tiny_llama, enable_prefix_caching=False)
-    with monkeypatch.context() as m:
-        m.setattr(lora_weights.LoRAStep, "add", lambda self, layer, module, x, out: None)
+    with monkeypatch.context() as m:     # no delta, in either layer loop
+        m.setattr(lora_weights.LoRAWeights, "layer_views", lambda self, module, lo, hi: None)
         assert run(llm, batch_prompts, loras) != expected
     step = lora_weights.LoRAWeights.step
     with monkeypatch.context() as m:   # each adapter's rows get the next slot's weights

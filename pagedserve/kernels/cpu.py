@@ -185,10 +185,10 @@ _SIGNATURES = {
     "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
     "paged_attention_kv8_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
     "paged_attention_kv8_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
-    "decoder_layers_f32": [_P] * 11 + [_I],
-    "decoder_layers_bf16": [_P] * 11 + [_I],
-    "decoder_layers_kv8_f32": [_P] * 11 + [_I, _I],
-    "decoder_layers_kv8_bf16": [_P] * 11 + [_I, _I],
+    "decoder_layers_f32": [_P] * 12 + [_I],
+    "decoder_layers_bf16": [_P] * 12 + [_I],
+    "decoder_layers_kv8_f32": [_P] * 12 + [_I, _I],
+    "decoder_layers_kv8_bf16": [_P] * 12 + [_I, _I],
     "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
@@ -451,6 +451,18 @@ class _CacheRefs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layer", "kv", "block", "token", "head", "block_size", "partition_size")]
 
 
+class _LoraPart(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("b", "offset", "size")]
+
+
+class _LoraProj(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_int64), ("n", ctypes.c_int64), ("nparts", ctypes.c_int64), ("parts", _LoraPart * 3)]
+
+
+class _LoraRefs(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_void_p), ("row_block", ctypes.c_void_p), ("rank", ctypes.c_int64)]
+
+
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
 
@@ -544,10 +556,12 @@ class DecoderLayers:
         return True
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows) -> bool:
+                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows,
+                lora: "tuple[LoraTable, torch.Tensor] | None" = None) -> bool:
         """x (residual) and h (first layer's normalised input) [T, H], updated in place to the
         final residual and normalised hidden state; cos, sin [T, D]; kv_caches [layers, 2,
-        blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows.
+        blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows;
+        lora: the step's LoRA weights and each row's slot block (int64 [T]; negative: none).
         False (nothing done to x and h) where it does not apply."""
         num_tokens = x.shape[0]
         cache_dtype = torch.uint8 if self.kv_code else self.dtype
@@ -559,13 +573,55 @@ class DecoderLayers:
         st = kv_caches.stride()
         refs = _CacheRefs(st[0], st[1], st[2], st[3], st[4], kv_caches.shape[3], PARTITION_SIZE)
         slots = slot_mapping.contiguous()
+        lora_refs = None
+        if lora is not None:
+            table, row_block = lora
+            lora_refs = _LoraRefs(ctypes.addressof(table.rows), row_block.data_ptr(), table.rank)
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
                           x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
-                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows), num_tokens,
+                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows),
+                          None if lora_refs is None else ctypes.addressof(lora_refs), num_tokens,
                           *((self.kv_code,) if self.kv_code else ()))
         if status == 2:
             raise RuntimeError("decoder_layers: a kernel failed after the first layer ran")
         return status == 0
+
+
+class LoraTable:
+    """A LoRA slot range's weights packed for the compiled loop's deltas (LoraProj in
+    cpu_kernels.cpp): per layer and projection, A [span * K, in] whole and each part's B
+    [out_part, span * R] on its own (only its rank rows of each slot: no zero blocks).
+    modules: per projection name None (no delta) or (A [layers, span * K, in], BT [layers,
+    span * K, out], the parts' output sizes), as lora/weights.py LoRAStep.compiled_inputs
+    gives them; key: theirs, to tell when they change. `ok` is False where our GEMM does not
+    take them (then the step takes the Python loop)."""
+
+    def __init__(self, num_layers: int, key: tuple, modules: dict, rank: int) -> None:
+        self.key, self.rank, self.ok = key, rank, True
+        self.rows = (_LoraProj * (num_layers * 4))()
+        self._packed = []         # the table points into them
+        for j, name in enumerate(_PROJECTIONS):
+            if modules.get(name) is None:
+                continue
+            A, BT, sizes = modules[name]
+            n = A.shape[1]
+            span = n // (len(sizes) * rank)
+            for layer in range(num_layers):
+                a = pack_weight(A[layer])
+                bt = BT[layer].view(span, len(sizes), rank, BT.shape[2])
+                parts, offset = [], 0
+                for i, size in enumerate(sizes):
+                    b = pack_weight(bt[:, i, :, offset:offset + size].reshape(span * rank, size).t())
+                    parts.append((b, offset, size))
+                    offset += size
+                if not all(isinstance(w, PackedWeight) for w in (a, *(p[0] for p in parts))):
+                    self.ok = False
+                    return
+                self._packed += [a, *(p[0] for p in parts)]
+                row = self.rows[layer * 4 + j]
+                row.a, row.n, row.nparts = a.data.data_ptr(), n, len(parts)
+                for i, (b, offset, size) in enumerate(parts):
+                    row.parts[i] = _LoraPart(b.data.data_ptr(), offset, size)
 
 
 def _kernel(name: str, x: torch.Tensor):

@@ -1842,10 +1842,83 @@ int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const fl
     return reinterpret_cast<QuantTiles>(m.quant_tiles)(parts, p.nparts, x, bf16, M, K, b, y, N, gemm, p.tile_rows);
 }
 
+// LoRA deltas (lora/weights.py LoRAStep, kernels/cpu.py LoraTable): per layer and
+// projection, the rank columns of the step's slot range (span slots, K = nparts * R columns
+// each, R per part) packed as A [span * K, in], and each part's B [size, span * R] (its own R
+// rank rows of each slot). row_block[t] is row t's slot less the range's first (negative: a
+// base row). u = x @ A.T; per part, each row's own slot's R columns of u (others zero) times
+// B.T go to the part's output columns of y: a few GEMMs per projection whatever number of
+// adapters the rows use.
+struct LoraPart {
+    int64_t b, offset, size;     // packed B (0: none), the part's first output column and count
+};
+struct LoraProj {
+    int64_t a, n, nparts;        // packed A (0: no delta), its rows (span * K), parts
+    LoraPart parts[3];
+};
+struct LoraRefs {
+    const LoraProj *layers;      // [layers][4]: qkv, o, gate_up, down
+    const int64_t *row_block;    // [T]
+    int64_t rank;                // R
+};
+
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline void store_as(float *dst, float v) { *dst = v; }
+inline void store_as(uint16_t *dst, float v) {     // to nearest even (the values are finite)
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    *dst = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
+template <typename T>
+int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
+               int64_t T_) {
+    if (lr == nullptr) return 0;
+    const LoraProj &p = lr->layers[layer * 4 + which];
+    if (p.a == 0) return 0;
+    const int64_t R = lr->rank, K = p.nparts * R, span = p.n / K, m = span * R;
+    int64_t most = 0;
+    for (int64_t j = 0; j < p.nparts; j++) most = std::max(most, p.parts[j].size);
+    thread_local std::vector<T> scratch;
+    const int64_t need = T_ * (p.n + m + most);
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+    T *u = scratch.data(), *g = u + T_ * p.n, *d = g + T_ * m;
+    if (linear_any(x, reinterpret_cast<const T *>(p.a), nullptr, u, T_, p.n, in)) return 1;
+    for (int64_t j = 0; j < p.nparts; j++) {
+        const LoraPart &q = p.parts[j];
+        if (q.b == 0) continue;
+        for (int64_t t = 0; t < T_; t++) {        // each row: its own slot's R columns of part j
+            const int64_t keep = lr->row_block[t];
+            for (int64_t s = 0; s < span; s++) {
+                T *dst = g + t * m + s * R;
+                if (s == keep)
+                    std::memcpy(dst, u + t * p.n + s * K + j * R, R * sizeof(T));
+                else
+                    std::memset(dst, 0, R * sizeof(T));     // +0.0 in float and bf16
+            }
+        }
+        if (linear_any(g, reinterpret_cast<const T *>(q.b), nullptr, d, T_, q.size, m)) return 1;
+        for (int64_t t = 0; t < T_; t++) {
+            T *row = y + t * ldy + q.offset;
+            const T *delta = d + t * q.size;
+            for (int64_t o = 0; o < q.size; o++) store_as(row + o, as_float(row[o]) + as_float(delta[o]));
+        }
+    }
+    return 0;
+}
+
 // K: the cache's element type (T, or an 8-bit format: written through write_kv_quant).
 template <typename T, typename K = T>
 int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,
-                   const T *sin, K *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_) {
+                   const T *sin, K *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_,
+                   const LoraRefs *lora) {
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
     thread_local std::vector<T> scratch;           // qkv, attention out, o/down out, gate_up, act
@@ -1859,7 +1932,8 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         const LayerPtrs &w = layers[l];
         K *kc = cache + l * c.layer, *vc = kc + c.kv;
         const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
-        if (project(w.qkv, m, decode, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_, qkv_size, H))
+        if (project(w.qkv, m, decode, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_, qkv_size, H) ||
+            lora_delta(lora, l, 0, h, H, qkv, qkv_size, T_))
             return 2;
         rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
         if constexpr (kQuant<K>)
@@ -1873,11 +1947,15 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
                    c.partition_size))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
-        if (project(w.o, m, decode, attn, nullptr, proj, T_, H, q_size)) return 2;
+        if (project(w.o, m, decode, attn, nullptr, proj, T_, H, q_size) || lora_delta(lora, l, 1, attn, q_size, proj, H, T_))
+            return 2;
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
-        if (project(w.gate_up, m, decode, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
+        if (project(w.gate_up, m, decode, h, nullptr, gate_up, T_, 2 * I, H) ||
+            lora_delta(lora, l, 2, h, H, gate_up, 2 * I, T_))
+            return 2;
         silu_and_mul(gate_up, act, T_, I);
-        if (project(w.down, m, decode, act, nullptr, proj, T_, H, I)) return 2;
+        if (project(w.down, m, decode, act, nullptr, proj, T_, H, I) || lora_delta(lora, l, 3, act, I, proj, H, T_))
+            return 2;
         add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
     }
     return 0;
@@ -1887,24 +1965,24 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
 extern "C" {
 int decoder_layers_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
                        const float *cos, const float *sin, float *cache, const CacheRefs *c, const int64_t *slots,
-                       const AttentionRows *rows, int64_t T) {
-    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
+                       const AttentionRows *rows, const LoraRefs *lora, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T, lora);
 }
 int decoder_layers_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
                         uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint16_t *cache, const CacheRefs *c,
-                        const int64_t *slots, const AttentionRows *rows, int64_t T) {
-    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T);
+                        const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T, lora);
 }
 }
 namespace {
 template <typename T>
 int decoder_layers_kv8(const LayerPtrs *layers, const T *final_norm, const ModelDims *m, T *x, T *h, const T *cos,
                        const T *sin, uint8_t *cache, const CacheRefs *c, const int64_t *slots,
-                       const AttentionRows *rows, int64_t T_, int64_t code) {
+                       const AttentionRows *rows, const LoraRefs *lora, int64_t T_, int64_t code) {
     return with_kv_format(code, [&](auto tag) {
         using K = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         return decoder_layers(layers, final_norm, *m, x, h, cos, sin, reinterpret_cast<K *>(cache), *c, slots, *rows,
-                              T_);
+                              T_, lora);
     });
 }
 }  // namespace
@@ -1912,12 +1990,14 @@ int decoder_layers_kv8(const LayerPtrs *layers, const T *final_norm, const Model
 extern "C" {
 int decoder_layers_kv8_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
                            const float *cos, const float *sin, uint8_t *cache, const CacheRefs *c,
-                           const int64_t *slots, const AttentionRows *rows, int64_t T, int64_t code) {
-    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, T, code);
+                           const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T,
+                           int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, lora, T, code);
 }
 int decoder_layers_kv8_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
                             uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint8_t *cache, const CacheRefs *c,
-                            const int64_t *slots, const AttentionRows *rows, int64_t T, int64_t code) {
-    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, T, code);
+                            const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T,
+                            int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, lora, T, code);
 }
 }

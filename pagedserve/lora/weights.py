@@ -1,19 +1,28 @@
 """The worker's LoRA weights: max_loras slots of stacked tensors on the model's device, a host
 cache of the last max_cpu_loras adapters read, and the per-step delta.
 
-Per linear module (qkv, o, gate_up, down) and slot, A holds the shrink matrices of the parts
-the slot's adapter targets, packed along the rank axis ([slots, layers, parts * max_rank, in]),
-and B the expand matrices with the scale folded in, each part's in its own output rows and
-rank columns ([slots, layers, out, parts * max_rank], zero elsewhere), so a module's delta is
-one shrink and one expand GEMM whatever parts the adapter targets (a fused qkv or gate_up
-gets each part's delta in its own columns). A step adds, for the rows of each adapter,
-B[slot] @ (A[slot] @ x) to the module's output. The base
-model's rows (-1) get nothing and a step without adapter rows does not come here at all.
+Per linear module (qkv, o, gate_up, down) a slot owns K = parts * max_rank rank columns, R
+per part (the adapter's r of them filled): A holds the shrink matrices of the parts the
+slot's adapter targets, every slot's block after the previous one ([layers, slots * K, in]),
+and BT the expand matrices transposed with the scale folded in, each part's in its own rank
+rows and output columns ([layers, slots * K, out], zero elsewhere; a fused qkv or gate_up
+gets each part's delta in its own columns). So the slots of a contiguous range are one
+[span * K, in] matrix.
+
+A step's delta (LoRAStep.add) costs the same few ops per module whatever number of adapters
+its rows use: with few rows (decodes, MASKED_ROWS), u = x @ A[range].T over the rank columns
+of every slot from the lowest to the highest active one, u *= mask (each row keeps its own
+slot's columns; base rows (-1) none), out += u @ BT[range]: 3 ops, 2 when one adapter has
+every row. The mask is made once per step, the per-layer views once per slot range (sticky:
+_range). Where the model has a compiled CPU layer loop, such a step runs there instead
+(compiled_inputs; kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta). With many rows (prefill) the wasted columns would cost more than the ops they save, so each
+adapter's rows are gathered, multiplied by its own block, and added back. The base model's
+rows get nothing and a step without adapter rows does not come here at all.
 
 Under tensor parallelism each rank holds the slices of its shard (models/sharding.py), as the
-layers they adapt: a column-parallel part (q, k, v, gate, up) its rows of B (A whole), a
-row-parallel one (o, down) its columns of A (B whole), so its delta is a partial sum that the
-layer's all-reduce completes with the base output's.
+layers they adapt: a column-parallel part (q, k, v, gate, up) its output columns of BT (A
+whole), a row-parallel one (o, down) its columns of A (BT whole), so its delta is a partial
+sum that the layer's all-reduce completes with the base output's.
 """
 from __future__ import annotations
 
@@ -27,6 +36,9 @@ from pagedserve.lora.adapter import load_tensors, part_shapes, read_adapter
 
 # Each linear module of a layer and its parts, in the order of its output columns.
 MODULES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+# Steps of up to this many rows multiply every slot of the active range and mask (few ops);
+# larger ones gather each adapter's rows (few wasted FLOPs).
+MASKED_ROWS = 64
 
 
 class LoRAWeights:
@@ -44,12 +56,17 @@ class LoRAWeights:
                 offsets[p] = (start, start + self.shapes[p][1])
                 start += self.shapes[p][1]
         self.part_cols = {p: slice(*c) for p, c in offsets.items()}
-        self.A: dict[str, torch.Tensor] = {}   # module -> [slots, layers, parts * R, in], made when first needed
-        self.B: dict[str, torch.Tensor] = {}   # module -> [slots, layers, out, parts * R]
+        self.A: dict[str, torch.Tensor] = {}    # module -> [layers, slots * K, in], made when first needed
+        self.BT: dict[str, torch.Tensor] = {}   # module -> [layers, slots * K, out]
+        self.K = {m: len(parts) * max_lora_rank for m, parts in MODULES.items()}   # rank columns per slot
         self.held: list[tuple[int, str] | None] = [None] * max_loras   # slot -> (lora_int_id, path)
-        # Per slot, the modules its adapter targets and the rank columns its parts fill (parts * r).
+        # Per slot, the modules its adapter targets and how many of its K columns they reach.
         self.plan: list[dict[str, int]] = [{} for _ in range(max_loras)]
         self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
+        # (module, first slot, last slot) -> per layer (A[range].T, BT[range]): views, valid while the tensors live
+        self.views: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.last_range = (-1, -1)      # the slots the last step multiplied (_range)
+        self.generation = 0             # loads so far
 
     # ---- slots ---------------------------------------------------------------------------
     def load(self, load: LoRALoad) -> None:
@@ -57,27 +74,34 @@ class LoRAWeights:
         if self.held[load.slot] == key:
             return
         spec, tensors = self._host(key)
-        s, L, R = load.slot, self.args.num_layers, self.max_rank
+        s, L = load.slot, self.args.num_layers
         self.held[s] = None          # until the copy below is complete
-        for t in (*self.A.values(), *self.B.values()):
-            t[s].zero_()
+        self.views.clear()           # a single slot's views are trimmed to its adapter's rank
+        self.generation += 1         # and a compiled loop's packed copies are stale
+        for module, a in self.A.items():
+            K = self.K[module]
+            a[:, s * K:(s + 1) * K].zero_()
+            self.BT[module][:, s * K:(s + 1) * K].zero_()
         plan = {}
         for module, parts in MODULES.items():
             targeted = [p for p in parts if p in spec.parts]
             if not targeted:
                 continue
+            K = self.K[module]
             if module not in self.A:
-                self.A[module] = self._zeros(len(parts) * R, self.shapes[parts[0]][0])
-                self.B[module] = self._zeros(sum(self.shapes[p][1] for p in parts), len(parts) * R)
-            r = spec.rank
-            plan[module] = len(targeted) * r
+                self.A[module] = self._zeros(K, self.shapes[parts[0]][0])
+                self.BT[module] = self._zeros(K, sum(self.shapes[p][1] for p in parts))
+            r, R = spec.rank, self.max_rank
+            plan[module] = parts.index(targeted[-1]) * R + r
             for layer in range(L):
-                for j, p in enumerate(targeted):
+                for p in targeted:
                     a_b = tensors.get((layer, p))
                     if a_b is not None:
                         a, b = self._slice(p, *a_b)
-                        self.A[module][s, layer, j * r:(j + 1) * r].copy_(a)
-                        self.B[module][s, layer, self.part_cols[p], j * r:(j + 1) * r].copy_(b)
+                        start = s * K + parts.index(p) * R       # each part in its own R columns
+                        rows = slice(start, start + r)
+                        self.A[module][layer, rows].copy_(a)
+                        self.BT[module][layer, rows, self.part_cols[p]].copy_(b.T)
         self.held[s], self.plan[s] = key, plan
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +113,9 @@ class LoRAWeights:
             return a[:, rows[0]:rows[1]], b
         return a, b[rows[0]:rows[1]]
 
-    def _zeros(self, rows: int, cols: int) -> torch.Tensor:
-        return torch.zeros(self.max_loras, self.args.num_layers, rows, cols, dtype=self.dtype, device=self.device)
+    def _zeros(self, per_slot: int, cols: int) -> torch.Tensor:
+        return torch.zeros(self.args.num_layers, self.max_loras * per_slot, cols, dtype=self.dtype,
+                           device=self.device)
 
     def _host(self, key: tuple[int, str]):
         """An adapter's checked spec and host tensors, read at most once while it stays in the
@@ -108,19 +133,39 @@ class LoRAWeights:
     def step(self, slots: list[int], row_counts: list[int]) -> "LoRAStep | None":
         """The step's delta: `slots[i]` is sequence i's slot (-1: base), `row_counts[i]` its
         query rows (in the flat batch's order). None when no row has an adapter."""
-        if all(s < 0 for s in slots):
+        active = sorted({s for s in slots if s >= 0})
+        if not active:
             return None
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for s, n in zip(slots, row_counts):
-            if s >= 0:
-                rows.setdefault(s, []).extend(range(start, start + n))
-            start += n
-        groups = []
-        for s, idx in rows.items():
-            whole = len(idx) == start          # one adapter for the whole step: no gather/scatter
-            groups.append((s, None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)))
-        return LoRAStep(self, groups)
+        row_slot = [s for s, n in zip(slots, row_counts) for _ in range(n)]
+        T = len(row_slot)
+        lo, hi = self._range(active)
+        whole = lo == hi and all(s >= 0 for s in slots)     # one adapter, every row: no mask, no gather
+        if whole or T <= MASKED_ROWS:
+            return LoRAStep(self, lo, hi, T,
+                            None if whole else torch.tensor(row_slot, dtype=torch.long, device=self.device), None)
+        groups = {s: torch.tensor([i for i, r in enumerate(row_slot) if r == s], dtype=torch.long, device=self.device)
+                  for s in active}
+        return LoRAStep(self, lo, hi, T, None, groups)
+
+    def _range(self, active: list[int]) -> tuple[int, int]:
+        """The slots a step multiplies: the last step's range while it holds the active slots
+        and is at most twice as wide as they need (as requests finish, the same views and
+        packed weights serve on), else active[0] .. active[-1]."""
+        lo, hi = self.last_range
+        if not (0 <= lo <= active[0] and active[-1] <= hi and hi - lo + 1 <= 2 * (active[-1] - active[0] + 1)):
+            lo, hi = self.last_range = active[0], active[-1]
+        return lo, hi
+
+    def layer_views(self, module: str, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer, A's and BT's rank rows of slots lo..hi ([in, span * K] transposed, [span * K, out];
+        one slot: only the columns its adapter fills)."""
+        key = (module, lo, hi)
+        views = self.views.get(key)
+        if views is None and module in self.A:
+            K = self.K[module]
+            rows = slice(lo * K, lo * K + self.plan[lo].get(module, 0) if lo == hi else (hi + 1) * K)
+            views = self.views[key] = [(a.t(), bt) for a, bt in zip(self.A[module][:, rows], self.BT[module][:, rows])]
+        return views
 
 
 def _shard_slices(args, shard) -> dict[str, tuple[int, int]]:
@@ -139,17 +184,67 @@ def _shard_slices(args, shard) -> dict[str, tuple[int, int]]:
 @dataclass
 class LoRAStep:
     weights: LoRAWeights
-    groups: list[tuple[int, torch.Tensor | None]]    # slot, its rows (None: every row)
+    lo: int                                  # the range of slots multiplied (LoRAWeights._range)
+    hi: int
+    num_rows: int
+    row_slot: torch.Tensor | None            # masked: each row's slot (-1: base); None with groups or one adapter
+    groups: dict[int, torch.Tensor] | None   # gathered: slot -> its rows
+
+    def __post_init__(self) -> None:
+        w = self.weights
+        # Per module: the per-layer views, or None where no adapter of the range targets it.
+        self.views = {m: w.layer_views(m, self.lo, self.hi)
+                      if any(m in w.plan[s] for s in range(self.lo, self.hi + 1)) else None for m in MODULES}
+        self.masks: dict[int, torch.Tensor] = {}   # K -> _mask's
+
+    @property
+    def compiled(self) -> bool:
+        """Whether a compiled layer loop may take these deltas (compiled_inputs); the gathered
+        ones (many rows) stay in the Python loop."""
+        return self.groups is None
+
+    def compiled_inputs(self) -> tuple[tuple, dict, torch.Tensor, int]:
+        """For a compiled loop (kernels/cpu.py LoraTable): a key that changes when the weights
+        below do (the range, the loads so far, the modules with a delta); per module (None: no delta) A and BT over
+        the range's rank columns ([layers, span * K, in], [layers, span * K, out]) and its parts'
+        output sizes (each part's rank rows are R of each slot's K); each row's block (its slot
+        - lo; negative: a base row); R."""
+        w = self.weights
+        modules = {}
+        for m, parts in MODULES.items():
+            rows = slice(self.lo * w.K[m], (self.hi + 1) * w.K[m])
+            modules[m] = None if self.views[m] is None else \
+                (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts])
+        blocks = torch.zeros(self.num_rows, dtype=torch.long, device=w.device) if self.row_slot is None \
+            else self.row_slot - self.lo
+        key = (self.lo, self.hi, w.generation, tuple(m for m, v in modules.items() if v is not None))
+        return key, modules, blocks, w.max_rank
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows] += (x[rows] @ A.T) @ B.T for each adapter's rows (in place)."""
+        """out[rows] += (x[rows] @ A.T) @ BT for each adapter's rows (in place)."""
+        views = self.views[module]
+        if views is None:
+            return
+        a_t, bt = views[layer]
+        if self.groups is None:
+            u = x @ a_t
+            if self.row_slot is not None:
+                u.mul_(self._mask(module))
+            out.addmm_(u, bt)
+            return
         w = self.weights
-        for slot, rows in self.groups:
+        for slot, rows in self.groups.items():
             k = w.plan[slot].get(module)
-            if k is None:
-                continue
-            a, b = w.A[module][slot, layer, :k], w.B[module][slot, layer, :, :k]
-            if rows is None:
-                out.addmm_(x @ a.T, b.T)
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+            if k is not None:
+                start = (slot - self.lo) * w.K[module]
+                cols = slice(start, start + k)
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a_t[:, cols]) @ bt[cols])
+
+    def _mask(self, module: str) -> torch.Tensor:
+        """[rows, span * K] (one slot: [rows, 1]): 1 where the column is the row's slot's, else 0."""
+        K = 1 if self.lo == self.hi else self.weights.K[module]
+        mask = self.masks.get(K)
+        if mask is None:
+            col_slot = torch.arange(self.lo, self.hi + 1, device=self.row_slot.device).repeat_interleave(K)
+            mask = self.masks[K] = (self.row_slot[:, None] == col_slot[None, :]).to(self.weights.dtype)
+        return mask

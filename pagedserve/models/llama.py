@@ -113,8 +113,9 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: torch.Tensor, lora=None) -> torch.Tensor:
         """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, Hkv, D].
-        lora: a step with adapter rows (lora/weights.py LoRAStep; it adds their deltas to each
-        linear's output, so such a step takes the Python loop). Returns the final hidden states
+        lora: a step with adapter rows (lora/weights.py LoRAStep: the compiled loop takes its
+        deltas where it is `compiled`, else lora.add adds them to each linear's output in the
+        Python loop). Returns the final hidden states
         [T, hidden] (normalised)."""
         a, ops = self.args, self.ops
         num_tokens = input_ids.shape[0]
@@ -123,8 +124,9 @@ class LlamaModel:
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
         h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
-        if lora is None and self.compiled_layers is not None and self.compiled_layers.forward(
-                x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta):
+        if (lora is None or lora.compiled) and self.compiled_layers is not None and self.compiled_layers.forward(
+                x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta,
+                *(() if lora is None else (lora,))):
             return h
         # Decode-only batches: quantized weights keep their integer path up to larger batches.
         linear = ops.linear if meta.num_decodes < num_tokens else functools.partial(ops.linear, decode=True)

@@ -24,10 +24,11 @@ class CompiledLayers(Protocol):
     """Every decoder layer of a model as one call (an ops implementation may offer it)."""
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
+                kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None) -> bool:
         """x (residual), h (first layer's normalised input) [T, H] updated in place to the final
-        residual and normalised hidden state; cos, sin [T, D]. False (nothing done) where it
-        does not apply."""
+        residual and normalised hidden state; cos, sin [T, D]; lora: a LoRAStep whose deltas
+        it adds (lora/weights.py; passed only when there is one). False (nothing done) where
+        it does not apply."""
 
 
 class ModelOps(Protocol):
