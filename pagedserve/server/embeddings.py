@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import time
 from typing import Any, Literal
 
 import numpy as np
@@ -21,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.errors import InvalidRequestError
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.server.errors import bad_request, parse_body
-from pagedserve.server.protocol import Int, OpenAIModel, random_id
+from pagedserve.server.protocol import Int, OpenAIModel
 from pagedserve.server.serving import Serving, completion_prompts
 from pagedserve.server.state import ServerState
 
@@ -47,11 +46,7 @@ class EmbeddingServing(Serving):
 
     def __init__(self, state: ServerState, body: EmbeddingRequest, raw: Request) -> None:
         # Serving.__init__ reads a sampling request's fields; an embedding request has none of them.
-        self.state, self.llm, self.body, self.raw = state, state.llm, body, raw
-        self.arrival = time.monotonic()
-        self.id = random_id(self.id_prefix)
-        self.created = int(time.time())
-        self.model = state.check_model(body.model)
+        self.start_request(state, body, raw)
         self.n = 1
 
     def log_start(self, items: list) -> None:

@@ -261,15 +261,7 @@ class Serving:
     renamed_params: dict[str, str] = {}    # the engine's parameter names -> this endpoint's
 
     def __init__(self, state: ServerState, body: SamplingRequest, raw: Request) -> None:
-        self.state = state
-        self.llm = state.llm
-        self.body = body
-        self.raw = raw
-        self.arrival = time.monotonic()
-        self.id = random_id(self.id_prefix)
-        self.created = int(time.time())
-        self.model = state.check_model(body.model)
-        self.lora = state.lora_request(body.model)     # the adapter the model field names, if any
+        self.start_request(state, body, raw)
         if state.pooling:
             raise bad_request("this server runs a pooling model (--runner pooling): it serves /v1/embeddings, not "
                               "generation", "model")
@@ -296,6 +288,15 @@ class Serving:
         self.defaults = self.llm.default_sampling
         self.warning: str | None = None     # sent in a Warning header (tools the template does not show)
         self.constraint_field: str | None = None   # the field of the request's output constraint, if any
+
+    def start_request(self, state: ServerState, body, raw: Request) -> None:
+        """What every request has (generating or pooling): its ids, clock and model (or adapter)."""
+        self.state, self.llm, self.body, self.raw = state, state.llm, body, raw
+        self.arrival = time.monotonic()
+        self.id = random_id(self.id_prefix)
+        self.created = int(time.time())
+        self.model = state.check_model(body.model)
+        self.lora = state.lora_request(body.model)     # the adapter the model field names, if any
 
     def log_start(self, items: list) -> None:
         if not self.state.log_requests:
