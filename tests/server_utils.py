@@ -13,6 +13,18 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 PROMPT = "Once upon a time there was a tiny language model"
 
 
+def openai_client(server):
+    """The openai client the server tests use: the test API key, no retries."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def authed_http(server):
+    """An httpx client on the server with the test API key (a context manager)."""
+    import httpx
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
 def tiny_server_args(*extra: str, kv_blocks: int = KV_BLOCKS) -> list[str]:
     return ["--dtype", "float32", "--kv-cache-memory", str(kv_blocks * BLOCK_BYTES), "--log-stats-interval", "0.5",
             "--disable-uvicorn-access-log", *extra]

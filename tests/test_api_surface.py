@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -18,7 +17,7 @@ from pagedserve.config import EngineConfig, _check_swap_space, parse_human_int
 from pagedserve.engine.chat import render_chat
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, PROMPT, tiny_server_args
+from tests.server_utils import API_KEY, PROMPT, authed_http, openai_client, tiny_server_args
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +34,13 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with authed_http(server) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 # ---- routes ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 from pagedserve.engine.kv_view import apply_update
 from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, KV_BLOCKS, metrics, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, authed_http, metrics, tiny_server_args, wait_idle
 
 ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent /
                  "test-artifacts")
@@ -41,7 +41,7 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with authed_http(server) as c:
         yield c
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from pagedserve import LLM, InvalidRequestError, PoolingParams, SamplingParams
 from pagedserve.models.loader import default_model_path
-from tests.server_utils import API_KEY
+from tests.server_utils import authed_http, openai_client
 
 PROMPTS = ["Once upon a time there was a tiny language model that", "def add(a, b):", "The quick brown fox"]
 
@@ -81,14 +80,14 @@ def server(pooling_server):
 
 
 def test_embeddings_route_with_the_openai_client(server, tiny_llama):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    client = openai_client(server)
     r = client.embeddings.create(model="tiny", input=PROMPTS)       # the client asks for base64
     assert [d.index for d in r.data] == [0, 1, 2] and r.model == "tiny"
     ids = [tiny_llama.tokenizer.encode(p) for p in PROMPTS]
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
     for d, i in zip(r.data, ids):
         torch.testing.assert_close(torch.tensor(d.embedding), hf_embedding(tiny_llama.hf, i), atol=1e-5, rtol=1e-5)
-    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    http = authed_http(server)
     one = http.post("/v1/embeddings", json={"input": PROMPTS[1], "encoding_format": "float"}).json()
     assert one["object"] == "list" and one["data"][0]["object"] == "embedding"
     assert np.allclose(one["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)

@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.server.launcher import launch_server
 from tests.lora_utils import make_adapter, oracle_greedy
-from tests.server_utils import API_KEY, metrics, tiny_server_args
+from tests.server_utils import API_KEY, authed_http, metrics, openai_client, tiny_server_args
 
 MAX_TOKENS = 6
 
@@ -43,12 +43,12 @@ def server(tiny_llama, adapters, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with authed_http(server) as c:
         yield c
 
 

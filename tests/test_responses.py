@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import API_KEY
+from tests.server_utils import API_KEY, openai_client
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -27,7 +27,7 @@ def server(api_server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def chat_text(client, messages, max_tokens):

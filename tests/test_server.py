@@ -24,7 +24,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, sse_events, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, authed_http, metrics, openai_client, sse_events, tiny_server_args, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,12 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with authed_http(server) as c:
         yield c
 
 

@@ -22,7 +22,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.server.launcher import launch_server
 from tests.fault_server import SLOW_STEPS
-from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, authed_http, metrics, tiny_server_args, wait_idle
 
 MAX_BODY = 64 * 1024
 MAX_SEQS = 2
@@ -42,7 +42,7 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with authed_http(server) as c:
         yield c
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.fault_server import SLOW_COMPILE
-from tests.server_utils import API_KEY, sse_events, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, authed_http, sse_events, tiny_server_args, wait_idle
 
 COMPILE_TIMEOUT = 1.0
 USER = [{"role": "user", "content": "hi"}]
@@ -33,7 +33,7 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with authed_http(server) as c:
         yield c
 
 
