@@ -20,7 +20,7 @@ import pytest
 
 from pagedserve.engine.kv_view import apply_update
 from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, KV_BLOCKS, authed_http, metrics, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, authed_http, tiny_server_args, wait_idle
 
 ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent /
                  "test-artifacts")

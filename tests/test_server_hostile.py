@@ -4,9 +4,7 @@ OpenAI's shape naming the field, streamed or not; no 5xx, and no Python tracebac
 log. Slow compiles come from tests/fault_server.py's SLOW_COMPILE marker."""
 from __future__ import annotations
 
-import json
 import threading
-import time
 
 import httpx
 import pytest

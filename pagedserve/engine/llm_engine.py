@@ -528,8 +528,7 @@ class LLMEngine:
             if finished and req.params.best_of > req.params.n:
                 seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:req.params.n]
             outputs = [self._completion(s, i, req.params.needs_logprobs) for i, s in enumerate(seqs)]
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 req.last_token_time, time.monotonic() if finished else None)
+        metrics = self._metrics(req, finished)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outputs,
                              finished, req.num_cached_tokens, metrics, lora_request=req.lora)
 
@@ -548,11 +547,15 @@ class LLMEngine:
             if (p.normalize if p.normalize is not None else self.config.pooling_normalize):
                 v = torch.nn.functional.normalize(v, dim=0)
             embedding = v.tolist()
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 req.last_token_time, time.monotonic() if finished else None)
+        metrics = self._metrics(req, finished)
         out = CompletionOutput(0, "", [], None, None, finish_reason=seq.finish_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, [out], finished,
                              req.num_cached_tokens, metrics, embedding)
+
+    @staticmethod
+    def _metrics(req: Request, finished: bool) -> RequestMetrics:
+        return RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                              req.last_token_time, time.monotonic() if finished else None)
 
     @staticmethod
     def _completion(seq: Sequence, index: int, with_cum_logprob: bool) -> CompletionOutput:
