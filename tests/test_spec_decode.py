@@ -72,15 +72,10 @@ def test_config_takes_vllm_keys_and_json():
     assert EngineConfig().speculative_config is None
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mtp"])
 def test_methods_we_lack_are_refused_by_name(method):
     with pytest.raises(ValueError, match=f"'{method}' is not yet supported"):
         EngineConfig(speculative_config={"method": method, "num_speculative_tokens": 3})
-
-
-def test_draft_model_refusal_says_why():
-    with pytest.raises(ValueError, match="costs about as much as the target's.*use 'ngram' or 'suffix'"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 3})
 
 
 @pytest.mark.parametrize("bad,match", [({"method": "ngram"}, "num_speculative_tokens"),
