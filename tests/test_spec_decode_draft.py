@@ -225,3 +225,14 @@ def test_sampled_output_follows_the_target(tiny_llama, prompts, residual, monkey
     assert sum(counts) == trials                # nothing outside the top-k cells
     chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
     assert (chi2 < 26.12) == residual           # df = 8: P(chi2 > 26.12) = 0.001
+
+
+def test_a_quantized_copy_of_the_target_drafts(tiny_llama, plain, prompts):
+    """The draft is the target quantized to Q8_0 at load (speculative_config's quantization):
+    output is plain decoding's, and most drafts are accepted."""
+    llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=256,
+              speculative_config=draft_spec(tiny_llama.path, quantization="q8_0"))
+    assert run(llm, prompts, GREEDY) == run(plain, prompts, GREEDY)
+    _, draft_tokens, accepted = counters(llm)
+    assert draft_tokens > 0 and accepted > 0.5 * draft_tokens
+    assert_no_blocks_held(llm)
