@@ -53,6 +53,8 @@ class DraftModel:
         """Run the draft model's part of the step; returns the batch with the MODEL_DRAFT
         placeholders replaced by its proposals (same order), and the proposals by seq id."""
         fed = [s for s in seqs if s.draft_input_ids]
+        assert all(s.draft_input_ids for s in seqs if s.draft_token_ids and s.draft_token_ids[0] == MODEL_DRAFT), \
+            "a sequence asks for draft-model drafts without the draft model's tokens"
         if not fed:
             return seqs, {}
         # One pass over every sequence's unseen tokens (decodes first, as attention wants them).
