@@ -236,3 +236,22 @@ def test_a_quantized_copy_of_the_target_drafts(tiny_llama, plain, prompts):
     _, draft_tokens, accepted = counters(llm)
     assert draft_tokens > 0 and accepted > 0.5 * draft_tokens
     assert_no_blocks_held(llm)
+
+
+def test_the_kv_cache_counts_both_models_per_block(tiny_llama, other):
+    """The draft's KV lives in the target's blocks: a block's bytes are both models'."""
+    from pagedserve.worker.model_runner import kv_cache_bytes_per_block
+
+    def block_bytes(tm) -> int:
+        c = tm.hf.config
+        return kv_cache_bytes_per_block(c.num_hidden_layers, 16, c.num_key_value_heads,
+                                        c.hidden_size // c.num_attention_heads, torch.float32)
+
+    memory = 1 << 20
+    plain = LLM(tiny_llama.path, dtype="float32", kv_cache_memory=memory, block_size=16)
+    drafted = LLM(tiny_llama.path, dtype="float32", kv_cache_memory=memory, block_size=16,
+                  speculative_config=draft_spec(other.path))
+    assert plain.kv_cache_stats()["num_blocks"] == memory // block_bytes(tiny_llama)
+    assert drafted.kv_cache_stats()["num_blocks"] == memory // (block_bytes(tiny_llama) + block_bytes(other))
+    draft = drafted.engine.runner.draft
+    assert draft.kv_cache.shape[2] == drafted.kv_cache_stats()["num_blocks"]
