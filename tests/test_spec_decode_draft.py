@@ -255,3 +255,20 @@ def test_the_kv_cache_counts_both_models_per_block(tiny_llama, other):
     assert drafted.kv_cache_stats()["num_blocks"] == memory // (block_bytes(tiny_llama) + block_bytes(other))
     draft = drafted.engine.runner.draft
     assert draft.kv_cache.shape[2] == drafted.kv_cache_stats()["num_blocks"]
+
+
+def test_structured_output_and_beam_search_run_without_the_draft(plain, self_draft, prompts, monkeypatch):
+    """Requests that may not speculate get no drafts, and the draft model skips them."""
+    from pagedserve import StructuredOutputsParams
+    from pagedserve.sampling_params import BeamSearchParams
+    from pagedserve.spec_decode.draft_model import DraftModel
+    calls = []
+    monkeypatch.setattr(DraftModel, "_forward", lambda self, rows, at: calls.append(rows) or [])
+    before = counters(self_draft)
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab)+c"))
+    assert run(self_draft, prompts[:1], params) == run(plain, prompts[:1], params)
+    beams = BeamSearchParams(beam_width=2, max_tokens=6)
+    ps = [{"prompt_token_ids": prompts[0]}]
+    assert [o.sequences[0].tokens for o in self_draft.beam_search(ps, beams)] == \
+        [o.sequences[0].tokens for o in plain.beam_search(ps, beams)]
+    assert counters(self_draft) == before and not calls
