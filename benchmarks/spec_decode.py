@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/spec_decode.py --crossover --quick # step cost of 1 vs 1+k tokens by batch size
     .venv/bin/python benchmarks/spec_decode.py --batch --quick     # ShareGPT/Alpaca-like batches, spec on vs off
     .venv/bin/python benchmarks/spec_decode.py --native            # the GGUF's Q4_1 blocks instead of bf16
+    .venv/bin/python benchmarks/spec_decode.py --draft-only --quick # only plain and the draft_model runs
 
 The target is the default model dequantized to bf16 (--native: computed in its Q4_1 blocks).
 bf16 runs the compiled layer loop, whose GEMM tiles load each weight once for up to 8 rows,
@@ -18,6 +19,13 @@ Workloads (chat-formatted, one request at a time, greedy):
   predicts: the workload's property, untimed. (With a 1000-token section SmolLM2-135M stops
   copying and invents code: 0.34 predictable; with 600 tokens it copies: 0.72.)
 - chat: open-ended questions, where few drafts are accepted (speculation must not lose).
+Method draft_model: the draft is the default model's own Q4_1 GGUF computed in its blocks (the
+only model sharing the target's tokenizer that the project ships; --draft-model for another),
+proposing k greedy tokens per step (k = 3 with --quick; 2 and 4 in the full run). Its step costs
+about 0.7 of the bf16 target's, so k draft steps plus the verification cost more than the
+tokens they buy unless nearly all drafts are accepted: reported as measured, even where it loses.
+`draft_step_ratio` (in the draft rows): one draft-model decode step over one target decode step,
+an interleaved A/B in the same process (min of 20), untimed by the engine's loop.
 - batch (not with --quick): the chat prompts all at once, with speculation on, to check
   that disable_by_batch_size keeps batches at plain decoding's speed.
 Per method: output tok/s, the ratio to plain, acceptance rate, mean accepted length, steps
@@ -33,7 +41,7 @@ the crossover is the first B where it exceeds the grounded run's mean accepted l
 --batch: ShareGPT-like and Alpaca-like traces (benchmarks/workloads.py, all requests at once),
 plain against ngram k = 4 with the default disable_by_batch_size, two engines in one process,
 runs alternated (plain, spec, plain, spec), the best of each: spec's output tok/s over plain's.
-Writes benchmarks/results/spec_decode[_crossover|_batch][_native][_quick].json (or --out).
+Writes benchmarks/results/spec_decode[_crossover|_batch|_draft][_native][_quick].json (or --out).
 """
 from __future__ import annotations
 
@@ -203,6 +211,30 @@ def batch(args) -> dict:
     return out
 
 
+def draft_step_ratio(llm, rounds: int = 20) -> float:
+    """One decode step (forward + LM head) of the draft model against one of the target, at a
+    256-token context, interleaved (min of `rounds` each): what a draft token costs in target steps."""
+    import torch
+    from pagedserve.batch import ScheduledTokens
+    from pagedserve.worker.model_runner import prepare_batch
+    runner = llm.engine.runner
+    draft = runner.draft
+    seqs = [ScheduledTokens(seq_id=0, token_ids=[42], start=256, block_ids=list(range(256 // runner.block_size + 1)))]
+
+    def step(model, cache) -> float:
+        ids, pos, meta = prepare_batch(seqs, runner.block_size, runner.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.compute_logits(model.forward(ids, pos, meta, cache))
+        return time.perf_counter() - t0
+
+    target, proposer = float("inf"), float("inf")
+    for _ in range(rounds + 2):
+        target = min(target, step(runner.model, runner.kv_cache))
+        proposer = min(proposer, step(draft.model, draft.kv_cache))
+    return proposer / target
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
@@ -215,6 +247,10 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=600, help="most tokens of the grounded document")
     ap.add_argument("--crossover", action="store_true", help="only the step cost of 1 vs 1+k tokens by batch size")
     ap.add_argument("--batch", action="store_true", help="only ShareGPT/Alpaca-like batch throughput, spec on vs off")
+    ap.add_argument("--draft-model", default=None, help="method draft_model's draft (default: the default model's "
+                                                        "Q4_1 GGUF, computed in its blocks)")
+    ap.add_argument("--draft-ks", type=int, nargs="+", default=None, help="draft_model's k (default: 2 4; quick: 3)")
+    ap.add_argument("--draft-only", action="store_true", help="single stream: only plain and draft_model")
     ap.add_argument("--accepted-length", type=float, default=3.2, help="with --crossover: the mean accepted length")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/spec_decode[_crossover|_batch]"
                                                 "[_native][_quick].json")
@@ -227,7 +263,7 @@ def main() -> None:
         result = dict(batch=batch(args))
     else:
         result = dict(results=single_stream(args))
-    mode = "_crossover" if args.crossover else "_batch" if args.batch else ""
+    mode = "_crossover" if args.crossover else "_batch" if args.batch else "_draft" if args.draft_only else ""
     out = Path(args.out or ROOT / "benchmarks" / "results" /
                f"spec_decode{mode}{'_native' if args.native else ''}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,8 +276,15 @@ def single_stream(args) -> dict:
     ks = args.ks or ([4] if args.quick else [3, 5, 8])
     grounded_tokens = args.max_tokens or (160 if args.quick else 256)
     chat_tokens = args.max_tokens or (48 if args.quick else 128)
-    methods = [("plain", None)] + [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k, **LOOKUP})
-                                   for k in ks] + [("suffix k=8", {"method": "suffix", "num_speculative_tokens": 8})]
+    from pagedserve.models.loader import default_model_path
+    draft = args.draft_model or default_model_path()
+    draft_ks = args.draft_ks or ([3] if args.quick else [2, 4])
+    methods = [("plain", None)]
+    if not args.draft_only:
+        methods += [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k, **LOOKUP}) for k in ks] + \
+            [("suffix k=8", {"method": "suffix", "num_speculative_tokens": 8})]
+    methods += [(f"draft k={k}", {"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+                for k in draft_ks]
     results: dict = {}
     ref_outputs: dict = {}
     for name, spec in methods:
@@ -265,6 +308,9 @@ def single_stream(args) -> dict:
             row[wname] = r
         if not args.quick:
             row["batch_tok_s"] = run_batch(llm, chat * 4, chat_tokens)
+        if spec is not None and spec["method"] == "draft_model":
+            row["draft_model"] = spec["model"]
+            row["draft_step_ratio"] = draft_step_ratio(llm)
         results[name] = row
         llm.shutdown()
         del llm
@@ -281,6 +327,8 @@ def single_stream(args) -> dict:
             r["ratio_to_plain"] = r["tok_s"] / plain[w]["tok_s"] if plain[w]["tok_s"] else 0.0
             print(f"{name:<12} {w:<9} {r['tok_s']:8.1f} {r['ratio_to_plain']:8.2f} {r['acceptance_rate']:7.2f} "
                   f"{r['mean_accepted_length']:9.2f} {r['decode_steps']:6d} {r['identical_to_plain']:>6}")
+        if "draft_step_ratio" in row:
+            print(f"{name:<12} draft step / target step: {row['draft_step_ratio']:.2f}")
         if "batch_tok_s" in row:
             row["batch_ratio_to_plain"] = row["batch_tok_s"] / plain["batch_tok_s"]
             print(f"{name:<12} {'batch16':<9} {row['batch_tok_s']:8.1f} {row['batch_ratio_to_plain']:8.2f}")

@@ -65,6 +65,9 @@ class PromptLogprobsRange:
     target_token_ids: list[int]
 
 
+MODEL_DRAFT = -1   # a draft slot the worker's draft model fills (method draft_model)
+
+
 @dataclass
 class ScheduledTokens:
     """One sequence's part of the step."""
@@ -81,6 +84,13 @@ class ScheduledTokens:
     # block_ids); the step then samples at each of the 1 + len(draft_token_ids) positions and
     # verifies the guesses (spec_decode/rejection.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Method draft_model (spec_decode/draft_model.py): draft_token_ids are MODEL_DRAFT
+    # placeholders, which the worker's draft model fills with its greedy tokens before the
+    # verification. First the draft model computes its own KV for the tokens it has not seen:
+    # draft_input_ids at positions draft_start, ... (ending with token_ids' last token; empty:
+    # the draft model skips this sequence, e.g. while drafts are off).
+    draft_input_ids: list[int] = field(default_factory=list)
+    draft_start: int = 0
     lora_slot: int = -1                    # the LoRA slot of its adapter (lora/); -1: the base model
 
     @property
@@ -148,6 +158,8 @@ class RunnerOutput:
     # drafts, then the target's own token: 1 .. k+1 rows), with their logprobs as plain decoding
     # gives them. These sequences are not in sampled_seq_ids.
     spec: dict[int, SamplerOutput] = field(default_factory=dict)
+    # Method draft_model: seq_id -> the drafts the draft model proposed (verified as in `spec`).
+    model_drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":

@@ -112,6 +112,10 @@ def _check_batch(scheduler: "Scheduler", out: "SchedulerOutput") -> None:
         assert t.block_ids == scheduler.kv.block_ids(t.seq_id), f"sequence {t.seq_id}: stale block table in the batch"
         assert (t.sample is not None) == s.samples, f"sequence {t.seq_id}: the batch samples where the step does not"
         assert t.draft_token_ids == s.draft_token_ids, f"sequence {t.seq_id}: the batch has other drafts"
+        end = t.start + len(t.token_ids)   # a draft model catches up on its own tokens, up to the target's
+        assert not t.draft_input_ids or (t.draft_start <= t.start and t.draft_input_ids ==
+                                         s.seq.token_ids[t.draft_start:end]), \
+            f"sequence {t.seq_id}: the draft model computes other tokens"
     assert [s.seq.seq_id for s in out.sampled] == [t.seq_id for t in batch.seqs
                                                    if t.sample is not None and not t.draft_token_ids]
     assert [s.seq.seq_id for s in out.spec] == [t.seq_id for t in batch.seqs if t.draft_token_ids]

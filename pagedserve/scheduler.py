@@ -65,8 +65,8 @@ from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
-from pagedserve.batch import (PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow, SamplerOutput,
-                              ScheduledTokens, StepBatch)
+from pagedserve.batch import (MODEL_DRAFT, PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow,
+                              SamplerOutput, ScheduledTokens, StepBatch)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import kv_salt
@@ -97,6 +97,7 @@ class ScheduledSeq:
     start: int = 0              # first position computed (the sequence's computed count)
     samples: bool = False       # the step reaches the sequence's last token: sample from it
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts after its last token
+    draft_start: int | None = None   # method draft_model: where the draft model's tokens start (None: it skips this one)
 
     @property
     def num_query_tokens(self) -> int:
@@ -233,6 +234,12 @@ class Scheduler:
         self.suffix = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                                      spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob) \
             if spec is not None and spec.method == "suffix" else None
+        # Method draft_model: the worker's draft model keeps its own KV in the same blocks (same
+        # slots); per sequence, how many leading positions of it are valid. It lags the target's
+        # while drafts are off, and by one token after a step whose drafts were all accepted (the
+        # last draft was never fed to the draft model); the next step's draft tokens catch up.
+        self.draft_model = spec is not None and spec.method == "draft_model"
+        self._draft_valid: dict[int, int] = {}
         # Multi-LoRA (lora/slots.py): which adapter each device slot holds and who uses it.
         self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
 
@@ -259,6 +266,7 @@ class Scheduler:
 
     def free_seq(self, seq: Sequence, req: Request) -> None:
         self.kv.free(seq.seq_id)
+        self._draft_valid.pop(seq.seq_id, None)
         self._finished_seq_ids.append(seq.seq_id)
         if req.structured is not None:
             req.structured.drop(seq.seq_id)
@@ -266,6 +274,7 @@ class Scheduler:
     def fork_seq(self, req: Request, parent: Sequence) -> Sequence:
         child = req.fork_seq(parent, self.new_seq_id(), index=len(req.seqs))
         self.kv.fork(parent.seq_id, child.seq_id)
+        self._copy_draft_valid(parent, child)
         if req.structured is not None:
             req.structured.fork(parent.seq_id, child.seq_id)
         return child
@@ -292,6 +301,7 @@ class Scheduler:
         self._release_lora(req)
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
+            self._draft_valid.pop(seq.seq_id, None)
             self._finished_seq_ids.append(seq.seq_id)
             if self.suffix is not None and seq.finish_reason != "abort":
                 self.suffix.add_output(seq.output_token_ids)   # suffix drafts for later requests
@@ -393,11 +403,16 @@ class Scheduler:
         seqs = []
         for s in order:
             seq = s.seq
+            end = s.start + s.num_new_tokens
+            if self.draft_model and self._spec_on and s.request.pooling is None and self._may_speculate(s.request):
+                s.draft_start = min(self._draft_valid.get(seq.seq_id, 0), s.start)
             seqs.append(ScheduledTokens(
-                seq.seq_id, seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_ids,
+                seq.seq_id, seq.token_ids[s.start:end], s.start, s.block_ids,
                 self._sample_row(s.request, seq) if s.samples else None,
                 self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None,
-                pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids), lora_slot=s.request.lora_slot))
+                pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids),
+                draft_input_ids=seq.token_ids[s.draft_start:end] if s.draft_start is not None else [],
+                draft_start=s.draft_start or 0, lora_slot=s.request.lora_slot))
         out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
@@ -466,6 +481,11 @@ class Scheduler:
         out.scheduled.extend(added)
         return sum(x.num_query_tokens for x in added)
 
+    def _copy_draft_valid(self, parent: Sequence, child: Sequence) -> None:
+        """A forked sequence shares its parent's blocks: the draft model's KV in them too."""
+        if parent.seq_id in self._draft_valid:
+            self._draft_valid[child.seq_id] = self._draft_valid[parent.seq_id]
+
     def _is_decoding(self, req: Request) -> bool:
         return all(s.num_computed_tokens >= s.num_tokens - 1 for s in req.live_seqs)
 
@@ -505,7 +525,11 @@ class Scheduler:
         if not self._spec_on or room <= 0 or not self._may_speculate(req):
             return []
         k = min(spec.num_speculative_tokens, room, req.max_tokens - seq.num_output_tokens - 1)
-        if self.suffix is not None:
+        if k <= 0:
+            return []
+        if self.draft_model:   # the worker's draft model fills these slots
+            drafts = [MODEL_DRAFT] * k
+        elif self.suffix is not None:
             drafts = self.suffix.propose(seq.token_ids, k)
         else:
             drafts = ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -542,6 +566,7 @@ class Scheduler:
         else:
             for seq in req.live_seqs[1:]:
                 self.kv.fork(leader.seq_id, seq.seq_id)
+                self._copy_draft_valid(leader, seq)
                 seq.num_computed_tokens = leader.num_computed_tokens
             req.rejoin = False
 
@@ -634,6 +659,9 @@ class Scheduler:
         for seq in req.live_seqs:
             thrown_away += seq.num_computed_tokens
             self.kv.free(seq.seq_id)
+            # A prefix-cache hit on readmission brings back the target's KV; the draft model's
+            # in those blocks may be another sequence's: it recomputes its own.
+            self._draft_valid.pop(seq.seq_id, None)
             seq.num_computed_tokens = 0
         req.rejoin = len(req.live_seqs) > 1
         return thrown_away
@@ -661,6 +689,8 @@ class Scheduler:
         now = time.monotonic()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            if s.draft_start is not None:   # the draft model computed its KV up to here too
+                self._draft_valid[s.seq.seq_id] = s.seq.num_computed_tokens
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         if result.prompt_logprobs:
@@ -733,6 +763,10 @@ class Scheduler:
                 return
             if row < accepted:
                 seq.num_computed_tokens += 1
+        if s.draft_start is not None:
+            # The draft model was fed drafts 1 .. k-1 (it proposed draft j + 1 from draft j):
+            # its KV holds the accepted ones but the last draft.
+            self._draft_valid[seq.seq_id] = s.start + s.num_new_tokens + min(accepted, len(s.draft_token_ids) - 1)
         self.kv.trim(seq.seq_id, seq.num_tokens)
 
     def _append_token(self, req: Request, seq: Sequence, sample: SamplerOutput, row: int) -> None:

@@ -9,7 +9,9 @@ scheduler has swap mode (Scheduler(..., num_host_blocks=...)), swaps to a tiny h
 pool in half the examples. A shadow of the KV memory records the token each
 slot holds: swaps and copy-on-write copies first, then each scheduled token's
 write, exactly as the worker does, after which every scheduled sequence must
-read back its own tokens through its block table. The "model" then returns random
+read back its own tokens through its block table. With a draft model (speculative method
+draft_model), a second shadow holds the draft's KV in the same blocks: before the draft catches
+up from `draft_start`, every earlier position must hold the sequence's token. The "model" then returns random
 tokens and, for beams, random ranked candidates, and the scheduler's own
 `update_from_output` appends them, stops sequences, forks and prunes beams (the
 engine's code path, not a copy of it). `check_paging_invariants`
@@ -50,13 +52,17 @@ HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
 class PagingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
-                spec_k=st.sampled_from([0, 0, 1, 3]), suffix=st.booleans(),
+                spec_k=st.sampled_from([0, 0, 1, 3]), method=st.sampled_from(["ngram", "suffix", "draft_model"]),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
-    def setup(self, num_blocks, block_size, budget, max_seqs, caching, spec_k, suffix, num_host_blocks=0):
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, spec_k, method, num_host_blocks=0):
         # spec_k > 0: n-gram or suffix drafts (the tiny vocabulary repeats, so they come often),
-        # verified by _model_output with a random number accepted.
-        spec = {"method": "suffix" if suffix else "ngram", "num_speculative_tokens": spec_k,
-                "prompt_lookup_min": 1, "prompt_lookup_max": 2, "disable_by_batch_size": 8} if spec_k else None
+        # or a draft model's (random tokens, its KV in a second shadow), verified by
+        # _model_output with a random number accepted.
+        # (A draft model's drafts go off above 2 running requests: its KV then lags and catches up.)
+        spec = {"method": method, "num_speculative_tokens": spec_k,
+                "disable_by_batch_size": 2 if method == "draft_model" else 8,
+                **({"model": "fuzz-draft"} if method == "draft_model" else
+                   {"prompt_lookup_min": 1, "prompt_lookup_max": 2})} if spec_k else None
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
                               max_num_seqs=max_seqs,
                               enable_prefix_caching=caching, speculative_config=spec,
@@ -67,6 +73,10 @@ class PagingMachine(RuleBasedStateMachine):
         self.done: list[Request] = []
         self.aborted: set[str] = set()
         self.content: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
+        # The draft model's KV in the same blocks (method draft_model), and its proposals this step.
+        self.draft_host: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
+        self.draft_content: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
+        self.proposals: dict[int, list[int]] = {}
         self.counter = 0
         self.stats = dict.fromkeys(_TOTALS, 0)
         del self.stats["examples"], self.stats["requests"]
@@ -123,13 +133,13 @@ class PagingMachine(RuleBasedStateMachine):
             if len(req.live_seqs) > 1 or len(seqs) > 1:
                 # Sequences of one request advance in lock step: all sample together.
                 assert {s.seq_id for s in seqs} == {s.seq_id for s in req.live_seqs}, f"{rid} out of lock step"
-        update = sched.update_from_output(out, self._model_output(out, rng))
+        update = sched.update_from_output(out, self._model_output(out, rng, self.proposals))
         assert not update.failed, update.failed
         for rid in update.finished:
             self._retire(self.requests[rid])
 
     @staticmethod
-    def _model_output(out: SchedulerOutput, rng: random.Random) -> RunnerOutput:
+    def _model_output(out: SchedulerOutput, rng: random.Random, proposals: dict[int, list[int]]) -> RunnerOutput:
         """Random tokens (EOS one time in ten) and, per row, a random ranked top list of
         distinct tokens, as many as a beam asks for (beams pick among them)."""
         tokens, logprobs, top_ids, top_lps = [], [], [], []
@@ -142,7 +152,7 @@ class PagingMachine(RuleBasedStateMachine):
         sample = SamplerOutput(tokens, logprobs, top_ids, top_lps, [1] * len(tokens)) if tokens else None
         spec = {}
         for s in out.spec:   # a random number of drafts accepted, then a token that is not the next draft
-            drafts = s.draft_token_ids
+            drafts = proposals.get(s.seq.seq_id, s.draft_token_ids)
             a = rng.randint(0, len(drafts))
             last = rng.choice([t for t in VOCAB + [EOS] if a == len(drafts) or t != drafts[a]])
             emitted = drafts[:a] + [last]
@@ -153,14 +163,30 @@ class PagingMachine(RuleBasedStateMachine):
     def _run_on_shadow_memory(self, out) -> None:
         """The worker's view: swaps, copies, then writes; then each sequence reads its tokens back."""
         B = self.sched.block_size
-        for dev, host in getattr(out, "swap_out", ()):
-            self.host[host] = list(self.content[dev])
-        for host, dev in getattr(out, "swap_in", ()):
-            self.content[dev] = list(self.host[host])
-        saved = {dst: list(self.content[src]) for src, dst in out.block_copies}   # all read, then written
-        self.content.update(saved)
+        for content, host in ((self.content, self.host), (self.draft_content, self.draft_host)):
+            for dev, h in getattr(out, "swap_out", ()):
+                host[h] = list(content[dev])
+            for h, dev in getattr(out, "swap_in", ()):
+                content[dev] = list(host[h])
+            saved = {dst: list(content[src]) for src, dst in out.block_copies}   # all read, then written
+            content.update(saved)
+        self.proposals = {}
+        for t in out.batch.seqs:   # the draft model: it reads its own KV, catches up, proposes
+            if not t.draft_input_ids:
+                continue
+            seen = [self.draft_content[t.block_ids[p // B]][p % B] for p in range(t.draft_start)]
+            seq = next(s.seq for s in out.scheduled if s.seq.seq_id == t.seq_id)
+            assert seen == seq.token_ids[:t.draft_start], f"sequence {t.seq_id}: the draft model reads wrong KV"
+            proposed = [rng_token(t.seq_id, j) for j in range(len(t.draft_token_ids))]
+            written = t.draft_input_ids + proposed[:-1]
+            for i, tok in enumerate(written):
+                pos = t.draft_start + i
+                self.draft_content[t.block_ids[pos // B]][pos % B] = tok
+            if proposed:
+                self.proposals[t.seq_id] = proposed
         for s in out.scheduled:
-            tokens = s.seq.token_ids[:s.start + s.num_new_tokens] + s.draft_token_ids
+            drafts = self.proposals.get(s.seq.seq_id, s.draft_token_ids)
+            tokens = s.seq.token_ids[:s.start + s.num_new_tokens] + drafts
             for pos in range(s.start, len(tokens)):
                 self.content[s.block_ids[pos // B]][pos % B] = tokens[pos]
             self.stats["drafts"] += len(s.draft_token_ids)
@@ -230,6 +256,12 @@ class PagingMachine(RuleBasedStateMachine):
         for k, v in self.stats.items():
             _TOTALS[k] += v
         _TOTALS["requests"] += len(self.done)
+
+
+def rng_token(seq_id: int, j: int) -> int:
+    """A draft model's proposal: some token of the tiny vocabulary, fixed per (sequence, position)
+    within a step so drafts repeat and are often accepted."""
+    return VOCAB[(seq_id * 7 + j * 3) % len(VOCAB)]
 
 
 _TOTALS = {"examples": 0, "requests": 0, "steps": 0, "preemptions": 0, "copies": 0, "refused": 0,

@@ -72,15 +72,10 @@ def test_config_takes_vllm_keys_and_json():
     assert EngineConfig().speculative_config is None
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mtp"])
 def test_methods_we_lack_are_refused_by_name(method):
     with pytest.raises(ValueError, match=f"'{method}' is not yet supported"):
         EngineConfig(speculative_config={"method": method, "num_speculative_tokens": 3})
-
-
-def test_draft_model_refusal_says_why():
-    with pytest.raises(ValueError, match="costs about as much as the target's.*use 'ngram' or 'suffix'"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 3})
 
 
 @pytest.mark.parametrize("bad,match", [({"method": "ngram"}, "num_speculative_tokens"),
@@ -442,13 +437,16 @@ def test_periodic_log_line_reports_acceptance(caplog):
     assert any("draft acceptance rate: 50.0%, mean accepted length: 2.50" in r.getMessage() for r in caplog.records)
 
 
-def test_serve_flag_and_metrics_end_to_end(tiny_llama, plain, prompts, tmp_path):
-    """`serve --speculative-config JSON`: completions as plain decoding's, vLLM's counters on /metrics."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_serve_flag_and_metrics_end_to_end(tiny_llama, plain, prompts, tmp_path, method):
+    """`serve --speculative-config JSON`: completions as plain decoding's, vLLM's counters on
+    /metrics; a draft model named by "model" alone (the method inferred, as vLLM does)."""
     import httpx
 
     from pagedserve.server.launcher import launch_server
     from tests.server_utils import metrics, tiny_server_args
-    srv = launch_server(tiny_llama.path, tiny_server_args("--speculative-config", json.dumps(SPEC),
+    spec = SPEC if method == "ngram" else {"model": tiny_llama.path, "num_speculative_tokens": 3}
+    srv = launch_server(tiny_llama.path, tiny_server_args("--speculative-config", json.dumps(spec),
                                                           "--shutdown-timeout", "0"), tmp_path / "server.log")
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as http:

@@ -6,17 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # Methods vLLM has that pagedserve does not (yet): refused by name.
-UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "deepseek_mtp")
-# Why draft_model is not built: a draft model runs k one-token steps of its own (with its own
-# paged KV) before each verification, and the only same-tokenizer draft the project ships is a
-# quantized copy of the default model itself, whose step costs about the target's (native Q4_1
-# 83.9 tok/s against bf16 89.2 on the 2-core machine), so k + 1 steps' cost would buy at most
-# k + 1 tokens: a loss by construction until a smaller draft model exists.
-DRAFT_MODEL_REFUSAL = ("speculative_config method 'draft_model' is not yet supported by pagedserve: its draft "
-                       "would be a quantized copy of the target (the only model sharing its tokenizer), whose "
-                       "decode step costs about as much as the target's, so k draft steps plus a verification "
-                       "cost more than the at most k + 1 tokens they give; use 'ngram' or 'suffix'")
-METHODS = ("ngram", "suffix")
+UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "deepseek_mtp")
+METHODS = ("ngram", "suffix", "draft_model")
 
 # Drafts are off while more requests than this run: verifying 1+k tokens per sequence costs
 # about one decode only while a step is bound by weight reads, i.e. at small batches. 4 is a
@@ -42,6 +33,13 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 64
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # method "draft_model" (spec_decode/draft_model.py), vLLM's keys: the draft (a path or a Hub
+    # id, models/resolve.py; a .gguf file runs in its blocks like any GGUF model), its revision
+    # and its quantization (EngineConfig.quantization's values; None: the file's own).
+    model: str | None = None
+    revision: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,11 +59,12 @@ def parse(value: Any) -> SpeculativeConfig | None:
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a dict or a JSON object; got {type(value).__name__}")
     d = dict(value)
-    method = d.get("method") or ("ngram" if "prompt_lookup_max" in d or "prompt_lookup_min" in d else None)
+    method = d.get("method")
+    if method is None:   # as vLLM: a draft model named without a method is one
+        method = "draft_model" if d.get("model") else \
+            "ngram" if "prompt_lookup_max" in d or "prompt_lookup_min" in d else None
     if method is None:
-        raise ValueError("speculative_config needs a method (supported: ngram)")
-    if method == "draft_model":
-        raise ValueError(DRAFT_MODEL_REFUSAL)
+        raise ValueError(f"speculative_config needs a method (supported: {', '.join(METHODS)})")
     if method in UNSUPPORTED_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not yet supported by pagedserve "
                          f"(supported: {', '.join(METHODS)})")
@@ -76,6 +75,17 @@ def parse(value: Any) -> SpeculativeConfig | None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown} (known: {', '.join(sorted(known))})")
+    if method == "draft_model" and not d.get("model"):
+        raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's path or Hub id "
+                         "(a smaller model with the target's vocabulary, e.g. a quantized .gguf copy of it)")
+    if method != "draft_model" and d.get("model"):
+        raise ValueError(f"speculative_config key 'model' names a draft model: it needs method 'draft_model', "
+                         f"not {method!r}")
+    if (d.get("draft_tensor_parallel_size") or 1) != 1:
+        raise ValueError(f"speculative_config draft_tensor_parallel_size={d['draft_tensor_parallel_size']}: the "
+                         f"draft model runs unsharded (draft_tensor_parallel_size 1)")
+    if d.get("quantization") is not None and d["quantization"] not in ("gguf", "q8_0", "q4_0"):
+        raise ValueError(f"speculative_config quantization {d['quantization']!r}: supported are gguf, q8_0, q4_0")
     if d.get("disable_by_batch_size") is None:
         d.pop("disable_by_batch_size", None)
     if method == "suffix":   # as vLLM: the draft length defaults to the tree depth

@@ -34,6 +34,45 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, i
         dst[:, :, list(d)] = src[:, :, list(s)].to(dst.device)
 
 
+def prepare_batch(batch: list[ScheduledTokens], block_size: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The flat batch of a step's sequences (their tokens, then their drafts): token ids,
+    positions and the attention metadata (slots from the block tables)."""
+    B = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens = []
+    tables = []
+    for s in batch:
+        n = s.num_query_tokens
+        start, end = s.start, s.start + n
+        table = s.block_ids
+        ids.extend(s.token_ids)
+        ids.extend(s.draft_token_ids)
+        rng = range(start, end)
+        pos.extend(rng)
+        slots.extend(table[p // B] * B + p % B for p in rng)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(end)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    dev = device
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+        block_tables=block_tables,
+        num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_seq_len=max(seq_lens),
+    )
+    return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler,
                  device: torch.device = torch.device("cpu"), num_host_blocks: int = 0) -> None:
@@ -57,6 +96,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
         self.lora = None   # multi-LoRA (lora/weights.py LoRAWeights): set by the worker when enabled
+        self.draft = None  # speculative method draft_model (spec_decode/draft_model.py): set by the worker
 
     def capture_cuda_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> None:
         """Capture the decode step for these batch sizes (capture=False: pad and run the same
@@ -82,6 +122,8 @@ class ModelRunner:
         self.copy_blocks(batch.block_copies)
         for load in batch.lora_loads:
             self.lora.load(load)
+        if self.draft is not None:
+            self.draft.move_blocks(batch)
 
     def forget_sequences(self) -> None:
         """Drop every sequence's state (after the engine dropped all requests)."""
@@ -96,6 +138,9 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> RunnerOutput:
         self.move_blocks(batch)
         seqs = batch.seqs      # decodes first, so attention can batch them
+        model_drafts = {}
+        if self.draft is not None:   # the draft model proposes the MODEL_DRAFT placeholders' tokens
+            seqs, model_drafts = self.draft.fill_drafts(seqs)
         # Sequences with drafts sample at each of their 1 + k positions and are verified
         # (spec_decode/rejection.py); the others sample once, as ever.
         sampled_at = [i for i, s in enumerate(seqs) if s.sample is not None and not s.draft_token_ids]
@@ -126,7 +171,8 @@ class ModelRunner:
         if spec_logits is not None:
             rows = [DraftRow(self._sampling_row(s.seq_id, s.sample), s.draft_token_ids) for s in drafted]
             spec = dict(zip([s.seq_id for s in drafted], verify(self.sampler, spec_logits.float(), rows)))
-        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled=pooled, spec=spec)
+        return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled=pooled, spec=spec,
+                            model_drafts=model_drafts)
 
     def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
         """The logits of a step of decodes that all sample, from a captured graph; None when
@@ -143,40 +189,7 @@ class ModelRunner:
             seq_lens=[s.start + 1 for s in seqs], block_tables=[s.block_ids for s in seqs]))
 
     def _prepare(self, batch: list[ScheduledTokens]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        B = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens = []
-        tables = []
-        for s in batch:
-            n = s.num_query_tokens
-            start, end = s.start, s.start + n
-            table = s.block_ids
-            ids.extend(s.token_ids)
-            ids.extend(s.draft_token_ids)
-            rng = range(start, end)
-            pos.extend(rng)
-            slots.extend(table[p // B] * B + p % B for p in rng)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=block_tables,
-            num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            max_seq_len=max(seq_lens),
-        )
-        return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
-
+        return prepare_batch(batch, self.block_size, self.device)
     @staticmethod
     def _pool(batch: list[ScheduledTokens], hidden: torch.Tensor, meta: AttentionMetadata) -> dict:
         """Pooling requests' chunks: the hidden states (after the final norm) they need, in float32

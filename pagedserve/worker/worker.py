@@ -56,11 +56,12 @@ def resolve_max_model_len(requested: int | None, args: ModelArgs) -> int:
 
 
 def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
-                  memory_plan: KVMemoryPlan | None) -> tuple[int, int]:
+                  memory_plan: KVMemoryPlan | None, draft_args: ModelArgs | None = None) -> tuple[int, int]:
     """(device blocks, host swap-space blocks) for the KV cache: kv_cache_memory (or, on a
-    GPU, what the profile's memory_plan leaves) and swap_space, in blocks of this model."""
-    block_bytes = kv_cache_bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim,
-                                           dtype, config.kv_cache_dtype)
+    GPU, what the profile's memory_plan leaves) and swap_space, in blocks of this model (and of
+    a draft model's, whose KV lives in the same blocks: a block's bytes count both)."""
+    block_bytes = sum(kv_cache_bytes_per_block(a.num_layers, config.block_size, a.num_kv_heads, a.head_dim,
+                                               dtype, config.kv_cache_dtype) for a in (args, draft_args) if a)
     kv_memory = config.kv_cache_memory or default_kv_cache_memory(memory_plan)
     num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
     if num_blocks < 1:
@@ -73,6 +74,33 @@ def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, dev
             raise ValueError(f"preemption_mode='swap' needs swap_space (GiB of host memory) for at least one "
                              f"block of {block_bytes} bytes; got {config.swap_space} GiB")
     return num_blocks, num_host_blocks
+
+
+def load_draft_model(config: EngineConfig, target: ModelArgs, max_model_len: int, ops: ModelOps,
+                     device: torch.device):
+    """Speculative method draft_model: the draft (a path or Hub id; a .gguf file runs in its
+    blocks unless its quantization says otherwise), unsharded, in the target's dtype, with its
+    own attention backend. ValueError where it cannot draft for this target."""
+    from pagedserve.models.presets import is_preset
+    from pagedserve.models.resolve import resolve_model
+    spec = config.speculative_config
+    path = spec.model if config.load_format == "dummy" and is_preset(spec.model) else \
+        resolve_model(spec.model, spec.revision)
+    attention = make_attention_backend(config.attention_backend, device, config.kv_cache_dtype)
+    quantization = resolve_quantization(spec.quantization, False, is_gguf(path), device)
+    draft, args, _ = load_model(path, config.dtype, attention, max_model_len, ops, config.load_format, device,
+                                config.seed, Shard(), None, quantization)
+    if args.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {args.vocab_size} tokens, "
+                         f"the target's has {target.vocab_size}: a draft model must share the target's tokenizer")
+    if resolve_max_model_len(None, args) < max_model_len:
+        raise ValueError(f"speculative_config model {spec.model!r} has a context of "
+                         f"{resolve_max_model_len(None, args)} tokens, shorter than max_model_len {max_model_len}")
+    draft.to(device)
+    draft.pack_linear_weights()
+    logger.info("draft model %s: %.1f MiB of weights%s", spec.model, model_weight_bytes(draft) / 2**20,
+                f" ({quantization} blocks)" if quantization else "")
+    return draft
 
 
 @dataclass
@@ -112,17 +140,24 @@ class Worker:
         logger.info("weights: %.1f MiB%s", model_weight_bytes(model) / 2**20,
                     f" ({quantization} blocks)" if quantization else "")
         max_model_len = resolve_max_model_len(config.max_model_len, args)
+        spec = config.speculative_config
+        draft = load_draft_model(config, args, max_model_len, ops, device) \
+            if spec is not None and spec.method == "draft_model" else None
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         graphs = bool(sizes) and group is None and uses_cuda_graphs(config, device, attention)   # TP: eager
         memory_plan = None
         if probe and config.kv_cache_memory is None and config.num_gpu_blocks_override is None:
             memory_plan = profile_kv_memory(model, config, device, make_sampler(eos_token_ids, config.seed, device),
                                             probe, start, max_model_len, sizes[-1] if graphs else None)
-        num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, memory_plan)
+        num_blocks, num_host_blocks = num_kv_blocks(config, model.args, dtype, device, memory_plan,
+                                                    draft.args if draft is not None else None)
         if group:
             num_blocks, num_host_blocks = group.min_int(num_blocks), group.min_int(num_host_blocks)
         sampler = make_sampler(eos_token_ids, config.seed, device)
         runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
+        if draft is not None:
+            from pagedserve.spec_decode.draft_model import DraftModel
+            runner.draft = DraftModel(draft, num_blocks, config.block_size, device, num_host_blocks)
         if config.enable_lora:
             from pagedserve.lora.weights import LoRAWeights
             runner.lora = LoRAWeights(args, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
