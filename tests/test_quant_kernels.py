@@ -91,11 +91,13 @@ def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bia
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 9, 16])
-@pytest.mark.parametrize("width", ["narrow", "wide"])
+@pytest.mark.parametrize("width", ["narrow", "wide", "long"])
 def test_linear_small_batches(variant, qtype, tokens, width):
-    """Widths of 3 or 9 blocks (32-element types), 1 or 3 super-blocks: every unrolled loop and
-    its tail; T across the passes of 4 or 8 activation rows."""
-    cols = cols_for(qtype) if width == "wide" else quant.BLOCK[qtype] * (3 if quant.BLOCK[qtype] == 32 else 1)
+    """Widths of 3, 9 or 37 blocks (32-element types: 37 = two groups of 16 and a tail of 5), 1,
+    3 or 5 super-blocks: every unrolled loop and its tail; T across the passes of 4 or 8
+    activation rows."""
+    blocks = {"narrow": (3, 1), "wide": (9, 3), "long": (37, 5)}[width][quant.BLOCK[qtype] != 32]
+    cols = quant.BLOCK[qtype] * blocks
     w, _ = weight(qtype, cols=cols)
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
     y = quant.linear(x, w)

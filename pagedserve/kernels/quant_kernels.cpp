@@ -486,12 +486,12 @@ inline __m128 f16x2(const uint8_t *p0, const uint8_t *p1) {     // [f16 at p0, f
 
 inline __m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(p))); }
 
+// The 64 codes of blocks b0, b0 + 1 as vpdpbusd's unsigned operand (see pair32); `negative`:
+// q8_0's signs where Act::start does not take its offset.
 template <int QT, int NT>
-inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
-                   const uint8_t *b0) {
+inline __m512i codes64(const uint8_t *b0, __mmask64 &negative) {
     const uint8_t *b1 = b0 + kBytes[QT];
     __m512i codes;
-    __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
     if constexpr (QT == Q8_0) {
         codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b0 + 2))),
                                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b1 + 2)), 1);
@@ -512,6 +512,15 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
         const __mmask64 fifth = __mmask64(h0) | (__mmask64(h1) << 32);
         codes = _mm512_or_si512(nibbles64(b0 + h + 4, b1 + h + 4), _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
     }
+    return codes;
+}
+
+template <int QT, int NT>
+inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
+                   const uint8_t *b0) {
+    const uint8_t *b1 = b0 + kBytes[QT];
+    __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
+    const __m512i codes = codes64<QT, NT>(b0, negative);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     if constexpr ((QT == Q4_1 || QT == Q5_1) && NT <= 2) {
         // One or two rows: d, m of both blocks in one conversion: [d0 m0 d1 m1] times [dx0 ds0 dx1 ds1]: the two
@@ -543,6 +552,53 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
         acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc.w[t]);
         if constexpr (QT == Q4_1 || QT == Q5_1 || kOffsetTerm)
             acc.m2[t] = _mm_fmadd_ps(C, load2(ds0 + t * a.nb), acc.m2[t]);
+    }
+}
+
+// Sixteen 32-element blocks (b0 and the 15 after it) against activation rows t0 ..: the blocks'
+// fp16 d (and m: q4_1, q5_1) in one gather, converted and multiplied by the 16 dx of each row at
+// once, the minimum terms as one 16-wide multiply-add; then per pair of blocks one dot, one
+// conversion, one spread of two scales and one multiply-add (pair32 spends about as much again
+// per pair on its two scales). Up to four chains of sums (one or two rows), so the adds'
+// latency does not bound.
+template <int QT, int NT>
+inline void group16(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
+                    const uint8_t *b0) {
+    constexpr int B = int(kBytes[QT]);
+    const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B, 11 * B,
+                                         12 * B, 13 * B, 14 * B, 15 * B);
+    const __m512i dm = _mm512_i32gather_epi32(at, b0, 1);     // each block's first 4 bytes: d (and m)
+    const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
+    constexpr bool kMinTerm = QT == Q4_1 || QT == Q5_1 || kOffsetTerm;
+    __m512 C = _mm512_setzero_ps();
+    if constexpr (QT == Q4_1 || QT == Q5_1) C = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+    if constexpr (kOffsetTerm) C = _mm512_mul_ps(A, _mm512_set1_ps(-float(kOffset[QT])));
+    constexpr int CH = NT == 1 ? 4 : NT == 2 ? 2 : 1;          // chains of sums per row
+    __m512 S[NT], sum[CH][NT];
+    for (int t = 0; t < NT; t++) {
+        S[t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
+        sum[0][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc.w[t]) : acc.w[t];
+        for (int c = 1; c < CH; c++) sum[c][t] = _mm512_setzero_ps();
+    }
+    for (int i = 0; i < 8; i++) {                              // blocks 2i, 2i + 1
+        __mmask64 negative = 0;
+        const __m512i codes = codes64<QT, NT>(b0 + 2 * i * B, negative);
+        const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
+                                                 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                                 2 * i + 1);
+        for (int t = 0; t < NT; t++) {
+            __m512i x = _mm512_loadu_si512(q0 + t * a.K + 64 * i);
+            if constexpr (QT == Q8_0 && !kStarts<QT, NT>) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+            const __m512i dot = _mm512_dpbusd_epi32(
+                kStarts<QT, NT> ? _mm512_loadu_si512(st0 + t * (a.K / 4) + 16 * i) : _mm512_setzero_si512(), codes, x);
+            sum[i % CH][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[t]), sum[i % CH][t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        if constexpr (CH == 4) acc.w[t] = _mm512_add_ps(_mm512_add_ps(sum[0][t], sum[1][t]), _mm512_add_ps(sum[2][t], sum[3][t]));
+        else if constexpr (CH == 2) acc.w[t] = _mm512_add_ps(sum[0][t], sum[1][t]);
+        else acc.w[t] = sum[0][t];
     }
 }
 
@@ -634,6 +690,8 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (P == 1) {
+        for (; u + 16 <= units; u += 16)
+            group16<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
         if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
             Acc<NT> other;
             for (; u + 4 <= units; u += 4) {
