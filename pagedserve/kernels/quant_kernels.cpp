@@ -560,46 +560,58 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
 // once, the minimum terms as one 16-wide multiply-add; then per pair of blocks one dot, one
 // conversion, one spread of two scales and one multiply-add (pair32 spends about as much again
 // per pair on its two scales). Up to four chains of sums (one or two rows), so the adds'
-// latency does not bound.
-template <int QT, int NT>
-inline void group16(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
-                    const uint8_t *b0) {
+// latency does not bound. R weight rows (b0, b0 + ldw, ..: acc[r]) share each activation load.
+template <int QT, int NT, int R = 1>
+inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
+                    const uint8_t *b0, int64_t ldw = 0) {
     constexpr int B = int(kBytes[QT]);
     const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B, 11 * B,
                                          12 * B, 13 * B, 14 * B, 15 * B);
-    const __m512i dm = _mm512_i32gather_epi32(at, b0, 1);     // each block's first 4 bytes: d (and m)
-    const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
     constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
     constexpr bool kMinTerm = QT == Q4_1 || QT == Q5_1 || kOffsetTerm;
-    __m512 C = _mm512_setzero_ps();
-    if constexpr (QT == Q4_1 || QT == Q5_1) C = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-    if constexpr (kOffsetTerm) C = _mm512_mul_ps(A, _mm512_set1_ps(-float(kOffset[QT])));
-    constexpr int CH = NT == 1 ? 4 : NT == 2 ? 2 : 1;          // chains of sums per row
-    __m512 S[NT], sum[CH][NT];
-    for (int t = 0; t < NT; t++) {
-        S[t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
-        sum[0][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc.w[t]) : acc.w[t];
-        for (int c = 1; c < CH; c++) sum[c][t] = _mm512_setzero_ps();
+    constexpr int CH = NT * R == 1 ? 4 : NT * R == 2 ? 2 : 1;  // chains of sums per row
+    __m512 S[R][NT], sum[CH][R][NT];
+    for (int r = 0; r < R; r++) {
+        const __m512i dm = _mm512_i32gather_epi32(at, b0 + r * ldw, 1);   // each block's first 4 bytes: d (and m)
+        const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        __m512 C = _mm512_setzero_ps();
+        if constexpr (QT == Q4_1 || QT == Q5_1) C = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+        if constexpr (kOffsetTerm) C = _mm512_mul_ps(A, _mm512_set1_ps(-float(kOffset[QT])));
+        for (int t = 0; t < NT; t++) {
+            S[r][t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
+            sum[0][r][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc[r].w[t]) : acc[r].w[t];
+            for (int c = 1; c < CH; c++) sum[c][r][t] = _mm512_setzero_ps();
+        }
     }
     for (int i = 0; i < 8; i++) {                              // blocks 2i, 2i + 1
-        __mmask64 negative = 0;
-        const __m512i codes = codes64<QT, NT>(b0 + 2 * i * B, negative);
+        __mmask64 negative[R] = {};
+        __m512i codes[R];
+        for (int r = 0; r < R; r++) codes[r] = codes64<QT, NT>(b0 + r * ldw + 2 * i * B, negative[r]);
         const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
                                                  2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
                                                  2 * i + 1);
         for (int t = 0; t < NT; t++) {
-            __m512i x = _mm512_loadu_si512(q0 + t * a.K + 64 * i);
-            if constexpr (QT == Q8_0 && !kStarts<QT, NT>) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-            const __m512i dot = _mm512_dpbusd_epi32(
-                kStarts<QT, NT> ? _mm512_loadu_si512(st0 + t * (a.K / 4) + 16 * i) : _mm512_setzero_si512(), codes, x);
-            sum[i % CH][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[t]), sum[i % CH][t]);
+            const __m512i x0 = _mm512_loadu_si512(q0 + t * a.K + 64 * i);
+            const __m512i start =
+                kStarts<QT, NT> ? _mm512_loadu_si512(st0 + t * (a.K / 4) + 16 * i) : _mm512_setzero_si512();
+            for (int r = 0; r < R; r++) {
+                __m512i x = x0;
+                if constexpr (QT == Q8_0 && !kStarts<QT, NT>)
+                    x = _mm512_mask_sub_epi8(x, negative[r], _mm512_setzero_si512(), x);
+                const __m512i dot = _mm512_dpbusd_epi32(start, codes[r], x);
+                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[r][t]),
+                                                    sum[i % CH][r][t]);
+            }
         }
     }
-    for (int t = 0; t < NT; t++) {
-        if constexpr (CH == 4) acc.w[t] = _mm512_add_ps(_mm512_add_ps(sum[0][t], sum[1][t]), _mm512_add_ps(sum[2][t], sum[3][t]));
-        else if constexpr (CH == 2) acc.w[t] = _mm512_add_ps(sum[0][t], sum[1][t]);
-        else acc.w[t] = sum[0][t];
-    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            if constexpr (CH == 4)
+                acc[r].w[t] = _mm512_add_ps(_mm512_add_ps(sum[0][r][t], sum[1][r][t]),
+                                            _mm512_add_ps(sum[2][r][t], sum[3][r][t]));
+            else if constexpr (CH == 2) acc[r].w[t] = _mm512_add_ps(sum[0][r][t], sum[1][r][t]);
+            else acc[r].w[t] = sum[0][r][t];
+        }
 }
 
 // One super-block: q0, d0, ds0 point at its first 32 activations of row t0.
@@ -653,15 +665,18 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         for (int t = 0; t < NT; t++)
             S[t] = _mm512_mul_ps(
                 dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
-        const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+        const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
         for (int h = 0; h < 2; h++) {
             const __m512i L = _mm512_loadu_si512(b + 64 * h);   // ql: elements 128h + [0, 64) low, [64, 128) high
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            // Q: bits 4-5 of each byte are the two high bits of half 1's elements (qh's fields 2, 3);
+            // Q << 4 has those of half 0 there (fields 0, 1); low | (that & 0x30) in one ternary op.
             const __m512i Q = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
             for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
-                const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
-                const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
-                const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));   // unsigned; 32 via ls
+                const __m512i high = _mm512_and_si512(half ? Q : _mm512_slli_epi16(Q, 4), m30);
+                // (low nibble of L or L >> 4) | high: imm 0xEA = (A & B) | C with A the nibbles, B = 15, C = high
+                const __m512i codes =
+                    _mm512_ternarylogic_epi32(half ? _mm512_srli_epi16(L, 4) : L, m4, high, 0xEA);   // unsigned; 32 via ls
                 const int g = 8 * h + 4 * half;
                 const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
                                                          g + 2, g + 3, g + 3, g + 3, g + 3);
@@ -677,9 +692,9 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
 }
 #endif
 
+// acc += row w's dots with activation rows t0 .. t0 + NT, from unit (block, super-block) u on.
 template <int QT, int NT>
-void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo) {
-    Acc<NT> acc;
+inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, int64_t u) {
     const int64_t units = a.K / kElems[QT];
     const int8_t *qa = a.q + t0 * a.K;
     const float *da = a.d + t0 * a.nb, *dsa = a.ds + t0 * a.nb;
@@ -687,11 +702,10 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     const int32_t *sta = a.start[QT] == nullptr ? nullptr : a.start[QT] + t0 * (a.K / 4);   // Act::start of row t0
 #endif
-    int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (P == 1) {
         for (; u + 16 <= units; u += 16)
-            group16<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
+            group16<QT, NT>(&acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
         if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
             Acc<NT> other;
             for (; u + 4 <= units; u += 4) {
@@ -733,8 +747,32 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
             accumulate<QT, NT>(acc, a, qa + j * 32, da + j, dsa + j, p[i]);
         }
     }
+}
+
+template <int QT, int NT>
+void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    Acc<NT> acc;
+    row_acc<QT, NT>(acc, w, a, t0, 0);
     for (int t = 0; t < NT; t++) out[t * ldo] = acc.total(t);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Two weight rows (w, w + ldw) against one activation row (T = 1; q4_0, q4_1, q8_0): each
+// group's activations (and Act::start) loaded once for both, and half the calls per row.
+template <int QT>
+void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
+    Acc<1> acc[2];
+    const int64_t units = a.K / 32;
+    const int32_t *sta = a.start[QT];
+    int64_t u = 0;
+    for (; u + 16 <= units; u += 16)
+        group16<QT, 1, 2>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
+    row_acc<QT, 1>(acc[0], w, a, 0, u);
+    row_acc<QT, 1>(acc[1], w + ldw, a, 0, u);
+    out[0] = acc[0].total(0);
+    out[1] = acc[1].total(0);
+}
+#endif
 #else
 // Plain loops over the same integers.
 template <int QT, int NT>
@@ -842,6 +880,19 @@ RowFn row_fn(int qt, int nt) {
     case Q5_K: return row_fn<Q5_K>(nt);
     case Q6_K: return row_fn<Q6_K>(nt);
     }
+    return nullptr;
+}
+
+using Row2Fn = void (*)(const uint8_t *, int64_t, const Act &, float *);
+Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type / variant)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    switch (qt) {
+    case Q4_0: return row_dot2<Q4_0>;
+    case Q4_1: return row_dot2<Q4_1>;
+    case Q8_0: return row_dot2<Q8_0>;
+    }                            // (q5_0, q5_1: slower in pairs, measured: their fifth bits' masks)
+#endif
+    (void)qt;
     return nullptr;
 }
 
@@ -1028,12 +1079,14 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         }
 #endif
     std::vector<RowFn> full(nparts), tail(nparts);
+    std::vector<Row2Fn> two(nparts);          // T = 1: two weight rows per call where the type has it
     std::vector<int64_t> ends(nparts);        // one past each part's last row in y
     int64_t N = 0, total = 0;                 // rows, weight bytes
     for (int64_t p = 0; p < nparts; p++) {
         total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
         full[p] = row_fn(int(parts[p].qtype), int(std::min<int64_t>(kMaxNT, T)));
         tail[p] = row_fn(int(parts[p].qtype), int(T % kMaxNT));
+        two[p] = T == 1 ? row2_fn(int(parts[p].qtype)) : nullptr;
         ends[p] = N += parts[p].rows;
     }
     // One parallel region: the activations' blocks, then the weight rows (each thread a
@@ -1052,19 +1105,28 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t begin = row_at_byte(parts, nparts, K, total * tid / nt);
         const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
+        auto put = [&](int64_t t, int64_t r, float v) {
+            v += bias ? bias[r] : 0.f;
+            if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
+            else static_cast<float *>(y)[t * ldy + r] = v;
+        };
         for (int64_t r = begin; r < end; r++) {
             int64_t p = 0;
             while (r >= ends[p]) p++;
             const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
+            if (two[p] != nullptr && r + 1 < std::min(end, ends[p])) {    // rows r, r + 1 of one part
+                float v2[2];
+                two[p](row, parts[p].ldw, a, v2);
+                put(0, r, v2[0]);
+                put(0, r + 1, v2[1]);
+                r++;
+                continue;
+            }
             for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
                 const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
                 float vals[kMaxNT];
                 (nt == kMaxNT || nt == T ? full[p] : tail[p])(row, a, t0, vals, 1);
-                for (int i = 0; i < nt; i++) {
-                    const float v = vals[i] + (bias ? bias[r] : 0.f);
-                    if (y_bf16) static_cast<uint16_t *>(y)[(t0 + i) * ldy + r] = f32_to_bf16(v);
-                    else static_cast<float *>(y)[(t0 + i) * ldy + r] = v;
-                }
+                for (int i = 0; i < nt; i++) put(t0 + i, r, vals[i]);
             }
         }
     }
