@@ -43,7 +43,11 @@ super-block's eight converted together; codes always unsigned, a type's offset (
 q8_0 128 after flipping its sign bit, q6_k 32) taken off in the integers by starting the dot from
 -offset times the activations' sums of 4, computed once per call: for one- or two-row passes,
 and for q6_k always; nibbles and fifth bits unpacked by broadcast loads, masked shifts and byte
-masks, with no permutes), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+masks, with no permutes; the 32-element types in groups of 16 blocks: their 16 fp16 scales (and
+q4_1 / q5_1's minimums) in one gather, converted and multiplied by the 16 activation scales at
+once, so each pair of blocks costs one dot, one conversion, one spread and one multiply-add; at
+T = 1, q4_0 / q4_1 / q8_0 run two weight rows per call, each activation load serving both),
+`avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
 127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
 at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
