@@ -16,7 +16,8 @@
 // layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in).
 //
 // Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
-// a super-block) with scales converted two or eight at a time; `avxvnni` and `avx2` run 32
+// a super-block) with scales converted sixteen (groups of 16 blocks: one gather), two or eight at
+// a time, and at T = 1 two weight rows per activation load (q4_0, q4_1, q8_0); `avxvnni` and `avx2` run 32
 // per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
 // A row's weights are read where they lie (the file's layout): each thread streams its rows.
