@@ -46,7 +46,8 @@ and for q6_k always; nibbles and fifth bits unpacked by broadcast loads, masked 
 masks, with no permutes; the 32-element types in groups of 16 blocks: their 16 fp16 scales (and
 q4_1 / q5_1's minimums) in one gather, converted and multiplied by the 16 activation scales at
 once, so each pair of blocks costs one dot, one conversion, one spread and one multiply-add; at
-T = 1, q4_0 / q4_1 / q8_0 run two weight rows per call, each activation load serving both),
+T = 1 two weight rows per call (all types but q5_0 / q5_1, slower so), a 32-element group's
+activation loads serving both, the super-blocks' two streams interleaved),
 `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
 127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen

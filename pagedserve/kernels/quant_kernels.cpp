@@ -17,8 +17,8 @@
 //
 // Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
 // a super-block) with scales converted sixteen (groups of 16 blocks: one gather), two or eight at
-// a time, and at T = 1 two weight rows per activation load (q4_0, q4_1, q8_0); `avxvnni` and `avx2` run 32
-// per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
+// a time, and at T = 1 two weight rows per call (all types but q5_0 / q5_1); `avxvnni` and
+// `avx2` run 32 per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
 // A row's weights are read where they lie (the file's layout): each thread streams its rows.
 #include <algorithm>
@@ -758,16 +758,23 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// Two weight rows (w, w + ldw) against one activation row (T = 1; q4_0, q4_1, q8_0): each
+// Two weight rows (w, w + ldw) against one activation row (T = 1; all types but q5_0 / q5_1): each
 // group's activations (and Act::start) loaded once for both, and half the calls per row.
 template <int QT>
 void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
     Acc<1> acc[2];
-    const int64_t units = a.K / 32;
+    const int64_t units = a.K / kElems[QT];
     const int32_t *sta = a.start[QT];
     int64_t u = 0;
-    for (; u + 16 <= units; u += 16)
-        group16<QT, 1, 2>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
+    if constexpr (kPieces<QT> == 1) {
+        for (; u + 16 <= units; u += 16)
+            group16<QT, 1, 2>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
+    } else {                     // super-blocks: the two rows' streams interleaved (independent chains)
+        for (; u < units; u++)
+            for (int r = 0; r < 2; r++)
+                superblock<QT, 1>(acc[r], a, a.q + u * 256, a.d + u * 8, a.ds + u * 8, 0, u * 256,
+                                  w + r * ldw + u * kBytes[QT]);
+    }
     row_acc<QT, 1>(acc[0], w, a, 0, u);
     row_acc<QT, 1>(acc[1], w + ldw, a, 0, u);
     out[0] = acc[0].total(0);
@@ -891,6 +898,9 @@ Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type 
     case Q4_0: return row_dot2<Q4_0>;
     case Q4_1: return row_dot2<Q4_1>;
     case Q8_0: return row_dot2<Q8_0>;
+    case Q4_K: return row_dot2<Q4_K>;
+    case Q5_K: return row_dot2<Q5_K>;
+    case Q6_K: return row_dot2<Q6_K>;
     }                            // (q5_0, q5_1: slower in pairs, measured: their fifth bits' masks)
 #endif
     (void)qt;
