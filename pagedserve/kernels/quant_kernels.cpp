@@ -758,27 +758,29 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// Two weight rows (w, w + ldw) against one activation row (T = 1; all types but q5_0 / q5_1): each
-// group's activations (and Act::start) loaded once for both, and half the calls per row.
+// kPassRows weight rows (w, w + ldw, ..) against one activation row (T = 1; all types but q5_0 /
+// q5_1): each group's activations (and Act::start) loaded once for them all, and fewer calls per row.
+constexpr int kPassRows = 2;
 template <int QT>
 void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
-    Acc<1> acc[2];
+    constexpr int R = kPassRows;
+    Acc<1> acc[R];
     const int64_t units = a.K / kElems[QT];
     const int32_t *sta = a.start[QT];
     int64_t u = 0;
     if constexpr (kPieces<QT> == 1) {
         for (; u + 16 <= units; u += 16)
-            group16<QT, 1, 2>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
-    } else {                     // super-blocks: the two rows' streams interleaved (independent chains)
+            group16<QT, 1, R>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
+    } else {                     // super-blocks: the rows' streams interleaved (independent chains)
         for (; u < units; u++)
-            for (int r = 0; r < 2; r++)
+            for (int r = 0; r < R; r++)
                 superblock<QT, 1>(acc[r], a, a.q + u * 256, a.d + u * 8, a.ds + u * 8, 0, u * 256,
                                   w + r * ldw + u * kBytes[QT]);
     }
-    row_acc<QT, 1>(acc[0], w, a, 0, u);
-    row_acc<QT, 1>(acc[1], w + ldw, a, 0, u);
-    out[0] = acc[0].total(0);
-    out[1] = acc[1].total(0);
+    for (int r = 0; r < R; r++) {
+        row_acc<QT, 1>(acc[r], w + r * ldw, a, 0, u);
+        out[r] = acc[r].total(0);
+    }
 }
 #endif
 #else
@@ -1125,14 +1127,15 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
             int64_t p = 0;
             while (r >= ends[p]) p++;
             const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
-            if (two[p] != nullptr && r + 1 < std::min(end, ends[p])) {    // rows r, r + 1 of one part
-                float v2[2];
-                two[p](row, parts[p].ldw, a, v2);
-                put(0, r, v2[0]);
-                put(0, r + 1, v2[1]);
-                r++;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (two[p] != nullptr && r + kPassRows <= std::min(end, ends[p])) {    // rows r .. of one part
+                float vs[kPassRows];
+                two[p](row, parts[p].ldw, a, vs);
+                for (int i = 0; i < kPassRows; i++) put(0, r + i, vs[i]);
+                r += kPassRows - 1;
                 continue;
             }
+#endif
             for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
                 const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
                 float vals[kMaxNT];
