@@ -17,7 +17,7 @@ path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS and DEC
 be). Prints a table and writes
 benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
 
---decode: per type, one pass at T=1 over the layers' weights alternates with a plain read of the
+--decode: per type, one pass at T=1 (--decode-tokens: decode batches of those sizes) over the layers' weights alternates with a plain read of the
 same bytes (torch's threaded float sum over them) many times in one process, and the minimum of
 each is kept (robust to other jobs on the machine): the kernel's GB/s against the read's. With
 --step-share MIX (benchmarks/quantized.py's mixes: Q4_0, Q8_0, Q4_K_M), a SmolLM2-1.7B-shaped
@@ -68,7 +68,7 @@ def interleaved_min(fns, rounds: int) -> list[float]:
     return best
 
 
-def decode_kernels(types: list[str], layers: int, rounds: int) -> list[dict]:
+def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]) -> list[dict]:
     rng = np.random.default_rng(0)
     results = []
     for qtype in types:
@@ -76,14 +76,15 @@ def decode_kernels(types: list[str], layers: int, rounds: int) -> list[dict]:
         nbytes = sum(w.nbytes for w in weights)
         # the same bytes as floats (a whole number of them per weight), summed: a plain read
         plain = [w.data.view(-1)[: w.data.numel() // 4 * 4].view(torch.float32) for w in weights]
-        xs = {k: torch.randn(1, k).bfloat16() for _, k in SHAPES}
-        kernel, read = interleaved_min([lambda: [quant.linear(xs[w.shape[1]], w) for w in weights],
-                                        lambda: [p.sum() for p in plain]], rounds)
-        row = dict(type=qtype, variant=quant.variant(), tokens=1, bytes=nbytes, kernel_gbs=nbytes / kernel / 1e9,
-                   read_gbs=nbytes / read / 1e9, ratio=read / kernel)
-        results.append(row)
-        print(f"{qtype:6} {row['variant']:11} T=1 kernel {row['kernel_gbs']:6.1f} GB/s  plain read "
-              f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}", flush=True)
+        for t in tokens:
+            xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
+            kernel, read = interleaved_min([lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
+                                            lambda: [p.sum() for p in plain]], rounds)
+            row = dict(type=qtype, variant=quant.variant(), tokens=t, bytes=nbytes, kernel_gbs=nbytes / kernel / 1e9,
+                       read_gbs=nbytes / read / 1e9, ratio=read / kernel)
+            results.append(row)
+            print(f"{qtype:6} {row['variant']:11} T={t:<3} kernel {row['kernel_gbs']:6.1f} GB/s  plain read "
+                  f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}", flush=True)
         del weights, plain
     return results
 
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: results/quant_kernels.json (_decode.json with --decode)")
     parser.add_argument("--decode", action="store_true", help="T=1 only, against a plain read (interleaved)")
     parser.add_argument("--step-share", default=None, help="with --decode: a mix of benchmarks/quantized.py")
+    parser.add_argument("--decode-tokens", default="1", help="with --decode: activation rows (decode batch sizes)")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
     if args.decode:
@@ -149,7 +151,8 @@ def main() -> None:
         if args.tiny:
             SHAPES[:] = [(n // 8, k // 8) for n, k in SHAPES]   # (decode_kernels reads the module's list)
         out = dict(quant=quant.describe(), threads=torch.get_num_threads(), layers=layers, rounds=rounds,
-                   kernels=decode_kernels(args.types.split(","), layers, rounds))
+                   kernels=decode_kernels(args.types.split(","), layers, rounds,
+                                          [int(t) for t in args.decode_tokens.split(",")]))
         if args.step_share:
             out["step_share"] = step_share(args.step_share, layers, rounds)
         path = Path(args.out or results_dir / "quant_kernels_decode.json")
