@@ -50,7 +50,7 @@ T = 1 two weight rows per call (all types but q5_0 / q5_1, slower so), a 32-elem
 activation loads serving both, the super-blocks' two streams interleaved),
 `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
-127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
+127; both: one or two rows of a 32-element type in groups of 8 blocks, their scales in one gather), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
 at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
 (tests run all the CPU supports). Chosen, built and loaded by a cpu.KernelLibrary (KERNELS),
 as kernels/cpu.py's library is (system C++ compiler on first use, cached under

@@ -18,7 +18,7 @@
 // Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
 // a super-block) with scales converted sixteen (groups of 16 blocks: one gather), two or eight at
 // a time, and at T = 1 two weight rows per call (all types but q5_0 / q5_1); `avxvnni` and
-// `avx2` run 32 per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
+// `avx2` run 32 per 256-bit dot (scales of groups of 8 blocks in one gather) (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
 // A row's weights are read where they lie (the file's layout): each thread streams its rows.
 #include <algorithm>
@@ -448,6 +448,56 @@ inline void accumulate(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
     }
 }
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// The codes of one 32-element block as decode<QT> gives them (signed where the type has an offset).
+template <int QT>
+inline __m256i codes32(const uint8_t *b) {
+    if constexpr (QT == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2));
+    else if constexpr (QT == Q4_0) return _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8));
+    else if constexpr (QT == Q4_1) return nibbles16(b + 4);
+    else if constexpr (QT == Q5_0)
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bits32(b + 2)), _mm256_set1_epi8(16));
+    else return _mm256_or_si256(nibbles16(b + 8), bits32(b + 4));
+}
+
+// Eight 32-element blocks (b0 and the 7 after it) against one or two activation rows (AVX2 /
+// AVX-VNNI): the blocks' fp16 d (and m) in one gather, converted and multiplied by the 8 dx at
+// once, the minimum terms as one 8-wide multiply-add; per block one dot, one conversion, one
+// spread and one multiply-add, in two chains.
+template <int QT, int NT>
+inline void group8(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                   const uint8_t *b0) {
+    constexpr int B = int(kBytes[QT]);
+    const __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int *>(b0),
+                                              _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B), 1);
+    auto halves = [&](int from) {        // the 16-bit halves at byte `from` of each lane, as 8 floats
+        const __m256i pick = _mm256_setr_epi8(from, from + 1, from + 4, from + 5, from + 8, from + 9, from + 12,
+                                              from + 13, -1, -1, -1, -1, -1, -1, -1, -1, from, from + 1, from + 4,
+                                              from + 5, from + 8, from + 9, from + 12, from + 13, -1, -1, -1, -1, -1,
+                                              -1, -1, -1);
+        const __m256i h = _mm256_shuffle_epi8(dm, pick);
+        return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    };
+    const __m256 A = halves(0);
+    __m256 S[NT], other[NT];
+    for (int t = 0; t < NT; t++) {
+        S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+        if constexpr (kMin<QT>) acc.v[t] = _mm256_fmadd_ps(halves(2), _mm256_loadu_ps(ds0 + t * a.nb), acc.v[t]);
+        other[t] = _mm256_setzero_ps();
+    }
+    for (int i = 0; i < 8; i++) {
+        const __m256i codes = codes32<QT>(b0 + i * B);
+        for (int t = 0; t < NT; t++) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q0 + t * a.K + 32 * i));
+            const __m256i dot = kSigned<QT> ? dot_ss(codes, x) : dot_us(codes, x);
+            __m256 &sum = i % 2 ? other[t] : acc.v[t];
+            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(S[t], _mm256_set1_epi32(i)), sum);
+        }
+    }
+    for (int t = 0; t < NT; t++) acc.v[t] = _mm256_add_ps(acc.v[t], other[t]);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // ---- AVX-512 VNNI: 64 elements (two pieces) per dot product, scales two or eight at a time ----
 // The integer dot of 64 unsigned codes with 64 activations, as floats (16 lanes of 4).
@@ -727,6 +777,9 @@ inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, in
     }
 #endif
     if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+        for (; u + 8 <= units; u += 8) group8<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+#endif
         Acc<NT> other;
         for (; u + 2 <= units; u += 2) {
             Piece p0, p1;
