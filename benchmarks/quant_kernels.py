@@ -23,8 +23,9 @@ each is kept (robust to other jobs on the machine): the kernel's GB/s against th
 --step-share MIX (benchmarks/quantized.py's mixes: Q4_0, Q8_0, Q4_K_M), a SmolLM2-1.7B-shaped
 GGUF of --layers layers (default 2) is written and served; its decode steps (engine.step, one
 request) alternate with the same model's quantized linears alone at T=1 (every layer's and the
-LM head), and the share of the step outside them (attention, norms, embedding, activation
-quantization's share is inside, scheduling, sampling, Python) is printed. Writes
+LM head), and the share of the step outside them (attention, norms, embedding, scheduling,
+sampling, Python; the activations' quantization is inside) is printed, with the step's parts
+(the compiled layer loop, the LM head, the rest), each the minimum over the steps. Writes
 benchmarks/results/quant_kernels_decode.json.
 """
 from __future__ import annotations
@@ -121,15 +122,41 @@ def step_share(mix: str, layers: int, rounds: int) -> dict:
         engine.step()                                   # prefill
         for _ in range(4):
             engine.step()
-        step, lin = interleaved_min([engine.step, lambda: [quant.linear(xs[in_features(w)], w) for w in linears]],
-                                    rounds)
+        # The step's parts, each the minimum over the steps: the compiled layer loop (its linears,
+        # attention, norms), the LM head (compute_logits) and the rest (embedding, engine, sampling).
+        parts = {"layers": float("inf"), "lm_head": float("inf")}
+        spent: dict[str, float] = {}
+
+        def timed(obj, name: str, label: str) -> None:
+            fn = getattr(obj, name)
+
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+            setattr(obj, name, wrapper)
+        if model.compiled_layers is not None:
+            timed(model.compiled_layers, "forward", "layers")
+        timed(model, "compute_logits", "lm_head")
+
+        def step() -> None:
+            spent.clear()
+            engine.step()
+            for k, v in spent.items():
+                parts[k] = min(parts[k], v)
+        step_s, lin = interleaved_min([step, lambda: [quant.linear(xs[in_features(w)], w) for w in linears]],
+                                      rounds)
         while engine.has_unfinished_requests():
             engine.step()
-    out = dict(mix=mix, layers=layers, linear_bytes=nbytes, step_ms=step * 1e3, linears_ms=lin * 1e3,
-               outside_share=1 - lin / step, linears_gbs=nbytes / lin / 1e9)
-    print(f"{mix} {layers} layers: decode step {out['step_ms']:.2f} ms, its quantized linears alone "
-          f"{out['linears_ms']:.2f} ms ({out['linears_gbs']:.1f} GB/s): {out['outside_share']:.0%} of the step "
-          f"outside them", flush=True)
+    out = dict(mix=mix, layers=layers, linear_bytes=nbytes, step_ms=step_s * 1e3, linears_ms=lin * 1e3,
+               layer_loop_ms=parts["layers"] * 1e3, lm_head_ms=parts["lm_head"] * 1e3,
+               outside_share=1 - lin / step_s, linears_gbs=nbytes / lin / 1e9)
+    print(f"{mix} {layers} layers: decode step {out['step_ms']:.2f} ms (layer loop {out['layer_loop_ms']:.2f}, "
+          f"LM head {out['lm_head_ms']:.2f}, the rest {out['step_ms'] - out['layer_loop_ms'] - out['lm_head_ms']:.2f}); "
+          f"its quantized linears alone {out['linears_ms']:.2f} ms ({out['linears_gbs']:.1f} GB/s): "
+          f"{out['outside_share']:.0%} of the step outside them", flush=True)
     return out
 
 
