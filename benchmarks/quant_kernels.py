@@ -6,6 +6,9 @@ so they stream from memory as in a real step.
     .venv/bin/python benchmarks/quant_kernels.py --quick     # ~1-2 min: 2 layers, T 1-128, the active variant
     .venv/bin/python benchmarks/quant_kernels.py --tiny      # seconds: shapes / 8 (checks the script runs)
     .venv/bin/python benchmarks/quant_kernels.py             # ~10 min: 4 layers, more T, every variant
+    .venv/bin/python benchmarks/quant_kernels.py --decode [--quick] [--step-share Q4_0]
+                      # decode (T=1) only, interleaved with a plain read of the same bytes; and the
+                      # share of a real decode step outside the quantized linears (~2 min)
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
@@ -13,12 +16,24 @@ the same shapes through cpu.linear over packed bf16 weights; rows with a `path` 
 path against the dequantized tiles at the same T (where SMALL_BATCH_ROWS and DECODE_BATCH_ROWS should
 be). Prints a table and writes
 benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
+
+--decode: per type, one pass at T=1 (--decode-tokens: decode batches of those sizes) over the layers' weights alternates with a plain read of the
+same bytes (torch's threaded float sum over them) many times in one process, and the minimum of
+each is kept (robust to other jobs on the machine): the kernel's GB/s against the read's. With
+--step-share MIX (benchmarks/quantized.py's mixes: Q4_0, Q8_0, Q4_K_M), a SmolLM2-1.7B-shaped
+GGUF of --layers layers (default 2) is written and served; its decode steps (engine.step, one
+request) alternate with the same model's quantized linears alone at T=1 (every layer's and the
+LM head), and the share of the step outside them (attention, norms, embedding, scheduling,
+sampling, Python; the activations' quantization is inside) is printed, with the step's parts
+(the compiled layer loop, the LM head, the rest), each the minimum over the steps. Writes
+benchmarks/results/quant_kernels_decode.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,17 +56,138 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     return quant.from_gguf_blocks(qtype, torch.from_numpy(blocks.reshape(rows, nb * bb)), (rows, cols))
 
 
+def interleaved_min(fns, rounds: int) -> list[float]:
+    """Seconds of each function: run in turn `rounds` times, the minimum of each."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        fn()
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]) -> list[dict]:
+    rng = np.random.default_rng(0)
+    results = []
+    for qtype in types:
+        weights = [random_weight(qtype, n, k, rng) for _ in range(layers) for n, k in SHAPES]
+        nbytes = sum(w.nbytes for w in weights)
+        # the same bytes as floats (a whole number of them per weight), summed: a plain read
+        plain = [w.data.view(-1)[: w.data.numel() // 4 * 4].view(torch.float32) for w in weights]
+        for t in tokens:
+            xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
+            kernel, read = interleaved_min([lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
+                                            lambda: [p.sum() for p in plain]], rounds)
+            row = dict(type=qtype, variant=quant.variant(), tokens=t, bytes=nbytes, kernel_gbs=nbytes / kernel / 1e9,
+                       read_gbs=nbytes / read / 1e9, ratio=read / kernel)
+            results.append(row)
+            print(f"{qtype:6} {row['variant']:11} T={t:<3} kernel {row['kernel_gbs']:6.1f} GB/s  plain read "
+                  f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}", flush=True)
+        del weights, plain
+    return results
+
+
+def step_share(mix: str, layers: int, rounds: int) -> dict:
+    """A real decode step against its quantized linears alone (see the module's docstring)."""
+    import tempfile
+
+    from benchmarks.quantized import MIXES, SMOLLM2_1_7B, write_gguf
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.models.dummy import stand_in_tokenizer
+    from pagedserve.models.loader import default_model_path
+    from pagedserve.models.quantized import weight_nbytes
+    config = {**SMOLLM2_1_7B, "num_hidden_layers": layers}
+    with tempfile.TemporaryDirectory(prefix="pagedserve-step-share-") as work:
+        shape_dir = Path(work) / "shape"
+        shape_dir.mkdir()
+        (shape_dir / "config.json").write_text(json.dumps(config))
+        stand_in_tokenizer(config).save_pretrained(str(shape_dir))
+        path = Path(work) / f"{mix}.gguf"
+        print(f"writing a {layers}-layer {mix} file ...", flush=True)
+        write_gguf(config, MIXES[mix], path, tokenizer_from=default_model_path())
+        llm = LLM(str(path), tokenizer=str(shape_dir), kv_cache_memory=128 * 1024**2, enable_prefix_caching=False)
+        model = llm.engine.executor.worker.runner.model
+        linears = [getattr(w, n) for w in model.layers for n in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
+        nbytes = sum(weight_nbytes(w) for w in linears)
+        hidden = config["hidden_size"]
+        xs = {k: torch.randn(1, k).bfloat16() for k in (hidden, config["intermediate_size"])}
+        in_features = lambda w: (w[0] if isinstance(w, (tuple, list)) else w).shape[1]   # noqa: E731
+        engine = llm.engine
+        steps = 8 + 4 * rounds
+        engine.add_request("d", {"prompt_token_ids": list(range(3, 131))},
+                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+        engine.step()                                   # prefill
+        for _ in range(4):
+            engine.step()
+        # The step's parts, each the minimum over the steps: the compiled layer loop (its linears,
+        # attention, norms), the LM head (compute_logits) and the rest (embedding, engine, sampling).
+        parts = {"layers": float("inf"), "lm_head": float("inf")}
+        spent: dict[str, float] = {}
+
+        def timed(obj, name: str, label: str) -> None:
+            fn = getattr(obj, name)
+
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+            setattr(obj, name, wrapper)
+        if model.compiled_layers is not None:
+            timed(model.compiled_layers, "forward", "layers")
+        timed(model, "compute_logits", "lm_head")
+
+        def step() -> None:
+            spent.clear()
+            engine.step()
+            for k, v in spent.items():
+                parts[k] = min(parts[k], v)
+        step_s, lin = interleaved_min([step, lambda: [quant.linear(xs[in_features(w)], w) for w in linears]],
+                                      rounds)
+        while engine.has_unfinished_requests():
+            engine.step()
+    out = dict(mix=mix, layers=layers, linear_bytes=nbytes, step_ms=step_s * 1e3, linears_ms=lin * 1e3,
+               layer_loop_ms=parts["layers"] * 1e3, lm_head_ms=parts["lm_head"] * 1e3,
+               outside_share=1 - lin / step_s, linears_gbs=nbytes / lin / 1e9)
+    print(f"{mix} {layers} layers: decode step {out['step_ms']:.2f} ms (layer loop {out['layer_loop_ms']:.2f}, "
+          f"LM head {out['lm_head_ms']:.2f}, the rest {out['step_ms'] - out['layer_loop_ms'] - out['lm_head_ms']:.2f}); "
+          f"its quantized linears alone {out['linears_ms']:.2f} ms ({out['linears_gbs']:.1f} GB/s): "
+          f"{out['outside_share']:.0%} of the step outside them", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="shapes / 8, one layer: checks the script runs")
     parser.add_argument("--types", default=",".join(quant.QTYPES))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant_kernels.json"))
+    parser.add_argument("--out", default=None, help="default: results/quant_kernels.json (_decode.json with --decode)")
+    parser.add_argument("--decode", action="store_true", help="T=1 only, against a plain read (interleaved)")
+    parser.add_argument("--step-share", default=None, help="with --decode: a mix of benchmarks/quantized.py")
+    parser.add_argument("--decode-tokens", default="1", help="with --decode: activation rows (decode batch sizes)")
     args = parser.parse_args()
-    global SHAPES
+    results_dir = Path(__file__).parent / "results"
+    if args.decode:
+        layers = args.layers or (1 if args.tiny else 2)
+        rounds = 3 if args.tiny else 10 if args.quick else 30
+        if args.tiny:
+            SHAPES[:] = [(n // 8, k // 8) for n, k in SHAPES]   # (decode_kernels reads the module's list)
+        out = dict(quant=quant.describe(), threads=torch.get_num_threads(), layers=layers, rounds=rounds,
+                   kernels=decode_kernels(args.types.split(","), layers, rounds,
+                                          [int(t) for t in args.decode_tokens.split(",")]))
+        if args.step_share:
+            out["step_share"] = step_share(args.step_share, layers, rounds)
+        path = Path(args.out or results_dir / "quant_kernels_decode.json")
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
+        return
     if args.tiny:
-        SHAPES = [(n // 8, k // 8) for n, k in SHAPES]
+        SHAPES[:] = [(n // 8, k // 8) for n, k in SHAPES]
     layers = args.layers or (1 if args.tiny else 2 if args.quick else 4)
     tokens = [1, 20] if args.tiny else [1, 4, 16, 128] if args.quick else [1, 2, 4, 8, 16, 32, 128, 512]
     crossover = [12, 20] if args.tiny else [8, 16, 32] if args.quick else [8, 16, 24, 32, 48, 64]
@@ -100,7 +236,7 @@ def main() -> None:
                         print(f"{qtype:12} {name:11} T={t:4} {path:8} {1e3 * sec:9.2f} ms")
         del weights
 
-    out = Path(args.out)
+    out = Path(args.out or results_dir / "quant_kernels.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(quant=quant.describe(), cpu=cpu.describe(), layers=layers, read_gbs=read_gbs,
                                    threads=torch.get_num_threads(), results=results), indent=1))

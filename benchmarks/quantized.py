@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/quantized.py                 # default model + SmolLM2-1.7B-shaped files
     .venv/bin/python benchmarks/quantized.py --quick         # shorter runs, 1.7B shape cut to 4 layers (< 5 min)
+    .venv/bin/python benchmarks/quantized.py --full --llama-bench ... --llama-quantize ...
+                                        # all 24 layers, decode only, quantized files only (~10 min)
     .venv/bin/python benchmarks/quantized.py --llama-bench ~/llama.cpp/build/bin/llama-bench \
         --llama-quantize ~/llama.cpp/build/bin/llama-quantize    # files made by llama.cpp, and its speed on them
 
@@ -25,6 +27,10 @@ llama.cpp built with -DGGML_NATIVE=ON on a CPU with AMX (Sapphire Rapids) may cr
 matmul (seen: llama-bench segfaults in ggml_backend_amx_mul_mat); build it with -DGGML_NATIVE=OFF
 and the CPU's flags named (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 -DGGML_AVX_VNNI=ON ...; AMX off, as on the issue's Zen 4).
+--full is the full-size decode row: all 24 layers of the 1.7B shape, the quantized files only
+(default model Q4_1 and the 1.7B mixes; no float or dequantized runs), decode only (no prefill
+timing; llama-bench with -p 0), 64 decode steps after the 128-token prompt: results in
+benchmarks/results/quantized_full.json.
 --tiny runs a 2-layer 256-wide shape: it checks the script (and llama.cpp's tools) in seconds and
 measures nothing. Results: a table, and benchmarks/results/quantized.json (quantized_quick.json
 with --quick).
@@ -161,7 +167,7 @@ def run_child(spec: dict) -> dict:
     prompt = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()   # noqa: E731
     llm.generate([{"prompt_token_ids": prompt(32)}], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     # Prefill: one prompt, one step (the first token's sampling included).
-    prefills = []
+    prefills = []                       # none with --full (repeats 0): decode only
     for i in range(spec["repeats"]):
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt(spec["prefill_len"])},
                            SamplingParams(temperature=0, max_tokens=1))
@@ -173,11 +179,11 @@ def run_child(spec: dict) -> dict:
                        SamplingParams(temperature=0, max_tokens=spec["decode_len"], ignore_eos=True))
     steps = decode_step_times(engine)
     median = sorted(steps)[len(steps) // 2]
-    prefill_s = min(prefills)
     return dict(load_s=load_s, rss_before_load=rss_before, peak_rss_load=peak_load, rss_after=_status("VmRSS:"),
                 kv_cache_bytes=kv_bytes,
                 weight_bytes=model_weight_bytes(model), bytes_per_token=per_token,
-                decode_tok_s=1 / median, decode_ms=median * 1e3, prefill_tok_s=spec["prefill_len"] / prefill_s)
+                decode_tok_s=1 / median, decode_ms=median * 1e3,
+                prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None)
 
 
 def child(spec: dict, timeout: float) -> dict:
@@ -219,6 +225,8 @@ def llama_quantize(exe: str, source: Path, path: Path, ftype: str, threads: int)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs, the 1.7B shape cut to 4 layers (< 5 min)")
+    ap.add_argument("--full", action="store_true", help="full size, decode only: all 24 layers of the 1.7B shape, "
+                                                       "the quantized files only (~10 min)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the 1.7B shape (default: 24; 4 with --quick)")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     ap.add_argument("--no-default-model", action="store_true")
@@ -240,8 +248,11 @@ def main() -> None:
     from pagedserve.models.dummy import stand_in_tokenizer
     from pagedserve.models.loader import default_model_path
     threads = torch.get_num_threads()
+    if args.full and args.quick:
+        ap.error("--full and --quick are exclusive")
     layers = args.layers or (4 if args.quick else SMOLLM2_1_7B["num_hidden_layers"])
-    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (512, 128, 3)
+    # --full: decode only (repeats 0: no prefill timing), 64 steps
+    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (128, 64, 0) if args.full else (512, 128, 3)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pagedserve-quantized-"))
     work.mkdir(parents=True, exist_ok=True)
     cache = str(work / "cache")
@@ -255,15 +266,17 @@ def main() -> None:
         print(f"  {label} ...", flush=True)
         result = {"model": model_file, "config": label, **child({**base, **spec}, timeout)}
         if gguf_file and args.llama_bench:
-            result["llama_bench"] = llama_bench(args.llama_bench, gguf_file, threads, prefill_len, decode_len)
+            result["llama_bench"] = llama_bench(args.llama_bench, gguf_file, threads,
+                                                0 if args.full else prefill_len, decode_len)
         runs.append(result)
 
     try:
         if not args.no_default_model:
             path = default_model_path()
             run("Q4_1 native", "SmolLM2-135M-Instruct", dict(model=path), path)
-            run("bf16 dequantized", "SmolLM2-135M-Instruct", dict(model=path, gguf_dequantize=True,
-                                                                   dtype="bfloat16"), None)
+            if not args.full:
+                run("bf16 dequantized", "SmolLM2-135M-Instruct", dict(model=path, gguf_dequantize=True,
+                                                                       dtype="bfloat16"), None)
         config = {**SMOLLM2_1_7B, "num_hidden_layers": layers}
         if args.tiny:
             config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -291,8 +304,9 @@ def main() -> None:
                     write_gguf(config, MIXES[mix], path, tokenizer_from=tokenizer_from)
             run(f"{mix} native", name, dict(model=str(path), tokenizer=str(shape_dir)), str(path))
             runs[-1].update(file_bytes=path.stat().st_size, file_made_by=maker)
-        run("bf16 (float, same shape)", name, dict(model=str(shape_dir), load_format="dummy", dtype="bfloat16"),
-            None)
+        if not args.full:
+            run("bf16 (float, same shape)", name, dict(model=str(shape_dir), load_format="dummy", dtype="bfloat16"),
+                None)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -308,19 +322,20 @@ def main() -> None:
             print(f"{r['model']:<34} {r['config']:<26} error: {r['error'].strip().splitlines()[-1]}")
             continue
         lb = r.get("llama_bench") or {}
-        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s', 0):.0f}" if "decode_tok_s" in lb else \
+        lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s') or 0:.0f}" if "decode_tok_s" in lb else \
             "error (see JSON)" if "error" in lb else "-"
         print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
-              f"{r['prefill_tok_s']:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
+              f"{r['prefill_tok_s'] or 0:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16}")
-    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, tiny=args.tiny,
+    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, full=args.full, tiny=args.tiny,
                   layers_of_1_7b_shape=layers,
                   prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, runs=runs,
                   cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
     if args.tiny and not args.json:
         return                   # a check of the script: no results file
-    out = Path(args.json) if args.json else RESULTS / ("quantized_quick.json" if args.quick else "quantized.json")
+    out = Path(args.json) if args.json else \
+        RESULTS / ("quantized_quick.json" if args.quick else "quantized_full.json" if args.full else "quantized.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}")

@@ -91,11 +91,13 @@ def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bia
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 9, 16])
-@pytest.mark.parametrize("width", ["narrow", "wide"])
+@pytest.mark.parametrize("width", ["narrow", "wide", "long"])
 def test_linear_small_batches(variant, qtype, tokens, width):
-    """Widths of 3 or 9 blocks (32-element types), 1 or 3 super-blocks: every unrolled loop and
-    its tail; T across the passes of 4 or 8 activation rows."""
-    cols = cols_for(qtype) if width == "wide" else quant.BLOCK[qtype] * (3 if quant.BLOCK[qtype] == 32 else 1)
+    """Widths of 3, 9 or 37 blocks (32-element types: 37 = two groups of 16 and a tail of 5), 1,
+    3 or 5 super-blocks: every unrolled loop and its tail; T across the passes of 4 or 8
+    activation rows."""
+    blocks = {"narrow": (3, 1), "wide": (9, 3), "long": (37, 5)}[width][quant.BLOCK[qtype] != 32]
+    cols = quant.BLOCK[qtype] * blocks
     w, _ = weight(qtype, cols=cols)
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
     y = quant.linear(x, w)
@@ -181,6 +183,31 @@ def test_slices(variant, qtype):
     with pytest.raises(ValueError):
         quant.slice_rows(w, 30, 50)
     assert rows.nbytes == 21 * w.row_bytes
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q5_k", "q6_k"])
+def test_one_token_row_pairs(variant, qtype):
+    """One token: weight rows in pairs (AVX-512: all but q5_0 / q5_1), over rows strided in memory
+    (a column slice), an odd row count, groups of 16 blocks and a tail (32-element types); bias
+    and bf16 out; each row equal to its own product alone (a pair's rows are independent dots)."""
+    if quant.BLOCK[qtype] == 32:
+        w, _ = weight(qtype, rows=37, cols=32 * 74)
+        cols = quant.slice_cols(w, 96, w.shape[1] - 64)         # 69 blocks: 4 groups and 5 more
+    else:
+        w, _ = weight(qtype, rows=37, cols=256 * 5)
+        cols = quant.slice_cols(w, 256, w.shape[1] - 256)       # 3 super-blocks
+    assert cols.data.stride(0) != cols.row_bytes
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, cols.shape[1], generator=g)
+    bias = torch.randn(37, generator=g)
+    y = quant.linear(x, cols, bias)
+    if variant != "torch":
+        _check_small(y, x, cols, bias)
+    singles = torch.cat([quant.linear(x, quant.slice_rows(cols, r, r + 1)) for r in range(37)], dim=1) + bias
+    scale = x.abs() @ quant.dequantize_torch(cols).abs().T     # float32 sums in another order: relative to it
+    assert ((y - singles).abs() <= 1e-5 * scale + 1e-6).all()
+    y16 = quant.linear(x.bfloat16(), cols, bias)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, quant.linear(x.bfloat16().float(), cols, bias).bfloat16())
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])

@@ -43,9 +43,14 @@ super-block's eight converted together; codes always unsigned, a type's offset (
 q8_0 128 after flipping its sign bit, q6_k 32) taken off in the integers by starting the dot from
 -offset times the activations' sums of 4, computed once per call: for one- or two-row passes,
 and for q6_k always; nibbles and fifth bits unpacked by broadcast loads, masked shifts and byte
-masks, with no permutes), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+masks, with no permutes; the 32-element types in groups of 16 blocks: their 16 fp16 scales (and
+q4_1 / q5_1's minimums) in one gather, converted and multiplied by the 16 activation scales at
+once, so each pair of blocks costs one dot, one conversion, one spread and one multiply-add; at
+T = 1 two weight rows per call (all types but q5_0 / q5_1, slower so), a 32-element group's
+activation loads serving both, the super-blocks' two streams interleaved),
+`avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
-127), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
+127; both: one or two rows of a 32-element type in groups of 8 blocks, their scales in one gather), `scalar` (plain loops over the same integers). The best the CPU's flags allow is chosen
 at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
 (tests run all the CPU supports). Chosen, built and loaded by a cpu.KernelLibrary (KERNELS),
 as kernels/cpu.py's library is (system C++ compiler on first use, cached under

@@ -16,8 +16,9 @@
 // layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in).
 //
 // Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
-// a super-block) with scales converted two or eight at a time; `avxvnni` and `avx2` run 32
-// per 256-bit dot (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
+// a super-block) with scales converted sixteen (groups of 16 blocks: one gather), two or eight at
+// a time, and at T = 1 two weight rows per call (all types but q5_0 / q5_1); `avxvnni` and
+// `avx2` run 32 per 256-bit dot (scales of groups of 8 blocks in one gather) (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
 // A row's weights are read where they lie (the file's layout): each thread streams its rows.
 #include <algorithm>
@@ -447,6 +448,56 @@ inline void accumulate(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
     }
 }
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// The codes of one 32-element block as decode<QT> gives them (signed where the type has an offset).
+template <int QT>
+inline __m256i codes32(const uint8_t *b) {
+    if constexpr (QT == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2));
+    else if constexpr (QT == Q4_0) return _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8));
+    else if constexpr (QT == Q4_1) return nibbles16(b + 4);
+    else if constexpr (QT == Q5_0)
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bits32(b + 2)), _mm256_set1_epi8(16));
+    else return _mm256_or_si256(nibbles16(b + 8), bits32(b + 4));
+}
+
+// Eight 32-element blocks (b0 and the 7 after it) against one or two activation rows (AVX2 /
+// AVX-VNNI): the blocks' fp16 d (and m) in one gather, converted and multiplied by the 8 dx at
+// once, the minimum terms as one 8-wide multiply-add; per block one dot, one conversion, one
+// spread and one multiply-add, in two chains.
+template <int QT, int NT>
+inline void group8(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
+                   const uint8_t *b0) {
+    constexpr int B = int(kBytes[QT]);
+    const __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int *>(b0),
+                                              _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B), 1);
+    auto halves = [&](int from) {        // the 16-bit halves at byte `from` of each lane, as 8 floats
+        const __m256i pick = _mm256_setr_epi8(from, from + 1, from + 4, from + 5, from + 8, from + 9, from + 12,
+                                              from + 13, -1, -1, -1, -1, -1, -1, -1, -1, from, from + 1, from + 4,
+                                              from + 5, from + 8, from + 9, from + 12, from + 13, -1, -1, -1, -1, -1,
+                                              -1, -1, -1);
+        const __m256i h = _mm256_shuffle_epi8(dm, pick);
+        return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    };
+    const __m256 A = halves(0);
+    __m256 S[NT], other[NT];
+    for (int t = 0; t < NT; t++) {
+        S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+        if constexpr (kMin<QT>) acc.v[t] = _mm256_fmadd_ps(halves(2), _mm256_loadu_ps(ds0 + t * a.nb), acc.v[t]);
+        other[t] = _mm256_setzero_ps();
+    }
+    for (int i = 0; i < 8; i++) {
+        const __m256i codes = codes32<QT>(b0 + i * B);
+        for (int t = 0; t < NT; t++) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q0 + t * a.K + 32 * i));
+            const __m256i dot = kSigned<QT> ? dot_ss(codes, x) : dot_us(codes, x);
+            __m256 &sum = i % 2 ? other[t] : acc.v[t];
+            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(S[t], _mm256_set1_epi32(i)), sum);
+        }
+    }
+    for (int t = 0; t < NT; t++) acc.v[t] = _mm256_add_ps(acc.v[t], other[t]);
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // ---- AVX-512 VNNI: 64 elements (two pieces) per dot product, scales two or eight at a time ----
 // The integer dot of 64 unsigned codes with 64 activations, as floats (16 lanes of 4).
@@ -486,12 +537,12 @@ inline __m128 f16x2(const uint8_t *p0, const uint8_t *p1) {     // [f16 at p0, f
 
 inline __m128 load2(const float *p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(p))); }
 
+// The 64 codes of blocks b0, b0 + 1 as vpdpbusd's unsigned operand (see pair32); `negative`:
+// q8_0's signs where Act::start does not take its offset.
 template <int QT, int NT>
-inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
-                   const uint8_t *b0) {
+inline __m512i codes64(const uint8_t *b0, __mmask64 &negative) {
     const uint8_t *b1 = b0 + kBytes[QT];
     __m512i codes;
-    __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
     if constexpr (QT == Q8_0) {
         codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b0 + 2))),
                                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b1 + 2)), 1);
@@ -512,6 +563,15 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
         const __mmask64 fifth = __mmask64(h0) | (__mmask64(h1) << 32);
         codes = _mm512_or_si512(nibbles64(b0 + h + 4, b1 + h + 4), _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
     }
+    return codes;
+}
+
+template <int QT, int NT>
+inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
+                   const uint8_t *b0) {
+    const uint8_t *b1 = b0 + kBytes[QT];
+    __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
+    const __m512i codes = codes64<QT, NT>(b0, negative);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     if constexpr ((QT == Q4_1 || QT == Q5_1) && NT <= 2) {
         // One or two rows: d, m of both blocks in one conversion: [d0 m0 d1 m1] times [dx0 ds0 dx1 ds1]: the two
@@ -544,6 +604,65 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
         if constexpr (QT == Q4_1 || QT == Q5_1 || kOffsetTerm)
             acc.m2[t] = _mm_fmadd_ps(C, load2(ds0 + t * a.nb), acc.m2[t]);
     }
+}
+
+// Sixteen 32-element blocks (b0 and the 15 after it) against activation rows t0 ..: the blocks'
+// fp16 d (and m: q4_1, q5_1) in one gather, converted and multiplied by the 16 dx of each row at
+// once, the minimum terms as one 16-wide multiply-add; then per pair of blocks one dot, one
+// conversion, one spread of two scales and one multiply-add (pair32 spends about as much again
+// per pair on its two scales). Up to four chains of sums (one or two rows), so the adds'
+// latency does not bound. R weight rows (b0, b0 + ldw, ..: acc[r]) share each activation load.
+template <int QT, int NT, int R = 1>
+inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
+                    const uint8_t *b0, int64_t ldw = 0) {
+    constexpr int B = int(kBytes[QT]);
+    const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B, 11 * B,
+                                         12 * B, 13 * B, 14 * B, 15 * B);
+    constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
+    constexpr bool kMinTerm = QT == Q4_1 || QT == Q5_1 || kOffsetTerm;
+    constexpr int CH = NT * R == 1 ? 4 : NT * R == 2 ? 2 : 1;  // chains of sums per row
+    __m512 S[R][NT], sum[CH][R][NT];
+    for (int r = 0; r < R; r++) {
+        const __m512i dm = _mm512_i32gather_epi32(at, b0 + r * ldw, 1);   // each block's first 4 bytes: d (and m)
+        const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        __m512 C = _mm512_setzero_ps();
+        if constexpr (QT == Q4_1 || QT == Q5_1) C = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+        if constexpr (kOffsetTerm) C = _mm512_mul_ps(A, _mm512_set1_ps(-float(kOffset[QT])));
+        for (int t = 0; t < NT; t++) {
+            S[r][t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
+            sum[0][r][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc[r].w[t]) : acc[r].w[t];
+            for (int c = 1; c < CH; c++) sum[c][r][t] = _mm512_setzero_ps();
+        }
+    }
+    for (int i = 0; i < 8; i++) {                              // blocks 2i, 2i + 1
+        __mmask64 negative[R] = {};
+        __m512i codes[R];
+        for (int r = 0; r < R; r++) codes[r] = codes64<QT, NT>(b0 + r * ldw + 2 * i * B, negative[r]);
+        const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
+                                                 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                                 2 * i + 1);
+        for (int t = 0; t < NT; t++) {
+            const __m512i x0 = _mm512_loadu_si512(q0 + t * a.K + 64 * i);
+            const __m512i start =
+                kStarts<QT, NT> ? _mm512_loadu_si512(st0 + t * (a.K / 4) + 16 * i) : _mm512_setzero_si512();
+            for (int r = 0; r < R; r++) {
+                __m512i x = x0;
+                if constexpr (QT == Q8_0 && !kStarts<QT, NT>)
+                    x = _mm512_mask_sub_epi8(x, negative[r], _mm512_setzero_si512(), x);
+                const __m512i dot = _mm512_dpbusd_epi32(start, codes[r], x);
+                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[r][t]),
+                                                    sum[i % CH][r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            if constexpr (CH == 4)
+                acc[r].w[t] = _mm512_add_ps(_mm512_add_ps(sum[0][r][t], sum[1][r][t]),
+                                            _mm512_add_ps(sum[2][r][t], sum[3][r][t]));
+            else if constexpr (CH == 2) acc[r].w[t] = _mm512_add_ps(sum[0][r][t], sum[1][r][t]);
+            else acc[r].w[t] = sum[0][r][t];
+        }
 }
 
 // One super-block: q0, d0, ds0 point at its first 32 activations of row t0.
@@ -597,15 +716,18 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         for (int t = 0; t < NT; t++)
             S[t] = _mm512_mul_ps(
                 dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d0 + t * a.nb))));
-        const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+        const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
         for (int h = 0; h < 2; h++) {
             const __m512i L = _mm512_loadu_si512(b + 64 * h);   // ql: elements 128h + [0, 64) low, [64, 128) high
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            // Q: bits 4-5 of each byte are the two high bits of half 1's elements (qh's fields 2, 3);
+            // Q << 4 has those of half 0 there (fields 0, 1); low | (that & 0x30) in one ternary op.
             const __m512i Q = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
             for (int half = 0; half < 2; half++) {   // elements 128h + 64 half + [0, 64): 4 groups of 16
-                const __m512i low = _mm512_and_si512(half ? _mm512_srli_epi16(L, 4) : L, m4);
-                const __m512i high = _mm512_and_si512(half ? _mm512_srli_epi16(Q, 4) : Q, m2);
-                const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));   // unsigned; 32 via ls
+                const __m512i high = _mm512_and_si512(half ? Q : _mm512_slli_epi16(Q, 4), m30);
+                // (low nibble of L or L >> 4) | high: imm 0xEA = (A & B) | C with A the nibbles, B = 15, C = high
+                const __m512i codes =
+                    _mm512_ternarylogic_epi32(half ? _mm512_srli_epi16(L, 4) : L, m4, high, 0xEA);   // unsigned; 32 via ls
                 const int g = 8 * h + 4 * half;
                 const __m512i spread = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
                                                          g + 2, g + 3, g + 3, g + 3, g + 3);
@@ -621,9 +743,9 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
 }
 #endif
 
+// acc += row w's dots with activation rows t0 .. t0 + NT, from unit (block, super-block) u on.
 template <int QT, int NT>
-void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo) {
-    Acc<NT> acc;
+inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, int64_t u) {
     const int64_t units = a.K / kElems[QT];
     const int8_t *qa = a.q + t0 * a.K;
     const float *da = a.d + t0 * a.nb, *dsa = a.ds + t0 * a.nb;
@@ -631,9 +753,10 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     const int32_t *sta = a.start[QT] == nullptr ? nullptr : a.start[QT] + t0 * (a.K / 4);   // Act::start of row t0
 #endif
-    int64_t u = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if constexpr (P == 1) {
+        for (; u + 16 <= units; u += 16)
+            group16<QT, NT>(&acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
         if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
             Acc<NT> other;
             for (; u + 4 <= units; u += 4) {
@@ -654,6 +777,9 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     }
 #endif
     if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+        for (; u + 8 <= units; u += 8) group8<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
+#endif
         Acc<NT> other;
         for (; u + 2 <= units; u += 2) {
             Piece p0, p1;
@@ -675,8 +801,41 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
             accumulate<QT, NT>(acc, a, qa + j * 32, da + j, dsa + j, p[i]);
         }
     }
+}
+
+template <int QT, int NT>
+void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    Acc<NT> acc;
+    row_acc<QT, NT>(acc, w, a, t0, 0);
     for (int t = 0; t < NT; t++) out[t * ldo] = acc.total(t);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// kPassRows weight rows (w, w + ldw, ..) against one activation row (T = 1; all types but q5_0 /
+// q5_1): each group's activations (and Act::start) loaded once for them all, and fewer calls per row.
+constexpr int kPassRows = 2;
+template <int QT>
+void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
+    constexpr int R = kPassRows;
+    Acc<1> acc[R];
+    const int64_t units = a.K / kElems[QT];
+    const int32_t *sta = a.start[QT];
+    int64_t u = 0;
+    if constexpr (kPieces<QT> == 1) {
+        for (; u + 16 <= units; u += 16)
+            group16<QT, 1, R>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
+    } else {                     // super-blocks: the rows' streams interleaved (independent chains)
+        for (; u < units; u++)
+            for (int r = 0; r < R; r++)
+                superblock<QT, 1>(acc[r], a, a.q + u * 256, a.d + u * 8, a.ds + u * 8, 0, u * 256,
+                                  w + r * ldw + u * kBytes[QT]);
+    }
+    for (int r = 0; r < R; r++) {
+        row_acc<QT, 1>(acc[r], w + r * ldw, a, 0, u);
+        out[r] = acc[r].total(0);
+    }
+}
+#endif
 #else
 // Plain loops over the same integers.
 template <int QT, int NT>
@@ -784,6 +943,22 @@ RowFn row_fn(int qt, int nt) {
     case Q5_K: return row_fn<Q5_K>(nt);
     case Q6_K: return row_fn<Q6_K>(nt);
     }
+    return nullptr;
+}
+
+using Row2Fn = void (*)(const uint8_t *, int64_t, const Act &, float *);
+Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type / variant)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    switch (qt) {
+    case Q4_0: return row_dot2<Q4_0>;
+    case Q4_1: return row_dot2<Q4_1>;
+    case Q8_0: return row_dot2<Q8_0>;
+    case Q4_K: return row_dot2<Q4_K>;
+    case Q5_K: return row_dot2<Q5_K>;
+    case Q6_K: return row_dot2<Q6_K>;
+    }                            // (q5_0, q5_1: slower in pairs, measured: their fifth bits' masks)
+#endif
+    (void)qt;
     return nullptr;
 }
 
@@ -970,12 +1145,14 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         }
 #endif
     std::vector<RowFn> full(nparts), tail(nparts);
+    std::vector<Row2Fn> two(nparts);          // T = 1: two weight rows per call where the type has it
     std::vector<int64_t> ends(nparts);        // one past each part's last row in y
     int64_t N = 0, total = 0;                 // rows, weight bytes
     for (int64_t p = 0; p < nparts; p++) {
         total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
         full[p] = row_fn(int(parts[p].qtype), int(std::min<int64_t>(kMaxNT, T)));
         tail[p] = row_fn(int(parts[p].qtype), int(T % kMaxNT));
+        two[p] = T == 1 ? row2_fn(int(parts[p].qtype)) : nullptr;
         ends[p] = N += parts[p].rows;
     }
     // One parallel region: the activations' blocks, then the weight rows (each thread a
@@ -994,19 +1171,29 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t begin = row_at_byte(parts, nparts, K, total * tid / nt);
         const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
+        auto put = [&](int64_t t, int64_t r, float v) {
+            v += bias ? bias[r] : 0.f;
+            if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
+            else static_cast<float *>(y)[t * ldy + r] = v;
+        };
         for (int64_t r = begin; r < end; r++) {
             int64_t p = 0;
             while (r >= ends[p]) p++;
             const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (two[p] != nullptr && r + kPassRows <= std::min(end, ends[p])) {    // rows r .. of one part
+                float vs[kPassRows];
+                two[p](row, parts[p].ldw, a, vs);
+                for (int i = 0; i < kPassRows; i++) put(0, r + i, vs[i]);
+                r += kPassRows - 1;
+                continue;
+            }
+#endif
             for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
                 const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
                 float vals[kMaxNT];
                 (nt == kMaxNT || nt == T ? full[p] : tail[p])(row, a, t0, vals, 1);
-                for (int i = 0; i < nt; i++) {
-                    const float v = vals[i] + (bias ? bias[r] : 0.f);
-                    if (y_bf16) static_cast<uint16_t *>(y)[(t0 + i) * ldy + r] = f32_to_bf16(v);
-                    else static_cast<float *>(y)[(t0 + i) * ldy + r] = v;
-                }
+                for (int i = 0; i < nt; i++) put(t0 + i, r, vals[i]);
             }
         }
     }
