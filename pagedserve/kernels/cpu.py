@@ -200,12 +200,13 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
     "silu_and_mul_bf16": [_P] * 2 + [_I] * 2,
     "argmax_rows_f32": [_P] + [_I] * 2 + [_P],
+    "gemm_amx_config": [_I, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 KERNELS = KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "kernel_variant", "CPU kernel", logger,
                         "CPU kernels (%s) unavailable, using slower torch paths: %s",
-                        on_switch=lambda: _compiled.cache_clear())    # wrappers resolve functions per variant
+                        on_switch=lambda: _on_switch())     # wrappers resolve functions per variant
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
@@ -246,13 +247,84 @@ def describe() -> dict:
                      if line.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
-    return dict(cpu_kernels=variant(), cpu_kernels_supported=supported_variants(), cpu_model=model,
+    return dict(cpu_kernels=variant(), cpu_kernels_supported=supported_variants(), cpu_amx=describe_amx(),
+                cpu_model=model,
                 cpu_flags=sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))))
 
 
 def variant() -> str | None:
     """The kernel variant in use (after load()), or None where none could be loaded."""
     return KERNELS.variant()
+
+
+# ---- AMX: the bf16 GEMM's path for many rows ----------------------------------------------------
+# The avx512bf16 build multiplies bf16 GEMMs of at least AMX_MIN_ROWS rows of x with AMX tiles
+# (tdpbf16ps on the packed weights as they are) where the CPU has AMX-BF16 and the kernel grants
+# the process tile data (arch_prctl); fewer rows keep the vdpbf16ps tiles, which stream the
+# weights at the same bandwidth. $PAGEDSERVE_AMX=0 turns it off (A/B runs); set_amx / using_amx
+# switch it at run time (tests, benchmarks).
+AMX_MIN_ROWS = 32
+ENV_AMX = "PAGEDSERVE_AMX"
+_amx_wanted: bool | None = None       # set_amx's choice; None: the environment's
+_amx_min_rows: int | None = None      # set_amx's threshold; None: AMX_MIN_ROWS
+_amx_active = False                   # whether the active library uses AMX now
+
+
+def _on_switch() -> None:
+    _compiled.cache_clear()
+    _configure_amx()
+
+
+def _configure_amx() -> None:
+    global _amx_active
+    wanted = _amx_wanted if _amx_wanted is not None else os.environ.get(ENV_AMX, "1").strip() not in ("0", "off")
+    lib = KERNELS.lib
+    _amx_active = bool(lib is not None and lib.gemm_amx_config(int(wanted), _amx_min_rows or AMX_MIN_ROWS))
+
+
+def amx_in_use() -> bool:
+    """Whether the active variant's bf16 GEMM runs large batches on AMX now."""
+    load()
+    return _amx_active
+
+
+def amx_min_rows() -> int:
+    """The rows of x from which the bf16 GEMM takes AMX (where amx_in_use())."""
+    return _amx_min_rows or AMX_MIN_ROWS
+
+
+def set_amx(enabled: bool | None, min_rows: int | None = None) -> bool:
+    """Turn the AMX path on or off (None: as $PAGEDSERVE_AMX says) and set its threshold (None:
+    AMX_MIN_ROWS), for the active variant and any loaded later; returns amx_in_use()."""
+    global _amx_wanted, _amx_min_rows
+    _amx_wanted, _amx_min_rows = enabled, min_rows
+    load()
+    _configure_amx()
+    return _amx_active
+
+
+@contextlib.contextmanager
+def using_amx(enabled: bool, min_rows: int | None = None):
+    """Run a block with AMX on or off (and a threshold), then restore the previous setting;
+    yields amx_in_use()."""
+    previous = (_amx_wanted, _amx_min_rows)
+    try:
+        yield set_amx(enabled, min_rows)
+    finally:
+        set_amx(*previous)
+
+
+def describe_amx() -> str:
+    """The AMX path's state in words (the log line and benchmarks' records)."""
+    if amx_in_use():
+        return f"AMX-BF16 GEMM from {amx_min_rows()} rows"
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        return "no AMX (the CPU lacks amx_bf16)"
+    if KERNELS.active != "avx512bf16":
+        return f"no AMX (variant {KERNELS.active})"
+    if _amx_wanted is False or (_amx_wanted is None and os.environ.get(ENV_AMX, "1").strip() in ("0", "off")):
+        return f"AMX off ({ENV_AMX}=0)" if _amx_wanted is None else "AMX off (set_amx)"
+    return "no AMX (the kernel refused tile data: arch_prctl)"
 
 
 # CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16): True keeps bf16 weights (half the
