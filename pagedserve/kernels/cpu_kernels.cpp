@@ -1176,12 +1176,13 @@ inline void amx_store(const float *buf, const float *bias, uint16_t *y, int64_t 
         store_masked(y + (m0 + r) * N + n, mask, _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b));
 }
 
-// One strip (32 columns from n0; w0, w1 its two packed tiles) times rows [m0, m0 + 16 * A) of
-// xp (row stride ldx elements, at least kfull + 32 columns where tails exist): A = 1 or 2.
-// bt: the strip's last partial K step as two zero-padded B tiles (null where K % 32 == 0).
+// One strip (32 columns from n0; w0, w1 its two packed tiles) times A = 1 or 2 A tiles of 16
+// rows: x0 (rows m0..m0+15) and x1 (the next 16), each with ldx elements between rows and at
+// least kfull (+ 32 where bt) columns. bt: the strip's last partial K step as two zero-padded B
+// tiles (null where K % 32 == 0).
 template <int A>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *xp, int64_t ldx, int64_t kfull,
-                                                              const uint16_t *w0, const uint16_t *w1,
+__attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *x0, const uint16_t *x1, int64_t ldx,
+                                                              int64_t kfull, const uint16_t *w0, const uint16_t *w1,
                                                               const uint16_t *bt, const float *bias, uint16_t *y,
                                                               int64_t m0, int64_t M, int64_t n0, int64_t N,
                                                               float *buf) {
@@ -1192,7 +1193,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *xp, 
         _tile_zero(2);
         _tile_zero(3);
     }
-    const uint16_t *x0 = xp + m0 * ldx, *x1 = x0 + 16 * ldx;
     const int64_t stride = ldx * 2;
     for (int64_t k = 0; k < kfull; k += 32) {
         _tile_loadd(6, w0 + k * 16, 64);
@@ -1233,21 +1233,26 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *xp, 
         amx_store(buf + 512, bias, y, m0 + 16, rows1, n0, N);
         amx_store(buf + 768, bias, y, m0 + 16, rows1, n0 + 16, N);
     }
-    memory_barrier();
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) void amx_gemm(const uint16_t *x, const uint16_t *w, const float *bias,
                                                              uint16_t *y, int64_t M, int64_t N, int64_t K) {
     const int64_t kfull = K / 32 * 32, tail = K - kfull;           // tail: even (packed bf16 needs even K)
-    const int64_t mpad = (M + 15) / 16 * 16, kpad = kfull + (tail ? 32 : 0);
+    // Every A tile whole: with a K tail, all of x copied with zero columns up to a multiple of
+    // 32; else only a last partial block of 16 rows, zero rows after M.
+    const int64_t full = M / 16 * 16, ldx = tail ? kfull + 32 : K;
     std::vector<uint16_t> padded;
-    const uint16_t *xp = x;
-    int64_t ldx = K;
-    if (M % 16 || tail) {   // every A tile whole: rows past M and columns past K zero
-        padded.assign(mpad * kpad, 0);
-        for (int64_t m = 0; m < M; m++) std::memcpy(&padded[m * kpad], x + m * K, K * 2);
-        xp = padded.data(), ldx = kpad;
+    if (tail) {
+        padded.assign((full + (M > full ? 16 : 0)) * ldx, 0);
+        for (int64_t m = 0; m < M; m++) std::memcpy(&padded[m * ldx], x + m * K, K * 2);
+    } else if (M > full) {
+        padded.assign(16 * K, 0);
+        std::memcpy(padded.data(), x + full * K, (M - full) * K * 2);
     }
+    auto rows_at = [&](int64_t m) -> const uint16_t * {    // the A tile of rows m..m+15
+        if (tail) return &padded[m * ldx];
+        return m < full ? x + m * K : padded.data();
+    };
     const int64_t strips = (N + 31) / 32;
     const int64_t block = std::max<int64_t>(1, kAmxBlockBytes / (64 * K));     // strips per block (64 K bytes each)
 #pragma omp parallel
@@ -1266,15 +1271,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_gemm(const uint16_t *x, co
                         std::memcpy(&bt[(s - s0) * 1024 + h * 512], w + (2 * s + h) * K * 16 + kfull * 16,
                                     tail * 16 * 2);
             }
-            for (int64_t m0 = 0; m0 < M; m0 += 32)
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const uint16_t *x0 = rows_at(m0), *x1 = M - m0 > 16 ? rows_at(m0 + 16) : nullptr;
                 for (int64_t s = s0; s < s1; s++) {
                     const uint16_t *w0 = w + 2 * s * K * 16, *w1 = w0 + K * 16;
                     const uint16_t *b = tail ? &bt[(s - s0) * 1024] : nullptr;
-                    if (M - m0 > 16)
-                        amx_strip<2>(xp, ldx, kfull, w0, w1, b, bias, y, m0, M, 32 * s, N, buf);
+                    if (x1 != nullptr)
+                        amx_strip<2>(x0, x1, ldx, kfull, w0, w1, b, bias, y, m0, M, 32 * s, N, buf);
                     else
-                        amx_strip<1>(xp, ldx, kfull, w0, w1, b, bias, y, m0, M, 32 * s, N, buf);
+                        amx_strip<1>(x0, x1, ldx, kfull, w0, w1, b, bias, y, m0, M, 32 * s, N, buf);
                 }
+            }
         }
         _tile_release();
     }
