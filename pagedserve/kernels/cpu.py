@@ -192,6 +192,8 @@ _SIGNATURES = {
     "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
+    "linear_packed_ld_bf16": [_P] * 4 + [_I] * 4,     # x, w, bias, y, ldy, M, N, K
+    "linear_packed_ld_f32": [_P] * 4 + [_I] * 4,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
@@ -263,7 +265,7 @@ def variant() -> str | None:
 # the process tile data (arch_prctl); fewer rows keep the vdpbf16ps tiles, which stream the
 # weights at the same bandwidth. $PAGEDSERVE_AMX=0 turns it off (A/B runs); set_amx / using_amx
 # switch it at run time (tests, benchmarks).
-AMX_MIN_ROWS = 32
+AMX_MIN_ROWS = 4
 ENV_AMX = "PAGEDSERVE_AMX"
 _amx_wanted: bool | None = None       # set_amx's choice; None: the environment's
 _amx_min_rows: int | None = None      # set_amx's threshold; None: AMX_MIN_ROWS

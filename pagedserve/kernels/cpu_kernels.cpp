@@ -1046,13 +1046,14 @@ extern "C" int write_kv8(const void *k, const void *v, int64_t k_stride_t, int64
 // thread takes a range of strips and runs every tile of up to 8 rows of x over them, so each
 // weight byte streams from memory once per call whatever M is, and stays in cache across rows.
 template <typename X, typename Wt, typename Y, typename Tile>
-void gemm_strips(const X *x, const Wt *w, const float *bias, Y *y, int64_t M, int64_t N, int64_t K, Tile tile) {
+void gemm_strips(const X *x, const Wt *w, const float *bias, Y *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                 Tile tile) {
     const int64_t strips = (N + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < strips; s++) {
         const Wt *w0 = w + (2 * s) * K * 16, *w1 = w0 + K * 16;
         for (int64_t m = 0; m < M; m += 8)
-            tile(std::min<int64_t>(8, M - m), x + m * K, K, w0, w1, bias, y + m * N, N, 32 * s, N);
+            tile(std::min<int64_t>(8, M - m), x + m * K, K, w0, w1, bias, y + m * ldy, ldy, 32 * s, N);
     }
 }
 
@@ -1167,13 +1168,13 @@ inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
 
 // A C tile's float32 sums (buf, as tilestored left them) for rows [m0, m0 + rows) and 16
 // columns from n, plus bias, to y (bf16).
-inline void amx_store(const float *buf, const float *bias, uint16_t *y, int64_t m0, int64_t rows, int64_t n,
-                      int64_t N) {
+inline void amx_store(const float *buf, const float *bias, uint16_t *y, int64_t ldy, int64_t m0, int64_t rows,
+                      int64_t n, int64_t N) {
     if (n >= N) return;
     const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++)
-        store_masked(y + (m0 + r) * N + n, mask, _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b));
+        store_masked(y + (m0 + r) * ldy + n, mask, _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b));
 }
 
 // One strip (32 columns from n0; w0, w1 its two packed tiles) times A = 1 or 2 A tiles of 16
@@ -1183,7 +1184,7 @@ inline void amx_store(const float *buf, const float *bias, uint16_t *y, int64_t 
 template <int A>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *x0, const uint16_t *x1, int64_t ldx,
                                                               int64_t kfull, const uint16_t *w0, const uint16_t *w1,
-                                                              const uint16_t *bt, const float *bias, uint16_t *y,
+                                                              const uint16_t *bt, const float *bias, uint16_t *y, int64_t ldy,
                                                               int64_t m0, int64_t M, int64_t n0, int64_t N,
                                                               float *buf) {
     memory_barrier();
@@ -1226,17 +1227,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *x0, 
         _tile_stored(3, buf + 768, 64);
     }
     memory_barrier();
-    amx_store(buf, bias, y, m0, rows0, n0, N);
-    amx_store(buf + 256, bias, y, m0, rows0, n0 + 16, N);
+    amx_store(buf, bias, y, ldy, m0, rows0, n0, N);
+    amx_store(buf + 256, bias, y, ldy, m0, rows0, n0 + 16, N);
     if (A == 2) {
         const int64_t rows1 = std::min<int64_t>(16, M - m0 - 16);
-        amx_store(buf + 512, bias, y, m0 + 16, rows1, n0, N);
-        amx_store(buf + 768, bias, y, m0 + 16, rows1, n0 + 16, N);
+        amx_store(buf + 512, bias, y, ldy, m0 + 16, rows1, n0, N);
+        amx_store(buf + 768, bias, y, ldy, m0 + 16, rows1, n0 + 16, N);
     }
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) void amx_gemm(const uint16_t *x, const uint16_t *w, const float *bias,
-                                                             uint16_t *y, int64_t M, int64_t N, int64_t K) {
+                                                             uint16_t *y, int64_t ldy, int64_t M, int64_t N,
+                                                             int64_t K) {
     const int64_t kfull = K / 32 * 32, tail = K - kfull;           // tail: even (packed bf16 needs even K)
     // Every A tile whole: with a K tail, all of x copied with zero columns up to a multiple of
     // 32; else only a last partial block of 16 rows, zero rows after M.
@@ -1277,9 +1279,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_gemm(const uint16_t *x, co
                     const uint16_t *w0 = w + 2 * s * K * 16, *w1 = w0 + K * 16;
                     const uint16_t *b = tail ? &bt[(s - s0) * 1024] : nullptr;
                     if (x1 != nullptr)
-                        amx_strip<2>(x0, x1, ldx, kfull, w0, w1, b, bias, y, m0, M, 32 * s, N, buf);
+                        amx_strip<2>(x0, x1, ldx, kfull, w0, w1, b, bias, y, ldy, m0, M, 32 * s, N, buf);
                     else
-                        amx_strip<1>(x0, x1, ldx, kfull, w0, w1, b, bias, y, m0, M, 32 * s, N, buf);
+                        amx_strip<1>(x0, x1, ldx, kfull, w0, w1, b, bias, y, ldy, m0, M, 32 * s, N, buf);
                 }
             }
         }
@@ -1299,14 +1301,14 @@ extern "C" int gemm_amx_config(int64_t enable, int64_t min_rows) {
 }
 
 // w: packed [Np/16][K/2][16][2] with Np a multiple of 32 (zero columns past N); K even;
-// bias: float32 [N] or null. Returns 1 where the CPU lacks AVX512-BF16 (caller falls back).
-extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
-                                  int64_t N, int64_t K) {
+// bias: float32 [N] or null; y: rows ldy elements apart (columns past N untouched).
+extern "C" int linear_packed_ld_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
+                                     int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (g_amx.enabled && M >= g_amx.min_rows) {
-        amx_gemm(x, w, bias, y, M, N, K);
+        amx_gemm(x, w, bias, y, ldy, M, N, K);
         return 0;
     }
-    gemm_strips(x, w, bias, y, M, N, K, [](int64_t rows, auto... args) { kTiles<uint16_t>[rows](args...); });
+    gemm_strips(x, w, bias, y, ldy, M, N, K, [](int64_t rows, auto... args) { kTiles<uint16_t>[rows](args...); });
     return 0;
 }
 #endif
@@ -1343,9 +1345,9 @@ constexpr TileF32 kTilesF32[9] = {nullptr, gemm_tile_f32<1>, gemm_tile_f32<2>, g
                                   gemm_tile_f32<5>, gemm_tile_f32<6>, gemm_tile_f32<7>, gemm_tile_f32<8>};
 }  // namespace
 
-extern "C" int linear_packed_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
-                                 int64_t K) {
-    gemm_strips(x, w, bias, y, M, N, K, [](int64_t rows, auto... args) { kTilesF32[rows](args...); });
+extern "C" int linear_packed_ld_f32(const float *x, const float *w, const float *bias, float *y, int64_t ldy,
+                                    int64_t M, int64_t N, int64_t K) {
+    gemm_strips(x, w, bias, y, ldy, M, N, K, [](int64_t rows, auto... args) { kTilesF32[rows](args...); });
     return 0;
 }
 #endif
@@ -1411,7 +1413,7 @@ void fma_tile_rows(int64_t rows, const float *x, int64_t K, const Wt *w, const f
 }
 
 template <class V, typename T>
-void linear_fma(const T *x, const T *w, const float *bias, T *y, int64_t M, int64_t N, int64_t K) {
+void linear_fma(const T *x, const T *w, const float *bias, T *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     constexpr int kRows = V::W == 16 ? 8 : 4;
     std::vector<float> converted;
     const float *xf;
@@ -1422,7 +1424,7 @@ void linear_fma(const T *x, const T *w, const float *bias, T *y, int64_t M, int6
         for (int64_t i = 0; i < M * K; i++) converted[i] = to_f32(x[i]);
         xf = converted.data();
     }
-    gemm_strips(xf, w, bias, y, M, N, K, [](int64_t rows, const float *xm, int64_t K, const T *w0, const T *w1,
+    gemm_strips(xf, w, bias, y, ldy, M, N, K, [](int64_t rows, const float *xm, int64_t K, const T *w0, const T *w1,
                                             const float *b, T *ym, int64_t ldy, int64_t n0, int64_t N) {
         for (int64_t m = 0; m < rows; m += kRows) {
             const int64_t r = std::min<int64_t>(kRows, rows - m);
@@ -1434,19 +1436,28 @@ void linear_fma(const T *x, const T *w, const float *bias, T *y, int64_t M, int6
 }  // namespace
 
 #ifndef __AVX512BF16__
-extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
-                                  int64_t N, int64_t K) {
-    linear_fma<Vec>(x, w, bias, y, M, N, K);
+extern "C" int linear_packed_ld_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
+                                     int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    linear_fma<Vec>(x, w, bias, y, ldy, M, N, K);
     return 0;
 }
 #endif
 #ifndef __AVX512F__
-extern "C" int linear_packed_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
-                                 int64_t K) {
-    linear_fma<Vec>(x, w, bias, y, M, N, K);
+extern "C" int linear_packed_ld_f32(const float *x, const float *w, const float *bias, float *y, int64_t ldy,
+                                    int64_t M, int64_t N, int64_t K) {
+    linear_fma<Vec>(x, w, bias, y, ldy, M, N, K);
     return 0;
 }
 #endif
+// y [M, N] (rows N apart) = x [M, K] @ W.T (+ bias), W packed (kernels/cpu.py pack_weight).
+extern "C" int linear_packed_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
+                                  int64_t N, int64_t K) {
+    return linear_packed_ld_bf16(x, w, bias, y, N, M, N, K);
+}
+extern "C" int linear_packed_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                                 int64_t K) {
+    return linear_packed_ld_f32(x, w, bias, y, N, M, N, K);
+}
 #ifndef __AVX512BF16__
 extern "C" int gemm_amx_config(int64_t, int64_t) { return 0; }    // AMX only in the avx512bf16 build
 #endif
@@ -2030,7 +2041,7 @@ int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const fl
     if (M <= (decode ? m.decode_rows : m.small_rows))
         return reinterpret_cast<QuantSmall>(m.quant_small)(parts, p.nparts, x, K, bf16, M, K, b, y, N, bf16);
     // The tiles multiply by this library's packed GEMM, as quant.py passes cpu.py's.
-    void *gemm = bf16 ? reinterpret_cast<void *>(&linear_packed_bf16) : reinterpret_cast<void *>(&linear_packed_f32);
+    void *gemm = bf16 ? reinterpret_cast<void *>(&linear_packed_ld_bf16) : reinterpret_cast<void *>(&linear_packed_ld_f32);
     return reinterpret_cast<QuantTiles>(m.quant_tiles)(parts, p.nparts, x, bf16, M, K, b, y, N, gemm, p.tile_rows);
 }
 

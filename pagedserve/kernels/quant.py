@@ -111,7 +111,7 @@ _SIGNATURES = {
     "quant_quantize": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I],
     # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
     "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
-    # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_*), tile_rows
+    # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_ld_*), tile_rows
     "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
@@ -424,7 +424,7 @@ def _linear_tiles(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Ten
     """x @ W.T with W dequantized a tile of rows at a time: into kernels/cpu.py's packed GEMM
     (bf16 tiles for bf16 x, float32 for float32 x), else a float32 scratch and torch.matmul."""
     rows, cols = sum(p.shape[0] for p in parts), x.shape[1]
-    gemm = cpu._kernel("linear_packed", x)
+    gemm = cpu._kernel("linear_packed_ld", x)
     if lib is not None and gemm is not None and not (x.dtype == torch.bfloat16 and cols % 2):
         x = x.contiguous()
         out = torch.empty(x.shape[0], rows, dtype=x.dtype)

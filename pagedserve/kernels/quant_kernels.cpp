@@ -1030,15 +1030,17 @@ bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
 // y [T][ldy] = x [T][K] @ W.T + bias for many rows of x, W the parts stacked by rows (x
 // contiguous; x and y both float32 or both bf16; bias float32 over all rows or null): tiles of
 // tile_rows rows (a multiple of 32) dequantized into the packed layout of kernels/cpu.py's GEMM
-// and multiplied by it (`gemm`: cpu_kernels.cpp's linear_packed_f32 or _bf16, passed by
-// address); the whole matrix never exists in float. 0 on success.
-using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t);
+// and multiplied by it straight into their columns of y (`gemm`: cpu_kernels.cpp's
+// linear_packed_ld_f32 or _bf16, passed by address); the whole matrix never exists in float.
+// The tile's buffer is the calling thread's, kept between calls (no page faults per call). 0 on success.
+using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t, int64_t);
 extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
                                   int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
     const int64_t elem = x_bf16 ? 2 : 4;
-    std::vector<uint8_t> packed(tile_rows * K * elem), part(T * tile_rows * elem);
+    static thread_local std::vector<uint8_t> packed;
+    if (packed.size() < size_t(tile_rows * K * elem)) packed.resize(tile_rows * K * elem);
     auto *y8 = static_cast<uint8_t *>(y);
     int64_t first = 0;            // the parts' first row in y
     for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
@@ -1047,11 +1049,8 @@ extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const 
             const int64_t n = std::min(tile_rows, q.rows - r0);
             dequantize_packed(int(q.qtype), q.w + r0 * q.ldw, q.ldw, n, K, packed.data(), x_bf16 != 0);
             const int status = reinterpret_cast<PackedGemm>(gemm)(x, packed.data(), bias ? bias + first + r0 : nullptr,
-                                                                  part.data(), T, n, K);
+                                                                  y8 + (first + r0) * elem, ldy, T, n, K);
             if (status != 0) return status;
-#pragma omp parallel for schedule(static) if (T * n >= 65536)
-            for (int64_t t = 0; t < T; t++)
-                std::memcpy(y8 + (t * ldy + first + r0) * elem, part.data() + t * n * elem, n * elem);
         }
     }
     return 0;
