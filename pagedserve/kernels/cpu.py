@@ -621,8 +621,8 @@ class DecoderLayers:
             return False
         d = self._dims
         d.quant_small, d.quant_tiles = small, tiles
-        d.small_rows = quant.SMALL_BATCH_ROWS
-        d.decode_rows = getattr(quant, "DECODE_BATCH_ROWS", quant.SMALL_BATCH_ROWS)
+        bf16 = self.dtype == torch.bfloat16
+        d.small_rows, d.decode_rows = quant.batch_rows(False, bf16), quant.batch_rows(True, bf16)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
             self._threads = torch.get_num_threads()
             for layer, column, cols in self._tiles:
