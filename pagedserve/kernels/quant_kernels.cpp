@@ -923,9 +923,33 @@ bool native_bf16() {
 // tile [K/2][16][2]: per 256 columns, each row's pieces (decode<QT>) become floats in registers
 // (dequantize_row_vec's operations, so the same values) and bf16 pairs in an L1 buffer, whose 32-
 // column slices are transposed in registers into the tile.
+// Types whose codes (offset taken off) fit 5 bits: a piece's weights take 32 values at most,
+// A * code (+ C), computed (with the same float operations) for every code and looked up by
+// vpermw with the codes' low 5 bits as indices: code c at index c & 31.
+template <int QT>
+constexpr bool kLut = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+
+template <int QT>
+__m512 lut_codes(int half) {     // the code at indices 16 half .. 16 half + 15, as floats
+    alignas(64) float c[16];
+    for (int i = 0; i < 16; i++) {
+        const int index = 16 * half + i;
+        c[i] = float(kSigned<QT> && index >= 16 ? index - 32 : index);
+    }
+    return _mm512_load_ps(c);
+}
+
+template <int QT>
+inline __m512 lut_values(float A, float C, __m512 codes) {
+    __m512 v = _mm512_mul_ps(_mm512_set1_ps(A), codes);
+    if constexpr (kMin<QT>) v = _mm512_add_ps(v, _mm512_set1_ps(C));
+    return v;
+}
+
 template <int QT>
 void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *tile, bool native) {
     constexpr int P = kPieces<QT>;
+    const __m512 lut0 = lut_codes<QT>(0), lut1 = lut_codes<QT>(1);
     constexpr int64_t kCols = 256;
     alignas(64) uint16_t buf[16 * kCols];
     if (n < 16) std::fill(buf, buf + 16 * kCols, uint16_t(0));
@@ -937,6 +961,13 @@ void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16
                 Piece p[P];
                 decode<QT>(row + u * kBytes[QT], p);
                 for (int j = 0; j < P; j++) {
+                    if constexpr (kLut<QT>) {     // codes of 5 bits or fewer: the piece's 32 values, looked up
+                        const __m512 v0 = lut_values<QT>(p[j].A, p[j].C, lut0), v1 = lut_values<QT>(p[j].A, p[j].C, lut1);
+                        const __m512i idx = _mm512_cvtepi8_epi16(p[j].codes);     // vpermw reads 5 bits
+                        _mm512_store_si512(buf + i * kCols + (u * P + j) * 32,
+                                           _mm512_permutexvar_epi16(idx, bf16_pairs(v0, v1, native)));
+                        continue;
+                    }
                     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(p[j].codes)));
                     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(p[j].codes, 1)));
                     float a0 = p[j].A, a1 = p[j].A;
