@@ -75,7 +75,7 @@ def main() -> None:
         [1, 2, 4, 8, 16, 32, 64, 128, 512]
     handover = [4, 12] if args.tiny else [8, 12, 16, 24, 32] if args.quick else [4, 8, 12, 16, 24, 32, 48]
     amx_rows = [2, 4] if args.tiny else [2, 3, 4, 6, 8]
-    rounds = args.rounds or (2 if args.tiny else 4 if args.quick else 7)
+    rounds = args.rounds or (2 if args.tiny else 3 if args.quick else 7)
     amx = cpu.set_amx(None)
     print(f"CPU kernels: {cpu.variant()}; {cpu.describe_amx()}; quant kernels: {quant.variant()}; "
           f"threads {torch.get_num_threads()}")
