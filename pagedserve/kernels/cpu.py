@@ -7,7 +7,8 @@ over packed float weights and quantized ones, through kernels/quant.py's kernels
 
 Variants (VARIANTS): the same source compiled with each family's target flags, which select
 its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
-attention), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
+attention; AMX-BF16 tiles for bf16 GEMMs of AMX_MIN_ROWS rows or more where the CPU and the
+kernel allow them: amx_in_use, describe_amx), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
 8-lane float32 FMAs, bf16 converted in registers as llama.cpp does), `scalar` (plain loops, the compiler's baseline target). The best one this
 CPU's flags allow is loaded at first use; $PAGEDSERVE_CPU_KERNELS=<name> forces one (refused
 if the CPU lacks its flags), and tests run every variant the CPU supports (using_variant).
@@ -262,9 +263,12 @@ def variant() -> str | None:
 # ---- AMX: the bf16 GEMM's path for many rows ----------------------------------------------------
 # The avx512bf16 build multiplies bf16 GEMMs of at least AMX_MIN_ROWS rows of x with AMX tiles
 # (tdpbf16ps on the packed weights as they are) where the CPU has AMX-BF16 and the kernel grants
-# the process tile data (arch_prctl); fewer rows keep the vdpbf16ps tiles, which stream the
-# weights at the same bandwidth. $PAGEDSERVE_AMX=0 turns it off (A/B runs); set_amx / using_amx
-# switch it at run time (tests, benchmarks).
+# the process tile data (arch_prctl); fewer rows keep the vdpbf16ps tiles. Measured interleaved
+# in one process (2 threads, Sapphire Rapids): at 1-2 rows both stream the weights at the same
+# bandwidth (vdpbf16ps up to 15% faster at 1 row); AMX is 1.3-1.5x faster from 3-4 rows at the
+# 135M shapes, even at 4 and 1.4x from 6 at the 1.7B ones, 2x at 8, 4-7x at 16, ~9x at 128-512
+# (benchmarks/gemm.py). $PAGEDSERVE_AMX=0 turns it off (A/B runs); set_amx / using_amx switch it
+# at run time (tests, benchmarks).
 AMX_MIN_ROWS = 4
 ENV_AMX = "PAGEDSERVE_AMX"
 _amx_wanted: bool | None = None       # set_amx's choice; None: the environment's
