@@ -16,7 +16,8 @@ median decode step), prefill tok/s (one 512-token prompt, 128 with --quick), pea
 shows it less the KV cache's bytes, which the JSON lists; a file's pages become resident as the
 first steps read them, so "resident" is the RSS after the runs, less the same), and the bytes of weights each decode token
 reads (every layer's matmuls and the LM head) against the bound that reading them once per token at
-the measured read bandwidth sets. The dequantized bf16 row of the 1.7B shape is the float model of the
+the measured read bandwidth sets, and batch tok/s (--batch requests of 32-token prompts decoded
+together: decode steps of that many rows, the dequantized tiles' path). The dequantized bf16 row of the 1.7B shape is the float model of the
 same shape (load_format=dummy: the same compute as a dequantized file, without its float32 cache).
 With --llama-bench, llama.cpp's llama-bench runs on the same files with the same threads (-p, -n as
 ours; its build commit and number go into the JSON). With --llama-quantize, the 1.7B-shaped files are
@@ -179,11 +180,23 @@ def run_child(spec: dict) -> dict:
                        SamplingParams(temperature=0, max_tokens=spec["decode_len"], ignore_eos=True))
     steps = decode_step_times(engine)
     median = sorted(steps)[len(steps) // 2]
+    # Batch throughput: `batch` requests at once (short prompts, decode_len tokens each): decode
+    # steps of that many rows, which take the dequantized tiles (over AMX where the CPU has it).
+    batch_tok_s = None
+    if spec.get("batch"):
+        for i in range(spec["batch"]):
+            engine.add_request(f"b{i}", {"prompt_token_ids": prompt(32)},
+                               SamplingParams(temperature=0, max_tokens=spec["decode_len"], ignore_eos=True))
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        batch_tok_s = spec["batch"] * spec["decode_len"] / (time.perf_counter() - t0)
     return dict(load_s=load_s, rss_before_load=rss_before, peak_rss_load=peak_load, rss_after=_status("VmRSS:"),
                 kv_cache_bytes=kv_bytes,
                 weight_bytes=model_weight_bytes(model), bytes_per_token=per_token,
                 decode_tok_s=1 / median, decode_ms=median * 1e3,
-                prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None)
+                prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None,
+                batch=spec.get("batch"), batch_tok_s=batch_tok_s)
 
 
 def child(spec: dict, timeout: float) -> dict:
@@ -236,6 +249,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer 256-wide shape: checks the script, measures nothing")
     ap.add_argument("--work-dir", default=None, help="where the GGUF files are written (default: a temporary dir, "
                                                      "removed after)")
+    ap.add_argument("--batch", type=int, default=48, help="requests decoded at once for the batch throughput "
+                                                         "column (0: skip it)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -258,7 +273,9 @@ def main() -> None:
     cache = str(work / "cache")
     print(f"{threads} threads; measuring read bandwidth ...", flush=True)
     bandwidth = read_bandwidth(1 << 28 if args.quick else 1 << 30)
-    base = dict(cache=cache, prefill_len=prefill_len, decode_len=decode_len, repeats=repeats)
+    batch = 0 if args.full else args.batch      # --full: single-stream decode only
+    base = dict(cache=cache, prefill_len=prefill_len, decode_len=decode_len, repeats=repeats, batch=batch,
+                kv_cache_memory=(256 if batch else 128) * 1024**2)
     runs: list[dict] = []
     timeout = 600 if args.quick else 3600
 
@@ -316,7 +333,7 @@ def main() -> None:
             r["bound_tok_s"] = bandwidth / r["bytes_per_token"]
             r["fraction_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
     print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'prefill tok/s':>13} "
-          f"{'peak load MiB':>13} {'resident MiB':>12} {'weights MiB':>11} {'llama.cpp tg/pp':>16}")
+          f"{'peak load MiB':>13} {'resident MiB':>12} {'weights MiB':>11} {'llama.cpp tg/pp':>16} {'batch tok/s':>11}")
     for r in runs:
         if "error" in r:
             print(f"{r['model']:<34} {r['config']:<26} error: {r['error'].strip().splitlines()[-1]}")
@@ -327,7 +344,7 @@ def main() -> None:
         print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
               f"{r['prefill_tok_s'] or 0:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
-              f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16}")
+              f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16} {r.get('batch_tok_s') or 0:>11.1f}")
     result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, full=args.full, tiny=args.tiny,
                   layers_of_1_7b_shape=layers,
                   prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, runs=runs,

@@ -147,7 +147,7 @@ def test_bias_and_bf16(variant, qtype):
     w, _ = weight(qtype)
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(ROWS, generator=g)
-    for tokens in (2, quant.SMALL_BATCH_ROWS):         # large batches: test_linear_large_batches
+    for tokens in (2, quant.batch_rows(bf16=True)):    # large batches: test_linear_large_batches
         x = torch.randn(tokens, w.shape[1], generator=g).bfloat16()
         y = quant.linear(x, w, bias)
         assert y.dtype == torch.bfloat16

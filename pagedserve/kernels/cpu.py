@@ -7,7 +7,8 @@ over packed float weights and quantized ones, through kernels/quant.py's kernels
 
 Variants (VARIANTS): the same source compiled with each family's target flags, which select
 its code paths: `avx512bf16` (bf16 dot products in the GEMMs, decode and tiled prefill
-attention), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
+attention; AMX-BF16 tiles for bf16 GEMMs of AMX_MIN_ROWS rows or more where the CPU and the
+kernel allow them: amx_in_use, describe_amx), `avx512` (AVX-512 float32 FMAs, bf16 converted in registers), `avx2` (AVX2+FMA,
 8-lane float32 FMAs, bf16 converted in registers as llama.cpp does), `scalar` (plain loops, the compiler's baseline target). The best one this
 CPU's flags allow is loaded at first use; $PAGEDSERVE_CPU_KERNELS=<name> forces one (refused
 if the CPU lacks its flags), and tests run every variant the CPU supports (using_variant).
@@ -192,6 +193,8 @@ _SIGNATURES = {
     "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
+    "linear_packed_ld_bf16": [_P] * 4 + [_I] * 4,     # x, w, bias, y, ldy, M, N, K
+    "linear_packed_ld_f32": [_P] * 4 + [_I] * 4,
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
@@ -200,12 +203,13 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
     "silu_and_mul_bf16": [_P] * 2 + [_I] * 2,
     "argmax_rows_f32": [_P] + [_I] * 2 + [_P],
+    "gemm_amx_config": [_I, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 KERNELS = KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "kernel_variant", "CPU kernel", logger,
                         "CPU kernels (%s) unavailable, using slower torch paths: %s",
-                        on_switch=lambda: _compiled.cache_clear())    # wrappers resolve functions per variant
+                        on_switch=lambda: _on_switch())     # wrappers resolve functions per variant
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
@@ -246,13 +250,87 @@ def describe() -> dict:
                      if line.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
-    return dict(cpu_kernels=variant(), cpu_kernels_supported=supported_variants(), cpu_model=model,
+    return dict(cpu_kernels=variant(), cpu_kernels_supported=supported_variants(), cpu_amx=describe_amx(),
+                cpu_model=model,
                 cpu_flags=sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))))
 
 
 def variant() -> str | None:
     """The kernel variant in use (after load()), or None where none could be loaded."""
     return KERNELS.variant()
+
+
+# ---- AMX: the bf16 GEMM's path for many rows ----------------------------------------------------
+# The avx512bf16 build multiplies bf16 GEMMs of at least AMX_MIN_ROWS rows of x with AMX tiles
+# (tdpbf16ps on the packed weights as they are) where the CPU has AMX-BF16 and the kernel grants
+# the process tile data (arch_prctl); fewer rows keep the vdpbf16ps tiles. Measured interleaved
+# in one process (2 threads, Sapphire Rapids): at 1-2 rows both stream the weights at the same
+# bandwidth (vdpbf16ps up to 15% faster at 1 row); AMX is 1.3-1.5x faster from 3-4 rows at the
+# 135M shapes, even at 4 and 1.4x from 6 at the 1.7B ones, 2x at 8, 4-7x at 16, ~9x at 128-512
+# (benchmarks/gemm.py). $PAGEDSERVE_AMX=0 turns it off (A/B runs); set_amx / using_amx switch it
+# at run time (tests, benchmarks).
+AMX_MIN_ROWS = 4
+ENV_AMX = "PAGEDSERVE_AMX"
+_amx_wanted: bool | None = None       # set_amx's choice; None: the environment's
+_amx_min_rows: int | None = None      # set_amx's threshold; None: AMX_MIN_ROWS
+_amx_active = False                   # whether the active library uses AMX now
+
+
+def _on_switch() -> None:
+    _compiled.cache_clear()
+    _configure_amx()
+
+
+def _configure_amx() -> None:
+    global _amx_active
+    wanted = _amx_wanted if _amx_wanted is not None else os.environ.get(ENV_AMX, "1").strip() not in ("0", "off")
+    lib = KERNELS.lib
+    _amx_active = bool(lib is not None and lib.gemm_amx_config(int(wanted), _amx_min_rows or AMX_MIN_ROWS))
+
+
+def amx_in_use() -> bool:
+    """Whether the active variant's bf16 GEMM runs large batches on AMX now."""
+    load()
+    return _amx_active
+
+
+def amx_min_rows() -> int:
+    """The rows of x from which the bf16 GEMM takes AMX (where amx_in_use())."""
+    return _amx_min_rows or AMX_MIN_ROWS
+
+
+def set_amx(enabled: bool | None, min_rows: int | None = None) -> bool:
+    """Turn the AMX path on or off (None: as $PAGEDSERVE_AMX says) and set its threshold (None:
+    AMX_MIN_ROWS), for the active variant and any loaded later; returns amx_in_use()."""
+    global _amx_wanted, _amx_min_rows
+    _amx_wanted, _amx_min_rows = enabled, min_rows
+    load()
+    _configure_amx()
+    return _amx_active
+
+
+@contextlib.contextmanager
+def using_amx(enabled: bool, min_rows: int | None = None):
+    """Run a block with AMX on or off (and a threshold), then restore the previous setting;
+    yields amx_in_use()."""
+    previous = (_amx_wanted, _amx_min_rows)
+    try:
+        yield set_amx(enabled, min_rows)
+    finally:
+        set_amx(*previous)
+
+
+def describe_amx() -> str:
+    """The AMX path's state in words (the log line and benchmarks' records)."""
+    if amx_in_use():
+        return f"AMX-BF16 GEMM from {amx_min_rows()} rows"
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        return "no AMX (the CPU lacks amx_bf16)"
+    if KERNELS.active != "avx512bf16":
+        return f"no AMX (variant {KERNELS.active})"
+    if _amx_wanted is False or (_amx_wanted is None and os.environ.get(ENV_AMX, "1").strip() in ("0", "off")):
+        return f"AMX off ({ENV_AMX}=0)" if _amx_wanted is None else "AMX off (set_amx)"
+    return "no AMX (the kernel refused tile data: arch_prctl)"
 
 
 # CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16): True keeps bf16 weights (half the
@@ -547,8 +625,8 @@ class DecoderLayers:
             return False
         d = self._dims
         d.quant_small, d.quant_tiles = small, tiles
-        d.small_rows = quant.SMALL_BATCH_ROWS
-        d.decode_rows = getattr(quant, "DECODE_BATCH_ROWS", quant.SMALL_BATCH_ROWS)
+        bf16 = self.dtype == torch.bfloat16
+        d.small_rows, d.decode_rows = quant.batch_rows(False, bf16), quant.batch_rows(True, bf16)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
             self._threads = torch.get_num_threads()
             for layer, column, cols in self._tiles:

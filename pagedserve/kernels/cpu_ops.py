@@ -23,7 +23,7 @@ class CpuOps(TorchOps):
 
     def describe(self) -> str:
         return (f"CPU kernels: {cpu.variant() or 'none (torch fallbacks)'} "
-                f"(CPU supports {', '.join(cpu.supported_variants())})")
+                f"(CPU supports {', '.join(cpu.supported_variants())}; {cpu.describe_amx()})")
 
     def prepare_weights(self, model) -> None:
         """Every matmul weight packed once into the tiles of our GEMMs (see cpu.pack_weight). A

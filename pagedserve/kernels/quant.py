@@ -17,8 +17,9 @@ file's bytes; each thread streams a contiguous range of rows, and the activation
 per row stay in L1/L2.
 
 Two paths, chosen per call by the number of activation rows T:
-- T <= SMALL_BATCH_ROWS, or DECODE_BATCH_ROWS for a batch of decode tokens only (decode, small
-  batches; prefill chunks switch earlier, since tiles keep them closer to the float model): the
+- T <= batch_rows(decode, bf16): SMALL_BATCH_ROWS, or DECODE_BATCH_ROWS for a batch of decode
+  tokens only (decode, small batches; prefill chunks switch earlier, since tiles keep them closer
+  to the float model); AMX_BATCH_ROWS for both where bf16 tiles run on cpu.py's AMX GEMM: the
   activations are quantized once per call
   into 8-bit blocks of 32 (int8 values q, one float scale dx per block, and dx * sum(q) for the
   minimum terms), then every 32 weights give one integer dot product of their codes with q
@@ -33,9 +34,12 @@ Two paths, chosen per call by the number of activation rows T:
   weight row. Every type, every variant has this path.
 - larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
   C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
-  float32 for float32) and multiplied by that GEMM (its address passed to quant_kernels.cpp:
-  one call per layer): exactly cpu.linear over the dequantized weight, without the whole matrix
-  ever in float. Without cpu.py's kernels: a float32 scratch tile and torch.matmul.
+  float32 for float32) and multiplied by that GEMM straight into their columns of y (its
+  address, linear_packed_ld_*, passed to quant_kernels.cpp: one call per layer; bf16 on AMX where
+  cpu.amx_in_use()): exactly cpu.linear over the dequantized weight, without the whole matrix
+  ever in float. A tile is dequantized 16 rows x 256 columns at a time through an L1 buffer
+  (floats in registers, bf16 by vcvtne2ps2bf16 where the CPU has it, 16x16 transposes in
+  registers). Without cpu.py's kernels: a float32 scratch tile and torch.matmul.
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
@@ -79,9 +83,25 @@ BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k
 _QTYPE_ID = {q: i for i, q in enumerate(QTYPES)}        # the `qtype` argument of the C functions
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 
-SMALL_BATCH_ROWS = 16        # T up to this: integer dots on q8 activations; above: dequantized tiles
-DECODE_BATCH_ROWS = 32       # the same for batches of decode tokens only (linear(decode=True)): prefill
-                             # chunks above 16 keep the tiles, closer to the float model than 8-bit activations
+# T up to this: integer dots on q8 activations; above: dequantized tiles (batch_rows() picks).
+# Measured interleaved in one process (2 threads, Sapphire Rapids): over the vdpbf16ps GEMM the
+# tiles won from 17 rows (prefill chunks) and decode batches kept the integer path to 32; over
+# cpu.py's AMX GEMM (cpu.amx_in_use()) they win from 12 rows at the 1.7B shapes and from 9-12 at
+# the 135M ones, for prefill and decode alike (benchmarks/gemm.py prints the crossover per type).
+SMALL_BATCH_ROWS = 16        # without AMX
+DECODE_BATCH_ROWS = 32       # the same for batches of decode tokens only (linear(decode=True)), without AMX
+AMX_BATCH_ROWS = 12          # both, where the GEMM runs on AMX
+
+
+def batch_rows(decode: bool = False, bf16: bool = False) -> int:
+    """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
+    decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
+    the tiles would run on makes it pay (AMX: bf16 only)."""
+    if bf16 and cpu.amx_in_use():
+        return AMX_BATCH_ROWS
+    return DECODE_BATCH_ROWS if decode else SMALL_BATCH_ROWS
+
+
 TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
@@ -116,7 +136,7 @@ _SIGNATURES = {
     "quant_quantize": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I],
     # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
     "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
-    # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_*), tile_rows
+    # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_ld_*), tile_rows
     "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
@@ -377,8 +397,8 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
            bias: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
     """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in x's dtype. T up to
-    SMALL_BATCH_ROWS (DECODE_BATCH_ROWS where `decode`: x holds decode tokens only): integer dots
-    over q8 activations; more: dequantized weight tiles.
+    batch_rows(decode, bf16) (`decode`: x holds decode tokens only): integer dots over q8
+    activations; more: dequantized weight tiles.
     w may be several weights of one width (any types), stacked by rows as one product: a fused
     projection (qkv, gate_up) whose parts are stored apart, with no copy of them (the
     activations are quantized once, one parallel pass covers every part's rows)."""
@@ -396,7 +416,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     lib = KERNELS.lib if KERNELS.active is not None else load()
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=x.dtype)
-    if lib is not None and x.shape[0] <= (DECODE_BATCH_ROWS if decode else SMALL_BATCH_ROWS):
+    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16):
         return _linear_small(x, parts, bias, lib)
     return _linear_tiles(x, parts, bias, lib)
 
@@ -429,7 +449,7 @@ def _linear_tiles(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Ten
     """x @ W.T with W dequantized a tile of rows at a time: into kernels/cpu.py's packed GEMM
     (bf16 tiles for bf16 x, float32 for float32 x), else a float32 scratch and torch.matmul."""
     rows, cols = sum(p.shape[0] for p in parts), x.shape[1]
-    gemm = cpu._kernel("linear_packed", x)
+    gemm = cpu._kernel("linear_packed_ld", x)
     if lib is not None and gemm is not None and not (x.dtype == torch.bfloat16 and cols % 2):
         x = x.contiguous()
         out = torch.empty(x.shape[0], rows, dtype=x.dtype)
@@ -524,15 +544,18 @@ def describe() -> dict:
     """Which variant is in use and why, and which path runs which batch size."""
     active = variant()
     forced = KERNELS.forced()
-    gemm = f"cpu.py's packed GEMM ({cpu.variant()})" if active and cpu.load() is not None else "torch.matmul"
+    gemm = f"cpu.py's packed GEMM ({cpu.variant()}, {cpu.describe_amx()})" if active and cpu.load() is not None \
+        else "torch.matmul"
     small = f"integer dots over q8 activations ({active})" if active else "torch (dequantize + matmul)"
     return dict(
         quant_kernels=active or "torch",
         quant_kernels_supported=supported_variants(),
         quant_kernels_reason=(f"forced by {ENV_VARIANT}={forced}" if forced else
                               "the best this CPU's flags allow" if active else "no variant could be built"),
-        quant_small_batch_rows=SMALL_BATCH_ROWS,
-        quant_decode_batch_rows=DECODE_BATCH_ROWS,
-        quant_paths={q: f"T <= {SMALL_BATCH_ROWS} ({DECODE_BATCH_ROWS} decode tokens): {small}; above: tiles "
+        quant_small_batch_rows=batch_rows(False),
+        quant_decode_batch_rows=batch_rows(True),
+        quant_amx_batch_rows=batch_rows(False, bf16=True),
+        quant_paths={q: f"T <= {batch_rows(False)} ({batch_rows(True)} decode tokens; bf16 x: "
+                        f"{batch_rows(False, True)}): {small}; above: tiles "
                         f"dequantized into {gemm}" for q in QTYPES},
     )
