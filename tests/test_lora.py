@@ -72,12 +72,13 @@ def assert_no_blocks_held(llm):
 
 
 def count_compiled_lora_steps(model) -> list[bool]:
-    """Per call of the compiled layer loop: whether it ran a step with adapter rows."""
+    """Per call of the compiled layer loop: whether it ran a step with adapter rows, and whether
+    that step had a prefill chunk (rows beyond its decodes)."""
     calls, inner = [], model.compiled_layers.forward
 
     def forward(*args):
         done = inner(*args)
-        calls.append(len(args) > 6 and done)
+        calls.append((len(args) > 6 and done, args[5].num_decodes < args[0].shape[0]))
         return done
     model.compiled_layers.forward = forward
     return calls
@@ -102,14 +103,20 @@ def test_each_adapter_alone_and_a_mixed_batch_equal_peft(tiny_llama, setup, loop
     assert run(llm, batch_prompts, loras) == expected
     assert_no_blocks_held(llm)
     if loop == "compiled":
-        assert any(calls), "the compiled loop ran no step with adapter rows"
+        assert any(lora and prefill for lora, prefill in calls), "the compiled loop ran no prefill with adapters"
+        assert any(lora and not prefill for lora, prefill in calls), "the compiled loop ran no decode with adapters"
 
 
 def test_the_comparison_fails_without_the_delta_or_with_rows_mixed_up(tiny_llama, setup, monkeypatch):
     batch_prompts, loras, expected = mixed(setup)
     llm = make_llm(tiny_llama, enable_prefix_caching=False)
+    init = lora_weights.LoRAStep.__post_init__
+
+    def no_delta(self):
+        init(self)
+        self.targeted = dict.fromkeys(self.targeted, False)
     with monkeypatch.context() as m:     # no delta, in either layer loop
-        m.setattr(lora_weights.LoRAWeights, "layer_views", lambda self, module, lo, hi: None)
+        m.setattr(lora_weights.LoRAStep, "__post_init__", no_delta)
         assert run(llm, batch_prompts, loras) != expected
     step = lora_weights.LoRAWeights.step
     with monkeypatch.context() as m:   # each adapter's rows get the next slot's weights
