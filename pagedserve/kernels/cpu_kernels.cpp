@@ -2007,34 +2007,27 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
     // (thread_local: the team's threads must use these pointers, not their own vectors)
     float *u = scratch.data();                  // block b's rows' rank columns: [kLoraRows, K] at b
     const Block *bl = blocks.data();
-    // Items: shrink (block, part); expand (block, part, column chunk of at most kChunk).
-    constexpr int64_t kChunk = 256;
-    int64_t chunks = 0, macs = 0;
-    for (int64_t j = 0; j < p.nparts; j++) chunks = std::max(chunks, (p.size[j] + kChunk - 1) / kChunk);
+    // One item per block, its shrink then its expand: the blocks' rows are disjoint, so the
+    // team meets only once per projection (each meeting costs most when other processes hold
+    // the cores).
+    int64_t macs = 0;
     for (const Block &blk : blocks) macs += blk.n * blk.rank * (p.nparts * in + p.ldb);
-    const int64_t n_expand = nb * p.nparts * chunks;
-#pragma omp parallel if (macs >= (1 << 18))
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < nb * p.nparts; item++) {
-            const Block &blk = bl[item / p.nparts];
-            const int64_t j = item % p.nparts;
+#pragma omp parallel for schedule(dynamic, 1) if (macs >= (1 << 18))
+    for (int64_t b = 0; b < nb; b++) {
+        const Block &blk = bl[b];
+        float *ub = u + b * kLoraRows * K;
+        const T *xr[kLoraRows];
+        T *yr[kLoraRows];
+        for (int64_t j = 0; j < p.nparts; j++) {
             if (!((blk.parts >> j) & 1)) continue;
-            const T *xr[kLoraRows];
             for (int i = 0; i < blk.n; i++) xr[i] = x + blk.rows[i] * in;
-            lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, blk.rank, in,
-                             u + (item / p.nparts) * kLoraRows * K + j * R, K);
+            lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, blk.rank, in, ub + j * R, K);
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n_expand; item++) {
-            const int64_t b = item / (p.nparts * chunks), j = item / chunks % p.nparts, ch = item % chunks;
-            const Block &blk = bl[b];
-            const int64_t c0 = ch * kChunk, c1 = std::min(p.size[j], c0 + kChunk);
-            if (!((blk.parts >> j) & 1) || c0 >= c1) continue;
-            T *yr[kLoraRows];
+        for (int64_t j = 0; j < p.nparts; j++) {
+            if (!((blk.parts >> j) & 1)) continue;
             for (int i = 0; i < blk.n; i++) yr[i] = y + blk.rows[i] * ldy + p.offset[j];
-            lora_expand<Vec>(u + b * kLoraRows * K + j * R, K, blk.n, BT + (blk.slot * K + j * R) * p.ldb + p.offset[j],
-                             p.ldb, blk.rank, yr, c0, c1);
+            lora_expand<Vec>(ub + j * R, K, blk.n, BT + (blk.slot * K + j * R) * p.ldb + p.offset[j], p.ldb, blk.rank,
+                             yr, 0, p.size[j]);
         }
     }
     return 0;
