@@ -142,6 +142,32 @@ def test_fewer_slots_than_adapters(tiny_llama, setup, max_loras, max_cpu_loras):
     assert_no_blocks_held(llm)
 
 
+def test_a_request_waiting_for_a_slot_holds_no_one_back(tiny_llama, setup):
+    """One slot: the second adapter's request waits (keeping its place) while the base
+    request and another of the first adapter behind it are admitted in the same step; it
+    gets the slot once the first adapter's requests finish, and every output equals peft's."""
+    _, prompts, requests, want = setup
+    llm = make_llm(tiny_llama, max_loras=1)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    order = [("all7", 0), ("attn", 0), (None, 1), ("all7", 2)]
+    for n, (name, i) in enumerate(order):
+        engine.add_request(str(n), {"prompt_token_ids": prompts[i]}, sp, lora_request=requests[name])
+    done = {}
+    for out in engine.step():
+        done[out.request_id] = out
+    running = sorted(r.request_id for r in engine.scheduler.running)
+    assert running == ["0", "2", "3"], running                 # "attn" passed over, the rest admitted
+    assert [r.request_id for r in engine.scheduler.waiting] == ["1"]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for n, (name, i) in enumerate(order):
+        assert done[str(n)].outputs[0].token_ids == want[name][i], (n, name)
+    assert_no_blocks_held(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_adapters(tiny_llama, setup, mode):
     batch_prompts, loras, expected = mixed(setup)
