@@ -594,7 +594,7 @@ class LoraTable:
     parts' output columns. modules: per projection name None (no delta) or (A [layers, span *
     K, in], BT [layers, span * K, out], the parts' output sizes); info: per slot of the range and
     projection, the adapter's rank | its parts' bits << 16; as lora/weights.py
-    LoRAStep.compiled_inputs gives them; key: theirs, to tell when they change. `ok` is False
+    LoRAStep.compiled_weights gives them; key: its compiled_key, to tell when they change. `ok` is False
     where the kernel does not take them (then the step takes the Python loop)."""
 
     def __init__(self, num_layers: int, key: tuple, modules: dict, rank: int, info: list[int]) -> None:

@@ -104,10 +104,10 @@ class CpuDecoderLayers:
         computes (`compiled`): its table of weight addresses made once per slot range (until a slot is reloaded)."""
         deltas = None
         if lora is not None:
-            key, modules, row_block, rank, info = lora.compiled_inputs()
-            table = self._lora
+            key, table = lora.compiled_key(), self._lora
             if table is None or table.key != key:
-                table = self._lora = cpu.LoraTable(self.num_layers, key, modules, rank, info)
+                table = self._lora = cpu.LoraTable(self.num_layers, key, *lora.compiled_weights())
+            row_block = lora.row_blocks()
             if not table.ok:
                 return False
             deltas = (table, row_block)

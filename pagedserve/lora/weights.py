@@ -9,15 +9,20 @@ rows and output columns ([layers, slots * K, out], zero elsewhere; a fused qkv o
 gets each part's delta in its own columns). So the slots of a contiguous range are one
 [span * K, in] matrix.
 
-A step's delta (LoRAStep.add) costs the same few ops per module whatever number of adapters
-its rows use: with few rows (decodes, MASKED_ROWS), u = x @ A[range].T over the rank columns
-of every slot from the lowest to the highest active one, u *= mask (each row keeps its own
-slot's columns; base rows (-1) none), out += u @ BT[range]: 3 ops, 2 when one adapter has
-every row. The mask is made once per step, the per-layer views once per slot range (sticky:
-_range). Where the model has a compiled CPU layer loop, such a step runs there instead
-(compiled_inputs; kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta). With many rows (prefill) the wasted columns would cost more than the ops they save, so each
-adapter's rows are gathered, multiplied by its own block, and added back. The base model's
-rows get nothing and a step without adapter rows does not come here at all.
+Where the model has a compiled CPU layer loop, every step with adapter rows (decodes and
+prefill chunks) takes its deltas there (LoRAStep.compiled_key / compiled_weights / row_blocks;
+kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta): the rows are grouped by slot and each
+group multiplied by its own slot's filled rank rows only, so the work grows with the rows, not
+rows x adapters, and the table is only addresses into these tensors (nothing is copied when
+the range changes). Elsewhere (tensor parallelism, GPU) LoRAStep.add costs the same few ops
+per module whatever number of adapters its rows use: with few rows (decodes, MASKED_ROWS),
+u = x @ A[range].T over the rank columns of every slot from the lowest to the highest active
+one, u *= mask (each row keeps its own slot's columns; base rows (-1) none), out += u @
+BT[range]: 3 ops, 2 when one adapter has every row. The mask is made once per step, the
+per-layer views once per slot range (sticky: _range). With many rows (prefill) the wasted
+columns would cost more than the ops they save, so each adapter's rows are gathered,
+multiplied by its own block, and added back. The base model's rows get nothing and a step
+without adapter rows does not come here at all.
 
 Under tensor parallelism each rank holds the slices of its shard (models/sharding.py), as the
 layers they adapt: a column-parallel part (q, k, v, gate, up) its output columns of BT (A
@@ -199,23 +204,29 @@ class LoRAStep:
         self._groups: dict[int, torch.Tensor] | None = None
         self._row_tensor: torch.Tensor | None = None
 
-    def compiled_inputs(self) -> tuple[tuple, dict, torch.Tensor, int, list[int]]:
-        """For a compiled loop (kernels/cpu.py LoraTable): a key that changes when the weights
-        below do (the range, the loads so far, the modules with a delta); per module (None: no
-        delta) A and BT over the range's rank rows ([layers, span * K, in], [layers, span * K,
-        out]: views of the slot tensors) and its parts' output sizes; each row's block (its slot
-        - lo; negative: a base row); R; per slot of the range and module, the adapter's rank |
-        the parts it targets (a bit each) << 16 (0: none)."""
+    def compiled_key(self) -> tuple:
+        """For a compiled loop: a key that changes when compiled_weights would (the range, the
+        loads so far, the modules with a delta), so a table of them is made once per key."""
+        return self.lo, self.hi, self.weights.generation, tuple(m for m in MODULES if self.targeted[m])
+
+    def compiled_weights(self) -> tuple[dict, int, list[int]]:
+        """For a compiled loop (kernels/cpu.py LoraTable): per module (None: no delta) A and BT
+        over the range's rank rows ([layers, span * K, in], [layers, span * K, out]: views of
+        the slot tensors) and its parts' output sizes; R; per slot of the range and module, the
+        adapter's rank | the parts it targets (a bit each) << 16 (0: none)."""
         w = self.weights
         modules = {}
         for m, parts in MODULES.items():
             rows = slice(self.lo * w.K[m], (self.hi + 1) * w.K[m])
             modules[m] = (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts]) \
                 if self.targeted[m] else None
-        blocks = torch.tensor([s - self.lo if s >= 0 else -1 for s in self.row_slot], dtype=torch.long)
         info = [w.info[s].get(m, 0) for s in range(self.lo, self.hi + 1) for m in MODULES]
-        key = (self.lo, self.hi, w.generation, tuple(m for m, v in modules.items() if v is not None))
-        return key, modules, blocks, w.max_rank, info
+        return modules, w.max_rank, info
+
+    def row_blocks(self) -> torch.Tensor:
+        """Each row's slot less lo (-1: a base row), int64 on the CPU: the compiled loop's row_block."""
+        lo = self.lo
+        return torch.tensor([s - lo if s >= 0 else -1 for s in self.row_slot], dtype=torch.long)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """The Python loop's delta: out[rows] += (x[rows] @ A.T) @ BT for each adapter's rows
