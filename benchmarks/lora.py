@@ -11,9 +11,10 @@ requests (all at t=0, EOS ignored); the configurations alternate round by round 
 one's fastest round counts (machine noise only adds time). Reported per configuration:
 steps, seconds per step and its ratio to the base model's (the cost of serving adapters,
 goal < 1.15 with 4 adapters), output tok/s. "base, python loop" (only where the model has
-the compiled CPU layer loop: float weights, not the default model's GGUF blocks) is the base
-model with that loop off: steps with adapter rows take the Python loop, so this splits the
-cost into the loop's share and the deltas' share. Then time to first token of one
+the compiled CPU layer loop) is the base model with that loop off, for scale: with the
+loop, steps with adapter rows (decodes and prefills alike) add their deltas inside it
+(cpu_kernels.cpp lora_delta); without it (tensor parallelism, GPU) they take the Python
+loop. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
 the base model. Writes benchmarks/results/lora.json.
 """

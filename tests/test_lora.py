@@ -72,12 +72,13 @@ def assert_no_blocks_held(llm):
 
 
 def count_compiled_lora_steps(model) -> list[bool]:
-    """Per call of the compiled layer loop: whether it ran a step with adapter rows."""
+    """Per call of the compiled layer loop: whether it ran a step with adapter rows, and whether
+    that step had a prefill chunk (rows beyond its decodes)."""
     calls, inner = [], model.compiled_layers.forward
 
     def forward(*args):
         done = inner(*args)
-        calls.append(len(args) > 6 and done)
+        calls.append((len(args) > 6 and done, args[5].num_decodes < args[0].shape[0]))
         return done
     model.compiled_layers.forward = forward
     return calls
@@ -102,14 +103,20 @@ def test_each_adapter_alone_and_a_mixed_batch_equal_peft(tiny_llama, setup, loop
     assert run(llm, batch_prompts, loras) == expected
     assert_no_blocks_held(llm)
     if loop == "compiled":
-        assert any(calls), "the compiled loop ran no step with adapter rows"
+        assert any(lora and prefill for lora, prefill in calls), "the compiled loop ran no prefill with adapters"
+        assert any(lora and not prefill for lora, prefill in calls), "the compiled loop ran no decode with adapters"
 
 
 def test_the_comparison_fails_without_the_delta_or_with_rows_mixed_up(tiny_llama, setup, monkeypatch):
     batch_prompts, loras, expected = mixed(setup)
     llm = make_llm(tiny_llama, enable_prefix_caching=False)
+    init = lora_weights.LoRAStep.__post_init__
+
+    def no_delta(self):
+        init(self)
+        self.targeted = dict.fromkeys(self.targeted, False)
     with monkeypatch.context() as m:     # no delta, in either layer loop
-        m.setattr(lora_weights.LoRAWeights, "layer_views", lambda self, module, lo, hi: None)
+        m.setattr(lora_weights.LoRAStep, "__post_init__", no_delta)
         assert run(llm, batch_prompts, loras) != expected
     step = lora_weights.LoRAWeights.step
     with monkeypatch.context() as m:   # each adapter's rows get the next slot's weights
@@ -132,6 +139,32 @@ def test_fewer_slots_than_adapters(tiny_llama, setup, max_loras, max_cpu_loras):
     assert run(llm, batch_prompts, loras) == expected
     assert len(loads) >= 3 and max(load.slot for load in loads) == max_loras - 1
     assert len(weights.host) <= max_cpu_loras
+    assert_no_blocks_held(llm)
+
+
+def test_a_request_waiting_for_a_slot_holds_no_one_back(tiny_llama, setup):
+    """One slot: the second adapter's request waits (keeping its place) while the base
+    request and another of the first adapter behind it are admitted in the same step; it
+    gets the slot once the first adapter's requests finish, and every output equals peft's."""
+    _, prompts, requests, want = setup
+    llm = make_llm(tiny_llama, max_loras=1)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    order = [("all7", 0), ("attn", 0), (None, 1), ("all7", 2)]
+    for n, (name, i) in enumerate(order):
+        engine.add_request(str(n), {"prompt_token_ids": prompts[i]}, sp, lora_request=requests[name])
+    done = {}
+    for out in engine.step():
+        done[out.request_id] = out
+    running = sorted(r.request_id for r in engine.scheduler.running)
+    assert running == ["0", "2", "3"], running                 # "attn" passed over, the rest admitted
+    assert [r.request_id for r in engine.scheduler.waiting] == ["1"]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for n, (name, i) in enumerate(order):
+        assert done[str(n)].outputs[0].token_ids == want[name][i], (n, name)
     assert_no_blocks_held(llm)
 
 

@@ -190,6 +190,8 @@ _SIGNATURES = {
     "decoder_layers_bf16": [_P] * 12 + [_I],
     "decoder_layers_kv8_f32": [_P] * 12 + [_I, _I],
     "decoder_layers_kv8_bf16": [_P] * 12 + [_I, _I],
+    "lora_delta_f32": [_P, _I, _I, _P, _I, _P, _I, _I],
+    "lora_delta_bf16": [_P, _I, _I, _P, _I, _P, _I, _I],
     "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
@@ -529,16 +531,14 @@ class _CacheRefs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layer", "kv", "block", "token", "head", "block_size", "partition_size")]
 
 
-class _LoraPart(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("b", "offset", "size")]
-
-
 class _LoraProj(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_int64), ("n", ctypes.c_int64), ("nparts", ctypes.c_int64), ("parts", _LoraPart * 3)]
+    _fields_ = [(n, ctypes.c_int64) for n in ("a", "bt", "ldb", "nparts")] + \
+               [("offset", ctypes.c_int64 * 3), ("size", ctypes.c_int64 * 3)]
 
 
 class _LoraRefs(ctypes.Structure):
-    _fields_ = [("layers", ctypes.c_void_p), ("row_block", ctypes.c_void_p), ("rank", ctypes.c_int64)]
+    _fields_ = [("layers", ctypes.c_void_p), ("row_block", ctypes.c_void_p), ("rank", ctypes.c_int64),
+                ("slot_info", ctypes.c_void_p), ("span", ctypes.c_int64)]
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -654,7 +654,7 @@ class DecoderLayers:
         lora_refs = None
         if lora is not None:
             table, row_block = lora
-            lora_refs = _LoraRefs(ctypes.addressof(table.rows), row_block.data_ptr(), table.rank)
+            lora_refs = table.refs(row_block)
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
                           x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
                           ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows),
@@ -666,40 +666,53 @@ class DecoderLayers:
 
 
 class LoraTable:
-    """A LoRA slot range's weights packed for the compiled loop's deltas (LoraProj in
-    cpu_kernels.cpp): per layer and projection, A [span * K, in] whole and each part's B
-    [out_part, span * R] on its own (only its rank rows of each slot: no zero blocks).
-    modules: per projection name None (no delta) or (A [layers, span * K, in], BT [layers,
-    span * K, out], the parts' output sizes), as lora/weights.py LoRAStep.compiled_inputs
-    gives them; key: theirs, to tell when they change. `ok` is False where our GEMM does not
-    take them (then the step takes the Python loop)."""
+    """A LoRA slot range's weights for the compiled loop's deltas (LoraProj in cpu_kernels.cpp):
+    per layer and projection the addresses of A [span * K, in] and BT [span * K, out] (views of
+    lora/weights.py's slot tensors, not copies: nothing to pack when the range changes) and the
+    parts' output columns. modules: per projection name None (no delta) or (A [layers, span *
+    K, in], BT [layers, span * K, out], the parts' output sizes); info: per slot of the range and
+    projection, the adapter's rank | its parts' bits << 16; as lora/weights.py
+    LoRAStep.compiled_weights gives them; key: its compiled_key, to tell when they change. `ok` is False
+    where the kernel does not take them (then the step takes the Python loop)."""
 
-    def __init__(self, num_layers: int, key: tuple, modules: dict, rank: int) -> None:
+    def __init__(self, num_layers: int, key: tuple, modules: dict, rank: int, info: list[int]) -> None:
         self.key, self.rank, self.ok = key, rank, True
         self.rows = (_LoraProj * (num_layers * 4))()
-        self._packed = []         # the table points into them
+        self.span = len(info) // 4
+        self.info = torch.tensor(info, dtype=torch.int64)
+        self._views = []          # the table points into them
         for j, name in enumerate(_PROJECTIONS):
             if modules.get(name) is None:
                 continue
             A, BT, sizes = modules[name]
-            n = A.shape[1]
-            span = n // (len(sizes) * rank)
+            if not (A.is_cpu and A.stride(-1) == 1 and BT.stride(-1) == 1 and A.stride(-2) == A.shape[-1]
+                    and A.dtype == BT.dtype):
+                self.ok = False
+                return
+            self._views += [A, BT]
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             for layer in range(num_layers):
-                a = pack_weight(A[layer])
-                bt = BT[layer].view(span, len(sizes), rank, BT.shape[2])
-                parts, offset = [], 0
-                for i, size in enumerate(sizes):
-                    b = pack_weight(bt[:, i, :, offset:offset + size].reshape(span * rank, size).t())
-                    parts.append((b, offset, size))
-                    offset += size
-                if not all(isinstance(w, PackedWeight) for w in (a, *(p[0] for p in parts))):
-                    self.ok = False
-                    return
-                self._packed += [a, *(p[0] for p in parts)]
                 row = self.rows[layer * 4 + j]
-                row.a, row.n, row.nparts = a.data.data_ptr(), n, len(parts)
-                for i, (b, offset, size) in enumerate(parts):
-                    row.parts[i] = _LoraPart(b.data.data_ptr(), offset, size)
+                row.a, row.bt, row.ldb, row.nparts = A[layer].data_ptr(), BT[layer].data_ptr(), BT.stride(-2), len(sizes)
+                for i, (offset, size) in enumerate(zip(offsets, sizes)):
+                    row.offset[i], row.size[i] = offset, size
+
+    def refs(self, row_block: torch.Tensor) -> _LoraRefs:
+        """The kernel's view of this table for a step's rows (row_block: int64 [T], kept alive by the caller)."""
+        return _LoraRefs(ctypes.addressof(self.rows), row_block.data_ptr(), self.rank, self.info.data_ptr(), self.span)
+
+
+def lora_delta(table: LoraTable, layer: int, projection: int, x: torch.Tensor, y: torch.Tensor,
+               row_block: torch.Tensor) -> bool:
+    """y [T, out] += projection `projection` (0 qkv, 1 o, 2 gate_up, 3 down) of `layer`'s LoRA
+    delta for x [T, in], in place (the compiled loop's kernel on its own; tests). False where
+    the kernel does not apply."""
+    fn = _kernel("lora_delta", x)
+    if fn is None or not (x.is_contiguous() and y.stride(-1) == 1 and row_block.dtype == torch.int64):
+        return False
+    refs = table.refs(row_block.contiguous())
+    return fn(ctypes.addressof(refs), layer, projection, x.data_ptr(), x.shape[1], y.data_ptr(), y.stride(0),
+              x.shape[0]) == 0
 
 
 def _kernel(name: str, x: torch.Tensor):

@@ -2045,26 +2045,6 @@ int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const fl
     return reinterpret_cast<QuantTiles>(m.quant_tiles)(parts, p.nparts, x, bf16, M, K, b, y, N, gemm, p.tile_rows);
 }
 
-// LoRA deltas (lora/weights.py LoRAStep, kernels/cpu.py LoraTable): per layer and
-// projection, the rank columns of the step's slot range (span slots, K = nparts * R columns
-// each, R per part) packed as A [span * K, in], and each part's B [size, span * R] (its own R
-// rank rows of each slot). row_block[t] is row t's slot less the range's first (negative: a
-// base row). u = x @ A.T; per part, each row's own slot's R columns of u (others zero) times
-// B.T go to the part's output columns of y: a few GEMMs per projection whatever number of
-// adapters the rows use.
-struct LoraPart {
-    int64_t b, offset, size;     // packed B (0: none), the part's first output column and count
-};
-struct LoraProj {
-    int64_t a, n, nparts;        // packed A (0: no delta), its rows (span * K), parts
-    LoraPart parts[3];
-};
-struct LoraRefs {
-    const LoraProj *layers;      // [layers][4]: qkv, o, gate_up, down
-    const int64_t *row_block;    // [T]
-    int64_t rank;                // R
-};
-
 inline float as_float(float v) { return v; }
 inline float as_float(uint16_t v) {
     const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -2079,6 +2059,127 @@ inline void store_as(uint16_t *dst, float v) {     // to nearest even (the value
     *dst = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// LoRA deltas (lora/weights.py LoRAStep, kernels/cpu.py LoraTable). Per layer and projection
+// the step's slot range (span slots from lo) is a view of lora/weights.py's stacked tensors:
+// A [span * K, in] and BT [span * K, ldb] (K = nparts * R rank rows per slot, R per part; BT
+// row k of a slot holds part k / R's rank row in that part's output columns). row_block[t] is
+// row t's slot less lo (negative: a base row, which costs nothing). The rows are grouped by
+// slot into blocks of up to kLoraRows, and each block's delta uses only its own slot's
+// weights, only the rank rows its adapter fills (slot_info): u = x @ A_s.T, rounded to T as
+// a T GEMM would; then y += u @ BT_s, added in float32 and rounded into y once. Work grows
+// with the rows, not rows x adapters; each slot's weights are read once per block.
+struct LoraProj {
+    int64_t a, bt, ldb, nparts;  // the range's A and BT (0: no delta), BT's row length, parts
+    int64_t offset[3], size[3];  // each part's first output column and count
+};
+struct LoraRefs {
+    const LoraProj *layers;      // [layers][4]: qkv, o, gate_up, down
+    const int64_t *row_block;    // [T]
+    int64_t rank;                // R: rank rows per part and slot
+    const int64_t *slot_info;    // [span][4]: the adapter's rank | (parts it targets, a bit each) << 16
+    int64_t span;
+};
+
+constexpr int kLoraRows = 4;
+constexpr int kAheadCols = 2;     // rows of one slot per block: each weight load serves them all
+
+// u[i][k0 + k] (ldu) for k < NK, i < NR: the rows xr dotted with rows k0.. of A (lda = in).
+// NR and NK fixed at compile time so the sums stay in registers.
+template <class V, int NR, int NK, typename T>
+void lora_shrink_tile(const T *const *xr, const T *a, int64_t k0, int64_t in, float *u, int64_t ldu) {
+    using Reg = typename V::reg;
+    constexpr int W = V::W;
+    const int64_t body = in / W * W;
+    Reg acc[NK][NR];
+    for (int k = 0; k < NK; k++)
+        for (int i = 0; i < NR; i++) acc[k][i] = V::zero();
+    const T *next = a + (k0 + NK) * in;    // the next tile's rows: requested while these are summed
+    for (int64_t c = 0; c < body; c += W) {
+        Reg w[NK];
+        for (int k = 0; k < NK; k++) __builtin_prefetch(next + k * in + c, 0, 3);
+        for (int k = 0; k < NK; k++) w[k] = V::load(a + (k0 + k) * in + c);
+        for (int i = 0; i < NR; i++) {
+            const Reg xv = V::load(xr[i] + c);
+            for (int k = 0; k < NK; k++) acc[k][i] = V::fmadd(xv, w[k], acc[k][i]);
+        }
+    }
+    for (int k = 0; k < NK; k++)
+        for (int i = 0; i < NR; i++) {
+            float s = V::reduce_add(acc[k][i]);
+            for (int64_t c = body; c < in; c++) s += as_float(xr[i][c]) * as_float(a[(k0 + k) * in + c]);
+            T rounded;          // rounded to T, as a GEMM's output in T would be
+            store_as(&rounded, s);
+            u[i * ldu + k0 + k] = as_float(rounded);
+        }
+}
+
+template <class V, int NR, typename T>
+void lora_shrink_rows(const T *const *xr, const T *a, int64_t r, int64_t in, float *u, int64_t ldu) {
+    constexpr int KA = V::W == 16 ? 4 : 2;
+    int64_t k0 = 0;
+    for (; k0 + KA <= r; k0 += KA) lora_shrink_tile<V, NR, KA>(xr, a, k0, in, u, ldu);
+    for (; k0 < r; k0++) lora_shrink_tile<V, NR, 1>(xr, a, k0, in, u, ldu);
+}
+
+// u[i][k] (ldu) for the block's n rows xr and the r rows of A (lda = in).
+template <class V, typename T>
+void lora_shrink(const T *const *xr, int n, const T *a, int64_t r, int64_t in, float *u, int64_t ldu) {
+    static_assert(kLoraRows == 4);
+    switch (n) {
+        case 1: return lora_shrink_rows<V, 1>(xr, a, r, in, u, ldu);
+        case 2: return lora_shrink_rows<V, 2>(xr, a, r, in, u, ldu);
+        case 3: return lora_shrink_rows<V, 3>(xr, a, r, in, u, ldu);
+        default: return lora_shrink_rows<V, 4>(xr, a, r, in, u, ldu);
+    }
+}
+
+// y rows yr, columns [c0, c1) += sum over k < r of u[i][k] * b[k][c] (b's rows ldb apart):
+// in float32, rounded into y once.
+template <class V, int NR, typename T>
+void lora_expand_rows(const float *u, int64_t ldu, const T *b, int64_t ldb, int64_t r, T *const *yr, int64_t c0,
+                      int64_t c1) {
+    using Reg = typename V::reg;
+    constexpr int W = V::W, CV = W == 16 ? 4 : 2, CW = CV * W;
+    int64_t c = c0;
+    for (; c + CW <= c1; c += CW) {
+        Reg acc[NR][CV];
+        for (int i = 0; i < NR; i++)
+            for (int v = 0; v < CV; v++) acc[i][v] = V::zero();
+        for (int64_t k = 0; k < r; k++) {
+            Reg w[CV];
+            const char *ahead = reinterpret_cast<const char *>(b + k * ldb + c + kAheadCols * CW);
+            for (size_t off = 0; off < CW * sizeof(T); off += 64) __builtin_prefetch(ahead + off, 0, 3);
+            for (int v = 0; v < CV; v++) w[v] = V::load(b + k * ldb + c + v * W);
+            for (int i = 0; i < NR; i++) {
+                const Reg s = V::set1(u[i * ldu + k]);
+                for (int v = 0; v < CV; v++) acc[i][v] = V::fmadd(s, w[v], acc[i][v]);
+            }
+        }
+        for (int i = 0; i < NR; i++)
+            for (int v = 0; v < CV; v++) {
+                T *dst = yr[i] + c + v * W;
+                V::store(dst, V::add(V::load(dst), acc[i][v]));
+            }
+    }
+    for (; c < c1; c++)
+        for (int i = 0; i < NR; i++) {
+            float s = 0.f;
+            for (int64_t k = 0; k < r; k++) s += u[i * ldu + k] * as_float(b[k * ldb + c]);
+            store_as(yr[i] + c, as_float(yr[i][c]) + s);
+        }
+}
+
+template <class V, typename T>
+void lora_expand(const float *u, int64_t ldu, int n, const T *b, int64_t ldb, int64_t r, T *const *yr, int64_t c0,
+                 int64_t c1) {
+    switch (n) {
+        case 1: return lora_expand_rows<V, 1>(u, ldu, b, ldb, r, yr, c0, c1);
+        case 2: return lora_expand_rows<V, 2>(u, ldu, b, ldb, r, yr, c0, c1);
+        case 3: return lora_expand_rows<V, 3>(u, ldu, b, ldb, r, yr, c0, c1);
+        default: return lora_expand_rows<V, 4>(u, ldu, b, ldb, r, yr, c0, c1);
+    }
+}
+
 // y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
 template <typename T>
 int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
@@ -2086,37 +2187,70 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
     if (lr == nullptr) return 0;
     const LoraProj &p = lr->layers[layer * 4 + which];
     if (p.a == 0) return 0;
-    const int64_t R = lr->rank, K = p.nparts * R, span = p.n / K, m = span * R;
-    int64_t most = 0;
-    for (int64_t j = 0; j < p.nparts; j++) most = std::max(most, p.parts[j].size);
-    thread_local std::vector<T> scratch;
-    const int64_t need = T_ * (p.n + m + most);
-    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
-    T *u = scratch.data(), *g = u + T_ * p.n, *d = g + T_ * m;
-    if (linear_any(x, reinterpret_cast<const T *>(p.a), nullptr, u, T_, p.n, in)) return 1;
-    for (int64_t j = 0; j < p.nparts; j++) {
-        const LoraPart &q = p.parts[j];
-        if (q.b == 0) continue;
-        for (int64_t t = 0; t < T_; t++) {        // each row: its own slot's R columns of part j
-            const int64_t keep = lr->row_block[t];
-            for (int64_t s = 0; s < span; s++) {
-                T *dst = g + t * m + s * R;
-                if (s == keep)
-                    std::memcpy(dst, u + t * p.n + s * K + j * R, R * sizeof(T));
-                else
-                    std::memset(dst, 0, R * sizeof(T));     // +0.0 in float and bf16
-            }
-        }
-        if (linear_any(g, reinterpret_cast<const T *>(q.b), nullptr, d, T_, q.size, m)) return 1;
+    const int64_t R = lr->rank, K = p.nparts * R;
+    const T *A = reinterpret_cast<const T *>(p.a), *BT = reinterpret_cast<const T *>(p.bt);
+    struct Block { int64_t slot, rank, parts; int n; int64_t rows[kLoraRows]; };
+    thread_local std::vector<Block> blocks;
+    thread_local std::vector<float> scratch;
+    blocks.clear();
+    for (int64_t s = 0; s < lr->span; s++) {     // each slot's rows, in blocks
+        const int64_t info = lr->slot_info[s * 4 + which], rank = info & 0xFFFF, parts = info >> 16;
+        if (rank == 0 || parts == 0) continue;
+        Block blk{s, rank, parts, 0, {}};
         for (int64_t t = 0; t < T_; t++) {
-            T *row = y + t * ldy + q.offset;
-            const T *delta = d + t * q.size;
-            for (int64_t o = 0; o < q.size; o++) store_as(row + o, as_float(row[o]) + as_float(delta[o]));
+            if (lr->row_block[t] != s) continue;
+            blk.rows[blk.n++] = t;
+            if (blk.n == kLoraRows) blocks.push_back(blk), blk.n = 0;
+        }
+        if (blk.n) blocks.push_back(blk);
+    }
+    const int64_t nb = static_cast<int64_t>(blocks.size());
+    if (nb == 0) return 0;
+    if (static_cast<int64_t>(scratch.size()) < nb * kLoraRows * K) scratch.resize(nb * kLoraRows * K);
+    // (thread_local: the team's threads must use these pointers, not their own vectors)
+    float *u = scratch.data();                  // block b's rows' rank columns: [kLoraRows, K] at b
+    const Block *bl = blocks.data();
+    // One item per block, its shrink then its expand: the blocks' rows are disjoint, so the
+    // team meets only once per projection (each meeting costs most when other processes hold
+    // the cores).
+    int64_t macs = 0;
+    for (const Block &blk : blocks) macs += blk.n * blk.rank * (p.nparts * in + p.ldb);
+#pragma omp parallel for schedule(dynamic, 1) if (macs >= (1 << 18))
+    for (int64_t b = 0; b < nb; b++) {
+        const Block &blk = bl[b];
+        float *ub = u + b * kLoraRows * K;
+        const T *xr[kLoraRows];
+        T *yr[kLoraRows];
+        for (int64_t j = 0; j < p.nparts; j++) {
+            if (!((blk.parts >> j) & 1)) continue;
+            for (int i = 0; i < blk.n; i++) xr[i] = x + blk.rows[i] * in;
+            lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, blk.rank, in, ub + j * R, K);
+        }
+        for (int64_t j = 0; j < p.nparts; j++) {
+            if (!((blk.parts >> j) & 1)) continue;
+            for (int i = 0; i < blk.n; i++) yr[i] = y + blk.rows[i] * ldy + p.offset[j];
+            lora_expand<Vec>(ub + j * R, K, blk.n, BT + (blk.slot * K + j * R) * p.ldb + p.offset[j], p.ldb, blk.rank,
+                             yr, 0, p.size[j]);
         }
     }
     return 0;
 }
 
+}  // namespace
+
+extern "C" {
+// One projection's LoRA delta on its own (tests/test_lora_kernel.py): y [T, ldy] += delta.
+int lora_delta_f32(const LoraRefs *lr, int64_t layer, int64_t which, const float *x, int64_t in, float *y,
+                   int64_t ldy, int64_t T) {
+    return lora_delta(lr, layer, static_cast<int>(which), x, in, y, ldy, T);
+}
+int lora_delta_bf16(const LoraRefs *lr, int64_t layer, int64_t which, const uint16_t *x, int64_t in, uint16_t *y,
+                    int64_t ldy, int64_t T) {
+    return lora_delta(lr, layer, static_cast<int>(which), x, in, y, ldy, T);
+}
+}
+
+namespace {
 // K: the cache's element type (T, or an 8-bit format: written through write_kv_quant).
 template <typename T, typename K = T>
 int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,

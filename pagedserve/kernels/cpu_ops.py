@@ -96,19 +96,18 @@ class CpuDecoderLayers:
         self.layers = cpu.DecoderLayers(model, model.attention.kv_format.code)     # 8-bit KV cache too
         self.attention: CpuAttention = model.attention
         self.num_layers = model.args.num_layers
-        self._lora: cpu.LoraTable | None = None      # the last slot range's packed weights
+        self._lora: cpu.LoraTable | None = None      # the last slot range's weight addresses
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None) -> bool:
         """lora: a step with adapter rows (lora/weights.py LoRAStep) whose deltas the loop
-        computes (`compiled`): its weights packed once per slot range (until a slot is reloaded)."""
+        computes (`compiled`): its table of weight addresses made once per slot range (until a slot is reloaded)."""
         deltas = None
         if lora is not None:
-            key, modules, row_block, rank = lora.compiled_inputs()
-            table = self._lora
+            key, table = lora.compiled_key(), self._lora
             if table is None or table.key != key:
-                self._lora = None        # the old copies freed first
-                table = self._lora = cpu.LoraTable(self.num_layers, key, modules, rank)
+                table = self._lora = cpu.LoraTable(self.num_layers, key, *lora.compiled_weights())
+            row_block = lora.row_blocks()
             if not table.ok:
                 return False
             deltas = (table, row_block)

@@ -9,15 +9,20 @@ rows and output columns ([layers, slots * K, out], zero elsewhere; a fused qkv o
 gets each part's delta in its own columns). So the slots of a contiguous range are one
 [span * K, in] matrix.
 
-A step's delta (LoRAStep.add) costs the same few ops per module whatever number of adapters
-its rows use: with few rows (decodes, MASKED_ROWS), u = x @ A[range].T over the rank columns
-of every slot from the lowest to the highest active one, u *= mask (each row keeps its own
-slot's columns; base rows (-1) none), out += u @ BT[range]: 3 ops, 2 when one adapter has
-every row. The mask is made once per step, the per-layer views once per slot range (sticky:
-_range). Where the model has a compiled CPU layer loop, such a step runs there instead
-(compiled_inputs; kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta). With many rows (prefill) the wasted columns would cost more than the ops they save, so each
-adapter's rows are gathered, multiplied by its own block, and added back. The base model's
-rows get nothing and a step without adapter rows does not come here at all.
+Where the model has a compiled CPU layer loop, every step with adapter rows (decodes and
+prefill chunks) takes its deltas there (LoRAStep.compiled_key / compiled_weights / row_blocks;
+kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta): the rows are grouped by slot and each
+group multiplied by its own slot's filled rank rows only, so the work grows with the rows, not
+rows x adapters, and the table is only addresses into these tensors (nothing is copied when
+the range changes). Elsewhere (tensor parallelism, GPU) LoRAStep.add costs the same few ops
+per module whatever number of adapters its rows use: with few rows (decodes, MASKED_ROWS),
+u = x @ A[range].T over the rank columns of every slot from the lowest to the highest active
+one, u *= mask (each row keeps its own slot's columns; base rows (-1) none), out += u @
+BT[range]: 3 ops, 2 when one adapter has every row. The mask is made once per step, the
+per-layer views once per slot range (sticky: _range). With many rows (prefill) the wasted
+columns would cost more than the ops they save, so each adapter's rows are gathered,
+multiplied by its own block, and added back. The base model's rows get nothing and a step
+without adapter rows does not come here at all.
 
 Under tensor parallelism each rank holds the slices of its shard (models/sharding.py), as the
 layers they adapt: a column-parallel part (q, k, v, gate, up) its output columns of BT (A
@@ -62,6 +67,8 @@ class LoRAWeights:
         self.held: list[tuple[int, str] | None] = [None] * max_loras   # slot -> (lora_int_id, path)
         # Per slot, the modules its adapter targets and how many of its K columns they reach.
         self.plan: list[dict[str, int]] = [{} for _ in range(max_loras)]
+        # Per slot and module its adapter targets: rank | (the parts it targets, a bit each) << 16.
+        self.info: list[dict[str, int]] = [{} for _ in range(max_loras)]
         self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
         # (module, first slot, last slot) -> per layer (A[range].T, BT[range]): views, valid while the tensors live
         self.views: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -75,14 +82,14 @@ class LoRAWeights:
             return
         spec, tensors = self._host(key)
         s, L = load.slot, self.args.num_layers
-        self.held[s] = None          # until the copy below is complete
+        self.held[s], self.plan[s], self.info[s] = None, {}, {}     # until the copy below is complete
         self.views.clear()           # a single slot's views are trimmed to its adapter's rank
         self.generation += 1         # and a compiled loop's packed copies are stale
         for module, a in self.A.items():
             K = self.K[module]
             a[:, s * K:(s + 1) * K].zero_()
             self.BT[module][:, s * K:(s + 1) * K].zero_()
-        plan = {}
+        plan, info = {}, {}
         for module, parts in MODULES.items():
             targeted = [p for p in parts if p in spec.parts]
             if not targeted:
@@ -93,6 +100,7 @@ class LoRAWeights:
                 self.BT[module] = self._zeros(K, sum(self.shapes[p][1] for p in parts))
             r, R = spec.rank, self.max_rank
             plan[module] = parts.index(targeted[-1]) * R + r
+            info[module] = r | sum(1 << parts.index(p) for p in targeted) << 16
             for layer in range(L):
                 for p in targeted:
                     a_b = tensors.get((layer, p))
@@ -102,7 +110,7 @@ class LoRAWeights:
                         rows = slice(start, start + r)
                         self.A[module][layer, rows].copy_(a)
                         self.BT[module][layer, rows, self.part_cols[p]].copy_(b.T)
-        self.held[s], self.plan[s] = key, plan
+        self.held[s], self.plan[s], self.info[s] = key, plan, info
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's A and B of a part: B's rows of a column-parallel one, A's columns of a row-parallel one."""
@@ -137,15 +145,8 @@ class LoRAWeights:
         if not active:
             return None
         row_slot = [s for s, n in zip(slots, row_counts) for _ in range(n)]
-        T = len(row_slot)
         lo, hi = self._range(active)
-        whole = lo == hi and all(s >= 0 for s in slots)     # one adapter, every row: no mask, no gather
-        if whole or T <= MASKED_ROWS:
-            return LoRAStep(self, lo, hi, T,
-                            None if whole else torch.tensor(row_slot, dtype=torch.long, device=self.device), None)
-        groups = {s: torch.tensor([i for i, r in enumerate(row_slot) if r == s], dtype=torch.long, device=self.device)
-                  for s in active}
-        return LoRAStep(self, lo, hi, T, None, groups)
+        return LoRAStep(self, lo, hi, row_slot, lo == hi and all(s >= 0 for s in slots))
 
     def _range(self, active: list[int]) -> tuple[int, int]:
         """The slots a step multiplies: the last step's range while it holds the active slots
@@ -186,65 +187,87 @@ class LoRAStep:
     weights: LoRAWeights
     lo: int                                  # the range of slots multiplied (LoRAWeights._range)
     hi: int
-    num_rows: int
-    row_slot: torch.Tensor | None            # masked: each row's slot (-1: base); None with groups or one adapter
-    groups: dict[int, torch.Tensor] | None   # gathered: slot -> its rows
+    row_slot: list[int]                      # each row's slot (-1: base)
+    whole: bool                              # one adapter has every row
+
+    # A compiled layer loop takes any step's deltas (kernels/cpu.py LoraTable: each slot's
+    # rows multiplied by its own weights, whatever the rows); the Python loop's are below (add).
+    compiled = True
 
     def __post_init__(self) -> None:
         w = self.weights
-        # Per module: the per-layer views, or None where no adapter of the range targets it.
-        self.views = {m: w.layer_views(m, self.lo, self.hi)
-                      if any(m in w.plan[s] for s in range(self.lo, self.hi + 1)) else None for m in MODULES}
+        self.num_rows = len(self.row_slot)
+        # Per module: whether an adapter of the range targets it.
+        self.targeted = {m: any(m in w.plan[s] for s in range(self.lo, self.hi + 1)) for m in MODULES}
+        self.views: dict[str, list | None] = {}    # module -> layer_views, as the Python loop needs them
         self.masks: dict[int, torch.Tensor] = {}   # K -> _mask's
+        self._groups: dict[int, torch.Tensor] | None = None
+        self._row_tensor: torch.Tensor | None = None
 
-    @property
-    def compiled(self) -> bool:
-        """Whether a compiled layer loop may take these deltas (compiled_inputs); the gathered
-        ones (many rows) stay in the Python loop."""
-        return self.groups is None
+    def compiled_key(self) -> tuple:
+        """For a compiled loop: a key that changes when compiled_weights would (the range, the
+        loads so far, the modules with a delta), so a table of them is made once per key."""
+        return self.lo, self.hi, self.weights.generation, tuple(m for m in MODULES if self.targeted[m])
 
-    def compiled_inputs(self) -> tuple[tuple, dict, torch.Tensor, int]:
-        """For a compiled loop (kernels/cpu.py LoraTable): a key that changes when the weights
-        below do (the range, the loads so far, the modules with a delta); per module (None: no delta) A and BT over
-        the range's rank columns ([layers, span * K, in], [layers, span * K, out]) and its parts'
-        output sizes (each part's rank rows are R of each slot's K); each row's block (its slot
-        - lo; negative: a base row); R."""
+    def compiled_weights(self) -> tuple[dict, int, list[int]]:
+        """For a compiled loop (kernels/cpu.py LoraTable): per module (None: no delta) A and BT
+        over the range's rank rows ([layers, span * K, in], [layers, span * K, out]: views of
+        the slot tensors) and its parts' output sizes; R; per slot of the range and module, the
+        adapter's rank | the parts it targets (a bit each) << 16 (0: none)."""
         w = self.weights
         modules = {}
         for m, parts in MODULES.items():
             rows = slice(self.lo * w.K[m], (self.hi + 1) * w.K[m])
-            modules[m] = None if self.views[m] is None else \
-                (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts])
-        blocks = torch.zeros(self.num_rows, dtype=torch.long, device=w.device) if self.row_slot is None \
-            else self.row_slot - self.lo
-        key = (self.lo, self.hi, w.generation, tuple(m for m, v in modules.items() if v is not None))
-        return key, modules, blocks, w.max_rank
+            modules[m] = (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts]) \
+                if self.targeted[m] else None
+        info = [w.info[s].get(m, 0) for s in range(self.lo, self.hi + 1) for m in MODULES]
+        return modules, w.max_rank, info
+
+    def row_blocks(self) -> torch.Tensor:
+        """Each row's slot less lo (-1: a base row), int64 on the CPU: the compiled loop's row_block."""
+        lo = self.lo
+        return torch.tensor([s - lo if s >= 0 else -1 for s in self.row_slot], dtype=torch.long)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows] += (x[rows] @ A.T) @ BT for each adapter's rows (in place)."""
+        """The Python loop's delta: out[rows] += (x[rows] @ A.T) @ BT for each adapter's rows
+        (in place). Up to MASKED_ROWS rows (or one adapter with every row): every slot of the
+        range multiplied, each row's other slots' columns masked off; more: each adapter's
+        rows gathered."""
+        if module not in self.views:
+            self.views[module] = self.weights.layer_views(module, self.lo, self.hi) if self.targeted[module] else None
         views = self.views[module]
         if views is None:
             return
         a_t, bt = views[layer]
-        if self.groups is None:
+        if self.whole or self.num_rows <= MASKED_ROWS:
             u = x @ a_t
-            if self.row_slot is not None:
+            if not self.whole:
                 u.mul_(self._mask(module))
             out.addmm_(u, bt)
             return
         w = self.weights
-        for slot, rows in self.groups.items():
+        for slot, rows in self._slot_rows().items():
             k = w.plan[slot].get(module)
             if k is not None:
                 start = (slot - self.lo) * w.K[module]
                 cols = slice(start, start + k)
                 out.index_add_(0, rows, (x.index_select(0, rows) @ a_t[:, cols]) @ bt[cols])
 
+    def _slot_rows(self) -> dict[int, torch.Tensor]:
+        if self._groups is None:
+            device = self.weights.device
+            self._groups = {s: torch.tensor([i for i, r in enumerate(self.row_slot) if r == s], dtype=torch.long,
+                                            device=device) for s in sorted({s for s in self.row_slot if s >= 0})}
+        return self._groups
+
     def _mask(self, module: str) -> torch.Tensor:
         """[rows, span * K] (one slot: [rows, 1]): 1 where the column is the row's slot's, else 0."""
         K = 1 if self.lo == self.hi else self.weights.K[module]
         mask = self.masks.get(K)
         if mask is None:
-            col_slot = torch.arange(self.lo, self.hi + 1, device=self.row_slot.device).repeat_interleave(K)
-            mask = self.masks[K] = (self.row_slot[:, None] == col_slot[None, :]).to(self.weights.dtype)
+            device = self.weights.device
+            if self._row_tensor is None:
+                self._row_tensor = torch.tensor(self.row_slot, dtype=torch.long, device=device)
+            col_slot = torch.arange(self.lo, self.hi + 1, device=device).repeat_interleave(K)
+            mask = self.masks[K] = (self._row_tensor[:, None] == col_slot[None, :]).to(self.weights.dtype)
         return mask
