@@ -2188,11 +2188,11 @@ constexpr int kLoraAmxMax = 16;    // rows per AMX block: one tile's rows
 // AMX tiles for one slot's rows of a bf16 projection (from kLoraAmxRows rows, up to 16 per item):
 // the same sums as the vector path, on tiles. Shrink as u.T = A_s @ x.T: A tiles straight from
 // A's rank rows (16 rank rows x 32 inputs), B tiles from x's rows transposed in pairs (a
-// per-call O(16 in) copy); every tile 16 x 64 bytes (amx_load_config). u rounded to bf16, kept
-// per part in rows of Rp (R rounded up to 32) bf16, zero past the slot's rank. Expand
-// y_rows += u_j @ BT_j per part: B tiles from BT's rank rows interleaved in pairs per 48
-// columns (zero pairs past the rank), C tiles added into y in float32, rounded once; a part's
-// last columns (size % 16) on the vector path.
+// per-call O(16 in) copy); tiles 16 x 64 bytes (amx_load_config). u rounded to bf16, kept per
+// part in rows of Rp (R rounded up to kk) bf16, zero past the slot's rank. Expand y_rows +=
+// u_j @ BT_j per part, kk rank values a step (lora_expand_config), 48 columns at a time: B
+// tiles straight from BT's rank pairs made at load (LoraProj.btp), else BT's rows paired here;
+// C tiles added into y in float32, rounded once; a part's last size % 16 columns on the vector path.
 inline bool lora_amx_usable(int64_t R, int64_t in) {    // R <= 128: 4 expand steps at most
     return g_amx.enabled && R % 16 == 0 && R <= 128 && in % 32 == 0;
 }
