@@ -302,3 +302,20 @@ def test_the_dashboard_names_each_requests_adapter(tiny_llama, setup):
     assert {r["id"]: r["lora"] for r in page["requests"]} == {"a": "attn", "b": None}
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_bf16_rank16_adapters_equal_the_float_run_and_keep_their_pairs(tiny_llama, setup):
+    """bf16 with max_lora_rank 16 (the compiled loop's AMX tiles where the CPU has them): BT's
+    rank pairs (LoRAWeights.BTP, made at load) stay BT's as slots are filled and replaced, and
+    the mixed batch's tokens match the float32 run's on most prompts (bf16 rounding may flip a few)."""
+    import torch
+    from pagedserve.kernels import cpu
+    batch_prompts, loras, expected = mixed(setup)
+    llm = make_llm(tiny_llama, dtype="bfloat16", max_lora_rank=16, max_loras=2)
+    got = run(llm, batch_prompts, loras)
+    weights = llm.engine.runner.lora
+    assert weights.pack and weights.BTP, "bf16 on the CPU keeps BT in rank pairs"
+    for module, bt in weights.BT.items():
+        assert torch.equal(weights.BTP[module], cpu.lora_pack_bt(bt)), module
+    same = sum(g[:2] == e[:2] for g, e in zip(got, expected))
+    assert same >= len(expected) * 3 // 4, (same, len(expected))

@@ -81,3 +81,44 @@ def test_untargeted_projections_and_slots_cost_nothing():
     assert cpu.lora_delta(table, 0, 1, x, got, torch.tensor([0, 1, 0, 1, -1]))     # no slot fills o
     assert cpu.lora_delta(table, 0, 0, x, got, torch.tensor([0, 1, 0, 1, -1]))     # no qkv delta at all
     assert torch.equal(got, y)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rows,hidden,sizes", [
+    (70, 64, [64, 32, 40]),        # 16-row tiles and a partial one; a part's column tail (40 % 16)
+    (150, 576, [576, 192, 192]),   # the default model's qkv: several tile rows per slot
+])
+def test_amx_tiles_match_the_reference(rows, hidden, sizes, packed, monkeypatch):
+    """bf16 with max_lora_rank 16: slots with at least kLoraAmxRows rows take AMX tiles (where
+    the CPU has them), the rest the vector path; BT paired at load (lora_pack_bt) or per call.
+    Ragged ranks, untargeted parts, base rows, junk past the filled rank rows."""
+    monkeypatch.setitem(globals(), "R", 16)     # max_lora_rank 16: AMX's tile shapes
+    with cpu.using_amx(True):
+        if not cpu.amx_in_use():
+            pytest.skip("no AMX on this CPU (or not in this kernel variant)")
+        span = 4
+        A, BT = make(torch.bfloat16, span, hidden, sizes)
+        # slot 0: rank 16, every part; 1: rank 5, parts 0 and 2; 2: nothing; 3: rank 11, part 1
+        info = [16 | 0b111 << 16, 5 | 0b101 << 16, 0, 11 | 0b010 << 16]
+        g = torch.Generator().manual_seed(2)
+        blocks = torch.randint(-1, span, (rows,), generator=g)
+        blocks[-3:] = torch.tensor([3, 3, 3])           # at least 3 rows of slot 3 anyway
+        blocks[rows // 2:] = torch.where(blocks[rows // 2:] == 3, -1, blocks[rows // 2:])   # slot 3: few rows
+        x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+        y = torch.randn(rows, sum(sizes), generator=g).to(torch.bfloat16)
+        module = (A, BT, sizes, cpu.lora_pack_bt(BT)) if packed else (A, BT, sizes)
+        table = cpu.LoraTable(1, ("test",), {"qkv": module}, R, [v for s in info for v in (s, 0, 0, 0)])
+        want = reference(x, A[0], BT[0], sizes, info, blocks, y)
+        got = y.clone()
+        assert cpu.lora_delta(table, 0, 0, x, got, blocks)
+        base = blocks < 0
+        assert torch.equal(got[base], y[base]), "base rows must be untouched"
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2e-2)
+        with cpu.using_amx(False):          # the vector path: the same sums up to float32 order
+            vec = y.clone()
+            assert cpu.lora_delta(table, 0, 0, x, vec, blocks)
+        torch.testing.assert_close(got.float(), vec.float(), rtol=1.6e-2, atol=2e-2)
+        mixed = torch.where(blocks >= 0, (blocks + 1) % span, blocks)
+        other = reference(x, A[0], BT[0], sizes, info, mixed, y)
+        assert (other.float() - want.float()).abs().max() > 0.3
+        assert (got.float() - y.float())[blocks == 0].abs().max() > 0.3, "the delta must be there"

@@ -533,7 +533,15 @@ class _CacheRefs(ctypes.Structure):
 
 class _LoraProj(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("a", "bt", "ldb", "nparts")] + \
-               [("offset", ctypes.c_int64 * 3), ("size", ctypes.c_int64 * 3)]
+               [("offset", ctypes.c_int64 * 3), ("size", ctypes.c_int64 * 3), ("btp", ctypes.c_int64)]
+
+
+def lora_pack_bt(BT: torch.Tensor) -> torch.Tensor:
+    """BT [..., rows, out] (rows even) in rank pairs, [..., rows / 2, out, 2]: the AMX tiles'
+    layout of the expand's weights (lora_delta's bf16 AMX path reads it where given; made at
+    adapter load, lora/weights.py)."""
+    *lead, rows, out = BT.shape
+    return BT.reshape(*lead, rows // 2, 2, out).transpose(-1, -2).contiguous()
 
 
 class _LoraRefs(ctypes.Structure):
@@ -670,7 +678,8 @@ class LoraTable:
     per layer and projection the addresses of A [span * K, in] and BT [span * K, out] (views of
     lora/weights.py's slot tensors, not copies: nothing to pack when the range changes) and the
     parts' output columns. modules: per projection name None (no delta) or (A [layers, span *
-    K, in], BT [layers, span * K, out], the parts' output sizes); info: per slot of the range and
+    K, in], BT [layers, span * K, out], the parts' output sizes[, BT in rank pairs (lora_pack_bt)
+    or None: bf16 AMX tiles read it, else they pair BT's rows per call]); info: per slot of the range and
     projection, the adapter's rank | its parts' bits << 16; as lora/weights.py
     LoRAStep.compiled_weights gives them; key: its compiled_key, to tell when they change. `ok` is False
     where the kernel does not take them (then the step takes the Python loop)."""
@@ -684,16 +693,21 @@ class LoraTable:
         for j, name in enumerate(_PROJECTIONS):
             if modules.get(name) is None:
                 continue
-            A, BT, sizes = modules[name]
+            A, BT, sizes, *packed = modules[name]
+            btp = packed[0] if packed else None
+            if btp is not None and not (btp.is_contiguous() and btp.shape[-3:] == (BT.shape[-2] // 2, BT.shape[-1], 2)
+                                        and btp.dtype == BT.dtype):
+                btp = None
             if not (A.is_cpu and A.stride(-1) == 1 and BT.stride(-1) == 1 and A.stride(-2) == A.shape[-1]
                     and A.dtype == BT.dtype):
                 self.ok = False
                 return
-            self._views += [A, BT]
+            self._views += [A, BT, btp]
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             for layer in range(num_layers):
                 row = self.rows[layer * 4 + j]
                 row.a, row.bt, row.ldb, row.nparts = A[layer].data_ptr(), BT[layer].data_ptr(), BT.stride(-2), len(sizes)
+                row.btp = 0 if btp is None or BT.stride(-2) != BT.shape[-1] else btp[layer].data_ptr()
                 for i, (offset, size) in enumerate(zip(offsets, sizes)):
                     row.offset[i], row.size[i] = offset, size
 

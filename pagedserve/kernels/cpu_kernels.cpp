@@ -2071,6 +2071,7 @@ inline void store_as(uint16_t *dst, float v) {     // to nearest even (the value
 struct LoraProj {
     int64_t a, bt, ldb, nparts;  // the range's A and BT (0: no delta), BT's row length, parts
     int64_t offset[3], size[3];  // each part's first output column and count
+    int64_t btp;                 // BT in rank pairs [span * K / 2, ldb, 2] (bf16 AMX tiles' B), or 0
 };
 struct LoraRefs {
     const LoraProj *layers;      // [layers][4]: qkv, o, gate_up, down
@@ -2180,6 +2181,177 @@ void lora_expand(const float *u, int64_t ldu, int n, const T *b, int64_t ldb, in
     }
 }
 
+constexpr int kLoraAmxRows = 6;    // a slot's rows from which AMX tiles take them (bf16, avx512bf16 build; measured)
+constexpr int kLoraAmxMax = 16;    // rows per AMX block: one tile's rows
+
+#ifdef __AVX512BF16__
+// AMX tiles for one slot's rows of a bf16 projection (from kLoraAmxRows rows, up to 16 per item):
+// the same sums as the vector path, on tiles. Shrink as u.T = A_s @ x.T: A tiles straight from
+// A's rank rows (16 rank rows x 32 inputs), B tiles from x's rows transposed in pairs (a
+// per-call O(16 in) copy); tiles 16 x 64 bytes (amx_load_config). u rounded to bf16, kept per
+// part in rows of Rp (R rounded up to kk) bf16, zero past the slot's rank. Expand y_rows +=
+// u_j @ BT_j per part, kk rank values a step (lora_expand_config), 48 columns at a time: B
+// tiles straight from BT's rank pairs made at load (LoraProj.btp), else BT's rows paired here;
+// C tiles added into y in float32, rounded once; a part's last size % 16 columns on the vector path.
+inline bool lora_amx_usable(int64_t R, int64_t in) {    // R <= 128: 4 expand steps at most
+    return g_amx.enabled && R % 16 == 0 && R <= 128 && in % 32 == 0;
+}
+
+// The expand's tiles: C 0-2 16 x 16 float32; u (6) 16 rows x kk rank values; BT (4, 5, 7) kk / 2 pair rows.
+__attribute__((target("amx-tile,amx-bf16"))) void lora_expand_config(int64_t kk) {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    cfg.colsb[6] = static_cast<uint16_t>(kk * 2);
+    cfg.rows[4] = cfg.rows[5] = cfg.rows[7] = static_cast<uint8_t>(kk / 2);
+    _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void lora_amx_rows(const LoraProj &p, int64_t R, int64_t slot,
+                                                                  int64_t rank, int64_t parts, int n,
+                                                                  const int64_t *rows, const uint16_t *x,
+                                                                  int64_t in, uint16_t *y, int64_t ldy) {
+    // kk: rank values per expand step (R = 16: one step of 16; else steps of 32)
+    const int64_t K = p.nparts * R, kk = R % 32 == 0 ? 32 : 16, Rp = (R + kk - 1) / kk * kk,
+                  ksteps = (rank + kk - 1) / kk, tile = kk * 16;     // bf16 per packed BT tile
+    const uint16_t *A = reinterpret_cast<const uint16_t *>(p.a) + slot * K * in;
+    const uint16_t *BT = reinterpret_cast<const uint16_t *>(p.bt) + slot * K * p.ldb;
+    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) + slot * K * p.ldb : nullptr;
+    thread_local std::vector<uint32_t> xt_v;          // x.T in pairs: [in / 2][16]
+    thread_local std::vector<float> uf_v;             // u [16][K], rounded (the vector tails read it)
+    thread_local std::vector<uint16_t> ub_v, bb_v;    // u per part [nparts][16][Rp]; BT tiles [3][Rp/32][16][32]
+    if (static_cast<int64_t>(xt_v.size()) < in * 8) xt_v.resize(in * 8);
+    uf_v.assign(16 * K, 0.f);
+    ub_v.assign(p.nparts * 16 * Rp, 0);
+    if (static_cast<int64_t>(bb_v.size()) < 3 * Rp * 16) bb_v.resize(3 * Rp * 16);   // zero rows stay zero
+    uint32_t *xt = xt_v.data();
+    float *uf = uf_v.data();
+    uint16_t *ub = ub_v.data(), *bb = bb_v.data();
+    for (int64_t p0 = 0; p0 < in / 2; p0 += 16) {       // 16 pairs of the rows at a time, transposed
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < n ? _mm512_loadu_si512(x + rows[i] * in + 2 * p0) : _mm512_setzero_si512();
+        transpose16_epi32(r);
+        for (int c = 0; c < 16; c++) _mm512_storeu_si512(xt + (p0 + c) * 16, r[c]);
+    }
+    alignas(64) float buf[3 * 256];
+    amx_load_config();
+    memory_barrier();
+    // Shrink: the 16-row rank blocks holding filled rank rows of targeted parts, 3 at a time.
+    int64_t kbs[3];
+    int nk = 0;
+    auto flush = [&]() {
+        if (nk == 0) return;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int64_t c = 0; c < in; c += 32) {
+            _tile_loadd(6, xt + c / 2 * 16, 64);
+            _tile_loadd(4, A + kbs[0] * in + c, in * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nk > 1) {
+                _tile_loadd(5, A + kbs[1] * in + c, in * 2);
+                _tile_dpbf16ps(1, 5, 6);
+            }
+            if (nk > 2) {
+                _tile_loadd(7, A + kbs[2] * in + c, in * 2);
+                _tile_dpbf16ps(2, 7, 6);
+            }
+        }
+        _tile_stored(0, buf, 64);
+        _tile_stored(1, buf + 256, 64);
+        _tile_stored(2, buf + 512, 64);
+        memory_barrier();
+        for (int b = 0; b < nk; b++) {
+            const int64_t j = kbs[b] / R, k_in = kbs[b] % R;
+            for (int m = 0; m < 16 && k_in + m < rank; m++)
+                for (int i = 0; i < n; i++) {
+                    uint16_t rounded;
+                    store_as(&rounded, buf[b * 256 + m * 16 + i]);
+                    ub[(j * 16 + i) * Rp + k_in + m] = rounded;
+                    uf[i * K + kbs[b] + m] = as_float(rounded);
+                }
+        }
+        nk = 0;
+    };
+    for (int64_t kb = 0; kb < K; kb += 16) {
+        if (!((parts >> (kb / R)) & 1) || kb % R >= rank) continue;
+        kbs[nk++] = kb;
+        if (nk == 3) flush();
+    }
+    flush();
+    // Expand, part by part, 48 columns (3 C tiles) at a time.
+    lora_expand_config(kk);
+    for (int64_t j = 0; j < p.nparts; j++) {
+        if (!((parts >> j) & 1)) continue;
+        const uint16_t *bj = BT + j * R * p.ldb + p.offset[j];
+        const uint16_t *uj = ub + j * 16 * Rp;
+        const int64_t size = p.size[j], full = size / 16 * 16;
+        for (int64_t c0 = 0; c0 < full; c0 += 48) {
+            const int nct = static_cast<int>(std::min<int64_t>(3, (full - c0) / 16));
+            // B tiles: straight from the pairs made at load, or paired here into bb
+            const uint16_t *tb[3][8];
+            int64_t tstride = 64;
+            if (pairs != nullptr) {
+                tstride = p.ldb * 4;
+                for (int ct = 0; ct < nct; ct++)
+                    for (int64_t ks = 0; ks < ksteps; ks++)
+                        tb[ct][ks] = pairs + ((j * R + ks * kk) / 2 * p.ldb + p.offset[j] + c0 + ct * 16) * 2;
+            } else {
+                for (int ct = 0; ct < nct; ct++)
+                    for (int64_t ks = 0; ks < ksteps; ks++) tb[ct][ks] = bb + (ct * (Rp / kk) + ks) * tile;
+            }
+            for (int ct = 0; ct < nct && pairs == nullptr; ct++)
+                for (int64_t ks = 0; ks < ksteps; ks++) {
+                    uint16_t *tb = bb + (ct * (Rp / kk) + ks) * tile;
+                    for (int pr = 0; pr < kk / 2; pr++) {
+                        const int64_t k = ks * kk + 2 * pr;
+                        if (k >= rank) break;       // u is zero there: rows past the rank need only be finite
+                        const uint16_t *r0 = bj + k * p.ldb + c0 + ct * 16;     // rank rows k, k + 1 < R
+                        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)r0));
+                        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r0 + p.ldb)));
+                        _mm512_storeu_si512(tb + pr * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                    }
+                }
+            memory_barrier();
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (int64_t ks = 0; ks < ksteps; ks++) {
+                _tile_loadd(6, uj + ks * kk, Rp * 2);
+                _tile_loadd(4, tb[0][ks], tstride);
+                _tile_dpbf16ps(0, 6, 4);
+                if (nct > 1) {
+                    _tile_loadd(5, tb[1][ks], tstride);
+                    _tile_dpbf16ps(1, 6, 5);
+                }
+                if (nct > 2) {
+                    _tile_loadd(7, tb[2][ks], tstride);
+                    _tile_dpbf16ps(2, 6, 7);
+                }
+            }
+            _tile_stored(0, buf, 64);
+            _tile_stored(1, buf + 256, 64);
+            _tile_stored(2, buf + 512, 64);
+            memory_barrier();
+            for (int ct = 0; ct < nct; ct++)
+                for (int i = 0; i < n; i++) {
+                    uint16_t *dst = y + rows[i] * ldy + p.offset[j] + c0 + ct * 16;
+                    Vec::store(dst, Vec::add(Vec::load(dst), _mm512_load_ps(buf + ct * 256 + i * 16)));
+                }
+        }
+        if (full < size)
+            for (int i0 = 0; i0 < n; i0 += kLoraRows) {
+                uint16_t *yr[kLoraRows];
+                const int m = std::min(kLoraRows, n - i0);
+                for (int i = 0; i < m; i++) yr[i] = y + rows[i0 + i] * ldy + p.offset[j];
+                lora_expand<Vec>(uf + i0 * K + j * R, K, m, bj, p.ldb, rank, yr, full, size);
+            }
+    }
+    _tile_release();
+}
+#endif
+
 // y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
 template <typename T>
 int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
@@ -2189,26 +2361,42 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
     if (p.a == 0) return 0;
     const int64_t R = lr->rank, K = p.nparts * R;
     const T *A = reinterpret_cast<const T *>(p.a), *BT = reinterpret_cast<const T *>(p.bt);
-    struct Block { int64_t slot, rank, parts; int n; int64_t rows[kLoraRows]; };
+    // A block: up to kLoraRows rows on the vector path, or (amx) up to kLoraAmxMax on AMX tiles.
+    struct Block { int64_t slot, rank, parts; int n; bool amx; int64_t rows[16]; };
     thread_local std::vector<Block> blocks;
     thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> mine;
     blocks.clear();
+#ifdef __AVX512BF16__
+    const bool amx = std::is_same_v<T, uint16_t> && lora_amx_usable(R, in);
+#else
+    const bool amx = false;
+#endif
     for (int64_t s = 0; s < lr->span; s++) {     // each slot's rows, in blocks
         const int64_t info = lr->slot_info[s * 4 + which], rank = info & 0xFFFF, parts = info >> 16;
         if (rank == 0 || parts == 0) continue;
-        Block blk{s, rank, parts, 0, {}};
-        for (int64_t t = 0; t < T_; t++) {
-            if (lr->row_block[t] != s) continue;
-            blk.rows[blk.n++] = t;
-            if (blk.n == kLoraRows) blocks.push_back(blk), blk.n = 0;
+        mine.clear();
+        for (int64_t t = 0; t < T_; t++)
+            if (lr->row_block[t] == s) mine.push_back(t);
+        const int64_t count = static_cast<int64_t>(mine.size());
+        int64_t i = 0;
+        while (amx && count - i >= kLoraAmxRows) {     // AMX blocks of up to 16 rows
+            Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(kLoraAmxMax, count - i)), true, {}};
+            for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
+            i += blk.n;
+            blocks.push_back(blk);
         }
-        if (blk.n) blocks.push_back(blk);
+        for (; i < count; i += kLoraRows) {
+            Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(kLoraRows, count - i)), false, {}};
+            for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
+            blocks.push_back(blk);
+        }
     }
     const int64_t nb = static_cast<int64_t>(blocks.size());
     if (nb == 0) return 0;
     if (static_cast<int64_t>(scratch.size()) < nb * kLoraRows * K) scratch.resize(nb * kLoraRows * K);
     // (thread_local: the team's threads must use these pointers, not their own vectors)
-    float *u = scratch.data();                  // block b's rows' rank columns: [kLoraRows, K] at b
+    float *u = scratch.data();                  // vector block b's rows' rank columns: [kLoraRows, K] at b
     const Block *bl = blocks.data();
     // One item per block, its shrink then its expand: the blocks' rows are disjoint, so the
     // team meets only once per projection (each meeting costs most when other processes hold
@@ -2218,6 +2406,14 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
 #pragma omp parallel for schedule(dynamic, 1) if (macs >= (1 << 18))
     for (int64_t b = 0; b < nb; b++) {
         const Block &blk = bl[b];
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, uint16_t>) {
+            if (blk.amx) {
+                lora_amx_rows(p, R, blk.slot, blk.rank, blk.parts, blk.n, blk.rows, x, in, y, ldy);
+                continue;
+            }
+        }
+#endif
         float *ub = u + b * kLoraRows * K;
         const T *xr[kLoraRows];
         T *yr[kLoraRows];

@@ -14,7 +14,7 @@ prefill chunks) takes its deltas there (LoRAStep.compiled_key / compiled_weights
 kernels/cpu.py LoraTable, cpu_kernels.cpp lora_delta): the rows are grouped by slot and each
 group multiplied by its own slot's filled rank rows only, so the work grows with the rows, not
 rows x adapters, and the table is only addresses into these tensors (nothing is copied when
-the range changes). Elsewhere (tensor parallelism, GPU) LoRAStep.add costs the same few ops
+the range changes; for bf16 AMX tiles BT also in rank pairs, BTP, made here at load). Elsewhere (tensor parallelism, GPU) LoRAStep.add costs the same few ops
 per module whatever number of adapters its rows use: with few rows (decodes, MASKED_ROWS),
 u = x @ A[range].T over the rank columns of every slot from the lowest to the highest active
 one, u *= mask (each row keeps its own slot's columns; base rows (-1) none), out += u @
@@ -63,6 +63,10 @@ class LoRAWeights:
         self.part_cols = {p: slice(*c) for p, c in offsets.items()}
         self.A: dict[str, torch.Tensor] = {}    # module -> [layers, slots * K, in], made when first needed
         self.BT: dict[str, torch.Tensor] = {}   # module -> [layers, slots * K, out]
+        # module -> BT in rank pairs, [layers, slots * K / 2, out, 2] (_pair_rows): the compiled
+        # loop's bf16 AMX tiles read it (kernels/cpu.py LoraTable); bf16 on the CPU only.
+        self.BTP: dict[str, torch.Tensor] = {}
+        self.pack = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and max_lora_rank % 2 == 0
         self.K = {m: len(parts) * max_lora_rank for m, parts in MODULES.items()}   # rank columns per slot
         self.held: list[tuple[int, str] | None] = [None] * max_loras   # slot -> (lora_int_id, path)
         # Per slot, the modules its adapter targets and how many of its K columns they reach.
@@ -110,6 +114,13 @@ class LoRAWeights:
                         rows = slice(start, start + r)
                         self.A[module][layer, rows].copy_(a)
                         self.BT[module][layer, rows, self.part_cols[p]].copy_(b.T)
+        for module, bt in self.BT.items():      # every module: a zeroed slot's pairs are zero too
+            K = self.K[module]
+            if self.pack:
+                if module not in self.BTP:
+                    self.BTP[module] = _pair_rows(bt)
+                else:
+                    self.BTP[module][:, s * K // 2:(s + 1) * K // 2].copy_(_pair_rows(bt[:, s * K:(s + 1) * K]))
         self.held[s], self.plan[s], self.info[s] = key, plan, info
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +180,12 @@ class LoRAWeights:
         return views
 
 
+def _pair_rows(bt: torch.Tensor) -> torch.Tensor:
+    """BT [layers, rows, out] in pairs of rank rows, [layers, rows / 2, out, 2] (AMX's VNNI layout)."""
+    L, rows, out = bt.shape
+    return bt.reshape(L, rows // 2, 2, out).transpose(-1, -2).contiguous()
+
+
 def _shard_slices(args, shard) -> dict[str, tuple[int, int]]:
     """Per part, the range of the whole model's features this rank holds: output rows of the
     column-parallel parts, input columns of the row-parallel ones (none: one process)."""
@@ -218,7 +235,8 @@ class LoRAStep:
         modules = {}
         for m, parts in MODULES.items():
             rows = slice(self.lo * w.K[m], (self.hi + 1) * w.K[m])
-            modules[m] = (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts]) \
+            pairs = w.BTP[m][:, rows.start // 2:rows.stop // 2] if m in w.BTP else None
+            modules[m] = (w.A[m][:, rows], w.BT[m][:, rows], [w.shapes[p][1] for p in parts], pairs) \
                 if self.targeted[m] else None
         info = [w.info[s].get(m, 0) for s in range(self.lo, self.hi + 1) for m in MODULES]
         return modules, w.max_rank, info
