@@ -177,7 +177,8 @@ def test_slices(variant, qtype):
         torch.testing.assert_close(y, x @ full[:, block:-block].T, rtol=1e-4, atol=1e-4)
     else:
         _check_small(y, x, cols)
-    torch.testing.assert_close(quant.linear(x.repeat(7, 1), cols), x.repeat(7, 1) @ full[:, block:-block].T,
+    many = x.repeat(quant.batch_rows() // 3 + 1, 1)                # above the integer path: tiles
+    torch.testing.assert_close(quant.linear(many, cols), many @ full[:, block:-block].T,
                                rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError):
         quant.slice_cols(w, 0, block // 2)
@@ -227,8 +228,14 @@ def test_stacked_parts(variant, tokens):
 
 def test_decode_batches_take_the_integer_path_further():
     """A decode-only batch (decode=True) of up to DECODE_BATCH_ROWS rows runs the integer dots;
-    the same rows as a prefill chunk run the dequantized tiles (the float product)."""
+    the same rows as a prefill chunk run the dequantized tiles (the float product). (Without
+    the AMX-INT8 dots, which take both kinds alike.)"""
     assert quant.SMALL_BATCH_ROWS < quant.DECODE_BATCH_ROWS
+    with quant.using_amx_int8(False):
+        _decode_batches_take_the_integer_path_further()
+
+
+def _decode_batches_take_the_integer_path_further():
     w, _ = weight("q4_0")
     x = torch.randn(quant.DECODE_BATCH_ROWS, w.shape[1], generator=torch.Generator().manual_seed(3))
     _check_small(quant.linear(x, w, decode=True), x, w)
@@ -374,12 +381,12 @@ def amx_int8():
 
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
-@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 31])
 @pytest.mark.parametrize("width", ["narrow", "long"])
 def test_amx_int8_dots(amx_int8, qtype, tokens, width):
     """AMX-INT8 tiles over 37 weight rows (two groups of 16 and one of 5), widths of 3 or 37
-    blocks (1 or 5 super-blocks: pieces in fours and a tail), 1 to 40 activation rows (one to
-    three tiles of 16, the last partial): the kernel's own arithmetic up to float32 summation
+    blocks (1 or 5 super-blocks: pieces in fours and a tail), 1 to 31 activation rows (one or
+    two tiles of 16, the last partial): the kernel's own arithmetic up to float32 summation
     order, and not the vpdpbusd path's sums (this path ran)."""
     blocks = {"narrow": (3, 1), "long": (37, 5)}[width][quant.BLOCK[qtype] != 32]
     w, _ = weight(qtype, cols=quant.BLOCK[qtype] * blocks)
