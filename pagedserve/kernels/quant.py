@@ -100,8 +100,11 @@ DECODE_BATCH_ROWS = 32       # the same for batches of decode tokens only (linea
 AMX_BATCH_ROWS = 12          # both, where the GEMM runs on AMX (and the dots do not: no AMX-INT8)
 # Where the integer dots run on AMX-INT8 tiles (amx_int8_in_use()): from AMX_INT8_MIN_ROWS rows
 # (fewer: vpdpbusd) up to AMX_INT8_BATCH_ROWS, for any batch and either activation dtype.
+# Measured interleaved (2 threads, quiet, 1.7B layer shapes; benchmarks/gemm.py): over vpdpbusd
+# AMX-INT8 wins from 8 rows (q4_0 0.79x, q4_k 1.01x, q6_k 1.07x the time), over the bf16 tiles
+# on AMX up to ~30 (24 rows: 0.80-0.89x; 32: q4_0 0.97x, q4_k 1.05x, q8_0 1.10x).
 AMX_INT8_MIN_ROWS = 8
-AMX_INT8_BATCH_ROWS = 32
+AMX_INT8_BATCH_ROWS = 28
 
 
 def batch_rows(decode: bool = False, bf16: bool = False) -> int:
