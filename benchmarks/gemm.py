@@ -2,8 +2,9 @@
 with AMX on and off, torch's bf16 matmul on the same operands, and the quantized linear
 (kernels/quant.py, the path the engine takes: integer dots up to quant.batch_rows, dequantized
 tiles over the GEMM above) per GGUF type, AMX on and off; and, per type, the integer path against
-the tiles at the rows where one hands over to the other (quant.AMX_BATCH_ROWS, SMALL_BATCH_ROWS,
-DECODE_BATCH_ROWS), and the bf16 GEMM's AMX threshold (cpu.AMX_MIN_ROWS) the same way.
+the tiles at the rows where one hands over to the other (quant.AMX_INT8_BATCH_ROWS, AMX_BATCH_ROWS,
+SMALL_BATCH_ROWS, DECODE_BATCH_ROWS), the integer dots on vpdpbusd against AMX-INT8 (their
+AMX_INT8_MIN_ROWS), and the bf16 GEMM's AMX threshold (cpu.AMX_MIN_ROWS) the same way.
 
     .venv/bin/python benchmarks/gemm.py --quick     # < 2 min quiet (2 threads): 1.7B shape, 4 types
     .venv/bin/python benchmarks/gemm.py             # ~6 min: both shapes, every type, more M
@@ -60,6 +61,14 @@ def with_amx(on: bool, fn, min_rows: int | None = None):
     return run
 
 
+def with_amx_int8(on: bool, fn):
+    """fn with the quantized dots on AMX-INT8 (from 1 row) or on vpdpbusd."""
+    def run():
+        with quant.using_amx_int8(on, 1):
+            fn()
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -73,10 +82,12 @@ def main() -> None:
     types = (args.types or ("q4_0,q4_1,q8_0,q4_k" if args.quick or args.tiny else ",".join(quant.QTYPES))).split(",")
     rows = [1, 16, 64] if args.tiny else [1, 4, 16, 64, 128, 512] if args.quick else \
         [1, 2, 4, 8, 16, 32, 64, 128, 512]
-    handover = [4, 12] if args.tiny else [8, 12, 16, 24, 32] if args.quick else [4, 8, 12, 16, 24, 32, 48]
+    handover = [4, 12] if args.tiny else [2, 4, 8, 16, 32, 64, 96] if args.quick else \
+        [2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
     amx_rows = [2, 4] if args.tiny else [2, 3, 4, 6, 8]
     rounds = args.rounds or (2 if args.tiny else 3 if args.quick else 7)
     amx = cpu.set_amx(None)
+    amx8 = quant.amx_int8_in_use()
     print(f"CPU kernels: {cpu.variant()}; {cpu.describe_amx()}; quant kernels: {quant.variant()}; "
           f"threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
@@ -129,14 +140,17 @@ def main() -> None:
             line = []
             for m in handover:      # integer dots vs tiles (over AMX where on) at the same rows
                 xs = {k: torch.randn(m, k).bfloat16() for _, k in dims}
-                fns = {"integer": lambda: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in qw],
+                small = lambda: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in qw]   # noqa: E731
+                fns = {"integer": with_amx_int8(False, small),
                        "tiles": lambda: [quant._linear_tiles(xs[w.shape[1]], [w], None, lib) for w in qw]}
+                if amx8:
+                    fns["amx_int8"] = with_amx_int8(True, small)
                 t = interleaved(fns, rounds)
                 handovers.append(dict(shape=shape, type=qtype, rows=m, amx=amx, integer_ms=t["integer"] * 1e3,
-                                      tiles_ms=t["tiles"] * 1e3))
-                line.append(f"M={m} {t['integer'] * 1e3:.2f}/{t['tiles'] * 1e3:.2f}")
-            print(f"{qtype:6} integer/tiles ms: {', '.join(line)} (shipped: integer up to "
-                  f"{quant.batch_rows(bf16=True)})")
+                                      tiles_ms=t["tiles"] * 1e3, amx_int8_ms=t.get("amx_int8", 0) * 1e3))
+                line.append(f"M={m} {t['integer'] * 1e3:.2f}/{t.get('amx_int8', 0) * 1e3:.2f}/{t['tiles'] * 1e3:.2f}")
+            print(f"{qtype:6} vpdpbusd/AMX-INT8/tiles ms: {', '.join(line)} (shipped: integer up to "
+                  f"{quant.batch_rows(bf16=True)}, on AMX-INT8 from {quant.amx_int8_min_rows()})")
             del qw
 
     name = "gemm_quick.json" if args.quick else "gemm.json"

@@ -109,12 +109,13 @@ def test_linear_small_batches(variant, qtype, tokens, width):
 
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
-@pytest.mark.parametrize("tokens", [17, 70])
+@pytest.mark.parametrize("extra", [1, 54])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_large_batches(variant, qtype, tokens, dtype, monkeypatch):
-    """Dequantized tiles through cpu.py's packed GEMM: exactly that GEMM over the whole
-    dequantized (bf16-rounded) weight, packed by cpu.pack_weight."""
+def test_linear_large_batches(variant, qtype, extra, dtype, monkeypatch):
+    """Dequantized tiles through cpu.py's packed GEMM (extra rows above the integer path's):
+    exactly that GEMM over the whole dequantized (bf16-rounded) weight, packed by cpu.pack_weight."""
     monkeypatch.setattr(quant, "tile_rows", lambda cols: 32)          # two tiles, the last partial
+    tokens = quant.batch_rows(False, dtype == torch.bfloat16) + extra
     w, _ = weight(qtype)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, w.shape[1], generator=g).to(dtype)
@@ -176,7 +177,8 @@ def test_slices(variant, qtype):
         torch.testing.assert_close(y, x @ full[:, block:-block].T, rtol=1e-4, atol=1e-4)
     else:
         _check_small(y, x, cols)
-    torch.testing.assert_close(quant.linear(x.repeat(7, 1), cols), x.repeat(7, 1) @ full[:, block:-block].T,
+    many = x.repeat(quant.batch_rows() // 3 + 1, 1)                # above the integer path: tiles
+    torch.testing.assert_close(quant.linear(many, cols), many @ full[:, block:-block].T,
                                rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError):
         quant.slice_cols(w, 0, block // 2)
@@ -226,8 +228,14 @@ def test_stacked_parts(variant, tokens):
 
 def test_decode_batches_take_the_integer_path_further():
     """A decode-only batch (decode=True) of up to DECODE_BATCH_ROWS rows runs the integer dots;
-    the same rows as a prefill chunk run the dequantized tiles (the float product)."""
+    the same rows as a prefill chunk run the dequantized tiles (the float product). (Without
+    the AMX-INT8 dots, which take both kinds alike.)"""
     assert quant.SMALL_BATCH_ROWS < quant.DECODE_BATCH_ROWS
+    with quant.using_amx_int8(False):
+        _decode_batches_take_the_integer_path_further()
+
+
+def _decode_batches_take_the_integer_path_further():
     w, _ = weight("q4_0")
     x = torch.randn(quant.DECODE_BATCH_ROWS, w.shape[1], generator=torch.Generator().manual_seed(3))
     _check_small(quant.linear(x, w, decode=True), x, w)
@@ -359,3 +367,54 @@ def test_thread_counts_agree():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.fixture
+def amx_int8():
+    """The avx512vnni variant with its AMX-INT8 dots from 1 row (restored after)."""
+    if "avx512vnni" not in quant.supported_variants():
+        pytest.skip("this CPU lacks AVX512-VNNI (the AMX-INT8 dots live in that build)")
+    with quant.using_variant("avx512vnni"), cpu.using_amx(True), quant.using_amx_int8(True, 1) as on:
+        if not on:
+            pytest.skip(f"no AMX-INT8 here ({cpu.describe_amx()})")
+        yield
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 27])
+@pytest.mark.parametrize("width", ["narrow", "long"])
+def test_amx_int8_dots(amx_int8, qtype, tokens, width):
+    """AMX-INT8 tiles over 37 weight rows (two groups of 16 and one of 5), widths of 3 or 37
+    blocks (1 or 5 super-blocks: pieces in fours and a tail), 1 to 27 activation rows (one or
+    two tiles of 16, the last partial): the kernel's own arithmetic up to float32 summation
+    order, and not the vpdpbusd path's sums (this path ran)."""
+    blocks = {"narrow": (3, 1), "long": (37, 5)}[width][quant.BLOCK[qtype] != 32]
+    w, _ = weight(qtype, cols=quant.BLOCK[qtype] * blocks)
+    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
+    assert tokens <= quant.batch_rows()
+    y = quant.linear(x, w)
+    _check_small(y, x, w)
+    with quant.using_amx_int8(False):
+        vnni = quant._linear_small(x, [w], None, quant.load())
+    _check_small(vnni, x, w)
+    if width == "long":
+        assert not torch.equal(y, vnni)
+
+
+def test_amx_int8_parts_bias_and_bf16(amx_int8):
+    """Parts of three types stacked by rows (q4_k, q6_k: pieces of 16, q4_0) under one call,
+    bias, bf16 in and out, rows of x strided: each part the kernel's arithmetic; bf16 out is the
+    float32 result rounded once."""
+    parts = [weight("q4_k", rows=37, cols=768)[0], weight("q6_k", rows=21, cols=768, seed=1)[0],
+             weight("q4_0", rows=18, cols=768, seed=2)[0]]
+    g = torch.Generator().manual_seed(23)
+    bias = torch.randn(76, generator=g)
+    wide = torch.randn(23, 800, generator=g).bfloat16()
+    x = wide[:, :768]
+    y = quant.linear(x, parts, bias)
+    y32 = quant.linear(x.float(), parts, bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
+    first = 0
+    for w in parts:
+        _check_small(y32[:, first:first + w.shape[0]], x.float(), w, bias[first:first + w.shape[0]])
+        first += w.shape[0]

@@ -155,6 +155,22 @@ def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_mod
     assert not models.exists() or not any(p.name.startswith(path.stem + "-") for p in models.iterdir())
 
 
+def test_amx_int8_batches_match_transformers(base_model, tmp_path):
+    """A Q4_K_M file (q4_k and q6_k) whose batches of decode tokens and prefill chunks run the
+    AMX-INT8 dots (from 1 row): greedy tokens and prompt logprobs as the oracle's on the same
+    dequantized weights, as on the vpdpbusd path."""
+    cfg, hf, tok_dir, tok = base_model
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    oracle = _oracle(cfg, write_quantized_llama(cfg, hf.state_dict(), path, MIXES["q4_k_m"]))
+    with quant.using_amx_int8(True, 1) as on:
+        if not on:
+            pytest.skip("no AMX-INT8 dots here (CPU, kernel or variant)")
+        llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
+        assert _model_of(llm).compiled_layers is not None
+        ratio = _check_against_oracle(llm, oracle, tok)
+    assert abs(ratio - 1) < 0.01, ratio
+
+
 def _model_of(llm: LLM):
     """The loaded LlamaModel (under tensor parallelism: rank 0's shard)."""
     return llm.engine.executor.worker.runner.model

@@ -31,7 +31,13 @@ Two paths, chosen per call by the number of activation rows T:
   activations as the q8 blocks hold them: `reference_linear` computes that in float64 for the
   tests; variants differ from it only by float32 summation order. OpenMP over output rows (the
   thread count torch / the engine set), up to 8 (AVX-512) or 4 activation rows per pass over a
-  weight row. Every type, every variant has this path.
+  weight row. Every type, every variant has this path. In the avx512vnni build, where the CPU
+  has AMX-INT8 and cpu.py's AMX switch is on (amx_int8_in_use()), from AMX_INT8_MIN_ROWS rows
+  the same dots run on AMX tiles (tdpbssd): 16 weight rows' codes of one 32-element piece
+  (q6_k: 16) as signed int8 times 16 activation rows' q8 values, each piece's 16 x 16 int32 dots
+  rescaled by A * dx in AVX-512 (and + C * ds); a group of 16 weight rows is unpacked once into
+  an L2 buffer for all activation rows, so the integer path's cost per row of x is the rescale,
+  not the unpacking, and it holds up to AMX_INT8_BATCH_ROWS.
 - larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
   C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
   float32 for float32) and multiplied by that GEMM straight into their columns of y (its
@@ -64,6 +70,7 @@ matmul).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -90,16 +97,69 @@ QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produc
 # the 135M ones, for prefill and decode alike (benchmarks/gemm.py prints the crossover per type).
 SMALL_BATCH_ROWS = 16        # without AMX
 DECODE_BATCH_ROWS = 32       # the same for batches of decode tokens only (linear(decode=True)), without AMX
-AMX_BATCH_ROWS = 12          # both, where the GEMM runs on AMX
+AMX_BATCH_ROWS = 12          # both, where the GEMM runs on AMX (and the dots do not: no AMX-INT8)
+# Where the integer dots run on AMX-INT8 tiles (amx_int8_in_use()): from AMX_INT8_MIN_ROWS rows
+# (fewer: vpdpbusd) up to AMX_INT8_BATCH_ROWS, for any batch and either activation dtype.
+# Measured interleaved (2 threads, quiet, 1.7B layer shapes; benchmarks/gemm.py): over vpdpbusd
+# AMX-INT8 wins from 8 rows (q4_0 0.79x, q4_k 1.01x, q6_k 1.07x the time), over the bf16 tiles
+# on AMX up to ~30 (24 rows: 0.80-0.89x; 32: q4_0 0.97x, q4_k 1.05x, q8_0 1.10x).
+AMX_INT8_MIN_ROWS = 8
+AMX_INT8_BATCH_ROWS = 28
 
 
 def batch_rows(decode: bool = False, bf16: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
     the tiles would run on makes it pay (AMX: bf16 only)."""
+    if amx_int8_in_use():
+        return AMX_INT8_BATCH_ROWS
     if bf16 and cpu.amx_in_use():
         return AMX_BATCH_ROWS
     return DECODE_BATCH_ROWS if decode else SMALL_BATCH_ROWS
+
+
+# The AMX-INT8 dots follow cpu.py's AMX switch ($PAGEDSERVE_AMX, cpu.set_amx / using_amx): on
+# where cpu.amx_in_use() and the active variant (avx512vnni) finds AMX-INT8; set_amx_int8 /
+# using_amx_int8 turn them off alone or move their first row (tests, benchmarks/gemm.py).
+_amx8_wanted: bool | None = None      # set_amx_int8's choice; None: as cpu.amx_in_use()
+_amx8_min_rows: int | None = None     # None: AMX_INT8_MIN_ROWS
+_amx8_key: tuple | None = None        # the state the active library was configured for
+_amx8_active = False
+
+
+def amx_int8_in_use() -> bool:
+    """Whether quant_linear_small runs its dots on AMX-INT8 tiles (from amx_int8_min_rows()
+    rows): configures the active library where the switches changed since its last call."""
+    global _amx8_key, _amx8_active
+    lib = KERNELS.lib if KERNELS.active is not None else load()
+    wanted = cpu.amx_in_use() if _amx8_wanted is None else (_amx8_wanted and cpu.amx_in_use())
+    key = (id(lib), wanted, amx_int8_min_rows())
+    if key != _amx8_key:
+        _amx8_key = key
+        _amx8_active = bool(lib is not None and lib.quant_amx_config(int(wanted), amx_int8_min_rows()))
+    return _amx8_active
+
+
+def amx_int8_min_rows() -> int:
+    return _amx8_min_rows or AMX_INT8_MIN_ROWS
+
+
+def set_amx_int8(enabled: bool | None, min_rows: int | None = None) -> bool:
+    """AMX-INT8 dots on (where cpu.amx_in_use()), off, or None: as cpu's AMX switch; from
+    min_rows rows (None: AMX_INT8_MIN_ROWS). Returns amx_int8_in_use()."""
+    global _amx8_wanted, _amx8_min_rows
+    _amx8_wanted, _amx8_min_rows = enabled, min_rows
+    return amx_int8_in_use()
+
+
+@contextlib.contextmanager
+def using_amx_int8(enabled: bool | None, min_rows: int | None = None):
+    """A block with set_amx_int8(enabled, min_rows), then the previous settings."""
+    previous = (_amx8_wanted, _amx8_min_rows)
+    try:
+        yield set_amx_int8(enabled, min_rows)
+    finally:
+        set_amx_int8(*previous)
 
 
 TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
@@ -138,6 +198,8 @@ _SIGNATURES = {
     "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
     # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_ld_*), tile_rows
     "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
+    # enable, min_rows -> 1 where quant_linear_small runs its dots on AMX-INT8 (avx512vnni build)
+    "quant_amx_config": [_I, _I],
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
                             "quantized-weight kernels (%s) unavailable, using torch: %s")
@@ -555,6 +617,8 @@ def describe() -> dict:
         quant_small_batch_rows=batch_rows(False),
         quant_decode_batch_rows=batch_rows(True),
         quant_amx_batch_rows=batch_rows(False, bf16=True),
+        quant_amx_int8=(f"AMX-INT8 dots from {amx_int8_min_rows()} to {AMX_INT8_BATCH_ROWS} rows"
+                        if amx_int8_in_use() else "off"),
         quant_paths={q: f"T <= {batch_rows(False)} ({batch_rows(True)} decode tokens; bf16 x: "
                         f"{batch_rows(False, True)}): {small}; above: tiles "
                         f"dequantized into {gemm}" for q in QTYPES},
