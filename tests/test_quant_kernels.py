@@ -391,8 +391,8 @@ def test_amx_int8_dots(amx_int8, qtype, tokens, width):
     blocks = {"narrow": (3, 1), "long": (37, 5)}[width][quant.BLOCK[qtype] != 32]
     w, _ = weight(qtype, cols=quant.BLOCK[qtype] * blocks)
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
-    assert tokens <= quant.batch_rows()
-    y = quant.linear(x, w)
+    assert tokens <= quant.batch_rows(decode=True)     # prefill chunks keep the tiles above 12/16
+    y = quant.linear(x, w, decode=True)
     _check_small(y, x, w)
     with quant.using_amx_int8(False):
         vnni = quant._linear_small(x, [w], None, quant.load())
@@ -411,8 +411,8 @@ def test_amx_int8_parts_bias_and_bf16(amx_int8):
     bias = torch.randn(76, generator=g)
     wide = torch.randn(23, 800, generator=g).bfloat16()
     x = wide[:, :768]
-    y = quant.linear(x, parts, bias)
-    y32 = quant.linear(x.float(), parts, bias)
+    y = quant.linear(x, parts, bias, decode=True)
+    y32 = quant.linear(x.float(), parts, bias, decode=True)
     assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
     first = 0
     for w in parts:

@@ -37,7 +37,8 @@ Two paths, chosen per call by the number of activation rows T:
   (q6_k: 16) as signed int8 times 16 activation rows' q8 values, each piece's 16 x 16 int32 dots
   rescaled by A * dx in AVX-512 (and + C * ds); a group of 16 weight rows is unpacked once into
   an L2 buffer for all activation rows, so the integer path's cost per row of x is the rescale,
-  not the unpacking, and it holds up to AMX_INT8_BATCH_ROWS.
+  not the unpacking, and it holds batches of decode tokens up to AMX_INT8_BATCH_ROWS (prefill
+  chunks keep the thresholds above: tiles from 12 / 16 rows, closer to the float model).
 - larger T (prefill): weight tiles (tile_rows: about TILE_ELEMENTS weights) are dequantized in
   C++ straight into the packed layout of kernels/cpu.py's GEMM (bf16 for bf16 activations,
   float32 for float32) and multiplied by that GEMM straight into their columns of y (its
@@ -99,7 +100,7 @@ SMALL_BATCH_ROWS = 16        # without AMX
 DECODE_BATCH_ROWS = 32       # the same for batches of decode tokens only (linear(decode=True)), without AMX
 AMX_BATCH_ROWS = 12          # both, where the GEMM runs on AMX (and the dots do not: no AMX-INT8)
 # Where the integer dots run on AMX-INT8 tiles (amx_int8_in_use()): from AMX_INT8_MIN_ROWS rows
-# (fewer: vpdpbusd) up to AMX_INT8_BATCH_ROWS, for any batch and either activation dtype.
+# (fewer: vpdpbusd) up to AMX_INT8_BATCH_ROWS in batches of decode tokens, either activation dtype.
 # Measured interleaved (2 threads, quiet, 1.7B layer shapes; benchmarks/gemm.py): over vpdpbusd
 # AMX-INT8 wins from 8 rows (q4_0 0.79x, q4_k 1.01x, q6_k 1.07x the time), over the bf16 tiles
 # on AMX up to ~30 (24 rows: 0.80-0.89x; 32: q4_0 0.97x, q4_k 1.05x, q8_0 1.10x).
@@ -111,7 +112,9 @@ def batch_rows(decode: bool = False, bf16: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
     the tiles would run on makes it pay (AMX: bf16 only)."""
-    if amx_int8_in_use():
+    # Prefill chunks keep the float tiles above the old thresholds: closer to the float model
+    # (the default model's float32 oracle tests diverge with 8-bit activations up to 28 rows).
+    if decode and amx_int8_in_use():
         return AMX_INT8_BATCH_ROWS
     if bf16 and cpu.amx_in_use():
         return AMX_BATCH_ROWS
