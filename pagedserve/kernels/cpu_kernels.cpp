@@ -1177,6 +1177,26 @@ inline void amx_store(const float *buf, const float *bias, uint16_t *y, int64_t 
         store_masked(y + (m0 + r) * ldy + n, mask, _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b));
 }
 
+// One K step of 32 at column k: B tiles b0, b1 (64 bytes a row) into C tiles 0, 1 from x0's A
+// tile (and 2, 3 from x1's where A == 2; x1 is null where A == 1), A rows `stride` bytes apart.
+template <int A>
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void amx_k_step(const uint16_t *b0,
+                                                                                   const uint16_t *b1,
+                                                                                   const uint16_t *x0,
+                                                                                   const uint16_t *x1, int64_t k,
+                                                                                   int64_t stride) {
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(7, b1, 64);
+    _tile_loadd(4, x0 + k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (A == 2) {
+        _tile_loadd(5, x1 + k, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 // One strip (32 columns from n0; w0, w1 its two packed tiles) times A = 1 or 2 A tiles of 16
 // rows: x0 (rows m0..m0+15) and x1 (the next 16), each with ldx elements between rows and at
 // least kfull (+ 32 where bt) columns. bt: the strip's last partial K step as two zero-padded B
@@ -1195,30 +1215,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_strip(const uint16_t *x0, 
         _tile_zero(3);
     }
     const int64_t stride = ldx * 2;
-    for (int64_t k = 0; k < kfull; k += 32) {
-        _tile_loadd(6, w0 + k * 16, 64);
-        _tile_loadd(7, w1 + k * 16, 64);
-        _tile_loadd(4, x0 + k, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (A == 2) {
-            _tile_loadd(5, x1 + k, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    if (bt != nullptr) {    // the partial K step: x's padding columns are zero, and so are bt's rows past K
-        _tile_loadd(6, bt, 64);
-        _tile_loadd(7, bt + 512, 64);
-        _tile_loadd(4, x0 + kfull, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (A == 2) {
-            _tile_loadd(5, x1 + kfull, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
+    for (int64_t k = 0; k < kfull; k += 32) amx_k_step<A>(w0 + k * 16, w1 + k * 16, x0, x1, k, stride);
+    // the partial K step: x's padding columns are zero, and so are bt's rows past K
+    if (bt != nullptr) amx_k_step<A>(bt, bt + 512, x0, x1, kfull, stride);
     const int64_t rows0 = std::min<int64_t>(16, M - m0);
     _tile_stored(0, buf, 64);
     _tile_stored(1, buf + 256, 64);
