@@ -1,29 +1,37 @@
-"""Live servers on the tiny model shared by the API-surface tests (session-scoped, registered in
-conftest.py): `api_server` (auto tool choice with the hermes parser, the responses store of 4)
-for test_responses.py and test_client_matrix.py, `pooling_server` (--runner pooling) for
-test_embeddings.py and test_client_matrix.py. Starting a server costs seconds; each starts once."""
+"""Fixtures of the tests that run the server on the tiny model (registered in conftest.py).
+
+Session servers shared by the API-surface tests: `api_server` (auto tool choice with the hermes
+parser, the responses store of 4) for test_responses.py and test_client_matrix.py,
+`pooling_server` (--runner pooling) for test_embeddings.py and test_client_matrix.py. Starting a
+server costs seconds; each starts once.
+
+Clients of a test module's own `server` fixture: `http` (httpx with the test API key) and
+`client` (the openai client)."""
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, tiny_server_args
+from tests.server_utils import api_server_args, authed_http, openai_client, served
 
 
 @pytest.fixture(scope="session")
 def api_server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("api"), api_server_args(
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-responses-api-store",
-        "--responses-api-store-size", "4"), tmp_path_factory.mktemp("api") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+        "--responses-api-store-size", "4"))
 
 
 @pytest.fixture(scope="session")
 def pooling_server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny",
-                                                          "--shutdown-timeout", "0", "--runner", "pooling"),
-                        tmp_path_factory.mktemp("pooling") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("pooling"), api_server_args("--runner", "pooling"))
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with authed_http(server) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)

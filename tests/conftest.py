@@ -248,4 +248,4 @@ def ray_address(ray_cluster):
     return ray_cluster.address_info["gcs_address"]
 
 
-from tests.api_servers import api_server, pooling_server  # noqa: E402,F401 - session servers of the API tests
+from tests.api_servers import api_server, client, http, pooling_server  # noqa: E402,F401 - the server tests' fixtures

@@ -30,6 +30,21 @@ def tiny_server_args(*extra: str, kv_blocks: int = KV_BLOCKS) -> list[str]:
             "--disable-uvicorn-access-log", *extra]
 
 
+def api_server_args(*extra: str, names: tuple[str, ...] = ("tiny",), kv_blocks: int = KV_BLOCKS) -> list[str]:
+    """tiny_server_args behind the test API key, served as `names`, stopped without a grace period."""
+    return tiny_server_args("--api-key", API_KEY, "--served-model-name", *names, "--shutdown-timeout", "0", *extra,
+                            kv_blocks=kv_blocks)
+
+
+def served(model, log_dir: Path, args: list[str], **launch):
+    """The body of a server fixture (`yield from served(...)`): the server on `model` with `args`, its
+    log in log_dir; at teardown it must stop cleanly (its log's tail otherwise)."""
+    from pagedserve.server.launcher import launch_server
+    srv = launch_server(model, args, log_dir / "server.log", **launch)
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
 def metrics(http) -> dict[str, float]:
     """`name{labels}` -> value from /metrics (label model_name dropped)."""
     out = {}

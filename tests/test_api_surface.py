@@ -16,31 +16,15 @@ from pagedserve.cli import build_parser, config_from_args, main
 from pagedserve.config import EngineConfig, _check_swap_space, parse_human_int
 from pagedserve.engine.chat import render_chat
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, PROMPT, authed_http, openai_client, tiny_server_args
+from tests.server_utils import PROMPT, api_server_args, served
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0", "--response-role", "bot",
-        "--return-tokens-as-token-ids", "--disable-fastapi-docs", "--max-log-len", "100",
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("surface"), api_server_args(
+        "--response-role", "bot", "--return-tokens-as-token-ids", "--disable-fastapi-docs", "--max-log-len", "100",
         "--override-generation-config", '{"max_new_tokens": 3}', "--enable-chunked-prefill",
-        "--max-model-len", "0.5k", "--max-seq-len-to-capture", "8K"),
-        tmp_path_factory.mktemp("surface") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with authed_http(server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
+        "--max-model-len", "0.5k", "--max-seq-len-to-capture", "8K"))
 
 
 # ---- routes ------------------------------------------------------------------------------------------

@@ -9,20 +9,15 @@ import openai
 import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, metrics, sse_events, tiny_server_args
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, api_server_args, metrics, served, sse_events
 
 ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, ray_address, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--data-parallel-size", "2", "--ray-address", ray_address, "--api-key", API_KEY,
-        "--served-model-name", "tiny", "--shutdown-timeout", "0"), tmp_path_factory.mktemp("dp") / "server.log",
-        timeout=300)
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("dp"),
+                      api_server_args("--data-parallel-size", "2", "--ray-address", ray_address), timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import httpx
 import pytest
 
 from pagedserve.engine.kv_view import apply_update
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, KV_BLOCKS, authed_http, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, api_server_args, served, wait_idle
 
 ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent /
                  "test-artifacts")
@@ -32,17 +31,8 @@ LONG_PROMPT = ("Once upon a time there was a tiny language model that liked to c
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny",
-                                                          "--kv-snapshot-interval", "0.1", "--shutdown-timeout", "0"),
-                        tmp_path_factory.mktemp("dashboard") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with authed_http(server) as c:
-        yield c
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("dashboard"),
+                      api_server_args("--kv-snapshot-interval", "0.1"))
 
 
 def complete_in_background(http, **body) -> tuple[threading.Thread, dict]:

@@ -18,7 +18,7 @@ from pagedserve.engine.llm_engine import RequestsFailed
 from pagedserve.server.launcher import launch_server
 from tests import fault_server
 from tests.fault_server import FATAL_FAULT, REQUEST_FAULT, STEP_FAULT
-from tests.server_utils import KV_BLOCKS, PROMPT, sse_events, tiny_server_args, wait_idle
+from tests.server_utils import KV_BLOCKS, PROMPT, served, sse_events, tiny_server_args, wait_idle
 from tests.test_engine import assert_no_blocks_held, make_llm
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -74,10 +74,9 @@ def test_offline_llm_after_a_failed_step_does_not_read_its_half_written_blocks(t
 # ---- the server: the engine goes on -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def faulty_server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--shutdown-timeout", "0", "--enable-responses-api-store"),
-                        tmp_path_factory.mktemp("faults") / "server.log", module="tests.fault_server")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("faults"),
+                      tiny_server_args("--shutdown-timeout", "0", "--enable-responses-api-store"),
+                      module="tests.fault_server")
 
 
 def stream_alongside(http: httpx.Client, prompt: str, max_tokens: int, during) -> tuple[str, list]:

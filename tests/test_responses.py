@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import API_KEY, openai_client
+from tests.server_utils import API_KEY
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -23,11 +23,6 @@ TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object",
 @pytest.fixture(scope="module")
 def server(api_server):
     return api_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def chat_text(client, messages, max_tokens):

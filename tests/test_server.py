@@ -24,27 +24,13 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, authed_http, metrics, openai_client, sse_events, tiny_server_args, wait_idle
+from tests.server_utils import (API_KEY, KV_BLOCKS, PROMPT, api_server_args, metrics, served, sse_events, tiny_server_args,
+                                wait_idle)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny", "t2",
-                                                          "--shutdown-timeout", "0"),
-                        tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with authed_http(server) as c:
-        yield c
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("server"), api_server_args(names=("tiny", "t2")))
 
 
 @pytest.fixture(scope="module")

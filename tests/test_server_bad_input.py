@@ -20,9 +20,8 @@ import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.server.launcher import launch_server
 from tests.fault_server import SLOW_STEPS
-from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, authed_http, metrics, tiny_server_args, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, api_server_args, metrics, served, wait_idle
 
 MAX_BODY = 64 * 1024
 MAX_SEQS = 2
@@ -31,19 +30,10 @@ MAX_WAITING = 2
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("server"), api_server_args(
         "--max-num-seqs", str(MAX_SEQS), "--max-waiting-requests", str(MAX_WAITING),
-        "--max-request-body-bytes", str(MAX_BODY)), tmp_path_factory.mktemp("server") / "server.log",
+        "--max-request-body-bytes", str(MAX_BODY)),
         module="tests.fault_server")   # for SLOW_STEPS: the catalogue meets no fault
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with authed_http(server) as c:
-        yield c
 
 
 @dataclass

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.fault_server import SLOW_COMPILE
-from tests.server_utils import API_KEY, authed_http, sse_events, tiny_server_args, wait_idle
+from tests.server_utils import api_server_args, served, sse_events, wait_idle
 
 COMPILE_TIMEOUT = 1.0
 USER = [{"role": "user", "content": "hi"}]
@@ -19,20 +19,12 @@ TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    from pagedserve.server.launcher import launch_server
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--shutdown-timeout", "0",
-        "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT)),
-        tmp_path_factory.mktemp("server") / "server.log", module="tests.fault_server")
+    server = served(tiny_llama.path, tmp_path_factory.mktemp("server"), api_server_args(
+        "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT)), module="tests.fault_server")
+    srv = next(server)
     yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    next(server, None)    # stops it, cleanly
     assert "Traceback" not in srv.log() and "internal error" not in srv.log(), srv.log()[-5000:]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with authed_http(server) as c:
-        yield c
 
 
 def chat(**kw) -> dict:

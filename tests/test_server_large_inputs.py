@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import KV_BLOCKS, PROMPT, sse_events, tiny_server_args, wait_idle
+from tests.server_utils import KV_BLOCKS, PROMPT, served, sse_events, tiny_server_args, wait_idle
 
 MAX_WAITING = 1024
 TEN_MB = "Paged attention stores keys and values in fixed-size blocks. " * 170_000   # 10.5 MB
@@ -27,10 +26,8 @@ USER = "user"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--max-waiting-requests", str(MAX_WAITING)),
-                        tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("server"),
+                      tiny_server_args("--max-waiting-requests", str(MAX_WAITING)))
 
 
 def large_requests(tiny_llama) -> list[tuple[str, str, dict, str, str]]:

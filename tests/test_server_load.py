@@ -22,8 +22,7 @@ import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import metrics, rss_bytes, tiny_server_args, wait_idle
+from tests.server_utils import rss_bytes, served, tiny_server_args, wait_idle
 
 NUM_CLIENTS = 256
 KV_BLOCKS = 48           # about an eighth of what 256 clients need at their longest: preemption under load,
@@ -38,12 +37,9 @@ MAX_TOKENS = [4, 8, 12]
 def server(tiny_llama, tmp_path_factory):
     # No admission watermark: this test is about a load that exhausts the KV cache and preempts;
     # with the 5% default, whether any preemption happens depends on how the clients interleave.
-    srv = launch_server(tiny_llama.path, tiny_server_args("--max-waiting-requests", str(NUM_CLIENTS),
-                                                          "--shutdown-timeout", "0", "--admission-watermark", "0",
-                                                          kv_blocks=KV_BLOCKS),
-                        tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("server"), tiny_server_args(
+        "--max-waiting-requests", str(NUM_CLIENTS), "--shutdown-timeout", "0", "--admission-watermark", "0",
+        kv_blocks=KV_BLOCKS))
 
 
 @dataclass

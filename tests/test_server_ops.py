@@ -9,8 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.server.launcher import launch_server
-from tests.server_utils import API_KEY, tiny_server_args
+from tests.server_utils import api_server_args, served
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGIN = "http://app.example"
@@ -18,18 +17,8 @@ ORIGIN = "http://app.example"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = launch_server(tiny_llama.path, tiny_server_args("--api-key", API_KEY, "--served-model-name", "tiny",
-                                                          "--metrics-prefix", "vllm:", "--allowed-origins", ORIGIN,
-                                                          "--shutdown-timeout", "0"),
-                        tmp_path_factory.mktemp("server_ops") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("server_ops"),
+                      api_server_args("--metrics-prefix", "vllm:", "--allowed-origins", ORIGIN))
 
 
 def wait_for_log(server, pattern: str, timeout: float = 10.0) -> list[str]:

@@ -10,10 +10,9 @@ from pydantic import BaseModel, Field
 
 from pagedserve.models.loader import default_model_path
 from pagedserve.server.errors import APIError
-from pagedserve.server.launcher import launch_server
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.tools import ToolPlan, ToolStreamer, parse_tool_calls, plan_tools
-from tests.server_utils import sse_events
+from tests.server_utils import served, sse_events
 from tests.test_structured import PERSON, valid_json
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -34,11 +33,9 @@ def server(tmp_path_factory):
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    srv = launch_server(None, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                               "--disable-uvicorn-access-log", "--log-stats-interval", "0"],
-                        tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    yield from served(None, tmp_path_factory.mktemp("server"), ["--enable-auto-tool-choice", "--tool-call-parser",
+                                                                 "hermes", "--disable-uvicorn-access-log",
+                                                                 "--log-stats-interval", "0"])
 
 
 @pytest.fixture(scope="module")
