@@ -22,7 +22,8 @@
 // a time, and at T = 1 two weight rows per call (all types but q5_0 / q5_1); `avxvnni` and
 // `avx2` run 32 per 256-bit dot (scales of groups of 8 blocks in one gather) (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
-// A row's weights are read where they lie (the file's layout): each thread streams its rows.
+// A row's weights are read where they lie (the file's layout): each thread streams its rows,
+// software-prefetched about kPrefetchBytes ahead (see prefetch_rows).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
