@@ -19,7 +19,8 @@ benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
 
 --decode: per type, one pass at T=1 (--decode-tokens: decode batches of those sizes) over the layers' weights alternates with a plain read of the
 same bytes (torch's threaded float sum over them) many times in one process, and the minimum of
-each is kept (robust to other jobs on the machine): the kernel's GB/s against the read's. With
+each is kept (robust to other jobs on the machine): the kernel's GB/s against the read's; and the
+same kernel over a weight kept in L2 ("in L2": its compute-bound rate, all threads). With
 --step-share MIX (benchmarks/quantized.py's mixes: Q4_0, Q8_0, Q4_K_M), a SmolLM2-1.7B-shaped
 GGUF of --layers layers (default 2) is written and served; its decode steps (engine.step, one
 request) alternate with the same model's quantized linears alone at T=1 (every layer's and the
@@ -77,15 +78,23 @@ def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]
         nbytes = sum(w.nbytes for w in weights)
         # the same bytes as floats (a whole number of them per weight), summed: a plain read
         plain = [w.data.view(-1)[: w.data.numel() // 4 * 4].view(torch.float32) for w in weights]
+        # The same kernel over a weight that stays in L2 (about 1 MiB a thread, called 20 times):
+        # its compute-bound rate. Where it is well above `kernel`, the stream from memory bounds.
+        k0 = SHAPES[0][1]
+        cached = random_weight(qtype, max(quant.BLOCK[qtype], (1 << 20) * torch.get_num_threads() //
+                                          (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype])), k0, rng)
         for t in tokens:
             xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
-            kernel, read = interleaved_min([lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
-                                            lambda: [p.sum() for p in plain]], rounds)
+            kernel, read, in_l2 = interleaved_min(
+                [lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
+                 lambda: [p.sum() for p in plain],
+                 lambda: [quant.linear(xs[k0], cached, decode=True) for _ in range(20)]], rounds)
             row = dict(type=qtype, variant=quant.variant(), tokens=t, bytes=nbytes, kernel_gbs=nbytes / kernel / 1e9,
-                       read_gbs=nbytes / read / 1e9, ratio=read / kernel)
+                       read_gbs=nbytes / read / 1e9, ratio=read / kernel, cached_gbs=20 * cached.nbytes / in_l2 / 1e9)
             results.append(row)
             print(f"{qtype:6} {row['variant']:11} T={t:<3} kernel {row['kernel_gbs']:6.1f} GB/s  plain read "
-                  f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}", flush=True)
+                  f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}  in L2 {row['cached_gbs']:6.1f} GB/s",
+                  flush=True)
         del weights, plain
     return results
 
