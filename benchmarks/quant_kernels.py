@@ -9,6 +9,8 @@ so they stream from memory as in a real step.
     .venv/bin/python benchmarks/quant_kernels.py --decode [--quick] [--step-share Q4_0]
                       # decode (T=1) only, interleaved with a plain read of the same bytes; and the
                       # share of a real decode step outside the quantized linears (~2 min)
+    .venv/bin/python benchmarks/quant_kernels.py --decode --quick --ab-source OTHER.cpp
+                      # the same, interleaved with another build of quant_kernels.cpp (e.g. main's)
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
@@ -19,7 +21,8 @@ benchmarks/results/quant_kernels.json with quant.describe() and cpu.describe().
 
 --decode: per type, one pass at T=1 (--decode-tokens: decode batches of those sizes) over the layers' weights alternates with a plain read of the
 same bytes (torch's threaded float sum over them) many times in one process, and the minimum of
-each is kept (robust to other jobs on the machine): the kernel's GB/s against the read's. With
+each is kept (robust to other jobs on the machine): the kernel's GB/s against the read's; and the
+same kernel over a weight kept in L2 ("in L2": its compute-bound rate, all threads). With
 --step-share MIX (benchmarks/quantized.py's mixes: Q4_0, Q8_0, Q4_K_M), a SmolLM2-1.7B-shaped
 GGUF of --layers layers (default 2) is written and served; its decode steps (engine.step, one
 request) alternate with the same model's quantized linears alone at T=1 (every layer's and the
@@ -69,7 +72,19 @@ def interleaved_min(fns, rounds: int) -> list[float]:
     return best
 
 
-def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]) -> list[dict]:
+def other_build(source: str):
+    """Another quant_kernels.cpp (e.g. main's: `git show main:pagedserve/kernels/quant_kernels.cpp`)
+    built as the active variant, for an interleaved A/B of the decode kernels (--ab-source)."""
+    lib = cpu.KernelLibrary(Path(source), quant.VARIANTS, "PAGEDSERVE_AB_UNUSED", quant._SIGNATURES,
+                            "quant_kernel_variant", "A/B quant kernel", quant.logger, "%s unavailable: %s")
+    built = lib.load_variant(quant.variant())
+    if built is None:
+        raise SystemExit(f"--ab-source {source}: variant {quant.variant()} did not build")
+    return built
+
+
+def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int], other=None) -> list[dict]:
+    """other: a second build (other_build) whose kernels run interleaved with these ("B/A")."""
     rng = np.random.default_rng(0)
     results = []
     for qtype in types:
@@ -77,15 +92,34 @@ def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]
         nbytes = sum(w.nbytes for w in weights)
         # the same bytes as floats (a whole number of them per weight), summed: a plain read
         plain = [w.data.view(-1)[: w.data.numel() // 4 * 4].view(torch.float32) for w in weights]
+        # The same kernel over a weight that stays in L2 (about 1 MiB a thread, called 20 times):
+        # its compute-bound rate. Where it is well above `kernel`, the stream from memory bounds.
+        k0 = SHAPES[0][1]
+        cached = random_weight(qtype, max(quant.BLOCK[qtype], (1 << 20) * torch.get_num_threads() //
+                                          (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype])), k0, rng)
         for t in tokens:
             xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
-            kernel, read = interleaved_min([lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
-                                            lambda: [p.sum() for p in plain]], rounds)
+            fns = [lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
+                   lambda: [p.sum() for p in plain],
+                   lambda: [quant.linear(xs[k0], cached, decode=True) for _ in range(20)]]
+            if other is not None:     # both builds called alike (quant._linear_small), in turn
+                for lib in (quant.load(), other):
+                    fns += [lambda lib=lib: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in weights],
+                            lambda lib=lib: [quant._linear_small(xs[k0], [cached], None, lib) for _ in range(20)]]
+            times = interleaved_min(fns, rounds)
+            kernel, read, in_l2 = times[:3]
             row = dict(type=qtype, variant=quant.variant(), tokens=t, bytes=nbytes, kernel_gbs=nbytes / kernel / 1e9,
-                       read_gbs=nbytes / read / 1e9, ratio=read / kernel)
+                       read_gbs=nbytes / read / 1e9, ratio=read / kernel, cached_gbs=20 * cached.nbytes / in_l2 / 1e9)
+            if other is not None:
+                row.update(ab_kernel_gbs=nbytes / times[5] / 1e9, ab_cached_gbs=20 * cached.nbytes / times[6] / 1e9,
+                           ab_speedup=times[5] / times[3], ab_cached_speedup=times[6] / times[4])
             results.append(row)
+            ab = "" if other is None else (f"  | --ab-source: kernel {row['ab_kernel_gbs']:6.1f} GB/s, in L2 "
+                                           f"{row['ab_cached_gbs']:6.1f} GB/s (this build {row['ab_speedup']:.2f}x, "
+                                           f"{row['ab_cached_speedup']:.2f}x)")
             print(f"{qtype:6} {row['variant']:11} T={t:<3} kernel {row['kernel_gbs']:6.1f} GB/s  plain read "
-                  f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}", flush=True)
+                  f"{row['read_gbs']:6.1f} GB/s  kernel/read {row['ratio']:.2f}  in L2 {row['cached_gbs']:6.1f} GB/s{ab}",
+                  flush=True)
         del weights, plain
     return results
 
@@ -170,6 +204,8 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="T=1 only, against a plain read (interleaved)")
     parser.add_argument("--step-share", default=None, help="with --decode: a mix of benchmarks/quantized.py")
     parser.add_argument("--decode-tokens", default="1", help="with --decode: activation rows (decode batch sizes)")
+    parser.add_argument("--ab-source", default=None, help="with --decode: another quant_kernels.cpp, built and "
+                        "interleaved with this one (an A/B of the decode kernels in one process)")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
     if args.decode:
@@ -179,7 +215,8 @@ def main() -> None:
             SHAPES[:] = [(n // 8, k // 8) for n, k in SHAPES]   # (decode_kernels reads the module's list)
         out = dict(quant=quant.describe(), threads=torch.get_num_threads(), layers=layers, rounds=rounds,
                    kernels=decode_kernels(args.types.split(","), layers, rounds,
-                                          [int(t) for t in args.decode_tokens.split(",")]))
+                                          [int(t) for t in args.decode_tokens.split(",")],
+                                          other_build(args.ab_source) if args.ab_source else None))
         if args.step_share:
             out["step_share"] = step_share(args.step_share, layers, rounds)
         path = Path(args.out or results_dir / "quant_kernels_decode.json")
