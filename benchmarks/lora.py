@@ -16,7 +16,9 @@ loop, steps with adapter rows (decodes and prefills alike) add their deltas insi
 (cpu_kernels.cpp lora_delta); without it (tensor parallelism, GPU) they take the Python
 loop. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
-the base model. Writes benchmarks/results/lora.json.
+the base model: on an idle engine (the read is inline: nothing else waits), and arriving while
+8 base-model requests decode (the read is ahead, in the background, beside a step; the longest
+step meanwhile shows whether any step waited on the disk). Writes benchmarks/results/lora.json.
 """
 from __future__ import annotations
 
@@ -77,6 +79,32 @@ def first_token_seconds(llm: LLM, prompt: list[int], lora: LoRARequest | None) -
     return time.perf_counter() - start
 
 
+def first_token_under_load(llm: LLM, prompt: list[int], background: list[list[int]],
+                           lora: LoRARequest | None) -> tuple[float, float, float]:
+    """Time to first token of one request arriving while a batch of base-model requests decodes,
+    and the longest and the median step from its arrival to its first token: with the read
+    ahead (lora/slots.py), a cold adapter's files are read beside a step, not inside one."""
+    engine = llm.engine
+    for i, p in enumerate(background):
+        engine.add_request(f"bg{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for _ in range(3):          # the batch is running
+        engine.step()
+    start = time.perf_counter()
+    engine.add_request("probe", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
+                       lora_request=lora)
+    steps, done = [], False
+    while not done:
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t)
+        done = any(o.request_id == "probe" and o.outputs and o.outputs[0].token_ids for o in outs)
+    ttft = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ttft, max(steps), sorted(steps)[len(steps) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (the bundled file)")
@@ -97,10 +125,11 @@ def main() -> None:
     trace = make_trace("alpaca", a.requests, seed=0, vocab_size=args.vocab_size, max_model_len=engine.max_model_len)
     tmp = Path(tempfile.mkdtemp(prefix="lora_bench_"))
     loras = []
-    for i in range(most + 1):
+    for i in range(most + 2):
         write_adapter(tmp / f"a{i}", args, seed=i)
         loras.append(LoRARequest(f"a{i}", i + 1, str(tmp / f"a{i}")))
-    cold = loras.pop()                     # for the time to first token of an adapter not yet loaded
+    cold_busy = loras.pop()                # for the time to first token of an adapter not yet loaded:
+    cold = loras.pop()                     # on an idle engine, and while a batch runs
     model = engine.runner.model
     compiled = getattr(model, "compiled_layers", None)
     configs = {"base": [None]}
@@ -138,8 +167,17 @@ def main() -> None:
             "base": first_token_seconds(llm, prompt, None)}
     for name, s in ttft.items():
         print(f"TTFT {name}: {s * 1e3:.1f} ms")
+    background = [r.prompt_token_ids for r in trace[1:9]]
+    busy = {"cold adapter (read from disk)": first_token_under_load(llm, prompt, background, cold_busy),
+            "same adapter, resident": first_token_under_load(llm, prompt, background, cold_busy),
+            "base": first_token_under_load(llm, prompt, background, None)}
+    for name, (s, longest, median) in busy.items():
+        print(f"TTFT while 8 requests decode, {name}: {s * 1e3:.1f} ms (steps meanwhile: longest "
+              f"{longest * 1e3:.1f} ms, median {median * 1e3:.1f} ms)")
     result = {"model": a.model or "default", "dtype": str(engine.dtype), "rank": RANK, "trace": trace_stats(trace),
-              "rounds": a.rounds, "quick": a.quick, "configs": rows, "ttft_seconds": ttft}
+              "rounds": a.rounds, "quick": a.quick, "configs": rows, "ttft_seconds": ttft,
+              "ttft_under_load": {k: {"seconds": v[0], "longest_step_seconds": v[1], "median_step_seconds": v[2]}
+                                  for k, v in busy.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.out}")
