@@ -1,5 +1,6 @@
 """The worker's LoRA weights: max_loras slots of stacked tensors on the model's device, a host
-cache of the last max_cpu_loras adapters read, and the per-step delta.
+cache of the last max_cpu_loras adapters read (laid out as a slot holds them, so a load is a
+few copies; `prefetch` reads one ahead in a background thread), and the per-step delta.
 
 Per linear module (qkv, o, gate_up, down) a slot owns K = parts * max_rank rank columns, R
 per part (the adapter's r of them filled): A holds the shrink matrices of the parts the
