@@ -18,7 +18,10 @@ loop. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
 the base model: on an idle engine (the read is inline: nothing else waits), and arriving while
 8 base-model requests decode (the read is ahead, in the background, beside a step; the longest
-step meanwhile shows whether any step waited on the disk). Writes benchmarks/results/lora.json.
+step meanwhile shows whether any step waited on the disk). Last (compiled CPU loop; not with
+--no-profile) the delta alone per projection at the benchmark's decode batches, weights cold,
+with the adapter bytes it reads and the rate: how far the delta is from the memory bound.
+Writes benchmarks/results/lora.json.
 """
 from __future__ import annotations
 
@@ -105,6 +108,55 @@ def first_token_under_load(llm: LLM, prompt: list[int], background: list[list[in
     return ttft, max(steps), sorted(steps)[len(steps) // 2]
 
 
+@torch.inference_mode()
+def profile_delta(llm: LLM, loras: list[LoRARequest], cases: list[tuple[int, int]], repeats: int = 5) -> dict:
+    """The compiled loop's LoRA delta alone (cpu.lora_delta, the kernel the loop calls) per
+    projection for decode batches of `rows` rows over `n` adapters (rows spread round-robin),
+    every layer, weights cold (a 256 MB sweep before each timing, as the base weights pass
+    through the caches in a real step); minus the calls' own cost (the same calls with base rows
+    only). Also the adapter bytes each projection reads per step and the rate that makes.
+    Fills the first slots with the adapters directly: run last."""
+    from pagedserve.batch import LoRALoad
+    from pagedserve.kernels import cpu
+    engine = llm.engine
+    weights, args = engine.runner.lora, engine.model_args
+    for slot, lora in enumerate(loras[:max(n for _, n in cases)]):
+        weights.load(LoRALoad(slot, lora.lora_int_id, lora.lora_path))
+    shapes = part_shapes(args)
+    parts = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+    sweep = torch.empty(256 << 20, dtype=torch.uint8)
+    out = {}
+    for rows, n in cases:
+        step = weights.step([i % n for i in range(rows)], [1] * rows)
+        table = cpu.LoraTable(args.num_layers, step.compiled_key(), *step.compiled_weights())
+        blocks, base_rows = step.row_blocks(), torch.full((rows,), -1, dtype=torch.long)
+        per = {}
+        for j, (module, names) in enumerate(parts.items()):
+            fan_in, fan_out = shapes[names[0]][0], sum(shapes[p][1] for p in names)
+            x = torch.randn(rows, fan_in).to(engine.dtype)
+            y = torch.zeros(rows, fan_out, dtype=engine.dtype)
+
+            def timed(row_block) -> float:
+                best = float("inf")
+                for _ in range(repeats):
+                    sweep.fill_(1)
+                    start = time.perf_counter()
+                    for layer in range(args.num_layers):
+                        cpu.lora_delta(table, layer, j, x, y, row_block)
+                    best = min(best, time.perf_counter() - start)
+                return best
+            seconds = max(0.0, timed(blocks) - timed(base_rows))
+            nbytes = n * args.num_layers * RANK * sum(shapes[p][0] + shapes[p][1] for p in names) * x.element_size()
+            per[module] = {"ms": seconds * 1e3, "adapter_mb": nbytes / 1e6, "gb_s": nbytes / seconds / 1e9 if seconds else 0}
+        total = sum(v["ms"] for v in per.values())
+        mb = sum(v["adapter_mb"] for v in per.values())
+        out[f"{rows} rows, {n} adapters"] = {"modules": per, "ms": total, "adapter_mb": mb}
+        print(f"delta alone, {rows} rows over {n} adapters: " + "  ".join(
+            f"{m} {v['ms']:.2f} ms" for m, v in per.items()) + f"  | {total:.2f} ms per step, {mb:.1f} MB of "
+            f"adapter weights ({mb / total if total else 0:.1f} GB/s)", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (the bundled file)")
@@ -113,6 +165,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--quick", action="store_true", help="16 requests, 1 round")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the delta's per-projection times (compiled CPU loop only; about 20 s)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora.json"))
     a = ap.parse_args()
     if a.quick:
@@ -174,10 +228,15 @@ def main() -> None:
     for name, (s, longest, median) in busy.items():
         print(f"TTFT while 8 requests decode, {name}: {s * 1e3:.1f} ms (steps meanwhile: longest "
               f"{longest * 1e3:.1f} ms, median {median * 1e3:.1f} ms)")
+    profile = {}
+    if compiled is not None and not a.no_profile:
+        cases = [(rows, n) for rows in sorted({min(16, a.requests), a.requests}) for n in a.adapters]
+        profile = profile_delta(llm, loras, cases)
     result = {"model": a.model or "default", "dtype": str(engine.dtype), "rank": RANK, "trace": trace_stats(trace),
               "rounds": a.rounds, "quick": a.quick, "configs": rows, "ttft_seconds": ttft,
               "ttft_under_load": {k: {"seconds": v[0], "longest_step_seconds": v[1], "median_step_seconds": v[2]}
-                                  for k, v in busy.items()}}
+                                  for k, v in busy.items()},
+              "delta_profile": profile}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.out}")
