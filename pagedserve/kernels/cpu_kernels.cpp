@@ -2291,7 +2291,6 @@ inline void lora_expand_dp(const float *u, int64_t ldu, int n, const uint16_t *p
 
 constexpr int kLoraAmxRows = 6;    // a slot's rows from which AMX tiles take them (bf16, avx512bf16 build; measured)
 constexpr int kLoraAmxMax = 16;    // rows per AMX block: one tile's rows
-constexpr int kLoraAhead = 8;      // AMX: prefetch distance, in 32-input (shrink) or 16-column (expand) steps
 
 #ifdef __AVX512BF16__
 // AMX tiles for one slot's rows (from kLoraAmxRows, up to 16 per block) of one part of a bf16
@@ -2345,10 +2344,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_shrink(const uint16_t
         _tile_zero(1);
         _tile_zero(2);
         for (int64_t c = 0; c < len; c += 32) {
-            // A's rows kLoraAhead steps on (past a row's end: the next rows' first lines):
-            // tile loads are 16 rows apart, too far for the hardware to see them coming
-            for (int b = 0; b < nk; b++)
-                for (int m = 0; m < 16; m++) __builtin_prefetch(a + (kbs[b] + m) * in + i0 + c + kLoraAhead * 32, 0, 3);
             _tile_loadd(6, xt + c / 2 * 16, 64);
             _tile_loadd(4, a + kbs[0] * in + i0 + c, in * 2);
             _tile_dpbf16ps(0, 4, 6);
