@@ -2189,6 +2189,15 @@ void lora_expand(const float *u, int64_t ldu, int n, const T *b, int64_t ldb, in
 }
 
 #ifdef __AVX512BF16__
+// y (bf16) += v, rounded to nearest even in one vcvtneps2bf16 (the deltas' outputs are never
+// denormal, which it flushes; Vec::store's rounding by integer ops is the general one).
+inline void lora_add_store(uint16_t *dst, __m512 v) {
+    const __m512 sum = _mm512_add_ps(Vec::load(dst), v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst), (__m256i)_mm512_cvtneps_pbh(sum));
+}
+#endif
+
+#ifdef __AVX512BF16__
 // The vector path's bf16 sums on vdpbf16ps (two rank or input values per lane, no conversions;
 // bf16 products are exact in float32, so only the order of the float32 sums differs).
 // Shrink: u[i][k0 + k] (ldu) for k < NK, i < NR over len inputs (rows lda apart); the last
@@ -2261,10 +2270,7 @@ void lora_expand_dp_rows(const float *u, int64_t ldu, const uint16_t *pj, const 
                 for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)up[i][q], w[v]);
         }
         for (int i = 0; i < NR; i++)
-            for (int v = 0; v < 4; v++) {
-                uint16_t *dst = yr[i] + c + v * 16;
-                Vec::store(dst, Vec::add(Vec::load(dst), acc[i][v]));
-            }
+            for (int v = 0; v < 4; v++) lora_add_store(yr[i] + c + v * 16, acc[i][v]);
     }
     for (; c + 16 <= c1; c += 16) {
         __m512 acc[NR];
@@ -2273,7 +2279,7 @@ void lora_expand_dp_rows(const float *u, int64_t ldu, const uint16_t *pj, const 
             const __m512bh w = (__m512bh)_mm512_loadu_si512(pj + (q * ldb + c) * 2);
             for (int i = 0; i < NR; i++) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)up[i][q], w);
         }
-        for (int i = 0; i < NR; i++) Vec::store(yr[i] + c, Vec::add(Vec::load(yr[i] + c), acc[i]));
+        for (int i = 0; i < NR; i++) lora_add_store(yr[i] + c, acc[i]);
     }
     if (c < c1) lora_expand_rows<Vec, NR>(u, ldu, bj, ldb, r, yr, c, c1);
 }
@@ -2444,10 +2450,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t
         _tile_stored(2, buf + 512, 64);
         memory_barrier();
         for (int ct = 0; ct < nct; ct++)
-            for (int i = 0; i < n; i++) {
-                uint16_t *dst = y + rows[i] * ldy + c + ct * 16;
-                Vec::store(dst, Vec::add(Vec::load(dst), _mm512_load_ps(buf + ct * 256 + i * 16)));
-            }
+            for (int i = 0; i < n; i++) lora_add_store(y + rows[i] * ldy + c + ct * 16, _mm512_load_ps(buf + ct * 256 + i * 16));
     }
     if (c0 < end) _tile_release();
     if (c1 > full && full < size)
