@@ -16,7 +16,12 @@ loop, steps with adapter rows (decodes and prefills alike) add their deltas insi
 (cpu_kernels.cpp lora_delta); without it (tensor parallelism, GPU) they take the Python
 loop. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
-the base model. Writes benchmarks/results/lora.json.
+the base model: on an idle engine (the read is inline: nothing else waits), and arriving while
+8 base-model requests decode (the read is ahead, in the background, beside a step; the longest
+step meanwhile shows whether any step waited on the disk). Last (compiled CPU loop; not with
+--no-profile) the delta alone per projection at the benchmark's decode batches, weights cold,
+with the adapter bytes it reads and the rate: how far the delta is from the memory bound.
+Writes benchmarks/results/lora.json.
 """
 from __future__ import annotations
 
@@ -77,6 +82,81 @@ def first_token_seconds(llm: LLM, prompt: list[int], lora: LoRARequest | None) -
     return time.perf_counter() - start
 
 
+def first_token_under_load(llm: LLM, prompt: list[int], background: list[list[int]],
+                           lora: LoRARequest | None) -> tuple[float, float, float]:
+    """Time to first token of one request arriving while a batch of base-model requests decodes,
+    and the longest and the median step from its arrival to its first token: with the read
+    ahead (lora/slots.py), a cold adapter's files are read beside a step, not inside one."""
+    engine = llm.engine
+    for i, p in enumerate(background):
+        engine.add_request(f"bg{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for _ in range(3):          # the batch is running
+        engine.step()
+    start = time.perf_counter()
+    engine.add_request("probe", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
+                       lora_request=lora)
+    steps, done = [], False
+    while not done:
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t)
+        done = any(o.request_id == "probe" and o.outputs and o.outputs[0].token_ids for o in outs)
+    ttft = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ttft, max(steps), sorted(steps)[len(steps) // 2]
+
+
+@torch.inference_mode()
+def profile_delta(llm: LLM, loras: list[LoRARequest], cases: list[tuple[int, int]], repeats: int = 5) -> dict:
+    """The compiled loop's LoRA delta alone (cpu.lora_delta, the kernel the loop calls) per
+    projection for decode batches of `rows` rows over `n` adapters (rows spread round-robin),
+    every layer, weights cold (a 256 MB sweep before each timing, as the base weights pass
+    through the caches in a real step); minus the calls' own cost (the same calls with base rows
+    only). Also the adapter bytes each projection reads per step and the rate that makes.
+    Fills the first slots with the adapters directly: run last."""
+    from pagedserve.batch import LoRALoad
+    from pagedserve.kernels import cpu
+    engine = llm.engine
+    weights, args = engine.runner.lora, engine.model_args
+    for slot, lora in enumerate(loras[:max(n for _, n in cases)]):
+        weights.load(LoRALoad(slot, lora.lora_int_id, lora.lora_path))
+    shapes = part_shapes(args)
+    parts = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+    sweep = torch.empty(256 << 20, dtype=torch.uint8)
+    out = {}
+    for rows, n in cases:
+        step = weights.step([i % n for i in range(rows)], [1] * rows)
+        table = cpu.LoraTable(args.num_layers, step.compiled_key(), *step.compiled_weights())
+        blocks, base_rows = step.row_blocks(), torch.full((rows,), -1, dtype=torch.long)
+        per = {}
+        for j, (module, names) in enumerate(parts.items()):
+            fan_in, fan_out = shapes[names[0]][0], sum(shapes[p][1] for p in names)
+            x = torch.randn(rows, fan_in).to(engine.dtype)
+            y = torch.zeros(rows, fan_out, dtype=engine.dtype)
+
+            def timed(row_block) -> float:
+                best = float("inf")
+                for _ in range(repeats):
+                    sweep.fill_(1)
+                    start = time.perf_counter()
+                    for layer in range(args.num_layers):
+                        cpu.lora_delta(table, layer, j, x, y, row_block)
+                    best = min(best, time.perf_counter() - start)
+                return best
+            seconds = max(0.0, timed(blocks) - timed(base_rows))
+            nbytes = n * args.num_layers * RANK * sum(shapes[p][0] + shapes[p][1] for p in names) * x.element_size()
+            per[module] = {"ms": seconds * 1e3, "adapter_mb": nbytes / 1e6, "gb_s": nbytes / seconds / 1e9 if seconds else 0}
+        total = sum(v["ms"] for v in per.values())
+        mb = sum(v["adapter_mb"] for v in per.values())
+        out[f"{rows} rows, {n} adapters"] = {"modules": per, "ms": total, "adapter_mb": mb}
+        print(f"delta alone, {rows} rows over {n} adapters: " + "  ".join(
+            f"{m} {v['ms']:.2f} ms" for m, v in per.items()) + f"  | {total:.2f} ms per step, {mb:.1f} MB of "
+            f"adapter weights ({mb / total if total else 0:.1f} GB/s)", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (the bundled file)")
@@ -85,6 +165,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--quick", action="store_true", help="16 requests, 1 round")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the delta's per-projection times (compiled CPU loop only; about 20 s)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora.json"))
     a = ap.parse_args()
     if a.quick:
@@ -97,10 +179,11 @@ def main() -> None:
     trace = make_trace("alpaca", a.requests, seed=0, vocab_size=args.vocab_size, max_model_len=engine.max_model_len)
     tmp = Path(tempfile.mkdtemp(prefix="lora_bench_"))
     loras = []
-    for i in range(most + 1):
+    for i in range(most + 2):
         write_adapter(tmp / f"a{i}", args, seed=i)
         loras.append(LoRARequest(f"a{i}", i + 1, str(tmp / f"a{i}")))
-    cold = loras.pop()                     # for the time to first token of an adapter not yet loaded
+    cold_busy = loras.pop()                # for the time to first token of an adapter not yet loaded:
+    cold = loras.pop()                     # on an idle engine, and while a batch runs
     model = engine.runner.model
     compiled = getattr(model, "compiled_layers", None)
     configs = {"base": [None]}
@@ -138,8 +221,22 @@ def main() -> None:
             "base": first_token_seconds(llm, prompt, None)}
     for name, s in ttft.items():
         print(f"TTFT {name}: {s * 1e3:.1f} ms")
+    background = [r.prompt_token_ids for r in trace[1:9]]
+    busy = {"cold adapter (read from disk)": first_token_under_load(llm, prompt, background, cold_busy),
+            "same adapter, resident": first_token_under_load(llm, prompt, background, cold_busy),
+            "base": first_token_under_load(llm, prompt, background, None)}
+    for name, (s, longest, median) in busy.items():
+        print(f"TTFT while 8 requests decode, {name}: {s * 1e3:.1f} ms (steps meanwhile: longest "
+              f"{longest * 1e3:.1f} ms, median {median * 1e3:.1f} ms)")
+    profile = {}
+    if compiled is not None and not a.no_profile:
+        cases = [(rows, n) for rows in sorted({min(16, a.requests), a.requests}) for n in a.adapters]
+        profile = profile_delta(llm, loras, cases)
     result = {"model": a.model or "default", "dtype": str(engine.dtype), "rank": RANK, "trace": trace_stats(trace),
-              "rounds": a.rounds, "quick": a.quick, "configs": rows, "ttft_seconds": ttft}
+              "rounds": a.rounds, "quick": a.quick, "configs": rows, "ttft_seconds": ttft,
+              "ttft_under_load": {k: {"seconds": v[0], "longest_step_seconds": v[1], "median_step_seconds": v[2]}
+                                  for k, v in busy.items()},
+              "delta_profile": profile}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.out}")

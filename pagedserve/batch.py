@@ -128,6 +128,9 @@ class StepBatch:
     grammar_bitmask: np.ndarray | None = None
     # Multi-LoRA: adapters to put into slots before the forward (the rows' lora_slot name them).
     lora_loads: list[LoRALoad] = field(default_factory=list)
+    # Cold adapters to read into the worker's host cache in the background (slot -1): their
+    # requests are admitted in a later step (lora/slots.py request_read).
+    lora_reads: list[LoRALoad] = field(default_factory=list)
 
 
 @dataclass

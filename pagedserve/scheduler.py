@@ -241,7 +241,7 @@ class Scheduler:
         self.draft_model = spec is not None and spec.method == "draft_model"
         self._draft_valid: dict[int, int] = {}
         # Multi-LoRA (lora/slots.py): which adapter each device slot holds and who uses it.
-        self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
+        self.loras = LoRASlots(config.max_loras, config.max_cpu_loras) if config.enable_lora else None
 
     # ---- requests in and out ---------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -379,6 +379,10 @@ class Scheduler:
             if req.waiting_for_grammar or (req.lora is not None and not self.loras.can_acquire(req.lora)):
                 compiling.append(self.waiting.popleft())
                 continue
+            if req.lora is not None and self.running and not self.loras.ready(req.lora):
+                self.loras.request_read(req.lora)     # read in the background this step, admitted after
+                compiling.append(self.waiting.popleft())
+                continue
             if num_seqs + req.max_seqs > self.config.max_num_seqs:
                 break
             admitted = self._admit(req, budget)
@@ -418,6 +422,7 @@ class Scheduler:
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
         if self.loras is not None:
             out.batch.lora_loads = self.loras.take_loads()
+            out.batch.lora_reads = self.loras.take_reads()
         self._finished_seq_ids = []
         constrained = [(row, s) for row, s in enumerate(out.sampled) if s.request.structured is not None]
         if constrained:

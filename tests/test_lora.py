@@ -9,6 +9,7 @@ Bad adapters are refused with clear errors and the engine goes on serving.
 """
 import json
 import shutil
+import threading
 
 import pytest
 
@@ -317,5 +318,58 @@ def test_bf16_rank16_adapters_equal_the_float_run_and_keep_their_pairs(tiny_llam
     assert weights.pack and weights.BTP, "bf16 on the CPU keeps BT in rank pairs"
     for module, bt in weights.BT.items():
         assert torch.equal(weights.BTP[module], cpu.lora_pack_bt(bt)), module
+    for slot in range(2):        # a range short of every slot (a view) still hands the kernel its pairs
+        weights.last_range = (-1, -1)
+        step = weights.step([slot], [1])
+        table = cpu.LoraTable(weights.args.num_layers, step.compiled_key(),
+                              *step.compiled_weights())
+        assert (step.lo, step.hi) == (slot, slot) and table.ok
+        assert all(table.rows[i].btp != 0 for i in range(len(table.rows)) if table.rows[i].a), slot
     same = sum(g[:2] == e[:2] for g, e in zip(got, expected))
     assert same >= len(expected) * 3 // 4, (same, len(expected))
+
+
+def test_a_cold_adapter_is_read_ahead_while_others_run(tiny_llama, setup):
+    """A request whose adapter is in no slot and not in the host cache, arriving while others
+    run: the next batch asks the worker to read it in the background (lora_reads), the request
+    is admitted a step later, its load only copies, and every output equals peft's."""
+    _, prompts, requests, want = setup
+    llm = make_llm(tiny_llama)
+    engine, weights = llm.engine, llm.engine.runner.lora
+    reads, prepared_in = [], []
+    prefetch, prepare = weights.prefetch, weights._prepare
+    weights.prefetch = lambda i, p: (reads.append(i), prefetch(i, p))[1]
+    weights._prepare = lambda key: (prepared_in.append(threading.current_thread().name), prepare(key))[1]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("base", {"prompt_token_ids": prompts[1]}, sp)
+    engine.step()
+    engine.add_request("cold", {"prompt_token_ids": prompts[0]}, sp, lora_request=requests["all7"])
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == ["cold"], "admitted once its read is under way"
+    assert reads == [1]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["cold"].outputs[0].token_ids == want["all7"][0]
+    assert done["base"].outputs[0].token_ids == want[None][1]
+    assert prepared_in and all(name.startswith("lora-read") for name in prepared_in), prepared_in
+    assert_no_blocks_held(llm)
+
+
+def test_read_ahead_keeps_the_host_cache_bound_and_leaves_errors_to_the_load(tiny_llama, setup, tmp_path):
+    root, _, requests, _ = setup
+    llm = make_llm(tiny_llama, max_loras=1, max_cpu_loras=2)
+    weights = llm.engine.runner.lora
+    for lora in requests.values():
+        if lora is not None:
+            weights.prefetch(lora.lora_int_id, lora.lora_path)
+    weights.prefetch(99, str(tmp_path / "nowhere"))      # a bad path: no error here
+    for future in list(weights.reading.values()):
+        future.exception()                               # wait for every read
+    weights._collect()
+    assert len(weights.host) <= 2 and not weights.reading
+    with pytest.raises(InvalidRequestError, match="not a directory"):
+        weights.load(lora_weights.LoRALoad(0, 99, str(tmp_path / "nowhere")))
+    assert weights.held[0] is None

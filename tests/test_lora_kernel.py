@@ -122,3 +122,42 @@ def test_amx_tiles_match_the_reference(rows, hidden, sizes, packed, monkeypatch)
         other = reference(x, A[0], BT[0], sizes, info, mixed, y)
         assert (other.float() - want.float()).abs().max() > 0.3
         assert (got.float() - y.float())[blocks == 0].abs().max() > 0.3, "the delta must be there"
+
+
+@pytest.mark.parametrize("dtype,amx", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("rows,hidden,sizes,info,blocks", [
+    # one slot with every row (a single AMX block at bf16): one item per part
+    (16, 576, [576, 192, 192], [16 | 0b111 << 16], [0] * 16),
+    # one slot, one part, a few rows: the part's columns cut in pieces, each shrinking again
+    (4, 2048, [2048], [16 | 0b1 << 16], [0, 0, 0, 0]),
+    # two slots, ragged ranks and parts, base rows between; column tails off 16 (200, 72)
+    (7, 1408, [600, 200, 72], [11 | 0b101 << 16, 16 | 0b111 << 16], [0, -1, 1, 0, 1, -1, 0]),
+])
+def test_few_blocks_split_over_the_team(kernel_variant, monkeypatch, dtype, amx, rows, hidden, sizes, info, blocks):
+    """Fewer row blocks than two per thread (one slot holding the rows): the work is cut per part
+    and in column pieces so the team shares it; the sums stay each row's own slot's."""
+    monkeypatch.setitem(globals(), "R", 16)
+    with cpu.using_amx(amx):
+        if amx and not cpu.amx_in_use():
+            pytest.skip("no AMX on this CPU (or not in this kernel variant)")
+        span = len(info)
+        A, BT = make(dtype, span, hidden, sizes, seed=3)
+        g = torch.Generator().manual_seed(4)
+        blocks = torch.tensor(blocks)
+        x = torch.randn(rows, hidden, generator=g).to(dtype)
+        y = torch.randn(rows, sum(sizes), generator=g).to(dtype)
+        module = (A, BT, sizes, cpu.lora_pack_bt(BT)) if dtype == torch.bfloat16 else (A, BT, sizes)
+        table = cpu.LoraTable(1, ("test",), {"qkv" if len(sizes) == 3 else "o": module}, R,
+                              [v for s in info for v in ((s, 0, 0, 0) if len(sizes) == 3 else (0, s, 0, 0))])
+        got = y.clone()
+        assert cpu.lora_delta(table, 0, 0 if len(sizes) == 3 else 1, x, got, blocks)
+        want = reference(x, A[0], BT[0], sizes, info, blocks, y)
+        base = blocks < 0
+        assert torch.equal(got[base], y[base]), "base rows must be untouched"
+        tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        assert (got.float() - y.float())[~base].abs().max() > 0.3, "the delta must be there"
+        if span > 1:
+            mixed = torch.where(blocks >= 0, (blocks + 1) % span, blocks)
+            other = reference(x, A[0], BT[0], sizes, info, mixed, y)
+            assert (other.float() - want.float()).abs().max() > 0.3

@@ -695,7 +695,9 @@ class LoraTable:
                 continue
             A, BT, sizes, *packed = modules[name]
             btp = packed[0] if packed else None
-            if btp is not None and not (btp.is_contiguous() and btp.shape[-3:] == (BT.shape[-2] // 2, BT.shape[-1], 2)
+            # Each layer's pairs contiguous (a range of the slots is a view: layers lie apart).
+            if btp is not None and not (btp.stride()[-3:] == (BT.shape[-1] * 2, 2, 1)
+                                        and btp.shape[-3:] == (BT.shape[-2] // 2, BT.shape[-1], 2)
                                         and btp.dtype == BT.dtype):
                 btp = None
             if not (A.is_cpu and A.stride(-1) == 1 and BT.stride(-1) == 1 and A.stride(-2) == A.shape[-1]

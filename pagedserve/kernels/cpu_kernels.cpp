@@ -2083,21 +2083,22 @@ struct LoraRefs {
 constexpr int kLoraRows = 4;
 constexpr int kAheadCols = 2;     // rows of one slot per block: each weight load serves them all
 
-// u[i][k0 + k] (ldu) for k < NK, i < NR: the rows xr dotted with rows k0.. of A (lda = in).
+// u[i][k0 + k] (ldu) for k < NK, i < NR: the rows xr dotted with rows k0.. of A (rows lda
+// apart) over len inputs, in float32 (a partial sum: lora_delta rounds the whole sum).
 // NR and NK fixed at compile time so the sums stay in registers.
 template <class V, int NR, int NK, typename T>
-void lora_shrink_tile(const T *const *xr, const T *a, int64_t k0, int64_t in, float *u, int64_t ldu) {
+void lora_shrink_tile(const T *const *xr, const T *a, int64_t lda, int64_t k0, int64_t len, float *u, int64_t ldu) {
     using Reg = typename V::reg;
     constexpr int W = V::W;
-    const int64_t body = in / W * W;
+    const int64_t body = len / W * W;
     Reg acc[NK][NR];
     for (int k = 0; k < NK; k++)
         for (int i = 0; i < NR; i++) acc[k][i] = V::zero();
-    const T *next = a + (k0 + NK) * in;    // the next tile's rows: requested while these are summed
+    const T *next = a + (k0 + NK) * lda;    // the next tile's rows: requested while these are summed
     for (int64_t c = 0; c < body; c += W) {
         Reg w[NK];
-        for (int k = 0; k < NK; k++) __builtin_prefetch(next + k * in + c, 0, 3);
-        for (int k = 0; k < NK; k++) w[k] = V::load(a + (k0 + k) * in + c);
+        for (int k = 0; k < NK; k++) __builtin_prefetch(next + k * lda + c, 0, 3);
+        for (int k = 0; k < NK; k++) w[k] = V::load(a + (k0 + k) * lda + c);
         for (int i = 0; i < NR; i++) {
             const Reg xv = V::load(xr[i] + c);
             for (int k = 0; k < NK; k++) acc[k][i] = V::fmadd(xv, w[k], acc[k][i]);
@@ -2106,30 +2107,28 @@ void lora_shrink_tile(const T *const *xr, const T *a, int64_t k0, int64_t in, fl
     for (int k = 0; k < NK; k++)
         for (int i = 0; i < NR; i++) {
             float s = V::reduce_add(acc[k][i]);
-            for (int64_t c = body; c < in; c++) s += as_float(xr[i][c]) * as_float(a[(k0 + k) * in + c]);
-            T rounded;          // rounded to T, as a GEMM's output in T would be
-            store_as(&rounded, s);
-            u[i * ldu + k0 + k] = as_float(rounded);
+            for (int64_t c = body; c < len; c++) s += as_float(xr[i][c]) * as_float(a[(k0 + k) * lda + c]);
+            u[i * ldu + k0 + k] = s;
         }
 }
 
 template <class V, int NR, typename T>
-void lora_shrink_rows(const T *const *xr, const T *a, int64_t r, int64_t in, float *u, int64_t ldu) {
+void lora_shrink_rows(const T *const *xr, const T *a, int64_t lda, int64_t r, int64_t len, float *u, int64_t ldu) {
     constexpr int KA = V::W == 16 ? 4 : 2;
     int64_t k0 = 0;
-    for (; k0 + KA <= r; k0 += KA) lora_shrink_tile<V, NR, KA>(xr, a, k0, in, u, ldu);
-    for (; k0 < r; k0++) lora_shrink_tile<V, NR, 1>(xr, a, k0, in, u, ldu);
+    for (; k0 + KA <= r; k0 += KA) lora_shrink_tile<V, NR, KA>(xr, a, lda, k0, len, u, ldu);
+    for (; k0 < r; k0++) lora_shrink_tile<V, NR, 1>(xr, a, lda, k0, len, u, ldu);
 }
 
-// u[i][k] (ldu) for the block's n rows xr and the r rows of A (lda = in).
+// u[i][k] (ldu) for the block's n rows xr and the r rows of A (rows lda apart), over len inputs.
 template <class V, typename T>
-void lora_shrink(const T *const *xr, int n, const T *a, int64_t r, int64_t in, float *u, int64_t ldu) {
+void lora_shrink(const T *const *xr, int n, const T *a, int64_t lda, int64_t r, int64_t len, float *u, int64_t ldu) {
     static_assert(kLoraRows == 4);
     switch (n) {
-        case 1: return lora_shrink_rows<V, 1>(xr, a, r, in, u, ldu);
-        case 2: return lora_shrink_rows<V, 2>(xr, a, r, in, u, ldu);
-        case 3: return lora_shrink_rows<V, 3>(xr, a, r, in, u, ldu);
-        default: return lora_shrink_rows<V, 4>(xr, a, r, in, u, ldu);
+        case 1: return lora_shrink_rows<V, 1>(xr, a, lda, r, len, u, ldu);
+        case 2: return lora_shrink_rows<V, 2>(xr, a, lda, r, len, u, ldu);
+        case 3: return lora_shrink_rows<V, 3>(xr, a, lda, r, len, u, ldu);
+        default: return lora_shrink_rows<V, 4>(xr, a, lda, r, len, u, ldu);
     }
 }
 
@@ -2161,6 +2160,15 @@ void lora_expand_rows(const float *u, int64_t ldu, const T *b, int64_t ldb, int6
                 V::store(dst, V::add(V::load(dst), acc[i][v]));
             }
     }
+    for (; c + W <= c1; c += W) {       // a column piece's last vectors (pieces are 16-column aligned)
+        Reg acc[NR];
+        for (int i = 0; i < NR; i++) acc[i] = V::zero();
+        for (int64_t k = 0; k < r; k++) {
+            const Reg w = V::load(b + k * ldb + c);
+            for (int i = 0; i < NR; i++) acc[i] = V::fmadd(V::set1(u[i * ldu + k]), w, acc[i]);
+        }
+        for (int i = 0; i < NR; i++) V::store(yr[i] + c, V::add(V::load(yr[i] + c), acc[i]));
+    }
     for (; c < c1; c++)
         for (int i = 0; i < NR; i++) {
             float s = 0.f;
@@ -2180,18 +2188,126 @@ void lora_expand(const float *u, int64_t ldu, int n, const T *b, int64_t ldb, in
     }
 }
 
+#ifdef __AVX512BF16__
+// y (bf16) += v, rounded to nearest even in one vcvtneps2bf16 (the deltas' outputs are never
+// denormal, which it flushes; Vec::store's rounding by integer ops is the general one).
+inline void lora_add_store(uint16_t *dst, __m512 v) {
+    const __m512 sum = _mm512_add_ps(Vec::load(dst), v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst), (__m256i)_mm512_cvtneps_pbh(sum));
+}
+#endif
+
+#ifdef __AVX512BF16__
+// The vector path's bf16 sums on vdpbf16ps (two rank or input values per lane, no conversions;
+// bf16 products are exact in float32, so only the order of the float32 sums differs).
+// Shrink: u[i][k0 + k] (ldu) for k < NK, i < NR over len inputs (rows lda apart); the last
+// len % 32 inputs through masked loads.
+template <int NR, int NK>
+void lora_shrink_tile_dp(const uint16_t *const *xr, const uint16_t *a, int64_t lda, int64_t k0, int64_t len,
+                         float *u, int64_t ldu) {
+    __m512 acc[NK][NR];
+    for (int k = 0; k < NK; k++)
+        for (int i = 0; i < NR; i++) acc[k][i] = _mm512_setzero_ps();
+    const uint16_t *next = a + (k0 + NK) * lda;    // the next tile's rows: requested while these are summed
+    for (int64_t c = 0; c < len; c += 32) {
+        const __mmask32 m = len - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (len - c)) - 1);
+        __m512bh w[NK];
+        for (int k = 0; k < NK; k++) __builtin_prefetch(next + k * lda + c, 0, 3);
+        for (int k = 0; k < NK; k++) w[k] = (__m512bh)_mm512_maskz_loadu_epi16(m, a + (k0 + k) * lda + c);
+        for (int i = 0; i < NR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[i] + c);
+            for (int k = 0; k < NK; k++) acc[k][i] = _mm512_dpbf16_ps(acc[k][i], xv, w[k]);
+        }
+    }
+    for (int k = 0; k < NK; k++)
+        for (int i = 0; i < NR; i++) u[i * ldu + k0 + k] = _mm512_reduce_add_ps(acc[k][i]);
+}
+
+template <int NR>
+void lora_shrink_dp_rows(const uint16_t *const *xr, const uint16_t *a, int64_t lda, int64_t r, int64_t len, float *u,
+                         int64_t ldu) {
+    int64_t k0 = 0;
+    for (; k0 + 4 <= r; k0 += 4) lora_shrink_tile_dp<NR, 4>(xr, a, lda, k0, len, u, ldu);
+    for (; k0 < r; k0++) lora_shrink_tile_dp<NR, 1>(xr, a, lda, k0, len, u, ldu);
+}
+
+inline void lora_shrink_dp(const uint16_t *const *xr, int n, const uint16_t *a, int64_t lda, int64_t r, int64_t len,
+                           float *u, int64_t ldu) {
+    switch (n) {
+        case 1: return lora_shrink_dp_rows<1>(xr, a, lda, r, len, u, ldu);
+        case 2: return lora_shrink_dp_rows<2>(xr, a, lda, r, len, u, ldu);
+        case 3: return lora_shrink_dp_rows<3>(xr, a, lda, r, len, u, ldu);
+        default: return lora_shrink_dp_rows<4>(xr, a, lda, r, len, u, ldu);
+    }
+}
+
+// Expand from BT's rank pairs (pj: the part's first pair row, [pairs][ldb][2]): y rows yr,
+// columns [c0, c1) += u @ BT_j, u rounded to bf16 already (exact here), a pair of rank values
+// per lane; columns past the last 16 on the float path (bj: BT's part rows, ldb apart).
+template <int NR>
+void lora_expand_dp_rows(const float *u, int64_t ldu, const uint16_t *pj, const uint16_t *bj, int64_t ldb,
+                         int64_t r, uint16_t *const *yr, int64_t c0, int64_t c1) {
+    const int64_t np = (r + 1) / 2;
+    __m512i up[NR][64];     // (u_2q, u_2q+1) per row, broadcast; r <= 128
+    for (int i = 0; i < NR; i++)
+        for (int64_t q = 0; q < np; q++) {
+            uint16_t lo, hi = 0;
+            store_as(&lo, u[i * ldu + 2 * q]);
+            if (2 * q + 1 < r) store_as(&hi, u[i * ldu + 2 * q + 1]);
+            up[i][q] = _mm512_set1_epi32(static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16));
+        }
+    int64_t c = c0;
+    for (; c + 64 <= c1; c += 64) {
+        __m512 acc[NR][4];
+        for (int i = 0; i < NR; i++)
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+        for (int64_t q = 0; q < np; q++) {
+            const uint16_t *row = pj + (q * ldb + c) * 2;
+            for (int v = 0; v < 4; v++) __builtin_prefetch(row + (kAheadCols * 64 + v * 16) * 2, 0, 3);
+            __m512bh w[4];
+            for (int v = 0; v < 4; v++) w[v] = (__m512bh)_mm512_loadu_si512(row + v * 32);
+            for (int i = 0; i < NR; i++)
+                for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)up[i][q], w[v]);
+        }
+        for (int i = 0; i < NR; i++)
+            for (int v = 0; v < 4; v++) lora_add_store(yr[i] + c + v * 16, acc[i][v]);
+    }
+    for (; c + 16 <= c1; c += 16) {
+        __m512 acc[NR];
+        for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t q = 0; q < np; q++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(pj + (q * ldb + c) * 2);
+            for (int i = 0; i < NR; i++) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)up[i][q], w);
+        }
+        for (int i = 0; i < NR; i++) lora_add_store(yr[i] + c, acc[i]);
+    }
+    if (c < c1) lora_expand_rows<Vec, NR>(u, ldu, bj, ldb, r, yr, c, c1);
+}
+
+inline void lora_expand_dp(const float *u, int64_t ldu, int n, const uint16_t *pj, const uint16_t *bj, int64_t ldb,
+                           int64_t r, uint16_t *const *yr, int64_t c0, int64_t c1) {
+    switch (n) {
+        case 1: return lora_expand_dp_rows<1>(u, ldu, pj, bj, ldb, r, yr, c0, c1);
+        case 2: return lora_expand_dp_rows<2>(u, ldu, pj, bj, ldb, r, yr, c0, c1);
+        case 3: return lora_expand_dp_rows<3>(u, ldu, pj, bj, ldb, r, yr, c0, c1);
+        default: return lora_expand_dp_rows<4>(u, ldu, pj, bj, ldb, r, yr, c0, c1);
+    }
+}
+#endif
+
 constexpr int kLoraAmxRows = 6;    // a slot's rows from which AMX tiles take them (bf16, avx512bf16 build; measured)
 constexpr int kLoraAmxMax = 16;    // rows per AMX block: one tile's rows
 
 #ifdef __AVX512BF16__
-// AMX tiles for one slot's rows of a bf16 projection (from kLoraAmxRows rows, up to 16 per item):
-// the same sums as the vector path, on tiles. Shrink as u.T = A_s @ x.T: A tiles straight from
-// A's rank rows (16 rank rows x 32 inputs), B tiles from x's rows transposed in pairs (a
-// per-call O(16 in) copy); tiles 16 x 64 bytes (amx_load_config). u rounded to bf16, kept per
-// part in rows of Rp (R rounded up to kk) bf16, zero past the slot's rank. Expand y_rows +=
-// u_j @ BT_j per part, kk rank values a step (lora_expand_config), 48 columns at a time: B
-// tiles straight from BT's rank pairs made at load (LoraProj.btp), else BT's rows paired here;
-// C tiles added into y in float32, rounded once; a part's last size % 16 columns on the vector path.
+// AMX tiles for one slot's rows (from kLoraAmxRows, up to 16 per block) of one part of a bf16
+// projection: the same sums as the vector path, on tiles. Shrink (lora_amx_shrink) over inputs
+// [i0, i1) as u.T = A_j @ x.T: A tiles straight from the part's rank rows (16 rank rows x 32
+// inputs), B tiles from x's rows transposed in pairs (a per-call O(16 (i1 - i0)) copy); tiles
+// 16 x 64 bytes (amx_load_config). Expand (lora_amx_expand) over the part's columns [c0, c1):
+// u rounded to bf16 in rows of Rp (R rounded up to kk), zero past the slot's rank, kk rank
+// values a step (lora_expand_config), 48 columns at a time: B tiles straight from BT's rank
+// pairs made at load (LoraProj.btp), else BT's rows paired here; C tiles added into y in
+// float32, rounded once; the part's last size % 16 columns on the vector path.
 inline bool lora_amx_usable(int64_t R, int64_t in) {    // R <= 128: 4 expand steps at most
     return g_amx.enabled && R % 16 == 0 && R <= 128 && in % 32 == 0;
 }
@@ -2206,54 +2322,43 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_expand_config(int64_t kk)
     _tile_loadconfig(&cfg);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void lora_amx_rows(const LoraProj &p, int64_t R, int64_t slot,
-                                                                  int64_t rank, int64_t parts, int n,
-                                                                  const int64_t *rows, const uint16_t *x,
-                                                                  int64_t in, uint16_t *y, int64_t ldy) {
-    // kk: rank values per expand step (R = 16: one step of 16; else steps of 32)
-    const int64_t K = p.nparts * R, kk = R % 32 == 0 ? 32 : 16, Rp = (R + kk - 1) / kk * kk,
-                  ksteps = (rank + kk - 1) / kk, tile = kk * 16;     // bf16 per packed BT tile
-    const uint16_t *A = reinterpret_cast<const uint16_t *>(p.a) + slot * K * in;
-    const uint16_t *BT = reinterpret_cast<const uint16_t *>(p.bt) + slot * K * p.ldb;
-    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) + slot * K * p.ldb : nullptr;
-    thread_local std::vector<uint32_t> xt_v;          // x.T in pairs: [in / 2][16]
-    thread_local std::vector<float> uf_v;             // u [16][K], rounded (the vector tails read it)
-    thread_local std::vector<uint16_t> ub_v, bb_v;    // u per part [nparts][16][Rp]; BT tiles [3][Rp/32][16][32]
-    if (static_cast<int64_t>(xt_v.size()) < in * 8) xt_v.resize(in * 8);
-    uf_v.assign(16 * K, 0.f);
-    ub_v.assign(p.nparts * 16 * Rp, 0);
-    if (static_cast<int64_t>(bb_v.size()) < 3 * Rp * 16) bb_v.resize(3 * Rp * 16);   // zero rows stay zero
+// Per part j in `parts`: uj[j][i][k] (ldu) for k < rank (the slot's rows j * R + k of a, rows
+// in apart), i < n, over inputs [i0, i1): one transpose of x serves every part.
+__attribute__((target("amx-tile,amx-bf16"))) void lora_amx_shrink(const uint16_t *a, int64_t in, int64_t R,
+                                                                    int64_t rank, int64_t parts, int n,
+                                                                    const int64_t *rows, const uint16_t *x,
+                                                                    int64_t i0, int64_t i1, float *const *uj,
+                                                                    int64_t ldu) {
+    const int64_t len = i1 - i0;
+    thread_local std::vector<uint32_t> xt_v;          // x.T in pairs: [len / 2][16]
+    if (static_cast<int64_t>(xt_v.size()) < len * 8) xt_v.resize(len * 8);
     uint32_t *xt = xt_v.data();
-    float *uf = uf_v.data();
-    uint16_t *ub = ub_v.data(), *bb = bb_v.data();
-    for (int64_t p0 = 0; p0 < in / 2; p0 += 16) {       // 16 pairs of the rows at a time, transposed
+    for (int64_t p0 = 0; p0 < len / 2; p0 += 16) {     // 16 pairs of the rows at a time, transposed
         __m512i r[16];
         for (int i = 0; i < 16; i++)
-            r[i] = i < n ? _mm512_loadu_si512(x + rows[i] * in + 2 * p0) : _mm512_setzero_si512();
+            r[i] = i < n ? _mm512_loadu_si512(x + rows[i] * in + i0 + 2 * p0) : _mm512_setzero_si512();
         transpose16_epi32(r);
         for (int c = 0; c < 16; c++) _mm512_storeu_si512(xt + (p0 + c) * 16, r[c]);
     }
     alignas(64) float buf[3 * 256];
     amx_load_config();
     memory_barrier();
-    // Shrink: the 16-row rank blocks holding filled rank rows of targeted parts, 3 at a time.
-    int64_t kbs[3];
+    int64_t kbs[3], js[3];      // up to 3 rank blocks of 16 (a's row, its part) per pass over x
     int nk = 0;
     auto flush = [&]() {
-        if (nk == 0) return;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
-        for (int64_t c = 0; c < in; c += 32) {
+        for (int64_t c = 0; c < len; c += 32) {
             _tile_loadd(6, xt + c / 2 * 16, 64);
-            _tile_loadd(4, A + kbs[0] * in + c, in * 2);
+            _tile_loadd(4, a + kbs[0] * in + i0 + c, in * 2);
             _tile_dpbf16ps(0, 4, 6);
             if (nk > 1) {
-                _tile_loadd(5, A + kbs[1] * in + c, in * 2);
+                _tile_loadd(5, a + kbs[1] * in + i0 + c, in * 2);
                 _tile_dpbf16ps(1, 5, 6);
             }
             if (nk > 2) {
-                _tile_loadd(7, A + kbs[2] * in + c, in * 2);
+                _tile_loadd(7, a + kbs[2] * in + i0 + c, in * 2);
                 _tile_dpbf16ps(2, 7, 6);
             }
         }
@@ -2262,92 +2367,99 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_rows(const LoraProj &
         _tile_stored(2, buf + 512, 64);
         memory_barrier();
         for (int b = 0; b < nk; b++) {
-            const int64_t j = kbs[b] / R, k_in = kbs[b] % R;
+            const int64_t k_in = kbs[b] - js[b] * R;
+            float *u = uj[js[b]];
             for (int m = 0; m < 16 && k_in + m < rank; m++)
-                for (int i = 0; i < n; i++) {
-                    uint16_t rounded;
-                    store_as(&rounded, buf[b * 256 + m * 16 + i]);
-                    ub[(j * 16 + i) * Rp + k_in + m] = rounded;
-                    uf[i * K + kbs[b] + m] = as_float(rounded);
-                }
+                for (int i = 0; i < n; i++) u[i * ldu + k_in + m] = buf[b * 256 + m * 16 + i];
         }
         nk = 0;
     };
-    for (int64_t kb = 0; kb < K; kb += 16) {
-        if (!((parts >> (kb / R)) & 1) || kb % R >= rank) continue;
-        kbs[nk++] = kb;
-        if (nk == 3) flush();
-    }
-    flush();
-    // Expand, part by part, 48 columns (3 C tiles) at a time.
-    lora_expand_config(kk);
-    for (int64_t j = 0; j < p.nparts; j++) {
+    for (int64_t j = 0; j < 3; j++) {
         if (!((parts >> j) & 1)) continue;
-        const uint16_t *bj = BT + j * R * p.ldb + p.offset[j];
-        const uint16_t *uj = ub + j * 16 * Rp;
-        const int64_t size = p.size[j], full = size / 16 * 16;
-        for (int64_t c0 = 0; c0 < full; c0 += 48) {
-            const int nct = static_cast<int>(std::min<int64_t>(3, (full - c0) / 16));
-            // B tiles: straight from the pairs made at load, or paired here into bb
-            const uint16_t *tb[3][8];
-            int64_t tstride = 64;
-            if (pairs != nullptr) {
-                tstride = p.ldb * 4;
-                for (int ct = 0; ct < nct; ct++)
-                    for (int64_t ks = 0; ks < ksteps; ks++)
-                        tb[ct][ks] = pairs + ((j * R + ks * kk) / 2 * p.ldb + p.offset[j] + c0 + ct * 16) * 2;
-            } else {
-                for (int ct = 0; ct < nct; ct++)
-                    for (int64_t ks = 0; ks < ksteps; ks++) tb[ct][ks] = bb + (ct * (Rp / kk) + ks) * tile;
-            }
-            for (int ct = 0; ct < nct && pairs == nullptr; ct++)
+        for (int64_t kb = 0; kb < rank; kb += 16) {
+            kbs[nk] = j * R + kb, js[nk++] = j;
+            if (nk == 3) flush();
+        }
+    }
+    if (nk > 0) flush();
+    _tile_release();
+}
+
+// y rows (y: the part's first column), the part's columns [c0, c1) += u @ BT_j; u [n][ldu]
+// rounded to bf16 already; bj: BT's part rows (ldb apart); pj: their rank pairs (or null).
+__attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t *bj, const uint16_t *pj,
+                                                                    int64_t ldb, int64_t R, int64_t rank, int n,
+                                                                    const int64_t *rows, const float *u,
+                                                                    int64_t ldu, int64_t c0, int64_t c1,
+                                                                    int64_t size, uint16_t *y, int64_t ldy) {
+    // kk: rank values per expand step (R = 16: one step of 16; else steps of 32)
+    const int64_t kk = R % 32 == 0 ? 32 : 16, Rp = (R + kk - 1) / kk * kk, ksteps = (rank + kk - 1) / kk,
+                  tile = kk * 16;     // bf16 per packed BT tile
+    thread_local std::vector<uint16_t> ub_v, bb_v;    // u [16][Rp]; BT tiles [3][Rp/kk][kk/2][32]
+    ub_v.assign(16 * Rp, 0);
+    if (static_cast<int64_t>(bb_v.size()) < 3 * Rp * 16) bb_v.resize(3 * Rp * 16);   // zero rows stay zero
+    uint16_t *ub = ub_v.data(), *bb = bb_v.data();
+    for (int i = 0; i < n; i++)
+        for (int64_t k = 0; k < rank; k++) store_as(ub + i * Rp + k, u[i * ldu + k]);   // exact: u is rounded
+    const int64_t full = size / 16 * 16, end = std::min(c1, full);
+    alignas(64) float buf[3 * 256];
+    if (c0 < end) lora_expand_config(kk);
+    for (int64_t c = c0; c < end; c += 48) {
+        const int nct = static_cast<int>(std::min<int64_t>(3, (end - c) / 16));
+        // B tiles: straight from the pairs made at load, or paired here into bb
+        const uint16_t *tb[3][8];
+        int64_t tstride = 64;
+        if (pj != nullptr) {
+            tstride = ldb * 4;
+            for (int ct = 0; ct < nct; ct++)
+                for (int64_t ks = 0; ks < ksteps; ks++) tb[ct][ks] = pj + (ks * kk / 2 * ldb + c + ct * 16) * 2;
+        } else {
+            for (int ct = 0; ct < nct; ct++)
                 for (int64_t ks = 0; ks < ksteps; ks++) {
-                    uint16_t *tb = bb + (ct * (Rp / kk) + ks) * tile;
+                    uint16_t *t = bb + (ct * (Rp / kk) + ks) * tile;
+                    tb[ct][ks] = t;
                     for (int pr = 0; pr < kk / 2; pr++) {
                         const int64_t k = ks * kk + 2 * pr;
                         if (k >= rank) break;       // u is zero there: rows past the rank need only be finite
-                        const uint16_t *r0 = bj + k * p.ldb + c0 + ct * 16;     // rank rows k, k + 1 < R
+                        const uint16_t *r0 = bj + k * ldb + c + ct * 16;     // rank rows k, k + 1 < R
                         const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)r0));
-                        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r0 + p.ldb)));
-                        _mm512_storeu_si512(tb + pr * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r0 + ldb)));
+                        _mm512_storeu_si512(t + pr * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
                     }
                 }
-            memory_barrier();
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            for (int64_t ks = 0; ks < ksteps; ks++) {
-                _tile_loadd(6, uj + ks * kk, Rp * 2);
-                _tile_loadd(4, tb[0][ks], tstride);
-                _tile_dpbf16ps(0, 6, 4);
-                if (nct > 1) {
-                    _tile_loadd(5, tb[1][ks], tstride);
-                    _tile_dpbf16ps(1, 6, 5);
-                }
-                if (nct > 2) {
-                    _tile_loadd(7, tb[2][ks], tstride);
-                    _tile_dpbf16ps(2, 6, 7);
-                }
-            }
-            _tile_stored(0, buf, 64);
-            _tile_stored(1, buf + 256, 64);
-            _tile_stored(2, buf + 512, 64);
-            memory_barrier();
-            for (int ct = 0; ct < nct; ct++)
-                for (int i = 0; i < n; i++) {
-                    uint16_t *dst = y + rows[i] * ldy + p.offset[j] + c0 + ct * 16;
-                    Vec::store(dst, Vec::add(Vec::load(dst), _mm512_load_ps(buf + ct * 256 + i * 16)));
-                }
         }
-        if (full < size)
-            for (int i0 = 0; i0 < n; i0 += kLoraRows) {
-                uint16_t *yr[kLoraRows];
-                const int m = std::min(kLoraRows, n - i0);
-                for (int i = 0; i < m; i++) yr[i] = y + rows[i0 + i] * ldy + p.offset[j];
-                lora_expand<Vec>(uf + i0 * K + j * R, K, m, bj, p.ldb, rank, yr, full, size);
+        memory_barrier();
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            _tile_loadd(6, ub + ks * kk, Rp * 2);
+            _tile_loadd(4, tb[0][ks], tstride);
+            _tile_dpbf16ps(0, 6, 4);
+            if (nct > 1) {
+                _tile_loadd(5, tb[1][ks], tstride);
+                _tile_dpbf16ps(1, 6, 5);
             }
+            if (nct > 2) {
+                _tile_loadd(7, tb[2][ks], tstride);
+                _tile_dpbf16ps(2, 6, 7);
+            }
+        }
+        _tile_stored(0, buf, 64);
+        _tile_stored(1, buf + 256, 64);
+        _tile_stored(2, buf + 512, 64);
+        memory_barrier();
+        for (int ct = 0; ct < nct; ct++)
+            for (int i = 0; i < n; i++) lora_add_store(y + rows[i] * ldy + c + ct * 16, _mm512_load_ps(buf + ct * 256 + i * 16));
     }
-    _tile_release();
+    if (c0 < end) _tile_release();
+    if (c1 > full && full < size)
+        for (int i0 = 0; i0 < n; i0 += kLoraRows) {
+            uint16_t *yr[kLoraRows];
+            const int m = std::min(kLoraRows, n - i0);
+            for (int i = 0; i < m; i++) yr[i] = y + rows[i0 + i] * ldy;
+            lora_expand<Vec>(u + i0 * ldu, ldu, m, bj, ldb, rank, yr, std::max(c0, full), size);
+        }
 }
 #endif
 
@@ -2360,9 +2472,13 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
     if (p.a == 0) return 0;
     const int64_t R = lr->rank, K = p.nparts * R;
     const T *A = reinterpret_cast<const T *>(p.a), *BT = reinterpret_cast<const T *>(p.bt);
+    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
     // A block: up to kLoraRows rows on the vector path, or (amx) up to kLoraAmxMax on AMX tiles.
     struct Block { int64_t slot, rank, parts; int n; bool amx; int64_t rows[16]; };
+    // A piece of work: block b's parts (j = -1), or its part j's columns [lo, hi) only.
+    struct Item { int64_t b, j, lo, hi; };
     thread_local std::vector<Block> blocks;
+    thread_local std::vector<Item> items;
     thread_local std::vector<float> scratch;
     thread_local std::vector<int64_t> mine;
     blocks.clear();
@@ -2371,6 +2487,7 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
 #else
     const bool amx = false;
 #endif
+    int64_t pairs_used = 0, macs = 0;
     for (int64_t s = 0; s < lr->span; s++) {     // each slot's rows, in blocks
         const int64_t info = lr->slot_info[s * 4 + which], rank = info & 0xFFFF, parts = info >> 16;
         if (rank == 0 || parts == 0) continue;
@@ -2379,53 +2496,114 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
             if (lr->row_block[t] == s) mine.push_back(t);
         const int64_t count = static_cast<int64_t>(mine.size());
         int64_t i = 0;
-        while (amx && count - i >= kLoraAmxRows) {     // AMX blocks of up to 16 rows
-            Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(kLoraAmxMax, count - i)), true, {}};
+        while (i < count) {
+            const bool tiles = amx && count - i >= kLoraAmxRows;     // AMX blocks of up to 16 rows
+            Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(tiles ? kLoraAmxMax : kLoraRows, count - i)),
+                      tiles, {}};
             for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
             i += blk.n;
             blocks.push_back(blk);
-        }
-        for (; i < count; i += kLoraRows) {
-            Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(kLoraRows, count - i)), false, {}};
-            for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
-            blocks.push_back(blk);
+            for (int64_t j = 0; j < p.nparts; j++)
+                if ((parts >> j) & 1) pairs_used++, macs += blk.n * rank * (in + p.size[j]);
         }
     }
     const int64_t nb = static_cast<int64_t>(blocks.size());
     if (nb == 0) return 0;
-    if (static_cast<int64_t>(scratch.size()) < nb * kLoraRows * K) scratch.resize(nb * kLoraRows * K);
-    // (thread_local: the team's threads must use these pointers, not their own vectors)
-    float *u = scratch.data();                  // vector block b's rows' rank columns: [kLoraRows, K] at b
-    const Block *bl = blocks.data();
-    // One item per block, its shrink then its expand: the blocks' rows are disjoint, so the
-    // team meets only once per projection (each meeting costs most when other processes hold
-    // the cores).
-    int64_t macs = 0;
-    for (const Block &blk : blocks) macs += blk.n * blk.rank * (p.nparts * in + p.ldb);
-#pragma omp parallel for schedule(dynamic, 1) if (macs >= (1 << 18))
+    // Work items, one OpenMP meeting per projection (each costs most when other processes hold
+    // the cores). With at least two blocks per thread, each block is one item: its shrinks,
+    // then its expands. With fewer (one slot holding most rows), one per (block, part) pair,
+    // the pairs of single-part projections (o, down) cut in column pieces, each piece doing
+    // the part's shrink again (its A read twice, from cache the second time): no thread
+    // idles while another reads a slot's weights alone.
+    const bool team = macs >= (1 << 18);
+    const int threads = team ? omp_get_max_threads() : 1;
+    const bool split = threads > 1 && nb < 2 * threads;
+    items.clear();
     for (int64_t b = 0; b < nb; b++) {
-        const Block &blk = bl[b];
+        if (!split) {
+            items.push_back({b, -1, 0, 0});
+            continue;
+        }
+        for (int64_t j = 0; j < p.nparts; j++) {
+            if (!((blocks[b].parts >> j) & 1)) continue;
+            const int64_t size = p.size[j];
+            const int64_t pieces = std::max<int64_t>(1, std::min((threads + pairs_used - 1) / pairs_used, size / 96));
+            const int64_t width = (size / pieces + 47) / 48 * 48;       // column pieces: multiples of 48
+            for (int64_t c = 0; c < size; c += width) items.push_back({b, j, c, std::min(size, c + width)});
+        }
+    }
+    // u: item i's rows' rank columns, [16][K] at i
+    if (static_cast<int64_t>(scratch.size()) < static_cast<int64_t>(items.size()) * 16 * K)
+        scratch.resize(items.size() * 16 * K);
+    // (thread_local: the team's threads must use these pointers, not their own vectors)
+    float *u = scratch.data();
+    const Block *bl = blocks.data();
+    const Item *it = items.data();
+    const int64_t ni = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1) if (team)
+    for (int64_t i = 0; i < ni; i++) {
+        const Block &blk = bl[it[i].b];
+        const int64_t j0 = it[i].j, parts = j0 < 0 ? blk.parts : blk.parts & (int64_t{1} << j0);
+        float *ui = u + i * 16 * K;     // part j's rank columns at j * R
+        // Shrink: u = x @ A_j.T per part, rounded to T as a T GEMM's output would be.
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, uint16_t>) {
             if (blk.amx) {
-                lora_amx_rows(p, R, blk.slot, blk.rank, blk.parts, blk.n, blk.rows, x, in, y, ldy);
-                continue;
+                float *uj[3] = {ui, ui + R, ui + 2 * R};
+                lora_amx_shrink(A + blk.slot * K * in, in, R, blk.rank, parts, blk.n, blk.rows, x, 0, in, uj, K);
             }
         }
 #endif
-        float *ub = u + b * kLoraRows * K;
-        const T *xr[kLoraRows];
-        T *yr[kLoraRows];
-        for (int64_t j = 0; j < p.nparts; j++) {
-            if (!((blk.parts >> j) & 1)) continue;
-            for (int i = 0; i < blk.n; i++) xr[i] = x + blk.rows[i] * in;
-            lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, blk.rank, in, ub + j * R, K);
+        if (!blk.amx) {
+            const T *xr[kLoraRows];
+            for (int r = 0; r < blk.n; r++) xr[r] = x + blk.rows[r] * in;
+            for (int64_t j = 0; j < p.nparts; j++) {
+                if (!((parts >> j) & 1)) continue;
+#ifdef __AVX512BF16__
+                if constexpr (std::is_same_v<T, uint16_t>) {
+                    lora_shrink_dp(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ui + j * R, K);
+                    continue;
+                }
+#endif
+                lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ui + j * R, K);
+            }
         }
+        for (int r = 0; r < blk.n; r++)
+            for (int64_t j = 0; j < p.nparts; j++)
+                if ((parts >> j) & 1)
+                    for (int64_t k = 0; k < blk.rank; k++) {
+                        T rounded;
+                        store_as(&rounded, ui[r * K + j * R + k]);
+                        ui[r * K + j * R + k] = as_float(rounded);
+                    }
+        // Expand: y += u_j @ BT_j over the item's columns of each part.
         for (int64_t j = 0; j < p.nparts; j++) {
-            if (!((blk.parts >> j) & 1)) continue;
-            for (int i = 0; i < blk.n; i++) yr[i] = y + blk.rows[i] * ldy + p.offset[j];
-            lora_expand<Vec>(ub + j * R, K, blk.n, BT + (blk.slot * K + j * R) * p.ldb + p.offset[j], p.ldb, blk.rank,
-                             yr, 0, p.size[j]);
+            if (!((parts >> j) & 1)) continue;
+            const int64_t c0 = j0 < 0 ? 0 : it[i].lo, c1 = j0 < 0 ? p.size[j] : it[i].hi;
+            const T *bj = BT + (blk.slot * K + j * R) * p.ldb + p.offset[j];
+#ifdef __AVX512BF16__
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                if (blk.amx) {
+                    const uint16_t *pj =
+                        pairs ? pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j]) * 2 : nullptr;
+                    lora_amx_expand(bj, pj, p.ldb, R, blk.rank, blk.n, blk.rows, ui + j * R, K, c0, c1, p.size[j],
+                                    y + p.offset[j], ldy);
+                    continue;
+                }
+            }
+#endif
+            T *yr[kLoraRows];
+            for (int r = 0; r < blk.n; r++) yr[r] = y + blk.rows[r] * ldy + p.offset[j];
+#ifdef __AVX512BF16__
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                if (pairs != nullptr && R <= 128) {
+                    const uint16_t *pj = pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j]) * 2;
+                    lora_expand_dp(ui + j * R, K, blk.n, pj, bj, p.ldb, blk.rank, yr, c0, c1);
+                    continue;
+                }
+            }
+#endif
+            lora_expand<Vec>(ui + j * R, K, blk.n, bj, p.ldb, blk.rank, yr, c0, c1);
         }
     }
     return 0;

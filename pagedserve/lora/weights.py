@@ -1,5 +1,6 @@
 """The worker's LoRA weights: max_loras slots of stacked tensors on the model's device, a host
-cache of the last max_cpu_loras adapters read, and the per-step delta.
+cache of the last max_cpu_loras adapters read (laid out as a slot holds them, so a load is a
+few copies; `prefetch` reads one ahead in a background thread), and the per-step delta.
 
 Per linear module (qkv, o, gate_up, down) a slot owns K = parts * max_rank rank columns, R
 per part (the adapter's r of them filled): A holds the shrink matrices of the parts the
@@ -32,6 +33,7 @@ sum that the layer's all-reduce completes with the base output's.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,22 @@ MODULES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down
 # Steps of up to this many rows multiply every slot of the active range and mask (few ops);
 # larger ones gather each adapter's rows (few wasted FLOPs).
 MASKED_ROWS = 64
+
+
+@dataclass
+class HostPart:
+    """One part of an adapter as a slot holds it, on the host: [layers, max_lora_rank, in] A
+    rows, [layers, max_lora_rank, out] BT rows (rows past the adapter's rank zero), and BT's
+    rank pairs ([layers, max_lora_rank / 2, out, 2]) where the slots keep them."""
+    a: torch.Tensor
+    bt: torch.Tensor
+    btp: torch.Tensor | None
+
+
+@dataclass
+class HostAdapter:
+    rank: int
+    parts: dict[str, HostPart]
 
 
 class LoRAWeights:
@@ -73,7 +91,9 @@ class LoRAWeights:
         self.plan: list[dict[str, int]] = [{} for _ in range(max_loras)]
         # Per slot and module its adapter targets: rank | (the parts it targets, a bit each) << 16.
         self.info: list[dict[str, int]] = [{} for _ in range(max_loras)]
-        self.host: OrderedDict[tuple[int, str], tuple] = OrderedDict()   # (id, path) -> (spec, tensors), LRU first
+        self.host: OrderedDict[tuple[int, str], HostAdapter] = OrderedDict()   # (id, path) -> slot-ready copy, LRU first
+        self.reading: dict[tuple[int, str], Future] = {}     # prefetch: reads under way in the background
+        self._reader: ThreadPoolExecutor | None = None       # one thread, made at the first prefetch
         # (module, first slot, last slot) -> per layer (A[range].T, BT[range]): views, valid while the tensors live
         self.views: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.last_range = (-1, -1)      # the slots the last step multiplied (_range)
@@ -81,47 +101,94 @@ class LoRAWeights:
 
     # ---- slots ---------------------------------------------------------------------------
     def load(self, load: LoRALoad) -> None:
+        """Put an adapter into its slot: per part a copy of the host cache's slot-ready rows
+        (_prepare), zeros for the parts it does not target."""
         key = (load.lora_int_id, load.path)
         if self.held[load.slot] == key:
             return
-        spec, tensors = self._host(key)
-        s, L = load.slot, self.args.num_layers
+        entry = self._host(key)
+        s, R = load.slot, self.max_rank
         self.held[s], self.plan[s], self.info[s] = None, {}, {}     # until the copy below is complete
         self.views.clear()           # a single slot's views are trimmed to its adapter's rank
-        self.generation += 1         # and a compiled loop's packed copies are stale
-        for module, a in self.A.items():
-            K = self.K[module]
-            a[:, s * K:(s + 1) * K].zero_()
-            self.BT[module][:, s * K:(s + 1) * K].zero_()
+        self.generation += 1         # and a compiled loop's tables are stale
         plan, info = {}, {}
         for module, parts in MODULES.items():
-            targeted = [p for p in parts if p in spec.parts]
-            if not targeted:
+            targeted = [p for p in parts if p in entry.parts]
+            if not targeted and module not in self.A:
                 continue
             K = self.K[module]
             if module not in self.A:
                 self.A[module] = self._zeros(K, self.shapes[parts[0]][0])
                 self.BT[module] = self._zeros(K, sum(self.shapes[p][1] for p in parts))
-            r, R = spec.rank, self.max_rank
-            plan[module] = parts.index(targeted[-1]) * R + r
-            info[module] = r | sum(1 << parts.index(p) for p in targeted) << 16
-            for layer in range(L):
-                for p in targeted:
-                    a_b = tensors.get((layer, p))
-                    if a_b is not None:
-                        a, b = self._slice(p, *a_b)
-                        start = s * K + parts.index(p) * R       # each part in its own R columns
-                        rows = slice(start, start + r)
-                        self.A[module][layer, rows].copy_(a)
-                        self.BT[module][layer, rows, self.part_cols[p]].copy_(b.T)
-        for module, bt in self.BT.items():      # every module: a zeroed slot's pairs are zero too
-            K = self.K[module]
-            if self.pack:
-                if module not in self.BTP:
-                    self.BTP[module] = _pair_rows(bt)
-                else:
-                    self.BTP[module][:, s * K // 2:(s + 1) * K // 2].copy_(_pair_rows(bt[:, s * K:(s + 1) * K]))
+                if self.pack:
+                    self.BTP[module] = _pair_rows(self.BT[module])
+            for j, p in enumerate(parts):
+                rows = slice(s * K + j * R, s * K + (j + 1) * R)     # each part in its own R rows
+                pairs = slice(rows.start // 2, rows.stop // 2)
+                cols = self.part_cols[p]
+                ready = entry.parts.get(p)
+                if ready is None:       # the part's rows of BT are zero outside its columns anyway
+                    self.A[module][:, rows].zero_()
+                    self.BT[module][:, rows, cols].zero_()
+                    if module in self.BTP:
+                        self.BTP[module][:, pairs, cols].zero_()
+                    continue
+                self.A[module][:, rows].copy_(ready.a)
+                self.BT[module][:, rows, cols].copy_(ready.bt)
+                if module in self.BTP:
+                    self.BTP[module][:, pairs, cols].copy_(ready.btp)
+            if targeted:
+                r = entry.rank
+                plan[module] = parts.index(targeted[-1]) * R + r
+                info[module] = r | sum(1 << parts.index(p) for p in targeted) << 16
         self.held[s], self.plan[s], self.info[s] = key, plan, info
+
+    def prefetch(self, lora_int_id: int, path: str) -> None:
+        """Start reading an adapter into the host cache in the background (a request that will
+        need it has arrived), so the step that puts it into a slot only copies. Errors are
+        left for load, which reads it again and raises them there."""
+        key = (lora_int_id, path)
+        self._collect()
+        if key in self.host or key in self.reading:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
+        self.reading[key] = self._reader.submit(self._prepare, key)
+
+    def _collect(self) -> None:
+        """Reads finished in the background go into the host cache (only this thread changes it)."""
+        for key, future in list(self.reading.items()):
+            if future.done():
+                del self.reading[key]
+                if future.exception() is None:
+                    self._cache(key, future.result())
+
+    def _cache(self, key: tuple[int, str], entry: "HostAdapter") -> "HostAdapter":
+        self.host[key] = entry
+        self.host.move_to_end(key)
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        return entry
+
+    def _prepare(self, key: tuple[int, str]) -> "HostAdapter":
+        """An adapter read, checked and laid out as a slot holds it: per part its A rows and BT
+        rows (this rank's slices, the scale folded in) zero-padded to max_lora_rank, for every
+        layer, and BT's rank pairs where the slots keep them (BTP)."""
+        spec = read_adapter(key[1], str(key[0]), self.args, self.max_rank)
+        tensors = load_tensors(spec, self.dtype)
+        L, R, parts = self.args.num_layers, self.max_rank, {}
+        for p in spec.parts:
+            fan_in, fan_out = self.shapes[p]
+            a_all = torch.zeros(L, R, fan_in, dtype=self.dtype)
+            bt_all = torch.zeros(L, R, fan_out, dtype=self.dtype)
+            for layer in range(L):
+                a_b = tensors.get((layer, p))
+                if a_b is not None:
+                    a, b = self._slice(p, *a_b)
+                    a_all[layer, :spec.rank] = a
+                    bt_all[layer, :spec.rank] = b.T
+            parts[p] = HostPart(a_all, bt_all, _pair_rows(bt_all) if self.pack else None)
+        return HostAdapter(spec.rank, parts)
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's A and B of a part: B's rows of a column-parallel one, A's columns of a row-parallel one."""
@@ -136,17 +203,19 @@ class LoRAWeights:
         return torch.zeros(self.args.num_layers, self.max_loras * per_slot, cols, dtype=self.dtype,
                            device=self.device)
 
-    def _host(self, key: tuple[int, str]):
-        """An adapter's checked spec and host tensors, read at most once while it stays in the
-        host cache (max_cpu_loras adapters, least recently used out first)."""
+    def _host(self, key: tuple[int, str]) -> "HostAdapter":
+        """An adapter's slot-ready host copy (_prepare), read at most once while it stays in the
+        host cache (max_cpu_loras adapters, least recently used out first); a read started by
+        prefetch is waited for."""
+        self._collect()
         hit = self.host.get(key)
-        if hit is None:
-            spec = read_adapter(key[1], str(key[0]), self.args, self.max_rank)
-            hit = self.host[key] = (spec, load_tensors(spec, self.dtype))
-            while len(self.host) > self.max_cpu_loras:
-                self.host.popitem(last=False)
-        self.host.move_to_end(key)
-        return hit
+        if hit is not None:
+            self.host.move_to_end(key)
+            return hit
+        future = self.reading.pop(key, None)
+        if future is not None and future.exception() is None:
+            return self._cache(key, future.result())
+        return self._cache(key, self._prepare(key))     # (a failed prefetch: read again, raising here)
 
     # ---- a step ----------------------------------------------------------------------------
     def step(self, slots: list[int], row_counts: list[int]) -> "LoRAStep | None":

@@ -120,6 +120,8 @@ class ModelRunner:
         swap_blocks(self.kv_cache, self.host_cache, batch.swap_out)
         swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
         self.copy_blocks(batch.block_copies)
+        for read in batch.lora_reads:
+            self.lora.prefetch(read.lora_int_id, read.path)
         for load in batch.lora_loads:
             self.lora.load(load)
         if self.draft is not None:
