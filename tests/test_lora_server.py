@@ -10,9 +10,8 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.server.launcher import launch_server
 from tests.lora_utils import make_adapter, oracle_greedy
-from tests.server_utils import API_KEY, authed_http, metrics, openai_client, tiny_server_args
+from tests.server_utils import api_server_args, metrics, served
 
 MAX_TOKENS = 6
 
@@ -32,24 +31,9 @@ def adapters(tiny_llama, tmp_path_factory):
 def server(tiny_llama, adapters, tmp_path_factory):
     root = adapters[0]
     chat = json.dumps({"name": "chat", "path": str(root / "chat"), "base_model_name": "tiny"})
-    srv = launch_server(tiny_llama.path, tiny_server_args(
-        "--api-key", API_KEY, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
-        "--max-lora-rank", "8", "--return-tokens-as-token-ids", "--lora-modules", f"sql={root / 'sql'}", chat,
-        "--shutdown-timeout", "0"),
-        tmp_path_factory.mktemp("lora_server") / "server.log", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with authed_http(server) as c:
-        yield c
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("lora_server"), api_server_args(
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--return-tokens-as-token-ids",
+        "--lora-modules", f"sql={root / 'sql'}", chat), env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
 
 
 def tokens(client, model, prompt):
