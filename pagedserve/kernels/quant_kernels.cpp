@@ -1123,6 +1123,27 @@ inline __m512 lut_values(float A, float C, __m512 codes) {
     return v;
 }
 
+// One decoded piece's 32 weights as bf16 (elements in order): looked up (kLut) or converted,
+// dequantize_row_vec's float operations either way, then rounded to nearest even.
+template <int QT>
+inline __m512i piece_bf16(const Piece &p, __m512 lut0, __m512 lut1, bool native) {
+    if constexpr (kLut<QT>) {     // codes of 5 bits or fewer: the piece's 32 values, looked up
+        const __m512 v0 = lut_values<QT>(p.A, p.C, lut0), v1 = lut_values<QT>(p.A, p.C, lut1);
+        const __m512i idx = _mm512_cvtepi8_epi16(p.codes);     // vpermw reads 5 bits
+        return _mm512_permutexvar_epi16(idx, bf16_pairs(v0, v1, native));
+    }
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(p.codes)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(p.codes, 1)));
+    float a0 = p.A, a1 = p.A;
+    if constexpr (QT == Q6_K) a0 = p.A * float(p.sc0), a1 = p.A * float(p.sc1);
+    __m512 v0 = _mm512_mul_ps(_mm512_set1_ps(a0), q0), v1 = _mm512_mul_ps(_mm512_set1_ps(a1), q1);
+    if constexpr (kMin<QT>) {
+        v0 = _mm512_add_ps(v0, _mm512_set1_ps(p.C));
+        v1 = _mm512_add_ps(v1, _mm512_set1_ps(p.C));
+    }
+    return bf16_pairs(v0, v1, native);
+}
+
 template <int QT>
 void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *tile, bool native) {
     constexpr int P = kPieces<QT>;
@@ -1137,25 +1158,8 @@ void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16
             for (int64_t u = 0; u < c / kElems[QT]; u++) {
                 Piece p[P];
                 decode<QT>(row + u * kBytes[QT], p);
-                for (int j = 0; j < P; j++) {
-                    if constexpr (kLut<QT>) {     // codes of 5 bits or fewer: the piece's 32 values, looked up
-                        const __m512 v0 = lut_values<QT>(p[j].A, p[j].C, lut0), v1 = lut_values<QT>(p[j].A, p[j].C, lut1);
-                        const __m512i idx = _mm512_cvtepi8_epi16(p[j].codes);     // vpermw reads 5 bits
-                        _mm512_store_si512(buf + i * kCols + (u * P + j) * 32,
-                                           _mm512_permutexvar_epi16(idx, bf16_pairs(v0, v1, native)));
-                        continue;
-                    }
-                    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(p[j].codes)));
-                    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(p[j].codes, 1)));
-                    float a0 = p[j].A, a1 = p[j].A;
-                    if constexpr (QT == Q6_K) a0 = p[j].A * float(p[j].sc0), a1 = p[j].A * float(p[j].sc1);
-                    __m512 v0 = _mm512_mul_ps(_mm512_set1_ps(a0), q0), v1 = _mm512_mul_ps(_mm512_set1_ps(a1), q1);
-                    if constexpr (kMin<QT>) {
-                        v0 = _mm512_add_ps(v0, _mm512_set1_ps(p[j].C));
-                        v1 = _mm512_add_ps(v1, _mm512_set1_ps(p[j].C));
-                    }
-                    _mm512_store_si512(buf + i * kCols + (u * P + j) * 32, bf16_pairs(v0, v1, native));
-                }
+                for (int j = 0; j < P; j++)
+                    _mm512_store_si512(buf + i * kCols + (u * P + j) * 32, piece_bf16<QT>(p[j], lut0, lut1, native));
             }
         }
         for (int64_t j = 0; j < c; j += 32) {
@@ -1242,10 +1246,17 @@ bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
 // linear_packed_ld_f32 or _bf16, passed by address); the whole matrix never exists in float.
 // The tile's buffer is the calling thread's, kept between calls (no page faults per call). 0 on success.
 using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t, int64_t);
+namespace {
+bool amxw_takes(int64_t T);     // the AMX-BF16 path with weights as A tiles (below) takes T rows of bf16 x
+int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
+                uint16_t *y, int64_t ldy);
+}  // namespace
 extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
                                   int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
+    if (x_bf16 && amxw_takes(T))
+        return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy);
     const int64_t elem = x_bf16 ? 2 : 4;
     static thread_local std::vector<uint8_t> packed;
     if (packed.size() < size_t(tile_rows * K * elem)) packed.resize(tile_rows * K * elem);
@@ -1548,8 +1559,212 @@ __attribute__((target("amx-tile,amx-int8"))) void amx8_rows(const QuantPart *par
     }
     if (ps != 0) _tile_release();
 }
+
+// ---- AMX-BF16 with the weights as A tiles (decode batches and small prefill chunks) ------------
+// quant_linear_tiles' arithmetic (W dequantized to bf16 exactly as the packed tiles hold it, times
+// bf16 x, float32 sums) without the packed layout: a group of 32 weight rows is dequantized
+// row-major into an L2 buffer ([32][K] bf16: dequantize_row_vec's values, rounded as the tiles),
+// which AMX reads as A tiles (16 weight rows x 32 k, a row stride of 2K bytes: no transposes);
+// x is put once per call into AMX's VNNI layout as B tiles ([T/16][K/2][16][2]); tdpbf16ps sums
+// every k of a 16 x 16 block of y.T in a C tile (no per-block rescale), 2 x 2 C tiles (32 weight
+// rows x 32 activation rows) per pass over K, so each dequantized group serves every row of x.
+// Threads take groups of 32 weight rows (ranges of equal bytes). Only in the avx512vnni build,
+// where CPUID has amx-bf16 and amx-tile and the kernel grants tile data; for bf16 x of
+// g_amxw.min_rows .. g_amxw.max_rows rows (kernels/quant.py sets them: quant_amxw_config).
+struct AmxW {
+    bool enabled = false;
+    int64_t min_rows = 1 << 30, max_rows = 0;
+};
+AmxW g_amxw;
+
+bool amxw_takes(int64_t T) { return g_amxw.enabled && T >= g_amxw.min_rows && T <= g_amxw.max_rows; }
+
+bool amxw_permitted() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;     // amx-tile, amx-bf16
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_load_config() {     // every tile 16 x 64 bytes
+    Amx8Config cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+// n weight rows (w, ldw bytes apart) -> dst [n][K] bf16, the values of the packed tiles.
+template <int QT>
+void amxw_dequant(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *dst, bool native) {
+    constexpr int P = kPieces<QT>;
+    const __m512 lut0 = lut_codes<QT>(0), lut1 = lut_codes<QT>(1);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + i * ldw;
+        uint16_t *out = dst + i * K;
+        for (int64_t u = 0; u < K / kElems[QT]; u++) {
+            Piece p[P];
+            decode<QT>(row + u * kBytes[QT], p);
+            for (int j = 0; j < P; j++)
+                _mm512_storeu_si512(out + (u * P + j) * 32, piece_bf16<QT>(p[j], lut0, lut1, native));
+        }
+    }
+}
+
+using AmxWDequant = void (*)(const uint8_t *, int64_t, int64_t, int64_t, uint16_t *, bool);
+AmxWDequant amxw_dequant_fn(int qt) {
+    switch (qt) {
+    case Q4_0: return amxw_dequant<Q4_0>;
+    case Q4_1: return amxw_dequant<Q4_1>;
+    case Q5_0: return amxw_dequant<Q5_0>;
+    case Q5_1: return amxw_dequant<Q5_1>;
+    case Q8_0: return amxw_dequant<Q8_0>;
+    case Q4_K: return amxw_dequant<Q4_K>;
+    case Q5_K: return amxw_dequant<Q5_K>;
+    case Q6_K: return amxw_dequant<Q6_K>;
+    }
+    return nullptr;
+}
+
+// C tiles 0 (weight rows 0-15 x activation tile b0), 1 (0-15 x b1, PAIR), 2 (16-31 x b0, TWO),
+// 3 (16-31 x b1, both) summed over all K: A tiles from wb [32][K], B tiles b0, b1 [K/2][16][2].
+// Stored into cbuf [4][16][16] float32 (tile i at 256 i).
+template <bool TWO, bool PAIR>
+__attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_t *wb, const uint16_t *b0,
+                                                                   const uint16_t *b1, int64_t K, float *cbuf) {
+    const int64_t stride = 2 * K;
+    _tile_zero(0);
+    if (PAIR) _tile_zero(1);
+    if (TWO) _tile_zero(2);
+    if (TWO && PAIR) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, wb + k, stride);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (PAIR) {
+            _tile_loadd(7, b1 + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (TWO) {
+            _tile_loadd(5, wb + 16 * K + k, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (PAIR) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cbuf, 64);
+    if (PAIR) _tile_stored(1, cbuf + 256, 64);
+    if (TWO) _tile_stored(2, cbuf + 512, 64);
+    if (TWO && PAIR) _tile_stored(3, cbuf + 768, 64);
+}
+
+// One C tile's sums (c: [16 weight rows][16 activation rows] float32) + bias into y.T's block:
+// rows [t0, t0 + nt) of y, columns [col, col + nw).
+inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t ldy, int64_t t0, int64_t nt,
+                       int64_t col, int64_t nw) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(c + 16 * i);
+    transpose16x16(r);                       // r[t]: activation row t's sums of the 16 weight rows
+    const __mmask16 mask = nw >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nw) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; t++)
+        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + col, mask,
+                                 _mm512_cvtepi32_epi16(bf16_bits(_mm512_add_ps(_mm512_castsi512_ps(r[t]), b))));
+}
+
+// n (<= 32) weight rows, dequantized in wb [32][K] (rows past n zero), times all T rows of x (bv:
+// its B tiles) into y's columns [col, col + n).
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_group(const uint16_t *wb, int64_t n, const uint16_t *bv,
+                                                               int64_t T, int64_t K, const float *bias, uint16_t *y,
+                                                               int64_t ldy, int64_t col, float *cbuf) {
+    const int64_t tiles = (T + 15) / 16;
+    const bool two = n > 16;
+    for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
+        const bool pair = t0 + 1 < tiles;
+        const uint16_t *b0 = bv + t0 * K * 16, *b1 = b0 + K * 16;
+        amx8_barrier();
+        if (two && pair) amxw_pass<true, true>(wb, b0, b1, K, cbuf);
+        else if (two) amxw_pass<true, false>(wb, b0, b1, K, cbuf);
+        else if (pair) amxw_pass<false, true>(wb, b0, b1, K, cbuf);
+        else amxw_pass<false, false>(wb, b0, b1, K, cbuf);
+        amx8_barrier();
+        for (int h = 0; h < (two ? 2 : 1); h++)
+            for (int p = 0; p < (pair ? 2 : 1); p++)
+                amxw_store(cbuf + 256 * (2 * h + p), bias ? bias + 16 * h : nullptr, y, ldy, 16 * (t0 + p),
+                           std::min<int64_t>(16, T - 16 * (t0 + p)), col + 16 * h, std::min<int64_t>(16, n - 16 * h));
+    }
+}
+
+// This thread's share of the groups of 32 weight rows (ranges of equal bytes); bv complete.
+// Called inside amxw_linear's parallel region.
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
+                                                              int64_t T, int64_t K, int64_t total, const float *bias,
+                                                              uint16_t *y, int64_t ldy, bool native) {
+    static thread_local std::vector<uint16_t> wb;
+    if (wb.size() < size_t(32 * K)) wb.resize(32 * K);
+    alignas(64) float cbuf[1024];
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+    bool configured = false;
+    int64_t at = 0, first = 0;         // bytes before this group, its part's first row in y
+    for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+        const QuantPart &q = parts[p];
+        const int64_t row_bytes = K / kElems[q.qtype] * kBytes[q.qtype];
+        for (int64_t r0 = 0; r0 < q.rows; r0 += 32) {
+            const int64_t n = std::min<int64_t>(32, q.rows - r0), start = at;
+            at += n * row_bytes;
+            if (start < lo || start >= hi) continue;
+            if (!configured) amxw_load_config(), configured = true;
+            if (n < 32) std::fill(wb.begin() + n * K, wb.begin() + 32 * K, uint16_t(0));
+            amxw_dequant_fn(int(q.qtype))(q.w + r0 * q.ldw, q.ldw, n, K, wb.data(), native);
+            amxw_group(wb.data(), n, reinterpret_cast<const uint16_t *>(bv), T, K,
+                       bias ? bias + first + r0 : nullptr, y, ldy, first + r0, cbuf);
+        }
+    }
+    if (configured) _tile_release();
+}
+
+int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
+                uint16_t *y, int64_t ldy) {
+    const int64_t tiles = (T + 15) / 16, pairs = K / 2;
+    std::vector<uint32_t> bv(tiles * pairs * 16);       // x's bf16 pairs: [tiles][K/2][16]
+    const uint32_t *x32 = reinterpret_cast<const uint32_t *>(x);
+    int64_t total = 0;                                  // weight bytes
+    for (int64_t p = 0; p < nparts; p++) total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+    const bool native = native_bf16();
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < tiles * pairs; i++) {
+            const int64_t k = i / pairs, g = i % pairs;
+            for (int64_t c = 0; c < 16; c++) bv[i * 16 + c] = 16 * k + c < T ? x32[(16 * k + c) * pairs + g] : 0u;
+        }
+        amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native);
+    }
+    return 0;
+}
+#else
+bool amxw_takes(int64_t) { return false; }
+int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, const float *, uint16_t *, int64_t) {
+    return 1;
+}
 #endif
 }  // namespace
+
+// enable: the AMX-BF16 path with weights as A tiles for bf16 x of min_rows .. max_rows rows in
+// quant_linear_tiles (1) or not (0). Returns 1 where it is in use after the call, 0 where not (not
+// this build, the CPU or kernel lacks AMX-BF16, or disabled).
+extern "C" int quant_amxw_config(int64_t enable, int64_t min_rows, int64_t max_rows) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    static const bool usable = amxw_permitted();
+    g_amxw.enabled = usable && enable != 0;
+    g_amxw.min_rows = std::max<int64_t>(1, min_rows);
+    g_amxw.max_rows = max_rows;
+    return g_amxw.enabled ? 1 : 0;
+#else
+    (void)enable, (void)min_rows, (void)max_rows;
+    return 0;
+#endif
+}
 
 // enable: use the AMX-INT8 dots where usable (1) or not (0); min_rows: from how many rows of x.
 // Returns 1 where they are in use after the call, 0 where not (not this build, the CPU or kernel
