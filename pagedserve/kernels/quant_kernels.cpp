@@ -1595,6 +1595,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_load_config() {     // ev
 }
 
 // n weight rows (w, ldw bytes apart) -> dst [n][K] bf16, the values of the packed tiles.
+// The 32-element types' blocks go 16 at a time: their fp16 d (and m) in one gather and one
+// conversion (the same floats as f16), q4_0 / q4_1's nibbles two blocks per 512-bit unpack.
 template <int QT>
 void amxw_dequant(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *dst, bool native) {
     constexpr int P = kPieces<QT>;
@@ -1602,7 +1604,38 @@ void amxw_dequant(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t 
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = w + i * ldw;
         uint16_t *out = dst + i * K;
-        for (int64_t u = 0; u < K / kElems[QT]; u++) {
+        int64_t u = 0;
+        if constexpr (P == 1) {
+            constexpr int B = int(kBytes[QT]);
+            const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B,
+                                                 11 * B, 12 * B, 13 * B, 14 * B, 15 * B);
+            alignas(64) float As[16], Cs[16];
+            for (; u + 16 <= K / 32; u += 16) {
+                const uint8_t *b = row + u * B;
+                const __m512i dm = _mm512_i32gather_epi32(at, b, 1);
+                _mm512_store_ps(As, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+                if constexpr (kMin<QT>) _mm512_store_ps(Cs, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+                for (int j = 0; j < 16; j += 2) {
+                    __m256i c0, c1;
+                    if constexpr (QT == Q4_0 || QT == Q4_1) {
+                        constexpr int o = QT == Q4_0 ? 2 : 4;
+                        __m512i c = nibbles64(b + j * B + o, b + (j + 1) * B + o);
+                        if constexpr (QT == Q4_0) c = _mm512_sub_epi8(c, _mm512_set1_epi8(8));
+                        c0 = _mm512_castsi512_si256(c), c1 = _mm512_extracti64x4_epi64(c, 1);
+                    } else {
+                        Piece p0, p1;
+                        decode<QT>(b + j * B, &p0);
+                        decode<QT>(b + (j + 1) * B, &p1);
+                        c0 = p0.codes, c1 = p1.codes;
+                    }
+                    const Piece p0{c0, As[j], kMin<QT> ? Cs[j] : 0.f, 1, 1};
+                    const Piece p1{c1, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, 1, 1};
+                    _mm512_storeu_si512(out + (u + j) * 32, piece_bf16<QT>(p0, lut0, lut1, native));
+                    _mm512_storeu_si512(out + (u + j + 1) * 32, piece_bf16<QT>(p1, lut0, lut1, native));
+                }
+            }
+        }
+        for (; u < K / kElems[QT]; u++) {
             Piece p[P];
             decode<QT>(row + u * kBytes[QT], p);
             for (int j = 0; j < P; j++)
@@ -1628,16 +1661,26 @@ AmxWDequant amxw_dequant_fn(int qt) {
 
 // C tiles 0 (weight rows 0-15 x activation tile b0), 1 (0-15 x b1, PAIR), 2 (16-31 x b0, TWO),
 // 3 (16-31 x b1, both) summed over all K: A tiles from wb [32][K], B tiles b0, b1 [K/2][16][2].
-// Stored into cbuf [4][16][16] float32 (tile i at 256 i).
+// Stored into cbuf [4][16][16] float32 (tile i at 256 i). Between the tile operations, the next
+// group's weight bytes are prefetched into L2 (pf: per cache lines a step, from pf.at), so their
+// memory reads overlap the AMX work instead of stalling the next dequantize.
+struct AmxWPrefetch {
+    const uint8_t *at, *end;
+    int64_t per;          // cache lines per K step
+};
+
 template <bool TWO, bool PAIR>
 __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_t *wb, const uint16_t *b0,
-                                                                   const uint16_t *b1, int64_t K, float *cbuf) {
+                                                                   const uint16_t *b1, int64_t K, float *cbuf,
+                                                                   AmxWPrefetch &pf) {
     const int64_t stride = 2 * K;
     _tile_zero(0);
     if (PAIR) _tile_zero(1);
     if (TWO) _tile_zero(2);
     if (TWO && PAIR) _tile_zero(3);
     for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t i = 0; i < pf.per && pf.at < pf.end; i++, pf.at += 64)
+            _mm_prefetch(reinterpret_cast<const char *>(pf.at), _MM_HINT_T1);
         _tile_loadd(4, wb + k, stride);
         _tile_loadd(6, b0 + k * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -1675,17 +1718,20 @@ inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t l
 // its B tiles) into y's columns [col, col + n).
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_group(const uint16_t *wb, int64_t n, const uint16_t *bv,
                                                                int64_t T, int64_t K, const float *bias, uint16_t *y,
-                                                               int64_t ldy, int64_t col, float *cbuf) {
+                                                               int64_t ldy, int64_t col, float *cbuf,
+                                                               AmxWPrefetch pf) {
     const int64_t tiles = (T + 15) / 16;
     const bool two = n > 16;
+    const int64_t steps = (tiles + 1) / 2 * (K / 32);
+    pf.per = (pf.end - pf.at + 64 * steps - 1) / (64 * steps);
     for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
         const bool pair = t0 + 1 < tiles;
         const uint16_t *b0 = bv + t0 * K * 16, *b1 = b0 + K * 16;
         amx8_barrier();
-        if (two && pair) amxw_pass<true, true>(wb, b0, b1, K, cbuf);
-        else if (two) amxw_pass<true, false>(wb, b0, b1, K, cbuf);
-        else if (pair) amxw_pass<false, true>(wb, b0, b1, K, cbuf);
-        else amxw_pass<false, false>(wb, b0, b1, K, cbuf);
+        if (two && pair) amxw_pass<true, true>(wb, b0, b1, K, cbuf, pf);
+        else if (two) amxw_pass<true, false>(wb, b0, b1, K, cbuf, pf);
+        else if (pair) amxw_pass<false, true>(wb, b0, b1, K, cbuf, pf);
+        else amxw_pass<false, false>(wb, b0, b1, K, cbuf, pf);
         amx8_barrier();
         for (int h = 0; h < (two ? 2 : 1); h++)
             for (int p = 0; p < (pair ? 2 : 1); p++)
@@ -1716,8 +1762,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
             if (!configured) amxw_load_config(), configured = true;
             if (n < 32) std::fill(wb.begin() + n * K, wb.begin() + 32 * K, uint16_t(0));
             amxw_dequant_fn(int(q.qtype))(q.w + r0 * q.ldw, q.ldw, n, K, wb.data(), native);
+            // the next group of this part, where its rows are contiguous and it is this thread's (else none)
+            const int64_t next = std::min<int64_t>(32, std::max<int64_t>(0, q.rows - r0 - 32));
+            const uint8_t *pf = q.w + (r0 + 32) * q.ldw;
+            const AmxWPrefetch ahead{pf, q.ldw == row_bytes && at < hi ? pf + next * row_bytes : pf, 0};
             amxw_group(wb.data(), n, reinterpret_cast<const uint16_t *>(bv), T, K,
-                       bias ? bias + first + r0 : nullptr, y, ldy, first + r0, cbuf);
+                       bias ? bias + first + r0 : nullptr, y, ldy, first + r0, cbuf, ahead);
         }
     }
     if (configured) _tile_release();
