@@ -116,7 +116,7 @@ AMX_INT8_BATCH_ROWS = 28
 # bf16 weights times bf16 x, float32 sums). Measured interleaved in one process (2 threads,
 # Sapphire Rapids, 1.7B and 135M layer shapes): see docs/architecture.md's quantized rows.
 AMXW_MIN_ROWS = 8
-AMXW_MAX_ROWS = 256
+AMXW_MAX_ROWS = 160
 _amxw_wanted: bool | None = None      # set_amxw's choice; None: as cpu.amx_in_use()
 _amxw_rows: tuple[int, int] | None = None   # None: (AMXW_MIN_ROWS, AMXW_MAX_ROWS)
 _amxw_key: tuple | None = None
@@ -679,7 +679,10 @@ def describe() -> dict:
         quant_amx_batch_rows=batch_rows(False, bf16=True),
         quant_amx_int8=(f"AMX-INT8 dots from {amx_int8_min_rows()} to {AMX_INT8_BATCH_ROWS} rows"
                         if amx_int8_in_use() else "off"),
+        quant_amxw=(f"bf16 x of {amxw_rows()[0]} to {amxw_rows()[1]} rows on AMX-BF16, weights as A tiles"
+                    if amxw_in_use() else "off"),
         quant_paths={q: f"T <= {batch_rows(False)} ({batch_rows(True)} decode tokens; bf16 x: "
                         f"{batch_rows(False, True)}): {small}; above: tiles "
-                        f"dequantized into {gemm}" for q in QTYPES},
+                        f"dequantized into {gemm}" + (f" (bf16 x up to {amxw_rows()[1]} rows: weights as AMX A tiles)"
+                                                      if amxw_in_use() else "") for q in QTYPES},
     )
