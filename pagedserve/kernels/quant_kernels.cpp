@@ -1594,76 +1594,96 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_load_config() {     // ev
     _tile_loadconfig(&cfg);
 }
 
-// n weight rows (w, ldw bytes apart) -> dst [n][K] bf16, the values of the packed tiles.
-// The 32-element types' blocks go 16 at a time: their fp16 d (and m) in one gather and one
-// conversion (the same floats as f16), q4_0 / q4_1's nibbles two blocks per 512-bit unpack.
+// Units [u0, u1) (blocks, super-blocks) of one weight row -> out (that row's bf16 [K]), the
+// values of the packed tiles. The 32-element types' blocks go 16 at a time: their fp16 d (and m)
+// in one gather and one conversion (the same floats as f16), q4_0 / q4_1's nibbles two blocks
+// per 512-bit unpack.
 template <int QT>
-void amxw_dequant(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *dst, bool native) {
+void amxw_units(const uint8_t *row, int64_t u0, int64_t u1, uint16_t *out, bool native) {
     constexpr int P = kPieces<QT>;
     const __m512 lut0 = lut_codes<QT>(0), lut1 = lut_codes<QT>(1);
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = w + i * ldw;
-        uint16_t *out = dst + i * K;
-        int64_t u = 0;
-        if constexpr (P == 1) {
-            constexpr int B = int(kBytes[QT]);
-            const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B,
-                                                 11 * B, 12 * B, 13 * B, 14 * B, 15 * B);
-            alignas(64) float As[16], Cs[16];
-            for (; u + 16 <= K / 32; u += 16) {
-                const uint8_t *b = row + u * B;
-                const __m512i dm = _mm512_i32gather_epi32(at, b, 1);
-                _mm512_store_ps(As, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-                if constexpr (kMin<QT>) _mm512_store_ps(Cs, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
-                for (int j = 0; j < 16; j += 2) {
-                    __m256i c0, c1;
-                    if constexpr (QT == Q4_0 || QT == Q4_1) {
-                        constexpr int o = QT == Q4_0 ? 2 : 4;
-                        __m512i c = nibbles64(b + j * B + o, b + (j + 1) * B + o);
-                        if constexpr (QT == Q4_0) c = _mm512_sub_epi8(c, _mm512_set1_epi8(8));
-                        c0 = _mm512_castsi512_si256(c), c1 = _mm512_extracti64x4_epi64(c, 1);
-                    } else {
-                        Piece p0, p1;
-                        decode<QT>(b + j * B, &p0);
-                        decode<QT>(b + (j + 1) * B, &p1);
-                        c0 = p0.codes, c1 = p1.codes;
-                    }
-                    const Piece p0{c0, As[j], kMin<QT> ? Cs[j] : 0.f, 1, 1};
-                    const Piece p1{c1, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, 1, 1};
-                    _mm512_storeu_si512(out + (u + j) * 32, piece_bf16<QT>(p0, lut0, lut1, native));
-                    _mm512_storeu_si512(out + (u + j + 1) * 32, piece_bf16<QT>(p1, lut0, lut1, native));
+    int64_t u = u0;
+    if constexpr (P == 1) {
+        constexpr int B = int(kBytes[QT]);
+        const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B,
+                                             11 * B, 12 * B, 13 * B, 14 * B, 15 * B);
+        alignas(64) float As[16], Cs[16];
+        for (; u + 16 <= u1; u += 16) {
+            const uint8_t *b = row + u * B;
+            const __m512i dm = _mm512_i32gather_epi32(at, b, 1);
+            _mm512_store_ps(As, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+            if constexpr (kMin<QT>) _mm512_store_ps(Cs, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+            for (int j = 0; j < 16; j += 2) {
+                __m256i c0, c1;
+                if constexpr (QT == Q4_0 || QT == Q4_1) {
+                    constexpr int o = QT == Q4_0 ? 2 : 4;
+                    __m512i c = nibbles64(b + j * B + o, b + (j + 1) * B + o);
+                    if constexpr (QT == Q4_0) c = _mm512_sub_epi8(c, _mm512_set1_epi8(8));
+                    c0 = _mm512_castsi512_si256(c), c1 = _mm512_extracti64x4_epi64(c, 1);
+                } else {
+                    Piece p0, p1;
+                    decode<QT>(b + j * B, &p0);
+                    decode<QT>(b + (j + 1) * B, &p1);
+                    c0 = p0.codes, c1 = p1.codes;
                 }
+                const Piece p0{c0, As[j], kMin<QT> ? Cs[j] : 0.f, 1, 1};
+                const Piece p1{c1, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, 1, 1};
+                _mm512_storeu_si512(out + (u + j) * 32, piece_bf16<QT>(p0, lut0, lut1, native));
+                _mm512_storeu_si512(out + (u + j + 1) * 32, piece_bf16<QT>(p1, lut0, lut1, native));
             }
         }
-        for (; u < K / kElems[QT]; u++) {
-            Piece p[P];
-            decode<QT>(row + u * kBytes[QT], p);
-            for (int j = 0; j < P; j++)
-                _mm512_storeu_si512(out + (u * P + j) * 32, piece_bf16<QT>(p[j], lut0, lut1, native));
-        }
+    }
+    for (; u < u1; u++) {
+        Piece p[P];
+        decode<QT>(row + u * kBytes[QT], p);
+        for (int j = 0; j < P; j++)
+            _mm512_storeu_si512(out + (u * P + j) * 32, piece_bf16<QT>(p[j], lut0, lut1, native));
     }
 }
 
-using AmxWDequant = void (*)(const uint8_t *, int64_t, int64_t, int64_t, uint16_t *, bool);
-AmxWDequant amxw_dequant_fn(int qt) {
+using AmxWUnits = void (*)(const uint8_t *, int64_t, int64_t, uint16_t *, bool);
+AmxWUnits amxw_units_fn(int qt) {
     switch (qt) {
-    case Q4_0: return amxw_dequant<Q4_0>;
-    case Q4_1: return amxw_dequant<Q4_1>;
-    case Q5_0: return amxw_dequant<Q5_0>;
-    case Q5_1: return amxw_dequant<Q5_1>;
-    case Q8_0: return amxw_dequant<Q8_0>;
-    case Q4_K: return amxw_dequant<Q4_K>;
-    case Q5_K: return amxw_dequant<Q5_K>;
-    case Q6_K: return amxw_dequant<Q6_K>;
+    case Q4_0: return amxw_units<Q4_0>;
+    case Q4_1: return amxw_units<Q4_1>;
+    case Q5_0: return amxw_units<Q5_0>;
+    case Q5_1: return amxw_units<Q5_1>;
+    case Q8_0: return amxw_units<Q8_0>;
+    case Q4_K: return amxw_units<Q4_K>;
+    case Q5_K: return amxw_units<Q5_K>;
+    case Q6_K: return amxw_units<Q6_K>;
     }
     return nullptr;
 }
 
+// A group of n weight rows being dequantized into dst [32][K] (rows past n zeroed first) a few
+// units at a time (step), between the tile operations of the group before it, so the vector
+// work of one group overlaps the AMX work of the other; finish() does what is left.
+struct AmxWNext {
+    AmxWUnits fn = nullptr;
+    const uint8_t *w = nullptr;
+    int64_t ldw = 0, n = 0, units = 0, K = 0;     // units per row
+    uint16_t *dst = nullptr;
+    bool native = false;
+    int64_t row = 0, unit = 0, per = 0;           // the cursor; units per step
+    void step(int64_t count) {
+        while (count > 0 && row < n) {
+            const int64_t take = std::min(count, units - unit);
+            fn(w + row * ldw, unit, unit + take, dst + row * K, native);
+            count -= take;
+            if ((unit += take) == units) row++, unit = 0;
+        }
+    }
+    void finish() { step(n * units); }
+    int64_t left() const { return (n - row) * units - unit; }
+};
+
 // C tiles 0 (weight rows 0-15 x activation tile b0), 1 (0-15 x b1, PAIR), 2 (16-31 x b0, TWO),
 // 3 (16-31 x b1, both) summed over all K: A tiles from wb [32][K], B tiles b0, b1 [K/2][16][2].
-// Stored into cbuf [4][16][16] float32 (tile i at 256 i). Between the tile operations, the next
-// group's weight bytes are prefetched into L2 (pf: per cache lines a step, from pf.at), so their
-// memory reads overlap the AMX work instead of stalling the next dequantize.
+// Stored into cbuf [4][16][16] float32 (tile i at 256 i). Between the tile operations: nx.per
+// units of the next group dequantized (AmxWNext), and the weight bytes of the group after it
+// prefetched into L2 (pf: per cache lines a step, from pf.at), so their memory reads overlap the
+// AMX work instead of stalling a dequantize.
 struct AmxWPrefetch {
     const uint8_t *at, *end;
     int64_t per;          // cache lines per K step
@@ -1672,7 +1692,7 @@ struct AmxWPrefetch {
 template <bool TWO, bool PAIR>
 __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_t *wb, const uint16_t *b0,
                                                                    const uint16_t *b1, int64_t K, float *cbuf,
-                                                                   AmxWPrefetch &pf) {
+                                                                   AmxWPrefetch &pf, AmxWNext &nx) {
     const int64_t stride = 2 * K;
     _tile_zero(0);
     if (PAIR) _tile_zero(1);
@@ -1693,6 +1713,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_
             _tile_dpbf16ps(2, 5, 6);
             if (PAIR) _tile_dpbf16ps(3, 5, 7);
         }
+        nx.step(nx.per);
     }
     _tile_stored(0, cbuf, 64);
     if (PAIR) _tile_stored(1, cbuf + 256, 64);
@@ -1719,19 +1740,20 @@ inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t l
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_group(const uint16_t *wb, int64_t n, const uint16_t *bv,
                                                                int64_t T, int64_t K, const float *bias, uint16_t *y,
                                                                int64_t ldy, int64_t col, float *cbuf,
-                                                               AmxWPrefetch pf) {
+                                                               AmxWPrefetch pf, AmxWNext &nx) {
     const int64_t tiles = (T + 15) / 16;
     const bool two = n > 16;
     const int64_t steps = (tiles + 1) / 2 * (K / 32);
     pf.per = (pf.end - pf.at + 64 * steps - 1) / (64 * steps);
+    nx.per = (nx.left() + steps - 1) / steps;
     for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
         const bool pair = t0 + 1 < tiles;
         const uint16_t *b0 = bv + t0 * K * 16, *b1 = b0 + K * 16;
         amx8_barrier();
-        if (two && pair) amxw_pass<true, true>(wb, b0, b1, K, cbuf, pf);
-        else if (two) amxw_pass<true, false>(wb, b0, b1, K, cbuf, pf);
-        else if (pair) amxw_pass<false, true>(wb, b0, b1, K, cbuf, pf);
-        else amxw_pass<false, false>(wb, b0, b1, K, cbuf, pf);
+        if (two && pair) amxw_pass<true, true>(wb, b0, b1, K, cbuf, pf, nx);
+        else if (two) amxw_pass<true, false>(wb, b0, b1, K, cbuf, pf, nx);
+        else if (pair) amxw_pass<false, true>(wb, b0, b1, K, cbuf, pf, nx);
+        else amxw_pass<false, false>(wb, b0, b1, K, cbuf, pf, nx);
         amx8_barrier();
         for (int h = 0; h < (two ? 2 : 1); h++)
             for (int p = 0; p < (pair ? 2 : 1); p++)
@@ -1741,36 +1763,59 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_group(const uint16_t *wb,
 }
 
 // This thread's share of the groups of 32 weight rows (ranges of equal bytes); bv complete.
+// Two buffers: group i's AMX passes read one while group i + 1 is dequantized into the other.
 // Called inside amxw_linear's parallel region.
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
                                                               int64_t T, int64_t K, int64_t total, const float *bias,
                                                               uint16_t *y, int64_t ldy, bool native) {
+    struct Group {
+        const QuantPart *q;
+        int64_t r0, n, first, row_bytes;
+    };
     static thread_local std::vector<uint16_t> wb;
-    if (wb.size() < size_t(32 * K)) wb.resize(32 * K);
-    alignas(64) float cbuf[1024];
+    static thread_local std::vector<Group> mine;
+    if (wb.size() < size_t(64 * K)) wb.resize(64 * K);
+    mine.clear();
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
-    bool configured = false;
     int64_t at = 0, first = 0;         // bytes before this group, its part's first row in y
     for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
-        const QuantPart &q = parts[p];
-        const int64_t row_bytes = K / kElems[q.qtype] * kBytes[q.qtype];
-        for (int64_t r0 = 0; r0 < q.rows; r0 += 32) {
-            const int64_t n = std::min<int64_t>(32, q.rows - r0), start = at;
+        const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+        for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
+            const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
             at += n * row_bytes;
-            if (start < lo || start >= hi) continue;
-            if (!configured) amxw_load_config(), configured = true;
-            if (n < 32) std::fill(wb.begin() + n * K, wb.begin() + 32 * K, uint16_t(0));
-            amxw_dequant_fn(int(q.qtype))(q.w + r0 * q.ldw, q.ldw, n, K, wb.data(), native);
-            // the next group of this part, where its rows are contiguous and it is this thread's (else none)
-            const int64_t next = std::min<int64_t>(32, std::max<int64_t>(0, q.rows - r0 - 32));
-            const uint8_t *pf = q.w + (r0 + 32) * q.ldw;
-            const AmxWPrefetch ahead{pf, q.ldw == row_bytes && at < hi ? pf + next * row_bytes : pf, 0};
-            amxw_group(wb.data(), n, reinterpret_cast<const uint16_t *>(bv), T, K,
-                       bias ? bias + first + r0 : nullptr, y, ldy, first + r0, cbuf, ahead);
+            if (start >= lo && start < hi) mine.push_back({&parts[p], r0, n, first, row_bytes});
         }
     }
-    if (configured) _tile_release();
+    if (mine.empty()) return;
+    auto next_of = [&](size_t i) {       // group i's dequantize, not started, into buffer i % 2
+        AmxWNext nx;
+        if (i >= mine.size()) return nx;
+        const Group &g = mine[i];
+        uint16_t *dst = wb.data() + (i % 2) * 32 * K;
+        if (g.n < 32) std::fill(dst + g.n * K, dst + 32 * K, uint16_t(0));
+        nx.fn = amxw_units_fn(int(g.q->qtype));
+        nx.w = g.q->w + g.r0 * g.q->ldw, nx.ldw = g.q->ldw, nx.n = g.n, nx.units = K / kElems[g.q->qtype];
+        nx.K = K, nx.dst = dst, nx.native = native;
+        return nx;
+    };
+    amxw_load_config();
+    alignas(64) float cbuf[1024];
+    AmxWNext now = next_of(0);
+    now.finish();
+    for (size_t i = 0; i < mine.size(); i++) {
+        const Group &g = mine[i];
+        AmxWNext nx = next_of(i + 1);
+        AmxWPrefetch ahead{nullptr, nullptr, 0};          // group i + 2's bytes, where its rows are contiguous
+        if (i + 2 < mine.size() && mine[i + 2].q->ldw == mine[i + 2].row_bytes) {
+            const Group &h = mine[i + 2];
+            ahead.at = h.q->w + h.r0 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
+        }
+        amxw_group(wb.data() + (i % 2) * 32 * K, g.n, reinterpret_cast<const uint16_t *>(bv), T, K,
+                   bias ? bias + g.first + g.r0 : nullptr, y, ldy, g.first + g.r0, cbuf, ahead, nx);
+        nx.finish();
+    }
+    _tile_release();
 }
 
 int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
