@@ -1596,13 +1596,36 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_load_config() {     // ev
 
 // Units [u0, u1) (blocks, super-blocks) of one weight row -> out (that row's bf16 [K]), the
 // values of the packed tiles. The 32-element types' blocks go 16 at a time: their fp16 d (and m)
-// in one gather and one conversion (the same floats as f16), q4_0 / q4_1's nibbles two blocks
-// per 512-bit unpack.
+// in one gather and one conversion (the same floats as f16); q4_0 / q4_1's nibbles two blocks
+// per 512-bit unpack and q4_k's sub-blocks two at a time, each pair through one table (amxw_pair4).
+// Two pieces of 4-bit codes (n: 0..15) share one table: piece a's 16 values A * code (+ C) in
+// its low half, b's in the high half, one rounding for both; b's indices n + 16.
+// (q4_0: code = n - 8, the codes decode<Q4_0> gives; the same float operations as lut_values.)
+template <int QT>
+inline void amxw_pair4(__m256i na, __m256i nb, float Aa, float Ca, float Ab, float Cb, uint16_t *out, bool native) {
+    const __m512 codes = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                    : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i table = bf16_pairs(lut_values<QT>(Aa, Ca, codes), lut_values<QT>(Ab, Cb, codes), native);
+    const __m512i ia = _mm512_cvtepu8_epi16(na), ib = _mm512_or_si512(_mm512_cvtepu8_epi16(nb), _mm512_set1_epi16(16));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(ia, table));
+    _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(ib, table));
+}
+
 template <int QT>
 void amxw_units(const uint8_t *row, int64_t u0, int64_t u1, uint16_t *out, bool native) {
     constexpr int P = kPieces<QT>;
     const __m512 lut0 = lut_codes<QT>(0), lut1 = lut_codes<QT>(1);
     int64_t u = u0;
+    if constexpr (QT == Q4_K) {       // sub-blocks 2c, 2c + 1: one table
+        for (; u < u1; u++) {
+            Piece p[8];
+            decode<QT>(row + u * kBytes[QT], p);
+            for (int j = 0; j < 8; j += 2)
+                amxw_pair4<QT>(p[j].codes, p[j + 1].codes, p[j].A, p[j].C, p[j + 1].A, p[j + 1].C, out + (u * 8 + j) * 32,
+                               native);
+        }
+        return;
+    }
     if constexpr (P == 1) {
         constexpr int B = int(kBytes[QT]);
         const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B,
@@ -1614,20 +1637,19 @@ void amxw_units(const uint8_t *row, int64_t u0, int64_t u1, uint16_t *out, bool 
             _mm512_store_ps(As, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
             if constexpr (kMin<QT>) _mm512_store_ps(Cs, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
             for (int j = 0; j < 16; j += 2) {
-                __m256i c0, c1;
-                if constexpr (QT == Q4_0 || QT == Q4_1) {
+                if constexpr (QT == Q4_0 || QT == Q4_1) {     // raw nibbles, one table for both blocks
                     constexpr int o = QT == Q4_0 ? 2 : 4;
-                    __m512i c = nibbles64(b + j * B + o, b + (j + 1) * B + o);
-                    if constexpr (QT == Q4_0) c = _mm512_sub_epi8(c, _mm512_set1_epi8(8));
-                    c0 = _mm512_castsi512_si256(c), c1 = _mm512_extracti64x4_epi64(c, 1);
-                } else {
-                    Piece p0, p1;
-                    decode<QT>(b + j * B, &p0);
-                    decode<QT>(b + (j + 1) * B, &p1);
-                    c0 = p0.codes, c1 = p1.codes;
+                    const __m512i c = nibbles64(b + j * B + o, b + (j + 1) * B + o);
+                    amxw_pair4<QT>(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1), As[j],
+                                   kMin<QT> ? Cs[j] : 0.f, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, out + (u + j) * 32,
+                                   native);
+                    continue;
                 }
-                const Piece p0{c0, As[j], kMin<QT> ? Cs[j] : 0.f, 1, 1};
-                const Piece p1{c1, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, 1, 1};
+                Piece d0, d1;
+                decode<QT>(b + j * B, &d0);
+                decode<QT>(b + (j + 1) * B, &d1);
+                const Piece p0{d0.codes, As[j], kMin<QT> ? Cs[j] : 0.f, 1, 1};
+                const Piece p1{d1.codes, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, 1, 1};
                 _mm512_storeu_si512(out + (u + j) * 32, piece_bf16<QT>(p0, lut0, lut1, native));
                 _mm512_storeu_si512(out + (u + j + 1) * 32, piece_bf16<QT>(p1, lut0, lut1, native));
             }
@@ -1735,46 +1757,57 @@ inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t l
                                  _mm512_cvtepi32_epi16(bf16_bits(_mm512_add_ps(_mm512_castsi512_ps(r[t]), b))));
 }
 
-// n (<= 32) weight rows, dequantized in wb [32][K] (rows past n zero), times all T rows of x (bv:
-// its B tiles) into y's columns [col, col + n).
-__attribute__((target("amx-tile,amx-bf16"))) void amxw_group(const uint16_t *wb, int64_t n, const uint16_t *bv,
+// n weight rows (a block of groups of 32), dequantized in wb [n rounded up to 32][K] (rows past n
+// zero), times all T rows of x (bv: its B tiles) into y's columns [col, col + n): per pair of
+// activation tiles, each group of 32 in turn, so the pair's B tiles (and the block's A tiles)
+// stay in L2 for all of them.
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_block(const uint16_t *wb, int64_t n, const uint16_t *bv,
                                                                int64_t T, int64_t K, const float *bias, uint16_t *y,
                                                                int64_t ldy, int64_t col, float *cbuf,
                                                                AmxWPrefetch pf, AmxWNext &nx) {
-    const int64_t tiles = (T + 15) / 16;
-    const bool two = n > 16;
-    const int64_t steps = (tiles + 1) / 2 * (K / 32);
+    const int64_t tiles = (T + 15) / 16, groups = (n + 31) / 32;
+    const int64_t steps = (tiles + 1) / 2 * groups * (K / 32);
     pf.per = (pf.end - pf.at + 64 * steps - 1) / (64 * steps);
     nx.per = (nx.left() + steps - 1) / steps;
     for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
         const bool pair = t0 + 1 < tiles;
         const uint16_t *b0 = bv + t0 * K * 16, *b1 = b0 + K * 16;
-        amx8_barrier();
-        if (two && pair) amxw_pass<true, true>(wb, b0, b1, K, cbuf, pf, nx);
-        else if (two) amxw_pass<true, false>(wb, b0, b1, K, cbuf, pf, nx);
-        else if (pair) amxw_pass<false, true>(wb, b0, b1, K, cbuf, pf, nx);
-        else amxw_pass<false, false>(wb, b0, b1, K, cbuf, pf, nx);
-        amx8_barrier();
-        for (int h = 0; h < (two ? 2 : 1); h++)
-            for (int p = 0; p < (pair ? 2 : 1); p++)
-                amxw_store(cbuf + 256 * (2 * h + p), bias ? bias + 16 * h : nullptr, y, ldy, 16 * (t0 + p),
-                           std::min<int64_t>(16, T - 16 * (t0 + p)), col + 16 * h, std::min<int64_t>(16, n - 16 * h));
+        for (int64_t j = 0; j < groups; j++) {
+            const uint16_t *w = wb + j * 32 * K;
+            const int64_t nj = std::min<int64_t>(32, n - 32 * j);
+            const bool two = nj > 16;
+            amx8_barrier();
+            if (two && pair) amxw_pass<true, true>(w, b0, b1, K, cbuf, pf, nx);
+            else if (two) amxw_pass<true, false>(w, b0, b1, K, cbuf, pf, nx);
+            else if (pair) amxw_pass<false, true>(w, b0, b1, K, cbuf, pf, nx);
+            else amxw_pass<false, false>(w, b0, b1, K, cbuf, pf, nx);
+            amx8_barrier();
+            for (int h = 0; h < (two ? 2 : 1); h++)
+                for (int p = 0; p < (pair ? 2 : 1); p++)
+                    amxw_store(cbuf + 256 * (2 * h + p), bias ? bias + 32 * j + 16 * h : nullptr, y, ldy,
+                               16 * (t0 + p), std::min<int64_t>(16, T - 16 * (t0 + p)), col + 32 * j + 16 * h,
+                               std::min<int64_t>(16, nj - 16 * h));
+        }
     }
 }
 
-// This thread's share of the groups of 32 weight rows (ranges of equal bytes); bv complete.
-// Two buffers: group i's AMX passes read one while group i + 1 is dequantized into the other.
-// Called inside amxw_linear's parallel region.
+constexpr int64_t kAmxWBlockBytes = 384 * 1024;    // the bf16 weights of a block (two in L2: this and the next)
+
+// This thread's share of the groups of 32 weight rows (ranges of equal bytes); bv complete. Its
+// groups go in blocks of consecutive rows of one part (as many as keep kAmxWBlockBytes of bf16
+// weights, one group where x has at most 64 rows), in two buffers: block i's AMX passes read
+// one while block i + 1 is dequantized into the other. Called inside amxw_linear's parallel region.
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
                                                               int64_t T, int64_t K, int64_t total, const float *bias,
                                                               uint16_t *y, int64_t ldy, bool native) {
-    struct Group {
+    struct Block {
         const QuantPart *q;
         int64_t r0, n, first, row_bytes;
     };
+    const int64_t per_block = T <= 64 ? 32 : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;   // rows
     static thread_local std::vector<uint16_t> wb;
-    static thread_local std::vector<Group> mine;
-    if (wb.size() < size_t(64 * K)) wb.resize(64 * K);
+    static thread_local std::vector<Block> mine;
+    if (wb.size() < size_t(2 * per_block * K)) wb.resize(2 * per_block * K);
     mine.clear();
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
@@ -1784,16 +1817,20 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
         for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
             const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
             at += n * row_bytes;
-            if (start >= lo && start < hi) mine.push_back({&parts[p], r0, n, first, row_bytes});
+            if (start < lo || start >= hi) continue;
+            Block *last = mine.empty() ? nullptr : &mine.back();
+            if (last && last->q == &parts[p] && last->r0 + last->n == r0 && last->n + n <= per_block) last->n += n;
+            else mine.push_back({&parts[p], r0, n, first, row_bytes});
         }
     }
     if (mine.empty()) return;
-    auto next_of = [&](size_t i) {       // group i's dequantize, not started, into buffer i % 2
+    auto next_of = [&](size_t i) {       // block i's dequantize, not started, into buffer i % 2
         AmxWNext nx;
         if (i >= mine.size()) return nx;
-        const Group &g = mine[i];
-        uint16_t *dst = wb.data() + (i % 2) * 32 * K;
-        if (g.n < 32) std::fill(dst + g.n * K, dst + 32 * K, uint16_t(0));
+        const Block &g = mine[i];
+        uint16_t *dst = wb.data() + (i % 2) * per_block * K;
+        const int64_t padded = (g.n + 31) / 32 * 32;
+        if (g.n < padded) std::fill(dst + g.n * K, dst + padded * K, uint16_t(0));
         nx.fn = amxw_units_fn(int(g.q->qtype));
         nx.w = g.q->w + g.r0 * g.q->ldw, nx.ldw = g.q->ldw, nx.n = g.n, nx.units = K / kElems[g.q->qtype];
         nx.K = K, nx.dst = dst, nx.native = native;
@@ -1804,14 +1841,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
     AmxWNext now = next_of(0);
     now.finish();
     for (size_t i = 0; i < mine.size(); i++) {
-        const Group &g = mine[i];
+        const Block &g = mine[i];
         AmxWNext nx = next_of(i + 1);
-        AmxWPrefetch ahead{nullptr, nullptr, 0};          // group i + 2's bytes, where its rows are contiguous
+        AmxWPrefetch ahead{nullptr, nullptr, 0};          // block i + 2's bytes, where its rows are contiguous
         if (i + 2 < mine.size() && mine[i + 2].q->ldw == mine[i + 2].row_bytes) {
-            const Group &h = mine[i + 2];
+            const Block &h = mine[i + 2];
             ahead.at = h.q->w + h.r0 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
         }
-        amxw_group(wb.data() + (i % 2) * 32 * K, g.n, reinterpret_cast<const uint16_t *>(bv), T, K,
+        amxw_block(wb.data() + (i % 2) * per_block * K, g.n, reinterpret_cast<const uint16_t *>(bv), T, K,
                    bias ? bias + g.first + g.r0 : nullptr, y, ldy, g.first + g.r0, cbuf, ahead, nx);
         nx.finish();
     }
@@ -1828,10 +1865,15 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
     const bool native = native_bf16();
 #pragma omp parallel
     {
+        // 16 rows x 16 pairs at a time, transposed in registers (pairs: K / 2, a multiple of 16)
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < tiles * pairs; i++) {
-            const int64_t k = i / pairs, g = i % pairs;
-            for (int64_t c = 0; c < 16; c++) bv[i * 16 + c] = 16 * k + c < T ? x32[(16 * k + c) * pairs + g] : 0u;
+        for (int64_t i = 0; i < tiles * (pairs / 16); i++) {
+            const int64_t k = i / (pairs / 16), g = i % (pairs / 16) * 16;
+            __m512i r[16];
+            for (int64_t c = 0; c < 16; c++)
+                r[c] = 16 * k + c < T ? _mm512_loadu_si512(x32 + (16 * k + c) * pairs + g) : _mm512_setzero_si512();
+            transpose16x16(r);
+            for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(&bv[(k * pairs + g + c) * 16], r[c]);
         }
         amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native);
     }
