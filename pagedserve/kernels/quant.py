@@ -116,7 +116,7 @@ AMX_INT8_BATCH_ROWS = 28
 # bf16 weights times bf16 x, float32 sums). Measured interleaved in one process (2 threads,
 # Sapphire Rapids, 1.7B and 135M layer shapes): see docs/architecture.md's quantized rows.
 AMXW_MIN_ROWS = 8
-AMXW_MAX_ROWS = 160
+AMXW_MAX_ROWS = 384
 _amxw_wanted: bool | None = None      # set_amxw's choice; None: as cpu.amx_in_use()
 _amxw_rows: tuple[int, int] | None = None   # None: (AMXW_MIN_ROWS, AMXW_MAX_ROWS)
 _amxw_key: tuple | None = None

@@ -1745,16 +1745,22 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_
 
 // One C tile's sums (c: [16 weight rows][16 activation rows] float32) + bias into y.T's block:
 // rows [t0, t0 + nt) of y, columns [col, col + nw).
+// Rounded to bf16 by vcvtneps2bf16 where the CPU has AVX512-BF16 (asm, as bf16_pairs: the same
+// value but for float32 denormals, which it flushes), else bf16_bits.
 inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t ldy, int64_t t0, int64_t nt,
-                       int64_t col, int64_t nw) {
+                       int64_t col, int64_t nw, bool native) {
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(c + 16 * i);
     transpose16x16(r);                       // r[t]: activation row t's sums of the 16 weight rows
     const __mmask16 mask = nw >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nw) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    for (int64_t t = 0; t < nt; t++)
-        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + col, mask,
-                                 _mm512_cvtepi32_epi16(bf16_bits(_mm512_add_ps(_mm512_castsi512_ps(r[t]), b))));
+    for (int64_t t = 0; t < nt; t++) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[t]), b);
+        __m256i h;
+        if (native) __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(v));
+        else h = _mm512_cvtepi32_epi16(bf16_bits(v));
+        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + col, mask, h);
+    }
 }
 
 // n weight rows (a block of groups of 32), dequantized in wb [n rounded up to 32][K] (rows past n
@@ -1786,7 +1792,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_block(const uint16_t *wb,
                 for (int p = 0; p < (pair ? 2 : 1); p++)
                     amxw_store(cbuf + 256 * (2 * h + p), bias ? bias + 32 * j + 16 * h : nullptr, y, ldy,
                                16 * (t0 + p), std::min<int64_t>(16, T - 16 * (t0 + p)), col + 32 * j + 16 * h,
-                               std::min<int64_t>(16, nj - 16 * h));
+                               std::min<int64_t>(16, nj - 16 * h), native_bf16());
         }
     }
 }
