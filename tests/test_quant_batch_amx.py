@@ -82,3 +82,16 @@ def test_the_thresholds(amxw):
     with cpu.using_amx(False):
         assert not quant.amxw_in_use()        # follows cpu.py's AMX switch
     assert "quant_amxw" in quant.describe()
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_fused_tiles_above_the_amxw_rows(amxw, qtype):
+    """Past amxw_rows() (here from 5 rows), bf16 x takes the packed tiles packed and multiplied per
+    thread (blocks of about 512 KiB: a part of 300 rows spans two): exactly the packed tiles."""
+    cols = _cols(qtype)
+    parts = [weight(qtype, rows=r, cols=cols, seed=i)[0] for i, r in enumerate((37, 21, 300))]
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
+    bias = torch.randn(358, generator=torch.Generator().manual_seed(8))
+    with quant.using_amxw(True, (1, 4)):
+        y = quant._linear_tiles(x, parts, bias, quant.load())
+    assert torch.equal(y, _packed(x, parts, bias))

@@ -1250,6 +1250,58 @@ namespace {
 bool amxw_takes(int64_t T);     // the AMX-BF16 path with weights as A tiles (below) takes T rows of bf16 x
 int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
                 uint16_t *y, int64_t ldy);
+bool amxw_enabled();
+
+#if defined(__AVX512F__)
+// quant_linear_tiles for bf16 x where AMX is on and T is past amxw_takes: each thread packs
+// blocks of its own rows (about kFusedBytes of bf16, a range of equal weight bytes) into its own
+// buffer and runs the GEMM on them alone (a nested parallel region of one thread), so a block is
+// multiplied by the core that wrote it, from its L2, with no barrier between packing and GEMM.
+constexpr int64_t kFusedBytes = 512 * 1024;
+int fused_tiles(const QuantPart *parts, int64_t nparts, const void *x, int64_t T, int64_t K, const float *bias,
+                void *y, int64_t ldy, void *gemm) {
+    int64_t total = 0;
+    for (int64_t p = 0; p < nparts; p++) total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+    const int64_t chunk = std::max<int64_t>(32, kFusedBytes / (2 * K) / 32 * 32);      // rows per block
+    const bool native = native_bf16();
+    int status = 0;
+#pragma omp parallel reduction(| : status)
+    {
+        static thread_local std::vector<uint16_t> buf;
+        if (buf.size() < size_t(chunk * K)) buf.resize(chunk * K);
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+        omp_set_num_threads(1);                      // the GEMM's own parallel region: this thread alone
+        auto run = [&](const QuantPart &q, int64_t r0, int64_t n, int64_t first) {
+            for (int64_t g = 0; g < (n + 31) / 32 * 2; g++)
+                pack_group_bf16(int(q.qtype), q.w + (r0 + 16 * g) * q.ldw, q.ldw,
+                                std::min<int64_t>(16, std::max<int64_t>(0, n - 16 * g)), K, buf.data() + g * K * 16,
+                                native);
+            status |= reinterpret_cast<PackedGemm>(gemm)(x, buf.data(), bias ? bias + first + r0 : nullptr,
+                                                         static_cast<uint16_t *>(y) + first + r0, ldy, T, n, K);
+        };
+        int64_t at = 0, first = 0;
+        const QuantPart *bq = nullptr;                 // the block being gathered: part, first row, rows
+        int64_t b0 = 0, bn = 0, bfirst = 0;
+        for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+            const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+            for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
+                const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
+                at += n * row_bytes;
+                if (start < lo || start >= hi) continue;
+                if (bq == &parts[p] && b0 + bn == r0 && bn + n <= chunk) {
+                    bn += n;
+                    continue;
+                }
+                if (bq != nullptr) run(*bq, b0, bn, bfirst);
+                bq = &parts[p], b0 = r0, bn = n, bfirst = first;
+            }
+        }
+        if (bq != nullptr) run(*bq, b0, bn, bfirst);
+    }
+    return status;
+}
+#endif
 }  // namespace
 extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
                                   int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
@@ -1257,6 +1309,9 @@ extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const 
         return 1;
     if (x_bf16 && amxw_takes(T))
         return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy);
+#if defined(__AVX512F__)
+    if (x_bf16 && amxw_enabled()) return fused_tiles(parts, nparts, x, T, K, bias, y, ldy, gemm);
+#endif
     const int64_t elem = x_bf16 ? 2 : 4;
     static thread_local std::vector<uint8_t> packed;
     if (packed.size() < size_t(tile_rows * K * elem)) packed.resize(tile_rows * K * elem);
@@ -1578,6 +1633,7 @@ struct AmxW {
 AmxW g_amxw;
 
 bool amxw_takes(int64_t T) { return g_amxw.enabled && T >= g_amxw.min_rows && T <= g_amxw.max_rows; }
+bool amxw_enabled() { return g_amxw.enabled; }
 
 bool amxw_permitted() {
     unsigned a, b, c, d;
@@ -1887,6 +1943,7 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
 }
 #else
 bool amxw_takes(int64_t) { return false; }
+bool amxw_enabled() { return false; }
 int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, const float *, uint16_t *, int64_t) {
     return 1;
 }
