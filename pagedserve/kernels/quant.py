@@ -47,6 +47,13 @@ Two paths, chosen per call by the number of activation rows T:
   ever in float. A tile is dequantized 16 rows x 256 columns at a time through an L1 buffer
   (floats in registers, bf16 by vcvtne2ps2bf16 where the CPU has it, 16x16 transposes in
   registers). Without cpu.py's kernels: a float32 scratch tile and torch.matmul.
+  For bf16 x where amxw_in_use() (AMX-BF16, cpu.py's AMX switch on, avx512vnni build),
+  quant_linear_tiles computes the same values another way: x of amxw_rows() rows (8..384) with
+  the weights as AMX A tiles (amxw_linear in quant_kernels.cpp: 32 weight rows dequantized
+  row-major, bf16 as the packed tiles, into an L2 buffer, overlapping the AMX passes of the 32
+  before; x once per call as B tiles; every k summed in float32 tiles), and the integer path
+  stops below 8 rows for bf16 x (decode and prefill alike); more rows: the packed tiles, each
+  thread packing its own ~512 KiB blocks and running the GEMM on them alone (fused_tiles).
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a

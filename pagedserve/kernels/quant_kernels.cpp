@@ -15,7 +15,9 @@
 // In the avx512vnni build, where the CPU has AMX-INT8, from g_amx8.min_rows rows the same dots
 // run on AMX tiles (amx8_group: tdpbssd over pieces of 32, q6_k 16; quant_amx_config switches it).
 // quant_linear_tiles: y = x @ W.T for many rows of x: tiles of W dequantized into the packed
-// layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in).
+// layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in); for bf16
+// x where AMX-BF16 is on (quant_amxw_config), amxw_linear (weights as A tiles, 8..384 rows) or
+// fused_tiles (each thread packs and multiplies its own blocks) instead: the same values.
 //
 // Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
 // a super-block) with scales converted sixteen (groups of 16 blocks: one gather), two or eight at
