@@ -95,3 +95,15 @@ def test_fused_tiles_above_the_amxw_rows(amxw, qtype):
     with quant.using_amxw(True, (1, 4)):
         y = quant._linear_tiles(x, parts, bias, quant.load())
     assert torch.equal(y, _packed(x, parts, bias))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("tokens", [1, 16, 40, 100])
+def test_amxw_two_groups_per_lone_tile(amxw, qtype, tokens):
+    """A lone (or last, odd) tile of x takes two whole groups of 32 weight rows per pass (four C
+    tiles): 100 rows (three whole groups and a partial one), bias: exactly the packed tiles."""
+    w, _ = weight(qtype, rows=100, cols=_cols(qtype), seed=4)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, w.shape[1], generator=g).bfloat16()
+    bias = torch.randn(100, generator=g)
+    assert torch.equal(quant._linear_tiles(x, [w], bias, quant.load()), _packed(x, [w], bias))

@@ -1801,6 +1801,36 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_
     if (TWO && PAIR) _tile_stored(3, cbuf + 768, 64);
 }
 
+// Two groups of 32 weight rows (wa, wb2: [32][K] each) times one activation tile b0: C tiles 0-3
+// their rows 0-15, 16-31, 32-47, 48-63 (four chains of sums where one tile of x would give two).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass4(const uint16_t *wa, const uint16_t *wb2,
+                                                                    const uint16_t *b0, int64_t K, float *cbuf,
+                                                                    AmxWPrefetch &pf, AmxWNext &nx) {
+    const int64_t stride = 2 * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t i = 0; i < pf.per && pf.at < pf.end; i++, pf.at += 64)
+            _mm_prefetch(reinterpret_cast<const char *>(pf.at), _MM_HINT_T1);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_loadd(4, wa + k, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, wa + 16 * K + k, stride);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(7, wb2 + k, stride);
+        _tile_dpbf16ps(2, 7, 6);
+        _tile_loadd(4, wb2 + 16 * K + k, stride);
+        _tile_dpbf16ps(3, 4, 6);
+        nx.step(nx.per);
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+}
+
 // One C tile's sums (c: [16 weight rows][16 activation rows] float32) + bias into y.T's block:
 // rows [t0, t0 + nt) of y, columns [col, col + nw).
 // Rounded to bf16 by vcvtneps2bf16 where the CPU has AVX512-BF16 (asm, as bf16_pairs: the same
@@ -1830,7 +1860,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_block(const uint16_t *wb,
                                                                int64_t ldy, int64_t col, float *cbuf,
                                                                AmxWPrefetch pf, AmxWNext &nx) {
     const int64_t tiles = (T + 15) / 16, groups = (n + 31) / 32;
-    const int64_t steps = (tiles + 1) / 2 * groups * (K / 32);
+    const int64_t steps = (tiles / 2 * groups + tiles % 2 * (groups / 2 + groups % 2)) * (K / 32);
     pf.per = (pf.end - pf.at + 64 * steps - 1) / (64 * steps);
     nx.per = (nx.left() + steps - 1) / steps;
     for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
@@ -1838,6 +1868,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_block(const uint16_t *wb,
         const uint16_t *b0 = bv + t0 * K * 16, *b1 = b0 + K * 16;
         for (int64_t j = 0; j < groups; j++) {
             const uint16_t *w = wb + j * 32 * K;
+            if (!pair && n - 32 * j >= 64) {       // a lone activation tile: two whole groups at once
+                amx8_barrier();
+                amxw_pass4(w, w + 32 * K, b0, K, cbuf, pf, nx);
+                amx8_barrier();
+                for (int i = 0; i < 4; i++)
+                    amxw_store(cbuf + 256 * i, bias ? bias + 32 * j + 16 * i : nullptr, y, ldy, 16 * t0,
+                               std::min<int64_t>(16, T - 16 * t0), col + 32 * j + 16 * i, 16, native_bf16());
+                j++;
+                continue;
+            }
             const int64_t nj = std::min<int64_t>(32, n - 32 * j);
             const bool two = nj > 16;
             amx8_barrier();
@@ -1868,7 +1908,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
         const QuantPart *q;
         int64_t r0, n, first, row_bytes;
     };
-    const int64_t per_block = T <= 64 ? 32 : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;   // rows
+    const int64_t per_block = T <= 64 ? (128 * K <= kAmxWBlockBytes ? 64 : 32)        // rows
+                                      : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;
     static thread_local std::vector<uint16_t> wb;
     static thread_local std::vector<Block> mine;
     if (wb.size() < size_t(2 * per_block * K)) wb.resize(2 * per_block * K);
