@@ -149,8 +149,10 @@ def main() -> None:
                 handovers.append(dict(shape=shape, type=qtype, rows=m, amx=amx, integer_ms=t["integer"] * 1e3,
                                       tiles_ms=t["tiles"] * 1e3, amx_int8_ms=t.get("amx_int8", 0) * 1e3))
                 line.append(f"M={m} {t['integer'] * 1e3:.2f}/{t.get('amx_int8', 0) * 1e3:.2f}/{t['tiles'] * 1e3:.2f}")
+            shipped = (f"then weights as AMX A tiles to {quant.amxw_rows()[1]} rows" if quant.amxw_in_use() else
+                       f"on AMX-INT8 from {quant.amx_int8_min_rows()}")
             print(f"{qtype:6} vpdpbusd/AMX-INT8/tiles ms: {', '.join(line)} (shipped: integer up to "
-                  f"{quant.batch_rows(bf16=True)}, on AMX-INT8 from {quant.amx_int8_min_rows()})")
+                  f"{quant.batch_rows(bf16=True)}, {shipped})")
             del qw
 
     name = "gemm_quick.json" if args.quick else "gemm.json"

@@ -181,7 +181,8 @@ def run_child(spec: dict) -> dict:
     steps = decode_step_times(engine)
     median = sorted(steps)[len(steps) // 2]
     # Batch throughput: `batch` requests at once (short prompts, decode_len tokens each): decode
-    # steps of that many rows, which take the dequantized tiles (over AMX where the CPU has it).
+    # steps of that many rows, which take the dequantized tiles (over AMX where the CPU has it:
+    # with the weights as AMX A tiles for bf16 x of 8-384 rows, quant.amxw_in_use()).
     batch_tok_s = None
     if spec.get("batch"):
         for i in range(spec["batch"]):

@@ -374,7 +374,8 @@ def amx_int8():
     """The avx512vnni variant with its AMX-INT8 dots from 1 row (restored after)."""
     if "avx512vnni" not in quant.supported_variants():
         pytest.skip("this CPU lacks AVX512-VNNI (the AMX-INT8 dots live in that build)")
-    with quant.using_variant("avx512vnni"), cpu.using_amx(True), quant.using_amx_int8(True, 1) as on:
+    with quant.using_variant("avx512vnni"), cpu.using_amx(True), quant.using_amx_int8(True, 1) as on, \
+            quant.using_amxw(False):      # bf16 x keeps the integer dots at every row count
         if not on:
             pytest.skip(f"no AMX-INT8 here ({cpu.describe_amx()})")
         yield

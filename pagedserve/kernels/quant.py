@@ -47,6 +47,13 @@ Two paths, chosen per call by the number of activation rows T:
   ever in float. A tile is dequantized 16 rows x 256 columns at a time through an L1 buffer
   (floats in registers, bf16 by vcvtne2ps2bf16 where the CPU has it, 16x16 transposes in
   registers). Without cpu.py's kernels: a float32 scratch tile and torch.matmul.
+  For bf16 x where amxw_in_use() (AMX-BF16, cpu.py's AMX switch on, avx512vnni build),
+  quant_linear_tiles computes the same values another way: x of amxw_rows() rows (8..384) with
+  the weights as AMX A tiles (amxw_linear in quant_kernels.cpp: 32 weight rows dequantized
+  row-major, bf16 as the packed tiles, into an L2 buffer, overlapping the AMX passes of the 32
+  before; x once per call as B tiles; every k summed in float32 tiles), and the integer path
+  stops below 8 rows for bf16 x (decode and prefill alike); more rows: the packed tiles, each
+  thread packing its own ~512 KiB blocks and running the GEMM on them alone (fused_tiles).
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
@@ -108,10 +115,64 @@ AMX_INT8_MIN_ROWS = 8
 AMX_INT8_BATCH_ROWS = 28
 
 
+# Where cpu.py's AMX switch is on and the active variant (avx512vnni) finds AMX-BF16
+# (amxw_in_use()): quant_linear_tiles runs bf16 x of AMXW_MIN_ROWS .. AMXW_MAX_ROWS rows on
+# AMX-BF16 with the weights as A tiles (32 weight rows dequantized row-major into L2, x once per
+# call as B tiles: no packed layout, no per-block rescale), and the integer dots stop below
+# AMXW_MIN_ROWS for bf16 x, decode batches and prefill chunks alike (the values are the tiles':
+# bf16 weights times bf16 x, float32 sums). Measured interleaved in one process (2 threads,
+# Sapphire Rapids, 1.7B and 135M layer shapes): see docs/architecture.md's quantized rows.
+AMXW_MIN_ROWS = 8
+AMXW_MAX_ROWS = 384
+_amxw_wanted: bool | None = None      # set_amxw's choice; None: as cpu.amx_in_use()
+_amxw_rows: tuple[int, int] | None = None   # None: (AMXW_MIN_ROWS, AMXW_MAX_ROWS)
+_amxw_key: tuple | None = None
+_amxw_active = False
+
+
+def amxw_rows() -> tuple[int, int]:
+    """The rows of bf16 x (first, last) the AMX-BF16 weights-as-A path takes."""
+    return _amxw_rows or (AMXW_MIN_ROWS, AMXW_MAX_ROWS)
+
+
+def amxw_in_use() -> bool:
+    """Whether quant_linear_tiles runs bf16 x of amxw_rows() rows with the weights as AMX A
+    tiles: configures the active library where the switches changed since its last call."""
+    global _amxw_key, _amxw_active
+    lib = KERNELS.lib if KERNELS.active is not None else load()
+    wanted = cpu.amx_in_use() if _amxw_wanted is None else (_amxw_wanted and cpu.amx_in_use())
+    key = (id(lib), wanted, amxw_rows())
+    if key != _amxw_key:
+        _amxw_key = key
+        _amxw_active = bool(lib is not None and lib.quant_amxw_config(int(wanted), *amxw_rows()))
+    return _amxw_active
+
+
+def set_amxw(enabled: bool | None, rows: tuple[int, int] | None = None) -> bool:
+    """The weights-as-A AMX-BF16 path on (where cpu.amx_in_use()), off, or None: as cpu's AMX
+    switch; for rows (first, last) of bf16 x (None: AMXW_MIN_ROWS, AMXW_MAX_ROWS). Returns
+    amxw_in_use()."""
+    global _amxw_wanted, _amxw_rows
+    _amxw_wanted, _amxw_rows = enabled, rows
+    return amxw_in_use()
+
+
+@contextlib.contextmanager
+def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
+    """A block with set_amxw(enabled, rows), then the previous settings."""
+    previous = (_amxw_wanted, _amxw_rows)
+    try:
+        yield set_amxw(enabled, rows)
+    finally:
+        set_amxw(*previous)
+
+
 def batch_rows(decode: bool = False, bf16: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
     the tiles would run on makes it pay (AMX: bf16 only)."""
+    if bf16 and amxw_in_use():
+        return amxw_rows()[0] - 1
     # Prefill chunks keep the float tiles above the old thresholds: closer to the float model
     # (the default model's float32 oracle tests diverge with 8-bit activations up to 28 rows).
     if decode and amx_int8_in_use():
@@ -203,6 +264,9 @@ _SIGNATURES = {
     "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
     # enable, min_rows -> 1 where quant_linear_small runs its dots on AMX-INT8 (avx512vnni build)
     "quant_amx_config": [_I, _I],
+    # enable, min_rows, max_rows -> 1 where quant_linear_tiles runs bf16 x of those rows on AMX-BF16
+    # with the weights as A tiles (avx512vnni build)
+    "quant_amxw_config": [_I, _I, _I],
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
                             "quantized-weight kernels (%s) unavailable, using torch: %s")
@@ -622,7 +686,10 @@ def describe() -> dict:
         quant_amx_batch_rows=batch_rows(False, bf16=True),
         quant_amx_int8=(f"AMX-INT8 dots from {amx_int8_min_rows()} to {AMX_INT8_BATCH_ROWS} rows"
                         if amx_int8_in_use() else "off"),
+        quant_amxw=(f"bf16 x of {amxw_rows()[0]} to {amxw_rows()[1]} rows on AMX-BF16, weights as A tiles"
+                    if amxw_in_use() else "off"),
         quant_paths={q: f"T <= {batch_rows(False)} ({batch_rows(True)} decode tokens; bf16 x: "
                         f"{batch_rows(False, True)}): {small}; above: tiles "
-                        f"dequantized into {gemm}" for q in QTYPES},
+                        f"dequantized into {gemm}" + (f" (bf16 x up to {amxw_rows()[1]} rows: weights as AMX A tiles)"
+                                                      if amxw_in_use() else "") for q in QTYPES},
     )

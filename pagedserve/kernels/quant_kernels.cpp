@@ -15,7 +15,9 @@
 // In the avx512vnni build, where the CPU has AMX-INT8, from g_amx8.min_rows rows the same dots
 // run on AMX tiles (amx8_group: tdpbssd over pieces of 32, q6_k 16; quant_amx_config switches it).
 // quant_linear_tiles: y = x @ W.T for many rows of x: tiles of W dequantized into the packed
-// layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in).
+// layout of cpu_kernels.cpp's GEMM, which then runs on them (its address is passed in); for bf16
+// x where AMX-BF16 is on (quant_amxw_config), amxw_linear (weights as A tiles, 8..384 rows) or
+// fused_tiles (each thread packs and multiplies its own blocks) instead: the same values.
 //
 // Builds: `avx512vnni` runs 64 weights per 512-bit vpdpbusd (two blocks, or two sub-blocks of
 // a super-block) with scales converted sixteen (groups of 16 blocks: one gather), two or eight at
@@ -1186,6 +1188,27 @@ inline __m512 lut_values(float A, float C, __m512 codes) {
     return v;
 }
 
+// One decoded piece's 32 weights as bf16 (elements in order): looked up (kLut) or converted,
+// dequantize_row_vec's float operations either way, then rounded to nearest even.
+template <int QT>
+inline __m512i piece_bf16(const Piece &p, __m512 lut0, __m512 lut1, bool native) {
+    if constexpr (kLut<QT>) {     // codes of 5 bits or fewer: the piece's 32 values, looked up
+        const __m512 v0 = lut_values<QT>(p.A, p.C, lut0), v1 = lut_values<QT>(p.A, p.C, lut1);
+        const __m512i idx = _mm512_cvtepi8_epi16(p.codes);     // vpermw reads 5 bits
+        return _mm512_permutexvar_epi16(idx, bf16_pairs(v0, v1, native));
+    }
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(p.codes)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(p.codes, 1)));
+    float a0 = p.A, a1 = p.A;
+    if constexpr (QT == Q6_K) a0 = p.A * float(p.sc0), a1 = p.A * float(p.sc1);
+    __m512 v0 = _mm512_mul_ps(_mm512_set1_ps(a0), q0), v1 = _mm512_mul_ps(_mm512_set1_ps(a1), q1);
+    if constexpr (kMin<QT>) {
+        v0 = _mm512_add_ps(v0, _mm512_set1_ps(p.C));
+        v1 = _mm512_add_ps(v1, _mm512_set1_ps(p.C));
+    }
+    return bf16_pairs(v0, v1, native);
+}
+
 template <int QT>
 void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *tile, bool native) {
     constexpr int P = kPieces<QT>;
@@ -1200,25 +1223,8 @@ void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16
             for (int64_t u = 0; u < c / kElems[QT]; u++) {
                 Piece p[P];
                 decode<QT>(row + u * kBytes[QT], p);
-                for (int j = 0; j < P; j++) {
-                    if constexpr (kLut<QT>) {     // codes of 5 bits or fewer: the piece's 32 values, looked up
-                        const __m512 v0 = lut_values<QT>(p[j].A, p[j].C, lut0), v1 = lut_values<QT>(p[j].A, p[j].C, lut1);
-                        const __m512i idx = _mm512_cvtepi8_epi16(p[j].codes);     // vpermw reads 5 bits
-                        _mm512_store_si512(buf + i * kCols + (u * P + j) * 32,
-                                           _mm512_permutexvar_epi16(idx, bf16_pairs(v0, v1, native)));
-                        continue;
-                    }
-                    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(p[j].codes)));
-                    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(p[j].codes, 1)));
-                    float a0 = p[j].A, a1 = p[j].A;
-                    if constexpr (QT == Q6_K) a0 = p[j].A * float(p[j].sc0), a1 = p[j].A * float(p[j].sc1);
-                    __m512 v0 = _mm512_mul_ps(_mm512_set1_ps(a0), q0), v1 = _mm512_mul_ps(_mm512_set1_ps(a1), q1);
-                    if constexpr (kMin<QT>) {
-                        v0 = _mm512_add_ps(v0, _mm512_set1_ps(p[j].C));
-                        v1 = _mm512_add_ps(v1, _mm512_set1_ps(p[j].C));
-                    }
-                    _mm512_store_si512(buf + i * kCols + (u * P + j) * 32, bf16_pairs(v0, v1, native));
-                }
+                for (int j = 0; j < P; j++)
+                    _mm512_store_si512(buf + i * kCols + (u * P + j) * 32, piece_bf16<QT>(p[j], lut0, lut1, native));
             }
         }
         for (int64_t j = 0; j < c; j += 32) {
@@ -1305,10 +1311,72 @@ bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
 // linear_packed_ld_f32 or _bf16, passed by address); the whole matrix never exists in float.
 // The tile's buffer is the calling thread's, kept between calls (no page faults per call). 0 on success.
 using PackedGemm = int (*)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t, int64_t);
+namespace {
+bool amxw_takes(int64_t T);     // the AMX-BF16 path with weights as A tiles (below) takes T rows of bf16 x
+int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
+                uint16_t *y, int64_t ldy);
+bool amxw_enabled();
+
+#if defined(__AVX512F__)
+// quant_linear_tiles for bf16 x where AMX is on and T is past amxw_takes: each thread packs
+// blocks of its own rows (about kFusedBytes of bf16, a range of equal weight bytes) into its own
+// buffer and runs the GEMM on them alone (a nested parallel region of one thread), so a block is
+// multiplied by the core that wrote it, from its L2, with no barrier between packing and GEMM.
+constexpr int64_t kFusedBytes = 512 * 1024;
+int fused_tiles(const QuantPart *parts, int64_t nparts, const void *x, int64_t T, int64_t K, const float *bias,
+                void *y, int64_t ldy, void *gemm) {
+    int64_t total = 0;
+    for (int64_t p = 0; p < nparts; p++) total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+    const int64_t chunk = std::max<int64_t>(32, kFusedBytes / (2 * K) / 32 * 32);      // rows per block
+    const bool native = native_bf16();
+    int status = 0;
+#pragma omp parallel reduction(| : status)
+    {
+        static thread_local std::vector<uint16_t> buf;
+        if (buf.size() < size_t(chunk * K)) buf.resize(chunk * K);
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+        omp_set_num_threads(1);                      // the GEMM's own parallel region: this thread alone
+        auto run = [&](const QuantPart &q, int64_t r0, int64_t n, int64_t first) {
+            for (int64_t g = 0; g < (n + 31) / 32 * 2; g++)
+                pack_group_bf16(int(q.qtype), q.w + (r0 + 16 * g) * q.ldw, q.ldw,
+                                std::min<int64_t>(16, std::max<int64_t>(0, n - 16 * g)), K, buf.data() + g * K * 16,
+                                native);
+            status |= reinterpret_cast<PackedGemm>(gemm)(x, buf.data(), bias ? bias + first + r0 : nullptr,
+                                                         static_cast<uint16_t *>(y) + first + r0, ldy, T, n, K);
+        };
+        int64_t at = 0, first = 0;
+        const QuantPart *bq = nullptr;                 // the block being gathered: part, first row, rows
+        int64_t b0 = 0, bn = 0, bfirst = 0;
+        for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+            const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+            for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
+                const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
+                at += n * row_bytes;
+                if (start < lo || start >= hi) continue;
+                if (bq == &parts[p] && b0 + bn == r0 && bn + n <= chunk) {
+                    bn += n;
+                    continue;
+                }
+                if (bq != nullptr) run(*bq, b0, bn, bfirst);
+                bq = &parts[p], b0 = r0, bn = n, bfirst = first;
+            }
+        }
+        if (bq != nullptr) run(*bq, b0, bn, bfirst);
+    }
+    return status;
+}
+#endif
+}  // namespace
 extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
                                   int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
+    if (x_bf16 && amxw_takes(T))
+        return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy);
+#if defined(__AVX512F__)
+    if (x_bf16 && amxw_enabled()) return fused_tiles(parts, nparts, x, T, K, bias, y, ldy, gemm);
+#endif
     const int64_t elem = x_bf16 ? 2 : 4;
     static thread_local std::vector<uint8_t> packed;
     if (packed.size() < size_t(tile_rows * K * elem)) packed.resize(tile_rows * K * elem);
@@ -1611,8 +1679,398 @@ __attribute__((target("amx-tile,amx-int8"))) void amx8_rows(const QuantPart *par
     }
     if (ps != 0) _tile_release();
 }
+
+// ---- AMX-BF16 with the weights as A tiles (decode batches and small prefill chunks) ------------
+// quant_linear_tiles' arithmetic (W dequantized to bf16 exactly as the packed tiles hold it, times
+// bf16 x, float32 sums) without the packed layout: a group of 32 weight rows is dequantized
+// row-major into an L2 buffer ([32][K] bf16: dequantize_row_vec's values, rounded as the tiles),
+// which AMX reads as A tiles (16 weight rows x 32 k, a row stride of 2K bytes: no transposes);
+// x is put once per call into AMX's VNNI layout as B tiles ([T/16][K/2][16][2]); tdpbf16ps sums
+// every k of a 16 x 16 block of y.T in a C tile (no per-block rescale), 2 x 2 C tiles (32 weight
+// rows x 32 activation rows) per pass over K, so each dequantized group serves every row of x.
+// Threads take groups of 32 weight rows (ranges of equal bytes). Only in the avx512vnni build,
+// where CPUID has amx-bf16 and amx-tile and the kernel grants tile data; for bf16 x of
+// g_amxw.min_rows .. g_amxw.max_rows rows (kernels/quant.py sets them: quant_amxw_config).
+struct AmxW {
+    bool enabled = false;
+    int64_t min_rows = 1 << 30, max_rows = 0;
+};
+AmxW g_amxw;
+
+bool amxw_takes(int64_t T) { return g_amxw.enabled && T >= g_amxw.min_rows && T <= g_amxw.max_rows; }
+bool amxw_enabled() { return g_amxw.enabled; }
+
+bool amxw_permitted() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;     // amx-tile, amx-bf16
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_load_config() {     // every tile 16 x 64 bytes
+    Amx8Config cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+// Units [u0, u1) (blocks, super-blocks) of one weight row -> out (that row's bf16 [K]), the
+// values of the packed tiles. The 32-element types' blocks go 16 at a time: their fp16 d (and m)
+// in one gather and one conversion (the same floats as f16); q4_0 / q4_1's nibbles two blocks
+// per 512-bit unpack and q4_k's sub-blocks two at a time, each pair through one table (amxw_pair4).
+// Two pieces of 4-bit codes (n: 0..15) share one table: piece a's 16 values A * code (+ C) in
+// its low half, b's in the high half, one rounding for both; b's indices n + 16.
+// (q4_0: code = n - 8, the codes decode<Q4_0> gives; the same float operations as lut_values.)
+template <int QT>
+inline void amxw_pair4(__m256i na, __m256i nb, float Aa, float Ca, float Ab, float Cb, uint16_t *out, bool native) {
+    const __m512 codes = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                    : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i table = bf16_pairs(lut_values<QT>(Aa, Ca, codes), lut_values<QT>(Ab, Cb, codes), native);
+    const __m512i ia = _mm512_cvtepu8_epi16(na), ib = _mm512_or_si512(_mm512_cvtepu8_epi16(nb), _mm512_set1_epi16(16));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(ia, table));
+    _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(ib, table));
+}
+
+template <int QT>
+void amxw_units(const uint8_t *row, int64_t u0, int64_t u1, uint16_t *out, bool native) {
+    constexpr int P = kPieces<QT>;
+    const __m512 lut0 = lut_codes<QT>(0), lut1 = lut_codes<QT>(1);
+    int64_t u = u0;
+    if constexpr (QT == Q4_K) {       // sub-blocks 2c, 2c + 1: one table
+        for (; u < u1; u++) {
+            Piece p[8];
+            decode<QT>(row + u * kBytes[QT], p);
+            for (int j = 0; j < 8; j += 2)
+                amxw_pair4<QT>(p[j].codes, p[j + 1].codes, p[j].A, p[j].C, p[j + 1].A, p[j + 1].C, out + (u * 8 + j) * 32,
+                               native);
+        }
+        return;
+    }
+    if constexpr (P == 1) {
+        constexpr int B = int(kBytes[QT]);
+        const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B,
+                                             11 * B, 12 * B, 13 * B, 14 * B, 15 * B);
+        alignas(64) float As[16], Cs[16];
+        for (; u + 16 <= u1; u += 16) {
+            const uint8_t *b = row + u * B;
+            const __m512i dm = _mm512_i32gather_epi32(at, b, 1);
+            _mm512_store_ps(As, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+            if constexpr (kMin<QT>) _mm512_store_ps(Cs, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+            for (int j = 0; j < 16; j += 2) {
+                if constexpr (QT == Q4_0 || QT == Q4_1) {     // raw nibbles, one table for both blocks
+                    constexpr int o = QT == Q4_0 ? 2 : 4;
+                    const __m512i c = nibbles64(b + j * B + o, b + (j + 1) * B + o);
+                    amxw_pair4<QT>(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1), As[j],
+                                   kMin<QT> ? Cs[j] : 0.f, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, out + (u + j) * 32,
+                                   native);
+                    continue;
+                }
+                Piece d0, d1;
+                decode<QT>(b + j * B, &d0);
+                decode<QT>(b + (j + 1) * B, &d1);
+                const Piece p0{d0.codes, As[j], kMin<QT> ? Cs[j] : 0.f, 1, 1};
+                const Piece p1{d1.codes, As[j + 1], kMin<QT> ? Cs[j + 1] : 0.f, 1, 1};
+                _mm512_storeu_si512(out + (u + j) * 32, piece_bf16<QT>(p0, lut0, lut1, native));
+                _mm512_storeu_si512(out + (u + j + 1) * 32, piece_bf16<QT>(p1, lut0, lut1, native));
+            }
+        }
+    }
+    for (; u < u1; u++) {
+        Piece p[P];
+        decode<QT>(row + u * kBytes[QT], p);
+        for (int j = 0; j < P; j++)
+            _mm512_storeu_si512(out + (u * P + j) * 32, piece_bf16<QT>(p[j], lut0, lut1, native));
+    }
+}
+
+using AmxWUnits = void (*)(const uint8_t *, int64_t, int64_t, uint16_t *, bool);
+AmxWUnits amxw_units_fn(int qt) {
+    switch (qt) {
+    case Q4_0: return amxw_units<Q4_0>;
+    case Q4_1: return amxw_units<Q4_1>;
+    case Q5_0: return amxw_units<Q5_0>;
+    case Q5_1: return amxw_units<Q5_1>;
+    case Q8_0: return amxw_units<Q8_0>;
+    case Q4_K: return amxw_units<Q4_K>;
+    case Q5_K: return amxw_units<Q5_K>;
+    case Q6_K: return amxw_units<Q6_K>;
+    }
+    return nullptr;
+}
+
+// A group of n weight rows being dequantized into dst [32][K] (rows past n zeroed first) a few
+// units at a time (step), between the tile operations of the group before it, so the vector
+// work of one group overlaps the AMX work of the other; finish() does what is left.
+struct AmxWNext {
+    AmxWUnits fn = nullptr;
+    const uint8_t *w = nullptr;
+    int64_t ldw = 0, n = 0, units = 0, K = 0;     // units per row
+    uint16_t *dst = nullptr;
+    bool native = false;
+    int64_t row = 0, unit = 0, per = 0;           // the cursor; units per step
+    void step(int64_t count) {
+        while (count > 0 && row < n) {
+            const int64_t take = std::min(count, units - unit);
+            fn(w + row * ldw, unit, unit + take, dst + row * K, native);
+            count -= take;
+            if ((unit += take) == units) row++, unit = 0;
+        }
+    }
+    void finish() { step(n * units); }
+    int64_t left() const { return (n - row) * units - unit; }
+};
+
+// C tiles 0 (weight rows 0-15 x activation tile b0), 1 (0-15 x b1, PAIR), 2 (16-31 x b0, TWO),
+// 3 (16-31 x b1, both) summed over all K: A tiles from wb [32][K], B tiles b0, b1 [K/2][16][2].
+// Stored into cbuf [4][16][16] float32 (tile i at 256 i). Between the tile operations: nx.per
+// units of the next group dequantized (AmxWNext), and the weight bytes of the group after it
+// prefetched into L2 (pf: per cache lines a step, from pf.at), so their memory reads overlap the
+// AMX work instead of stalling a dequantize.
+struct AmxWPrefetch {
+    const uint8_t *at, *end;
+    int64_t per;          // cache lines per K step
+};
+
+template <bool TWO, bool PAIR>
+__attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_t *wb, const uint16_t *b0,
+                                                                   const uint16_t *b1, int64_t K, float *cbuf,
+                                                                   AmxWPrefetch &pf, AmxWNext &nx) {
+    const int64_t stride = 2 * K;
+    _tile_zero(0);
+    if (PAIR) _tile_zero(1);
+    if (TWO) _tile_zero(2);
+    if (TWO && PAIR) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t i = 0; i < pf.per && pf.at < pf.end; i++, pf.at += 64)
+            _mm_prefetch(reinterpret_cast<const char *>(pf.at), _MM_HINT_T1);
+        _tile_loadd(4, wb + k, stride);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (PAIR) {
+            _tile_loadd(7, b1 + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (TWO) {
+            _tile_loadd(5, wb + 16 * K + k, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (PAIR) _tile_dpbf16ps(3, 5, 7);
+        }
+        nx.step(nx.per);
+    }
+    _tile_stored(0, cbuf, 64);
+    if (PAIR) _tile_stored(1, cbuf + 256, 64);
+    if (TWO) _tile_stored(2, cbuf + 512, 64);
+    if (TWO && PAIR) _tile_stored(3, cbuf + 768, 64);
+}
+
+// Two groups of 32 weight rows (wa, wb2: [32][K] each) times one activation tile b0: C tiles 0-3
+// their rows 0-15, 16-31, 32-47, 48-63 (four chains of sums where one tile of x would give two).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass4(const uint16_t *wa, const uint16_t *wb2,
+                                                                    const uint16_t *b0, int64_t K, float *cbuf,
+                                                                    AmxWPrefetch &pf, AmxWNext &nx) {
+    const int64_t stride = 2 * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t i = 0; i < pf.per && pf.at < pf.end; i++, pf.at += 64)
+            _mm_prefetch(reinterpret_cast<const char *>(pf.at), _MM_HINT_T1);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_loadd(4, wa + k, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, wa + 16 * K + k, stride);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(7, wb2 + k, stride);
+        _tile_dpbf16ps(2, 7, 6);
+        _tile_loadd(4, wb2 + 16 * K + k, stride);
+        _tile_dpbf16ps(3, 4, 6);
+        nx.step(nx.per);
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+}
+
+// One C tile's sums (c: [16 weight rows][16 activation rows] float32) + bias into y.T's block:
+// rows [t0, t0 + nt) of y, columns [col, col + nw).
+// Rounded to bf16 by vcvtneps2bf16 where the CPU has AVX512-BF16 (asm, as bf16_pairs: the same
+// value but for float32 denormals, which it flushes), else bf16_bits.
+inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t ldy, int64_t t0, int64_t nt,
+                       int64_t col, int64_t nw, bool native) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(c + 16 * i);
+    transpose16x16(r);                       // r[t]: activation row t's sums of the 16 weight rows
+    const __mmask16 mask = nw >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nw) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; t++) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[t]), b);
+        __m256i h;
+        if (native) __asm__("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(v));
+        else h = _mm512_cvtepi32_epi16(bf16_bits(v));
+        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + col, mask, h);
+    }
+}
+
+// n weight rows (a block of groups of 32), dequantized in wb [n rounded up to 32][K] (rows past n
+// zero), times all T rows of x (bv: its B tiles) into y's columns [col, col + n): per pair of
+// activation tiles, each group of 32 in turn, so the pair's B tiles (and the block's A tiles)
+// stay in L2 for all of them.
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_block(const uint16_t *wb, int64_t n, const uint16_t *bv,
+                                                               int64_t T, int64_t K, const float *bias, uint16_t *y,
+                                                               int64_t ldy, int64_t col, float *cbuf,
+                                                               AmxWPrefetch pf, AmxWNext &nx) {
+    const int64_t tiles = (T + 15) / 16, groups = (n + 31) / 32;
+    const int64_t steps = (tiles / 2 * groups + tiles % 2 * (groups / 2 + groups % 2)) * (K / 32);
+    pf.per = (pf.end - pf.at + 64 * steps - 1) / (64 * steps);
+    nx.per = (nx.left() + steps - 1) / steps;
+    for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
+        const bool pair = t0 + 1 < tiles;
+        const uint16_t *b0 = bv + t0 * K * 16, *b1 = b0 + K * 16;
+        for (int64_t j = 0; j < groups; j++) {
+            const uint16_t *w = wb + j * 32 * K;
+            if (!pair && n - 32 * j >= 64) {       // a lone activation tile: two whole groups at once
+                amx8_barrier();
+                amxw_pass4(w, w + 32 * K, b0, K, cbuf, pf, nx);
+                amx8_barrier();
+                for (int i = 0; i < 4; i++)
+                    amxw_store(cbuf + 256 * i, bias ? bias + 32 * j + 16 * i : nullptr, y, ldy, 16 * t0,
+                               std::min<int64_t>(16, T - 16 * t0), col + 32 * j + 16 * i, 16, native_bf16());
+                j++;
+                continue;
+            }
+            const int64_t nj = std::min<int64_t>(32, n - 32 * j);
+            const bool two = nj > 16;
+            amx8_barrier();
+            if (two && pair) amxw_pass<true, true>(w, b0, b1, K, cbuf, pf, nx);
+            else if (two) amxw_pass<true, false>(w, b0, b1, K, cbuf, pf, nx);
+            else if (pair) amxw_pass<false, true>(w, b0, b1, K, cbuf, pf, nx);
+            else amxw_pass<false, false>(w, b0, b1, K, cbuf, pf, nx);
+            amx8_barrier();
+            for (int h = 0; h < (two ? 2 : 1); h++)
+                for (int p = 0; p < (pair ? 2 : 1); p++)
+                    amxw_store(cbuf + 256 * (2 * h + p), bias ? bias + 32 * j + 16 * h : nullptr, y, ldy,
+                               16 * (t0 + p), std::min<int64_t>(16, T - 16 * (t0 + p)), col + 32 * j + 16 * h,
+                               std::min<int64_t>(16, nj - 16 * h), native_bf16());
+        }
+    }
+}
+
+constexpr int64_t kAmxWBlockBytes = 384 * 1024;    // the bf16 weights of a block (two in L2: this and the next)
+
+// This thread's share of the groups of 32 weight rows (ranges of equal bytes); bv complete. Its
+// groups go in blocks of consecutive rows of one part (as many as keep kAmxWBlockBytes of bf16
+// weights, one group where x has at most 64 rows), in two buffers: block i's AMX passes read
+// one while block i + 1 is dequantized into the other. Called inside amxw_linear's parallel region.
+__attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
+                                                              int64_t T, int64_t K, int64_t total, const float *bias,
+                                                              uint16_t *y, int64_t ldy, bool native) {
+    struct Block {
+        const QuantPart *q;
+        int64_t r0, n, first, row_bytes;
+    };
+    const int64_t per_block = T <= 64 ? (128 * K <= kAmxWBlockBytes ? 64 : 32)        // rows
+                                      : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;
+    static thread_local std::vector<uint16_t> wb;
+    static thread_local std::vector<Block> mine;
+    if (wb.size() < size_t(2 * per_block * K)) wb.resize(2 * per_block * K);
+    mine.clear();
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+    int64_t at = 0, first = 0;         // bytes before this group, its part's first row in y
+    for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+        const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+        for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
+            const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
+            at += n * row_bytes;
+            if (start < lo || start >= hi) continue;
+            Block *last = mine.empty() ? nullptr : &mine.back();
+            if (last && last->q == &parts[p] && last->r0 + last->n == r0 && last->n + n <= per_block) last->n += n;
+            else mine.push_back({&parts[p], r0, n, first, row_bytes});
+        }
+    }
+    if (mine.empty()) return;
+    auto next_of = [&](size_t i) {       // block i's dequantize, not started, into buffer i % 2
+        AmxWNext nx;
+        if (i >= mine.size()) return nx;
+        const Block &g = mine[i];
+        uint16_t *dst = wb.data() + (i % 2) * per_block * K;
+        const int64_t padded = (g.n + 31) / 32 * 32;
+        if (g.n < padded) std::fill(dst + g.n * K, dst + padded * K, uint16_t(0));
+        nx.fn = amxw_units_fn(int(g.q->qtype));
+        nx.w = g.q->w + g.r0 * g.q->ldw, nx.ldw = g.q->ldw, nx.n = g.n, nx.units = K / kElems[g.q->qtype];
+        nx.K = K, nx.dst = dst, nx.native = native;
+        return nx;
+    };
+    amxw_load_config();
+    alignas(64) float cbuf[1024];
+    AmxWNext now = next_of(0);
+    now.finish();
+    for (size_t i = 0; i < mine.size(); i++) {
+        const Block &g = mine[i];
+        AmxWNext nx = next_of(i + 1);
+        AmxWPrefetch ahead{nullptr, nullptr, 0};          // block i + 2's bytes, where its rows are contiguous
+        if (i + 2 < mine.size() && mine[i + 2].q->ldw == mine[i + 2].row_bytes) {
+            const Block &h = mine[i + 2];
+            ahead.at = h.q->w + h.r0 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
+        }
+        amxw_block(wb.data() + (i % 2) * per_block * K, g.n, reinterpret_cast<const uint16_t *>(bv), T, K,
+                   bias ? bias + g.first + g.r0 : nullptr, y, ldy, g.first + g.r0, cbuf, ahead, nx);
+        nx.finish();
+    }
+    _tile_release();
+}
+
+int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
+                uint16_t *y, int64_t ldy) {
+    const int64_t tiles = (T + 15) / 16, pairs = K / 2;
+    std::vector<uint32_t> bv(tiles * pairs * 16);       // x's bf16 pairs: [tiles][K/2][16]
+    const uint32_t *x32 = reinterpret_cast<const uint32_t *>(x);
+    int64_t total = 0;                                  // weight bytes
+    for (int64_t p = 0; p < nparts; p++) total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+    const bool native = native_bf16();
+#pragma omp parallel
+    {
+        // 16 rows x 16 pairs at a time, transposed in registers (pairs: K / 2, a multiple of 16)
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < tiles * (pairs / 16); i++) {
+            const int64_t k = i / (pairs / 16), g = i % (pairs / 16) * 16;
+            __m512i r[16];
+            for (int64_t c = 0; c < 16; c++)
+                r[c] = 16 * k + c < T ? _mm512_loadu_si512(x32 + (16 * k + c) * pairs + g) : _mm512_setzero_si512();
+            transpose16x16(r);
+            for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(&bv[(k * pairs + g + c) * 16], r[c]);
+        }
+        amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native);
+    }
+    return 0;
+}
+#else
+bool amxw_takes(int64_t) { return false; }
+bool amxw_enabled() { return false; }
+int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, const float *, uint16_t *, int64_t) {
+    return 1;
+}
 #endif
 }  // namespace
+
+// enable: the AMX-BF16 path with weights as A tiles for bf16 x of min_rows .. max_rows rows in
+// quant_linear_tiles (1) or not (0). Returns 1 where it is in use after the call, 0 where not (not
+// this build, the CPU or kernel lacks AMX-BF16, or disabled).
+extern "C" int quant_amxw_config(int64_t enable, int64_t min_rows, int64_t max_rows) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    static const bool usable = amxw_permitted();
+    g_amxw.enabled = usable && enable != 0;
+    g_amxw.min_rows = std::max<int64_t>(1, min_rows);
+    g_amxw.max_rows = max_rows;
+    return g_amxw.enabled ? 1 : 0;
+#else
+    (void)enable, (void)min_rows, (void)max_rows;
+    return 0;
+#endif
+}
 
 // enable: use the AMX-INT8 dots where usable (1) or not (0); min_rows: from how many rows of x.
 // Returns 1 where they are in use after the call, 0 where not (not this build, the CPU or kernel
