@@ -32,6 +32,7 @@ from pagedserve.models.opt import OPT_ARCHITECTURES, OPTArgs, build_opt_model
 from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.kernels import quant
+from pagedserve.models import huge_pages
 from pagedserve.models.quantized import QuantizedEmbedding, kernel_qtype
 from pagedserve.models.sharding import Shard
 from pagedserve.utils import cdiv
@@ -408,7 +409,8 @@ class MatrixBuilder:
                 raise ValueError(f"{parts[0][0]}: {whole.shape[1]} columns are not whole {qtype} blocks of 32 "
                                  f"(under tensor parallelism: choose another tensor_parallel_size)")
             self.made[qtype] += 1
-            return quant.quantize(whole.float(), qtype)
+            w = quant.quantize(whole.float(), qtype)
+            return quant.QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data))
         if isinstance(self.source, SafetensorsSource) and cols is None and \
                 all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
             return self._read_fused(parts, pad_rows)
@@ -436,8 +438,11 @@ class MatrixBuilder:
             if pad_rows:
                 weights.append(self._zeros(pad_rows, parts[-1][0], cols))
             return tuple(weights)
-        # Zero blocks for padding rows: zero scales.
-        raw = self._stack_rows([self.source.blocks(n, r, cols) for n, r in parts], pad_rows)
+        # Zero blocks for padding rows: zero scales. In huge pages where the kernel has them (a
+        # decode streams every byte: models/huge_pages.py), the file's pages then dropped.
+        blocks = [self.source.blocks(n, r, cols) for n, r in parts]
+        raw = huge_pages.stack_rows(blocks, pad_rows)
+        raw = self._stack_rows(blocks, pad_rows) if raw is None else raw
         num_cols = cols[1] - cols[0] if cols else self.source.num_cols(parts[0][0])
         weight = quant.from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
         for n, _ in parts:
@@ -461,7 +466,11 @@ class MatrixBuilder:
         dequantizes its rows: QuantizedEmbedding), any other is a float tensor."""
         if self.blocks_of and self.source.has(name) and self.source.tensor_type(name).name not in _FLOAT_GGML_TYPES:
             blocks = self.source.blocks(name, rows)
-            if pad_rows:
+            stacked = huge_pages.stack_rows([blocks], pad_rows)     # an LM head tied to it streams it
+            if stacked is not None:
+                blocks = stacked
+                self.source.release(name, blocks)
+            elif pad_rows:
                 blocks = torch.cat([blocks, blocks.new_zeros(pad_rows, blocks.shape[1])])
             return QuantizedEmbedding(self.source.tensor_type(name), blocks, self.source.num_cols(name), self.dtype)
         return self.matrix([(name, rows)], pad_rows=pad_rows) if self.mode is None or self.blocks_of else \
