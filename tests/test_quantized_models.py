@@ -226,7 +226,7 @@ def test_quantized_weights_in_huge_pages_give_the_same_tokens(base_model, tmp_pa
 
 def test_huge_page_copies_are_exact_and_can_be_turned_off(monkeypatch):
     from pagedserve.models import huge_pages
-    parts = [torch.randint(0, 256, (300, 1000), dtype=torch.uint8), torch.randint(0, 256, (77, 1000), dtype=torch.uint8)]
+    parts = [torch.randint(0, 256, (rows, 1000), dtype=torch.uint8) for rows in (300, 77)]
     monkeypatch.setenv(huge_pages.ENV, "0")
     assert huge_pages.stack_rows(parts, 5) is None and huge_pages.copy_to_huge_pages(parts[0]) is parts[0]
     monkeypatch.setenv(huge_pages.ENV, "1")
