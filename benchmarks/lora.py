@@ -17,7 +17,7 @@ loop, steps with adapter rows (decodes and prefills alike) add their deltas insi
 loop. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
 the base model: on an idle engine (the read is inline: nothing else waits), and arriving while
-8 base-model requests decode (the kernel reads the files ahead beside a step; the longest
+8 base-model requests decode (the read is ahead, in the background, beside a step; the longest
 step meanwhile shows whether any step waited on the disk). Last (compiled CPU loop; not with
 --no-profile) the delta alone per projection at the benchmark's decode batches, weights cold,
 with the adapter bytes it reads and the rate: how far the delta is from the memory bound.

@@ -9,8 +9,8 @@ batch (plain data: the worker reads the files, through its host cache).
 
 A cold adapter (not in a slot, nor in the worker's host cache as far as these records go: the
 last max_cpu_loras adapters loaded or read) is first read ahead: `request_read` puts a
-LoRALoad with slot -1 in the next batch's lora_reads, the worker has the kernel read its files
-ahead during that step (lora/weights.py LoRAWeights.prefetch), and the request is admitted from
+LoRALoad with slot -1 in the next batch's lora_reads, the worker reads it in the background
+during that step (lora/weights.py LoRAWeights.prefetch), and the request is admitted from
 the next step on (the scheduler passes it over meanwhile, where other requests run), so no step
 waits on the disk.
 """

@@ -1,6 +1,6 @@
 """The worker's LoRA weights: max_loras slots of stacked tensors on the model's device, a host
 cache of the last max_cpu_loras adapters read (laid out as a slot holds them, so a load is a
-few copies; `prefetch` has the kernel read a cold adapter's files ahead), and the per-step delta.
+few copies; `prefetch` reads one ahead in a background thread, on one OpenMP thread), and the per-step delta.
 
 Per linear module (qkv, o, gate_up, down) a slot owns K = parts * max_rank rank columns, R
 per part (the adapter's r of them filled): A holds the shrink matrices of the parts the
@@ -32,15 +32,15 @@ sum that the layer's all-reduce completes with the base output's.
 """
 from __future__ import annotations
 
-import os
+import ctypes
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from pagedserve.batch import LoRALoad
-from pagedserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, load_tensors, part_shapes, read_adapter
+from pagedserve.lora.adapter import load_tensors, part_shapes, read_adapter
 
 # Each linear module of a layer and its parts, in the order of its output columns.
 MODULES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -63,6 +63,19 @@ class HostPart:
 class HostAdapter:
     rank: int
     parts: dict[str, HostPart]
+
+
+def _one_openmp_thread() -> None:
+    """The reader thread's torch ops run on it alone. A second live thread with its own OpenMP
+    team puts more OpenMP threads than CPUs, and libgomp then cuts its spinning at barriers
+    (GOMP_SPINCOUNT's throttled count): every later step ran 2.2x slower (the compiled layer
+    loop meets hundreds of times a step). The engine's thread keeps its own count: OpenMP's is
+    per thread, and torch's global only seeds threads that start later."""
+    torch.set_num_threads(1)
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)
+    except (OSError, AttributeError):
+        pass
 
 
 class LoRAWeights:
@@ -92,6 +105,8 @@ class LoRAWeights:
         self.plan: list[dict[str, int]] = [{} for _ in range(max_loras)]
         # Per slot and module its adapter targets: rank | (the parts it targets, a bit each) << 16.
         self.info: list[dict[str, int]] = [{} for _ in range(max_loras)]
+        self.reading: dict[tuple[int, str], Future] = {}     # prefetch: reads under way in the background
+        self._reader: ThreadPoolExecutor | None = None       # one thread, made at the first prefetch
         self.host: OrderedDict[tuple[int, str], HostAdapter] = OrderedDict()   # (id, path) -> slot-ready copy, LRU first
         # (module, first slot, last slot) -> per layer (A[range].T, BT[range]): views, valid while the tensors live
         self.views: dict[tuple[str, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -143,24 +158,25 @@ class LoRAWeights:
         self.held[s], self.plan[s], self.info[s] = key, plan, info
 
     def prefetch(self, lora_int_id: int, path: str) -> None:
-        """Have the kernel read an adapter's files ahead (a request that will need it has
-        arrived: posix_fadvise WILLNEED, which returns at once), so the step that loads it reads
-        from the page cache, not the disk. No thread of ours: a second thread running torch ops
-        gets its own OpenMP team, and with more OpenMP threads than CPUs libgomp stops spinning
-        at barriers, which made every later step (the compiled layer loop meets hundreds of
-        times a step) 2x slower. A Hub id or a bad path is left for load, which raises there."""
-        if (lora_int_id, path) in self.host or not hasattr(os, "posix_fadvise"):
+        """Start reading an adapter into the host cache in the background (a request that will
+        need it has arrived), so the step that puts it into a slot only copies. Errors are
+        left for load, which reads it again and raises them there."""
+        key = (lora_int_id, path)
+        self._collect()
+        if key in self.host or key in self.reading:
             return
-        root = Path(path).expanduser()
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            try:
-                fd = os.open(root / name, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read",
+                                              initializer=_one_openmp_thread)
+        self.reading[key] = self._reader.submit(self._prepare, key)
+
+    def _collect(self) -> None:
+        """Reads finished in the background go into the host cache (only this thread changes it)."""
+        for key, future in list(self.reading.items()):
+            if future.done():
+                del self.reading[key]
+                if future.exception() is None:
+                    self._cache(key, future.result())
 
     def _cache(self, key: tuple[int, str], entry: "HostAdapter") -> "HostAdapter":
         self.host[key] = entry
@@ -204,12 +220,17 @@ class LoRAWeights:
 
     def _host(self, key: tuple[int, str]) -> "HostAdapter":
         """An adapter's slot-ready host copy (_prepare), read at most once while it stays in the
-        host cache (max_cpu_loras adapters, least recently used out first)."""
+        host cache (max_cpu_loras adapters, least recently used out first); a read started by
+        prefetch is waited for."""
+        self._collect()
         hit = self.host.get(key)
         if hit is not None:
             self.host.move_to_end(key)
             return hit
-        return self._cache(key, self._prepare(key))
+        future = self.reading.pop(key, None)
+        if future is not None and future.exception() is None:
+            return self._cache(key, future.result())
+        return self._cache(key, self._prepare(key))     # (a failed prefetch: read again, raising here)
 
     # ---- a step ----------------------------------------------------------------------------
     def step(self, slots: list[int], row_counts: list[int]) -> "LoRAStep | None":
