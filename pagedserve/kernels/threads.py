@@ -104,17 +104,23 @@ def apply_openmp_defaults() -> None:
         os.environ["OMP_NUM_THREADS"] = str(available_cpus())
 
 
-def configure_threads(num_threads: int | None) -> int:
-    """Threads for the steps the calling thread runs (torch's and our kernels'): num_threads, or
-    OMP_NUM_THREADS, or the CPUs this process may use. Returns the number."""
+def set_thread_count(n: int) -> None:
+    """torch's and our kernels' thread count for the steps the calling thread runs (OpenMP's
+    count is per thread: torch's libgomp, loaded by now)."""
     import torch
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    n = num_threads or (int(env) if env.isdigit() and int(env) > 0 else available_cpus())
     torch.set_num_threads(n)
-    try:   # the calling thread's OpenMP count, read by our kernels (torch's libgomp, loaded by now)
+    try:
         ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)
     except (OSError, AttributeError):
         pass
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Threads for the steps the calling thread runs (torch's and our kernels'): num_threads, or
+    OMP_NUM_THREADS, or the CPUs this process may use. Returns the number."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    n = num_threads or (int(env) if env.isdigit() and int(env) > 0 else available_cpus())
+    set_thread_count(n)
     if _applied_before_torch is False and os.environ.get("PAGEDSERVE_OPENMP_DEFAULTS", "1") != "0" \
             and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         logger.warning("torch was imported before pagedserve, so OpenMP keeps its spin-wait default, which "

@@ -32,7 +32,6 @@ sum that the layer's all-reduce completes with the base output's.
 """
 from __future__ import annotations
 
-import ctypes
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.batch import LoRALoad
+from pagedserve.kernels.cpu import lora_pack_bt
+from pagedserve.kernels.threads import set_thread_count
 from pagedserve.lora.adapter import load_tensors, part_shapes, read_adapter
 
 # Each linear module of a layer and its parts, in the order of its output columns.
@@ -71,11 +72,7 @@ def _one_openmp_thread() -> None:
     (GOMP_SPINCOUNT's throttled count): every later step ran 2.2x slower (the compiled layer
     loop meets hundreds of times a step). The engine's thread keeps its own count: OpenMP's is
     per thread, and torch's global only seeds threads that start later."""
-    torch.set_num_threads(1)
-    try:
-        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)
-    except (OSError, AttributeError):
-        pass
+    set_thread_count(1)
 
 
 class LoRAWeights:
@@ -95,7 +92,7 @@ class LoRAWeights:
         self.part_cols = {p: slice(*c) for p, c in offsets.items()}
         self.A: dict[str, torch.Tensor] = {}    # module -> [layers, slots * K, in], made when first needed
         self.BT: dict[str, torch.Tensor] = {}   # module -> [layers, slots * K, out]
-        # module -> BT in rank pairs, [layers, slots * K / 2, out, 2] (_pair_rows): the compiled
+        # module -> BT in rank pairs, [layers, slots * K / 2, out, 2] (kernels/cpu.py lora_pack_bt): the compiled
         # loop's bf16 AMX tiles read it (kernels/cpu.py LoraTable); bf16 on the CPU only.
         self.BTP: dict[str, torch.Tensor] = {}
         self.pack = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and max_lora_rank % 2 == 0
@@ -135,7 +132,7 @@ class LoRAWeights:
                 self.A[module] = self._zeros(K, self.shapes[parts[0]][0])
                 self.BT[module] = self._zeros(K, sum(self.shapes[p][1] for p in parts))
                 if self.pack:
-                    self.BTP[module] = _pair_rows(self.BT[module])
+                    self.BTP[module] = lora_pack_bt(self.BT[module])
             for j, p in enumerate(parts):
                 rows = slice(s * K + j * R, s * K + (j + 1) * R)     # each part in its own R rows
                 pairs = slice(rows.start // 2, rows.stop // 2)
@@ -202,7 +199,7 @@ class LoRAWeights:
                     a, b = self._slice(p, *a_b)
                     a_all[layer, :spec.rank] = a
                     bt_all[layer, :spec.rank] = b.T
-            parts[p] = HostPart(a_all, bt_all, _pair_rows(bt_all) if self.pack else None)
+            parts[p] = HostPart(a_all, bt_all, lora_pack_bt(bt_all) if self.pack else None)
         return HostAdapter(spec.rank, parts)
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,12 +259,6 @@ class LoRAWeights:
             rows = slice(lo * K, lo * K + self.plan[lo].get(module, 0) if lo == hi else (hi + 1) * K)
             views = self.views[key] = [(a.t(), bt) for a, bt in zip(self.A[module][:, rows], self.BT[module][:, rows])]
         return views
-
-
-def _pair_rows(bt: torch.Tensor) -> torch.Tensor:
-    """BT [layers, rows, out] in pairs of rank rows, [layers, rows / 2, out, 2] (AMX's VNNI layout)."""
-    L, rows, out = bt.shape
-    return bt.reshape(L, rows // 2, 2, out).transpose(-1, -2).contiguous()
 
 
 def _shard_slices(args, shard) -> dict[str, tuple[int, int]]:
