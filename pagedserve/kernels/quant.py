@@ -124,47 +124,73 @@ AMX_INT8_BATCH_ROWS = 28
 # Sapphire Rapids, 1.7B and 135M layer shapes): see docs/architecture.md's quantized rows.
 AMXW_MIN_ROWS = 8
 AMXW_MAX_ROWS = 384
-_amxw_wanted: bool | None = None      # set_amxw's choice; None: as cpu.amx_in_use()
-_amxw_rows: tuple[int, int] | None = None   # None: (AMXW_MIN_ROWS, AMXW_MAX_ROWS)
-_amxw_key: tuple | None = None
-_amxw_active = False
+
+
+class _AmxPath:
+    """One of the quant library's AMX paths, following cpu.py's AMX switch ($PAGEDSERVE_AMX,
+    cpu.set_amx / using_amx) unless set alone: `wanted` (None: as cpu.amx_in_use()) and its row
+    parameters (None: the defaults), handed to the library's `config` function whenever they, or
+    the active library, changed since the last call."""
+
+    def __init__(self, config: str, default: tuple[int, ...]) -> None:
+        self.config, self.default = config, default
+        self.wanted: bool | None = None
+        self.params: tuple[int, ...] | None = None
+        self._key: tuple | None = None       # the state the active library was configured for
+        self._active = False
+
+    def rows(self) -> tuple[int, ...]:
+        return self.params or self.default
+
+    def in_use(self) -> bool:
+        lib = KERNELS.lib if KERNELS.active is not None else load()
+        wanted = cpu.amx_in_use() if self.wanted is None else (self.wanted and cpu.amx_in_use())
+        key = (id(lib), wanted, self.rows())
+        if key != self._key:
+            self._key = key
+            self._active = bool(lib is not None and getattr(lib, self.config)(int(wanted), *self.rows()))
+        return self._active
+
+    def set(self, enabled: bool | None, params: tuple[int, ...] | None) -> bool:
+        self.wanted, self.params = enabled, params
+        return self.in_use()
+
+    @contextlib.contextmanager
+    def using(self, enabled: bool | None, params: tuple[int, ...] | None):
+        previous = (self.wanted, self.params)
+        try:
+            yield self.set(enabled, params)
+        finally:
+            self.set(*previous)
+
+
+_AMXW = _AmxPath("quant_amxw_config", (AMXW_MIN_ROWS, AMXW_MAX_ROWS))
+# The AMX-INT8 dots: set_amx_int8 / using_amx_int8 turn them off alone or move their first row
+# (tests, benchmarks/gemm.py).
+_AMX8 = _AmxPath("quant_amx_config", (AMX_INT8_MIN_ROWS,))
 
 
 def amxw_rows() -> tuple[int, int]:
     """The rows of bf16 x (first, last) the AMX-BF16 weights-as-A path takes."""
-    return _amxw_rows or (AMXW_MIN_ROWS, AMXW_MAX_ROWS)
+    return _AMXW.rows()
 
 
 def amxw_in_use() -> bool:
     """Whether quant_linear_tiles runs bf16 x of amxw_rows() rows with the weights as AMX A
-    tiles: configures the active library where the switches changed since its last call."""
-    global _amxw_key, _amxw_active
-    lib = KERNELS.lib if KERNELS.active is not None else load()
-    wanted = cpu.amx_in_use() if _amxw_wanted is None else (_amxw_wanted and cpu.amx_in_use())
-    key = (id(lib), wanted, amxw_rows())
-    if key != _amxw_key:
-        _amxw_key = key
-        _amxw_active = bool(lib is not None and lib.quant_amxw_config(int(wanted), *amxw_rows()))
-    return _amxw_active
+    tiles (configures the active library where the switches changed since its last call)."""
+    return _AMXW.in_use()
 
 
 def set_amxw(enabled: bool | None, rows: tuple[int, int] | None = None) -> bool:
     """The weights-as-A AMX-BF16 path on (where cpu.amx_in_use()), off, or None: as cpu's AMX
     switch; for rows (first, last) of bf16 x (None: AMXW_MIN_ROWS, AMXW_MAX_ROWS). Returns
     amxw_in_use()."""
-    global _amxw_wanted, _amxw_rows
-    _amxw_wanted, _amxw_rows = enabled, rows
-    return amxw_in_use()
+    return _AMXW.set(enabled, rows)
 
 
-@contextlib.contextmanager
 def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
     """A block with set_amxw(enabled, rows), then the previous settings."""
-    previous = (_amxw_wanted, _amxw_rows)
-    try:
-        yield set_amxw(enabled, rows)
-    finally:
-        set_amxw(*previous)
+    return _AMXW.using(enabled, rows)
 
 
 def batch_rows(decode: bool = False, bf16: bool = False) -> int:
@@ -182,48 +208,25 @@ def batch_rows(decode: bool = False, bf16: bool = False) -> int:
     return DECODE_BATCH_ROWS if decode else SMALL_BATCH_ROWS
 
 
-# The AMX-INT8 dots follow cpu.py's AMX switch ($PAGEDSERVE_AMX, cpu.set_amx / using_amx): on
-# where cpu.amx_in_use() and the active variant (avx512vnni) finds AMX-INT8; set_amx_int8 /
-# using_amx_int8 turn them off alone or move their first row (tests, benchmarks/gemm.py).
-_amx8_wanted: bool | None = None      # set_amx_int8's choice; None: as cpu.amx_in_use()
-_amx8_min_rows: int | None = None     # None: AMX_INT8_MIN_ROWS
-_amx8_key: tuple | None = None        # the state the active library was configured for
-_amx8_active = False
-
-
 def amx_int8_in_use() -> bool:
     """Whether quant_linear_small runs its dots on AMX-INT8 tiles (from amx_int8_min_rows()
-    rows): configures the active library where the switches changed since its last call."""
-    global _amx8_key, _amx8_active
-    lib = KERNELS.lib if KERNELS.active is not None else load()
-    wanted = cpu.amx_in_use() if _amx8_wanted is None else (_amx8_wanted and cpu.amx_in_use())
-    key = (id(lib), wanted, amx_int8_min_rows())
-    if key != _amx8_key:
-        _amx8_key = key
-        _amx8_active = bool(lib is not None and lib.quant_amx_config(int(wanted), amx_int8_min_rows()))
-    return _amx8_active
+    rows; configures the active library where the switches changed since its last call)."""
+    return _AMX8.in_use()
 
 
 def amx_int8_min_rows() -> int:
-    return _amx8_min_rows or AMX_INT8_MIN_ROWS
+    return _AMX8.rows()[0]
 
 
 def set_amx_int8(enabled: bool | None, min_rows: int | None = None) -> bool:
     """AMX-INT8 dots on (where cpu.amx_in_use()), off, or None: as cpu's AMX switch; from
     min_rows rows (None: AMX_INT8_MIN_ROWS). Returns amx_int8_in_use()."""
-    global _amx8_wanted, _amx8_min_rows
-    _amx8_wanted, _amx8_min_rows = enabled, min_rows
-    return amx_int8_in_use()
+    return _AMX8.set(enabled, (min_rows,) if min_rows else None)
 
 
-@contextlib.contextmanager
 def using_amx_int8(enabled: bool | None, min_rows: int | None = None):
     """A block with set_amx_int8(enabled, min_rows), then the previous settings."""
-    previous = (_amx8_wanted, _amx8_min_rows)
-    try:
-        yield set_amx_int8(enabled, min_rows)
-    finally:
-        set_amx_int8(*previous)
+    return _AMX8.using(enabled, (min_rows,) if min_rows else None)
 
 
 TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
