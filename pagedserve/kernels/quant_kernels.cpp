@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #include <omp.h>
@@ -49,6 +50,22 @@ namespace {
 enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, kNumTypes };   // kernels/quant.py's QTYPES order
 constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
 constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210};
+
+// f(std::integral_constant<int, QT>{}) for the run-time type qt: the one switch behind every
+// per-type table of template instances (a default result, null for a pointer, for none).
+template <typename F> auto with_qtype(int qt, F &&f) {
+    switch (qt) {
+    case Q4_0: return f(std::integral_constant<int, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int, Q4_1>{});
+    case Q5_0: return f(std::integral_constant<int, Q5_0>{});
+    case Q5_1: return f(std::integral_constant<int, Q5_1>{});
+    case Q8_0: return f(std::integral_constant<int, Q8_0>{});
+    case Q4_K: return f(std::integral_constant<int, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int, Q6_K>{});
+    }
+    return decltype(f(std::integral_constant<int, Q4_0>{}))();
+}
 
 float f16(const uint8_t *p) {
     uint16_t h;
@@ -1000,17 +1017,7 @@ template <int QT>
 RowFn row_fn(int nt) { return pick<QT>(nt, std::make_integer_sequence<int, kMaxNT>{}); }
 
 RowFn row_fn(int qt, int nt) {
-    switch (qt) {
-    case Q4_0: return row_fn<Q4_0>(nt);
-    case Q4_1: return row_fn<Q4_1>(nt);
-    case Q5_0: return row_fn<Q5_0>(nt);
-    case Q5_1: return row_fn<Q5_1>(nt);
-    case Q8_0: return row_fn<Q8_0>(nt);
-    case Q4_K: return row_fn<Q4_K>(nt);
-    case Q5_K: return row_fn<Q5_K>(nt);
-    case Q6_K: return row_fn<Q6_K>(nt);
-    }
-    return nullptr;
+    return with_qtype(qt, [nt](auto q) { return row_fn<decltype(q)::value>(nt); });
 }
 
 using Row2Fn = void (*)(const uint8_t *, int64_t, const Act &, float *);
@@ -1032,16 +1039,7 @@ Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type 
 // Row w's K weights as floats (exactly gguf.quants' values).
 void dequantize_row(int qt, const uint8_t *w, int64_t K, float *y) {
 #if defined(__AVX2__)
-    switch (qt) {
-    case Q4_0: return dequantize_row_vec<Q4_0>(w, K, y);
-    case Q4_1: return dequantize_row_vec<Q4_1>(w, K, y);
-    case Q5_0: return dequantize_row_vec<Q5_0>(w, K, y);
-    case Q5_1: return dequantize_row_vec<Q5_1>(w, K, y);
-    case Q8_0: return dequantize_row_vec<Q8_0>(w, K, y);
-    case Q4_K: return dequantize_row_vec<Q4_K>(w, K, y);
-    case Q5_K: return dequantize_row_vec<Q5_K>(w, K, y);
-    case Q6_K: return dequantize_row_vec<Q6_K>(w, K, y);
-    }
+    with_qtype(qt, [&](auto q) { dequantize_row_vec<decltype(q)::value>(w, K, y); });
 #else
     for (int64_t u = 0; u < K / kElems[qt]; u++) dequantize_block(qt, w + u * kBytes[qt], y + u * kElems[qt]);
 #endif
@@ -1238,16 +1236,7 @@ void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16
 }
 
 void pack_group_bf16(int qt, const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16_t *tile, bool native) {
-    switch (qt) {
-    case Q4_0: return pack_group_bf16<Q4_0>(w, ldw, n, K, tile, native);
-    case Q4_1: return pack_group_bf16<Q4_1>(w, ldw, n, K, tile, native);
-    case Q5_0: return pack_group_bf16<Q5_0>(w, ldw, n, K, tile, native);
-    case Q5_1: return pack_group_bf16<Q5_1>(w, ldw, n, K, tile, native);
-    case Q8_0: return pack_group_bf16<Q8_0>(w, ldw, n, K, tile, native);
-    case Q4_K: return pack_group_bf16<Q4_K>(w, ldw, n, K, tile, native);
-    case Q5_K: return pack_group_bf16<Q5_K>(w, ldw, n, K, tile, native);
-    case Q6_K: return pack_group_bf16<Q6_K>(w, ldw, n, K, tile, native);
-    }
+    with_qtype(qt, [&](auto q) { pack_group_bf16<decltype(q)::value>(w, ldw, n, K, tile, native); });
 }
 #endif
 
@@ -1634,17 +1623,7 @@ __attribute__((target("amx-tile,amx-int8"))) void amx8_group(const uint8_t *w, i
 using Amx8Fn = void (*)(const uint8_t *, int64_t, int64_t, const Amx8Act &, const float *, void *, int64_t, int64_t,
                         bool, int8_t *, float *, float *, int32_t *);
 Amx8Fn amx8_fn(int qt) {
-    switch (qt) {
-    case Q4_0: return amx8_group<Q4_0>;
-    case Q4_1: return amx8_group<Q4_1>;
-    case Q5_0: return amx8_group<Q5_0>;
-    case Q5_1: return amx8_group<Q5_1>;
-    case Q8_0: return amx8_group<Q8_0>;
-    case Q4_K: return amx8_group<Q4_K>;
-    case Q5_K: return amx8_group<Q5_K>;
-    case Q6_K: return amx8_group<Q6_K>;
-    }
-    return nullptr;
+    return with_qtype(qt, [](auto q) -> Amx8Fn { return amx8_group<decltype(q)::value>; });
 }
 
 // This thread's share of the groups of 16 weight rows (ranges of equal bytes) through amx8_group;
@@ -1786,17 +1765,7 @@ void amxw_units(const uint8_t *row, int64_t u0, int64_t u1, uint16_t *out, bool 
 
 using AmxWUnits = void (*)(const uint8_t *, int64_t, int64_t, uint16_t *, bool);
 AmxWUnits amxw_units_fn(int qt) {
-    switch (qt) {
-    case Q4_0: return amxw_units<Q4_0>;
-    case Q4_1: return amxw_units<Q4_1>;
-    case Q5_0: return amxw_units<Q5_0>;
-    case Q5_1: return amxw_units<Q5_1>;
-    case Q8_0: return amxw_units<Q8_0>;
-    case Q4_K: return amxw_units<Q4_K>;
-    case Q5_K: return amxw_units<Q5_K>;
-    case Q6_K: return amxw_units<Q6_K>;
-    }
-    return nullptr;
+    return with_qtype(qt, [](auto q) -> AmxWUnits { return amxw_units<decltype(q)::value>; });
 }
 
 // A group of n weight rows being dequantized into dst [32][K] (rows past n zeroed first) a few
