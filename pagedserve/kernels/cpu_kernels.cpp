@@ -2402,7 +2402,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t
     for (int i = 0; i < n; i++)
         for (int64_t k = 0; k < rank; k++) store_as(ub + i * Rp + k, u[i * ldu + k]);   // exact: u is rounded
     const int64_t full = size / 16 * 16, end = std::min(c1, full);
-    alignas(64) float buf[3 * 256];
+    // C tiles go out through buf: a group's are added into y one group later, after the next
+    // group's tile operations, so the vector loads find the tile stores done (added at once, each
+    // waited on its stores: most of the expand's time).
+    alignas(64) float buf[2][3 * 256];
+    int64_t pending_c = -1;
+    int pending_nct = 0;
+    auto add_pending = [&]() {
+        const float *done = buf[(pending_c - c0) / 48 % 2];
+        for (int ct = 0; ct < pending_nct; ct++)
+            for (int i = 0; i < n; i++)
+                lora_add_store(y + rows[i] * ldy + pending_c + ct * 16, _mm512_load_ps(done + ct * 256 + i * 16));
+    };
     if (c0 < end) lora_expand_config(kk);
     for (int64_t c = c0; c < end; c += 48) {
         const int nct = static_cast<int>(std::min<int64_t>(3, (end - c) / 16));
@@ -2445,13 +2456,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t
                 _tile_dpbf16ps(2, 6, 7);
             }
         }
-        _tile_stored(0, buf, 64);
-        _tile_stored(1, buf + 256, 64);
-        _tile_stored(2, buf + 512, 64);
+        float *out = buf[(c - c0) / 48 % 2];
+        _tile_stored(0, out, 64);
+        _tile_stored(1, out + 256, 64);
+        _tile_stored(2, out + 512, 64);
         memory_barrier();
-        for (int ct = 0; ct < nct; ct++)
-            for (int i = 0; i < n; i++) lora_add_store(y + rows[i] * ldy + c + ct * 16, _mm512_load_ps(buf + ct * 256 + i * 16));
+        if (pending_c >= 0) add_pending();
+        pending_c = c, pending_nct = nct;
     }
+    if (pending_c >= 0) add_pending();
     if (c0 < end) _tile_release();
     if (c1 > full && full < size)
         for (int i0 = 0; i0 < n; i0 += kLoraRows) {
