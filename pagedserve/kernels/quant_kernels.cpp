@@ -47,9 +47,16 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 
 namespace {
 
-enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, kNumTypes };   // kernels/quant.py's QTYPES order
-constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
-constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210};
+// kernels/quant.py's QTYPES order, then Q4_0X: q4_0 repacked at load (quant.repack) in units of 8
+// blocks (256 elements, 144 bytes, the blocks' bytes rearranged): their 8 fp16 d, then two 64-byte
+// vectors of nibbles whose byte 8 l + j of vector k is the block l's qs[8 k + j] (elements 8 k + j
+// low, 16 + 8 k + j high). A 512-bit dot then has each 32-bit lane in one block (lanes 2l, 2l + 1:
+// block l), so the unit's 16 int32 lanes take one conversion and one multiply-add by the 8 scales,
+// where the file's layout costs that per two blocks (and a gather per 16): about 2x the T = 1 dot's
+// compute rate (1.7B shape, in L2). The activations come permuted to match (Act::qx).
+enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, kNumTypes };
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144};
 
 // f(std::integral_constant<int, QT>{}) for the run-time type qt: the one switch behind every
 // per-type table of template instances (a default result, null for a pointer, for none).
@@ -63,6 +70,7 @@ template <typename F> auto with_qtype(int qt, F &&f) {
     case Q4_K: return f(std::integral_constant<int, Q4_K>{});
     case Q5_K: return f(std::integral_constant<int, Q5_K>{});
     case Q6_K: return f(std::integral_constant<int, Q6_K>{});
+    case Q4_0X: return f(std::integral_constant<int, Q4_0X>{});
     }
     return decltype(f(std::integral_constant<int, Q4_0>{}))();
 }
@@ -148,6 +156,17 @@ void dequantize_block(int qt, const uint8_t *b, float *y) {
     case Q8_0: {
         const float d = f16(b);
         for (int i = 0; i < 32; i++) y[i] = float(int8_t(b[2 + i])) * d;
+        return;
+    }
+    case Q4_0X: {       // block l: d at 2 l, qs[i] at 16 + 64 (i / 8) + 8 l + i % 8 (see QType)
+        for (int l = 0; l < 8; l++) {
+            const float d = f16(b + 2 * l);
+            for (int i = 0; i < 16; i++) {
+                const uint8_t q = b[16 + 64 * (i / 8) + 8 * l + i % 8];
+                y[32 * l + i] = d * float((q & 15) - 8);
+                y[32 * l + i + 16] = d * float((q >> 4) - 8);
+            }
+        }
         return;
     }
     case Q4_0: case Q4_1: {
@@ -247,9 +266,13 @@ struct Act {
     // -offset * (the sums of each 4 consecutive q) [T][K/4], vpdpbusd's lanes, so that a dot of
     // the unsigned codes started from them has the offset subtracted, in the integers.
     const int32_t *start[kNumTypes];
+    // AVX-512 only, where a part is Q4_0X (else null): q [T][K] with each 256 elements in Q4_0X's
+    // order: vector m (64 bytes) of a unit holds at bytes 8 l .. 8 l + 7 block l's elements
+    // 8 c .. 8 c + 7, c = {0, 2, 1, 3}[m] (what low, then high nibbles of the weights' vector m / 2 meet).
+    const int8_t *qx = nullptr;
 };
 
-constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32};     // what start[type] subtracts
+constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0};     // what start[type] subtracts
 
 // One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
 void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
@@ -321,6 +344,13 @@ inline void quantize_start_one(const void *x, int64_t ldx, bool bf16, int64_t t,
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     const_cast<float *>(a.d)[t * a.nb + j] = d;
     const_cast<float *>(a.ds)[t * a.nb + j] = d * float(sum);
+    if (a.qx != nullptr) {          // block j's 8-byte chunks c into vectors m = {0, 2, 1, 3}[c] of its unit
+        int8_t *ux = const_cast<int8_t *>(a.qx) + t * a.K + j / 8 * 256 + 8 * (j % 8);
+        const __m256i order = _mm256_setr_epi64x(0, 2, 1, 3);
+        alignas(32) int64_t chunks[4];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(chunks), _mm256_permutexvar_epi64(order, q));
+        for (int m = 0; m < 4; m++) std::memcpy(ux + 64 * m, &chunks[m], 8);
+    }
     const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q);   // each 4 q's sum
     for (int qt = 0; qt < kNumTypes; qt++)
         if (a.start[qt] != nullptr)
@@ -392,11 +422,11 @@ struct Piece {
 };
 
 template <int QT>
-constexpr bool kSigned = QT == Q4_0 || QT == Q5_0 || QT == Q8_0 || QT == Q6_K;
+constexpr bool kSigned = QT == Q4_0 || QT == Q5_0 || QT == Q8_0 || QT == Q6_K || QT == Q4_0X;
 template <int QT>
 constexpr bool kMin = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
 template <int QT>
-constexpr int kPieces = QT == Q4_K || QT == Q5_K || QT == Q6_K ? 8 : 1;
+constexpr int kPieces = QT == Q4_K || QT == Q5_K || QT == Q6_K || QT == Q4_0X ? 8 : 1;
 
 // The pieces of one block (super-block) at b.
 template <int QT>
@@ -432,6 +462,15 @@ inline void decode(const uint8_t *b, Piece *p) {
             }
             p[2 * c] = {lo, d * float(sc[2 * c]), -(dmin * float(mn[2 * c])), 1, 1};
             p[2 * c + 1] = {hi, d * float(sc[2 * c + 1]), -(dmin * float(mn[2 * c + 1])), 1, 1};
+        }
+    } else if constexpr (QT == Q4_0X) {     // block l's qs: 8 bytes at 16 + 8 l of each vector
+        for (int l = 0; l < 8; l++) {
+            uint64_t q0, q1;
+            std::memcpy(&q0, b + 16 + 8 * l, 8);
+            std::memcpy(&q1, b + 80 + 8 * l, 8);
+            const __m128i v = _mm_set_epi64x(int64_t(q1), int64_t(q0)), m = _mm_set1_epi8(15);
+            const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+            p[l] = {_mm256_sub_epi8(n, _mm256_set1_epi8(8)), f16(b + 2 * l), 0.f, 1, 1};
         }
     } else if constexpr (QT == Q6_K) {
         const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
@@ -786,6 +825,30 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
                 acc.w[t] = _mm512_fmadd_ps(dot64(raw, q0 + t * a.K + 64 * c),
                                            _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S[t])), acc.w[t]);
         }
+    } else if constexpr (QT == Q4_0X) {
+        // Per activation row: two dots of low nibbles and two of high ones (masked in place: 16 times
+        // the code, taken off by a shift of the exact int32 sums); lanes 2l, 2l + 1 are block l's, so
+        // one conversion and one multiply-add by d_l * dx_l (spread) for the 8 blocks; the offset 8
+        // as the minimum term -8 d_l * ds_l, 8 wide.
+        const __m512i v0 = _mm512_loadu_si512(b + 16), v1 = _mm512_loadu_si512(b + 80);
+        const __m512i m4 = _mm512_set1_epi8(15), h4 = _mm512_set1_epi8(char(0xF0));
+        const __m512i lo0 = _mm512_and_si512(v0, m4), lo1 = _mm512_and_si512(v1, m4);
+        const __m512i hi0 = _mm512_and_si512(v0, h4), hi1 = _mm512_and_si512(v1, h4);
+        const __m256 A = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b)));
+        const __m256 C = _mm256_mul_ps(A, _mm256_set1_ps(-8.f));
+        const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = a.qx + (t0 + t) * a.K + e0;
+            const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, _mm512_load_si512(x)),
+                                                   lo1, _mm512_load_si512(x + 128));
+            const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi0, _mm512_load_si512(x + 64)),
+                                                   hi1, _mm512_load_si512(x + 192));
+            const __m512i dot = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+            const __m256 S = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+            acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S)),
+                                       acc.w[t]);
+            acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
+        }
     } else if constexpr (QT == Q6_K) {
         // d * scale of the 16 groups of 16, times dx of their 32-element block, per row.
         const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192));
@@ -970,6 +1033,14 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
                 A[j] = d * float(sc[j]);
                 C[j] = -(dmin * float(mn[j]));
             }
+        } else if constexpr (QT == Q4_0X) {
+            for (int l = 0; l < 8; l++) {
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t q = b[16 + 64 * (i / 8) + 8 * l + i % 8];
+                    codes[32 * l + i] = (q & 15) - 8, codes[32 * l + i + 16] = (q >> 4) - 8;
+                }
+                A[l] = f16(b + 2 * l);
+            }
         } else if constexpr (QT == Q6_K) {
             const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
             const float d = f16(b + 208);
@@ -1034,6 +1105,7 @@ Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type 
     case Q4_K: return row_dot2<Q4_K>;
     case Q5_K: return row_dot2<Q5_K>;
     case Q6_K: return row_dot2<Q6_K>;
+    case Q4_0X: return row_dot2<Q4_0X>;
     }                            // (q5_0, q5_1: slower in pairs, measured: their fifth bits' masks)
 #endif
     (void)qt;
@@ -1171,7 +1243,8 @@ bool native_bf16() {
 // A * code (+ C), computed (with the same float operations) for every code and looked up by
 // vpermw with the codes' low 5 bits as indices: code c at index c & 31.
 template <int QT>
-constexpr bool kLut = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+constexpr bool kLut = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K ||
+                      QT == Q4_0X;
 
 template <int QT>
 __m512 lut_codes(int half) {     // the code at indices 16 half .. 16 half + 15, as floats
@@ -2076,6 +2149,12 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     std::vector<int32_t> bv(tiles * (K / 4) * 16);
     std::vector<float> dxt(tiles * nb * 16), dst(tiles * nb * 16);
     const Amx8Act at{bv.data(), dxt.data(), dst.data(), T, K};
+    std::vector<int8_t, Aligned64<int8_t>> qx;          // Q4_0X's order of q (Act::qx), where a part is one
+    for (int64_t p = 0; p < nparts; p++)
+        if (!amx && parts[p].qtype == Q4_0X && qx.empty()) {
+            qx.resize(T * K);
+            a.qx = qx.data();
+        }
     std::vector<int32_t, Aligned64<int32_t>> starts[kNumTypes];
     // (the pair types read them only in passes of one or two rows: kStarts)
     const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
