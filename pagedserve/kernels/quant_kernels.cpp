@@ -801,18 +801,25 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
         const __m256 A = _mm512_castps512_ps256(AC);
         const __m256 C = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(AC), 1));   // dmin * mn
         __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
+        // q4_k: the high nibbles are taken in place (16 times the code: one AND, no shift), so the odd
+        // sub-blocks' scales are divided by 16 (exact: a power of two), the same products
+        const __m256 unit = QT == Q4_K ? _mm256_setr_ps(1.f, 1.f / 16, 1.f, 1.f / 16, 1.f, 1.f / 16, 1.f, 1.f / 16)
+                                       : _mm256_set1_ps(1.f);
         for (int t = 0; t < NT; t++) {
             S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+            if constexpr (QT == Q4_K) S[t] = _mm256_mul_ps(S[t], unit);
             acc.m8[t] = _mm256_fnmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
         }
         const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
+        const __m512i nibbles = _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_set1_epi8(char(0xF0)), 1);
         const __m512i m4 = _mm512_set1_epi8(15);
         const __m512i qh2 = QT == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)))
                                        : _mm512_setzero_si512();     // q5_k's qh in both halves
         for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
             // the 32 bytes in both halves (a broadcast load), the upper half shifted: [low | high nibbles]
             __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c)));
-            raw = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), m4);
+            if constexpr (QT == Q4_K) raw = _mm512_and_si512(raw, nibbles);     // [low | 16 x high]
+            else raw = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), m4);
             if constexpr (QT == Q5_K) {    // fifth bits: bit 2c of qh (low half), 2c + 1 (high half), as a mask
                 const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
                                                        _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
