@@ -740,7 +740,10 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
     constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
     constexpr bool kMinTerm = QT == Q4_1 || QT == Q5_1 || kOffsetTerm;
     constexpr int CH = NT * R == 1 ? 4 : NT * R == 2 ? 2 : 1;  // chains of sums per row
-    __m512 S[R][NT], sum[CH][R][NT];
+    // q4_1: each block's high nibbles taken in place (16 times the code: one AND, no masked shift),
+    // their lanes scaled by S / 16 (exact: a power of two), the same products
+    constexpr bool kHigh16 = QT == Q4_1;
+    __m512 S[R][NT], S16[R][NT], sum[CH][R][NT];
     for (int r = 0; r < R; r++) {
         const __m512i dm = _mm512_i32gather_epi32(at, b0 + r * ldw, 1);   // each block's first 4 bytes: d (and m)
         const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
@@ -749,6 +752,7 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
         if constexpr (kOffsetTerm) C = _mm512_mul_ps(A, _mm512_set1_ps(-float(kOffset[QT])));
         for (int t = 0; t < NT; t++) {
             S[r][t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
+            if constexpr (kHigh16) S16[r][t] = _mm512_mul_ps(S[r][t], _mm512_set1_ps(1.f / 16));
             sum[0][r][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc[r].w[t]) : acc[r].w[t];
             for (int c = 1; c < CH; c++) sum[c][r][t] = _mm512_setzero_ps();
         }
@@ -756,10 +760,22 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
     for (int i = 0; i < 8; i++) {                              // blocks 2i, 2i + 1
         __mmask64 negative[R] = {};
         __m512i codes[R];
-        for (int r = 0; r < R; r++) codes[r] = codes64<QT, NT>(b0 + r * ldw + 2 * i * B, negative[r]);
-        const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
-                                                 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
-                                                 2 * i + 1);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = b0 + r * ldw + 2 * i * B;
+            if constexpr (kHigh16) {      // [qs0 qs0 qs1 qs1] & [15 | 0xF0 | 15 | 0xF0]
+                __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 4)));
+                v = _mm512_mask_broadcast_i32x4(v, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + B + 4)));
+                codes[r] = _mm512_and_si512(v, _mm512_mask_blend_epi32(0xF0F0, _mm512_set1_epi8(15),
+                                                                                _mm512_set1_epi8(char(0xF0))));
+            } else {
+                codes[r] = codes64<QT, NT>(b, negative[r]);
+            }
+        }
+        // the two blocks' scales to the dot's lanes (kHigh16: S / 16, index + 16, on the high nibbles' lanes)
+        const int h = kHigh16 ? 16 : 0;
+        const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + h, 2 * i + h, 2 * i + h, 2 * i + h,
+                                                 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1 + h, 2 * i + 1 + h,
+                                                 2 * i + 1 + h, 2 * i + 1 + h);
         for (int t = 0; t < NT; t++) {
             const __m512i x0 = _mm512_loadu_si512(q0 + t * a.K + 64 * i);
             const __m512i start =
@@ -769,8 +785,9 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
                 if constexpr (QT == Q8_0 && !kStarts<QT, NT>)
                     x = _mm512_mask_sub_epi8(x, negative[r], _mm512_setzero_si512(), x);
                 const __m512i dot = _mm512_dpbusd_epi32(start, codes[r], x);
-                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[r][t]),
-                                                    sum[i % CH][r][t]);
+                const __m512 scale = kHigh16 ? _mm512_permutex2var_ps(S[r][t], spread, S16[r][t])
+                                             : _mm512_permutexvar_ps(spread, S[r][t]);
+                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[i % CH][r][t]);
             }
         }
     }
