@@ -24,8 +24,9 @@
 // a time, and at T = 1 two weight rows per call (all types but q5_0 / q5_1); `avxvnni` and
 // `avx2` run 32 per 256-bit dot (scales of groups of 8 blocks in one gather) (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
-// A row's weights are read where they lie (the file's layout): each thread streams its rows,
-// software-prefetched about kPrefetchBytes ahead (see prefetch_rows).
+// A row's weights are read where they lie (the file's layout, or for q4_0 of whole 256-element units
+// the loader's Q4_0X: the same bytes rearranged within each 8 blocks, see QType): each thread
+// streams its rows, software-prefetched ahead (see prefetch_rows, row_dot2).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -987,10 +988,11 @@ void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
     Acc<1> acc[R];
     const int64_t units = a.K / kElems[QT];
     const int32_t *sta = a.start[QT];
-    // The same bytes of the next pass's rows: one pass ahead (measured at the 1.7B shape over 24
-    // layers in huge pages: 1.06x on q4_0 against two passes (about 4 KiB) ahead; farther or
-    // nearer within the rows' own stream slower still).
-    const int64_t ahead = R * ldw;
+    // The same bytes of rows further on: rows of 1 KiB or more, the next pass's (measured at the 1.7B
+    // shape from memory, 24 layers in huge pages: 1.06x on q4_0 and the Q4_K_M mix over about 4 KiB
+    // ahead; farther slower still); shorter rows, about 4 KiB ahead (the 135M shape's q4_1, K = 576,
+    // from L3: 1.08x over the next pass).
+    const int64_t ahead = (ldw >= 1024 ? R : prefetch_rows(ldw, R)) * ldw;
     int64_t u = 0;
     if constexpr (kPieces<QT> == 1) {
         for (; u + 16 <= units; u += 16) {
