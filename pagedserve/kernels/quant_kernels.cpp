@@ -807,15 +807,20 @@ template <int QT, int NT>
 inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
                        int64_t t0, int64_t e0, const uint8_t *b) {
     if constexpr (QT == Q4_K || QT == Q5_K) {
-        uint64_t sc, mn;
-        k_scale_bytes(b + 4, sc, mn);
+        // k_scale_bytes in one register: the 12 bytes a, b, c (4 each) as [a c b c] and [0 a 0 b];
+        // bytes [a & 63 | c & 15 | b & 63 | c >> 4 & 15] | ([0 a 0 b] >> 2 & 48): [sc (8) | mn (8)]
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 4));
+        const __m128i acbc = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+        const __m128i high = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+        const __m128i low = _mm_and_si128(_mm_mask_srli_epi16(acbc, 0xC0, acbc, 4),
+                                          _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+        const __m128i scmn = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(high, 2), _mm_set1_epi8(48)));
         // [d * sc (8) | dmin * mn (8)] in one conversion and one multiply
         uint32_t dd;
         std::memcpy(&dd, b, 4);
         const __m512 dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                                   _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dd)))));
-        const __m512 AC = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                  _mm_insert_epi64(_mm_cvtsi64_si128(int64_t(sc)), int64_t(mn), 1))));
+        const __m512 AC = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scmn)));
         const __m256 A = _mm512_castps512_ps256(AC);
         const __m256 C = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(AC), 1));   // dmin * mn
         __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
