@@ -138,11 +138,13 @@ def test_the_loader_repacks_a_q4_0_files_owned_matrices(gguf_files, monkeypatch)
     # prefill (the dequantized tiles): the same values. One token a step (the integer dots): float32
     # sums in another order (~1e-7), which now and then moves an activation's 8-bit rounding in a
     # later projection by one step (seen: a 3e-7 change of o's input, 9e-4 of its output; with the
-    # same input the outputs are equal): close, the same greedy tokens.
+    # same input the outputs are equal): close, the same greedy tokens but at near-ties.
     torch.testing.assert_close(logits["1"][0], logits["0"][0], atol=1e-4, rtol=0)
     new, old = logits["1"][1], logits["0"][1]
     assert float((new - old).norm() / old.norm()) < 1e-2
-    assert torch.equal(new.argmax(-1), old.argmax(-1))
+    rows = torch.arange(old.shape[0])
+    gap = old[rows, old.argmax(-1)] - old[rows, new.argmax(-1)]     # 0 where both pick the same token
+    assert (gap < 0.05).all(), gap.max()
 
 
 from tests.test_compiled_quantized_layers import gguf_files  # noqa: E402,F401 (a fixture)

@@ -1004,6 +1004,9 @@ void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
             prefetch_bytes(w + ahead + u * kBytes[QT], ldw, R, 16 * kBytes[QT]);
             group16<QT, 1, R>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
         }
+        for (; u + 2 <= units; u += 2)     // the rows' tails in pairs of blocks here (no row_acc call per row)
+            for (int r = 0; r < R; r++)
+                pair32<QT, 1>(acc[r], a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + r * ldw + u * kBytes[QT]);
     } else {                     // super-blocks: the rows' streams interleaved (independent chains)
         for (; u < units; u++) {
             prefetch_bytes(w + ahead + u * kBytes[QT], ldw, R, kBytes[QT]);
@@ -1013,7 +1016,7 @@ void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
         }
     }
     for (int r = 0; r < R; r++) {
-        row_acc<QT, 1>(acc[r], w + r * ldw, a, 0, u);
+        if (u < units) row_acc<QT, 1>(acc[r], w + r * ldw, a, 0, u);
         out[r] = acc[r].total(0);
     }
 }
