@@ -88,24 +88,27 @@ def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]
     rng = np.random.default_rng(0)
     results = []
     for qtype in types:
-        weights = [random_weight(qtype, n, k, rng) for _ in range(layers) for n, k in SHAPES]
+        # in the layout the loader gives them (quant.repack: q4_0 of whole 256-element units as q4_0x8)
+        weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in SHAPES]
         nbytes = sum(w.nbytes for w in weights)
         # the same bytes as floats (a whole number of them per weight), summed: a plain read
         plain = [w.data.view(-1)[: w.data.numel() // 4 * 4].view(torch.float32) for w in weights]
         # The same kernel over a weight that stays in L2 (about 1 MiB a thread, called 20 times):
         # its compute-bound rate. Where it is well above `kernel`, the stream from memory bounds.
         k0 = SHAPES[0][1]
-        cached = random_weight(qtype, max(quant.BLOCK[qtype], (1 << 20) * torch.get_num_threads() //
-                                          (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype])), k0, rng)
+        cached = quant.repack(random_weight(qtype, max(quant.BLOCK[qtype], (1 << 20) * torch.get_num_threads() //
+                                                       (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype])), k0, rng))
         for t in tokens:
             xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
             fns = [lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
                    lambda: [p.sum() for p in plain],
                    lambda: [quant.linear(xs[k0], cached, decode=True) for _ in range(20)]]
-            if other is not None:     # both builds called alike (quant._linear_small), in turn
-                for lib in (quant.load(), other):
-                    fns += [lambda lib=lib: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in weights],
-                            lambda lib=lib: [quant._linear_small(xs[k0], [cached], None, lib) for _ in range(20)]]
+            if other is not None:     # both builds called alike (quant._linear_small), in turn; the other
+                # (which may predate a repacked layout) on the file's
+                files, cached_file = [quant.file_layout(w) for w in weights], quant.file_layout(cached)
+                for lib, ws, c in ((quant.load(), weights, cached), (other, files, cached_file)):
+                    fns += [lambda lib=lib, ws=ws: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in ws],
+                            lambda lib=lib, c=c: [quant._linear_small(xs[k0], [c], None, lib) for _ in range(20)]]
             times = interleaved_min(fns, rounds)
             kernel, read, in_l2 = times[:3]
             row = dict(type=qtype, variant=quant.variant(), tokens=t, bytes=nbytes, kernel_gbs=nbytes / kernel / 1e9,

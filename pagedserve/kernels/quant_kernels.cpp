@@ -24,8 +24,9 @@
 // a time, and at T = 1 two weight rows per call (all types but q5_0 / q5_1); `avxvnni` and
 // `avx2` run 32 per 256-bit dot (scales of groups of 8 blocks in one gather) (VEX vpdpbusd, or maddubs + madd: no pair can saturate, unsigned codes <= 63,
 // signed ones as |w| <= 128 times sign-adjusted q); `scalar` plain loops over the same integers.
-// A row's weights are read where they lie (the file's layout): each thread streams its rows,
-// software-prefetched about kPrefetchBytes ahead (see prefetch_rows).
+// A row's weights are read where they lie (the file's layout, or for q4_0 of whole 256-element units
+// the loader's Q4_0X: the same bytes rearranged within each 8 blocks, see QType): each thread
+// streams its rows, software-prefetched ahead (see prefetch_rows, row_dot2).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,9 +48,16 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 
 namespace {
 
-enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, kNumTypes };   // kernels/quant.py's QTYPES order
-constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256};
-constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210};
+// kernels/quant.py's QTYPES order, then Q4_0X: q4_0 repacked at load (quant.repack) in units of 8
+// blocks (256 elements, 144 bytes, the blocks' bytes rearranged): their 8 fp16 d, then two 64-byte
+// vectors of nibbles whose byte 8 l + j of vector k is the block l's qs[8 k + j] (elements 8 k + j
+// low, 16 + 8 k + j high). A 512-bit dot then has each 32-bit lane in one block (lanes 2l, 2l + 1:
+// block l), so the unit's 16 int32 lanes take one conversion and one multiply-add by the 8 scales,
+// where the file's layout costs that per two blocks (and a gather per 16): about 2x the T = 1 dot's
+// compute rate (1.7B shape, in L2). The activations come permuted to match (Act::qx).
+enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, kNumTypes };
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144};
 
 // f(std::integral_constant<int, QT>{}) for the run-time type qt: the one switch behind every
 // per-type table of template instances (a default result, null for a pointer, for none).
@@ -63,6 +71,7 @@ template <typename F> auto with_qtype(int qt, F &&f) {
     case Q4_K: return f(std::integral_constant<int, Q4_K>{});
     case Q5_K: return f(std::integral_constant<int, Q5_K>{});
     case Q6_K: return f(std::integral_constant<int, Q6_K>{});
+    case Q4_0X: return f(std::integral_constant<int, Q4_0X>{});
     }
     return decltype(f(std::integral_constant<int, Q4_0>{}))();
 }
@@ -148,6 +157,17 @@ void dequantize_block(int qt, const uint8_t *b, float *y) {
     case Q8_0: {
         const float d = f16(b);
         for (int i = 0; i < 32; i++) y[i] = float(int8_t(b[2 + i])) * d;
+        return;
+    }
+    case Q4_0X: {       // block l: d at 2 l, qs[i] at 16 + 64 (i / 8) + 8 l + i % 8 (see QType)
+        for (int l = 0; l < 8; l++) {
+            const float d = f16(b + 2 * l);
+            for (int i = 0; i < 16; i++) {
+                const uint8_t q = b[16 + 64 * (i / 8) + 8 * l + i % 8];
+                y[32 * l + i] = d * float((q & 15) - 8);
+                y[32 * l + i + 16] = d * float((q >> 4) - 8);
+            }
+        }
         return;
     }
     case Q4_0: case Q4_1: {
@@ -247,9 +267,13 @@ struct Act {
     // -offset * (the sums of each 4 consecutive q) [T][K/4], vpdpbusd's lanes, so that a dot of
     // the unsigned codes started from them has the offset subtracted, in the integers.
     const int32_t *start[kNumTypes];
+    // AVX-512 only, where a part is Q4_0X (else null): q [T][K] with each 256 elements in Q4_0X's
+    // order: vector m (64 bytes) of a unit holds at bytes 8 l .. 8 l + 7 block l's elements
+    // 8 c .. 8 c + 7, c = {0, 2, 1, 3}[m] (what low, then high nibbles of the weights' vector m / 2 meet).
+    const int8_t *qx = nullptr;
 };
 
-constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32};     // what start[type] subtracts
+constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0};     // what start[type] subtracts
 
 // One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
 void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
@@ -321,6 +345,13 @@ inline void quantize_start_one(const void *x, int64_t ldx, bool bf16, int64_t t,
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     const_cast<float *>(a.d)[t * a.nb + j] = d;
     const_cast<float *>(a.ds)[t * a.nb + j] = d * float(sum);
+    if (a.qx != nullptr) {          // block j's 8-byte chunks c into vectors m = {0, 2, 1, 3}[c] of its unit
+        int8_t *ux = const_cast<int8_t *>(a.qx) + t * a.K + j / 8 * 256 + 8 * (j % 8);
+        const __m256i order = _mm256_setr_epi64x(0, 2, 1, 3);
+        alignas(32) int64_t chunks[4];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(chunks), _mm256_permutexvar_epi64(order, q));
+        for (int m = 0; m < 4; m++) std::memcpy(ux + 64 * m, &chunks[m], 8);
+    }
     const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q);   // each 4 q's sum
     for (int qt = 0; qt < kNumTypes; qt++)
         if (a.start[qt] != nullptr)
@@ -333,7 +364,8 @@ inline void quantize_start_one(const void *x, int64_t ldx, bool bf16, int64_t t,
 // A thread's rows are one forward stream, but the hardware prefetchers stop at each 4 KiB page and
 // are trained again; a dot kernel at T = 1 keeps too few loads in flight to hide the miss latency
 // itself (measured: 1.5-1.9x slower over weights in L3 / DRAM than in L2). So each pass asks for
-// the same bytes of the rows about kPrefetchBytes ahead while it multiplies the current ones.
+// the same bytes of the rows about kPrefetchBytes ahead while it multiplies the current ones
+// (row_dot2: the next pass's rows).
 constexpr int64_t kPrefetchBytes = 4096;
 inline int64_t prefetch_rows(int64_t ldw, int64_t pass_rows) {    // rows ahead: at least the next pass
     return std::max<int64_t>(pass_rows, (kPrefetchBytes + ldw - 1) / std::max<int64_t>(ldw, 1));
@@ -391,11 +423,11 @@ struct Piece {
 };
 
 template <int QT>
-constexpr bool kSigned = QT == Q4_0 || QT == Q5_0 || QT == Q8_0 || QT == Q6_K;
+constexpr bool kSigned = QT == Q4_0 || QT == Q5_0 || QT == Q8_0 || QT == Q6_K || QT == Q4_0X;
 template <int QT>
 constexpr bool kMin = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
 template <int QT>
-constexpr int kPieces = QT == Q4_K || QT == Q5_K || QT == Q6_K ? 8 : 1;
+constexpr int kPieces = QT == Q4_K || QT == Q5_K || QT == Q6_K || QT == Q4_0X ? 8 : 1;
 
 // The pieces of one block (super-block) at b.
 template <int QT>
@@ -431,6 +463,15 @@ inline void decode(const uint8_t *b, Piece *p) {
             }
             p[2 * c] = {lo, d * float(sc[2 * c]), -(dmin * float(mn[2 * c])), 1, 1};
             p[2 * c + 1] = {hi, d * float(sc[2 * c + 1]), -(dmin * float(mn[2 * c + 1])), 1, 1};
+        }
+    } else if constexpr (QT == Q4_0X) {     // block l's qs: 8 bytes at 16 + 8 l of each vector
+        for (int l = 0; l < 8; l++) {
+            uint64_t q0, q1;
+            std::memcpy(&q0, b + 16 + 8 * l, 8);
+            std::memcpy(&q1, b + 80 + 8 * l, 8);
+            const __m128i v = _mm_set_epi64x(int64_t(q1), int64_t(q0)), m = _mm_set1_epi8(15);
+            const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+            p[l] = {_mm256_sub_epi8(n, _mm256_set1_epi8(8)), f16(b + 2 * l), 0.f, 1, 1};
         }
     } else if constexpr (QT == Q6_K) {
         const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
@@ -700,7 +741,10 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
     constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
     constexpr bool kMinTerm = QT == Q4_1 || QT == Q5_1 || kOffsetTerm;
     constexpr int CH = NT * R == 1 ? 4 : NT * R == 2 ? 2 : 1;  // chains of sums per row
-    __m512 S[R][NT], sum[CH][R][NT];
+    // q4_1: each block's high nibbles taken in place (16 times the code: one AND, no masked shift),
+    // their lanes scaled by S / 16 (exact: a power of two), the same products
+    constexpr bool kHigh16 = QT == Q4_1;
+    __m512 S[R][NT], S16[R][NT], sum[CH][R][NT];
     for (int r = 0; r < R; r++) {
         const __m512i dm = _mm512_i32gather_epi32(at, b0 + r * ldw, 1);   // each block's first 4 bytes: d (and m)
         const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
@@ -709,6 +753,7 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
         if constexpr (kOffsetTerm) C = _mm512_mul_ps(A, _mm512_set1_ps(-float(kOffset[QT])));
         for (int t = 0; t < NT; t++) {
             S[r][t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
+            if constexpr (kHigh16) S16[r][t] = _mm512_mul_ps(S[r][t], _mm512_set1_ps(1.f / 16));
             sum[0][r][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc[r].w[t]) : acc[r].w[t];
             for (int c = 1; c < CH; c++) sum[c][r][t] = _mm512_setzero_ps();
         }
@@ -716,10 +761,22 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
     for (int i = 0; i < 8; i++) {                              // blocks 2i, 2i + 1
         __mmask64 negative[R] = {};
         __m512i codes[R];
-        for (int r = 0; r < R; r++) codes[r] = codes64<QT, NT>(b0 + r * ldw + 2 * i * B, negative[r]);
-        const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
-                                                 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
-                                                 2 * i + 1);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = b0 + r * ldw + 2 * i * B;
+            if constexpr (kHigh16) {      // [qs0 qs0 qs1 qs1] & [15 | 0xF0 | 15 | 0xF0]
+                __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 4)));
+                v = _mm512_mask_broadcast_i32x4(v, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + B + 4)));
+                codes[r] = _mm512_and_si512(v, _mm512_mask_blend_epi32(0xF0F0, _mm512_set1_epi8(15),
+                                                                                _mm512_set1_epi8(char(0xF0))));
+            } else {
+                codes[r] = codes64<QT, NT>(b, negative[r]);
+            }
+        }
+        // the two blocks' scales to the dot's lanes (kHigh16: S / 16, index + 16, on the high nibbles' lanes)
+        const int h = kHigh16 ? 16 : 0;
+        const __m512i spread = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + h, 2 * i + h, 2 * i + h, 2 * i + h,
+                                                 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1 + h, 2 * i + 1 + h,
+                                                 2 * i + 1 + h, 2 * i + 1 + h);
         for (int t = 0; t < NT; t++) {
             const __m512i x0 = _mm512_loadu_si512(q0 + t * a.K + 64 * i);
             const __m512i start =
@@ -729,8 +786,9 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
                 if constexpr (QT == Q8_0 && !kStarts<QT, NT>)
                     x = _mm512_mask_sub_epi8(x, negative[r], _mm512_setzero_si512(), x);
                 const __m512i dot = _mm512_dpbusd_epi32(start, codes[r], x);
-                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, S[r][t]),
-                                                    sum[i % CH][r][t]);
+                const __m512 scale = kHigh16 ? _mm512_permutex2var_ps(S[r][t], spread, S16[r][t])
+                                             : _mm512_permutexvar_ps(spread, S[r][t]);
+                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[i % CH][r][t]);
             }
         }
     }
@@ -749,30 +807,42 @@ template <int QT, int NT>
 inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
                        int64_t t0, int64_t e0, const uint8_t *b) {
     if constexpr (QT == Q4_K || QT == Q5_K) {
-        uint64_t sc, mn;
-        k_scale_bytes(b + 4, sc, mn);
+        // k_scale_bytes in one register: the 12 bytes a, b, c (4 each) as [a c b c] and [0 a 0 b];
+        // bytes [a & 63 | c & 15 | b & 63 | c >> 4 & 15] | ([0 a 0 b] >> 2 & 48): [sc (8) | mn (8)]
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 4));
+        const __m128i acbc = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+        const __m128i high = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+        const __m128i low = _mm_and_si128(_mm_mask_srli_epi16(acbc, 0xC0, acbc, 4),
+                                          _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+        const __m128i scmn = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(high, 2), _mm_set1_epi8(48)));
         // [d * sc (8) | dmin * mn (8)] in one conversion and one multiply
         uint32_t dd;
         std::memcpy(&dd, b, 4);
         const __m512 dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                                   _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dd)))));
-        const __m512 AC = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                  _mm_insert_epi64(_mm_cvtsi64_si128(int64_t(sc)), int64_t(mn), 1))));
+        const __m512 AC = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scmn)));
         const __m256 A = _mm512_castps512_ps256(AC);
         const __m256 C = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(AC), 1));   // dmin * mn
         __m256 S[NT];                      // A * dx of the 8 sub-blocks, per activation row
+        // q4_k: the high nibbles are taken in place (16 times the code: one AND, no shift), so the odd
+        // sub-blocks' scales are divided by 16 (exact: a power of two), the same products
+        const __m256 unit = QT == Q4_K ? _mm256_setr_ps(1.f, 1.f / 16, 1.f, 1.f / 16, 1.f, 1.f / 16, 1.f, 1.f / 16)
+                                       : _mm256_set1_ps(1.f);
         for (int t = 0; t < NT; t++) {
             S[t] = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+            if constexpr (QT == Q4_K) S[t] = _mm256_mul_ps(S[t], unit);
             acc.m8[t] = _mm256_fnmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
         }
         const uint8_t *qs = b + (QT == Q4_K ? 16 : 48);
+        const __m512i nibbles = _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_set1_epi8(char(0xF0)), 1);
         const __m512i m4 = _mm512_set1_epi8(15);
         const __m512i qh2 = QT == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16)))
                                        : _mm512_setzero_si512();     // q5_k's qh in both halves
         for (int c = 0; c < 4; c++) {      // sub-blocks 2c (low nibbles) and 2c+1 (high) of 32 bytes
             // the 32 bytes in both halves (a broadcast load), the upper half shifted: [low | high nibbles]
             __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * c)));
-            raw = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), m4);
+            if constexpr (QT == Q4_K) raw = _mm512_and_si512(raw, nibbles);     // [low | 16 x high]
+            else raw = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF0000u, raw, 4), m4);
             if constexpr (QT == Q5_K) {    // fifth bits: bit 2c of qh (low half), 2c + 1 (high half), as a mask
                 const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
                                                        _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
@@ -784,6 +854,30 @@ inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float
             for (int t = 0; t < NT; t++)
                 acc.w[t] = _mm512_fmadd_ps(dot64(raw, q0 + t * a.K + 64 * c),
                                            _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S[t])), acc.w[t]);
+        }
+    } else if constexpr (QT == Q4_0X) {
+        // Per activation row: two dots of low nibbles and two of high ones (masked in place: 16 times
+        // the code, taken off by a shift of the exact int32 sums); lanes 2l, 2l + 1 are block l's, so
+        // one conversion and one multiply-add by d_l * dx_l (spread) for the 8 blocks; the offset 8
+        // as the minimum term -8 d_l * ds_l, 8 wide.
+        const __m512i v0 = _mm512_loadu_si512(b + 16), v1 = _mm512_loadu_si512(b + 80);
+        const __m512i m4 = _mm512_set1_epi8(15), h4 = _mm512_set1_epi8(char(0xF0));
+        const __m512i lo0 = _mm512_and_si512(v0, m4), lo1 = _mm512_and_si512(v1, m4);
+        const __m512i hi0 = _mm512_and_si512(v0, h4), hi1 = _mm512_and_si512(v1, h4);
+        const __m256 A = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b)));
+        const __m256 C = _mm256_mul_ps(A, _mm256_set1_ps(-8.f));
+        const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = a.qx + (t0 + t) * a.K + e0;
+            const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, _mm512_load_si512(x)),
+                                                   lo1, _mm512_load_si512(x + 128));
+            const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi0, _mm512_load_si512(x + 64)),
+                                                   hi1, _mm512_load_si512(x + 192));
+            const __m512i dot = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+            const __m256 S = _mm256_mul_ps(A, _mm256_loadu_ps(d0 + t * a.nb));
+            acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(S)),
+                                       acc.w[t]);
+            acc.m8[t] = _mm256_fmadd_ps(C, _mm256_loadu_ps(ds0 + t * a.nb), acc.m8[t]);
         }
     } else if constexpr (QT == Q6_K) {
         // d * scale of the 16 groups of 16, times dx of their 32-element block, per row.
@@ -899,13 +993,20 @@ void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
     Acc<1> acc[R];
     const int64_t units = a.K / kElems[QT];
     const int32_t *sta = a.start[QT];
-    const int64_t ahead = prefetch_rows(ldw, R) * ldw;    // the same bytes of the rows that far on
+    // The same bytes of rows further on: rows of 1 KiB or more, the next pass's (measured at the 1.7B
+    // shape from memory, 24 layers in huge pages: 1.06x on q4_0 and the Q4_K_M mix over about 4 KiB
+    // ahead; farther slower still); shorter rows, about 4 KiB ahead (the 135M shape's q4_1, K = 576,
+    // from L3: 1.08x over the next pass).
+    const int64_t ahead = (ldw >= 1024 ? R : prefetch_rows(ldw, R)) * ldw;
     int64_t u = 0;
     if constexpr (kPieces<QT> == 1) {
         for (; u + 16 <= units; u += 16) {
             prefetch_bytes(w + ahead + u * kBytes[QT], ldw, R, 16 * kBytes[QT]);
             group16<QT, 1, R>(acc, a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + u * kBytes[QT], ldw);
         }
+        for (; u + 2 <= units; u += 2)     // the rows' tails in pairs of blocks here (no row_acc call per row)
+            for (int r = 0; r < R; r++)
+                pair32<QT, 1>(acc[r], a, a.q + u * 32, a.d + u, a.ds + u, sta + u * 8, w + r * ldw + u * kBytes[QT]);
     } else {                     // super-blocks: the rows' streams interleaved (independent chains)
         for (; u < units; u++) {
             prefetch_bytes(w + ahead + u * kBytes[QT], ldw, R, kBytes[QT]);
@@ -915,7 +1016,7 @@ void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
         }
     }
     for (int r = 0; r < R; r++) {
-        row_acc<QT, 1>(acc[r], w + r * ldw, a, 0, u);
+        if (u < units) row_acc<QT, 1>(acc[r], w + r * ldw, a, 0, u);
         out[r] = acc[r].total(0);
     }
 }
@@ -965,6 +1066,14 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
                 }
                 A[j] = d * float(sc[j]);
                 C[j] = -(dmin * float(mn[j]));
+            }
+        } else if constexpr (QT == Q4_0X) {
+            for (int l = 0; l < 8; l++) {
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t q = b[16 + 64 * (i / 8) + 8 * l + i % 8];
+                    codes[32 * l + i] = (q & 15) - 8, codes[32 * l + i + 16] = (q >> 4) - 8;
+                }
+                A[l] = f16(b + 2 * l);
             }
         } else if constexpr (QT == Q6_K) {
             const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
@@ -1030,6 +1139,7 @@ Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type 
     case Q4_K: return row_dot2<Q4_K>;
     case Q5_K: return row_dot2<Q5_K>;
     case Q6_K: return row_dot2<Q6_K>;
+    case Q4_0X: return row_dot2<Q4_0X>;
     }                            // (q5_0, q5_1: slower in pairs, measured: their fifth bits' masks)
 #endif
     (void)qt;
@@ -1167,7 +1277,8 @@ bool native_bf16() {
 // A * code (+ C), computed (with the same float operations) for every code and looked up by
 // vpermw with the codes' low 5 bits as indices: code c at index c & 31.
 template <int QT>
-constexpr bool kLut = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+constexpr bool kLut = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K ||
+                      QT == Q4_0X;
 
 template <int QT>
 __m512 lut_codes(int half) {     // the code at indices 16 half .. 16 half + 15, as floats
@@ -2072,6 +2183,12 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     std::vector<int32_t> bv(tiles * (K / 4) * 16);
     std::vector<float> dxt(tiles * nb * 16), dst(tiles * nb * 16);
     const Amx8Act at{bv.data(), dxt.data(), dst.data(), T, K};
+    std::vector<int8_t, Aligned64<int8_t>> qx;          // Q4_0X's order of q (Act::qx), where a part is one
+    for (int64_t p = 0; p < nparts; p++)
+        if (!amx && parts[p].qtype == Q4_0X && qx.empty()) {
+            qx.resize(T * K);
+            a.qx = qx.data();
+        }
     std::vector<int32_t, Aligned64<int32_t>> starts[kNumTypes];
     // (the pair types read them only in passes of one or two rows: kStarts)
     const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);

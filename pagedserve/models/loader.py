@@ -410,7 +410,9 @@ class MatrixBuilder:
                                  f"(under tensor parallelism: choose another tensor_parallel_size)")
             self.made[qtype] += 1
             w = quant.quantize(whole.float(), qtype)
-            return quant.QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data))
+            # (its own bytes: repacked in place where the decode kernels have a faster layout)
+            return quant.repack(quant.QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data)),
+                                in_place=True)
         if isinstance(self.source, SafetensorsSource) and cols is None and \
                 all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
             return self._read_fused(parts, pad_rows)
@@ -442,9 +444,12 @@ class MatrixBuilder:
         # decode streams every byte: models/huge_pages.py), the file's pages then dropped.
         blocks = [self.source.blocks(n, r, cols) for n, r in parts]
         raw = huge_pages.stack_rows(blocks, pad_rows)
+        owned = raw is not None or len(blocks) > 1 or pad_rows > 0     # a copy, not the file's mapping
         raw = self._stack_rows(blocks, pad_rows) if raw is None else raw
         num_cols = cols[1] - cols[0] if cols else self.source.num_cols(parts[0][0])
         weight = quant.from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
+        if owned:        # the layout the decode kernels read fastest, where the type has one (quant.repack)
+            weight = quant.repack(weight, in_place=True)
         for n, _ in parts:
             self.source.release(n, weight)
         self.made[qtypes[0]] += 1
