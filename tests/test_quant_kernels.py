@@ -199,17 +199,26 @@ def test_one_token_row_pairs(variant, qtype):
         w, _ = weight(qtype, rows=37, cols=256 * 5)
         cols = quant.slice_cols(w, 256, w.shape[1] - 256)       # 3 super-blocks
     assert cols.data.stride(0) != cols.row_bytes
-    g = torch.Generator().manual_seed(11)
+    x, bias, _ = check_rows_alone(variant, cols, seed=11)
+    y16 = quant.linear(x.bfloat16(), cols, bias)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, quant.linear(x.bfloat16().float(), cols, bias).bfloat16())
+
+
+def check_rows_alone(variant: str, cols: quant.QuantizedWeight, seed: int):
+    """One token through `cols` with a bias: the kernel's own arithmetic (_check_small), and each
+    row equal to its own product alone (a pair's rows are independent dots). Returns the token,
+    the bias and the generator, for more checks on the same draws."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, cols.shape[1], generator=g)
-    bias = torch.randn(37, generator=g)
+    bias = torch.randn(cols.shape[0], generator=g)
     y = quant.linear(x, cols, bias)
     if variant != "torch":
         _check_small(y, x, cols, bias)
-    singles = torch.cat([quant.linear(x, quant.slice_rows(cols, r, r + 1)) for r in range(37)], dim=1) + bias
+    singles = torch.cat([quant.linear(x, quant.slice_rows(cols, r, r + 1)) for r in range(cols.shape[0])],
+                        dim=1) + bias
     scale = x.abs() @ quant.dequantize_torch(cols).abs().T     # float32 sums in another order: relative to it
     assert ((y - singles).abs() <= 1e-5 * scale + 1e-6).all()
-    y16 = quant.linear(x.bfloat16(), cols, bias)
-    assert y16.dtype == torch.bfloat16 and torch.equal(y16, quant.linear(x.bfloat16().float(), cols, bias).bfloat16())
+    return x, bias, g
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
 from pagedserve.kernels import cpu, quant
-from tests.test_quant_kernels import _check_small, amx_int8, variant, weight  # noqa: F401 (fixtures)
+from tests.test_quant_kernels import _check_small, amx_int8, check_rows_alone, variant, weight  # noqa: F401 (fixtures)
 
 
 def repacked(rows: int = 37, cols: int = 256 * 5, seed: int = 0):
@@ -69,15 +69,7 @@ def test_one_token_row_pairs_strided_and_stacked(variant):
     x8, w, _ = repacked(cols=256 * 5)
     cols = quant.slice_cols(x8, 256, 256 * 4)
     assert cols.qtype == "q4_0x8" and cols.data.stride(0) != cols.row_bytes
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, cols.shape[1], generator=g)
-    bias = torch.randn(37, generator=g)
-    y = quant.linear(x, cols, bias)
-    if variant != "torch":
-        _check_small(y, x, cols, bias)
-    singles = torch.cat([quant.linear(x, quant.slice_rows(cols, r, r + 1)) for r in range(37)], dim=1) + bias
-    scale = x.abs() @ quant.dequantize_torch(cols).abs().T
-    assert ((y - singles).abs() <= 1e-5 * scale + 1e-6).all()
+    x, bias, g = check_rows_alone(variant, cols, seed=3)
     y16 = quant.linear(x.bfloat16(), cols, bias)
     assert torch.equal(y16, quant.linear(x.bfloat16().float(), cols, bias).bfloat16())
     parts = [weight("q4_k", rows=9, cols=768, seed=1)[0], quant.slice_rows(cols, 0, 13),
