@@ -86,6 +86,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -372,7 +373,6 @@ def repack(w: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate), else w itself. in_place:
     w's bytes are rewritten (only where the caller owns them: not a file's mapping), no copy
     of the whole matrix; else a new tensor. Every path computes the same values from either."""
-    import os
     if w.qtype != "q4_0" or w.shape[1] % 256 or os.environ.get(REPACK_ENV, "1") == "0":
         return w
     out = w.data if in_place else torch.empty_like(w.data)

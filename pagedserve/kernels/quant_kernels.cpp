@@ -152,6 +152,9 @@ void k_scale_bytes(const uint8_t *s, uint64_t &sc, uint64_t &mn) {
 }
 
 // ---- dequantize: one block into kElems floats -------------------------------------------------
+// Q4_0X (see QType): byte i (elements i, low nibble, and i + 16, high) of block l of the unit at b.
+inline uint8_t q4_0x_byte(const uint8_t *b, int l, int i) { return b[16 + 64 * (i / 8) + 8 * l + i % 8]; }
+
 void dequantize_block(int qt, const uint8_t *b, float *y) {
     switch (qt) {
     case Q8_0: {
@@ -159,11 +162,11 @@ void dequantize_block(int qt, const uint8_t *b, float *y) {
         for (int i = 0; i < 32; i++) y[i] = float(int8_t(b[2 + i])) * d;
         return;
     }
-    case Q4_0X: {       // block l: d at 2 l, qs[i] at 16 + 64 (i / 8) + 8 l + i % 8 (see QType)
+    case Q4_0X: {       // block l: d at 2 l, qs[i] at q4_0x_byte(b, l, i)
         for (int l = 0; l < 8; l++) {
             const float d = f16(b + 2 * l);
             for (int i = 0; i < 16; i++) {
-                const uint8_t q = b[16 + 64 * (i / 8) + 8 * l + i % 8];
+                const uint8_t q = q4_0x_byte(b, l, i);
                 y[32 * l + i] = d * float((q & 15) - 8);
                 y[32 * l + i + 16] = d * float((q >> 4) - 8);
             }
@@ -1070,7 +1073,7 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
         } else if constexpr (QT == Q4_0X) {
             for (int l = 0; l < 8; l++) {
                 for (int i = 0; i < 16; i++) {
-                    const uint8_t q = b[16 + 64 * (i / 8) + 8 * l + i % 8];
+                    const uint8_t q = q4_0x_byte(b, l, i);
                     codes[32 * l + i] = (q & 15) - 8, codes[32 * l + i + 16] = (q >> 4) - 8;
                 }
                 A[l] = f16(b + 2 * l);
