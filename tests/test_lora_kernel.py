@@ -128,14 +128,16 @@ def test_amx_tiles_match_the_reference(rows, hidden, sizes, packed, monkeypatch)
 @pytest.mark.parametrize("rows,hidden,sizes,info,blocks", [
     # one slot with every row (a single AMX block at bf16): one item per part
     (16, 576, [576, 192, 192], [16 | 0b111 << 16], [0] * 16),
-    # one slot, one part, a few rows: the part's columns cut in pieces, each shrinking again
+    # one slot, one part, a few rows: one shrink item, the expand's columns shared
     (4, 2048, [2048], [16 | 0b1 << 16], [0, 0, 0, 0]),
-    # two slots, ragged ranks and parts, base rows between; column tails off 16 (200, 72)
+    # two slots, ragged ranks and parts, base rows between; column tails off 16 (200, 72), a
+    # part boundary (600) off 16 inside a thread's columns
     (7, 1408, [600, 200, 72], [11 | 0b101 << 16, 16 | 0b111 << 16], [0, -1, 1, 0, 1, -1, 0]),
 ])
 def test_few_blocks_split_over_the_team(kernel_variant, monkeypatch, dtype, amx, rows, hidden, sizes, info, blocks):
-    """Fewer row blocks than two per thread (one slot holding the rows): the work is cut per part
-    and in column pieces so the team shares it; the sums stay each row's own slot's."""
+    """Fewer row blocks than two per thread (one slot holding the rows): the shrink is cut per
+    part and the expand in column ranges so the team shares it; the sums stay each row's own
+    slot's."""
     monkeypatch.setitem(globals(), "R", 16)
     with cpu.using_amx(amx):
         if amx and not cpu.amx_in_use():

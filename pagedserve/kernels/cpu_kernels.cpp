@@ -2488,8 +2488,8 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
     const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
     // A block: up to kLoraRows rows on the vector path, or (amx) up to kLoraAmxMax on AMX tiles.
     struct Block { int64_t slot, rank, parts; int n; bool amx; int64_t rows[16]; };
-    // A piece of work: block b's parts (j = -1), or its part j's columns [lo, hi) only.
-    struct Item { int64_t b, j, lo, hi; };
+    // A shrink item: block b's parts (j = -1), or its part j only.
+    struct Item { int64_t b, j; };
     thread_local std::vector<Block> blocks;
     thread_local std::vector<Item> items;
     thread_local std::vector<float> scratch;
@@ -2500,7 +2500,7 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
 #else
     const bool amx = false;
 #endif
-    int64_t pairs_used = 0, macs = 0;
+    int64_t macs = 0, weights = 0;
     for (int64_t s = 0; s < lr->span; s++) {     // each slot's rows, in blocks
         const int64_t info = lr->slot_info[s * 4 + which], rank = info & 0xFFFF, parts = info >> 16;
         if (rank == 0 || parts == 0) continue;
@@ -2514,109 +2514,119 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
             Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(tiles ? kLoraAmxMax : kLoraRows, count - i)),
                       tiles, {}};
             for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
+            if (i == 0)
+                for (int64_t j = 0; j < p.nparts; j++)
+                    if ((parts >> j) & 1) weights += rank * (in + p.size[j]);
             i += blk.n;
             blocks.push_back(blk);
             for (int64_t j = 0; j < p.nparts; j++)
-                if ((parts >> j) & 1) pairs_used++, macs += blk.n * rank * (in + p.size[j]);
+                if ((parts >> j) & 1) macs += blk.n * rank * (in + p.size[j]);
         }
     }
     const int64_t nb = static_cast<int64_t>(blocks.size());
     if (nb == 0) return 0;
-    // Work items, one OpenMP meeting per projection (each costs most when other processes hold
-    // the cores). With at least two blocks per thread, each block is one item: its shrinks,
-    // then its expands. With fewer (one slot holding most rows), one per (block, part) pair,
-    // the pairs of single-part projections (o, down) cut in column pieces, each piece doing
-    // the part's shrink again (its A read twice, from cache the second time): no thread
-    // idles while another reads a slot's weights alone.
-    const bool team = macs >= (1 << 18);
+    // One OpenMP meeting per projection (each costs most when other processes hold the cores),
+    // in two phases. The team joins when the work or the adapter bytes to read are large
+    // enough (both cores' loads in flight read cold weights at about 1.6x one core's rate).
+    // Shrink: one item per block, or per (block, part) where there are too few blocks to keep
+    // every thread busy. Expand: each thread a range of the output columns, over every block,
+    // as the base projection cut them (quant_linear_small and the packed GEMMs give each
+    // thread a contiguous range of output rows): y's lines are in the caches of the core that
+    // just wrote them, and each thread reads its share of every slot's BT.
+    const bool team = macs >= (1 << 18) || weights >= (1 << 14);
     const int threads = team ? omp_get_max_threads() : 1;
-    const bool split = threads > 1 && nb < 2 * threads;
     items.clear();
     for (int64_t b = 0; b < nb; b++) {
-        if (!split) {
-            items.push_back({b, -1, 0, 0});
+        if (nb >= 2 * threads) {
+            items.push_back({b, -1});
             continue;
         }
-        for (int64_t j = 0; j < p.nparts; j++) {
-            if (!((blocks[b].parts >> j) & 1)) continue;
-            const int64_t size = p.size[j];
-            const int64_t pieces = std::max<int64_t>(1, std::min((threads + pairs_used - 1) / pairs_used, size / 96));
-            const int64_t width = (size / pieces + 47) / 48 * 48;       // column pieces: multiples of 48
-            for (int64_t c = 0; c < size; c += width) items.push_back({b, j, c, std::min(size, c + width)});
-        }
+        for (int64_t j = 0; j < p.nparts; j++)
+            if ((blocks[b].parts >> j) & 1) items.push_back({b, j});
     }
-    // u: item i's rows' rank columns, [16][K] at i
-    if (static_cast<int64_t>(scratch.size()) < static_cast<int64_t>(items.size()) * 16 * K)
-        scratch.resize(items.size() * 16 * K);
+    // u: block b's rows' rank columns, [16][K] at b (part j's at j * R)
+    if (static_cast<int64_t>(scratch.size()) < nb * 16 * K) scratch.resize(nb * 16 * K);
     // (thread_local: the team's threads must use these pointers, not their own vectors)
     float *u = scratch.data();
     const Block *bl = blocks.data();
     const Item *it = items.data();
     const int64_t ni = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) if (team)
-    for (int64_t i = 0; i < ni; i++) {
-        const Block &blk = bl[it[i].b];
-        const int64_t j0 = it[i].j, parts = j0 < 0 ? blk.parts : blk.parts & (int64_t{1} << j0);
-        float *ui = u + i * 16 * K;     // part j's rank columns at j * R
-        // Shrink: u = x @ A_j.T per part, rounded to T as a T GEMM's output would be.
-#ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, uint16_t>) {
-            if (blk.amx) {
-                float *uj[3] = {ui, ui + R, ui + 2 * R};
-                lora_amx_shrink(A + blk.slot * K * in, in, R, blk.rank, parts, blk.n, blk.rows, x, 0, in, uj, K);
-            }
-        }
-#endif
-        if (!blk.amx) {
-            const T *xr[kLoraRows];
-            for (int r = 0; r < blk.n; r++) xr[r] = x + blk.rows[r] * in;
-            for (int64_t j = 0; j < p.nparts; j++) {
-                if (!((parts >> j) & 1)) continue;
-#ifdef __AVX512BF16__
-                if constexpr (std::is_same_v<T, uint16_t>) {
-                    lora_shrink_dp(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ui + j * R, K);
-                    continue;
-                }
-#endif
-                lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ui + j * R, K);
-            }
-        }
-        for (int r = 0; r < blk.n; r++)
-            for (int64_t j = 0; j < p.nparts; j++)
-                if ((parts >> j) & 1)
-                    for (int64_t k = 0; k < blk.rank; k++) {
-                        T rounded;
-                        store_as(&rounded, ui[r * K + j * R + k]);
-                        ui[r * K + j * R + k] = as_float(rounded);
-                    }
-        // Expand: y += u_j @ BT_j over the item's columns of each part.
-        for (int64_t j = 0; j < p.nparts; j++) {
-            if (!((parts >> j) & 1)) continue;
-            const int64_t c0 = j0 < 0 ? 0 : it[i].lo, c1 = j0 < 0 ? p.size[j] : it[i].hi;
-            const T *bj = BT + (blk.slot * K + j * R) * p.ldb + p.offset[j];
+    const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
+#pragma omp parallel if (team)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < ni; i++) {
+            const Block &blk = bl[it[i].b];
+            const int64_t j0 = it[i].j, parts = j0 < 0 ? blk.parts : blk.parts & (int64_t{1} << j0);
+            float *ub = u + it[i].b * 16 * K;
+            // Shrink: u = x @ A_j.T per part, rounded to T as a T GEMM's output would be.
 #ifdef __AVX512BF16__
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (blk.amx) {
+                    float *uj[3] = {ub, ub + R, ub + 2 * R};
+                    lora_amx_shrink(A + blk.slot * K * in, in, R, blk.rank, parts, blk.n, blk.rows, x, 0, in, uj, K);
+                }
+            }
+#endif
+            if (!blk.amx) {
+                const T *xr[kLoraRows];
+                for (int r = 0; r < blk.n; r++) xr[r] = x + blk.rows[r] * in;
+                for (int64_t j = 0; j < p.nparts; j++) {
+                    if (!((parts >> j) & 1)) continue;
+#ifdef __AVX512BF16__
+                    if constexpr (std::is_same_v<T, uint16_t>) {
+                        lora_shrink_dp(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ub + j * R, K);
+                        continue;
+                    }
+#endif
+                    lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ub + j * R, K);
+                }
+            }
+            for (int r = 0; r < blk.n; r++)
+                for (int64_t j = 0; j < p.nparts; j++)
+                    if ((parts >> j) & 1)
+                        for (int64_t k = 0; k < blk.rank; k++) {
+                            T rounded;
+                            store_as(&rounded, ub[r * K + j * R + k]);
+                            ub[r * K + j * R + k] = as_float(rounded);
+                        }
+        }
+        // Expand: y += u_j @ BT_j over this thread's output columns [lo, hi), cut in each part
+        // at multiples of 16 (the part's end last).
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
+        for (int64_t j = 0; j < p.nparts; j++) {
+            auto cut = [&](int64_t g) {      // column g of y, as a cut in part j
+                return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
+            };
+            const int64_t c0 = cut(lo), c1 = cut(hi);
+            if (c0 >= c1) continue;
+            for (int64_t b = 0; b < nb; b++) {
+                const Block &blk = bl[b];
+                if (!((blk.parts >> j) & 1)) continue;
+                const float *ub = u + b * 16 * K + j * R;
+                const T *bj = BT + (blk.slot * K + j * R) * p.ldb + p.offset[j];
+#ifdef __AVX512BF16__
+                if constexpr (std::is_same_v<T, uint16_t>) {
                     const uint16_t *pj =
                         pairs ? pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j]) * 2 : nullptr;
-                    lora_amx_expand(bj, pj, p.ldb, R, blk.rank, blk.n, blk.rows, ui + j * R, K, c0, c1, p.size[j],
-                                    y + p.offset[j], ldy);
-                    continue;
+                    if (blk.amx) {
+                        lora_amx_expand(bj, pj, p.ldb, R, blk.rank, blk.n, blk.rows, ub, K, c0, c1, p.size[j],
+                                        y + p.offset[j], ldy);
+                        continue;
+                    }
+                    if (pj != nullptr && R <= 128) {
+                        uint16_t *yr[kLoraRows];
+                        for (int r = 0; r < blk.n; r++) yr[r] = y + blk.rows[r] * ldy + p.offset[j];
+                        lora_expand_dp(ub, K, blk.n, pj, bj, p.ldb, blk.rank, yr, c0, c1);
+                        continue;
+                    }
                 }
-            }
 #endif
-            T *yr[kLoraRows];
-            for (int r = 0; r < blk.n; r++) yr[r] = y + blk.rows[r] * ldy + p.offset[j];
-#ifdef __AVX512BF16__
-            if constexpr (std::is_same_v<T, uint16_t>) {
-                if (pairs != nullptr && R <= 128) {
-                    const uint16_t *pj = pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j]) * 2;
-                    lora_expand_dp(ui + j * R, K, blk.n, pj, bj, p.ldb, blk.rank, yr, c0, c1);
-                    continue;
-                }
+                T *yr[kLoraRows];
+                for (int r = 0; r < blk.n; r++) yr[r] = y + blk.rows[r] * ldy + p.offset[j];
+                lora_expand<Vec>(ub, K, blk.n, bj, p.ldb, blk.rank, yr, c0, c1);
             }
-#endif
-            lora_expand<Vec>(ui + j * R, K, blk.n, bj, p.ldb, blk.rank, yr, c0, c1);
         }
     }
     return 0;
