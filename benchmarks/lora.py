@@ -10,7 +10,9 @@ rank 16, small weights) over the model's shapes. Every configuration serves the 
 requests (all at t=0, EOS ignored); the configurations alternate round by round and each
 one's fastest round counts (machine noise only adds time). Reported per configuration:
 steps, seconds per step and its ratio to the base model's (the cost of serving adapters,
-goal < 1.15 with 4 adapters), output tok/s. "base, python loop" (only where the model has
+goal < 1.15 with 4 adapters), output tok/s; and the ratio paired round by round (each round's
+step time over the same round's base, run just before it: the machine's drift between rounds
+cancels), its median and range over the rounds. "base, python loop" (only where the model has
 the compiled CPU layer loop) is the base model with that loop off, for scale: with the
 loop, steps with adapter rows (decodes and prefills alike) add their deltas inside it
 (cpu_kernels.cpp lora_delta); without it (tensor parallelism, GPU) they take the Python
@@ -201,20 +203,25 @@ def main() -> None:
     for name in configs:                    # warm-up: kernels, and every adapter read into its slot
         print(f"warm-up {name}: {once(name)[0]:.1f} s", flush=True)
     best: dict[str, tuple[float, int, int]] = {}
+    per_round: dict[str, list[float]] = {name: [] for name in configs}       # seconds per step
     for i in range(a.rounds):
         for name in configs:
             r = once(name)
             print(f"round {i + 1} {name}: {r[0]:.2f} s, {r[1]} steps", flush=True)
+            per_round[name].append(r[0] / r[1])
             if name not in best or r[0] < best[name][0]:
                 best[name] = r
     base_step = best["base"][0] / best["base"][1]
     rows = {}
-    print(f"{'config':<20} {'steps':>6} {'ms/step':>9} {'vs base':>8} {'out tok/s':>10}")
+    print(f"{'config':<20} {'steps':>6} {'ms/step':>9} {'vs base':>8} {'out tok/s':>10}  paired by round: median (range)")
     for name, (seconds, steps, tokens) in best.items():
         per_step = seconds / steps
+        paired = sorted(t / b for t, b in zip(per_round[name], per_round["base"]))
         rows[name] = {"seconds": seconds, "steps": steps, "output_tokens": tokens, "ms_per_step": per_step * 1e3,
-                      "step_cost_ratio": per_step / base_step, "output_tok_s": tokens / seconds}
-        print(f"{name:<20} {steps:>6} {per_step * 1e3:>9.2f} {per_step / base_step:>8.3f} {tokens / seconds:>10.1f}")
+                      "step_cost_ratio": per_step / base_step, "output_tok_s": tokens / seconds,
+                      "paired_ratios": paired, "paired_ratio_median": paired[len(paired) // 2]}
+        print(f"{name:<20} {steps:>6} {per_step * 1e3:>9.2f} {per_step / base_step:>8.3f} {tokens / seconds:>10.1f}"
+              f"  {paired[len(paired) // 2]:.3f} ({paired[0]:.3f}-{paired[-1]:.3f})")
     prompt = trace[0].prompt_token_ids
     ttft = {"cold adapter (read from disk)": first_token_seconds(llm, prompt, cold),
             "same adapter, resident": first_token_seconds(llm, prompt, cold),
