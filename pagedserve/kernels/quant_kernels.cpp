@@ -1420,6 +1420,33 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
                 uint16_t *y, int64_t ldy);
 bool amxw_enabled();
 
+// Rows of one part, consecutive: [r0, r0 + n) of part q, whose first row is row `first` of y.
+struct RowBlock {
+    const QuantPart *q;
+    int64_t r0, n, first, row_bytes;
+};
+
+// The calling thread's share of a product's weight rows (in its team: a range of equal weight
+// bytes of `total`, in groups of 32 rows) as blocks of up to max_rows consecutive rows of a part.
+void share_blocks(const QuantPart *parts, int64_t nparts, int64_t K, int64_t total, int64_t max_rows,
+                  std::vector<RowBlock> &out) {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+    out.clear();
+    int64_t at = 0, first = 0;         // bytes before this group, its part's first row in y
+    for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
+        const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
+        for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
+            const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
+            at += n * row_bytes;
+            if (start < lo || start >= hi) continue;
+            RowBlock *last = out.empty() ? nullptr : &out.back();
+            if (last && last->q == &parts[p] && last->r0 + last->n == r0 && last->n + n <= max_rows) last->n += n;
+            else out.push_back({&parts[p], r0, n, first, row_bytes});
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 // quant_linear_tiles for bf16 x where AMX is on and T is past amxw_takes: each thread packs
 // blocks of its own rows (about kFusedBytes of bf16, a range of equal weight bytes) into its own
@@ -1436,36 +1463,18 @@ int fused_tiles(const QuantPart *parts, int64_t nparts, const void *x, int64_t T
 #pragma omp parallel reduction(| : status)
     {
         static thread_local std::vector<uint16_t> buf;
+        static thread_local std::vector<RowBlock> mine;
         if (buf.size() < size_t(chunk * K)) buf.resize(chunk * K);
-        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+        share_blocks(parts, nparts, K, total, chunk, mine);
         omp_set_num_threads(1);                      // the GEMM's own parallel region: this thread alone
-        auto run = [&](const QuantPart &q, int64_t r0, int64_t n, int64_t first) {
-            for (int64_t g = 0; g < (n + 31) / 32 * 2; g++)
-                pack_group_bf16(int(q.qtype), q.w + (r0 + 16 * g) * q.ldw, q.ldw,
-                                std::min<int64_t>(16, std::max<int64_t>(0, n - 16 * g)), K, buf.data() + g * K * 16,
+        for (const RowBlock &b : mine) {
+            for (int64_t g = 0; g < (b.n + 31) / 32 * 2; g++)
+                pack_group_bf16(int(b.q->qtype), b.q->w + (b.r0 + 16 * g) * b.q->ldw, b.q->ldw,
+                                std::min<int64_t>(16, std::max<int64_t>(0, b.n - 16 * g)), K, buf.data() + g * K * 16,
                                 native);
-            status |= reinterpret_cast<PackedGemm>(gemm)(x, buf.data(), bias ? bias + first + r0 : nullptr,
-                                                         static_cast<uint16_t *>(y) + first + r0, ldy, T, n, K);
-        };
-        int64_t at = 0, first = 0;
-        const QuantPart *bq = nullptr;                 // the block being gathered: part, first row, rows
-        int64_t b0 = 0, bn = 0, bfirst = 0;
-        for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
-            const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
-            for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
-                const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
-                at += n * row_bytes;
-                if (start < lo || start >= hi) continue;
-                if (bq == &parts[p] && b0 + bn == r0 && bn + n <= chunk) {
-                    bn += n;
-                    continue;
-                }
-                if (bq != nullptr) run(*bq, b0, bn, bfirst);
-                bq = &parts[p], b0 = r0, bn = n, bfirst = first;
-            }
+            status |= reinterpret_cast<PackedGemm>(gemm)(x, buf.data(), bias ? bias + b.first + b.r0 : nullptr,
+                                                         static_cast<uint16_t *>(y) + b.first + b.r0, ldy, T, b.n, K);
         }
-        if (bq != nullptr) run(*bq, b0, bn, bfirst);
     }
     return status;
 }
@@ -2050,30 +2059,13 @@ constexpr int64_t kAmxWBlockBytes = 384 * 1024;    // the bf16 weights of a bloc
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
                                                               int64_t T, int64_t K, int64_t total, const float *bias,
                                                               uint16_t *y, int64_t ldy, bool native) {
-    struct Block {
-        const QuantPart *q;
-        int64_t r0, n, first, row_bytes;
-    };
+    using Block = RowBlock;
     const int64_t per_block = T <= 64 ? (128 * K <= kAmxWBlockBytes ? 64 : 32)        // rows
                                       : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;
     static thread_local std::vector<uint16_t> wb;
     static thread_local std::vector<Block> mine;
     if (wb.size() < size_t(2 * per_block * K)) wb.resize(2 * per_block * K);
-    mine.clear();
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
-    int64_t at = 0, first = 0;         // bytes before this group, its part's first row in y
-    for (int64_t p = 0; p < nparts; first += parts[p].rows, p++) {
-        const int64_t row_bytes = K / kElems[parts[p].qtype] * kBytes[parts[p].qtype];
-        for (int64_t r0 = 0; r0 < parts[p].rows; r0 += 32) {
-            const int64_t n = std::min<int64_t>(32, parts[p].rows - r0), start = at;
-            at += n * row_bytes;
-            if (start < lo || start >= hi) continue;
-            Block *last = mine.empty() ? nullptr : &mine.back();
-            if (last && last->q == &parts[p] && last->r0 + last->n == r0 && last->n + n <= per_block) last->n += n;
-            else mine.push_back({&parts[p], r0, n, first, row_bytes});
-        }
-    }
+    share_blocks(parts, nparts, K, total, per_block, mine);
     if (mine.empty()) return;
     auto next_of = [&](size_t i) {       // block i's dequantize, not started, into buffer i % 2
         AmxWNext nx;
