@@ -2508,19 +2508,18 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
         for (int64_t t = 0; t < T_; t++)
             if (lr->row_block[t] == s) mine.push_back(t);
         const int64_t count = static_cast<int64_t>(mine.size());
-        int64_t i = 0;
-        while (i < count) {
+        if (count == 0) continue;
+        int64_t slot_weights = 0;                    // its A and BT elements this projection reads
+        for (int64_t j = 0; j < p.nparts; j++)
+            if ((parts >> j) & 1) slot_weights += rank * (in + p.size[j]);
+        weights += slot_weights, macs += count * slot_weights;
+        for (int64_t i = 0; i < count;) {
             const bool tiles = amx && count - i >= kLoraAmxRows;     // AMX blocks of up to 16 rows
             Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(tiles ? kLoraAmxMax : kLoraRows, count - i)),
                       tiles, {}};
             for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
-            if (i == 0)
-                for (int64_t j = 0; j < p.nparts; j++)
-                    if ((parts >> j) & 1) weights += rank * (in + p.size[j]);
             i += blk.n;
             blocks.push_back(blk);
-            for (int64_t j = 0; j < p.nparts; j++)
-                if ((parts >> j) & 1) macs += blk.n * rank * (in + p.size[j]);
         }
     }
     const int64_t nb = static_cast<int64_t>(blocks.size());

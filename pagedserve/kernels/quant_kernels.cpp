@@ -2059,18 +2059,17 @@ constexpr int64_t kAmxWBlockBytes = 384 * 1024;    // the bf16 weights of a bloc
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
                                                               int64_t T, int64_t K, int64_t total, const float *bias,
                                                               uint16_t *y, int64_t ldy, bool native) {
-    using Block = RowBlock;
     const int64_t per_block = T <= 64 ? (128 * K <= kAmxWBlockBytes ? 64 : 32)        // rows
                                       : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;
     static thread_local std::vector<uint16_t> wb;
-    static thread_local std::vector<Block> mine;
+    static thread_local std::vector<RowBlock> mine;
     if (wb.size() < size_t(2 * per_block * K)) wb.resize(2 * per_block * K);
     share_blocks(parts, nparts, K, total, per_block, mine);
     if (mine.empty()) return;
     auto next_of = [&](size_t i) {       // block i's dequantize, not started, into buffer i % 2
         AmxWNext nx;
         if (i >= mine.size()) return nx;
-        const Block &g = mine[i];
+        const RowBlock &g = mine[i];
         uint16_t *dst = wb.data() + (i % 2) * per_block * K;
         const int64_t padded = (g.n + 31) / 32 * 32;
         if (g.n < padded) std::fill(dst + g.n * K, dst + padded * K, uint16_t(0));
@@ -2084,11 +2083,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
     AmxWNext now = next_of(0);
     now.finish();
     for (size_t i = 0; i < mine.size(); i++) {
-        const Block &g = mine[i];
+        const RowBlock &g = mine[i];
         AmxWNext nx = next_of(i + 1);
         AmxWPrefetch ahead{nullptr, nullptr, 0};          // block i + 2's bytes, where its rows are contiguous
         if (i + 2 < mine.size() && mine[i + 2].q->ldw == mine[i + 2].row_bytes) {
-            const Block &h = mine[i + 2];
+            const RowBlock &h = mine[i + 2];
             ahead.at = h.q->w + h.r0 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
         }
         amxw_block(wb.data() + (i % 2) * per_block * K, g.n, reinterpret_cast<const uint16_t *>(bv), T, K,
