@@ -2366,11 +2366,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_shrink(const uint16_t
         _tile_stored(1, buf + 256, 64);
         _tile_stored(2, buf + 512, 64);
         memory_barrier();
-        for (int b = 0; b < nk; b++) {
+        for (int b = 0; b < nk; b++) {      // C tile (rank x rows) transposed into u's rows
             const int64_t k_in = kbs[b] - js[b] * R;
-            float *u = uj[js[b]];
-            for (int m = 0; m < 16 && k_in + m < rank; m++)
-                for (int i = 0; i < n; i++) u[i * ldu + k_in + m] = buf[b * 256 + m * 16 + i];
+            const __mmask16 ranks = static_cast<__mmask16>(rank - k_in >= 16 ? 0xFFFF : (1u << (rank - k_in)) - 1);
+            __m512i t[16];
+            for (int m = 0; m < 16; m++) t[m] = _mm512_load_si512(buf + b * 256 + m * 16);
+            transpose16_epi32(t);
+            float *u = uj[js[b]] + k_in;
+            for (int i = 0; i < n; i++) _mm512_mask_storeu_epi32(u + i * ldu, ranks, t[i]);
         }
         nk = 0;
     };
@@ -2399,8 +2402,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t
     ub_v.assign(16 * Rp, 0);
     if (static_cast<int64_t>(bb_v.size()) < 3 * Rp * 16) bb_v.resize(3 * Rp * 16);   // zero rows stay zero
     uint16_t *ub = ub_v.data(), *bb = bb_v.data();
-    for (int i = 0; i < n; i++)
-        for (int64_t k = 0; k < rank; k++) store_as(ub + i * Rp + k, u[i * ldu + k]);   // exact: u is rounded
+    for (int i = 0; i < n; i++)      // exact: u is rounded to bf16 already (its low halves are zero)
+        for (int64_t k = 0; k < rank; k += 16) {
+            const __mmask16 m = static_cast<__mmask16>(rank - k >= 16 ? 0xFFFF : (1u << (rank - k)) - 1);
+            const __m512i v = _mm512_srli_epi32(_mm512_maskz_loadu_epi32(m, u + i * ldu + k), 16);
+            _mm256_mask_storeu_epi16(ub + i * Rp + k, m, _mm512_cvtepi32_epi16(v));
+        }
     const int64_t full = size / 16 * 16, end = std::min(c1, full);
     // C tiles go out through buf: a group's are added into y one group later, after the next
     // group's tile operations, so the vector loads find the tile stores done (added at once, each
@@ -2583,12 +2590,17 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
             }
             for (int r = 0; r < blk.n; r++)
                 for (int64_t j = 0; j < p.nparts; j++)
-                    if ((parts >> j) & 1)
-                        for (int64_t k = 0; k < blk.rank; k++) {
+                    if ((parts >> j) & 1) {
+                        float *uk = ub + r * K + j * R;
+                        int64_t k = 0;
+                        for (; k + Vec::W <= blk.rank; k += Vec::W)
+                            Vec::store(uk + k, round_as_v<Vec>(Vec::load(uk + k), x));
+                        for (; k < blk.rank; k++) {
                             T rounded;
-                            store_as(&rounded, ub[r * K + j * R + k]);
-                            ub[r * K + j * R + k] = as_float(rounded);
+                            store_as(&rounded, uk[k]);
+                            uk[k] = as_float(rounded);
                         }
+                    }
         }
         // Expand: y += u_j @ BT_j over this thread's output columns [lo, hi), cut in each part
         // at multiples of 16 (the part's end last).
