@@ -1059,6 +1059,9 @@ void gemm_strips(const X *x, const Wt *w, const float *bias, Y *y, int64_t ldy, 
 
 #ifdef __AVX512F__
 namespace {
+// The first `left` of 16 lanes (all 16 from 16 on): a row's last, partial vector.
+inline __mmask16 first_lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
 inline void store_masked(float *dst, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(dst, mask, v); }
 #ifdef __AVX512BF16__
 inline void store_masked(uint16_t *dst, __mmask16 mask, __m512 v) {
@@ -1073,7 +1076,7 @@ void store_tile(const __m512 (&acc)[MR][2], const float *bias, Y *y, int64_t ldy
     for (int half = 0; half < 2; half++) {
         const int64_t n = n0 + 16 * half;
         if (n >= N) break;
-        const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+        const __mmask16 mask = first_lanes(N - n);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
         for (int m = 0; m < MR; m++) store_masked(y + m * ldy + n, mask, _mm512_add_ps(acc[m][half], b));
     }
@@ -1171,7 +1174,7 @@ inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
 inline void amx_store(const float *buf, const float *bias, uint16_t *y, int64_t ldy, int64_t m0, int64_t rows,
                       int64_t n, int64_t N) {
     if (n >= N) return;
-    const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+    const __mmask16 mask = first_lanes(N - n);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++)
         store_masked(y + (m0 + r) * ldy + n, mask, _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b));
@@ -2368,7 +2371,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_shrink(const uint16_t
         memory_barrier();
         for (int b = 0; b < nk; b++) {      // C tile (rank x rows) transposed into u's rows
             const int64_t k_in = kbs[b] - js[b] * R;
-            const __mmask16 ranks = static_cast<__mmask16>(rank - k_in >= 16 ? 0xFFFF : (1u << (rank - k_in)) - 1);
+            const __mmask16 ranks = first_lanes(rank - k_in);
             __m512i t[16];
             for (int m = 0; m < 16; m++) t[m] = _mm512_load_si512(buf + b * 256 + m * 16);
             transpose16_epi32(t);
@@ -2404,7 +2407,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t
     uint16_t *ub = ub_v.data(), *bb = bb_v.data();
     for (int i = 0; i < n; i++)      // exact: u is rounded to bf16 already (its low halves are zero)
         for (int64_t k = 0; k < rank; k += 16) {
-            const __mmask16 m = static_cast<__mmask16>(rank - k >= 16 ? 0xFFFF : (1u << (rank - k)) - 1);
+            const __mmask16 m = first_lanes(rank - k);
             const __m512i v = _mm512_srli_epi32(_mm512_maskz_loadu_epi32(m, u + i * ldu + k), 16);
             _mm256_mask_storeu_epi16(ub + i * Rp + k, m, _mm512_cvtepi32_epi16(v));
         }
