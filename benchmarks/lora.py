@@ -17,7 +17,9 @@ cancels), its median and range over the rounds. "base, python loop" (only where 
 the compiled CPU layer loop) is the base model with that loop off, for scale: with the
 loop, steps with adapter rows (decodes and prefills alike) add their deltas inside it
 (cpu_kernels.cpp lora_delta); without it (tensor parallelism, GPU) they take the Python
-loop. Then time to first token of one
+loop. "4 adapters, not fetched ahead" (compiled loop only) is the same with the quantized base
+products not fetching the delta's adapter weights ahead (kernels/cpu.py set_lora_prefetch):
+what that overlap saves. Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
 the base model: on an idle engine (the read is inline: nothing else waits), and arriving while
 8 base-model requests decode (the read is ahead, in the background, beside a step; the longest
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.workloads import make_trace, trace_stats  # noqa: E402
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from pagedserve.kernels import cpu  # noqa: E402
 from pagedserve.lora.adapter import PEFT_MODULES, part_shapes  # noqa: E402
 
 RANK = 16
@@ -120,7 +123,6 @@ def profile_delta(llm: LLM, loras: list[LoRARequest], cases: list[tuple[int, int
     only). Also the adapter bytes each projection reads per step and the rate that makes.
     Fills the first slots with the adapters directly: run last."""
     from pagedserve.batch import LoRALoad
-    from pagedserve.kernels import cpu
     engine = llm.engine
     weights, args = engine.runner.lora, engine.model_args
     for slot, lora in enumerate(loras[:max(n for _, n in cases)]):
@@ -160,6 +162,9 @@ def profile_delta(llm: LLM, loras: list[LoRARequest], cases: list[tuple[int, int
     return out
 
 
+NOT_AHEAD = "4 adapters, not fetched ahead"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (the bundled file)")
@@ -196,13 +201,17 @@ def main() -> None:
     if compiled is not None:
         configs["base, python loop"] = [None]
     configs.update({f"{n} adapters": loras[:n] for n in a.adapters})
+    if compiled is not None and 4 in a.adapters:
+        configs[NOT_AHEAD] = loras[:4]
 
     def once(name: str) -> tuple[float, int, int]:
         model.compiled_layers = None if name == "base, python loop" else compiled
+        cpu.set_lora_prefetch(name != NOT_AHEAD)
         try:
             return run(llm, trace, configs[name])
         finally:
             model.compiled_layers = compiled
+            cpu.set_lora_prefetch(True)
 
     for name in configs:                    # warm-up: kernels, and every adapter read into its slot
         print(f"warm-up {name}: {once(name)[0]:.1f} s", flush=True)
@@ -217,14 +226,14 @@ def main() -> None:
                 best[name] = r
     base_step = best["base"][0] / best["base"][1]
     rows = {}
-    print(f"{'config':<20} {'steps':>6} {'ms/step':>9} {'vs base':>8} {'out tok/s':>10}  paired by round: median (range)")
+    print(f"{'config':<30} {'steps':>6} {'ms/step':>9} {'vs base':>8} {'out tok/s':>10}  paired by round: median (range)")
     for name, (seconds, steps, tokens) in best.items():
         per_step = seconds / steps
         paired = sorted(t / b for t, b in zip(per_round[name], per_round["base"]))
         rows[name] = {"seconds": seconds, "steps": steps, "output_tokens": tokens, "ms_per_step": per_step * 1e3,
                       "step_cost_ratio": per_step / base_step, "output_tok_s": tokens / seconds,
                       "paired_ratios": paired, "paired_ratio_median": paired[len(paired) // 2]}
-        print(f"{name:<20} {steps:>6} {per_step * 1e3:>9.2f} {per_step / base_step:>8.3f} {tokens / seconds:>10.1f}"
+        print(f"{name:<30} {steps:>6} {per_step * 1e3:>9.2f} {per_step / base_step:>8.3f} {tokens / seconds:>10.1f}"
               f"  {paired[len(paired) // 2]:.3f} ({paired[0]:.3f}-{paired[-1]:.3f})")
     prompt = trace[0].prompt_token_ids
     ttft = {"cold adapter (read from disk)": first_token_seconds(llm, prompt, cold),

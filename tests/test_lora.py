@@ -330,6 +330,52 @@ def test_bf16_rank16_adapters_equal_the_float_run_and_keep_their_pairs(tiny_llam
     assert same >= len(expected) * 3 // 4, (same, len(expected))
 
 
+def test_quantized_base_fetches_the_deltas_weights_ahead_and_changes_nothing(tiny_llama, setup):
+    """Quantized weights (q8_0 at load) and bf16 with adapters: the compiled loop's base products
+    fetch each delta's adapter weights ahead (cpu_kernels.cpp lora_prefetch_plan), on the
+    integer dots (4 rows) and on the AMX-BF16 tiles (12 rows) alike. That changes no value:
+    the tokens and every logprob equal those with it off, bit for bit; the adapters are there
+    (the tokens differ from the base model's) and the Python loop agrees with the compiled one."""
+    from pagedserve.kernels import cpu
+    batch_prompts, loras, _ = mixed(setup)
+    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="q8_0", max_lora_rank=16, max_loras=3,
+                   enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if model.compiled_layers is None or not model.compiled_layers.layers.quantized:
+        pytest.skip("no compiled loop over quantized weights here")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+
+    def outputs(prompts, lora_requests):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=lora_requests)
+        return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs],
+                 [sorted(d.items()) for d in o.prompt_logprobs[1:]]) for o in outs]
+
+    for n in (4, len(batch_prompts)):        # decode batches of 4 rows (integer dots), 12 (AMX tiles)
+        prompts, requests = batch_prompts[:n], loras[:n]
+        outputs(prompts, requests)     # the adapters into their slots: every run after batches the same rows
+        before = cpu.lora_prefetched()
+        fetched = outputs(prompts, requests)
+        assert cpu.lora_prefetched() > before, "the base products were handed no plan"
+        try:
+            cpu.set_lora_prefetch(False)
+            plain = outputs(prompts, requests)
+        finally:
+            cpu.set_lora_prefetch(True)
+        assert fetched == plain
+    base = outputs(batch_prompts, [None] * len(batch_prompts))
+    assert sum(f[0] != b[0] for f, b in zip(fetched, base)) >= len(base) // 2, "the adapters must change the tokens"
+    compiled = model.compiled_layers
+    try:
+        model.compiled_layers = None
+        python_loop = outputs(batch_prompts, loras)
+    finally:
+        model.compiled_layers = compiled
+    same = sum(f[0][:2] == p[0][:2] for f, p in zip(fetched, python_loop))
+    assert same >= len(fetched) * 3 // 4, (same, len(fetched))
+    assert_no_blocks_held(llm)
+
+
 def test_a_cold_adapter_is_read_ahead_while_others_run(tiny_llama, setup):
     """A request whose adapter is in no slot and not in the host cache, arriving while others
     run: the next batch asks the worker to read it in the background (lora_reads), the request

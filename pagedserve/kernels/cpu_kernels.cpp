@@ -20,6 +20,7 @@
 // a shift into fp16 bits and F16C's conversion, int8 by sign extension); the scales are applied
 // to whole scores (K: s_t = scale_t * q . k_t) and softmax weights (V: w_t scale_t), so no
 // element is scaled and no block is ever dequantized into memory.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -2014,6 +2015,7 @@ struct ModelDims {
     // quantized), and the row counts up to which the integer path runs (kernels/quant.py's
     // thresholds: any batch, and a batch of decode tokens only); more rows take the tiles.
     int64_t quant_small, quant_tiles, small_rows, decode_rows;
+    int64_t quant_prefetch;                   // quant_prefetch_next (lora_prefetch_plan), or 0
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
@@ -2486,27 +2488,25 @@ __attribute__((target("amx-tile,amx-bf16"))) void lora_amx_expand(const uint16_t
 }
 #endif
 
-// y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
+// A block: up to kLoraRows rows of one slot on the vector path, or (amx) up to kLoraAmxMax on
+// AMX tiles. A shrink item: block b's parts (j = -1), or its part j only.
+struct LoraBlock { int64_t slot, rank, parts; int n; bool amx; int64_t rows[16]; };
+struct LoraItem { int64_t b, j; };
+
+// Projection p's blocks for the step's rows (grouped by slot; only the slots whose adapter
+// targets it) and the shrink items over them. Returns whether the team should run them: one
+// OpenMP meeting per phase costs most when other processes hold the cores, so the team joins
+// when the work or the adapter bytes to read are large enough (both cores' loads in flight read
+// cold weights at about 1.6x one core's rate). Items: one per block, or per (block, part) where
+// there are too few blocks to keep every thread busy.
 template <typename T>
-int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
-               int64_t T_) {
-    if (lr == nullptr) return 0;
-    const LoraProj &p = lr->layers[layer * 4 + which];
-    if (p.a == 0) return 0;
-    const int64_t R = lr->rank, K = p.nparts * R;
-    const T *A = reinterpret_cast<const T *>(p.a), *BT = reinterpret_cast<const T *>(p.bt);
-    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
-    // A block: up to kLoraRows rows on the vector path, or (amx) up to kLoraAmxMax on AMX tiles.
-    struct Block { int64_t slot, rank, parts; int n; bool amx; int64_t rows[16]; };
-    // A shrink item: block b's parts (j = -1), or its part j only.
-    struct Item { int64_t b, j; };
-    thread_local std::vector<Block> blocks;
-    thread_local std::vector<Item> items;
-    thread_local std::vector<float> scratch;
+bool lora_plan(const LoraRefs *lr, const LoraProj &p, int which, int64_t in, int64_t T_,
+               std::vector<LoraBlock> &blocks, std::vector<LoraItem> &items) {
     thread_local std::vector<int64_t> mine;
     blocks.clear();
+    items.clear();
 #ifdef __AVX512BF16__
-    const bool amx = std::is_same_v<T, uint16_t> && lora_amx_usable(R, in);
+    const bool amx = std::is_same_v<T, uint16_t> && lora_amx_usable(lr->rank, in);
 #else
     const bool amx = false;
 #endif
@@ -2525,26 +2525,15 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
         weights += slot_weights, macs += count * slot_weights;
         for (int64_t i = 0; i < count;) {
             const bool tiles = amx && count - i >= kLoraAmxRows;     // AMX blocks of up to 16 rows
-            Block blk{s, rank, parts, static_cast<int>(std::min<int64_t>(tiles ? kLoraAmxMax : kLoraRows, count - i)),
-                      tiles, {}};
+            LoraBlock blk{s, rank, parts, static_cast<int>(std::min<int64_t>(tiles ? kLoraAmxMax : kLoraRows, count - i)),
+                          tiles, {}};
             for (int k = 0; k < blk.n; k++) blk.rows[k] = mine[i + k];
             i += blk.n;
             blocks.push_back(blk);
         }
     }
-    const int64_t nb = static_cast<int64_t>(blocks.size());
-    if (nb == 0) return 0;
-    // One OpenMP meeting per projection (each costs most when other processes hold the cores),
-    // in two phases. The team joins when the work or the adapter bytes to read are large
-    // enough (both cores' loads in flight read cold weights at about 1.6x one core's rate).
-    // Shrink: one item per block, or per (block, part) where there are too few blocks to keep
-    // every thread busy. Expand: each thread a range of the output columns, over every block,
-    // as the base projection cut them (quant_linear_small and the packed GEMMs give each
-    // thread a contiguous range of output rows): y's lines are in the caches of the core that
-    // just wrote them, and each thread reads its share of every slot's BT.
     const bool team = macs >= (1 << 18) || weights >= (1 << 14);
-    const int threads = team ? omp_get_max_threads() : 1;
-    items.clear();
+    const int64_t nb = static_cast<int64_t>(blocks.size()), threads = team ? omp_get_max_threads() : 1;
     for (int64_t b = 0; b < nb; b++) {
         if (nb >= 2 * threads) {
             items.push_back({b, -1});
@@ -2553,58 +2542,86 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
         for (int64_t j = 0; j < p.nparts; j++)
             if ((blocks[b].parts >> j) & 1) items.push_back({b, j});
     }
+    return team;
+}
+
+// Shrink of one item: ub [16][K] (block blk's rows; part j's rank columns at j * R) = x @ A_j.T
+// for its parts, rounded to T as a T GEMM's output would be.
+template <typename T>
+void lora_shrink_item(const LoraRefs *lr, const LoraProj &p, const LoraBlock &blk, int64_t j0, const T *x,
+                      int64_t in, float *ub) {
+    const int64_t R = lr->rank, K = p.nparts * R, parts = j0 < 0 ? blk.parts : blk.parts & (int64_t{1} << j0);
+    const T *A = reinterpret_cast<const T *>(p.a);
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        if (blk.amx) {
+            float *uj[3] = {ub, ub + R, ub + 2 * R};
+            lora_amx_shrink(A + blk.slot * K * in, in, R, blk.rank, parts, blk.n, blk.rows, x, 0, in, uj, K);
+        }
+    }
+#endif
+    if (!blk.amx) {
+        const T *xr[kLoraRows];
+        for (int r = 0; r < blk.n; r++) xr[r] = x + blk.rows[r] * in;
+        for (int64_t j = 0; j < p.nparts; j++) {
+            if (!((parts >> j) & 1)) continue;
+#ifdef __AVX512BF16__
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                lora_shrink_dp(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ub + j * R, K);
+                continue;
+            }
+#endif
+            lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ub + j * R, K);
+        }
+    }
+    for (int r = 0; r < blk.n; r++)
+        for (int64_t j = 0; j < p.nparts; j++)
+            if ((parts >> j) & 1) {
+                float *uk = ub + r * K + j * R;
+                int64_t k = 0;
+                for (; k + Vec::W <= blk.rank; k += Vec::W) Vec::store(uk + k, round_as_v<Vec>(Vec::load(uk + k), x));
+                for (; k < blk.rank; k++) {
+                    T rounded;
+                    store_as(&rounded, uk[k]);
+                    uk[k] = as_float(rounded);
+                }
+            }
+}
+
+// y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
+template <typename T>
+int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
+               int64_t T_) {
+    if (lr == nullptr) return 0;
+    const LoraProj &p = lr->layers[layer * 4 + which];
+    if (p.a == 0) return 0;
+    const int64_t R = lr->rank, K = p.nparts * R;
+    const T *BT = reinterpret_cast<const T *>(p.bt);
+    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
+    thread_local std::vector<LoraBlock> blocks;
+    thread_local std::vector<LoraItem> items;
+    thread_local std::vector<float> scratch;
+    const bool team = lora_plan<T>(lr, p, which, in, T_, blocks, items);
+    const int64_t nb = static_cast<int64_t>(blocks.size());
+    if (nb == 0) return 0;
+    // One OpenMP meeting per projection, in two phases: the shrink items, round-robin (where
+    // lora_prefetch_plan had their A rows fetched), then the expand, each
+    // thread a range of the output columns over every block, as the base projection cut them
+    // (quant_linear_small and the packed GEMMs give each thread a contiguous range of output
+    // rows): y's lines are in the caches of the core that just wrote them, and each thread reads
+    // its share of every slot's BT.
     // u: block b's rows' rank columns, [16][K] at b (part j's at j * R)
     if (static_cast<int64_t>(scratch.size()) < nb * 16 * K) scratch.resize(nb * 16 * K);
     // (thread_local: the team's threads must use these pointers, not their own vectors)
     float *u = scratch.data();
-    const Block *bl = blocks.data();
-    const Item *it = items.data();
+    const LoraBlock *bl = blocks.data();
+    const LoraItem *it = items.data();
     const int64_t ni = static_cast<int64_t>(items.size());
     const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
 #pragma omp parallel if (team)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < ni; i++) {
-            const Block &blk = bl[it[i].b];
-            const int64_t j0 = it[i].j, parts = j0 < 0 ? blk.parts : blk.parts & (int64_t{1} << j0);
-            float *ub = u + it[i].b * 16 * K;
-            // Shrink: u = x @ A_j.T per part, rounded to T as a T GEMM's output would be.
-#ifdef __AVX512BF16__
-            if constexpr (std::is_same_v<T, uint16_t>) {
-                if (blk.amx) {
-                    float *uj[3] = {ub, ub + R, ub + 2 * R};
-                    lora_amx_shrink(A + blk.slot * K * in, in, R, blk.rank, parts, blk.n, blk.rows, x, 0, in, uj, K);
-                }
-            }
-#endif
-            if (!blk.amx) {
-                const T *xr[kLoraRows];
-                for (int r = 0; r < blk.n; r++) xr[r] = x + blk.rows[r] * in;
-                for (int64_t j = 0; j < p.nparts; j++) {
-                    if (!((parts >> j) & 1)) continue;
-#ifdef __AVX512BF16__
-                    if constexpr (std::is_same_v<T, uint16_t>) {
-                        lora_shrink_dp(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ub + j * R, K);
-                        continue;
-                    }
-#endif
-                    lora_shrink<Vec>(xr, blk.n, A + (blk.slot * K + j * R) * in, in, blk.rank, in, ub + j * R, K);
-                }
-            }
-            for (int r = 0; r < blk.n; r++)
-                for (int64_t j = 0; j < p.nparts; j++)
-                    if ((parts >> j) & 1) {
-                        float *uk = ub + r * K + j * R;
-                        int64_t k = 0;
-                        for (; k + Vec::W <= blk.rank; k += Vec::W)
-                            Vec::store(uk + k, round_as_v<Vec>(Vec::load(uk + k), x));
-                        for (; k < blk.rank; k++) {
-                            T rounded;
-                            store_as(&rounded, uk[k]);
-                            uk[k] = as_float(rounded);
-                        }
-                    }
-        }
+#pragma omp for schedule(static, 1)
+        for (int64_t i = 0; i < ni; i++) lora_shrink_item(lr, p, bl[it[i].b], it[i].j, x, in, u + it[i].b * 16 * K);
         // Expand: y += u_j @ BT_j over this thread's output columns [lo, hi), cut in each part
         // at multiples of 16 (the part's end last).
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -2616,7 +2633,7 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
             const int64_t c0 = cut(lo), c1 = cut(hi);
             if (c0 >= c1) continue;
             for (int64_t b = 0; b < nb; b++) {
-                const Block &blk = bl[b];
+                const LoraBlock &blk = bl[b];
                 if (!((blk.parts >> j) & 1)) continue;
                 const float *ub = u + b * 16 * K + j * R;
                 const T *bj = BT + (blk.slot * K + j * R) * p.ldb + p.offset[j];
@@ -2646,6 +2663,92 @@ int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t
     return 0;
 }
 
+// quant_kernels.cpp's PrefetchPlan (the same layout): per thread of the team, ranges of bytes.
+constexpr int kPrefetchThreads = 8, kPrefetchRanges = 128;
+struct PrefetchRange {
+    const char *at;
+    int64_t bytes, count, stride;      // count runs of `bytes`, `stride` bytes apart
+};
+struct ThreadPrefetch {
+    int64_t n;
+    PrefetchRange r[kPrefetchRanges];
+};
+struct PrefetchPlan {
+    int64_t threads;
+    ThreadPrefetch t[kPrefetchThreads];
+};
+
+// What each thread of lora_delta's team will read of the adapter weights, for the base product
+// before it to fetch into that thread's L2 meanwhile: the A rows of its shrink items (the items
+// go round-robin, schedule(static, 1)) and the BT pairs of its output columns. False where
+// there is nothing to fetch.
+template <typename T>
+bool lora_prefetch_plan(const LoraRefs *lr, int64_t layer, int which, int64_t in, int64_t T_, PrefetchPlan &plan) {
+    const LoraProj &p = lr->layers[layer * 4 + which];
+    if (p.a == 0 || p.btp == 0) return false;
+    thread_local std::vector<LoraBlock> blocks;
+    thread_local std::vector<LoraItem> items;
+    const bool team = lora_plan<T>(lr, p, which, in, T_, blocks, items);
+    if (blocks.empty()) return false;
+    // (a delta alone on one thread: the base product's team is the machine's, thread 0 fetches it all)
+    const int64_t team_size = omp_get_max_threads(), nt = team ? team_size : 1, R = lr->rank, K = p.nparts * R;
+    plan.threads = team_size;
+    for (int64_t t = 0; t < kPrefetchThreads; t++) plan.t[t].n = 0;
+    auto add = [&](int64_t t, const void *at, int64_t bytes, int64_t count, int64_t stride) {
+        if (t >= kPrefetchThreads) return;
+        ThreadPrefetch &tp = plan.t[t];
+        if (tp.n < kPrefetchRanges && bytes > 0 && count > 0)
+            tp.r[tp.n++] = {static_cast<const char *>(at), bytes, count, stride};
+    };
+    const T *A = reinterpret_cast<const T *>(p.a);
+    const uint16_t *pairs = reinterpret_cast<const uint16_t *>(p.btp);
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); i++) {
+        const LoraBlock &blk = blocks[items[i].b];
+        for (int64_t j = 0; j < p.nparts; j++)
+            if ((items[i].j < 0 || items[i].j == j) && ((blk.parts >> j) & 1))
+                add(i % nt, A + (blk.slot * K + j * R) * in, blk.rank * in * int64_t(sizeof(T)), 1, 0);
+    }
+    const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
+    int64_t last = -1;
+    for (const LoraBlock &blk : blocks) {       // each slot's pairs once (its blocks are consecutive)
+        if (blk.slot == last) continue;
+        last = blk.slot;
+        for (int64_t t = 0; t < nt; t++) {
+            const int64_t lo = N * t / nt, hi = N * (t + 1) / nt;
+            for (int64_t j = 0; j < p.nparts; j++) {
+                if (!((blk.parts >> j) & 1)) continue;
+                auto cut = [&](int64_t g) {
+                    return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
+                };
+                const int64_t c0 = cut(lo), c1 = cut(hi);         // the pair rows' columns [c0, c1)
+                if (c0 < c1)
+                    add(t, pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j] + c0) * 2, (c1 - c0) * 4,
+                        (blk.rank + 1) / 2, p.ldb * 4);
+            }
+        }
+    }
+    return true;
+}
+
+using QuantPrefetch = int (*)(const PrefetchPlan *plan);
+int g_lora_prefetch = 1;
+std::atomic<int> g_lora_prefetched{0};     // plans handed to a base product (tests: it is really on)
+
+// One projection and its LoRA delta. A quantized base product fetches the delta's adapter
+// weights ahead (quant_linear_small's rows, the AMX-BF16 tiles; the packed GEMMs of larger
+// batches ignore the plan).
+template <typename T>
+int project_lora(const Proj &w, const ModelDims &m, bool decode, const LoraRefs *lora, int64_t layer, int which,
+                 const T *x, const float *b, T *y, int64_t M, int64_t N, int64_t K) {
+    thread_local PrefetchPlan plan;
+    const bool ahead = g_lora_prefetch && lora != nullptr && w.nparts > 0 && m.quant_prefetch != 0 &&
+                       lora_prefetch_plan<T>(lora, layer, which, K, M, plan);
+    if (ahead) reinterpret_cast<QuantPrefetch>(m.quant_prefetch)(&plan), g_lora_prefetched++;
+    const int status = project(w, m, decode, x, b, y, M, N, K);
+    if (ahead) reinterpret_cast<QuantPrefetch>(m.quant_prefetch)(nullptr);
+    return status || lora_delta(lora, layer, which, x, K, y, N, M);
+}
+
 }  // namespace
 
 extern "C" {
@@ -2658,6 +2761,11 @@ int lora_delta_bf16(const LoraRefs *lr, int64_t layer, int64_t which, const uint
                     int64_t ldy, int64_t T) {
     return lora_delta(lr, layer, static_cast<int>(which), x, in, y, ldy, T);
 }
+// enable: the base products fetch a LoRA delta's adapter weights ahead (1) or not (0; measuring
+// it). Returns the setting.
+int lora_prefetch_config(int64_t enable) { return g_lora_prefetch = enable != 0; }
+// How many base products were handed a LoRA prefetch plan so far (wraps; tests compare counts).
+int lora_prefetched() { return g_lora_prefetched.load(); }
 }
 
 namespace {
@@ -2679,8 +2787,8 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         const LayerPtrs &w = layers[l];
         K *kc = cache + l * c.layer, *vc = kc + c.kv;
         const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
-        if (project(w.qkv, m, decode, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_, qkv_size, H) ||
-            lora_delta(lora, l, 0, h, H, qkv, qkv_size, T_))
+        if (project_lora(w.qkv, m, decode, lora, l, 0, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_,
+                         qkv_size, H))
             return 2;
         rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
         if constexpr (kQuant<K>)
@@ -2694,15 +2802,11 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
                    c.partition_size))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
-        if (project(w.o, m, decode, attn, nullptr, proj, T_, H, q_size) || lora_delta(lora, l, 1, attn, q_size, proj, H, T_))
-            return 2;
+        if (project_lora(w.o, m, decode, lora, l, 1, attn, nullptr, proj, T_, H, q_size)) return 2;
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
-        if (project(w.gate_up, m, decode, h, nullptr, gate_up, T_, 2 * I, H) ||
-            lora_delta(lora, l, 2, h, H, gate_up, 2 * I, T_))
-            return 2;
+        if (project_lora(w.gate_up, m, decode, lora, l, 2, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
         silu_and_mul(gate_up, act, T_, I);
-        if (project(w.down, m, decode, act, nullptr, proj, T_, H, I) || lora_delta(lora, l, 3, act, I, proj, H, T_))
-            return 2;
+        if (project_lora(w.down, m, decode, lora, l, 3, act, nullptr, proj, T_, H, I)) return 2;
         add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
     }
     return 0;

@@ -1407,6 +1407,57 @@ bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
 }
 }  // namespace
 
+// Bytes for each thread of the next call to fetch into its L2 while its share of the weights
+// streams: a LoRA delta's adapter weights, which the same thread reads right after the call
+// (cpu_kernels.cpp lora_prefetch_plan). The weights' dots and tiles leave memory bandwidth
+// unused; the delta alone would wait on it. The same layout as cpu_kernels.cpp's.
+constexpr int kPrefetchThreads = 8, kPrefetchRanges = 128;
+struct PrefetchRange {
+    const char *at;
+    int64_t bytes, count, stride;      // count runs of `bytes`, `stride` bytes apart
+};
+struct ThreadPrefetch {
+    int64_t n;
+    PrefetchRange r[kPrefetchRanges];
+};
+struct PrefetchPlan {
+    int64_t threads;     // the team's size the plan was made for (threads past kPrefetchThreads: none)
+    ThreadPrefetch t[kPrefetchThreads];
+};
+namespace {
+thread_local const PrefetchPlan *t_prefetch = nullptr;    // the calling thread's, for its next call
+
+// A thread's walk over its ranges, a few lines at a time between its own work.
+struct PrefetchCursor {
+    const ThreadPrefetch *tp = nullptr;
+    int64_t r = 0, run = 0, off = 0;       // range, run in it, byte in the run
+    PrefetchCursor(const PrefetchPlan *plan, int64_t tid, int64_t team) {
+        if (plan != nullptr && plan->threads == team && tid < kPrefetchThreads) tp = &plan->t[tid];
+    }
+    int64_t lines() const {
+        int64_t total = 0;
+        for (int64_t i = 0; tp && i < tp->n; i++) total += (tp->r[i].bytes + 63) / 64 * tp->r[i].count;
+        return total;
+    }
+    void step(int64_t count) {
+        for (; tp && count > 0 && r < tp->n; count--) {
+            const PrefetchRange &g = tp->r[r];
+            __builtin_prefetch(g.at + run * g.stride + off, 0, 2);
+            if ((off += 64) < g.bytes) continue;
+            off = 0;
+            if (++run == g.count) r++, run = 0;
+        }
+    }
+};
+}  // namespace
+
+// The calling thread's next quant_linear_small or quant_linear_tiles call (AMX-BF16 path) fetches
+// plan's ranges (null: none), then forgets it.
+extern "C" int quant_prefetch_next(const PrefetchPlan *plan) {
+    t_prefetch = plan;
+    return 0;
+}
+
 // y [T][ldy] = x [T][K] @ W.T + bias for many rows of x, W the parts stacked by rows (x
 // contiguous; x and y both float32 or both bf16; bias float32 over all rows or null): tiles of
 // tile_rows rows (a multiple of 32) dequantized into the packed layout of kernels/cpu.py's GEMM
@@ -1417,7 +1468,7 @@ using PackedGemm = int (*)(const void *, const void *, const float *, void *, in
 namespace {
 bool amxw_takes(int64_t T);     // the AMX-BF16 path with weights as A tiles (below) takes T rows of bf16 x
 int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
-                uint16_t *y, int64_t ldy);
+                uint16_t *y, int64_t ldy, const PrefetchPlan *plan);
 bool amxw_enabled();
 
 // Rows of one part, consecutive: [r0, r0 + n) of part q, whose first row is row `first` of y.
@@ -1482,10 +1533,13 @@ int fused_tiles(const QuantPart *parts, int64_t nparts, const void *x, int64_t T
 }  // namespace
 extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
                                   int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
+    const PrefetchPlan *plan = t_prefetch;
+    t_prefetch = nullptr;
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
     if (x_bf16 && amxw_takes(T))
-        return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy);
+        return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy,
+                           plan);
 #if defined(__AVX512F__)
     if (x_bf16 && amxw_enabled()) return fused_tiles(parts, nparts, x, T, K, bias, y, ldy, gemm);
 #endif
@@ -1922,6 +1976,8 @@ struct AmxWNext {
 struct AmxWPrefetch {
     const uint8_t *at, *end;
     int64_t per;          // cache lines per K step
+    PrefetchCursor *extra = nullptr;     // and the thread's share of a PrefetchPlan: extra_per lines a K step
+    int64_t extra_per = 0;
 };
 
 template <bool TWO, bool PAIR>
@@ -1936,6 +1992,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass(const uint16_
     for (int64_t k = 0; k < K; k += 32) {
         for (int64_t i = 0; i < pf.per && pf.at < pf.end; i++, pf.at += 64)
             _mm_prefetch(reinterpret_cast<const char *>(pf.at), _MM_HINT_T1);
+        if (pf.extra) pf.extra->step(pf.extra_per);
         _tile_loadd(4, wb + k, stride);
         _tile_loadd(6, b0 + k * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -1969,6 +2026,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amxw_pass4(const uint16
     for (int64_t k = 0; k < K; k += 32) {
         for (int64_t i = 0; i < pf.per && pf.at < pf.end; i++, pf.at += 64)
             _mm_prefetch(reinterpret_cast<const char *>(pf.at), _MM_HINT_T1);
+        if (pf.extra) pf.extra->step(pf.extra_per);
         _tile_loadd(6, b0 + k * 16, 64);
         _tile_loadd(4, wa + k, stride);
         _tile_dpbf16ps(0, 4, 6);
@@ -2017,6 +2075,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_block(const uint16_t *wb,
     const int64_t tiles = (T + 15) / 16, groups = (n + 31) / 32;
     const int64_t steps = (tiles / 2 * groups + tiles % 2 * (groups / 2 + groups % 2)) * (K / 32);
     pf.per = (pf.end - pf.at + 64 * steps - 1) / (64 * steps);
+    if (pf.extra) pf.extra_per = (pf.extra_per + steps - 1) / steps;       // (given: lines for this block)
     nx.per = (nx.left() + steps - 1) / steps;
     for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
         const bool pair = t0 + 1 < tiles;
@@ -2058,7 +2117,8 @@ constexpr int64_t kAmxWBlockBytes = 384 * 1024;    // the bf16 weights of a bloc
 // one while block i + 1 is dequantized into the other. Called inside amxw_linear's parallel region.
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
                                                               int64_t T, int64_t K, int64_t total, const float *bias,
-                                                              uint16_t *y, int64_t ldy, bool native) {
+                                                              uint16_t *y, int64_t ldy, bool native,
+                                                              const PrefetchPlan *plan) {
     const int64_t per_block = T <= 64 ? (128 * K <= kAmxWBlockBytes ? 64 : 32)        // rows
                                       : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;
     static thread_local std::vector<uint16_t> wb;
@@ -2078,6 +2138,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
         nx.K = K, nx.dst = dst, nx.native = native;
         return nx;
     };
+    PrefetchCursor extra(plan, omp_get_thread_num(), omp_get_num_threads());
+    const int64_t extra_lines = extra.lines(), nblocks = static_cast<int64_t>(mine.size());
     amxw_load_config();
     alignas(64) float cbuf[1024];
     AmxWNext now = next_of(0);
@@ -2086,6 +2148,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
         const RowBlock &g = mine[i];
         AmxWNext nx = next_of(i + 1);
         AmxWPrefetch ahead{nullptr, nullptr, 0};          // block i + 2's bytes, where its rows are contiguous
+        if (extra_lines > 0) ahead.extra = &extra, ahead.extra_per = (extra_lines + nblocks - 1) / nblocks;
         if (i + 2 < mine.size() && mine[i + 2].q->ldw == mine[i + 2].row_bytes) {
             const RowBlock &h = mine[i + 2];
             ahead.at = h.q->w + h.r0 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
@@ -2098,7 +2161,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
 }
 
 int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
-                uint16_t *y, int64_t ldy) {
+                uint16_t *y, int64_t ldy, const PrefetchPlan *plan) {
     const int64_t tiles = (T + 15) / 16, pairs = K / 2;
     std::vector<uint32_t> bv(tiles * pairs * 16);       // x's bf16 pairs: [tiles][K/2][16]
     const uint32_t *x32 = reinterpret_cast<const uint32_t *>(x);
@@ -2117,14 +2180,15 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
             transpose16x16(r);
             for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(&bv[(k * pairs + g + c) * 16], r[c]);
         }
-        amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native);
+        amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native, plan);
     }
     return 0;
 }
 #else
 bool amxw_takes(int64_t) { return false; }
 bool amxw_enabled() { return false; }
-int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, const float *, uint16_t *, int64_t) {
+int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, const float *, uint16_t *, int64_t,
+                const PrefetchPlan *) {
     return 1;
 }
 #endif
@@ -2161,10 +2225,13 @@ extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 #endif
 }
 
+
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
 // by rows (K columns each), through the integer dots. 0 on success.
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
                                   int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
+    const PrefetchPlan *plan = t_prefetch;
+    t_prefetch = nullptr;
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     std::vector<int8_t, Aligned64<int8_t>> q(T * K);     // 64-byte aligned: the dots' 512-bit loads split no line
@@ -2246,6 +2313,8 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t begin = row_at_byte(parts, nparts, K, total * tid / nt);
         const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
+        PrefetchCursor ahead(plan, tid, nt);
+        const int64_t per_row = end > begin ? (ahead.lines() + end - begin - 1) / (end - begin) : 0;
         auto put = [&](int64_t t, int64_t r, float v) {
             v += bias ? bias[r] : 0.f;
             if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
@@ -2255,11 +2324,13 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
             int64_t p = 0;
             while (r >= ends[p]) p++;
             const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
+            ahead.step(per_row);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             if (two[p] != nullptr && r + kPassRows <= std::min(end, ends[p])) {    // rows r .. of one part
                 float vs[kPassRows];
                 two[p](row, parts[p].ldw, a, vs);
                 for (int i = 0; i < kPassRows; i++) put(0, r + i, vs[i]);
+                ahead.step(per_row * (kPassRows - 1));
                 r += kPassRows - 1;
                 continue;
             }
