@@ -17,9 +17,10 @@ cancels), its median and range over the rounds. "base, python loop" (only where 
 the compiled CPU layer loop) is the base model with that loop off, for scale: with the
 loop, steps with adapter rows (decodes and prefills alike) add their deltas inside it
 (cpu_kernels.cpp lora_delta); without it (tensor parallelism, GPU) they take the Python
-loop. "4 adapters, not fetched ahead" (compiled loop only) is the same with the quantized base
-products not fetching the delta's adapter weights ahead (kernels/cpu.py set_lora_prefetch):
-what that overlap saves. Then time to first token of one
+loop. "4 adapters, no handover" (compiled loop only) is the same with each delta on its own
+after the quantized base product (kernels/cpu.py set_lora_handover(False)): what handing it to
+that product saves (its adapter weights fetched while the product computes, one OpenMP meeting
+a projection instead of two). Then time to first token of one
 request whose adapter must first be read from disk, against the same adapter resident and
 the base model: on an idle engine (the read is inline: nothing else waits), and arriving while
 8 base-model requests decode (the read is ahead, in the background, beside a step; the longest
@@ -162,7 +163,7 @@ def profile_delta(llm: LLM, loras: list[LoRARequest], cases: list[tuple[int, int
     return out
 
 
-NOT_AHEAD = "4 adapters, not fetched ahead"
+NOT_AHEAD = "4 adapters, no handover"
 
 
 def main() -> None:
@@ -206,12 +207,12 @@ def main() -> None:
 
     def once(name: str) -> tuple[float, int, int]:
         model.compiled_layers = None if name == "base, python loop" else compiled
-        cpu.set_lora_prefetch(name != NOT_AHEAD)
+        cpu.set_lora_handover(name != NOT_AHEAD)
         try:
             return run(llm, trace, configs[name])
         finally:
             model.compiled_layers = compiled
-            cpu.set_lora_prefetch(True)
+            cpu.set_lora_handover(True)
 
     for name in configs:                    # warm-up: kernels, and every adapter read into its slot
         print(f"warm-up {name}: {once(name)[0]:.1f} s", flush=True)

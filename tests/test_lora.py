@@ -330,15 +330,19 @@ def test_bf16_rank16_adapters_equal_the_float_run_and_keep_their_pairs(tiny_llam
     assert same >= len(expected) * 3 // 4, (same, len(expected))
 
 
-def test_quantized_base_fetches_the_deltas_weights_ahead_and_changes_nothing(tiny_llama, setup):
-    """Quantized weights (q8_0 at load) and bf16 with adapters: the compiled loop's base products
-    fetch each delta's adapter weights ahead (cpu_kernels.cpp lora_prefetch_plan), on the
-    integer dots (4 rows) and on the AMX-BF16 tiles (12 rows) alike. That changes no value:
-    the tokens and every logprob equal those with it off, bit for bit; the adapters are there
-    (the tokens differ from the base model's) and the Python loop agrees with the compiled one."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deltas_handed_to_the_quantized_base_product_change_nothing(tiny_llama, setup, dtype):
+    """Quantized weights (q8_0 at load) with adapters, bf16 and float32 activations: the compiled loop hands each
+    delta to the base product before it (cpu_kernels.cpp project_lora: its adapter weights
+    fetched ahead, the delta run at the product's end in the same OpenMP meeting), on the
+    integer dots (4 rows) and on the AMX tiles (12 rows: AMX-BF16 for bf16, AMX-INT8 for
+    float32 where the CPU has them) alike. That changes no value:
+    the tokens and every logprob equal those of the delta on its own, bit for bit; the adapters
+    are there (the tokens differ from the base model's) and the Python loop agrees with the
+    compiled one."""
     from pagedserve.kernels import cpu
     batch_prompts, loras, _ = mixed(setup)
-    llm = make_llm(tiny_llama, dtype="bfloat16", quantization="q8_0", max_lora_rank=16, max_loras=3,
+    llm = make_llm(tiny_llama, dtype=dtype, quantization="q8_0", max_lora_rank=16, max_loras=3,
                    enable_prefix_caching=False)
     model = llm.engine.runner.model
     if model.compiled_layers is None or not model.compiled_layers.layers.quantized:
@@ -354,14 +358,14 @@ def test_quantized_base_fetches_the_deltas_weights_ahead_and_changes_nothing(tin
     for n in (4, len(batch_prompts)):        # decode batches of 4 rows (integer dots), 12 (AMX tiles)
         prompts, requests = batch_prompts[:n], loras[:n]
         outputs(prompts, requests)     # the adapters into their slots: every run after batches the same rows
-        before = cpu.lora_prefetched()
+        before = cpu.lora_handovers()
         fetched = outputs(prompts, requests)
-        assert cpu.lora_prefetched() > before, "the base products were handed no plan"
+        assert cpu.lora_handovers() > before, "no delta was handed to a base product"
         try:
-            cpu.set_lora_prefetch(False)
+            cpu.set_lora_handover(False)
             plain = outputs(prompts, requests)
         finally:
-            cpu.set_lora_prefetch(True)
+            cpu.set_lora_handover(True)
         assert fetched == plain
     base = outputs(batch_prompts, [None] * len(batch_prompts))
     assert sum(f[0] != b[0] for f, b in zip(fetched, base)) >= len(base) // 2, "the adapters must change the tokens"

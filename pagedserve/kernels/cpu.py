@@ -192,8 +192,8 @@ _SIGNATURES = {
     "decoder_layers_kv8_bf16": [_P] * 12 + [_I, _I],
     "lora_delta_f32": [_P, _I, _I, _P, _I, _P, _I, _I],
     "lora_delta_bf16": [_P, _I, _I, _P, _I, _P, _I, _I],
-    "lora_prefetch_config": [_I],
-    "lora_prefetched": [],
+    "lora_handover_config": [_I],
+    "lora_handovers": [],
     "write_kv8": [_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 9,
     "linear_packed_bf16": [_P] * 4 + [_I] * 3,
     "linear_packed_f32": [_P] * 4 + [_I] * 3,
@@ -527,7 +527,7 @@ class _ModelDims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
                [(n, ctypes.c_int64) for n in ("quant_small", "quant_tiles", "small_rows", "decode_rows",
-                                              "quant_prefetch")]
+                                              "quant_handover")]
 
 
 class _CacheRefs(ctypes.Structure):
@@ -636,7 +636,7 @@ class DecoderLayers:
             return False
         d = self._dims
         d.quant_small, d.quant_tiles = small, tiles
-        d.quant_prefetch = quant.kernel_address("quant_prefetch_next")
+        d.quant_handover = quant.kernel_address("quant_handover_next")
         bf16 = self.dtype == torch.bfloat16
         d.small_rows, d.decode_rows = quant.batch_rows(False, bf16), quant.batch_rows(True, bf16)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
@@ -722,18 +722,19 @@ class LoraTable:
         return _LoraRefs(ctypes.addressof(self.rows), row_block.data_ptr(), self.rank, self.info.data_ptr(), self.span)
 
 
-def set_lora_prefetch(enabled: bool) -> bool:
-    """Whether the compiled loop's quantized base products fetch the LoRA delta's adapter
-    weights ahead into the caches of the threads that read them next (cpu_kernels.cpp
-    lora_prefetch_plan; on by default: benchmarks/lora.py measures both). Returns the setting
+def set_lora_handover(enabled: bool) -> bool:
+    """Whether the compiled loop hands each LoRA delta to the quantized base product before it
+    (cpu_kernels.cpp project_lora): the product fetches the delta's adapter weights ahead into
+    the caches of the threads that read them next and runs the delta at its end, in the same
+    OpenMP meeting. On by default; benchmarks/lora.py measures both. Returns the setting
     (False where no kernels are built)."""
-    return load() is not None and bool(KERNELS.lib.lora_prefetch_config(int(enabled)))
+    return load() is not None and bool(KERNELS.lib.lora_handover_config(int(enabled)))
 
 
-def lora_prefetched() -> int:
-    """How many base products the compiled loop has handed a LoRA prefetch plan so far (tests
-    check that it runs). 0 where no kernels are built."""
-    return 0 if load() is None else KERNELS.lib.lora_prefetched()
+def lora_handovers() -> int:
+    """How many LoRA deltas the compiled loop has handed to a base product so far (wraps;
+    tests check that it runs). 0 where no kernels are built."""
+    return 0 if load() is None else KERNELS.lib.lora_handovers()
 
 
 def lora_delta(table: LoraTable, layer: int, projection: int, x: torch.Tensor, y: torch.Tensor,

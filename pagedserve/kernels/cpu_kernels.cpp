@@ -2015,7 +2015,7 @@ struct ModelDims {
     // quantized), and the row counts up to which the integer path runs (kernels/quant.py's
     // thresholds: any batch, and a batch of decode tokens only); more rows take the tiles.
     int64_t quant_small, quant_tiles, small_rows, decode_rows;
-    int64_t quant_prefetch;                   // quant_prefetch_next (lora_prefetch_plan), or 0
+    int64_t quant_handover;                   // quant_handover_next (project_lora), or 0
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
@@ -2588,82 +2588,112 @@ void lora_shrink_item(const LoraRefs *lr, const LoraProj &p, const LoraBlock &bl
             }
 }
 
-// y [T, ldy] += the delta of projection `which` of `layer` for x [T, in].
+// One projection's delta, planned (lora_plan) and ready for a team to run (lora_team_run).
 template <typename T>
-int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
-               int64_t T_) {
-    if (lr == nullptr) return 0;
-    const LoraProj &p = lr->layers[layer * 4 + which];
-    if (p.a == 0) return 0;
-    const int64_t R = lr->rank, K = p.nparts * R;
-    const T *BT = reinterpret_cast<const T *>(p.bt);
-    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
+struct LoraCall {
+    const LoraRefs *lr;
+    const LoraProj *p;
+    const T *x;
+    int64_t in;
+    T *y;
+    int64_t ldy;
+    const LoraBlock *blocks;
+    int64_t nb;
+    const LoraItem *items;
+    int64_t ni;
+    float *u;               // block b's rows' rank columns, [16][K] at b (part j's at j * R)
+};
+
+// The delta's plan for y [T, ldy] += projection `which` of `layer` for x [T, in], in the calling
+// thread's buffers. Returns whether a team should run it; call.nb == 0: nothing to do.
+template <typename T>
+bool lora_prepare(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
+                  int64_t T_, LoraCall<T> &call) {
     thread_local std::vector<LoraBlock> blocks;
     thread_local std::vector<LoraItem> items;
     thread_local std::vector<float> scratch;
+    call = LoraCall<T>{lr, nullptr, x, in, y, ldy, nullptr, 0, nullptr, 0, nullptr};
+    if (lr == nullptr) return false;
+    const LoraProj &p = lr->layers[layer * 4 + which];
+    if (p.a == 0) return false;
     const bool team = lora_plan<T>(lr, p, which, in, T_, blocks, items);
-    const int64_t nb = static_cast<int64_t>(blocks.size());
-    if (nb == 0) return 0;
-    // One OpenMP meeting per projection, in two phases: the shrink items, round-robin (where
-    // lora_prefetch_plan had their A rows fetched), then the expand, each
-    // thread a range of the output columns over every block, as the base projection cut them
-    // (quant_linear_small and the packed GEMMs give each thread a contiguous range of output
-    // rows): y's lines are in the caches of the core that just wrote them, and each thread reads
-    // its share of every slot's BT.
-    // u: block b's rows' rank columns, [16][K] at b (part j's at j * R)
+    const int64_t nb = static_cast<int64_t>(blocks.size()), K = p.nparts * lr->rank;
     if (static_cast<int64_t>(scratch.size()) < nb * 16 * K) scratch.resize(nb * 16 * K);
-    // (thread_local: the team's threads must use these pointers, not their own vectors)
-    float *u = scratch.data();
-    const LoraBlock *bl = blocks.data();
-    const LoraItem *it = items.data();
-    const int64_t ni = static_cast<int64_t>(items.size());
+    // (the team's threads use these pointers, not their own thread_local vectors)
+    call.p = &p, call.blocks = blocks.data(), call.nb = nb, call.items = items.data();
+    call.ni = static_cast<int64_t>(items.size()), call.u = scratch.data();
+    return team;
+}
+
+// The delta run by every thread of the current team (or one thread alone), in two phases: the
+// shrink items, round-robin (where lora_prefetch_plan had their A rows fetched; the loop's
+// barrier also waits for a base product in the same region), then the expand, each thread a
+// range of the output columns over every block, as the base projection cut them
+// (quant_linear_small and the packed GEMMs give each thread a contiguous range of output
+// rows): y's lines are in the caches of the core that just wrote them, and each thread reads
+// its share of every slot's BT.
+template <typename T>
+void lora_team_run(const LoraCall<T> &c) {
+    const LoraProj &p = *c.p;
+    const int64_t R = c.lr->rank, K = p.nparts * R;
+    const T *BT = reinterpret_cast<const T *>(p.bt);
+    const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
     const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
-#pragma omp parallel if (team)
-    {
 #pragma omp for schedule(static, 1)
-        for (int64_t i = 0; i < ni; i++) lora_shrink_item(lr, p, bl[it[i].b], it[i].j, x, in, u + it[i].b * 16 * K);
-        // Expand: y += u_j @ BT_j over this thread's output columns [lo, hi), cut in each part
-        // at multiples of 16 (the part's end last).
-        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
-        for (int64_t j = 0; j < p.nparts; j++) {
-            auto cut = [&](int64_t g) {      // column g of y, as a cut in part j
-                return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
-            };
-            const int64_t c0 = cut(lo), c1 = cut(hi);
-            if (c0 >= c1) continue;
-            for (int64_t b = 0; b < nb; b++) {
-                const LoraBlock &blk = bl[b];
-                if (!((blk.parts >> j) & 1)) continue;
-                const float *ub = u + b * 16 * K + j * R;
-                const T *bj = BT + (blk.slot * K + j * R) * p.ldb + p.offset[j];
+    for (int64_t i = 0; i < c.ni; i++)
+        lora_shrink_item(c.lr, p, c.blocks[c.items[i].b], c.items[i].j, c.x, c.in, c.u + c.items[i].b * 16 * K);
+    // Expand: y += u_j @ BT_j over this thread's output columns [lo, hi), cut in each part
+    // at multiples of 16 (the part's end last).
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
+    for (int64_t j = 0; j < p.nparts; j++) {
+        auto cut = [&](int64_t g) {      // column g of y, as a cut in part j
+            return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
+        };
+        const int64_t c0 = cut(lo), c1 = cut(hi);
+        if (c0 >= c1) continue;
+        for (int64_t b = 0; b < c.nb; b++) {
+            const LoraBlock &blk = c.blocks[b];
+            if (!((blk.parts >> j) & 1)) continue;
+            const float *ub = c.u + b * 16 * K + j * R;
+            const T *bj = BT + (blk.slot * K + j * R) * p.ldb + p.offset[j];
 #ifdef __AVX512BF16__
-                if constexpr (std::is_same_v<T, uint16_t>) {
-                    const uint16_t *pj =
-                        pairs ? pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j]) * 2 : nullptr;
-                    if (blk.amx) {
-                        lora_amx_expand(bj, pj, p.ldb, R, blk.rank, blk.n, blk.rows, ub, K, c0, c1, p.size[j],
-                                        y + p.offset[j], ldy);
-                        continue;
-                    }
-                    if (pj != nullptr && R <= 128) {
-                        uint16_t *yr[kLoraRows];
-                        for (int r = 0; r < blk.n; r++) yr[r] = y + blk.rows[r] * ldy + p.offset[j];
-                        lora_expand_dp(ub, K, blk.n, pj, bj, p.ldb, blk.rank, yr, c0, c1);
-                        continue;
-                    }
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                const uint16_t *pj = pairs ? pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j]) * 2 : nullptr;
+                if (blk.amx) {
+                    lora_amx_expand(bj, pj, p.ldb, R, blk.rank, blk.n, blk.rows, ub, K, c0, c1, p.size[j],
+                                    c.y + p.offset[j], c.ldy);
+                    continue;
                 }
-#endif
-                T *yr[kLoraRows];
-                for (int r = 0; r < blk.n; r++) yr[r] = y + blk.rows[r] * ldy + p.offset[j];
-                lora_expand<Vec>(ub, K, blk.n, bj, p.ldb, blk.rank, yr, c0, c1);
+                if (pj != nullptr && R <= 128) {
+                    uint16_t *yr[kLoraRows];
+                    for (int r = 0; r < blk.n; r++) yr[r] = c.y + blk.rows[r] * c.ldy + p.offset[j];
+                    lora_expand_dp(ub, K, blk.n, pj, bj, p.ldb, blk.rank, yr, c0, c1);
+                    continue;
+                }
             }
+#endif
+            T *yr[kLoraRows];
+            for (int r = 0; r < blk.n; r++) yr[r] = c.y + blk.rows[r] * c.ldy + p.offset[j];
+            lora_expand<Vec>(ub, K, blk.n, bj, p.ldb, blk.rank, yr, c0, c1);
         }
     }
+}
+
+// y [T, ldy] += the delta of projection `which` of `layer` for x [T, in], in a meeting of its own.
+template <typename T>
+int lora_delta(const LoraRefs *lr, int64_t layer, int which, const T *x, int64_t in, T *y, int64_t ldy,
+               int64_t T_) {
+    LoraCall<T> call;
+    const bool team = lora_prepare(lr, layer, which, x, in, y, ldy, T_, call);
+    if (call.nb == 0) return 0;
+#pragma omp parallel if (team)
+    lora_team_run(call);
     return 0;
 }
 
-// quant_kernels.cpp's PrefetchPlan (the same layout): per thread of the team, ranges of bytes.
+// quant_kernels.cpp's Handover (the same layout): per thread of the team, ranges of bytes to
+// fetch, and the work to run at the end of the product.
 constexpr int kPrefetchThreads = 8, kPrefetchRanges = 128;
 struct PrefetchRange {
     const char *at;
@@ -2673,9 +2703,12 @@ struct ThreadPrefetch {
     int64_t n;
     PrefetchRange r[kPrefetchRanges];
 };
-struct PrefetchPlan {
+struct Handover {
     int64_t threads;
     ThreadPrefetch t[kPrefetchThreads];
+    void (*after)(const void *ctx);     // every thread calls it at the end of the product, inside its region
+    const void *ctx;
+    int64_t ran;                        // set where `after` ran
 };
 
 // What each thread of lora_delta's team will read of the adapter weights, for the base product
@@ -2683,17 +2716,11 @@ struct PrefetchPlan {
 // go round-robin, schedule(static, 1)) and the BT pairs of its output columns. False where
 // there is nothing to fetch.
 template <typename T>
-bool lora_prefetch_plan(const LoraRefs *lr, int64_t layer, int which, int64_t in, int64_t T_, PrefetchPlan &plan) {
-    const LoraProj &p = lr->layers[layer * 4 + which];
-    if (p.a == 0 || p.btp == 0) return false;
-    thread_local std::vector<LoraBlock> blocks;
-    thread_local std::vector<LoraItem> items;
-    const bool team = lora_plan<T>(lr, p, which, in, T_, blocks, items);
-    if (blocks.empty()) return false;
-    // (a delta alone on one thread: the base product's team is the machine's, thread 0 fetches it all)
-    const int64_t team_size = omp_get_max_threads(), nt = team ? team_size : 1, R = lr->rank, K = p.nparts * R;
-    plan.threads = team_size;
+void lora_prefetch_plan(const LoraCall<T> &c, int64_t nt, Handover &plan) {
+    const LoraProj &p = *c.p;
+    const int64_t in = c.in, R = c.lr->rank, K = p.nparts * R;
     for (int64_t t = 0; t < kPrefetchThreads; t++) plan.t[t].n = 0;
+    if (p.btp == 0) return;
     auto add = [&](int64_t t, const void *at, int64_t bytes, int64_t count, int64_t stride) {
         if (t >= kPrefetchThreads) return;
         ThreadPrefetch &tp = plan.t[t];
@@ -2702,15 +2729,17 @@ bool lora_prefetch_plan(const LoraRefs *lr, int64_t layer, int which, int64_t in
     };
     const T *A = reinterpret_cast<const T *>(p.a);
     const uint16_t *pairs = reinterpret_cast<const uint16_t *>(p.btp);
-    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); i++) {
-        const LoraBlock &blk = blocks[items[i].b];
+    for (int64_t i = 0; i < c.ni; i++) {
+        const LoraItem &item = c.items[i];
+        const LoraBlock &blk = c.blocks[item.b];
         for (int64_t j = 0; j < p.nparts; j++)
-            if ((items[i].j < 0 || items[i].j == j) && ((blk.parts >> j) & 1))
+            if ((item.j < 0 || item.j == j) && ((blk.parts >> j) & 1))
                 add(i % nt, A + (blk.slot * K + j * R) * in, blk.rank * in * int64_t(sizeof(T)), 1, 0);
     }
     const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
     int64_t last = -1;
-    for (const LoraBlock &blk : blocks) {       // each slot's pairs once (its blocks are consecutive)
+    for (int64_t b = 0; b < c.nb; b++) {       // each slot's pairs once (its blocks are consecutive)
+        const LoraBlock &blk = c.blocks[b];
         if (blk.slot == last) continue;
         last = blk.slot;
         for (int64_t t = 0; t < nt; t++) {
@@ -2727,26 +2756,40 @@ bool lora_prefetch_plan(const LoraRefs *lr, int64_t layer, int which, int64_t in
             }
         }
     }
-    return true;
 }
 
-using QuantPrefetch = int (*)(const PrefetchPlan *plan);
-int g_lora_prefetch = 1;
-std::atomic<int> g_lora_prefetched{0};     // plans handed to a base product (tests: it is really on)
+using QuantHandover = int (*)(const Handover *plan);
+int g_lora_handover = 1;
+std::atomic<int> g_lora_handovers{0};     // deltas handed to a base product (tests: it is really on)
 
-// One projection and its LoRA delta. A quantized base product fetches the delta's adapter
-// weights ahead (quant_linear_small's rows, the AMX-BF16 tiles; the packed GEMMs of larger
-// batches ignore the plan).
+template <typename T>
+void lora_after(const void *ctx) {
+    lora_team_run(*static_cast<const LoraCall<T> *>(ctx));
+}
+
+// One projection and its LoRA delta. A quantized base product (quant_linear_small's rows, the
+// AMX-BF16 tiles) fetches the delta's adapter weights ahead and runs the delta at its end, in
+// the same OpenMP meeting (Handover.after): one meeting a projection, not two. Elsewhere
+// (the packed GEMMs) the delta follows in a meeting of its own.
 template <typename T>
 int project_lora(const Proj &w, const ModelDims &m, bool decode, const LoraRefs *lora, int64_t layer, int which,
                  const T *x, const float *b, T *y, int64_t M, int64_t N, int64_t K) {
-    thread_local PrefetchPlan plan;
-    const bool ahead = g_lora_prefetch && lora != nullptr && w.nparts > 0 && m.quant_prefetch != 0 &&
-                       lora_prefetch_plan<T>(lora, layer, which, K, M, plan);
-    if (ahead) reinterpret_cast<QuantPrefetch>(m.quant_prefetch)(&plan), g_lora_prefetched++;
+    thread_local Handover plan;
+    LoraCall<T> call;
+    const bool team = lora_prepare(lora, layer, which, x, K, y, N, M, call);
+    const bool handed = call.nb > 0 && w.nparts > 0 && m.quant_handover != 0 && g_lora_handover;
+    if (handed) {
+        plan.threads = omp_get_max_threads();
+        lora_prefetch_plan(call, plan.threads, plan);
+        plan.after = &lora_after<T>, plan.ctx = &call, plan.ran = 0;
+        reinterpret_cast<QuantHandover>(m.quant_handover)(&plan), g_lora_handovers++;
+    }
     const int status = project(w, m, decode, x, b, y, M, N, K);
-    if (ahead) reinterpret_cast<QuantPrefetch>(m.quant_prefetch)(nullptr);
-    return status || lora_delta(lora, layer, which, x, K, y, N, M);
+    if (handed) reinterpret_cast<QuantHandover>(m.quant_handover)(nullptr);
+    if (status != 0 || call.nb == 0 || (handed && plan.ran)) return status;
+#pragma omp parallel if (team)
+    lora_team_run(call);
+    return 0;
 }
 
 }  // namespace
@@ -2761,11 +2804,11 @@ int lora_delta_bf16(const LoraRefs *lr, int64_t layer, int64_t which, const uint
                     int64_t ldy, int64_t T) {
     return lora_delta(lr, layer, static_cast<int>(which), x, in, y, ldy, T);
 }
-// enable: the base products fetch a LoRA delta's adapter weights ahead (1) or not (0; measuring
-// it). Returns the setting.
-int lora_prefetch_config(int64_t enable) { return g_lora_prefetch = enable != 0; }
-// How many base products were handed a LoRA prefetch plan so far (wraps; tests compare counts).
-int lora_prefetched() { return g_lora_prefetched.load(); }
+// enable: hand each LoRA delta to the quantized base product before it (1: project_lora) or run
+// it on its own (0; measuring it). Returns the setting.
+int lora_handover_config(int64_t enable) { return g_lora_handover = enable != 0; }
+// How many LoRA deltas were handed to a base product so far (wraps; tests compare counts).
+int lora_handovers() { return g_lora_handovers.load(); }
 }
 
 namespace {

@@ -1407,10 +1407,12 @@ bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
 }
 }  // namespace
 
-// Bytes for each thread of the next call to fetch into its L2 while its share of the weights
-// streams: a LoRA delta's adapter weights, which the same thread reads right after the call
-// (cpu_kernels.cpp lora_prefetch_plan). The weights' dots and tiles leave memory bandwidth
-// unused; the delta alone would wait on it. The same layout as cpu_kernels.cpp's.
+// Work handed to the next call (cpu_kernels.cpp project_lora: a LoRA delta): per thread, bytes
+// to fetch into its L2 while its share of the weights streams (the delta's adapter weights, which
+// the same thread reads right after: the weights' dots and tiles leave memory bandwidth unused,
+// the delta alone would wait on it), and work for every thread to run at the end of the
+// product, inside its parallel region (the delta: one OpenMP meeting, not two). The same layout
+// as cpu_kernels.cpp's.
 constexpr int kPrefetchThreads = 8, kPrefetchRanges = 128;
 struct PrefetchRange {
     const char *at;
@@ -1420,18 +1422,21 @@ struct ThreadPrefetch {
     int64_t n;
     PrefetchRange r[kPrefetchRanges];
 };
-struct PrefetchPlan {
+struct Handover {
     int64_t threads;     // the team's size the plan was made for (threads past kPrefetchThreads: none)
     ThreadPrefetch t[kPrefetchThreads];
+    void (*after)(const void *ctx);     // or null: every thread calls it when its share of the product is
+    const void *ctx;                    // done, inside the region (the delta: one meeting, not two)
+    int64_t ran;                        // set (by thread 0) where `after` ran
 };
 namespace {
-thread_local const PrefetchPlan *t_prefetch = nullptr;    // the calling thread's, for its next call
+thread_local const Handover *t_handover = nullptr;    // the calling thread's, for its next call
 
 // A thread's walk over its ranges, a few lines at a time between its own work.
 struct PrefetchCursor {
     const ThreadPrefetch *tp = nullptr;
     int64_t r = 0, run = 0, off = 0;       // range, run in it, byte in the run
-    PrefetchCursor(const PrefetchPlan *plan, int64_t tid, int64_t team) {
+    PrefetchCursor(const Handover *plan, int64_t tid, int64_t team) {
         if (plan != nullptr && plan->threads == team && tid < kPrefetchThreads) tp = &plan->t[tid];
     }
     int64_t lines() const {
@@ -1449,12 +1454,18 @@ struct PrefetchCursor {
         }
     }
 };
+// At the end of a product's parallel region, in every thread.
+inline void run_after(const Handover *plan) {
+    if (plan == nullptr || plan->after == nullptr) return;
+    plan->after(plan->ctx);
+    if (omp_get_thread_num() == 0) const_cast<Handover *>(plan)->ran = 1;
+}
 }  // namespace
 
-// The calling thread's next quant_linear_small or quant_linear_tiles call (AMX-BF16 path) fetches
-// plan's ranges (null: none), then forgets it.
-extern "C" int quant_prefetch_next(const PrefetchPlan *plan) {
-    t_prefetch = plan;
+// The calling thread's next quant_linear_small or quant_linear_tiles call (its AMX-BF16 path;
+// the others ignore it) fetches plan's ranges and runs plan->after (null: nothing), then forgets it.
+extern "C" int quant_handover_next(const Handover *plan) {
+    t_handover = plan;
     return 0;
 }
 
@@ -1468,7 +1479,7 @@ using PackedGemm = int (*)(const void *, const void *, const float *, void *, in
 namespace {
 bool amxw_takes(int64_t T);     // the AMX-BF16 path with weights as A tiles (below) takes T rows of bf16 x
 int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
-                uint16_t *y, int64_t ldy, const PrefetchPlan *plan);
+                uint16_t *y, int64_t ldy, const Handover *plan);
 bool amxw_enabled();
 
 // Rows of one part, consecutive: [r0, r0 + n) of part q, whose first row is row `first` of y.
@@ -1533,8 +1544,8 @@ int fused_tiles(const QuantPart *parts, int64_t nparts, const void *x, int64_t T
 }  // namespace
 extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const void *x, int x_bf16, int64_t T,
                                   int64_t K, const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows) {
-    const PrefetchPlan *plan = t_prefetch;
-    t_prefetch = nullptr;
+    const Handover *plan = t_handover;
+    t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
     if (x_bf16 && amxw_takes(T))
@@ -1976,7 +1987,7 @@ struct AmxWNext {
 struct AmxWPrefetch {
     const uint8_t *at, *end;
     int64_t per;          // cache lines per K step
-    PrefetchCursor *extra = nullptr;     // and the thread's share of a PrefetchPlan: extra_per lines a K step
+    PrefetchCursor *extra = nullptr;     // and the thread's share of a Handover: extra_per lines a K step
     int64_t extra_per = 0;
 };
 
@@ -2118,7 +2129,7 @@ constexpr int64_t kAmxWBlockBytes = 384 * 1024;    // the bf16 weights of a bloc
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *parts, int64_t nparts, const uint32_t *bv,
                                                               int64_t T, int64_t K, int64_t total, const float *bias,
                                                               uint16_t *y, int64_t ldy, bool native,
-                                                              const PrefetchPlan *plan) {
+                                                              const Handover *plan) {
     const int64_t per_block = T <= 64 ? (128 * K <= kAmxWBlockBytes ? 64 : 32)        // rows
                                       : std::max<int64_t>(1, kAmxWBlockBytes / (64 * K)) * 32;
     static thread_local std::vector<uint16_t> wb;
@@ -2161,7 +2172,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
 }
 
 int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64_t T, int64_t K, const float *bias,
-                uint16_t *y, int64_t ldy, const PrefetchPlan *plan) {
+                uint16_t *y, int64_t ldy, const Handover *plan) {
     const int64_t tiles = (T + 15) / 16, pairs = K / 2;
     std::vector<uint32_t> bv(tiles * pairs * 16);       // x's bf16 pairs: [tiles][K/2][16]
     const uint32_t *x32 = reinterpret_cast<const uint32_t *>(x);
@@ -2181,6 +2192,7 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
             for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(&bv[(k * pairs + g + c) * 16], r[c]);
         }
         amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native, plan);
+        run_after(plan);
     }
     return 0;
 }
@@ -2188,7 +2200,7 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
 bool amxw_takes(int64_t) { return false; }
 bool amxw_enabled() { return false; }
 int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, const float *, uint16_t *, int64_t,
-                const PrefetchPlan *) {
+                const Handover *) {
     return 1;
 }
 #endif
@@ -2230,8 +2242,8 @@ extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 // by rows (K columns each), through the integer dots. 0 on success.
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
                                   int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
-    const PrefetchPlan *plan = t_prefetch;
-    t_prefetch = nullptr;
+    const Handover *plan = t_handover;
+    t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     std::vector<int8_t, Aligned64<int8_t>> q(T * K);     // 64-byte aligned: the dots' 512-bit loads split no line
@@ -2346,6 +2358,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
             }
         }
         }
+        run_after(plan);
     }
     return 0;
 }
