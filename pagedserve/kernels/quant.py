@@ -282,7 +282,8 @@ _SIGNATURES = {
     # enable, min_rows, max_rows -> 1 where quant_linear_tiles runs bf16 x of those rows on AMX-BF16
     # with the weights as A tiles (avx512vnni build)
     "quant_amxw_config": [_I, _I, _I],
-    # plan (cpu_kernels.cpp's Handover, or null): the calling thread's next linear call fetches its ranges
+    # plan (cpu_kernels.cpp's Handover, or null): the calling thread's next linear call fetches its
+    # ranges and runs its `after` at the end of its parallel region
     "quant_handover_next": [_P],
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
