@@ -163,7 +163,7 @@ def profile_delta(llm: LLM, loras: list[LoRARequest], cases: list[tuple[int, int
     return out
 
 
-NOT_AHEAD = "4 adapters, no handover"
+NO_HANDOVER = "4 adapters, no handover"
 
 
 def main() -> None:
@@ -203,11 +203,11 @@ def main() -> None:
         configs["base, python loop"] = [None]
     configs.update({f"{n} adapters": loras[:n] for n in a.adapters})
     if compiled is not None and 4 in a.adapters:
-        configs[NOT_AHEAD] = loras[:4]
+        configs[NO_HANDOVER] = loras[:4]
 
     def once(name: str) -> tuple[float, int, int]:
         model.compiled_layers = None if name == "base, python loop" else compiled
-        cpu.set_lora_handover(name != NOT_AHEAD)
+        cpu.set_lora_handover(name != NO_HANDOVER)
         try:
             return run(llm, trace, configs[name])
         finally:

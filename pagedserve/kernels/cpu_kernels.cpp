@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -2588,6 +2589,17 @@ void lora_shrink_item(const LoraRefs *lr, const LoraProj &p, const LoraBlock &bl
             }
 }
 
+// Thread t of nt's share of part j's output columns in the delta's expand, [c0, c1) within the
+// part: the projection's columns split evenly, cut at multiples of 16 in each part (the part's
+// end last). lora_team_run expands them and lora_prefetch_plan fetches their weights.
+inline std::pair<int64_t, int64_t> lora_columns(const LoraProj &p, int64_t j, int64_t t, int64_t nt) {
+    const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
+    auto cut = [&](int64_t g) {      // column g of y, as a cut in part j
+        return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
+    };
+    return {cut(N * t / nt), cut(N * (t + 1) / nt)};
+}
+
 // One projection's delta, planned (lora_plan) and ready for a team to run (lora_team_run).
 template <typename T>
 struct LoraCall {
@@ -2638,19 +2650,13 @@ void lora_team_run(const LoraCall<T> &c) {
     const int64_t R = c.lr->rank, K = p.nparts * R;
     const T *BT = reinterpret_cast<const T *>(p.bt);
     const uint16_t *pairs = p.btp ? reinterpret_cast<const uint16_t *>(p.btp) : nullptr;
-    const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
 #pragma omp for schedule(static, 1)
     for (int64_t i = 0; i < c.ni; i++)
         lora_shrink_item(c.lr, p, c.blocks[c.items[i].b], c.items[i].j, c.x, c.in, c.u + c.items[i].b * 16 * K);
-    // Expand: y += u_j @ BT_j over this thread's output columns [lo, hi), cut in each part
-    // at multiples of 16 (the part's end last).
+    // Expand: y += u_j @ BT_j over this thread's output columns (lora_columns).
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
     for (int64_t j = 0; j < p.nparts; j++) {
-        auto cut = [&](int64_t g) {      // column g of y, as a cut in part j
-            return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
-        };
-        const int64_t c0 = cut(lo), c1 = cut(hi);
+        const auto [c0, c1] = lora_columns(p, j, tid, nt);
         if (c0 >= c1) continue;
         for (int64_t b = 0; b < c.nb; b++) {
             const LoraBlock &blk = c.blocks[b];
@@ -2711,10 +2717,10 @@ struct Handover {
     int64_t ran;                        // set where `after` ran
 };
 
-// What each thread of lora_delta's team will read of the adapter weights, for the base product
-// before it to fetch into that thread's L2 meanwhile: the A rows of its shrink items (the items
-// go round-robin, schedule(static, 1)) and the BT pairs of its output columns. False where
-// there is nothing to fetch.
+// What each of the nt threads of lora_team_run will read of the adapter weights, for the base
+// product before it to fetch into that thread's L2 meanwhile: the A rows of its shrink items
+// (the items go round-robin, schedule(static, 1)) and the BT pairs of its output columns
+// (lora_columns). Nothing where BT has no pairs (float32).
 template <typename T>
 void lora_prefetch_plan(const LoraCall<T> &c, int64_t nt, Handover &plan) {
     const LoraProj &p = *c.p;
@@ -2736,20 +2742,15 @@ void lora_prefetch_plan(const LoraCall<T> &c, int64_t nt, Handover &plan) {
             if ((item.j < 0 || item.j == j) && ((blk.parts >> j) & 1))
                 add(i % nt, A + (blk.slot * K + j * R) * in, blk.rank * in * int64_t(sizeof(T)), 1, 0);
     }
-    const int64_t N = p.offset[p.nparts - 1] + p.size[p.nparts - 1];
     int64_t last = -1;
     for (int64_t b = 0; b < c.nb; b++) {       // each slot's pairs once (its blocks are consecutive)
         const LoraBlock &blk = c.blocks[b];
         if (blk.slot == last) continue;
         last = blk.slot;
         for (int64_t t = 0; t < nt; t++) {
-            const int64_t lo = N * t / nt, hi = N * (t + 1) / nt;
             for (int64_t j = 0; j < p.nparts; j++) {
                 if (!((blk.parts >> j) & 1)) continue;
-                auto cut = [&](int64_t g) {
-                    return g >= p.offset[j] + p.size[j] ? p.size[j] : std::max<int64_t>(0, g - p.offset[j]) / 16 * 16;
-                };
-                const int64_t c0 = cut(lo), c1 = cut(hi);         // the pair rows' columns [c0, c1)
+                const auto [c0, c1] = lora_columns(p, j, t, nt);     // the pair rows' columns
                 if (c0 < c1)
                     add(t, pairs + ((blk.slot * K + j * R) / 2 * p.ldb + p.offset[j] + c0) * 2, (c1 - c0) * 4,
                         (blk.rank + 1) / 2, p.ldb * 4);

@@ -2237,7 +2237,6 @@ extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 #endif
 }
 
-
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
 // by rows (K columns each), through the integer dots. 0 on success.
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
