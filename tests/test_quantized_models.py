@@ -396,10 +396,10 @@ def test_decode_batches_tell_the_kernels_so(base_model, tmp_path, monkeypatch):
     lm_head = _model_of(llm).lm_head
     _model_of(llm).compiled_layers = None    # the Python layer loop's flag (the compiled loop's: test_compiled_quantized_layers)
 
-    def spy(x, w, bias=None, decode=False):
+    def spy(x, w, bias=None, decode=False, out_dtype=None):
         if w is not lm_head:                                   # the logits' rows: not a batch kind
             calls.append((x.shape[0], decode))
-        return real(x, w, bias, decode)
+        return real(x, w, bias, decode, out_dtype)
     monkeypatch.setattr(quant, "linear", spy)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 24)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)

@@ -45,11 +45,14 @@ class CpuOps(TorchOps):
             model.compiled_layers = CpuDecoderLayers(model)
 
     @staticmethod
-    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
-        """Plain, packed (prepare_weights packs them) or quantized weights (`decode`: models/quantized.py's)."""
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain, packed (prepare_weights packs them) or quantized weights (`decode`, out_dtype:
+        models/quantized.py's)."""
         if isinstance(weight, cpu.PackedWeight):
-            return cpu.linear(x, weight, bias)
-        return quantized.linear(x, weight, bias, cpu.linear, decode)
+            out = cpu.linear(x, weight, bias)
+            return out if out_dtype is None else out.to(out_dtype)
+        return quantized.linear(x, weight, bias, cpu.linear, decode, out_dtype)
 
     argmax = staticmethod(cpu.argmax_rows)
 

@@ -576,8 +576,9 @@ def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 # ---- linear -----------------------------------------------------------------------------------
 def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
-           bias: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
-    """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in x's dtype. T up to
+           bias: torch.Tensor | None = None, decode: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in out_dtype (default x's;
+    the integer path writes float32 straight from its sums, as the LM head's logits want). T up to
     batch_rows(decode, bf16) (`decode`: x holds decode tokens only): integer dots over q8
     activations; more: dequantized weight tiles.
     w may be several weights of one width (any types), stacked by rows as one product: a fused
@@ -595,11 +596,13 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"linear: x must be float32 or bfloat16, got {x.dtype}")
     lib = KERNELS.lib if KERNELS.active is not None else load()
+    out_dtype = out_dtype or x.dtype
     if x.shape[0] == 0 or rows == 0:
-        return torch.zeros(x.shape[0], rows, dtype=x.dtype)
-    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16):
-        return _linear_small(x, parts, bias, lib)
-    return _linear_tiles(x, parts, bias, lib)
+        return torch.zeros(x.shape[0], rows, dtype=out_dtype)
+    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16) and \
+            out_dtype in (torch.float32, torch.bfloat16):
+        return _linear_small(x, parts, bias, lib, out_dtype)
+    return _linear_tiles(x, parts, bias, lib).to(out_dtype)
 
 
 def _c_parts(parts: list[QuantizedWeight]):
@@ -608,11 +611,12 @@ def _c_parts(parts: list[QuantizedWeight]):
     return (QuantPart * len(parts))(*[p._part for p in parts]), len(parts)
 
 
-def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib) -> torch.Tensor:
-    """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS)."""
+def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS); out: float32 or bf16."""
     rows, cols = parts[0].shape[0] if len(parts) == 1 else sum(p.shape[0] for p in parts), x.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    out = torch.empty(x.shape[0], rows, dtype=out_dtype or x.dtype)
     bias32 = None if bias is None else bias.float().contiguous()
     _check(lib.quant_linear_small(*_c_parts(parts), x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
                                   x.shape[0], cols, None if bias32 is None else bias32.data_ptr(), out.data_ptr(),

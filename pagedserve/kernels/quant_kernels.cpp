@@ -2239,15 +2239,64 @@ extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
 // by rows (K columns each), through the integer dots. 0 on success.
+namespace {
+// A thread's activation buffers (Act's arrays), kept from call to call: no allocation per product.
+struct ActBuffers {
+    std::vector<int8_t, Aligned64<int8_t>> q, qx;     // 64-byte aligned: the dots' 512-bit loads split no line
+    std::vector<float, Aligned64<float>> d, ds;
+    std::vector<int32_t, Aligned64<int32_t>> starts[kNumTypes];
+};
+thread_local ActBuffers t_act;
+
+template <class V>
+typename V::value_type *fit(V &v, int64_t n) {        // v's storage for at least n (it only grows)
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+}
+
+// The calling thread's Act for T rows of K: q, d, ds, and where the parts' types read them (not
+// on the AMX-INT8 path, `amx`) Act::qx and Act::start.
+Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, bool amx) {
+    ActBuffers &b = t_act;
+    const int64_t nb = K / 32;
+    Act a{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), K, nb, {}};
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    // (the pair types read Act::start only in passes of one or two rows: kStarts)
+    const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
+    for (int64_t p = 0; p < nparts && !amx; p++) {
+        const int qt = int(parts[p].qtype);
+        if (qt == Q4_0X) a.qx = fit(b.qx, T * K);
+        if (kOffset[qt] != 0 && (qt == Q6_K || small_pass)) a.start[qt] = fit(b.starts[qt], T * K / 4);
+    }
+#else
+    (void)parts, (void)nparts, (void)amx;
+#endif
+    return a;
+}
+
+// Activation block i (row i / nb, block i % nb) of x into a's arrays.
+inline void quantize_into(const void *x, int64_t ldx, bool bf16, int64_t i, const Act &a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    quantize_start_one(x, ldx, bf16, i / a.nb, i % a.nb, a);
+#else
+    quantize_one(x, ldx, bf16, i / a.nb, i % a.nb, a.K, const_cast<int8_t *>(a.q), const_cast<float *>(a.d),
+                 const_cast<float *>(a.ds));
+#endif
+}
+
+// Up to this many activation blocks (T = 1 at K = 2048) every thread quantizes them all itself
+// (into its own buffers) rather than its share and then waiting for the others: the copy costs
+// less than the barrier (measured at the 135M shape: ~0.4 us a product of the ~1.8 us a parallel
+// region cost with it).
+constexpr int64_t kOwnBlocks = 64;
+}  // namespace
+
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
                                   int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
     const Handover *plan = t_handover;
     t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
-    std::vector<int8_t, Aligned64<int8_t>> q(T * K);     // 64-byte aligned: the dots' 512-bit loads split no line
-    std::vector<float, Aligned64<float>> d(T * nb), ds(T * nb);
-    Act a{q.data(), d.data(), ds.data(), K, nb, {}};
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group)
     const bool amx = g_amx8.enabled && T >= g_amx8.min_rows;
@@ -2255,22 +2304,11 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     std::vector<int32_t> bv(tiles * (K / 4) * 16);
     std::vector<float> dxt(tiles * nb * 16), dst(tiles * nb * 16);
     const Amx8Act at{bv.data(), dxt.data(), dst.data(), T, K};
-    std::vector<int8_t, Aligned64<int8_t>> qx;          // Q4_0X's order of q (Act::qx), where a part is one
-    for (int64_t p = 0; p < nparts; p++)
-        if (!amx && parts[p].qtype == Q4_0X && qx.empty()) {
-            qx.resize(T * K);
-            a.qx = qx.data();
-        }
-    std::vector<int32_t, Aligned64<int32_t>> starts[kNumTypes];
-    // (the pair types read them only in passes of one or two rows: kStarts)
-    const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
-    for (int64_t p = 0; p < nparts; p++)
-        if (!amx && kOffset[parts[p].qtype] != 0 && starts[parts[p].qtype].empty() &&
-            (parts[p].qtype == Q6_K || small_pass)) {
-            starts[parts[p].qtype].resize(T * K / 4);
-            a.start[parts[p].qtype] = starts[parts[p].qtype].data();
-        }
+#else
+    const bool amx = false;
 #endif
+    const bool own = !amx && T * nb <= kOwnBlocks;
+    const Act shared = thread_act(parts, nparts, T, K, amx);
     std::vector<RowFn> full(nparts), tail(nparts);
     std::vector<Row2Fn> two(nparts);          // T = 1: two weight rows per call where the type has it
     std::vector<int64_t> ends(nparts);        // one past each part's last row in y
@@ -2282,17 +2320,18 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         two[p] = T == 1 ? row2_fn(int(parts[p].qtype)) : nullptr;
         ends[p] = N += parts[p].rows;
     }
-    // One parallel region: the activations' blocks, then the weight rows (each thread a
-    // contiguous range, so it streams its rows' bytes once; up to kMaxNT activation rows per pass).
+    // One parallel region: the activations' blocks (each thread its share, or all of them: `own`),
+    // then the weight rows (each thread a contiguous range, so it streams its rows' bytes once; up
+    // to kMaxNT activation rows per pass).
 #pragma omp parallel if (N * K * T >= 32768)
     {
+        Act a = shared;
+        if (own) {          // every thread all the blocks, into its own buffers: no barrier
+            if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, K, amx);
+            for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * nb; i++) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            quantize_start_one(x, ldx, x_bf16 != 0, i / nb, i % nb, a);
-#else
-            quantize_one(x, ldx, x_bf16 != 0, i / nb, i % nb, K, q.data(), d.data(), ds.data());
-#endif
+            for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
         }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if (amx) {
@@ -2302,7 +2341,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
                 const int64_t k = i / (K / 4), g = i % (K / 4);
                 for (int64_t c = 0; c < 16; c++) {
                     int32_t v = 0;
-                    if (16 * k + c < T) std::memcpy(&v, q.data() + (16 * k + c) * K + 4 * g, 4);
+                    if (16 * k + c < T) std::memcpy(&v, a.q + (16 * k + c) * K + 4 * g, 4);
                     bv[i * 16 + c] = v;
                 }
             }
@@ -2311,8 +2350,8 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
                 const int64_t k = i / nb, j = i % nb;
                 for (int64_t c = 0; c < 16; c++) {
                     const bool real = 16 * k + c < T;
-                    dxt[i * 16 + c] = real ? d[(16 * k + c) * nb + j] : 0.f;
-                    dst[i * 16 + c] = real ? ds[(16 * k + c) * nb + j] : 0.f;
+                    dxt[i * 16 + c] = real ? a.d[(16 * k + c) * nb + j] : 0.f;
+                    dst[i * 16 + c] = real ? a.ds[(16 * k + c) * nb + j] : 0.f;
                 }
             }
             amx8_rows(parts, nparts, at, total, bias, y, ldy, y_bf16 != 0);

@@ -167,7 +167,8 @@ class LlamaModel:
         """Logits in float32 for the rows that are sampled (the LM head runs only on those).
         Under tensor parallelism every rank must call it; the driver gets the whole
         vocabulary's logits, the other ranks None."""
-        logits = self.ops.linear(hidden, self.lm_head).float()
+        # (float32 out of the product itself where it can: quantized heads skip a bf16 rounding and a copy)
+        logits = self.ops.linear(hidden, self.lm_head, out_dtype=torch.float32)
         if not self.tp:
             return logits
         whole = self.tp.gather_columns(logits)

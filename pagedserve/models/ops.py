@@ -41,9 +41,10 @@ class ModelOps(Protocol):
         """Once, after the model moved to its device: repack weights for `linear`, and set
         `model.compiled_layers` where the whole layer loop runs as one call."""
 
-    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ weight.T (+ bias); `decode`: x holds decode tokens only (quantized weights may then
-        take their integer path for larger batches)."""
+        take their integer path for larger batches); out_dtype: the result's (default x's)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 

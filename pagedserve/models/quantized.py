@@ -48,17 +48,19 @@ def kernel_qtype(tensor_type) -> str | None:
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear,
-           decode: bool = False) -> torch.Tensor:
+           decode: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights;
-    `decode`: x holds decode tokens only (quant.linear's integer path then takes larger batches)."""
-    if isinstance(weight, QuantizedWeight):
-        return quant.linear(x, weight, bias, decode)
-    if isinstance(weight, tuple):        # parts of a fused matrix in different types
-        if all(isinstance(part, QuantizedWeight) for part in weight):   # one product: no concat
-            return quant.linear(x, weight, bias, decode)
-        out = torch.cat([linear(x, part, None, dense, decode) for part in weight], dim=1)   # some dequantized
-        return out if bias is None else out.add_(bias)
-    return dense(x, weight, bias)
+    `decode`: x holds decode tokens only (quant.linear's integer path then takes larger batches);
+    out_dtype: the result's (default x's; quantized weights write it from their float32 sums)."""
+    if isinstance(weight, QuantizedWeight) or (
+            isinstance(weight, tuple) and all(isinstance(part, QuantizedWeight) for part in weight)):
+        return quant.linear(x, weight, bias, decode, out_dtype)     # (parts: one product, no concat)
+    if isinstance(weight, tuple):        # parts of a fused matrix in different types, some dequantized
+        out = torch.cat([linear(x, part, None, dense, decode) for part in weight], dim=1)
+        out = out if bias is None else out.add_(bias)
+    else:
+        out = dense(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def is_quantized(weight) -> bool:
