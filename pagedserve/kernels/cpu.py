@@ -598,6 +598,7 @@ class DecoderLayers:
                     self._tiles.append((i, column, proj[2]))
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._threads = 0         # the thread count tile_rows was computed for (0: not yet)
+        self._quant_lib = None    # the quant library _dims has the addresses of
         self._weights = [tuple(getattr(w, n) for n in _PROJECTIONS) for w in model.layers]    # the table points into them
         self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
@@ -631,12 +632,15 @@ class DecoderLayers:
         """The quant kernels' addresses and thresholds as kernels/quant.py has them now (it may
         have switched variants since the table was built); False where none is built."""
         from pagedserve.kernels import quant
-        small, tiles = quant.kernel_address("quant_linear_small"), quant.kernel_address("quant_linear_tiles")
-        if small is None or tiles is None:
+        lib = quant.load()
+        if lib is None:
             return False
         d = self._dims
-        d.quant_small, d.quant_tiles = small, tiles
-        d.quant_handover = quant.kernel_address("quant_handover_next")
+        if lib is not self._quant_lib:        # the addresses once per library (ctypes casts cost, per step)
+            d.quant_small = quant.kernel_address("quant_linear_small")
+            d.quant_tiles = quant.kernel_address("quant_linear_tiles")
+            d.quant_handover = quant.kernel_address("quant_handover_next")
+            self._quant_lib = lib
         bf16 = self.dtype == torch.bfloat16
         d.small_rows, d.decode_rows = quant.batch_rows(False, bf16), quant.batch_rows(True, bf16)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now

@@ -493,8 +493,12 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.shape[0]):
-        raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
+    if flat.numel():
+        # (a decode step's few ids checked in Python: two tensor reductions cost more than its lookup)
+        listed = flat.tolist() if flat.numel() <= 64 else None
+        low, high = (min(listed), max(listed)) if listed else (int(flat.min()), int(flat.max()))
+        if low < 0 or high >= w.shape[0]:
+            raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
     lib = load()
     if lib is None:
         out = torch.stack([dequantize_torch(slice_rows(w, i, i + 1))[0] for i in flat.tolist()]) if flat.numel() \
