@@ -2237,8 +2237,6 @@ extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 #endif
 }
 
-// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
-// by rows (K columns each), through the integer dots. 0 on success.
 namespace {
 // A thread's activation buffers (Act's arrays), kept from call to call: no allocation per product.
 struct ActBuffers {
@@ -2291,6 +2289,8 @@ inline void quantize_into(const void *x, int64_t ldx, bool bf16, int64_t i, cons
 constexpr int64_t kOwnBlocks = 64;
 }  // namespace
 
+// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
+// by rows (K columns each), through the integer dots. 0 on success.
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
                                   int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
     const Handover *plan = t_handover;
