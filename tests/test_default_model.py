@@ -8,6 +8,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm import render_chat
 from pagedserve.models.loader import default_model_path
 from tests.beam_reference import check_beam_search
+from tests.test_quantized_models import DEFAULT_MODEL_MARGIN
 
 PROMPTS = [
     "The capital of France is",
@@ -85,7 +86,9 @@ def test_default_model_beam_search_equals_the_textbook_definition(llm, hf_model)
 
 def test_default_model_tensor_parallel_3_matches_transformers(default_path, hf_model):
     """9 query heads and 3 KV heads over 3 ranks (one KV head each; tests/test_tensor_parallel.py
-    has the rest of tensor parallelism), greedy in float32."""
+    has the rest of tensor parallelism), greedy in float32. The file's blocks compute with 8-bit
+    activations, so a token may differ from transformers' (on the dequantized weights) only at a
+    near-tie, as in tests/test_quantized_models.py (seen: 0.066 apart in logprob)."""
     tp = LLM(dtype="float32", kv_cache_memory=64 * 1024**2, tensor_parallel_size=3)
     try:
         outs = tp.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, min_tokens=16), use_tqdm=False)
@@ -93,8 +96,12 @@ def test_default_model_tensor_parallel_3_matches_transformers(default_path, hf_m
         tp.shutdown()
     for out in outs:
         ids = out.prompt_token_ids
+        got = list(out.outputs[0].token_ids)
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                     pad_token_id=tp.get_tokenizer().eos_token_id)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref, out.prompt
+            if got != ref:
+                i = next(k for k, (a, b) in enumerate(zip(got, ref)) if a != b)
+                lp = hf_model(torch.tensor([ids + ref[:i]])).logits[0, -1].log_softmax(-1)
+                assert lp[ref[i]] - lp[got[i]] <= DEFAULT_MODEL_MARGIN, (out.prompt, i)
 

@@ -31,8 +31,8 @@ def test_repack_is_a_permutation_of_the_bytes(monkeypatch):
     copy = w.data.clone()
     in_place = quant.repack(quant.QuantizedWeight("q4_0", w.shape, copy), in_place=True)
     assert in_place.data.data_ptr() == copy.data_ptr() and torch.equal(copy, x8.data)
-    # nothing else is repacked: other types, widths not whole units, the switch off
-    for other in (weight("q4_1", cols=512)[0], weight("q4_0", cols=288)[0], weight("q8_0", cols=512)[0]):
+    # nothing else is repacked: other types (q4_1: rows not a multiple of 8), widths not whole units, the switch off
+    for other in (weight("q4_1", rows=12, cols=512)[0], weight("q4_0", cols=288)[0], weight("q8_0", cols=512)[0]):
         assert quant.repack(other) is other
     monkeypatch.setenv(quant.REPACK_ENV, "0")
     assert quant.repack(w) is w

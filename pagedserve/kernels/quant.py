@@ -101,12 +101,13 @@ QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # Layouts the loader makes of a file's type (repack): q4_0 in units of 8 blocks, the same bytes
 # rearranged so a 512-bit dot's lanes each fall in one block (quant_kernels.cpp's Q4_0X): 8 fp16
 # d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j].
-REPACKED = {"q4_0x8": "q4_0"}
+REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1"}
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
-         "q4_0x8": 256}
+         "q4_0x8": 256, "q4_1r8": 32}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "q4_0x8": 144}
+               "q4_0x8": 144, "q4_1r8": 20}
 _QTYPE_ID = {q: i for i, q in enumerate(QTYPES + tuple(REPACKED))}   # the `qtype` argument of the C functions
+R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 
@@ -205,10 +206,13 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
     return _AMXW.using(enabled, rows)
 
 
-def batch_rows(decode: bool = False, bf16: bool = False) -> int:
+def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
-    the tiles would run on makes it pay (AMX: bf16 only)."""
+    the tiles would run on makes it pay (AMX: bf16 only); `r8`: weights all q4_1r8, whose integer
+    dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch."""
+    if decode and r8:
+        return R8_DECODE_ROWS
     if bf16 and amxw_in_use():
         return amxw_rows()[0] - 1
     # Prefill chunks keep the float tiles above the old thresholds: closer to the float model
@@ -295,7 +299,8 @@ VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar onl
 class QuantizedWeight:
     """A [out_features, in_features] matrix in a GGUF block format. data: uint8 [rows,
     cols / BLOCK * BLOCK_BYTES], each row its blocks in the file's layout (rows may be strided:
-    a slice of whole blocks of columns is a view)."""
+    a slice of whole blocks of columns is a view); q4_1r8 (repack): [rows / 8, that * 8], groups
+    of 8 rows interleaved per block."""
     qtype: str
     shape: tuple[int, int]
     data: torch.Tensor
@@ -306,7 +311,8 @@ class QuantizedWeight:
             raise ValueError(f"no kernel for quantization type {self.qtype!r}; have {', '.join(QTYPES)}")
         if cols % BLOCK[self.qtype]:
             raise ValueError(f"{self.qtype}: {cols} columns are not a multiple of its block ({BLOCK[self.qtype]})")
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (rows, self.row_bytes) or \
+        want = (rows // 8, self.row_bytes * 8) if self.qtype == "q4_1r8" else (rows, self.row_bytes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or \
                 (rows > 1 and self.data.stride(1) != 1):
             raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 [{rows}, {self.row_bytes}] with "
                              f"contiguous rows, got {self.data.dtype} {tuple(self.data.shape)}")
@@ -342,15 +348,17 @@ def from_gguf_blocks(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> Q
 
 
 def slice_rows(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    """Rows [start, stop) (output features), a view."""
+    """Rows [start, stop) (output features), a view (of q4_1r8: in the file's layout, a copy)."""
     if not 0 <= start <= stop <= w.shape[0]:
         raise ValueError(f"rows [{start}, {stop}) out of range for {w.shape[0]} rows")
+    w = file_layout(w) if w.qtype == "q4_1r8" else w
     return QuantizedWeight(w.qtype, (stop - start, w.shape[1]), w.data[start:stop])
 
 
 def slice_cols(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     """Columns [start, stop) (input features) by whole blocks, a view; ValueError where a bound
     is not on a block boundary."""
+    w = file_layout(w) if w.qtype == "q4_1r8" else w
     block = BLOCK[w.qtype]
     if not 0 <= start <= stop <= w.shape[1] or start % block or stop % block:
         raise ValueError(f"{w.qtype}: columns [{start}, {stop}) of {w.shape[1]} do not split by whole blocks "
@@ -371,11 +379,34 @@ def _q4_0x8_order(rows: torch.Tensor, to_x8: bool) -> torch.Tensor:
     return torch.cat([unit[..., :16].reshape(n, units, 8, 2), qs], dim=3).view(n, units * 144)
 
 
+def _q4_1r8(data: torch.Tensor, n: int, nb: int, to_r8: bool) -> torch.Tensor:
+    """q4_1 rows [n, nb * 20] <-> q4_1r8's groups of 8 rows [n / 8, nb * 160] (a new tensor)."""
+    G = n // 8
+    if to_r8:
+        t = data.reshape(G, 8, nb, 20).permute(0, 2, 1, 3)
+        parts = [t[..., 0:2].reshape(G, nb, 16), t[..., 2:4].reshape(G, nb, 16), t[..., 4:12].reshape(G, nb, 64),
+                 t[..., 12:20].reshape(G, nb, 64)]
+        return torch.cat(parts, dim=2).reshape(G, nb * 160)
+    u = data.reshape(G, nb, 160)
+    parts = [u[..., 0:16].reshape(G, nb, 8, 2), u[..., 16:32].reshape(G, nb, 8, 2), u[..., 32:96].reshape(G, nb, 8, 8),
+             u[..., 96:160].reshape(G, nb, 8, 8)]
+    return torch.cat(parts, dim=3).permute(0, 2, 1, 3).reshape(n, nb * 20)
+
+
 def repack(w: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
-    multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate), else w itself. in_place:
+    multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
+    8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows), else w itself. in_place:
     w's bytes are rewritten (only where the caller owns them: not a file's mapping), no copy
     of the whole matrix; else a new tensor. Every path computes the same values from either."""
+    if w.qtype == "q4_1" and w.shape[0] % 8 == 0 and w.data.is_contiguous() and \
+            os.environ.get(REPACK_ENV, "1") != "0" and variant() == "avx512vnni" and amxw_in_use():
+        r8 = _q4_1r8(w.data, w.shape[0], w.shape[1] // 32, True)
+        if in_place:          # the same storage (the loader's huge-page copy)
+            out = w.data.view(w.shape[0] // 8, -1)
+            out.copy_(r8)
+            r8 = out
+        return QuantizedWeight("q4_1r8", w.shape, r8)
     if w.qtype != "q4_0" or w.shape[1] % 256 or os.environ.get(REPACK_ENV, "1") == "0":
         return w
     out = w.data if in_place else torch.empty_like(w.data)
@@ -388,6 +419,8 @@ def file_layout(w: QuantizedWeight) -> QuantizedWeight:
     """w in its file type's layout (repack's inverse; a new tensor where it was repacked)."""
     if w.qtype not in REPACKED:
         return w
+    if w.qtype == "q4_1r8":
+        return QuantizedWeight("q4_1", w.shape, _q4_1r8(w.data, w.shape[0], w.shape[1] // 32, False))
     return QuantizedWeight(REPACKED[w.qtype], w.shape, _q4_0x8_order(w.data, to_x8=False))
 
 
@@ -395,6 +428,7 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one type and width stacked by rows (a fused projection such as qkv or
     gate_up): one copy of their bytes. ValueError where types or widths differ (a Q4_K_M file
     may store q, k and v in different types: keep those apart)."""
+    weights = [file_layout(w) if w.qtype == "q4_1r8" else w for w in weights]
     first = weights[0]
     if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows: weights differ in type or width: "
@@ -469,6 +503,7 @@ def _row_chunks(rows: int, cols: int):
 
 def dequantize_torch(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dequantize in plain torch (the reference of the C++ decoder, and its fallback)."""
+    w = file_layout(w) if w.qtype == "q4_1r8" else w
     rows, cols = w.shape
     out = torch.empty(rows, cols, dtype=dtype)
     for r0, r1 in _row_chunks(rows, cols):
@@ -479,6 +514,7 @@ def dequantize_torch(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as a float matrix [rows, cols] (exactly gguf.quants.dequantize's values)."""
+    w = file_layout(w) if w.qtype == "q4_1r8" else w
     lib = load()
     if lib is None:
         return dequantize_torch(w, dtype)
@@ -492,6 +528,7 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
 
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup."""
+    w = file_layout(w) if w.qtype == "q4_1r8" else w
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel():
         # (a decode step's few ids checked in Python: two tensor reductions cost more than its lookup)
@@ -603,7 +640,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     out_dtype = out_dtype or x.dtype
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=out_dtype)
-    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16) and \
+    r8 = all(p.qtype == "q4_1r8" for p in parts)
+    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8) and \
             out_dtype in (torch.float32, torch.bfloat16):
         return _linear_small(x, parts, bias, lib, out_dtype)
     return _linear_tiles(x, parts, bias, lib).to(out_dtype)

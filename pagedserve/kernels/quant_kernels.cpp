@@ -55,9 +55,15 @@ namespace {
 // block l), so the unit's 16 int32 lanes take one conversion and one multiply-add by the 8 scales,
 // where the file's layout costs that per two blocks (and a gather per 16): about 2x the T = 1 dot's
 // compute rate (1.7B shape, in L2). The activations come permuted to match (Act::qx).
-enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, kNumTypes };
-constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256};
-constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144};
+// Then Q4_1R8: q4_1 with 8 rows interleaved per block (quant.repack, rows a multiple of 8): the
+// data is [rows / 8][blocks * 160], a unit one block of 8 rows: their 8 fp16 d, their 8 fp16 m,
+// then two 64-byte vectors whose byte 8 l + i of vector k is row l's qs[8 k + i]. One 512-bit dot
+// covers a block of 8 rows (lanes 2l, 2l + 1: row l) against 8-byte broadcasts of the activations;
+// kElems / kBytes count its bytes per row and block as q4_1's (the same bytes). r8_group computes
+// it; amxw_rows dequantizes it; every other path reads its rows unpacked (PlainParts).
+enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, Q4_1R8, kNumTypes };
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20};
 
 // f(std::integral_constant<int, QT>{}) for the run-time type qt: the one switch behind every
 // per-type table of template instances (a default result, null for a pointer, for none).
@@ -276,7 +282,7 @@ struct Act {
     const int8_t *qx = nullptr;
 };
 
-constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0};     // what start[type] subtracts
+constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0, 0};     // what start[type] subtracts
 
 // One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
 void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
@@ -1162,7 +1168,7 @@ void dequantize_row(int qt, const uint8_t *w, int64_t K, float *y) {
 // w: rows of blocks, ldw bytes apart; out float32 [rows][ldo]. 0 on success.
 extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t cols, float *out,
                                 int64_t ldo) {
-    if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
+    if (qt < 0 || qt >= kNumTypes || qt == Q4_1R8 || cols % kElems[qt]) return 1;
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
     for (int64_t r = 0; r < rows; r++) dequantize_row(qt, w + r * ldw, cols, out + r * ldo);
     return 0;
@@ -1171,7 +1177,7 @@ extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t r
 // out float32 [n][cols] = rows ids[0..n) of W (an embedding lookup); ids checked by the caller.
 extern "C" int quant_dequantize_rows(int qt, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
                                      int64_t cols, float *out) {
-    if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
+    if (qt < 0 || qt >= kNumTypes || qt == Q4_1R8 || cols % kElems[qt]) return 1;
 #pragma omp parallel for schedule(static) if (n * cols >= 65536)
     for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + ids[i] * ldw, cols, out + i * cols);
     return 0;
@@ -1462,6 +1468,52 @@ inline void run_after(const Handover *plan) {
 }
 }  // namespace
 
+namespace {
+// Q4_1R8 (see QType): row l's block of the unit at u, in q4_1's file layout (20 bytes at b).
+inline void r8_block(const uint8_t *u, int l, uint8_t *b) {
+    std::memcpy(b, u + 2 * l, 2);
+    std::memcpy(b + 2, u + 16 + 2 * l, 2);
+    std::memcpy(b + 4, u + 32 + 8 * l, 8);
+    std::memcpy(b + 12, u + 96 + 8 * l, 8);
+}
+
+// Group g's 8 rows in q4_1's file layout into rows (row_bytes apart).
+void unpack_r8(const uint8_t *g, int64_t nb, uint8_t *rows, int64_t row_bytes) {
+    for (int64_t j = 0; j < nb; j++)
+        for (int l = 0; l < 8; l++) r8_block(g + j * 160, l, rows + l * row_bytes + j * 20);
+}
+
+// The parts with each Q4_1R8 part unpacked into the file's layout (a buffer of the calling
+// thread's, kept between calls; both threads unpack): for the paths that read rows (the tiles,
+// the other ISA variants).
+struct PlainParts {
+    std::vector<QuantPart> parts;
+    PlainParts(const QuantPart *in, int64_t nparts, int64_t K) : parts(in, in + nparts) {
+        static thread_local std::vector<uint8_t> buf;
+        const int64_t row_bytes = K / 32 * 20;
+        int64_t need = 0;
+        for (int64_t p = 0; p < nparts; p++)
+            if (in[p].qtype == Q4_1R8) need += in[p].rows * row_bytes;
+        if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+        int64_t at = 0;
+        for (int64_t p = 0; p < nparts; p++) {
+            if (in[p].qtype != Q4_1R8) continue;
+            uint8_t *dst = buf.data() + at;
+            const QuantPart q = in[p];
+#pragma omp parallel for schedule(static) if (q.rows * K >= 65536)
+            for (int64_t g = 0; g < q.rows / 8; g++) unpack_r8(q.w + g * q.ldw, K / 32, dst + 8 * g * row_bytes, row_bytes);
+            parts[p] = {Q4_1, dst, row_bytes, q.rows};
+            at += q.rows * row_bytes;
+        }
+    }
+};
+bool any_r8(const QuantPart *parts, int64_t nparts) {
+    for (int64_t p = 0; p < nparts; p++)
+        if (parts[p].qtype == Q4_1R8) return true;
+    return false;
+}
+}  // namespace
+
 // The calling thread's next quant_linear_small or quant_linear_tiles call (its AMX-BF16 path;
 // the others ignore it) fetches plan's ranges and runs plan->after (null: nothing), then forgets it.
 extern "C" int quant_handover_next(const Handover *plan) {
@@ -1548,6 +1600,11 @@ extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const 
     t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
+    if (any_r8(parts, nparts) && !(x_bf16 && amxw_takes(T))) {     // (amxw_rows reads Q4_1R8 itself)
+        t_handover = plan;            // (for the call below)
+        const PlainParts plain(parts, nparts, K);
+        return quant_linear_tiles(plain.parts.data(), nparts, x, x_bf16, T, K, bias, y, ldy, gemm, tile_rows);
+    }
     if (x_bf16 && amxw_takes(T))
         return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy,
                            plan);
@@ -1951,6 +2008,25 @@ void amxw_units(const uint8_t *row, int64_t u0, int64_t u1, uint16_t *out, bool 
     }
 }
 
+// Q4_1R8's row l of the group at g (see QType): units u0 .. u1 as amxw_units<Q4_1> gives them,
+// each block first put together in the file's layout (20 bytes on the stack).
+void amxw_units_r8(const uint8_t *g, int l, int64_t u0, int64_t u1, uint16_t *out, bool native) {
+    alignas(64) uint8_t blk[2][32];
+    int64_t u = u0;
+    for (; u + 2 <= u1; u += 2) {
+        r8_block(g + u * 160, l, blk[0]), r8_block(g + (u + 1) * 160, l, blk[1]);
+        const __m512i c = nibbles64(blk[0] + 4, blk[1] + 4);
+        amxw_pair4<Q4_1>(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1), f16(blk[0]), f16(blk[0] + 2),
+                         f16(blk[1]), f16(blk[1] + 2), out + u * 32, native);
+    }
+    if (u < u1) {
+        r8_block(g + u * 160, l, blk[0]);
+        Piece p;
+        decode<Q4_1>(blk[0], &p);
+        _mm512_storeu_si512(out + u * 32, piece_bf16<Q4_1>(p, lut_codes<Q4_1>(0), lut_codes<Q4_1>(1), native));
+    }
+}
+
 using AmxWUnits = void (*)(const uint8_t *, int64_t, int64_t, uint16_t *, bool);
 AmxWUnits amxw_units_fn(int qt) {
     return with_qtype(qt, [](auto q) -> AmxWUnits { return amxw_units<decltype(q)::value>; });
@@ -1966,10 +2042,12 @@ struct AmxWNext {
     uint16_t *dst = nullptr;
     bool native = false;
     int64_t row = 0, unit = 0, per = 0;           // the cursor; units per step
+    bool r8 = false;                              // Q4_1R8: w its first group, ldw a group's bytes
     void step(int64_t count) {
         while (count > 0 && row < n) {
             const int64_t take = std::min(count, units - unit);
-            fn(w + row * ldw, unit, unit + take, dst + row * K, native);
+            if (r8) amxw_units_r8(w + row / 8 * ldw, int(row % 8), unit, unit + take, dst + row * K, native);
+            else fn(w + row * ldw, unit, unit + take, dst + row * K, native);
             count -= take;
             if ((unit += take) == units) row++, unit = 0;
         }
@@ -2145,7 +2223,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
         const int64_t padded = (g.n + 31) / 32 * 32;
         if (g.n < padded) std::fill(dst + g.n * K, dst + padded * K, uint16_t(0));
         nx.fn = amxw_units_fn(int(g.q->qtype));
-        nx.w = g.q->w + g.r0 * g.q->ldw, nx.ldw = g.q->ldw, nx.n = g.n, nx.units = K / kElems[g.q->qtype];
+        nx.r8 = g.q->qtype == Q4_1R8;          // (its blocks of 32 rows start on a group: r0 % 32 == 0)
+        nx.w = g.q->w + (nx.r8 ? g.r0 / 8 : g.r0) * g.q->ldw, nx.ldw = g.q->ldw, nx.n = g.n;
+        nx.units = K / kElems[g.q->qtype];
         nx.K = K, nx.dst = dst, nx.native = native;
         return nx;
     };
@@ -2163,6 +2243,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amxw_rows(const QuantPart *par
         if (i + 2 < mine.size() && mine[i + 2].q->ldw == mine[i + 2].row_bytes) {
             const RowBlock &h = mine[i + 2];
             ahead.at = h.q->w + h.r0 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
+        } else if (i + 2 < mine.size() && mine[i + 2].q->qtype == Q4_1R8) {    // its groups: contiguous too
+            const RowBlock &h = mine[i + 2];
+            ahead.at = h.q->w + h.r0 / 8 * h.q->ldw, ahead.end = ahead.at + h.n * h.row_bytes;
         }
         amxw_block(wb.data() + (i % 2) * per_block * K, g.n, reinterpret_cast<const uint16_t *>(bv), T, K,
                    bias ? bias + g.first + g.r0 : nullptr, y, ldy, g.first + g.r0, cbuf, ahead, nx);
@@ -2238,6 +2321,59 @@ extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 }
 
 namespace {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Q4_1R8 (see QType) at NT activation rows from t0: out[t * ldo + l] = row l of the group at g
+// against activation row t0 + t. Per unit: the nibbles' two vectors masked once (low, and high in
+// place: 16 times the code, taken off by a shift of the exact int32 sums), per row four dots
+// against 8-byte broadcasts, one conversion and one multiply-add by the 8 rows' scales (spread to
+// their lane pairs), the minimum terms 8 wide; the rows' sums out of their lane pairs at the end.
+template <int NT>
+void r8_group(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    // out[t * ldo + l] = row l's dot with activation row t0 + t
+    const __m512i m4 = _mm512_set1_epi8(15), h4 = _mm512_set1_epi8(char(0xF0));
+    const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 acc[NT][2];
+    __m256 mins[NT];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps(), mins[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *u = g + j * 160;
+        _mm_prefetch(reinterpret_cast<const char *>(u + 24 * 160), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(u + 24 * 160 + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(u + 24 * 160 + 128), _MM_HINT_T0);
+        const __m512i v0 = _mm512_loadu_si512(u + 32), v1 = _mm512_loadu_si512(u + 96);
+        const __m512i lo0 = _mm512_and_si512(v0, m4), lo1 = _mm512_and_si512(v1, m4);
+        const __m512i hi0 = _mm512_and_si512(v0, h4), hi1 = _mm512_and_si512(v1, h4);
+        const __m256 A = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u)));
+        const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 16)));
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = a.q + (t0 + t) * a.K + j * 32;
+            int64_t x8[4];
+            std::memcpy(x8, x, 32);
+            const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, _mm512_set1_epi64(x8[0])),
+                                                   lo1, _mm512_set1_epi64(x8[1]));
+            const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi0, _mm512_set1_epi64(x8[2])),
+                                                   hi1, _mm512_set1_epi64(x8[3]));
+            const __m512i dot = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+            const float dx = a.d[(t0 + t) * a.nb + j], ds = a.ds[(t0 + t) * a.nb + j];
+            const __m512 S = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(A, _mm256_set1_ps(dx))));
+            __m512 &s = acc[t][j % 2];
+            s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), S, s);
+            mins[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(ds), mins[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        const __m512 sum = _mm512_add_ps(acc[t][0], acc[t][1]);
+        const __m512 pairs = _mm512_add_ps(sum, _mm512_permute_ps(sum, 0xB1));     // lane 2l: row l's
+        const __m256 rows = _mm512_castps512_ps256(
+            _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), pairs));
+        _mm256_storeu_ps(out + t * ldo, _mm256_add_ps(rows, mins[t]));
+    }
+}
+// NT activation rows per pass (up to 4: registers)
+using R8Fn = void (*)(const uint8_t *, int64_t, const Act &, int64_t, float *, int64_t);
+constexpr R8Fn kR8[5] = {nullptr, r8_group<1>, r8_group<2>, r8_group<3>, r8_group<4>};
+#endif
+
 // A thread's activation buffers (Act's arrays), kept from call to call: no allocation per product.
 struct ActBuffers {
     std::vector<int8_t, Aligned64<int8_t>> q, qx;     // 64-byte aligned: the dots' 512-bit loads split no line
@@ -2297,6 +2433,49 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
+    bool r8 = false;
+    for (int64_t p = 0; p < nparts; p++) r8 |= parts[p].qtype == Q4_1R8;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (r8 && nparts == 1) {
+        if (parts[0].rows % 8) return 1;
+        const bool own_r8 = T * nb <= kOwnBlocks;
+        const Act act = thread_act(parts, nparts, T, K, false);
+        const int64_t groups = parts[0].rows / 8;
+#pragma omp parallel if (groups * K * T >= 4096)
+        {
+            Act a = act;
+            if (own_r8) {
+                if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, K, false);
+                for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
+            }
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            float v[4 * 8];
+            for (int64_t g = g0; g < g1; g++)
+                for (int64_t t0 = 0; t0 < T; t0 += 4) {
+                    const int n = int(std::min<int64_t>(4, T - t0));
+                    kR8[n](parts[0].w + g * parts[0].ldw, nb, a, t0, v, 8);
+                    for (int t = 0; t < n; t++)
+                        for (int i = 0; i < 8; i++) {
+                            const int64_t r = 8 * g + i;
+                            const float o = v[t * 8 + i] + (bias ? bias[r] : 0.f);
+                            if (y_bf16) static_cast<uint16_t *>(y)[(t0 + t) * ldy + r] = f32_to_bf16(o);
+                            else static_cast<float *>(y)[(t0 + t) * ldy + r] = o;
+                        }
+                }
+            run_after(plan);
+        }
+        return 0;
+    }
+#endif
+    if (r8) {         // several parts, or no AVX-512: the rows in the file's layout
+        t_handover = plan;
+        const PlainParts plain(parts, nparts, K);
+        return quant_linear_small(plain.parts.data(), nparts, x, ldx, x_bf16, T, K, bias, y, ldy, y_bf16);
+    }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group)
     const bool amx = g_amx8.enabled && T >= g_amx8.min_rows;
