@@ -2453,9 +2453,12 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
             }
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
+            const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
             float v[4 * 8];
             for (int64_t g = g0; g < g1; g++)
                 for (int64_t t0 = 0; t0 < T; t0 += 4) {
+                    if (t0 == 0) ahead.step(per_group);
                     const int n = int(std::min<int64_t>(4, T - t0));
                     kR8[n](parts[0].w + g * parts[0].ldw, nb, a, t0, v, 8);
                     for (int t = 0; t < n; t++)
