@@ -100,7 +100,9 @@ logger = logging.getLogger(__name__)
 QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # Layouts the loader makes of a file's type (repack): q4_0 in units of 8 blocks, the same bytes
 # rearranged so a 512-bit dot's lanes each fall in one block (quant_kernels.cpp's Q4_0X): 8 fp16
-# d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j].
+# d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and q4_1 in
+# groups of 8 rows interleaved per block (Q4_1R8): a unit one block of 8 rows, their 8 fp16 d, 8 fp16
+# m, then two 64-byte vectors whose byte 8 l + i of vector k is row l's qs[8 k + i].
 REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1"}
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
          "q4_0x8": 256, "q4_1r8": 32}
@@ -314,7 +316,7 @@ class QuantizedWeight:
         want = (rows // 8, self.row_bytes * 8) if self.qtype == "q4_1r8" else (rows, self.row_bytes)
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or \
                 (rows > 1 and self.data.stride(1) != 1):
-            raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 [{rows}, {self.row_bytes}] with "
+            raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 {list(want)} with "
                              f"contiguous rows, got {self.data.dtype} {tuple(self.data.shape)}")
 
     def __getstate__(self) -> dict:          # picklable (to other processes): without the address cache
