@@ -353,14 +353,14 @@ def slice_rows(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     """Rows [start, stop) (output features), a view (of q4_1r8: in the file's layout, a copy)."""
     if not 0 <= start <= stop <= w.shape[0]:
         raise ValueError(f"rows [{start}, {stop}) out of range for {w.shape[0]} rows")
-    w = file_layout(w) if w.qtype == "q4_1r8" else w
+    w = _rows_of(w)
     return QuantizedWeight(w.qtype, (stop - start, w.shape[1]), w.data[start:stop])
 
 
 def slice_cols(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     """Columns [start, stop) (input features) by whole blocks, a view; ValueError where a bound
     is not on a block boundary."""
-    w = file_layout(w) if w.qtype == "q4_1r8" else w
+    w = _rows_of(w)
     block = BLOCK[w.qtype]
     if not 0 <= start <= stop <= w.shape[1] or start % block or stop % block:
         raise ValueError(f"{w.qtype}: columns [{start}, {stop}) of {w.shape[1]} do not split by whole blocks "
@@ -417,6 +417,11 @@ def repack(w: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
     return QuantizedWeight("q4_0x8", w.shape, out)
 
 
+def _rows_of(w: QuantizedWeight) -> QuantizedWeight:
+    """w where its data holds a row per row (every layout but q4_1r8, which becomes the file's: a copy)."""
+    return file_layout(w) if w.qtype == "q4_1r8" else w
+
+
 def file_layout(w: QuantizedWeight) -> QuantizedWeight:
     """w in its file type's layout (repack's inverse; a new tensor where it was repacked)."""
     if w.qtype not in REPACKED:
@@ -430,7 +435,7 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one type and width stacked by rows (a fused projection such as qkv or
     gate_up): one copy of their bytes. ValueError where types or widths differ (a Q4_K_M file
     may store q, k and v in different types: keep those apart)."""
-    weights = [file_layout(w) if w.qtype == "q4_1r8" else w for w in weights]
+    weights = [_rows_of(w) for w in weights]
     first = weights[0]
     if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
         raise ValueError("concat_rows: weights differ in type or width: "
@@ -505,7 +510,7 @@ def _row_chunks(rows: int, cols: int):
 
 def dequantize_torch(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dequantize in plain torch (the reference of the C++ decoder, and its fallback)."""
-    w = file_layout(w) if w.qtype == "q4_1r8" else w
+    w = _rows_of(w)
     rows, cols = w.shape
     out = torch.empty(rows, cols, dtype=dtype)
     for r0, r1 in _row_chunks(rows, cols):
@@ -516,7 +521,7 @@ def dequantize_torch(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as a float matrix [rows, cols] (exactly gguf.quants.dequantize's values)."""
-    w = file_layout(w) if w.qtype == "q4_1r8" else w
+    w = _rows_of(w)
     lib = load()
     if lib is None:
         return dequantize_torch(w, dtype)
@@ -530,7 +535,7 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
 
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup."""
-    w = file_layout(w) if w.qtype == "q4_1r8" else w
+    w = _rows_of(w)
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel():
         # (a decode step's few ids checked in Python: two tensor reductions cost more than its lookup)

@@ -1490,7 +1490,7 @@ struct PlainParts {
     std::vector<QuantPart> parts;
     PlainParts(const QuantPart *in, int64_t nparts, int64_t K) : parts(in, in + nparts) {
         static thread_local std::vector<uint8_t> buf;
-        const int64_t row_bytes = K / 32 * 20;
+        const int64_t row_bytes = K / kElems[Q4_1] * kBytes[Q4_1];
         int64_t need = 0;
         for (int64_t p = 0; p < nparts; p++)
             if (in[p].qtype == Q4_1R8) need += in[p].rows * row_bytes;
@@ -1501,7 +1501,8 @@ struct PlainParts {
             uint8_t *dst = buf.data() + at;
             const QuantPart q = in[p];
 #pragma omp parallel for schedule(static) if (q.rows * K >= 65536)
-            for (int64_t g = 0; g < q.rows / 8; g++) unpack_r8(q.w + g * q.ldw, K / 32, dst + 8 * g * row_bytes, row_bytes);
+            for (int64_t g = 0; g < q.rows / 8; g++)
+                unpack_r8(q.w + g * q.ldw, K / kElems[Q4_1], dst + 8 * g * row_bytes, row_bytes);
             parts[p] = {Q4_1, dst, row_bytes, q.rows};
             at += q.rows * row_bytes;
         }
@@ -2423,6 +2424,28 @@ inline void quantize_into(const void *x, int64_t ldx, bool bf16, int64_t i, cons
 // less than the barrier (measured at the 135M shape: ~0.4 us a product of the ~1.8 us a parallel
 // region cost with it).
 constexpr int64_t kOwnBlocks = 64;
+
+// Inside a product's parallel region: this thread's Act, x's T rows quantized into it: every block
+// into the thread's own buffers (`own`), or its share into `shared`'s and a barrier.
+Act quantize_in_region(const Act &shared, bool own, const QuantPart *parts, int64_t nparts, int64_t T, bool amx,
+                       const void *x, int64_t ldx, bool x_bf16) {
+    Act a = shared;
+    if (own) {
+        if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, a.K, amx);
+        for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+    }
+    return a;
+}
+
+// y[t][r] (float32 or bf16, rows ldy apart) = v + bias[r] (bias float32, or null: + 0).
+inline void put_out(void *y, bool y_bf16, int64_t ldy, const float *bias, int64_t t, int64_t r, float v) {
+    v += bias ? bias[r] : 0.f;
+    if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
+    else static_cast<float *>(y)[t * ldy + r] = v;
+}
 }  // namespace
 
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
@@ -2433,24 +2456,15 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
-    bool r8 = false;
-    for (int64_t p = 0; p < nparts; p++) r8 |= parts[p].qtype == Q4_1R8;
+    const bool r8 = any_r8(parts, nparts);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     if (r8 && nparts == 1) {
         if (parts[0].rows % 8) return 1;
-        const bool own_r8 = T * nb <= kOwnBlocks;
         const Act act = thread_act(parts, nparts, T, K, false);
         const int64_t groups = parts[0].rows / 8;
 #pragma omp parallel if (groups * K * T >= 4096)
         {
-            Act a = act;
-            if (own_r8) {
-                if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, K, false);
-                for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
-            }
+            const Act a = quantize_in_region(act, T * nb <= kOwnBlocks, parts, nparts, T, false, x, ldx, x_bf16 != 0);
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
             PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
@@ -2462,12 +2476,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
                     const int n = int(std::min<int64_t>(4, T - t0));
                     kR8[n](parts[0].w + g * parts[0].ldw, nb, a, t0, v, 8);
                     for (int t = 0; t < n; t++)
-                        for (int i = 0; i < 8; i++) {
-                            const int64_t r = 8 * g + i;
-                            const float o = v[t * 8 + i] + (bias ? bias[r] : 0.f);
-                            if (y_bf16) static_cast<uint16_t *>(y)[(t0 + t) * ldy + r] = f32_to_bf16(o);
-                            else static_cast<float *>(y)[(t0 + t) * ldy + r] = o;
-                        }
+                        for (int i = 0; i < 8; i++) put_out(y, y_bf16 != 0, ldy, bias, t0 + t, 8 * g + i, v[t * 8 + i]);
                 }
             run_after(plan);
         }
@@ -2507,14 +2516,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     // to kMaxNT activation rows per pass).
 #pragma omp parallel if (N * K * T >= 32768)
     {
-        Act a = shared;
-        if (own) {          // every thread all the blocks, into its own buffers: no barrier
-            if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, K, amx);
-            for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16 != 0, i, a);
-        }
+        const Act a = quantize_in_region(shared, own, parts, nparts, T, amx, x, ldx, x_bf16 != 0);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if (amx) {
             // B tiles: row g of tile k holds the 4-byte group g of activation rows 16k .. 16k + 15
@@ -2547,11 +2549,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
         PrefetchCursor ahead(plan, tid, nt);
         const int64_t per_row = end > begin ? (ahead.lines() + end - begin - 1) / (end - begin) : 0;
-        auto put = [&](int64_t t, int64_t r, float v) {
-            v += bias ? bias[r] : 0.f;
-            if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
-            else static_cast<float *>(y)[t * ldy + r] = v;
-        };
+        auto put = [&](int64_t t, int64_t r, float v) { put_out(y, y_bf16 != 0, ldy, bias, t, r, v); };
         for (int64_t r = begin; r < end; r++) {
             int64_t p = 0;
             while (r >= ends[p]) p++;
