@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,7 +48,8 @@ from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+CSRC = Path(__file__).with_name("csrc")     # the C++ rooms; one entry file per library includes its own
+SOURCE = CSRC / "cpu_kernels.cpp"
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-semantic-interposition"]
 PARTITION_SIZE = 256      # context tokens per decode-attention work item
 ENV_VARIANT = "PAGEDSERVE_CPU_KERNELS"
@@ -356,12 +358,43 @@ def auto_keeps_bf16() -> bool:
     return KERNELS.active == "avx512bf16" or BF16_STORAGE_WITHOUT_BF16_ARITHMETIC
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def included_sources(source: Path) -> list[Path]:
+    """`source` and every file it includes with #include "..." (transitively; resolved against
+    the including file's folder, as the compiler does), each once, in the order first met: what
+    the build's cache key hashes, so editing any room or header rebuilds the library."""
+    seen: dict[Path, None] = {}
+    todo = [source.resolve()]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen[path] = None
+        todo += [(path.parent / name).resolve() for name in _INCLUDE.findall(path.read_text())]
+    return list(seen)
+
+
+def _flags(v: Variant) -> list[str]:
+    return [*COMMON_FLAGS, *v.target_flags, f"-DPAGEDSERVE_VARIANT=\"{v.name}\""]
+
+
+def library_path(v: Variant, source: Path = SOURCE) -> Path:
+    """Where variant v of `source` is cached: keyed by the contents of the source and every file
+    it includes, and the flags."""
+    key = hashlib.sha256()
+    for path in included_sources(source):
+        key.update(os.path.relpath(path, source.parent.resolve()).encode() + b"\0" + path.read_bytes() + b"\0")
+    key.update(" ".join(_flags(v)).encode() + platform.machine().encode())
+    return cache_dir("kernels") / f"{source.stem}-{v.name}-{key.hexdigest()[:16]}.so"
+
+
 def _build(v: Variant, source: Path = SOURCE) -> Path:
-    """Compile variant v of `source` once (cached by source and flags; processes may race:
-    atomic rename). kernels/quant.py builds quant_kernels.cpp through it too."""
-    flags = [*COMMON_FLAGS, *v.target_flags, f"-DPAGEDSERVE_VARIANT=\"{v.name}\""]
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
-    path = cache_dir("kernels") / f"{source.stem}-{v.name}-{key.hexdigest()[:16]}.so"
+    """Compile variant v of `source` once (cached at library_path; processes may race: atomic
+    rename). kernels/quant.py builds quant_kernels.cpp through it too."""
+    flags = _flags(v)
+    path = library_path(v, source)
     if path.exists():
         return path
     compiler = shutil.which("g++") or shutil.which("c++")

@@ -250,7 +250,7 @@ def using_amx_int8(enabled: bool | None, min_rows: int | None = None):
 TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
-SOURCE = Path(__file__).with_name("quant_kernels.cpp")
+SOURCE = cpu.CSRC / "quant_kernels.cpp"
 ENV_VARIANT = "PAGEDSERVE_QUANT_KERNELS"
 _EXACT = ("-ffp-contract=off",)    # no fused multiply-adds the source does not ask for: dequantize matches gguf
 _AVX2 = _EXACT + ("-mavx2", "-mfma", "-mf16c")

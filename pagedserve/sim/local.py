@@ -48,7 +48,7 @@ from pagedserve.sim.cost import StepWork
 from pagedserve.sim.devices import Device, Efficiency
 from pagedserve.utils import cdiv
 
-CONTIGUOUS_BLOCK = 256     # the CPU attention kernel's largest block (kMaxBlock in cpu_kernels.cpp)
+CONTIGUOUS_BLOCK = 256     # the CPU attention kernel's largest block (kMaxBlock in kernels/csrc/attention/layout.h)
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "local_device.json"
 
 

@@ -1,0 +1,88 @@
+// Every decoder layer of a step in one call: decoder_layers_*.
+// Part of cpu_kernels (csrc/cpu_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+// K: the cache's element type (T, or an 8-bit format: written through write_kv_quant).
+template <typename T, typename K = T>
+int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T *x, T *h, const T *cos,
+                   const T *sin, K *cache, CacheRefs c, const int64_t *slots, const AttentionRows &rows, int64_t T_,
+                   const LoraRefs *lora) {
+    const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = m.intermediate, H = m.hidden;
+    thread_local std::vector<T> scratch;           // qkv, attention out, o/down out, gate_up, act
+    const int64_t need = T_ * (qkv_size + q_size + H + 3 * I);
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+    T *qkv = scratch.data(), *attn = qkv + T_ * qkv_size, *proj = attn + T_ * q_size, *gate_up = proj + T_ * H,
+      *act = gate_up + T_ * 2 * I;
+    const Layout L{c.block, c.token, c.head};
+    const bool decode = rows.num_decodes == T_;      // decode tokens only: quantized weights' decode threshold
+    for (int64_t l = 0; l < m.layers; l++) {
+        const LayerPtrs &w = layers[l];
+        K *kc = cache + l * c.layer, *vc = kc + c.kv;
+        const T *next_norm = l + 1 < m.layers ? reinterpret_cast<const T *>(layers[l + 1].input_norm) : final_norm;
+        if (project_lora(w.qkv, m, decode, lora, l, 0, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_,
+                         qkv_size, H))
+            return 2;
+        rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin);
+        if constexpr (kQuant<K>)
+            write_kv_quant(qkv + q_size, qkv + q_size + kv_size, qkv_size, m.head_dim, qkv_size, m.head_dim, kc, vc,
+                           slots, T_, m.kv_heads, m.head_dim, c.block_size, c.block, c.token, c.head);
+        else
+            write_kv(reinterpret_cast<const char *>(qkv + q_size),
+                     reinterpret_cast<const char *>(qkv + q_size + kv_size), qkv_size, m.head_dim, qkv_size,
+                     m.head_dim, reinterpret_cast<char *>(kc), reinterpret_cast<char *>(vc), slots, T_, m.kv_heads,
+                     m.head_dim, c.block_size, c.block, c.token, c.head, sizeof(T));
+        if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
+                   c.partition_size))
+            return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
+        if (project_lora(w.o, m, decode, lora, l, 1, attn, nullptr, proj, T_, H, q_size)) return 2;
+        add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
+        if (project_lora(w.gate_up, m, decode, lora, l, 2, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
+        silu_and_mul(gate_up, act, T_, I);
+        if (project_lora(w.down, m, decode, lora, l, 3, act, nullptr, proj, T_, H, I)) return 2;
+        add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
+    }
+    return 0;
+}
+}  // namespace
+
+extern "C" {
+int decoder_layers_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
+                       const float *cos, const float *sin, float *cache, const CacheRefs *c, const int64_t *slots,
+                       const AttentionRows *rows, const LoraRefs *lora, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T, lora);
+}
+int decoder_layers_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
+                        uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint16_t *cache, const CacheRefs *c,
+                        const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T) {
+    return decoder_layers(layers, final_norm, *m, x, h, cos, sin, cache, *c, slots, *rows, T, lora);
+}
+}
+namespace {
+template <typename T>
+int decoder_layers_kv8(const LayerPtrs *layers, const T *final_norm, const ModelDims *m, T *x, T *h, const T *cos,
+                       const T *sin, uint8_t *cache, const CacheRefs *c, const int64_t *slots,
+                       const AttentionRows *rows, const LoraRefs *lora, int64_t T_, int64_t code) {
+    return with_kv_format(code, [&](auto tag) {
+        using K = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+        return decoder_layers(layers, final_norm, *m, x, h, cos, sin, reinterpret_cast<K *>(cache), *c, slots, *rows,
+                              T_, lora);
+    });
+}
+}  // namespace
+
+extern "C" {
+int decoder_layers_kv8_f32(const LayerPtrs *layers, const float *final_norm, const ModelDims *m, float *x, float *h,
+                           const float *cos, const float *sin, uint8_t *cache, const CacheRefs *c,
+                           const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T,
+                           int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, lora, T, code);
+}
+int decoder_layers_kv8_bf16(const LayerPtrs *layers, const uint16_t *final_norm, const ModelDims *m, uint16_t *x,
+                            uint16_t *h, const uint16_t *cos, const uint16_t *sin, uint8_t *cache, const CacheRefs *c,
+                            const int64_t *slots, const AttentionRows *rows, const LoraRefs *lora, int64_t T,
+                            int64_t code) {
+    return decoder_layers_kv8(layers, final_norm, m, x, h, cos, sin, cache, c, slots, rows, lora, T, code);
+}
+}

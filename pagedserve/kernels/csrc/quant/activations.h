@@ -1,0 +1,126 @@
+// Activations quantized into 8-bit blocks of 32 (Act).
+// Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+
+// ---- activations: 8-bit blocks of 32 ------------------------------------------------------------
+// Storage of the quantized activations, 64-byte aligned (malloc's 16 split a 512-bit load's
+// line three times in four: measured 13% slower at T = 1 over weights in L2).
+template <class T>
+struct Aligned64 {
+    using value_type = T;
+    Aligned64() = default;
+    template <class U>
+    Aligned64(const Aligned64<U> &) {}
+    T *allocate(size_t n) { return static_cast<T *>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T *p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <class U>
+    bool operator==(const Aligned64<U> &) const { return true; }
+    template <class U>
+    bool operator!=(const Aligned64<U> &) const { return false; }
+};
+
+struct Act {
+    const int8_t *q;     // [T][K]
+    const float *d;      // [T][K/32]
+    const float *ds;     // [T][K/32]: d * sum(q)
+    int64_t K, nb;
+    // AVX-512 only (else null). start[type], for the types whose codes carry an offset (q4_0: 8,
+    // q5_0: 16, q8_0: 128 (its codes made unsigned), q6_k: 32) and that the call multiplies:
+    // -offset * (the sums of each 4 consecutive q) [T][K/4], vpdpbusd's lanes, so that a dot of
+    // the unsigned codes started from them has the offset subtracted, in the integers.
+    const int32_t *start[kNumTypes];
+    // AVX-512 only, where a part is Q4_0X (else null): q [T][K] with each 256 elements in Q4_0X's
+    // order: vector m (64 bytes) of a unit holds at bytes 8 l .. 8 l + 7 block l's elements
+    // 8 c .. 8 c + 7, c = {0, 2, 1, 3}[m] (what low, then high nibbles of the weights' vector m / 2 meet).
+    const int8_t *qx = nullptr;
+};
+
+constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0, 0};     // what start[type] subtracts
+
+// One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
+void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+#if defined(__AVX2__)
+    for (int i = 0; i < 32; i += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)));
+        alignas(32) int32_t tmp[8];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(tmp), v);
+        for (int k = 0; k < 8; k++) {
+            q[i + k] = int8_t(tmp[k]);
+            sum += tmp[k];
+        }
+    }
+#else
+    for (int i = 0; i < 32; i++) {
+        const int v = int(std::nearbyint(x[i] * inv));
+        q[i] = int8_t(v);
+        sum += v;
+    }
+#endif
+    *d_out = d;
+    *ds_out = d * float(sum);
+}
+
+// Block j of activation row t.
+void quantize_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, int64_t K, int8_t *q, float *d,
+                  float *ds) {
+    const int64_t nb = K / 32;
+    float buf[32];
+    const float *src;
+    if (bf16) {
+        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
+        for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
+        src = buf;
+    } else {
+        src = static_cast<const float *>(x) + t * ldx + j * 32;
+    }
+    quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// quantize_one for one block in AVX-512 registers, and its Act::start lanes: the same values (the maximum
+// is exact in any order, the rest the same float operations per element; the sums integers):
+// about 5 us less per call at K = 2048 than the scalar loops (measured).
+inline void quantize_start_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, const Act &a) {
+    __m512 v0, v1;
+    if (bf16) {
+        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
+        const __m512i h = _mm512_loadu_si512(xr);
+        v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+        v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    } else {
+        const float *xr = static_cast<const float *>(x) + t * ldx + j * 32;
+        v0 = _mm512_loadu_ps(xr);
+        v1 = _mm512_loadu_ps(xr + 16);
+    }
+    const __m512 mag = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+    const float amax = _mm512_reduce_max_ps(mag);
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    const __m256i q = _mm256_set_m128i(_mm512_cvtepi32_epi8(i1), _mm512_cvtepi32_epi8(i0));
+    int8_t *qo = const_cast<int8_t *>(a.q) + t * a.K + j * 32;
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(qo), q);
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    const_cast<float *>(a.d)[t * a.nb + j] = d;
+    const_cast<float *>(a.ds)[t * a.nb + j] = d * float(sum);
+    if (a.qx != nullptr) {          // block j's 8-byte chunks c into vectors m = {0, 2, 1, 3}[c] of its unit
+        int8_t *ux = const_cast<int8_t *>(a.qx) + t * a.K + j / 8 * 256 + 8 * (j % 8);
+        const __m256i order = _mm256_setr_epi64x(0, 2, 1, 3);
+        alignas(32) int64_t chunks[4];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(chunks), _mm256_permutexvar_epi64(order, q));
+        for (int m = 0; m < 4; m++) std::memcpy(ux + 64 * m, &chunks[m], 8);
+    }
+    const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q);   // each 4 q's sum
+    for (int qt = 0; qt < kNumTypes; qt++)
+        if (a.start[qt] != nullptr)
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(const_cast<int32_t *>(a.start[qt]) + t * (a.K / 4) + j * 8),
+                                _mm256_mullo_epi32(sums, _mm256_set1_epi32(-kOffset[qt])));
+}
+#endif
+}  // namespace

@@ -1,0 +1,211 @@
+// A few rows: the integer dots' linear layer (quant_linear_small).
+// Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+
+// A thread's activation buffers (Act's arrays), kept from call to call: no allocation per product.
+struct ActBuffers {
+    std::vector<int8_t, Aligned64<int8_t>> q, qx;     // 64-byte aligned: the dots' 512-bit loads split no line
+    std::vector<float, Aligned64<float>> d, ds;
+    std::vector<int32_t, Aligned64<int32_t>> starts[kNumTypes];
+};
+thread_local ActBuffers t_act;
+
+template <class V>
+typename V::value_type *fit(V &v, int64_t n) {        // v's storage for at least n (it only grows)
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+}
+
+// The calling thread's Act for T rows of K: q, d, ds, and where the parts' types read them (not
+// on the AMX-INT8 path, `amx`) Act::qx and Act::start.
+Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, bool amx) {
+    ActBuffers &b = t_act;
+    const int64_t nb = K / 32;
+    Act a{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), K, nb, {}};
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    // (the pair types read Act::start only in passes of one or two rows: kStarts)
+    const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
+    for (int64_t p = 0; p < nparts && !amx; p++) {
+        const int qt = int(parts[p].qtype);
+        if (qt == Q4_0X) a.qx = fit(b.qx, T * K);
+        if (kOffset[qt] != 0 && (qt == Q6_K || small_pass)) a.start[qt] = fit(b.starts[qt], T * K / 4);
+    }
+#else
+    (void)parts, (void)nparts, (void)amx;
+#endif
+    return a;
+}
+
+// Activation block i (row i / nb, block i % nb) of x into a's arrays.
+inline void quantize_into(const void *x, int64_t ldx, bool bf16, int64_t i, const Act &a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    quantize_start_one(x, ldx, bf16, i / a.nb, i % a.nb, a);
+#else
+    quantize_one(x, ldx, bf16, i / a.nb, i % a.nb, a.K, const_cast<int8_t *>(a.q), const_cast<float *>(a.d),
+                 const_cast<float *>(a.ds));
+#endif
+}
+
+// Up to this many activation blocks (T = 1 at K = 2048) every thread quantizes them all itself
+// (into its own buffers) rather than its share and then waiting for the others: the copy costs
+// less than the barrier (measured at the 135M shape: ~0.4 us a product of the ~1.8 us a parallel
+// region cost with it).
+constexpr int64_t kOwnBlocks = 64;
+
+// Inside a product's parallel region: this thread's Act, x's T rows quantized into it: every block
+// into the thread's own buffers (`own`), or its share into `shared`'s and a barrier.
+Act quantize_in_region(const Act &shared, bool own, const QuantPart *parts, int64_t nparts, int64_t T, bool amx,
+                       const void *x, int64_t ldx, bool x_bf16) {
+    Act a = shared;
+    if (own) {
+        if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, a.K, amx);
+        for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+    }
+    return a;
+}
+
+// y[t][r] (float32 or bf16, rows ldy apart) = v + bias[r] (bias float32, or null: + 0).
+inline void put_out(void *y, bool y_bf16, int64_t ldy, const float *bias, int64_t t, int64_t r, float v) {
+    v += bias ? bias[r] : 0.f;
+    if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
+    else static_cast<float *>(y)[t * ldy + r] = v;
+}
+}  // namespace
+
+// y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
+// by rows (K columns each), through the integer dots. 0 on success.
+extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
+                                  int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
+    const Handover *plan = t_handover;
+    t_handover = nullptr;
+    if (!valid(parts, nparts, K) || T <= 0) return 1;
+    const int64_t nb = K / 32;
+    const bool r8 = any_r8(parts, nparts);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (r8 && nparts == 1) {
+        if (parts[0].rows % 8) return 1;
+        const Act act = thread_act(parts, nparts, T, K, false);
+        const int64_t groups = parts[0].rows / 8;
+#pragma omp parallel if (groups * K * T >= 4096)
+        {
+            const Act a = quantize_in_region(act, T * nb <= kOwnBlocks, parts, nparts, T, false, x, ldx, x_bf16 != 0);
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
+            const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
+            float v[4 * 8];
+            for (int64_t g = g0; g < g1; g++)
+                for (int64_t t0 = 0; t0 < T; t0 += 4) {
+                    if (t0 == 0) ahead.step(per_group);
+                    const int n = int(std::min<int64_t>(4, T - t0));
+                    kR8[n](parts[0].w + g * parts[0].ldw, nb, a, t0, v, 8);
+                    for (int t = 0; t < n; t++)
+                        for (int i = 0; i < 8; i++) put_out(y, y_bf16 != 0, ldy, bias, t0 + t, 8 * g + i, v[t * 8 + i]);
+                }
+            run_after(plan);
+        }
+        return 0;
+    }
+#endif
+    if (r8) {         // several parts, or no AVX-512: the rows in the file's layout
+        t_handover = plan;
+        const PlainParts plain(parts, nparts, K);
+        return quant_linear_small(plain.parts.data(), nparts, x, ldx, x_bf16, T, K, bias, y, ldy, y_bf16);
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group)
+    const bool amx = g_amx8.enabled && T >= g_amx8.min_rows;
+    const int64_t tiles = amx ? (T + 15) / 16 : 0;
+    std::vector<int32_t> bv(tiles * (K / 4) * 16);
+    std::vector<float> dxt(tiles * nb * 16), dst(tiles * nb * 16);
+    const Amx8Act at{bv.data(), dxt.data(), dst.data(), T, K};
+#else
+    const bool amx = false;
+#endif
+    const bool own = !amx && T * nb <= kOwnBlocks;
+    const Act shared = thread_act(parts, nparts, T, K, amx);
+    std::vector<RowFn> full(nparts), tail(nparts);
+    std::vector<Row2Fn> two(nparts);          // T = 1: two weight rows per call where the type has it
+    std::vector<int64_t> ends(nparts);        // one past each part's last row in y
+    int64_t N = 0, total = 0;                 // rows, weight bytes
+    for (int64_t p = 0; p < nparts; p++) {
+        total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+        full[p] = row_fn(int(parts[p].qtype), int(std::min<int64_t>(kMaxNT, T)));
+        tail[p] = row_fn(int(parts[p].qtype), int(T % kMaxNT));
+        two[p] = T == 1 ? row2_fn(int(parts[p].qtype)) : nullptr;
+        ends[p] = N += parts[p].rows;
+    }
+    // One parallel region: the activations' blocks (each thread its share, or all of them: `own`),
+    // then the weight rows (each thread a contiguous range, so it streams its rows' bytes once; up
+    // to kMaxNT activation rows per pass).
+#pragma omp parallel if (N * K * T >= 32768)
+    {
+        const Act a = quantize_in_region(shared, own, parts, nparts, T, amx, x, ldx, x_bf16 != 0);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if (amx) {
+            // B tiles: row g of tile k holds the 4-byte group g of activation rows 16k .. 16k + 15
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < tiles * (K / 4); i++) {
+                const int64_t k = i / (K / 4), g = i % (K / 4);
+                for (int64_t c = 0; c < 16; c++) {
+                    int32_t v = 0;
+                    if (16 * k + c < T) std::memcpy(&v, a.q + (16 * k + c) * K + 4 * g, 4);
+                    bv[i * 16 + c] = v;
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < tiles * nb; i++) {
+                const int64_t k = i / nb, j = i % nb;
+                for (int64_t c = 0; c < 16; c++) {
+                    const bool real = 16 * k + c < T;
+                    dxt[i * 16 + c] = real ? a.d[(16 * k + c) * nb + j] : 0.f;
+                    dst[i * 16 + c] = real ? a.ds[(16 * k + c) * nb + j] : 0.f;
+                }
+            }
+            amx8_rows(parts, nparts, at, total, bias, y, ldy, y_bf16 != 0);
+        } else
+#endif
+        {
+        // Each thread a contiguous range of rows holding an equal share of the weight bytes
+        // (parts of different types cost differently per row).
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t begin = row_at_byte(parts, nparts, K, total * tid / nt);
+        const int64_t end = row_at_byte(parts, nparts, K, total * (tid + 1) / nt);
+        PrefetchCursor ahead(plan, tid, nt);
+        const int64_t per_row = end > begin ? (ahead.lines() + end - begin - 1) / (end - begin) : 0;
+        auto put = [&](int64_t t, int64_t r, float v) { put_out(y, y_bf16 != 0, ldy, bias, t, r, v); };
+        for (int64_t r = begin; r < end; r++) {
+            int64_t p = 0;
+            while (r >= ends[p]) p++;
+            const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
+            ahead.step(per_row);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (two[p] != nullptr && r + kPassRows <= std::min(end, ends[p])) {    // rows r .. of one part
+                float vs[kPassRows];
+                two[p](row, parts[p].ldw, a, vs);
+                for (int i = 0; i < kPassRows; i++) put(0, r + i, vs[i]);
+                ahead.step(per_row * (kPassRows - 1));
+                r += kPassRows - 1;
+                continue;
+            }
+#endif
+            // (one row a pass here: the whole row that far ahead, once)
+            prefetch_bytes(row + prefetch_rows(parts[p].ldw, 1) * parts[p].ldw, 0, 1,
+                           K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+            for (int64_t t0 = 0; t0 < T; t0 += kMaxNT) {
+                const int nt = int(std::min<int64_t>(kMaxNT, T - t0));
+                float vals[kMaxNT];
+                (nt == kMaxNT || nt == T ? full[p] : tail[p])(row, a, t0, vals, 1);
+                for (int i = 0; i < nt; i++) put(t0 + i, r, vals[i]);
+            }
+        }
+        }
+        run_after(plan);
+    }
+    return 0;
+}
