@@ -114,6 +114,12 @@ VARIANTS = {
     "mistral_gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                           sliding_window=None)),
     "qwen2_bias_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Qwen3: q/k norms; head_dim 32 with 4 heads (128 != hidden 64, as Qwen3-0.6B's 16 x 128 != 1024).
+    # (random_norms: every norm weight drawn, not ones, so that each norm's own weight counts.)
+    "qwen3_untied": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         tie_word_embeddings=False, random_norms=True)),
+    "qwen3_tied": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                       tie_word_embeddings=True, random_norms=True)),
     # Head dim 64 with 3 query heads per KV head (the default model's shape): the vectorised
     # attention kernel, not only its scalar path.
     "llama_head64": ("LlamaConfig", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
@@ -134,6 +140,7 @@ def make_tiny_model(root: Path, name: str, tokenizer, v4_config: bool = False) -
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.eos_token_id, rope_theta=10000.0)
     kwargs.update(extra)
+    random_norms = kwargs.pop("random_norms", False)
     rope_scaling = kwargs.pop("rope_scaling", None)
     if rope_scaling:
         kwargs["rope_parameters"] = {"rope_theta": kwargs["rope_theta"], **rope_scaling}
@@ -141,6 +148,11 @@ def make_tiny_model(root: Path, name: str, tokenizer, v4_config: bool = False) -
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)   # hash() of a str changes per process
     model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
     hf = model_cls(config).float().eval()
+    if random_norms:
+        with torch.no_grad():
+            for n, t in hf.named_parameters():
+                if n.endswith("norm.weight"):
+                    t.uniform_(0.5, 1.5)
     path = root / (name + ("_v4" if v4_config else ""))
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -8,7 +8,8 @@ import numpy as np
 # HF decoder-layer modules -> GGUF tensor kinds (blk.<i>.<kind>.<weight|bias>)
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _TOP = {"embed_tokens.weight": "token_embd", "norm.weight": "output_norm", "lm_head.weight": "output"}
 
 # K-quant layouts (gguf.GGMLQuantizationType names): the byte offsets of the float16
@@ -79,3 +80,55 @@ def random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator, std: 
     values = gguf.quants.dequantize(raw[:n].reshape(n, -1), qtype)
     set_scales(std / float(values.std()))
     return raw.reshape(rows, -1)
+
+
+def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF's q/k rows into llama.cpp's rotary layout (what its `llama` converter writes)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rotary_back(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_hf_model(hf, path, arch: str, *, permute_qk: bool = False, qtype=None, header=None,
+                   rename=None, extra_tensors: dict | None = None) -> dict:
+    """A transformers model written as llama.cpp's converter writes GGUF architecture `arch`: the
+    config's header (plus `header(writer, config)`), HF tensors under GGUF names (`rename(name,
+    array)` -> [(gguf name, array), ...] for a tensor the shared table does not cover, else None),
+    q/k rows permuted where its converter does, matrices in `qtype` (gguf.GGMLQuantizationType;
+    float32 if None), `extra_tensors` (GGUF name -> array) added. Returns the state dict as
+    written, dequantized, in HF names: the weights the model in the file computes with."""
+    import gguf
+    import torch
+    cfg = hf.config
+    w = hf_writer(path, arch, cfg)
+    if header is not None:
+        header(w, cfg)
+    written = {}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        a = t.detach().float().numpy().astype(np.float32)
+        parts = rename(name, a) if rename is not None else None
+        heads = None
+        if parts is None:
+            kind, file_name = gguf_name(name)
+            if permute_qk:
+                heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(kind)
+            parts = [(file_name, permute_rotary(a, heads) if heads else a)]
+        back = []
+        for file_name, arr in parts:
+            if qtype is None or arr.ndim == 1:
+                w.add_tensor(file_name, arr)
+                back.append(arr)
+            else:
+                raw = gguf.quants.quantize(arr, qtype)
+                w.add_tensor(file_name, raw, raw_dtype=qtype)
+                back.append(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
+        whole = np.concatenate(back) if len(back) > 1 else back[0]
+        written[name] = torch.from_numpy(permute_rotary_back(whole, heads) if heads else whole).clone()
+    for file_name, arr in (extra_tensors or {}).items():
+        w.add_tensor(file_name, np.asarray(arr, dtype=np.float32))
+    finish(w)
+    return written

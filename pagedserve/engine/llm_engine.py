@@ -34,7 +34,7 @@ from pagedserve.engine.stats import SchedulerStats
 from pagedserve.kernels.threads import configure_threads
 from pagedserve.models.loader import (GENERATION_DEFAULTS, default_model_path, generation_defaults, is_gguf,
                                      load_tokenizer)
-from pagedserve.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
+from pagedserve.models.architectures import hf_architecture_names
 from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
@@ -182,9 +182,9 @@ class LLMEngine:
     def _lora_registry(self, config: EngineConfig) -> LoRARegistry | None:
         if not config.enable_lora:
             return None
-        if self.model_args.architecture not in LLAMA_ARCHITECTURES:
+        if self.model_args.architecture not in hf_architecture_names():
             raise ValueError(f"enable_lora: LoRA adapters are served over Llama-family models "
-                             f"({', '.join(LLAMA_ARCHITECTURES)}), not {self.model_args.architecture}")
+                             f"({', '.join(hf_architecture_names())}), not {self.model_args.architecture}")
         return LoRARegistry(self.model_args, config.max_lora_rank)
 
     def lora_request_of(self, prompt: PromptType, lora_request: LoRARequest | None) -> LoRARequest | None:

@@ -638,7 +638,7 @@ class DecoderLayers:
         self._all_r8 = bool(parts) and all(p.qtype == "q4_1r8" for p in parts)
         self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
-                                a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)    # quant_*: _quant_calls
+                                a.intermediate_size, a.rms_norm_eps, model.scale)    # quant_*: _quant_calls
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
 
     def _projection(self, weight) -> tuple[int, int, int]:

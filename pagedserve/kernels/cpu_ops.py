@@ -7,6 +7,8 @@ build the kernels) the torch reference (TorchOps) runs instead.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedserve.attention.cpu_backend import CpuAttention
@@ -14,6 +16,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import cpu
 from pagedserve.models import quantized
 from pagedserve.models.ops import TorchOps
+
+logger = logging.getLogger(__name__)
 
 
 class CpuOps(TorchOps):
@@ -40,7 +44,10 @@ class CpuOps(TorchOps):
             trim_heap()             # the plain copies just freed, back to the system: peak memory
         model.lm_head = _pack(model.lm_head)
         trim_heap()
-        if model.tp is None and isinstance(model.attention, CpuAttention) and \
+        beyond = model.needs_python_layers()
+        if beyond:
+            logger.info("the Python layer loop runs this model (the compiled loop lacks %s)", ", ".join(beyond))
+        if model.tp is None and isinstance(model.attention, CpuAttention) and not beyond and \
                 cpu.DecoderLayers.supports(model, model.attention.kv_format.code):
             model.compiled_layers = CpuDecoderLayers(model)
 
@@ -78,7 +85,7 @@ class CpuOps(TorchOps):
                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE in place in qkv (one kernel)."""
         num_tokens, heads = qkv.shape[0], num_heads + num_kv_heads
-        if not cpu.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim)):
+        if cos.shape[-1] != head_dim or not cpu.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim)):
             return super().rotate_queries_and_keys(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
         qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:]

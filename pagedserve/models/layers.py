@@ -14,6 +14,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":      # a GGUF file's rope_freqs: each frequency's divisor (Llama 3's)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors; RoPE over {head_dim} dimensions "
+                             f"needs {inv_freq.numel()}")
+        return inv_freq / factors
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -24,7 +30,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: default, linear, llama3, "
+                     f"freq_factors (GGUF rope_freqs)")
 
 
 class RotaryEmbedding:

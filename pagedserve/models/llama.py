@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat, unpadded batch.
+"""Llama-family decoder over a flat, unpadded batch: Llama and every architecture that
+models/architectures.py describes as differences from it (Mistral, Qwen2, Qwen3, ...), which
+reach this code as `ModelArgs` fields (q/k norms, partial rotary, layers without RoPE,
+multipliers); each defaults to Llama's behaviour.
 
 Plain tensor math. q/k/v and gate/up projections are fused into single matrices
 so each layer runs four large matmuls; the dense ops go through an ops object
@@ -28,9 +31,6 @@ from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.ops import CompiledLayers, ModelOps, TorchOps
 from pagedserve.models.quantized import Weight, embedding
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
 @dataclass
 class ModelArgs:
     architecture: str
@@ -48,6 +48,25 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None = None
+    # Where an architecture departs from Llama (models/architectures.py); defaults: Llama.
+    qk_norm: bool = False                   # RMSNorm of each q and k head before RoPE (Qwen3)
+    rotary_dim: int = 0                     # leading dimensions of a head RoPE rotates (0: all)
+    no_rope_layers: tuple[int, ...] = ()    # layers whose attention has no RoPE (SmolLM3)
+    embedding_multiplier: float = 1.0       # the embedding's rows scaled (Granite)
+    residual_multiplier: float = 1.0        # attention and MLP outputs scaled before the residual add
+    attention_multiplier: float = 0.0       # softmax scale (0: head_dim ** -0.5)
+    logits_scaling: float = 1.0             # logits divided by it (Granite)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def beyond_compiled_loop(self) -> list[str]:
+        """What this model needs that the compiled CPU layer loop (kernels/cpu.py DecoderLayers)
+        does not do: the Python layer loop runs such a model."""
+        return [name for name, on in (("q/k norm", self.qk_norm), ("partial rotary", self.rope_dim != self.head_dim),
+                                      ("layers without RoPE", bool(self.no_rope_layers)),
+                                      ("residual multiplier", self.residual_multiplier != 1.0)) if on]
 
 
 @dataclass
@@ -61,6 +80,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Weight              # [2 * intermediate, hidden]
     down: Weight
+    q_norm: torch.Tensor | None = None    # [D], with ModelArgs.qk_norm
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -74,9 +95,10 @@ class LlamaModel:
         self.lm_head = lm_head
         self.attention = attention
         self.ops: ModelOps = ops or TorchOps()
-        self.rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling,
+        self.rope = RotaryEmbedding(args.rope_dim, max_positions, args.rope_theta, args.rope_scaling,
                                     embed.dtype)
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.attention_multiplier or args.head_dim ** -0.5
+        self.no_rope = frozenset(args.no_rope_layers)
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.compiled_layers: CompiledLayers | None = None    # set by pack_linear_weights, where the ops offer it
@@ -121,6 +143,8 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         self.attention.prepare(meta)
         x = self._embed(input_ids)                    # the residual stream
+        if a.embedding_multiplier != 1.0:
+            x = x * a.embedding_multiplier
         cos, sin = self.rope.lookup(positions)
         qk_size = self.q_size + self.kv_size
         h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
@@ -135,13 +159,19 @@ class LlamaModel:
             qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
-            q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
+            if w.q_norm is not None:
+                self._norm_heads(qkv, w)
+            if i in self.no_rope:
+                q = qkv[:, :self.q_size].view(num_tokens, a.num_heads, a.head_dim)
+                k = qkv[:, self.q_size:qk_size].view(num_tokens, a.num_kv_heads, a.head_dim)
+            else:
+                q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale).reshape(num_tokens, self.q_size)
             o = linear(attn, w.o)
             if lora is not None:
                 lora.add(i, "o", attn, o)
-            x, h = ops.add_rms_norm(x, reduce(o), w.post_norm, a.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, self._residual(reduce(o)), w.post_norm, a.rms_norm_eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             gate_up = linear(h, w.gate_up)
             if lora is not None:
@@ -150,8 +180,23 @@ class LlamaModel:
             down = linear(act, w.down)
             if lora is not None:
                 lora.add(i, "down", act, down)
-            x, h = ops.add_rms_norm(x, reduce(down), next_norm, a.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, self._residual(reduce(down)), next_norm, a.rms_norm_eps)
         return h
+
+    def _norm_heads(self, qkv: torch.Tensor, w: LayerWeights) -> None:
+        """q/k norm: each q and k head RMS-normalised over its dimensions, in place in qkv."""
+        a, t = self.args, qkv.shape[0]
+        for start, size, weight in ((0, self.q_size, w.q_norm), (self.q_size, self.kv_size, w.k_norm)):
+            heads = qkv[:, start:start + size].reshape(-1, a.head_dim)
+            qkv[:, start:start + size] = self.ops.rms_norm(heads, weight, a.rms_norm_eps).view(t, size)
+
+    def _residual(self, y: torch.Tensor) -> torch.Tensor:
+        m = self.args.residual_multiplier
+        return y if m == 1.0 else y * m
+
+    def needs_python_layers(self) -> list[str]:
+        """What keeps this model off the compiled layer loop (ModelArgs.beyond_compiled_loop)."""
+        return self.args.beyond_compiled_loop()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp:
@@ -169,6 +214,8 @@ class LlamaModel:
         vocabulary's logits, the other ranks None."""
         # (float32 out of the product itself where it can: quantized heads skip a bf16 rounding and a copy)
         logits = self.ops.linear(hidden, self.lm_head, out_dtype=torch.float32)
+        if self.args.logits_scaling != 1.0:
+            logits /= self.args.logits_scaling
         if not self.tp:
             return logits
         whole = self.tp.gather_columns(logits)

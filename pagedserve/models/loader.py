@@ -19,7 +19,7 @@ import mmap
 import os
 import warnings
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from pagedserve.config import cache_dir, resolve_dtype
-from pagedserve.models.llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaModel, ModelArgs
+from pagedserve.models import architectures
+from pagedserve.models.llama import LayerWeights, LlamaModel, ModelArgs
 from pagedserve.models.opt import OPT_ARCHITECTURES, OPTArgs, build_opt_model
 from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.models.presets import PRESETS, is_preset
@@ -61,82 +62,83 @@ def is_gguf(path: str) -> bool:
 # ---- configs -------------------------------------------------------------------------------
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs of an HF config.json: the keys every architecture shares here, and its own
+    through its Architecture (models/architectures.py)."""
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES + OPT_ARCHITECTURES)}")
+    arch = architectures.by_hf_name(archs[0])
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: "
+                         f"{', '.join(architectures.hf_architecture_names() + OPT_ARCHITECTURES)}")
     heads = cfg["num_attention_heads"]
     # transformers 5 keeps RoPE settings in rope_parameters; 4 in rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
     scaling.update(rope)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         scaling = None
-    return ModelArgs(
-        architecture=arch,
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    args = ModelArgs(
+        architecture=archs[0] if archs[0] in arch.hf_architectures else arch.hf_architectures[0],
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+        qkv_bias=bool(cfg.get("attention_bias", False) if arch.qkv_bias is None else arch.qkv_bias),
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        qk_norm=arch.qk_norm,
+        rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
     )
-
-
-# GGUF architectures (general.architecture) whose model code we have: the HF architecture they
-# load as, and whether llama.cpp's converter permuted q/k rows for its interleaved RoPE (it does
-# for `llama`, which Mistral files use too; `qwen2` keeps HF's layout). Tensor names are shared
-# (_GGUF_NAMES, _GGUF_LAYER_NAMES); the metadata keys are prefixed with the architecture.
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-}
+    return replace(args, **arch.hf_config(cfg)) if arch.hf_config else args
 
 
 def args_from_gguf(reader) -> ModelArgs:
-    def field(name, default=None):
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
-                         + ", ".join(f"{a} (as {hf})" for a, (hf, _) in GGUF_ARCHITECTURES.items()))
-    p = arch + "."
-    heads = field(p + "attention.head_count")
-    hidden = field(p + "embedding_length")
+    """ModelArgs of a GGUF file's metadata (llama.cpp's keys, prefixed with the architecture)."""
+    m = architectures.Metadata(reader, "?")
+    name = m.top("general.architecture")
+    arch = architectures.by_gguf_name(name)
+    if arch is None:
+        raise ValueError(f"unsupported GGUF architecture {name!r}; supported: " + ", ".join(
+            f"{a.gguf_architecture} (as {a.hf_architectures[0]})" for a in architectures.ARCHITECTURES
+            if a.gguf_architecture))
+    m = architectures.Metadata(reader, name)
+    heads = m.get("attention.head_count")
+    hidden = m.get("embedding_length")
     names = {t.name for t in reader.tensors}
-    scaling = None
-    if field(p + "rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": field(p + "rope.scaling.factor")}
-    return ModelArgs(
-        architecture=GGUF_ARCHITECTURES[arch][0],
-        vocab_size=field(p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+    # head_dim: attention.key_length where llama.cpp wrote one (a config's head_dim), else
+    # rope.dimension_count (older llama files), else hidden / heads.
+    head_dim = m.get("attention.key_length") or m.get("rope.dimension_count") or hidden // heads
+    rope_dim = m.get("rope.dimension_count") or head_dim
+    args = ModelArgs(
+        architecture=arch.hf_architectures[0],
+        vocab_size=m.get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
-        intermediate_size=field(p + "feed_forward_length"),
-        num_layers=field(p + "block_count"),
+        intermediate_size=m.get("feed_forward_length"),
+        num_layers=m.get("block_count"),
         num_heads=heads,
-        num_kv_heads=field(p + "attention.head_count_kv", heads),
-        head_dim=field(p + "rope.dimension_count", hidden // heads),
-        rms_norm_eps=field(p + "attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=float(field(p + "rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=field(p + "context_length", 2048),
+        num_kv_heads=m.get("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=m.get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=float(m.get("rope.freq_base", 10000.0)),
+        rope_scaling=architectures.gguf_rope_scaling(m),
+        max_position_embeddings=m.get("context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rotary_dim=0 if rope_dim == head_dim else rope_dim,
     )
+    return replace(args, **arch.gguf_config(m)) if arch.gguf_config else args
 
 
 # ---- weights -------------------------------------------------------------------------------
@@ -150,18 +152,6 @@ def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
     for f in files:
         weights.update(load_file(str(f)))
     return {k.removeprefix("model."): v for k, v in weights.items()}
-
-
-_GGUF_NAMES = {
-    "token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -262,15 +252,23 @@ class GGUFSource:
 
     def __init__(self, reader, args: ModelArgs) -> None:
         self.args = args
-        self.permuted = args.architecture == "LlamaForCausalLM"   # GGUF_ARCHITECTURES: llama.cpp's rotary layout
+        arch = architectures.by_hf_name(args.architecture)
+        self.permuted = arch.gguf_rotary_permuted        # llama.cpp's rotary layout of q/k rows
+        layer_names = architectures.gguf_layer_tensors(arch)
         self._reader = reader
         self._tensors = {}
         for t in reader.tensors:
+            if t.name in architectures.GGUF_ROPE_TENSORS:      # RoPE settings, read with the metadata
+                continue
             if t.name.startswith("blk."):
                 _, layer, kind, suffix = t.name.split(".", 3)
-                self._tensors[f"layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"] = (t, kind)
+                if kind not in layer_names:
+                    raise ValueError(f"GGUF tensor {t.name}: {arch.gguf_architecture} files have no {kind!r}")
+                self._tensors[f"layers.{layer}.{layer_names[kind]}.{suffix}"] = (t, kind)
+            elif t.name in architectures.GGUF_TOP_TENSORS:
+                self._tensors[architectures.GGUF_TOP_TENSORS[t.name]] = (t, None)
             else:
-                self._tensors[_GGUF_NAMES[t.name]] = (t, None)
+                raise ValueError(f"GGUF tensor {t.name} is not one of a {arch.gguf_architecture} model's")
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -533,7 +531,10 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
         p = f"layers.{i}."
         qkv = build.matrix([(p + f"self_attn.{n}_proj.weight", heads[n]) for n in "qkv"])
         bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", heads[n]) for n in "qkv"]) if args.qkv_bias else None
+        qk_norm = {"q_norm": w(p + "self_attn.q_norm.weight"), "k_norm": w(p + "self_attn.k_norm.weight")} \
+            if args.qk_norm else {}
         layers.append(LayerWeights(
+            **qk_norm,
             input_norm=w(p + "input_layernorm.weight"),
             qkv=qkv,
             qkv_bias=bias,
@@ -673,7 +674,7 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         checkpoint_dtype = _checkpoint_dtype(cfg)
     if isinstance(args, OPTArgs) and (sharded or dummy or quantization):
         raise ValueError("OPT runs in one process with its own float weights: tensor parallelism, quantization "
-                         "and load_format='dummy' support the Llama family (Llama, Mistral, Qwen2)")
+                         "and load_format='dummy' support the Llama family (models/architectures.py)")
     if not isinstance(args, OPTArgs):
         shard.check(args)
     dtype = resolve_dtype(dtype_name, checkpoint_dtype, bf16_is_fast=ops.bf16_is_fast)

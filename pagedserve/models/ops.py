@@ -56,7 +56,8 @@ class ModelOps(Protocol):
 
     def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D] and k [T, Hkv, D] of a fused qkv projection [T, (Hq + 2 Hkv) D], RoPE applied."""
+        """q [T, Hq, D] and k [T, Hkv, D] of a fused qkv projection [T, (Hq + 2 Hkv) D], RoPE applied
+        (cos, sin [T, 1, R]: to each head's leading R dimensions; R < D is partial rotary)."""
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The index of each row's first maximum (a NaN counts as the maximum), as x.max(-1).indices."""
@@ -90,7 +91,11 @@ class TorchOps:
     def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(qkv.shape[0], num_heads + num_kv_heads, head_dim)
-        qk = apply_rope(qk, cos, sin)
+        rot = cos.shape[-1]
+        if rot == head_dim:
+            qk = apply_rope(qk, cos, sin)
+        else:        # partial rotary: the leading `rot` dimensions of each head turn, the rest pass
+            qk = torch.cat((apply_rope(qk[..., :rot], cos, sin), qk[..., rot:]), dim=-1)
         return qk[:, :num_heads], qk[:, num_heads:]
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""How each architecture we run differs from Llama: the one place that says so.
+
+Every decoder in models/llama.py is Llama's: pre-norm RMSNorm, rotary attention with grouped KV
+heads, a SiLU-gated MLP, an LM head tied to the embedding or not. An `Architecture` below lists
+only where a family departs from that: its names (HF `architectures` and `model_type`, GGUF's
+`general.architecture`), what its config or GGUF metadata adds to `ModelArgs` (q/k norms, partial
+rotary, layers without RoPE, multipliers, RoPE scaling), and how its checkpoints name tensors
+that Llama's do not have or name otherwise (a fused qkv_proj, q_norm / k_norm, llama.cpp's
+rope_freqs). models/loader.py reads configs, GGUF metadata and tensor names through it;
+models/llama.py runs whatever `ModelArgs` says.
+
+Adding an architecture:
+1. Add an `Architecture(...)` to `ARCHITECTURES`: its names, and the fields where it differs
+   (everything left out is Llama's).
+2. Config keys of its own: an `hf_config` function from the config dict to `ModelArgs` fields,
+   and a `gguf_config` one from the GGUF metadata (`Metadata`: its keys without the
+   `<arch>.` prefix) to the same fields.
+3. Tensors Llama lacks or names otherwise: `gguf_tensors` (GGUF layer kind -> HF module), and
+   a field of `ModelArgs` the loader reads them by (e.g. `qk_norm` -> self_attn.q_norm).
+4. Math Llama lacks: a `ModelArgs` field whose default is Llama's behaviour, used in
+   `LlamaModel.forward`; if the compiled CPU layer loop does not do it, list it in
+   `llama.beyond_compiled_loop` (the Python loop then runs that model).
+5. Tests (tests/test_architectures.py): a tiny transformers config with every distinguishing
+   feature on, whose greedy tokens and logprobs ours must equal, and the same model written as
+   llama.cpp writes its GGUF.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# GGUF's layer tensor kinds (blk.<i>.<kind>.weight) and top-level tensors as llama.cpp names them,
+# with the HF module (under `model.layers.<i>.`) or tensor each holds. An architecture adds or
+# overrides kinds with `gguf_tensors`.
+GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+GGUF_TOP_TENSORS = {
+    "token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Top-level GGUF tensors that are RoPE settings, not weights: read with the metadata (gguf_rope).
+GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+class Metadata:
+    """A GGUF file's metadata under one architecture's prefix: `get("attention.head_count")` reads
+    `<arch>.attention.head_count`; `top("general.name")` a key as it is."""
+
+    def __init__(self, reader, arch: str) -> None:
+        self.reader, self.prefix = reader, arch + "."
+
+    def top(self, name: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.top(self.prefix + name, default)
+
+    def tensor(self, name: str):
+        """A small top-level tensor's values as a list of floats (None if the file has none)."""
+        import numpy as np
+        for t in self.reader.tensors:
+            if t.name == name:
+                return np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+        return None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                                   # ours, short: "qwen3"
+    hf_architectures: tuple[str, ...]           # config.json "architectures"
+    model_types: tuple[str, ...] = ()           # config.json "model_type"
+    gguf_architecture: str | None = None        # GGUF general.architecture
+    # Attention
+    qkv_bias: bool | None = None                # always (Qwen2) / never; None: the config's attention_bias
+    qk_norm: bool = False                       # RMSNorm of each q and k head before RoPE (Qwen3)
+    # Checkpoint layout
+    fused_qkv: bool = False                     # HF stores self_attn.qkv_proj (Phi-3), not q/k/v_proj
+    fused_gate_up: bool = False                 # HF stores mlp.gate_up_proj (Phi-3)
+    gguf_rotary_permuted: bool = False          # llama.cpp's converter permuted q/k rows (its LlamaModel)
+    gguf_tensors: dict[str, str] = field(default_factory=dict)   # extra GGUF layer kinds -> HF modules
+    # Config keys of its own -> ModelArgs fields (beyond the shared ones read in loader.py)
+    hf_config: Callable[[dict], dict] | None = None
+    gguf_config: Callable[[Metadata], dict] | None = None
+
+    def hf_names(self) -> str:
+        return ", ".join(self.hf_architectures)
+
+
+ARCHITECTURES: list[Architecture] = [
+    Architecture("llama", ("LlamaForCausalLM",), ("llama",), "llama", gguf_rotary_permuted=True),
+    # Mistral's GGUF files are `llama` ones (llama.cpp converts them as Llama).
+    Architecture("mistral", ("MistralForCausalLM",), ("mistral",)),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", qkv_bias=True),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", qk_norm=True),
+]
+
+
+def by_hf_name(name: str) -> Architecture | None:
+    """The architecture of an HF `architectures` entry or `model_type`."""
+    for a in ARCHITECTURES:
+        if name in a.hf_architectures or name in a.model_types:
+            return a
+    return None
+
+
+def by_gguf_name(name: str) -> Architecture | None:
+    for a in ARCHITECTURES:
+        if a.gguf_architecture == name:
+            return a
+    return None
+
+
+def hf_architecture_names() -> tuple[str, ...]:
+    return tuple(n for a in ARCHITECTURES for n in a.hf_architectures)
+
+
+def gguf_architecture_names() -> tuple[str, ...]:
+    return tuple(a.gguf_architecture for a in ARCHITECTURES if a.gguf_architecture)
+
+
+def gguf_layer_tensors(arch: Architecture) -> dict[str, str]:
+    return GGUF_LAYER_TENSORS | arch.gguf_tensors
+
+
+def gguf_rope_scaling(m: Metadata) -> dict | None:
+    """A GGUF file's RoPE scaling as a config's rope_scaling (models/layers.py rope_inv_freq):
+    llama.cpp writes Llama 3's as a rope_freqs tensor (each frequency's divisor), LongRoPE's as
+    rope_factors_long / _short tensors, linear as metadata."""
+    freqs = m.tensor("rope_freqs.weight")
+    if freqs is not None:
+        return {"rope_type": "freq_factors", "factors": freqs}
+    long = m.tensor("rope_factors_long.weight")
+    if long is not None:
+        return {"rope_type": "longrope", "long_factor": long, "short_factor": m.tensor("rope_factors_short.weight"),
+                "original_max_position_embeddings": m.get("rope.scaling.original_context_length"),
+                "attention_factor": m.get("rope.scaling.attn_factor")}
+    kind = m.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": m.get("rope.scaling.factor")}
+    raise ValueError(f"GGUF {m.prefix}rope.scaling.type {kind!r} is not supported (supported: linear, "
+                     f"Llama 3's rope_freqs, LongRoPE's rope_factors)")

@@ -1,0 +1,134 @@
+"""The architectures of models/architectures.py as llama.cpp writes their GGUF files: each tiny
+random model (tests/conftest.py VARIANTS, where its HF directory is checked against transformers
+in tests/test_models.py) written with llama.cpp's tensor names and metadata keys generates what
+transformers generates; in native Q8_0 blocks it may leave the oracle's argmax only at near-ties."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.models import architectures
+from tests.conftest import PROMPTS, hf_greedy
+from tests.gguf_utils import write_hf_model
+
+gguf = pytest.importorskip("gguf")
+
+TEXT = "Keys and values are stored in blocks of the cache. Continuous batching schedules"
+# Native Q8_0 (8-bit activations) against float32 on the same weights: a generated token may
+# leave the oracle's argmax only where the top logit is within MARGIN of it (tests/test_quantized_models.py).
+MARGIN = 0.15
+LOGPROB_ATOL = 0.15
+
+
+def _qwen3_header(w, cfg) -> None:
+    w.add_key_length(cfg.head_dim)          # the converter writes a config's head_dim
+    w.add_value_length(cfg.head_dim)
+
+
+def _llama_header(w, cfg) -> None:
+    w.add_rope_dimension_count(cfg.head_dim)
+
+
+def _llama3_rope_freqs(cfg) -> dict:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it: a rope_freqs tensor holding each
+    frequency's divisor (1 for short wavelengths, `factor` for long ones, smoothed between)."""
+    import math
+    rope = cfg.rope_parameters
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    dim = cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    divisors = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": divisors}
+
+
+# variant -> how llama.cpp's converter writes it: (GGUF architecture, write_hf_model keywords)
+GGUF_WRITERS = {
+    "qwen3_untied": ("qwen3", dict(header=_qwen3_header)),
+    "qwen3_tied": ("qwen3", dict(header=_qwen3_header)),
+    # Llama 3.1 / 3.2 / 3.3 files: q/k rows permuted, the scaling as a rope_freqs tensor.
+    "llama3_rope": ("llama", dict(header=_llama_header, permute_qk=True)),
+}
+EXTRA_TENSORS = {"llama3_rope": _llama3_rope_freqs}
+
+
+def _oracle(tm, state: dict) -> torch.nn.Module:
+    """The variant's transformers model with the weights as the file holds them."""
+    hf = type(tm.hf)(tm.hf.config).float().eval()
+    missing, _ = hf.load_state_dict(state, strict=False)
+    assert all(n == "lm_head.weight" for n in missing), missing
+    if tm.hf.config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0])
+
+
+def _reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ref[torch.arange(len(ids) - 1), ids[1:]]
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_WRITERS))
+def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny_models, tmp_path, name):
+    tm = tiny_models(name)
+    arch, kwargs = GGUF_WRITERS[name]
+    path = tmp_path / f"{name}.gguf"
+    extra = EXTRA_TENSORS[name](tm.hf.config) if name in EXTRA_TENSORS else None
+    write_hf_model(tm.hf, path, arch, extra_tensors=extra, **kwargs)
+    llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
+    assert llm.engine.model_args.architecture == architectures.by_gguf_name(arch).hf_architectures[0]
+    for prompt in PROMPTS[:3]:
+        ids = tm.tokenizer.encode(prompt)
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, min_tokens=8),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(tm.hf, ids, 8), prompt
+    ids = tm.tokenizer.encode(TEXT)
+    torch.testing.assert_close(_prompt_logprobs(llm, ids), _reference_logprobs(tm.hf, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_untied"])
+def test_native_q8_0_leaves_the_oracle_only_at_near_ties(tiny_models, tmp_path, name):
+    """Q8_0 blocks run by the native kernels: each greedy token is the argmax of transformers on
+    the file's (dequantized) weights up to MARGIN, prompt logprobs within LOGPROB_ATOL."""
+    tm = tiny_models(name)
+    arch, kwargs = GGUF_WRITERS[name]
+    path = tmp_path / f"{name}-q8_0.gguf"
+    oracle = _oracle(tm, write_hf_model(tm.hf, path, arch, qtype=gguf.GGMLQuantizationType.Q8_0, **kwargs))
+    llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
+    model = llm.engine.executor.worker.runner.model
+    assert all(getattr(model.layers[0], n).qtype == "q8_0" for n in ("qkv", "o", "gate_up", "down"))
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    for out in llm.generate([{"prompt_token_ids": tm.tokenizer.encode(p)} for p in PROMPTS[:3]], params,
+                            use_tqdm=False):
+        ids, gen = out.prompt_token_ids, list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = oracle(torch.tensor([ids + gen])).logits[0].float()
+        for i, t in enumerate(gen):
+            row = logits[len(ids) + i - 1]
+            assert row.max() - row[t] <= MARGIN, (i, float(row.max() - row[t]))
+    ids = tm.tokenizer.encode(TEXT)
+    assert (_prompt_logprobs(llm, ids) - _reference_logprobs(oracle, ids)).abs().max() <= LOGPROB_ATOL
+
+
+def test_every_architecture_is_found_by_its_names():
+    for a in architectures.ARCHITECTURES:
+        for n in a.hf_architectures + a.model_types:
+            assert architectures.by_hf_name(n) is a
+        if a.gguf_architecture:
+            assert architectures.by_gguf_name(a.gguf_architecture) is a
+    assert architectures.by_hf_name("GPT2LMHeadModel") is None
