@@ -131,6 +131,27 @@ class StepBatch:
     # Cold adapters to read into the worker's host cache in the background (slot -1): their
     # requests are admitted in a later step (lora/slots.py request_read).
     lora_reads: list[LoRALoad] = field(default_factory=list)
+    # The prefix cache's disk tier (kv/tier.py, worker/kv_tier.py), before everything else: save
+    # (block id, key) (evicted cached blocks, copied before this step may overwrite them); delete
+    # these keys' files; read (key, block id) in the background into blocks that nothing else
+    # uses until they land. tier_wait: the step runs nothing else, so wait for the reads.
+    tier_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    tier_deletes: list[bytes] = field(default_factory=list)
+    tier_loads: list[tuple[bytes, int]] = field(default_factory=list)
+    tier_wait: bool = False
+
+
+@dataclass
+class TierReport:
+    """The disk tier's news since the last report: reads that landed in their blocks, reads
+    refused (file missing, truncated, corrupt or foreign: the block holds nothing), keys whose
+    files are gone (a failed write, the directory's size bound), and the store's totals."""
+    loaded: list[bytes] = field(default_factory=list)
+    failed: list[bytes] = field(default_factory=list)
+    lost: list[bytes] = field(default_factory=list)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    writable: bool = True
 
 
 @dataclass
@@ -163,6 +184,7 @@ class RunnerOutput:
     spec: dict[int, SamplerOutput] = field(default_factory=dict)
     # Method draft_model: seq_id -> the drafts the draft model proposed (verified as in `spec`).
     model_drafts: dict[int, list[int]] = field(default_factory=dict)
+    tier: TierReport | None = None         # the disk tier's news (None: no tier)
 
     @classmethod
     def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":

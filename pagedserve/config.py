@@ -164,6 +164,13 @@ class EngineConfig:
     swap_space: float = setting(0, "GiB of host memory for swapped-out KV blocks (used only with preemption_mode "
                                    "swap; at most 70% of the host's memory)")
     num_host_blocks_override: int | None = setting(None, "exact number of swap-space blocks (tests, benchmarks)")
+    # The prefix cache's disk tier (kv/tier.py, worker/kv_tier.py): cached blocks the pool evicts are
+    # saved to files there and read back when a later prompt's prefix misses the pool; the files
+    # outlive the engine and may be shared by several engines of the same model.
+    kv_offload_path: str | None = setting(None, "directory of the prefix cache's disk tier: evicted cached KV "
+                                                "blocks saved there, read back on a later hit and after a restart")
+    kv_offload_gb: float | None = setting(None, "GiB the disk tier's directory may hold (default 8; needs "
+                                                "kv_offload_path)")
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
     check_invariants: bool = setting(False, "check the paging invariants after every step (slow; tests)")
     # Device and attention kernels. None picks cuda + triton when torch sees a GPU, else cpu + cpu.
@@ -287,6 +294,7 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_allocator != "paged":
             raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged' (swap space is a pool of "
                              f"blocks), not {self.kv_allocator!r}")
+        self._check_kv_offload()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):
@@ -353,6 +361,27 @@ class EngineConfig:
         if (self.device or "cpu").startswith("cuda") or self.attention_backend == "triton":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (no CUDA/Triton kernels for "
                              f"quantized weights yet); use device='cpu', or gguf_dequantize=True for a GGUF file")
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_path is None:
+            if self.kv_offload_gb is not None:
+                raise ValueError("kv_offload_gb needs kv_offload_path (--kv-offload-path DIR): the disk tier's directory")
+            return
+        if self.kv_offload_gb is None:
+            self.kv_offload_gb = 8.0
+        if not self.kv_offload_gb > 0:
+            raise ValueError(f"kv_offload_gb must be > 0 GiB, got {self.kv_offload_gb}")
+        if not self.kv_offload_path or os.path.isfile(self.kv_offload_path):
+            raise ValueError(f"kv_offload_path must be a directory (made if missing); got {self.kv_offload_path!r}")
+        if not self.enable_prefix_caching or self.kv_allocator != "paged":
+            raise ValueError("kv_offload_path is a tier of the prefix cache: it needs enable_prefix_caching and "
+                             "kv_allocator='paged'")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_path is not supported with tensor_parallel_size > 1 yet")
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        return int((self.kv_offload_gb or 0) * 1024**3)
 
     @property
     def swap_space_bytes(self) -> int:

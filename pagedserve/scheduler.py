@@ -66,7 +66,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (MODEL_DRAFT, PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow,
-                              SamplerOutput, ScheduledTokens, StepBatch)
+                              SamplerOutput, ScheduledTokens, StepBatch, TierReport)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import kv_salt
@@ -74,6 +74,7 @@ from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.lora.slots import LoRASlots
 from pagedserve.outputs import Logprob
 from pagedserve.request import Request, RequestStatus, Sequence
@@ -201,19 +202,24 @@ class QueueView:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
-                 kv_events: KVEventSink | None = None) -> None:
+                 kv_events: KVEventSink | None = None, tier: TierIndex | None = None) -> None:
         """eos_token_ids: every EOS id of the model (tokenizer and generation config), for
         sampling and beam search alike; kv_events: told of the prefix cache's changes (a
         data-parallel router listens). The scheduler knows no text: the engine's output side
         makes it and checks the stop strings (engine/detokenizer.py), then ends a sequence a
-        stop string ended with `stop_seq`."""
+        stop string ended with `stop_seq`. tier: the keys of the disk tier below the prefix
+        cache (kv/tier.py), kept by the engine across resets."""
         self.config = config
         self.block_size = config.block_size
         self.max_model_len = max_model_len or config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
                                                  config.enable_prefix_caching, self.max_model_len, num_host_blocks,
-                                                 kv_events, config.kv_cache_dtype)
+                                                 kv_events, config.kv_cache_dtype, tier)
+        # The tier below the prefix cache: a waiting request whose prefix it holds waits for
+        # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
+        self.tier: TierLink | None = getattr(self.kv, "tier", None)
+        self._tier_tries: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
@@ -305,6 +311,9 @@ class Scheduler:
             self._finished_seq_ids.append(seq.seq_id)
             if self.suffix is not None and seq.finish_reason != "abort":
                 self.suffix.add_output(seq.output_token_ids)   # suffix drafts for later requests
+        if self.tier is not None:
+            self.tier.release(req.request_id)
+            self._tier_tries.pop(req.request_id, None)
         if req.structured is not None:
             req.structured.release()   # a compile only it waited for is abandoned
         req.structured = None   # its matchers go with it
@@ -385,7 +394,12 @@ class Scheduler:
                 continue
             if num_seqs + req.max_seqs > self.config.max_num_seqs:
                 break
+            if self.tier is not None and self._wait_for_tier(req):
+                compiling.append(self.waiting.popleft())
+                continue
             admitted = self._admit(req, budget)
+            if self.tier is not None:
+                self.tier.release(req.request_id)   # its table holds what it took
             if admitted is None:
                 break          # out of blocks: stop admitting
             plan, copies = admitted
@@ -423,6 +437,10 @@ class Scheduler:
         if self.loras is not None:
             out.batch.lora_loads = self.loras.take_loads()
             out.batch.lora_reads = self.loras.take_reads()
+        if self.tier is not None:
+            b = out.batch
+            b.tier_saves, b.tier_loads, b.tier_deletes = self.tier.take()
+            b.tier_wait = not out.scheduled and bool(self.tier.loading)   # nothing to overlap the reads with
         self._finished_seq_ids = []
         constrained = [(row, s) for row, s in enumerate(out.sampled) if s.request.structured is not None]
         if constrained:
@@ -610,6 +628,35 @@ class Scheduler:
             self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)
         return plan, copies
 
+    def _wait_for_tier(self, req: Request) -> bool:
+        """Whether a waiting request waits for the disk tier: its reads are in flight, or its
+        prefix misses the pool but hits the tier and reads start now (into free blocks, leaving
+        the admission watermark while others run). At most two reads per request, so a prefix
+        evicted again before admission is computed rather than chased."""
+        rid = req.request_id
+        if self.tier.waiting(rid):
+            return not self.tier.ready(rid)
+        tries = self._tier_tries.get(rid)
+        if req.computes_every_prompt_token or (tries or 0) >= 2:
+            return False
+        seq = req.live_seqs[0]
+        tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
+        room = self.kv.num_free_blocks - (self.watermark_blocks if self.running else 0)
+        started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_name), room, count=tries is None)
+        self._tier_tries[rid] = (tries or 0) + started
+        return started
+
+    def apply_tier_report(self, report: TierReport) -> None:
+        """The worker's news of the disk tier: landed reads enter the prefix cache, failed ones
+        and lost files leave the tier's index."""
+        if self.tier is None:
+            return
+        self.tier.finished(report.loaded, report.failed)
+        self.tier.forget(report.lost)
+        stats = self.tier.index.stats
+        stats.bytes_written, stats.bytes_read = report.bytes_written, report.bytes_read
+        stats.writable = stats.writable and report.writable
+
     def _above_watermark(self, seqs: list[Sequence], prompt_len: int) -> bool:
         """Admission control: after the rest of these sequences' prompt blocks (beyond the
         prefix-cache hits they already hold), at least `watermark_blocks` stay free, so that
@@ -691,6 +738,8 @@ class Scheduler:
         and pruned; finished sequences and requests free their blocks. Each request's part
         runs on its own: one that raises is dropped (its blocks freed) and reported in
         `failed`, the others' tokens are kept."""
+        if result.tier is not None:
+            self.apply_tier_report(result.tier)
         now = time.monotonic()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

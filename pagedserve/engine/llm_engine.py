@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.batch import StepBatch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import OutputText
@@ -28,6 +29,7 @@ from pagedserve.executor import WorkerFailedError, make_executor
 from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
+from pagedserve.kv.tier import TierIndex
 from pagedserve.lora.registry import LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.engine.stats import SchedulerStats
@@ -143,6 +145,8 @@ class LLMEngine:
         self.vocab_size = worker.model_args.vocab_size
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
+        # The keys of the prefix cache's disk tier (kv/tier.py): its files outlive a reset, so does this.
+        self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys) if config.kv_offload_path else None
         self.scheduler = self._new_scheduler()
         self.loras = self._lora_registry(config)   # None unless enable_lora
         self.requests: dict[str, Request] = {}
@@ -208,7 +212,7 @@ class LLMEngine:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
-                         self.eos_token_ids, self.kv_events)
+                         self.eos_token_ids, self.kv_events, self.tier_index)
 
     def _eos_token_ids(self, path: str) -> set[int]:
         if self.config.load_format == "dummy":
@@ -398,6 +402,11 @@ class LLMEngine:
         """Stop the executor's worker processes (tensor parallelism) and the grammar compiles."""
         if self._grammars is not None:
             self._grammars.close()
+        tier = self.scheduler.tier
+        if tier is not None:      # the pool's cached blocks go to the disk tier, for the next start
+            tier.save_cached()
+            saves, _, deletes = tier.take()
+            self.executor.move_blocks(StepBatch(tier_saves=saves, tier_deletes=deletes))
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -444,6 +453,8 @@ class LLMEngine:
             self.check_paging_invariants(sched)
         if sched.empty:
             self.executor.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
+            if self.tier_index is not None:          # the disk tier's reads: waited for when nothing else runs
+                self.scheduler.apply_tier_report(self.executor.tier_report(sched.batch.tier_wait))
             if grammar_failures:
                 raise RequestsFailed(grammar_failures, [])
             self._watchdog()

@@ -1,7 +1,7 @@
 """The executor interface the engine calls, and the one-process executor."""
 from __future__ import annotations
 
-from pagedserve.batch import RunnerOutput, StepBatch
+from pagedserve.batch import RunnerOutput, StepBatch, TierReport
 from pagedserve.worker.worker import Worker
 
 
@@ -31,6 +31,10 @@ class Executor:
         """A step that computes nothing still moves its blocks (swaps) on every rank."""
         raise NotImplementedError
 
+    def tier_report(self, wait: bool = False) -> TierReport | None:
+        """The disk tier's news (the driver's store; a step that computed nothing asks here)."""
+        return self.runner.tier_report(wait)
+
     def forget_sequences(self) -> None:
         """Every sequence's state dropped (only the driver samples, so only it keeps any)."""
         self.runner.forget_sequences()
@@ -40,7 +44,8 @@ class Executor:
         return []
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.tier is not None:
+            self.runner.tier.close()   # the disk tier's saves reach the disk
 
 
 class UniProcExecutor(Executor):

@@ -10,7 +10,7 @@ import json
 import struct
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,6 +103,9 @@ class BlockPool:
         self.events = events
         if events is not None:
             events.cleared()
+        # Told of each cached block about to be reused, while it still holds its content (the
+        # tier below the pool saves it: kv/tier.py); None: no tier.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -121,6 +124,8 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.key is not None:
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._uncache(block)
             block.ref_cnt = 1
             out.append(block)

@@ -6,16 +6,22 @@ from pagedserve.kv.contiguous import ContiguousKVCacheManager
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.kv_cache_manager import KVCacheManager
+from pagedserve.kv.tier import TierIndex
 
 
 def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
                           max_model_len: int | None, num_host_blocks: int = 0,
-                          kv_events: KVEventSink | None = None, kv_cache_dtype: str = "auto") -> KVCache:
+                          kv_events: KVEventSink | None = None, kv_cache_dtype: str = "auto",
+                          tier: TierIndex | None = None) -> KVCache:
     """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has;
     kv_events: told of prefix-cache changes (the baselines cache nothing, so never hear of any);
-    kv_cache_dtype: part of the prefix-cache keys (an 8-bit cache's blocks never mix with 16-bit ones)."""
+    kv_cache_dtype: part of the prefix-cache keys (an 8-bit cache's blocks never mix with 16-bit ones);
+    tier: the keys of the tier below the pool (kv/tier.py), which only the paged manager has."""
     if kind == "paged":
-        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events, kv_cache_dtype)
+        return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events, kv_cache_dtype,
+                              tier)
+    if tier is not None:
+        raise ValueError(f"kv_offload_path needs kv_allocator='paged', not {kind!r}")
     if num_host_blocks:
         raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged', not {kind!r}")
     if kind in CONTIGUOUS_POLICIES:

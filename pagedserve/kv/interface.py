@@ -59,6 +59,16 @@ class KVCacheStats:
     kv_allocator: str | None = None      # the contiguous baselines: policy and holes
     num_holes: int | None = None
     largest_hole_blocks: int | None = None
+    # The tier below the pool (kv/tier.py; None: no tier): blocks it holds, prompt tokens looked
+    # up there and found (vLLM's external prefix cache), blocks and bytes moved, failed reads.
+    kv_offload_blocks: int | None = None
+    kv_offload_queries: int | None = None
+    kv_offload_hits: int | None = None
+    kv_offload_blocks_saved: int | None = None
+    kv_offload_blocks_loaded: int | None = None
+    kv_offload_load_failures: int | None = None
+    kv_offload_bytes_written: int | None = None
+    kv_offload_bytes_read: int | None = None
 
     @property
     def usage(self) -> float:

@@ -22,6 +22,7 @@ from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqSt
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.snapshot import KVSnapshot, snapshot_pool
 from pagedserve.kv.swap import SwapSpace, mirror_tables
+from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.utils import cdiv
 
 
@@ -33,7 +34,8 @@ class PrefixCacheStats:
 
 class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, events: KVEventSink | None = None, kv_cache_dtype: str = "auto") -> None:
+                 num_host_blocks: int = 0, events: KVEventSink | None = None, kv_cache_dtype: str = "auto",
+                 tier: TierIndex | None = None) -> None:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype         # in every first block's key (block_pool.first_block_extra_keys)
         self.enable_caching = enable_caching
@@ -44,6 +46,8 @@ class KVCacheManager(PoolCapacity):
         self.prefix_stats = PrefixCacheStats()
         self.num_logical_blocks = 0                  # entries of all device tables, kept as they change
         self.swap = SwapSpace(self, num_host_blocks)
+        # The tier below the pool (kv/tier.py): evicted cached blocks saved, tier hits read back.
+        self.tier = TierLink(self.pool, tier) if tier is not None and enable_caching else None
         # The tokens behind each prefix-cache key, so a snapshot can show a cached block's text
         # after its last owner is gone. Pruned to the keys still in use when it doubles.
         self.cached_tokens: dict[BlockKey, tuple[int, ...] | None] = {}   # None: salted, hidden
@@ -71,6 +75,19 @@ class KVCacheManager(PoolCapacity):
                 break
             hits.append(block)
         return hits
+
+    def tier_fetch(self, owner: str, token_ids: list[int], cache_salt: str | None, room: int,
+                   count: bool = True) -> bool:
+        """Read the tier's blocks of the prompt's prefix past the pool's hits into at most `room`
+        new blocks, ahead of its admission (kv/tier.py). Returns whether it has loads to wait for."""
+        keys = lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype)
+        if not self.tier.fetch(owner, keys, room, self.block_size, count):
+            return False
+        B = self.block_size
+        for i, key in enumerate(keys):   # the dashboard's text of the blocks read back (hidden if salted)
+            if key in self.tier.loading:
+                self.cached_tokens[key] = None if cache_salt is not None else tuple(token_ids[i * B:(i + 1) * B])
+        return True
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens
@@ -263,13 +280,21 @@ class KVCacheManager(PoolCapacity):
 
     def stats(self) -> KVCacheStats:
         pool, swap = self.pool, self.swap
+        tier = {}
+        if self.tier is not None:
+            t = self.tier.index.stats
+            tier = dict(kv_offload_blocks=len(self.tier.index), kv_offload_queries=t.queries, kv_offload_hits=t.hits,
+                        kv_offload_blocks_saved=t.blocks_saved, kv_offload_blocks_loaded=t.blocks_loaded,
+                        kv_offload_load_failures=t.load_failures, kv_offload_bytes_written=t.bytes_written,
+                        kv_offload_bytes_read=t.bytes_read)
         return KVCacheStats(
             num_blocks=pool.num_blocks, block_size=self.block_size, num_free_blocks=pool.num_free_blocks,
             num_used_blocks=self.num_used_blocks, num_cached_blocks=len(pool.cached),
             prefix_cache_queries=self.prefix_stats.queries, prefix_cache_hits=self.prefix_stats.hits,
             num_logical_blocks=self.num_logical_blocks, num_evicted_blocks=pool.num_evictions,
             num_host_blocks=swap.num_blocks, num_free_host_blocks=swap.num_free_blocks,
-            num_swapped_out_blocks=swap.num_swapped_out_blocks, num_swapped_in_blocks=swap.num_swapped_in_blocks)
+            num_swapped_out_blocks=swap.num_swapped_out_blocks, num_swapped_in_blocks=swap.num_swapped_in_blocks,
+            **tier)
 
     def memory_usage(self, seqs: list[tuple[int, int, int]], waiting_max_len: int | None = None) -> MemoryUsage:
         """Slots by category (see memory_usage.py) for the sequences (seq_id, computed tokens,
@@ -291,8 +316,9 @@ class KVCacheManager(PoolCapacity):
         """Invariants 1 and 3 (docs/architecture.md), in both pools, plus the free queues and the prefix-cache
         index; with `live` and `swapped`, who may hold blocks and that computed tokens have slots."""
         host_tables = self.swap.tables
-        for pool, tables in ((self.pool, self.tables), (self.swap.pool, host_tables)):
-            holders = Counter(b.block_id for t in tables.values() for b in t)
+        tier_held = self.tier.held() if self.tier is not None else []   # loads in flight, waiting requests' pins
+        for pool, tables, more in ((self.pool, self.tables, tier_held), (self.swap.pool, host_tables, [])):
+            holders = Counter(b.block_id for t in (*tables.values(), *more) for b in t)
             for t in tables.values():
                 assert len({b.block_id for b in t}) == len(t), "a block appears twice in one table"
                 assert all(pool.blocks[b.block_id] is b for b in t), "a table holds a block of the other pool"

@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.attention.kv_format import KVFormat, kv_format
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch
+from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch, TierReport
 from pagedserve.sampling.sampler import Sampler, SamplingRow
 from pagedserve.spec_decode.rejection import DraftRow, verify
 from pagedserve.worker.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -97,6 +97,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
         self.lora = None   # multi-LoRA (lora/weights.py LoRAWeights): set by the worker when enabled
         self.draft = None  # speculative method draft_model (spec_decode/draft_model.py): set by the worker
+        self.tier = None   # the prefix cache's disk tier (worker/kv_tier.py KVTierStore): set by the worker
 
     def capture_cuda_graphs(self, sizes: list[int], max_model_len: int, capture: bool = True) -> None:
         """Capture the decode step for these batch sizes (capture=False: pad and run the same
@@ -117,6 +118,10 @@ class ModelRunner:
         be reused in this very step), swap in, then copy-on-write. Also forgets finished sequences."""
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        if self.tier is not None:   # first: the evicted blocks' content, before anything overwrites it
+            self.tier.save(batch.tier_saves)
+            self.tier.delete(batch.tier_deletes)
+            self.tier.start_loads(batch.tier_loads)
         swap_blocks(self.kv_cache, self.host_cache, batch.swap_out)
         swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
         self.copy_blocks(batch.block_copies)
@@ -130,6 +135,12 @@ class ModelRunner:
     def forget_sequences(self) -> None:
         """Drop every sequence's state (after the engine dropped all requests)."""
         self.generators.clear()
+        if self.tier is not None:
+            self.tier.cancel()
+
+    def tier_report(self, wait: bool = False) -> TierReport | None:
+        """The disk tier's reads that landed (all of them with `wait`) and its news."""
+        return self.tier.collect(wait) if self.tier is not None else None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before the step."""
@@ -174,7 +185,7 @@ class ModelRunner:
             rows = [DraftRow(self._sampling_row(s.seq_id, s.sample), s.draft_token_ids) for s in drafted]
             spec = dict(zip([s.seq_id for s in drafted], verify(self.sampler, spec_logits.float(), rows)))
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled=pooled, spec=spec,
-                            model_drafts=model_drafts)
+                            model_drafts=model_drafts, tier=self.tier_report())
 
     def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
         """The logits of a step of decodes that all sample, from a captured graph; None when

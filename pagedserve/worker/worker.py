@@ -6,7 +6,7 @@ the number of device and host blocks, the context length and the model's shape."
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -112,6 +112,10 @@ class Worker:
     num_blocks: int
     num_host_blocks: int
     max_model_len: int
+    # The disk tier (worker/kv_tier.py), if any: the keys its directory holds for this model,
+    # oldest first, and how many blocks its size bound holds (the engine's index, kv/tier.py).
+    tier_keys: list[bytes] = field(default_factory=list)
+    tier_capacity: int = 0
 
     @classmethod
     def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int],
@@ -164,4 +168,12 @@ class Worker:
                                       dtype, device, shard)
         if graphs:
             runner.capture_cuda_graphs(sizes, max_model_len)
-        return cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)
+        worker = cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)
+        if config.kv_offload_path is not None:
+            from pagedserve.worker.kv_tier import open_tier_store
+            runner.tier = open_tier_store(config, model_path, args, dtype, runner.kv_cache)
+            worker.tier_keys = runner.tier.scan()
+            worker.tier_capacity = config.kv_offload_bytes // runner.tier.file_bytes
+            logger.info("KV disk tier %s: %d blocks of %d bytes found, room for %d", config.kv_offload_path,
+                        len(worker.tier_keys), runner.tier.file_bytes, worker.tier_capacity)
+        return worker

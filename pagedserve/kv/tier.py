@@ -1,0 +1,196 @@
+"""The prefix cache's second tier, engine side: which block keys a disk tier holds, and the
+block moves between it and the pool.
+
+A cached block the pool evicts is written to the tier once (`TierLink.evicted`: a save of
+(block id, key) in the next StepBatch, before anything can overwrite the block); a prompt whose
+prefix misses the pool but hits the tier gets blocks allocated and the tier's copies read into
+them (`TierLink.fetch`: loads of (key, block id)), ahead of its admission: the request waits
+for its loads, no step does. The worker's store (worker/kv_tier.py) does the file I/O and says
+which loads landed (`finished`); a landed block enters the prefix cache under its key, and
+the waiting request then finds it there like any other cached block.
+
+Keys are the pool's own (kv/block_pool.py: the SHA-256 chain over tokens, salt, LoRA adapter and
+KV format); the store files them under a fingerprint of the model, so another model never
+reads them. Ids and keys only: no tensors, no files here.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock
+
+
+@dataclass
+class TierStats:
+    """Cumulative counters (tokens for queries and hits, as the prefix cache's)."""
+    queries: int = 0            # prompt tokens looked up in the tier (those past the pool's hits)
+    hits: int = 0               # of those, tokens the tier held (loads issued or joined)
+    blocks_saved: int = 0       # blocks sent to the tier
+    blocks_loaded: int = 0      # blocks read back into the pool
+    load_failures: int = 0      # loads the store refused (missing, corrupt, foreign): recomputed
+    bytes_written: int = 0      # the store's totals, as last reported
+    bytes_read: int = 0
+    writable: bool = True       # False once a write failed (full disk): no more saves
+
+
+class TierIndex:
+    """The keys the tier holds, least recently used first, at most `capacity` of them. Outlives
+    the KV bookkeeping (LLMEngine.reset keeps it), since the files do."""
+
+    def __init__(self, capacity: int, keys: Iterable[BlockKey] = ()) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[BlockKey, None] = OrderedDict()
+        self.stats = TierStats()
+        for key in keys:        # oldest first (the store lists them by modification time)
+            self.keys[key] = None
+        self.evicted: list[BlockKey] = []       # keys over capacity, whose files go next
+        self._trim()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self.keys
+
+    def touch(self, key: BlockKey) -> None:
+        self.keys.move_to_end(key)
+
+    def add(self, key: BlockKey) -> None:
+        self.keys[key] = None
+        self._trim()
+
+    def discard(self, key: BlockKey) -> None:
+        self.keys.pop(key, None)
+
+    def _trim(self) -> None:
+        while len(self.keys) > self.capacity:
+            self.evicted.append(self.keys.popitem(last=False)[0])
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One waiting request's reads: the blocks it holds while they land (its pool hits, so they
+    are not evicted meanwhile, and each block a load of its lands in) and the keys it awaits."""
+    blocks: list[KVBlock] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
+
+
+class TierLink:
+    """The paged manager's collaborator for the tier (as SwapSpace is for swap space): it hears
+    the pool's evictions, starts and finishes loads, and hands the worker's moves to the batch."""
+
+    def __init__(self, pool: BlockPool, index: TierIndex) -> None:
+        self.pool = pool
+        self.index = index
+        self.saves: list[tuple[int, BlockKey]] = []       # for the next batch: (block id, key)
+        self.loads: list[tuple[BlockKey, int]] = []       # (key, block id)
+        self.loading: dict[BlockKey, KVBlock] = {}        # loads in flight; each holds its block once
+        self.fetches: dict[str, Fetch] = {}               # by request id
+        pool.on_evict = self.evicted
+
+    # ---- saves ---------------------------------------------------------------------------
+    def evicted(self, block: KVBlock) -> None:
+        """The pool is about to reuse a cached block: save it unless the tier has its key (the
+        same content; reading it back does not write it again)."""
+        key = block.key
+        if key in self.index:
+            self.index.touch(key)
+        elif self.index.stats.writable:
+            self.index.add(key)
+            self.saves.append((block.block_id, key))
+            self.index.stats.blocks_saved += 1
+
+    def save_cached(self) -> None:
+        """Save every cached block the tier lacks (the engine is stopping: a restart finds them)."""
+        for key, block in self.pool.cached.items():
+            if key not in self.index and self.index.stats.writable:
+                self.evicted(block)
+
+    # ---- loads ---------------------------------------------------------------------------
+    def fetch(self, owner: str, keys: list[BlockKey], room: int, block_size: int, count: bool = True) -> bool:
+        """Start reading the longest run of `keys` (a prompt's lookup keys) that the tier holds
+        past the pool's hits, into at most `room` new blocks. Returns whether the request has
+        loads to wait for (then `ready` says when they have landed). `count`: the request's
+        first look, counted in queries and hits (in tokens)."""
+        pool = self.pool
+        hits = []
+        for key in keys:
+            block = pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        room = min(room, pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0))
+        wanted: list[BlockKey] = []
+        new = 0
+        for key in keys[len(hits):]:
+            if key in self.loading:
+                wanted.append(key)
+            elif key in self.index and new < room:
+                wanted.append(key)
+                new += 1
+            else:
+                break
+        if count:
+            self.index.stats.queries += (len(keys) - len(hits)) * block_size
+            self.index.stats.hits += len(wanted) * block_size
+        if not wanted:
+            return False
+        fetch = self.fetches[owner] = Fetch()
+        pool.touch(hits)                 # pinned first: allocating below may evict free cached blocks
+        fetch.blocks.extend(hits)
+        fresh = pool.allocate(new)
+        for key in wanted:
+            if key not in self.loading:
+                block = self.loading[key] = fresh.pop()
+                self.loads.append((key, block.block_id))
+                self.index.touch(key)
+            pool.touch([self.loading[key]])
+            fetch.blocks.append(self.loading[key])
+            fetch.keys.append(key)
+        return True
+
+    def waiting(self, owner: str) -> bool:
+        return owner in self.fetches
+
+    def ready(self, owner: str) -> bool:
+        """Every load the request waits for has landed (or failed)."""
+        return not any(k in self.loading for k in self.fetches[owner].keys)
+
+    def release(self, owner: str) -> None:
+        """The request was admitted (its table holds what it took) or left: drop its pins."""
+        fetch = self.fetches.pop(owner, None)
+        if fetch is not None:
+            self.pool.release(fetch.blocks[::-1])
+
+    def finished(self, loaded: list[BlockKey], failed: list[BlockKey]) -> None:
+        """The worker's answer: loads that landed enter the prefix cache; failed ones (the file
+        missing, corrupt or foreign) leave the index, and their prefix is computed again."""
+        stats = self.index.stats
+        for key in loaded:
+            block = self.loading.pop(key)
+            self.pool.cache(block, key)
+            self.pool.release([block])
+            stats.blocks_loaded += 1
+        for key in failed:
+            block = self.loading.pop(key)
+            self.index.discard(key)
+            self.pool.release([block])
+            stats.load_failures += 1
+
+    def forget(self, keys: list[BlockKey]) -> None:
+        """Keys whose files are gone (a failed write, the directory's size bound)."""
+        for key in keys:
+            self.index.discard(key)
+
+    # ---- the batch -----------------------------------------------------------------------
+    def take(self) -> tuple[list[tuple[int, BlockKey]], list[tuple[BlockKey, int]], list[BlockKey]]:
+        """This step's saves, loads and deletions (files past the index's capacity)."""
+        out = self.saves, self.loads, self.index.evicted
+        self.saves, self.loads, self.index.evicted = [], [], []
+        return out
+
+    def held(self) -> list[list[KVBlock]]:
+        """The blocks the tier holds references to, as tables (for the invariant checker)."""
+        return [list(self.loading.values()), *(f.blocks for f in self.fetches.values())]
