@@ -131,14 +131,20 @@ class StepBatch:
     # Cold adapters to read into the worker's host cache in the background (slot -1): their
     # requests are admitted in a later step (lora/slots.py request_read).
     lora_reads: list[LoRALoad] = field(default_factory=list)
-    # The prefix cache's disk tier (kv/tier.py, worker/kv_tier.py), before everything else: save
-    # (block id, key) (evicted cached blocks, copied before this step may overwrite them); delete
-    # these keys' files; read (key, block id) in the background into blocks that nothing else
-    # uses until they land. tier_wait: the step runs nothing else, so wait for the reads.
-    tier_saves: list[tuple[int, bytes]] = field(default_factory=list)
-    tier_deletes: list[bytes] = field(default_factory=list)
-    tier_loads: list[tuple[bytes, int]] = field(default_factory=list)
-    tier_wait: bool = False
+    # The prefix cache's disk tier's moves, before everything else (None: none this step).
+    tier: TierMoves | None = None
+
+
+@dataclass
+class TierMoves:
+    """A step's work for the disk tier (kv/tier.py, worker/kv_tier.py): save (block id, key)
+    (evicted cached blocks, copied before this step may overwrite them); delete these keys'
+    files; read (key, block id) in the background into blocks nothing else uses until they land.
+    wait: the step runs nothing else, so the worker waits for its reads."""
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
+    deletes: list[bytes] = field(default_factory=list)
+    loads: list[tuple[bytes, int]] = field(default_factory=list)
+    wait: bool = False
 
 
 @dataclass

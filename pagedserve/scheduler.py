@@ -66,7 +66,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (MODEL_DRAFT, PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow,
-                              SamplerOutput, ScheduledTokens, StepBatch, TierReport)
+                              SamplerOutput, ScheduledTokens, StepBatch, TierMoves, TierReport)
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import kv_salt
@@ -438,9 +438,10 @@ class Scheduler:
             out.batch.lora_loads = self.loras.take_loads()
             out.batch.lora_reads = self.loras.take_reads()
         if self.tier is not None:
-            b = out.batch
-            b.tier_saves, b.tier_loads, b.tier_deletes = self.tier.take()
-            b.tier_wait = not out.scheduled and bool(self.tier.loading)   # nothing to overlap the reads with
+            saves, loads, deletes = self.tier.take()
+            wait = not out.scheduled and bool(self.tier.loading)   # nothing to overlap the reads with
+            if saves or loads or deletes or wait:
+                out.batch.tier = TierMoves(saves, deletes, loads, wait)
         self._finished_seq_ids = []
         constrained = [(row, s) for row, s in enumerate(out.sampled) if s.request.structured is not None]
         if constrained:

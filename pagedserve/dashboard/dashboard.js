@@ -125,6 +125,13 @@
       ["paged_blocks", "paging holds", k.paged_blocks, `${k.paged_blocks} blocks`],
       ["orca_oracle_blocks", "Orca-Oracle would hold", k.orca_oracle_blocks, `${k.orca_oracle_blocks} blocks`],
       ["orca_max_blocks", "Orca-Max would hold", k.orca_max_blocks, `${k.orca_max_blocks} blocks`],
+      // The disk tier below the prefix cache (only with --kv-offload-path).
+      ["kv_offload_blocks", "disk tier", c.kv_offload_blocks,
+        `${c.kv_offload_blocks} blocks, ${c.kv_offload_blocks_loaded} read back`],
+      ["kv_offload_hit_rate", "disk-tier hit rate", c.kv_offload_queries,
+        pct(c.kv_offload_queries ? c.kv_offload_hits / c.kv_offload_queries : 0)],
+      ["kv_offload_bytes", "disk-tier MiB written / read", c.kv_offload_bytes_written,
+        `${fmt(c.kv_offload_bytes_written / 2 ** 20, 1)} / ${fmt(c.kv_offload_bytes_read / 2 ** 20, 1)}`],
     ];
     const box = $("counters");
     box.textContent = "";

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.batch import StepBatch
+from pagedserve.batch import StepBatch, TierMoves
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import OutputText
@@ -406,7 +406,7 @@ class LLMEngine:
         if tier is not None:      # the pool's cached blocks go to the disk tier, for the next start
             tier.save_cached()
             saves, _, deletes = tier.take()
-            self.executor.move_blocks(StepBatch(tier_saves=saves, tier_deletes=deletes))
+            self.executor.move_blocks(StepBatch(tier=TierMoves(saves, deletes)))
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -454,7 +454,8 @@ class LLMEngine:
         if sched.empty:
             self.executor.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
             if self.tier_index is not None:          # the disk tier's reads: waited for when nothing else runs
-                self.scheduler.apply_tier_report(self.executor.tier_report(sched.batch.tier_wait))
+                wait = sched.batch.tier is not None and sched.batch.tier.wait
+                self.scheduler.apply_tier_report(self.executor.tier_report(wait))
             if grammar_failures:
                 raise RequestsFailed(grammar_failures, [])
             self._watchdog()
@@ -625,6 +626,10 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.scheduler.stats.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.stats.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(self.scheduler.stats.spec.accepted_per_pos),
+            external_prefix_cache_queries=kv.get("kv_offload_queries", 0),
+            external_prefix_cache_hits=kv.get("kv_offload_hits", 0), kv_offload_blocks=kv.get("kv_offload_blocks", 0),
+            kv_offload_bytes_written=kv.get("kv_offload_bytes_written", 0),
+            kv_offload_bytes_read=kv.get("kv_offload_bytes_read", 0),
             **self._lora_stats())
 
     def _lora_stats(self) -> dict:

@@ -27,6 +27,13 @@ class SchedulerStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_recomputed_tokens: int = 0       # computed tokens thrown away by recompute preemption
+    # The prefix cache's disk tier (kv/tier.py): prompt tokens looked up there and found (vLLM's
+    # external prefix cache), the blocks it holds, bytes written and read (cumulative).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_blocks: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_bytes_read: int = 0
     # Speculative decoding (spec_decode/stats.py): cumulative, as vLLM's spec_decode counters.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -56,6 +56,12 @@ class PrometheusStatLogger:
             kv_cache_usage=gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1)."),
             prefix_cache_queries=counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             prefix_cache_hits=counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            external_prefix_cache_queries=counter("external_prefix_cache_queries", "Prompt tokens looked up in the "
+                                                  "disk tier below the prefix cache (past the pool's hits)."),
+            external_prefix_cache_hits=counter("external_prefix_cache_hits", "Of those, tokens the disk tier held."),
+            kv_offload_blocks=gauge("kv_offload_blocks", "KV blocks the disk tier holds."),
+            kv_offload_bytes_written=counter("kv_offload_bytes_written", "Bytes of KV blocks written to the disk tier."),
+            kv_offload_bytes_read=counter("kv_offload_bytes_read", "Bytes of KV blocks read back from the disk tier."),
             num_preemptions=counter("num_preemptions", "Preemptions of running requests."),
             num_swapped_out_blocks=counter("num_swapped_out_blocks", "KV blocks copied to swap space."),
             num_swapped_in_blocks=counter("num_swapped_in_blocks", "KV blocks copied back from swap space."),
@@ -130,6 +136,7 @@ class EngineSeries:
         self.num_requests_waiting.set(s.num_waiting)
         self.num_requests_swapped.set(s.num_swapped)
         self.kv_cache_usage.set(s.kv_cache_usage)
+        self.kv_offload_blocks.set(s.kv_offload_blocks)
         if s.max_lora and self._lora_info is not None:
             labels = (",".join(sorted(s.running_lora_adapters)), ",".join(sorted(s.waiting_lora_adapters)),
                       str(s.max_lora))
@@ -141,6 +148,8 @@ class EngineSeries:
         self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - self._last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - self._last.prefix_cache_hits))
         for name in ("num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_recomputed_tokens",
+                     "external_prefix_cache_queries", "external_prefix_cache_hits", "kv_offload_bytes_written",
+                     "kv_offload_bytes_read",
                      "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
             getattr(self, name).inc(max(0, getattr(s, name) - getattr(self._last, name)))
         if self._per_pos is not None:

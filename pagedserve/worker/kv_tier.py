@@ -87,6 +87,7 @@ class KVTierStore:
         self.writable = True
         self.bytes_written = 0
         self.bytes_read = 0
+        self.rejected = 0          # files found but refused (truncated, corrupt, foreign): never served
         self._lock = threading.Lock()
         self._pending: dict[bytes, torch.Tensor] = {}     # saved, not yet on disk: reads take these
         self._lost: list[bytes] = []                       # keys whose files went (writer thread)
@@ -186,6 +187,7 @@ class KVTierStore:
                 self.blocks[:, :, block_id].copy_(future.result())
                 report.loaded.append(key)
             except Exception as e:   # noqa: BLE001 - a bad file costs a recompute, never the engine
+                self.rejected += isinstance(e, TierFileError)
                 logger.warning("KV tier: skipped %s: %s", self.path(key), e)
                 report.failed.append(key)
         self._inflight = pending
@@ -298,19 +300,20 @@ class KVTierStore:
             for _, size, name in sorted(files):
                 if total <= goal:
                     break
-                self._unlink(os.path.join(self.root, name))
                 total -= size
-                if name.startswith(self.prefix):
+                if self._unlink(os.path.join(self.root, name)) and name.startswith(self.prefix):
                     with self._lock:
                         self._lost.append(bytes.fromhex(name[len(self.prefix):-len(SUFFIX)]))
         self._dir_bytes = total
 
     @staticmethod
-    def _unlink(path: str) -> None:
+    def _unlink(path: str) -> bool:
+        """Remove a file; False if it was gone already (another writer removed it)."""
         try:
             os.unlink(path)
+            return True
         except FileNotFoundError:
-            pass
+            return False
 
 
 def open_tier_store(config, model_path: str, args, dtype: torch.dtype, kv_cache: torch.Tensor) -> KVTierStore:

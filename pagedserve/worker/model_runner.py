@@ -118,10 +118,10 @@ class ModelRunner:
         be reused in this very step), swap in, then copy-on-write. Also forgets finished sequences."""
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        if self.tier is not None:   # first: the evicted blocks' content, before anything overwrites it
-            self.tier.save(batch.tier_saves)
-            self.tier.delete(batch.tier_deletes)
-            self.tier.start_loads(batch.tier_loads)
+        if self.tier is not None and batch.tier is not None:   # first: evicted blocks, before anything overwrites them
+            self.tier.save(batch.tier.saves)
+            self.tier.delete(batch.tier.deletes)
+            self.tier.start_loads(batch.tier.loads)
         swap_blocks(self.kv_cache, self.host_cache, batch.swap_out)
         swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
         self.copy_blocks(batch.block_copies)

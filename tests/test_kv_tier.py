@@ -1,0 +1,245 @@
+"""The prefix cache's disk tier (kv/tier.py, worker/kv_tier.py): evicted blocks saved once and
+read back with the same tokens as without it (float32, bf16, int8 KV), after a restart, across
+two stores sharing a directory (no torn block, the size bound), and past damaged files."""
+import logging
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.kv.block_pool import BlockPool, block_key
+from pagedserve.kv.tier import TierIndex, TierLink
+from pagedserve.server.metrics import PrometheusStatLogger
+from pagedserve.worker import kv_tier
+from pagedserve.worker.kv_tier import KVTierStore, TierFileError
+
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("llama_gqa_untied")
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    rng = random.Random(53)
+    V = len(model.tokenizer)
+    return [[rng.randrange(3, V) for _ in range(90)] for _ in range(5)]   # 5 full blocks each, and a tail
+
+
+def one_by_one(llm, prompts) -> list[list[int]]:
+    return [llm.generate({"prompt_token_ids": p}, SP, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def tier_llm(model, path, **kw):
+    kw.setdefault("dtype", "float32")
+    return LLM(model.path, num_gpu_blocks_override=kw.pop("blocks", 14), kv_offload_path=str(path), **kw)
+
+
+# ---- end to end ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(dtype="float32"), dict(dtype="bfloat16"), dict(dtype="float32",
+                                                                                      kv_cache_dtype="int8")],
+                         ids=["float32", "bf16", "int8-kv"])
+def test_evicted_prefixes_come_back_from_the_tier_with_the_same_tokens(model, prompts, tmp_path, kw):
+    """A pool of 14 blocks holds two prompts: running five twice evicts each before its second
+    turn, which reads it back. The reference holds everything in its pool (the same KV reused)."""
+    ref = one_by_one(LLM(model.path, num_gpu_blocks_override=256, **kw), prompts * 2)
+    llm = tier_llm(model, tmp_path, **kw)
+    assert one_by_one(llm, prompts * 2) == ref
+    stats = llm.kv_cache_stats()
+    assert stats["kv_offload_blocks_loaded"] >= 3 * 5 and stats["kv_offload_load_failures"] == 0
+    assert stats["kv_offload_hits"] >= 3 * 5 * 16 and stats["kv_offload_bytes_read"] > 0
+    # Written once: the second turn's evictions are of blocks the tier already holds.
+    llm.engine.runner.tier.flush()
+    assert stats["kv_offload_blocks_saved"] == len(list(tmp_path.glob("*.kvb"))) <= 5 * 5
+    llm.shutdown()
+
+
+def test_a_restarted_engine_reads_its_first_prefix_from_the_tier(model, prompts, tmp_path):
+    first = tier_llm(model, tmp_path, blocks=64)
+    ref = one_by_one(first, prompts[:1])
+    assert first.kv_cache_stats()["kv_offload_blocks_saved"] == 0   # nothing evicted yet
+    first.shutdown()                                                 # the pool's cached blocks saved
+    again = tier_llm(model, tmp_path, blocks=64)
+    assert again.kv_cache_stats()["kv_offload_blocks"] == 5
+    out = again.generate({"prompt_token_ids": prompts[0]}, SP, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[0] and out.num_cached_tokens == 5 * 16
+    assert again.kv_cache_stats()["kv_offload_blocks_loaded"] == 5
+    metrics = PrometheusStatLogger("m", prefix="vllm:")
+    metrics.record(again.engine.scheduler_stats(), None)
+    text = metrics.render().decode()
+    assert "vllm:external_prefix_cache_hits_total{model_name=\"m\"} 80.0" in text
+    assert "vllm:kv_offload_blocks{model_name=\"m\"} 5.0" in text and "vllm:kv_offload_bytes_read_total" in text
+    # Another dtype is another fingerprint: it sees none of these files.
+    assert tier_llm(model, tmp_path, dtype="bfloat16").kv_cache_stats()["kv_offload_blocks"] == 0
+
+
+def test_a_flipped_byte_is_detected_and_the_block_recomputed(model, prompts, tmp_path, caplog):
+    first = tier_llm(model, tmp_path, blocks=64)
+    ref = one_by_one(first, prompts[:1])
+    first.shutdown()
+    files = sorted(tmp_path.glob("*.kvb"), key=lambda f: f.stat().st_mtime_ns)
+    data = bytearray(files[2].read_bytes())
+    data[-100] ^= 0x10                       # one bit of one value of the third block
+    files[2].write_bytes(bytes(data))
+    again = tier_llm(model, tmp_path, blocks=64)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.kv_tier"):
+        out = again.generate({"prompt_token_ids": prompts[0]}, SP, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[0]
+    stats = again.kv_cache_stats()
+    assert stats["kv_offload_load_failures"] >= 1 and "checksum" in caplog.text
+    assert again.engine.runner.tier.rejected >= 1
+
+
+def test_salted_blocks_are_found_only_under_their_salt(model, prompts, tmp_path):
+    first = tier_llm(model, tmp_path, blocks=64)
+    first.generate({"prompt_token_ids": prompts[0], "cache_salt": "tenant-a"}, SP, use_tqdm=False)
+    first.shutdown()
+    again = tier_llm(model, tmp_path, blocks=64)
+    plain = again.generate({"prompt_token_ids": prompts[0]}, SP, use_tqdm=False)[0]
+    assert plain.num_cached_tokens == 0
+    salted = again.generate({"prompt_token_ids": prompts[0], "cache_salt": "tenant-a"}, SP, use_tqdm=False)[0]
+    assert salted.num_cached_tokens == 5 * 16
+
+
+def test_settings(tmp_path):
+    assert EngineConfig(kv_offload_path=str(tmp_path)).kv_offload_bytes == 8 * 1024**3
+    with pytest.raises(ValueError, match="kv_offload_gb needs kv_offload_path"):
+        EngineConfig(kv_offload_gb=2)
+    for kw, field in [(dict(kv_offload_gb=0), "kv_offload_gb"), (dict(enable_prefix_caching=False), "prefix"),
+                      (dict(kv_allocator="max"), "paged"), (dict(tensor_parallel_size=2), "tensor_parallel")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(kv_offload_path=str(tmp_path), **kw)
+
+
+# ---- the engine side alone -----------------------------------------------------------------
+def cached_pool(n: int, index: TierIndex) -> tuple[BlockPool, TierLink, list[bytes]]:
+    pool = BlockPool(n)
+    link = TierLink(pool, index)
+    keys = [block_key(None, [i]) for i in range(n)]
+    blocks = pool.allocate(n)
+    for b, k in zip(blocks, keys):
+        pool.cache(b, k)
+    pool.release(blocks)
+    return pool, link, keys
+
+
+def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
+    index = TierIndex(capacity=3)
+    pool, link, keys = cached_pool(4, index)
+    pool.release(pool.allocate(4))               # evicts all four: saved, the oldest past capacity dropped
+    saves, loads, deletes = link.take()
+    assert [k for _, k in saves] == keys and deletes == [keys[0]] and list(index.keys) == keys[1:]
+    assert link.fetch("r", keys[1:3], room=4, block_size=16)
+    assert [k for k, _ in link.take()[1]] == keys[1:3] and not link.ready("r")
+    assert all(b.ref_cnt == 2 for b in link.loading.values())    # the load's and the request's
+    link.finished([keys[1]], [keys[2]])
+    assert link.ready("r") and pool.lookup(keys[1]) is not None and keys[2] not in index
+    link.release("r")
+    assert pool.num_free_blocks == 4
+    pool.release(pool.allocate(4))               # keys[1] evicted again: the tier has it, no save
+    assert link.take()[0] == []
+    assert index.stats.blocks_saved == 4 and index.stats.blocks_loaded == 1 and index.stats.load_failures == 1
+
+
+# ---- the worker's store --------------------------------------------------------------------
+def make_store(root, max_bytes=1 << 30, fingerprint="ab" * 32, blocks=4, **meta) -> KVTierStore:
+    cache = torch.zeros(2, 2, blocks, 16, 2, 256)          # 64 KiB a block
+    return KVTierStore(str(root), max_bytes, fingerprint, cache, dict(dict(kv_format="auto", block_size=16), **meta))
+
+
+def test_damaged_and_foreign_files_are_refused(tmp_path):
+    store = make_store(tmp_path)
+    key = bytes(range(32))
+    store.blocks[:, :, 1] = 7.0
+    store.save([(1, key)])
+    store.flush()
+    good = bytearray(Path(store.path(key)).read_bytes())
+    assert torch.equal(store.parse(key, memoryview(good)), store.blocks[:, :, 1])
+    for bad, why in [(good[:-1], "payload of"), (good + b"x", "payload of"), (good[:20], "truncated"),
+                     (b"XXXXXXXX" + good[8:], "not a version"), (good, "header key")]:
+        bad = bytearray(bad)
+        with pytest.raises(TierFileError, match=why):
+            store.parse(bytes(32) if why == "header key" else key, memoryview(bad))
+    other = make_store(tmp_path / "o", fingerprint="cd" * 32)
+    with pytest.raises(TierFileError, match="fingerprint"):
+        other.parse(key, memoryview(good))
+    with pytest.raises(TierFileError, match="block_size"):
+        make_store(tmp_path / "b", block_size=32).parse(key, memoryview(good))
+
+
+def test_two_stores_sharing_a_directory_never_read_a_torn_block(tmp_path):
+    """One store rewrites a key again and again with new contents while another reads it: each
+    read is one whole version (atomic renames), never a mix or a refusal."""
+    writer, reader = make_store(tmp_path), make_store(tmp_path)
+    key = bytes(32)
+    writer.save([(0, key)])
+    writer.flush()
+    stop = threading.Event()
+
+    def rewrite():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            writer.blocks[:, :, 0] = float(i)
+            writer.save([(0, key)])
+            writer._pending.clear()              # make the reader go to the file every time
+            writer.flush()
+
+    t = threading.Thread(target=rewrite)
+    t.start()
+    try:
+        for _ in range(150):
+            reader.start_loads([(key, 1)])
+            report = reader.collect(wait=True)
+            assert report.loaded == [key], report
+            block = reader.blocks[:, :, 1]
+            assert torch.all(block == block.flatten()[0]), "a torn block"
+    finally:
+        stop.set()
+        t.join()
+    assert reader.rejected == 0
+
+
+def test_the_size_bound_holds_with_two_writers(tmp_path):
+    bound = 12
+    a, b = make_store(tmp_path, blocks=1), make_store(tmp_path, blocks=1)
+    a.max_bytes = b.max_bytes = bound * a.file_bytes
+
+    def write(store, tag):
+        for i in range(40):
+            store.save([(0, bytes([tag, i]) + bytes(30))])
+            store.flush()
+
+    threads = [threading.Thread(target=write, args=(s, n)) for n, s in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = sum(f.stat().st_size for f in tmp_path.glob("*.kvb"))
+    assert total <= (bound + 1) * a.file_bytes        # one write of the other store may race a scan
+    lost = a.collect().lost + b.collect().lost
+    assert len(lost) >= 80 - bound - 1 and len(set(lost)) == len(lost)
+
+
+def test_a_full_disk_turns_saving_off_with_one_log_line(tmp_path, monkeypatch, caplog):
+    store = make_store(tmp_path)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv_tier.os, "replace", full)
+    with caplog.at_level(logging.ERROR, logger="pagedserve.worker.kv_tier"):
+        for i in range(3):
+            store.save([(0, bytes([i]) * 32)])
+        store.flush()
+    report = store.collect()
+    assert not report.writable and len(report.lost) == 3 and report.bytes_written == 0
+    assert len([r for r in caplog.records if "saves nothing more" in r.message]) == 1
+    assert not list(tmp_path.iterdir())                   # no temporary file left behind
