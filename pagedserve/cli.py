@@ -220,6 +220,20 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """Compile the CPU kernels for this CPU into the cache (scripts/setup.sh runs it), so the
+    first run does not wait for the compiler."""
+    from pagedserve.kernels.prebuild import prebuild
+    failed = 0
+    for b in prebuild(all_variants=args.all):
+        if b.path is None:
+            failed += 1
+            print(f"{b.library} ({b.variant}): not built, runs will use torch instead: {b.error.strip()}", file=sys.stderr)
+        else:
+            print(f"{b.library} ({b.variant}): {'cached' if b.cached else f'built in {b.seconds:.0f} s'}, {b.path}")
+    return 1 if failed else 0
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hub id, HF directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
@@ -258,6 +272,11 @@ def build_parser() -> ArgumentParser:
     cache.add_argument("--clear", action="store_true", help="remove converted GGUF weights, tokenizers and "
                                                             "compiled kernels (made again when needed)")
     cache.set_defaults(func=cmd_cache)
+
+    kernels = sub.add_parser("kernels", help="compile the CPU kernels for this CPU now (else the first run does)")
+    kernels.add_argument("--all", action="store_true",
+                         help="every variant this CPU supports (the tests run each), not only the one runs load")
+    kernels.set_defaults(func=cmd_kernels)
     return parser
 
 

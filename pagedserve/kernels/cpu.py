@@ -17,9 +17,10 @@ reference rounds). `auto` keeps a bf16 checkpoint in bf16 where the CPU has bf16
 (avx512bf16) and stores float32 elsewhere, the faster for batches there (auto_keeps_bf16;
 dtype="bfloat16" still runs bf16 weights through every variant).
 
-Only the chosen variant is compiled, with the system C++ compiler on first use, and cached
-under ~/.cache/pagedserve/kernels by source and flags; no torch headers and no build step at
-install time. Where it cannot be built, callers fall back to plain torch (with a warning).
+Only the chosen variant is compiled, with the system C++ compiler, and cached under
+~/.cache/pagedserve/kernels by the contents of the sources (csrc/: the entry file and every room
+it includes) and the flags; no torch headers. `pagedserve kernels` (kernels/prebuild.py, run by
+scripts/setup.sh) builds them ahead; a build at first use logs a warning with an estimate. Where it cannot be built, callers fall back to plain torch (with a warning).
 KernelLibrary does the choosing, building, caching and switching for a source and its variants;
 this module's functions (choose_variant, load, use_variant, using_variant, ...) front its
 instance KERNELS, and kernels/quant.py holds another for quant_kernels.cpp.
@@ -75,7 +76,7 @@ class KernelLibrary:
 
     def __init__(self, source: Path, variants: tuple[Variant, ...], env_var: str, signatures: dict,
                  variant_symbol: str, kind: str, log: logging.Logger, unavailable: str,
-                 on_switch=None) -> None:
+                 on_switch=None, build_seconds: dict[str, int] | None = None) -> None:
         if platform.machine() not in ("x86_64", "AMD64"):
             variants = tuple(v for v in variants if v.name == "scalar")
         self.source, self.variants, self.env_var, self.signatures = source, variants, env_var, signatures
@@ -83,6 +84,7 @@ class KernelLibrary:
         self.variant_symbol = variant_symbol     # the C function naming the build (restype char*)
         self.kind, self.log, self.unavailable = kind, log, unavailable    # messages: "<kind> variant ...", warning
         self.on_switch = on_switch               # called after every switch of the active variant
+        self.build_seconds = build_seconds or {}  # per variant: a build's time on a quiet core (the log's estimate)
         self.libs: dict[str, ctypes.CDLL | None] = {}     # per variant; None: it failed to build or load
         self.active: str | None = None                    # the variant the module's wrappers call
         self.lib: ctypes.CDLL | None = None               # its library
@@ -123,7 +125,7 @@ class KernelLibrary:
                                "which this CPU lacks")
         lib = None
         try:
-            lib = ctypes.CDLL(str(_build(self.by_name[name], self.source)))
+            lib = ctypes.CDLL(str(self.build(name)))
             for fn_name, argtypes in self.signatures.items():
                 fn = getattr(lib, fn_name)
                 fn.restype = ctypes.c_int
@@ -135,6 +137,16 @@ class KernelLibrary:
             lib = None
         self.libs[name] = lib
         return lib
+
+    def build(self, name: str) -> Path:
+        """Variant `name`'s compiled library, built now where it is not cached yet (saying so
+        first, with an estimate: the first run on a machine waits for it)."""
+        variant = self.by_name[name]
+        if not library_path(variant, self.source).exists():
+            self.log.warning("compiling the %s library %s (variant %s) for this CPU, once: about %d s on a quiet "
+                             "core (cached under %s; `pagedserve kernels` builds it ahead, as scripts/setup.sh does)",
+                             self.kind, self.source.name, name, self.build_seconds.get(name, 30), cache_dir("kernels"))
+        return _build(variant, self.source)
 
     def load(self) -> ctypes.CDLL | None:
         """The active variant's library (chosen by choose() on first call; where the best one
@@ -215,7 +227,9 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 KERNELS = KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "kernel_variant", "CPU kernel", logger,
                         "CPU kernels (%s) unavailable, using slower torch paths: %s",
-                        on_switch=lambda: _on_switch())     # wrappers resolve functions per variant
+                        on_switch=lambda: _on_switch(),     # wrappers resolve functions per variant
+                        # measured on a 2-core Zen 3 (AVX-512 ones estimated: their builds are 2-3x avx2's)
+                        build_seconds={"avx512bf16": 45, "avx512": 40, "avx2": 15, "scalar": 7})
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
