@@ -41,6 +41,9 @@ class CpuOps(TorchOps):
         for w in model.layers:
             for name in ("qkv", "o", "gate_up", "down"):      # one at a time: each plain copy freed first
                 setattr(w, name, _pack(getattr(w, name)))
+            if w.moe is not None:
+                for e in w.moe.experts + ([w.moe.shared] if w.moe.shared else []):
+                    e.gate_up, e.down = _pack(e.gate_up), _pack(e.down)
             trim_heap()             # the plain copies just freed, back to the system: peak memory
         model.lm_head = _pack(model.lm_head)
         trim_heap()

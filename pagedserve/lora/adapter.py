@@ -26,6 +26,7 @@ from pagedserve.errors import InvalidRequestError
 PEFT_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                 "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 PARTS = tuple(PEFT_MODULES.values())
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -119,8 +120,13 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
     except Exception as e:   # noqa: BLE001 - a corrupt file is a refusal, not a crash
         raise fail(f"{WEIGHTS_FILE} cannot be read ({e})") from None
     names: dict[tuple[int, str], dict[str, str]] = {}
+    moe = getattr(args, "moe", None)
     for key, shape in found.items():
         m = _KEY.search(key)
+        if moe is not None and (".experts." in key or "block_sparse_moe." in key or ".mlp.gate." in key or (
+                m is not None and m.group(2) in _MLP_MODULES and moe.is_sparse(int(m.group(1))))):
+            raise fail(f"tensor {key!r} adapts a mixture-of-experts block: on MoE models LoRA covers the attention "
+                       f"projections (q/k/v/o_proj) and dense MLP layers only, never experts or routers")
         if m is None or m.group(2) not in PEFT_MODULES:
             raise fail(f"tensor {key!r} is not a lora_A/lora_B of {', '.join(PEFT_MODULES)}")
         layer, part, ab = int(m.group(1)), PEFT_MODULES[m.group(2)], m.group(3)

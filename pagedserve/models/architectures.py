@@ -30,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.models import moe_weights
+from pagedserve.models.moe_weights import GGUF_MOE_TENSORS
+
 # GGUF's layer tensor kinds (blk.<i>.<kind>.weight) and top-level tensors as llama.cpp names them,
 # with the HF module (under `model.layers.<i>.`) or tensor each holds. An architecture adds or
 # overrides kinds with `gguf_tensors`.
@@ -39,6 +42,7 @@ GGUF_LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    **GGUF_MOE_TENSORS,        # routers and experts (stacked: ffn_*_exps), where a file has them
 }
 GGUF_TOP_TENSORS = {
     "token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
@@ -93,12 +97,35 @@ class Architecture:
         return ", ".join(self.hf_architectures)
 
 
+def _llama_gguf(m: Metadata) -> dict:
+    """A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral as Llama)."""
+    moe = moe_weights.gguf_moe_spec(m, norm_default=True)
+    return {"moe": moe, "architecture": "MixtralForCausalLM"} if moe else {}
+
+
+def _olmoe_gguf(m: Metadata) -> dict:
+    return {"moe": moe_weights.gguf_moe_spec(m, norm_default=False), "qk_norm_full": True}
+
+
+def _qwen3moe_gguf(m: Metadata) -> dict:
+    return {"moe": moe_weights.gguf_moe_spec(m, norm_default=True)}     # llama.cpp renormalises Qwen3-MoE's
+
+
 ARCHITECTURES: list[Architecture] = [
-    Architecture("llama", ("LlamaForCausalLM",), ("llama",), "llama", gguf_rotary_permuted=True),
+    Architecture("llama", ("LlamaForCausalLM",), ("llama",), "llama", gguf_rotary_permuted=True,
+                 gguf_config=_llama_gguf),
     # Mistral's GGUF files are `llama` ones (llama.cpp converts them as Llama).
     Architecture("mistral", ("MistralForCausalLM",), ("mistral",)),
     Architecture("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", qkv_bias=True),
     Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", qk_norm=True),
+    # Mixtures of experts (models/moe.py: the MoE block in the MLP's place). Mixtral's GGUF files are
+    # `llama` ones with experts (_llama_gguf).
+    Architecture("mixtral", ("MixtralForCausalLM",), ("mixtral",), gguf_rotary_permuted=True,
+                 hf_config=moe_weights.mixtral_config),
+    Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), "olmoe", qk_norm=True,
+                 hf_config=moe_weights.olmoe_config, gguf_config=_olmoe_gguf),
+    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", qk_norm=True,
+                 hf_config=moe_weights.qwen_moe_config, gguf_config=_qwen3moe_gguf),
 ]
 
 

@@ -28,6 +28,7 @@ import torch
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.layers import RotaryEmbedding
+from pagedserve.models.moe import MoESpec, MoEWeights, moe_forward
 from pagedserve.models.ops import CompiledLayers, ModelOps, TorchOps
 from pagedserve.models.quantized import Weight, embedding
 
@@ -56,6 +57,14 @@ class ModelArgs:
     residual_multiplier: float = 1.0        # attention and MLP outputs scaled before the residual add
     attention_multiplier: float = 0.0       # softmax scale (0: head_dim ** -0.5)
     logits_scaling: float = 1.0             # logits divided by it (Granite)
+    qk_norm_full: bool = False              # with qk_norm: over all of q and all of k, not per head (OLMoE)
+    clip_qkv: float = 0.0                   # q, k, v clamped to [-clip, clip] after the norms (OLMoE; 0: none)
+    moe: MoESpec | None = None              # mixture-of-experts layers (models/moe.py), where a config has them
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):       # from its JSON form (a GGUF file's cached args)
+            from pagedserve.models.moe_weights import spec_from_dict
+            self.moe = spec_from_dict(self.moe)
 
     @property
     def rope_dim(self) -> int:
@@ -66,7 +75,9 @@ class ModelArgs:
         does not do: the Python layer loop runs such a model."""
         return [name for name, on in (("q/k norm", self.qk_norm), ("partial rotary", self.rope_dim != self.head_dim),
                                       ("layers without RoPE", bool(self.no_rope_layers)),
-                                      ("residual multiplier", self.residual_multiplier != 1.0)) if on]
+                                      ("residual multiplier", self.residual_multiplier != 1.0),
+                                      ("clip_qkv", bool(self.clip_qkv)),
+                                      ("mixture-of-experts layers", self.moe is not None)) if on]
 
 
 @dataclass
@@ -78,9 +89,10 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o: Weight
     post_norm: torch.Tensor
-    gate_up: Weight              # [2 * intermediate, hidden]
-    down: Weight
-    q_norm: torch.Tensor | None = None    # [D], with ModelArgs.qk_norm
+    gate_up: Weight | None       # [2 * intermediate, hidden] (None in a mixture-of-experts layer)
+    down: Weight | None
+    moe: MoEWeights | None = None         # the MoE block in the MLP's place (models/moe.py)
+    q_norm: torch.Tensor | None = None    # [D], with ModelArgs.qk_norm ([Hq D] / [Hkv D] with qk_norm_full)
     k_norm: torch.Tensor | None = None
 
 
@@ -120,7 +132,9 @@ class LlamaModel:
         for w in self.layers:
             for f in fields(w):
                 t = getattr(w, f.name)
-                if t is not None:
+                if isinstance(t, MoEWeights):
+                    t.to(device)
+                elif t is not None:
                     setattr(w, f.name, _to(t, device))
         self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
         return self
@@ -161,6 +175,8 @@ class LlamaModel:
                 lora.add(i, "qkv", h, qkv)
             if w.q_norm is not None:
                 self._norm_heads(qkv, w)
+            if a.clip_qkv:
+                qkv.clamp_(-a.clip_qkv, a.clip_qkv)
             if i in self.no_rope:
                 q = qkv[:, :self.q_size].view(num_tokens, a.num_heads, a.head_dim)
                 k = qkv[:, self.q_size:qk_size].view(num_tokens, a.num_kv_heads, a.head_dim)
@@ -173,21 +189,25 @@ class LlamaModel:
                 lora.add(i, "o", attn, o)
             x, h = ops.add_rms_norm(x, self._residual(reduce(o)), w.post_norm, a.rms_norm_eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            gate_up = linear(h, w.gate_up)
-            if lora is not None:
-                lora.add(i, "gate_up", h, gate_up)
-            act = ops.silu_and_mul(gate_up)
-            down = linear(act, w.down)
-            if lora is not None:
-                lora.add(i, "down", act, down)
+            if w.moe is not None:        # (LoRA adapters never target experts: lora/adapter.py refuses them)
+                down = moe_forward(h, w.moe, a.moe, ops, linear)
+            else:
+                gate_up = linear(h, w.gate_up)
+                if lora is not None:
+                    lora.add(i, "gate_up", h, gate_up)
+                act = ops.silu_and_mul(gate_up)
+                down = linear(act, w.down)
+                if lora is not None:
+                    lora.add(i, "down", act, down)
             x, h = ops.add_rms_norm(x, self._residual(reduce(down)), next_norm, a.rms_norm_eps)
         return h
 
     def _norm_heads(self, qkv: torch.Tensor, w: LayerWeights) -> None:
-        """q/k norm: each q and k head RMS-normalised over its dimensions, in place in qkv."""
+        """q/k norm: each q and k head RMS-normalised over its dimensions (with qk_norm_full: all
+        of q, and all of k, at once), in place in qkv."""
         a, t = self.args, qkv.shape[0]
         for start, size, weight in ((0, self.q_size, w.q_norm), (self.q_size, self.kv_size, w.k_norm)):
-            heads = qkv[:, start:start + size].reshape(-1, a.head_dim)
+            heads = qkv[:, start:start + size].reshape(-1, size if a.qk_norm_full else a.head_dim)
             qkv[:, start:start + size] = self.ops.rms_norm(heads, weight, a.rms_norm_eps).view(t, size)
 
     def _residual(self, y: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.kernels import quant
 from pagedserve.models import huge_pages
 from pagedserve.models.quantized import QuantizedEmbedding, kernel_qtype
+from pagedserve.models import moe_weights
 from pagedserve.models.sharding import Shard
 from pagedserve.utils import cdiv
 
@@ -302,6 +303,26 @@ class GGUFSource:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(data)
 
+    def expert_blocks(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        """A stacked expert tensor's raw blocks (llama.cpp's ffn_*_exps), uint8 [experts, rows, bytes
+        per row], of rows and columns (by whole blocks, else ValueError): a view of the mapping."""
+        from gguf import GGML_QUANT_SIZES
+        t, _ = self._tensors[name]
+        data = t.data
+        if data.ndim != 3:
+            raise ValueError(f"{name}: a stacked expert tensor has 3 dimensions, this one {data.ndim}")
+        if rows is not None:
+            data = data[:, rows[0]:rows[1]]
+        if cols is not None:
+            block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+            if cols[0] % block or cols[1] % block:
+                raise ValueError(f"{name} ({t.tensor_type.name}) cannot be split at columns {cols[0]}:{cols[1]}: "
+                                 f"its blocks hold {block} columns")
+            data = data[:, :, cols[0] // block * block_bytes:cols[1] // block * block_bytes]
+        with warnings.catch_warnings():             # a read-only mapping: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(data)
+
     def release(self, name: str, kept=None) -> None:
         """Drop the file's pages of tensor `name` from this process's memory after it was read into
         a copy: a mapped page counts as resident while mapped, so the whole file would otherwise
@@ -453,6 +474,32 @@ class MatrixBuilder:
         self.made[qtypes[0]] += 1
         return weight
 
+    def experts(self, name: str, rows: Range = None, cols: Range = None) -> list:
+        """Each expert's matrix of a stacked expert tensor (a GGUF file's ffn_*_exps, [E, rows,
+        cols]), of `rows` and `cols`: in the GGUF mode, quantized views of one copy of its blocks
+        in huge pages (the file's pages dropped) or of the mapping itself, each expert a slice of
+        the tensor's bytes; else float matrices."""
+        qtype = self._quantized_type(name) if self.blocks_of else None
+        if qtype is None:
+            whole = self.source.get(name).to(self.dtype)
+            whole = whole if rows is None else whole[:, rows[0]:rows[1]]
+            whole = whole if cols is None else whole[:, :, cols[0]:cols[1]]
+            if isinstance(self.source, GGUFSource):
+                self.source.release(name)
+            return [m.contiguous() for m in whole]
+        raw = self.source.expert_blocks(name, rows, cols)
+        num_rows = raw.shape[1]
+        num_cols = cols[1] - cols[0] if cols else self.source.num_cols(name)
+        copy = huge_pages.copy_to_huge_pages(raw) if raw.is_contiguous() else None
+        owned = copy is not None and copy.data_ptr() != raw.data_ptr()
+        raw = copy if owned else raw
+        weights = [quant.from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)) for e in range(raw.shape[0])]
+        if owned:       # the layout the decode kernels read fastest, in place in each expert's bytes
+            weights = [quant.repack(w, in_place=True) for w in weights]
+            self.source.release(name, raw)
+        self.made[qtype] += 1
+        return weights
+
     def _zeros(self, rows: int, like: str, cols: Range) -> torch.Tensor:
         num_cols = cols[1] - cols[0] if cols else self.source.num_cols(like)
         return torch.zeros(rows, num_cols, dtype=self.dtype)
@@ -531,18 +578,23 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
         p = f"layers.{i}."
         qkv = build.matrix([(p + f"self_attn.{n}_proj.weight", heads[n]) for n in "qkv"])
         bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", heads[n]) for n in "qkv"]) if args.qkv_bias else None
-        qk_norm = {"q_norm": w(p + "self_attn.q_norm.weight"), "k_norm": w(p + "self_attn.k_norm.weight")} \
-            if args.qk_norm else {}
-        layers.append(LayerWeights(
-            **qk_norm,
+        layer = LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=qkv,
             qkv_bias=bias,
             o=build.matrix([(p + "self_attn.o_proj.weight", None)], cols=q_cols),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=build.matrix([(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)]),
-            down=build.matrix([(p + "mlp.down_proj.weight", None)], cols=inter),
-        ))
+            gate_up=None, down=None,
+        )
+        if args.qk_norm:
+            layer.q_norm, layer.k_norm = w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")
+        if args.moe is not None and args.moe.is_sparse(i):
+            layer.moe = moe_weights.build_moe(build, source, i, args.moe, _EXPERT_NAMES.get(
+                args.architecture, moe_weights.ExpertNames()), *_expert_parts(args.moe, shard))
+        else:
+            layer.gate_up = build.matrix([(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)])
+            layer.down = build.matrix([(p + "mlp.down_proj.weight", None)], cols=inter)
+        layers.append(layer)
         trim_heap()
     vocab = shard.vocab(args.vocab_size) if shard.size > 1 else None
     pad = shard.vocab_part(args.vocab_size) - (vocab[1] - vocab[0]) if vocab else 0
@@ -557,6 +609,22 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
         logger.info("%s", note)
     return LlamaModel(shard.local_args(args), embed, layers, w("norm.weight"), lm_head, attention, max_positions,
                       ops, tp=tp, vocab=(vocab[0] if vocab else 0, args.vocab_size))
+
+
+def _expert_parts(spec, shard: Shard) -> tuple:
+    """This rank's part of each expert's FFN and of the shared expert's (None: all of it). Under
+    tensor parallelism every expert is split as a dense MLP is (gate/up rows, down columns), not
+    placed whole on one rank: each rank then reads 1/N of every chosen expert, so a step's weight
+    reads are balanced however the tokens route, and the block's output joins the MLP's one
+    all-reduce."""
+    if shard.size == 1:
+        return None, None
+    return shard.split(spec.intermediate_size), \
+        (shard.split(spec.shared_intermediate_size) if spec.shared_intermediate_size else None)
+
+
+# HF checkpoints whose MoE tensors are not named as Qwen's and OLMoE's
+_EXPERT_NAMES = {"MixtralForCausalLM": moe_weights.MIXTRAL_NAMES}
 
 
 # What pagedserve derives from a GGUF file (its float32 weights, its tokenizer) is cached under

@@ -88,6 +88,20 @@ class MoEWeights:
     shared_gate: torch.Tensor | None = None
     layer: int = 0                      # for count_expert_reads
 
+    def to(self, device: torch.device) -> None:
+        """Float weights to `device`, in place (quantized experts stay: they run on the CPU only)."""
+        def move(t):
+            if isinstance(t, torch.Tensor):
+                return t.to(device)
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"quantized experts run on the CPU only, not on {device}")
+            return t
+        self.router, self.router_bias, self.shared_gate = (None if t is None else move(t) for t in
+                                                           (self.router, self.router_bias, self.shared_gate))
+        for e in self.experts + ([self.shared] if self.shared else []):
+            e.gate_up, e.down = move(e.gate_up), move(e.down)
+            e.gate_up_bias, e.down_bias = (None if t is None else move(t) for t in (e.gate_up_bias, e.down_bias))
+
     def expert_bytes(self) -> int:
         return sum(e.nbytes for e in self.experts)
 
@@ -161,7 +175,7 @@ def moe_forward(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Line
     num_tokens = h.shape[0]
     logits = F.linear(h.float(), w.router, w.router_bias)
     weights, ids = route(logits, spec)
-    out = torch.zeros(num_tokens, h.shape[1], dtype=torch.float32)
+    out = torch.zeros(num_tokens, h.shape[1], dtype=torch.float32, device=h.device)
     ran: list[tuple[int, int, int]] = []
     if num_tokens == 1:          # a single decode: its k experts in turn, nothing to group
         for e, weight in zip(ids[0].tolist(), weights[0].tolist()):

@@ -69,7 +69,16 @@ def is_quantized(weight) -> bool:
 
 
 def _storages(weight) -> list[torch.Tensor]:
-    """The tensors holding a weight's bytes."""
+    """The tensors holding a weight's bytes (of an MoE block: its router's, experts' and shared expert's)."""
+    from pagedserve.models.moe import ExpertWeights, MoEWeights
+    if isinstance(weight, MoEWeights):
+        return [t for part in (weight.router, weight.router_bias, weight.shared_gate, weight.shared, *weight.experts)
+                for t in _storages(part)]
+    if isinstance(weight, ExpertWeights):
+        return [t for part in (weight.gate_up, weight.down, weight.gate_up_bias, weight.down_bias)
+                for t in _storages(part)]
+    if weight is None:
+        return []
     if isinstance(weight, tuple):
         return [t for part in weight for t in _storages(part)]
     if isinstance(weight, QuantizedWeight):

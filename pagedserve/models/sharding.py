@@ -33,6 +33,14 @@ class Shard:
         if args.intermediate_size % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the model's intermediate size "
                              f"{args.intermediate_size}")
+        moe = args.moe
+        if moe is not None and (moe.intermediate_size % n or moe.shared_intermediate_size % n):
+            raise ValueError(f"tensor_parallel_size {n} must divide each expert's FFN width "
+                             f"{moe.intermediate_size}" + (f" and the shared expert's {moe.shared_intermediate_size}"
+                                                           if moe.shared_intermediate_size else ""))
+        if args.qk_norm_full and n > 1:
+            raise ValueError(f"tensor_parallel_size {n}: {args.architecture}'s q/k norms are over all heads at "
+                             f"once, which a rank holding some heads cannot compute; it runs in one process")
 
     def split(self, total: int) -> tuple[int, int]:
         """This rank's [start, end) of `total` split evenly."""
@@ -64,4 +72,6 @@ class Shard:
         q0, q1 = self.q_heads(args)
         k0, k1 = self.kv_heads(args)
         i0, i1 = self.split(args.intermediate_size)
-        return dataclasses.replace(args, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0)
+        moe = args.moe and dataclasses.replace(args.moe, intermediate_size=args.moe.intermediate_size // self.size,
+                                               shared_intermediate_size=args.moe.shared_intermediate_size // self.size)
+        return dataclasses.replace(args, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0, moe=moe)

@@ -1,0 +1,151 @@
+"""What MoE configs and checkpoints say, read into models/moe.py's MoESpec and MoEWeights.
+
+HF checkpoints keep one tensor per expert and projection (`layers.<i>.mlp.experts.<e>.gate_proj`;
+Mixtral's `block_sparse_moe.experts.<e>.w1` / w3 / w2), llama.cpp's GGUF files one 3-D tensor per
+projection (`blk.<i>.ffn_gate_exps` [E, I, H] in numpy's order: the file lists dimensions
+innermost first, H, I, E), which GGUFSource names `layers.<i>.mlp.experts.gate_proj.weight`. An
+expert of a GGUF file is a slice of that tensor's bytes (MatrixBuilder.experts): its weight reads
+them where they are, no dequantized copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.models.moe import ExpertWeights, MoESpec, MoEWeights
+
+# llama.cpp's GGUF layer kinds of MoE tensors -> the HF-style names GGUFSource gives them (the
+# `experts.<proj>` ones are stacked: [E, rows, cols]).
+GGUF_MOE_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+STACKED_KINDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How an HF checkpoint names a layer's MoE tensors (under `layers.<i>.`)."""
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+
+
+# ---- configs -----------------------------------------------------------------------------------
+
+def qwen_moe_config(cfg: dict) -> dict:
+    """Qwen3-MoE / Qwen2-MoE config.json -> ModelArgs fields: experts of moe_intermediate_size,
+    norm_topk_prob, every decoder_sparse_step-th layer sparse but mlp_only_layers."""
+    return {"moe": MoESpec(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+        decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))}
+
+
+def mixtral_config(cfg: dict) -> dict:
+    """Mixtral: every layer sparse, experts of intermediate_size; top-k then softmax over the k,
+    which is softmax then top-k renormalised."""
+    return {"moe": MoESpec(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                           norm_topk_prob=True)}
+
+
+def olmoe_config(cfg: dict) -> dict:
+    """OLMoE: every layer sparse, experts of intermediate_size, q/k norms over all of q and k,
+    clip_qkv."""
+    return {"moe": MoESpec(cfg["num_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                           norm_topk_prob=bool(cfg.get("norm_topk_prob", False))),
+            "qk_norm_full": True, "clip_qkv": float(cfg.get("clip_qkv") or 0.0)}
+
+
+def gguf_moe_spec(m, norm_default: bool) -> MoESpec | None:
+    """The MoESpec of a GGUF file's metadata (`m`: architectures.Metadata) and tensors; None for a
+    dense model. Which layers are sparse: those with an ffn_gate_inp (a router). llama.cpp's
+    norm of the top-k weights is per architecture (`norm_default`) unless the file says."""
+    experts = m.get("expert_count") or 0
+    if not experts:
+        return None
+    gating = m.get("expert_gating_func")
+    if gating not in (None, 0, 1):          # 1: softmax; 2: sigmoid (DeepSeek-V3's), not these models'
+        raise ValueError(f"GGUF {m.prefix}expert_gating_func {gating}: only softmax routing is supported")
+    layers = m.get("block_count")
+    names = {t.name for t in m.reader.tensors}
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    return MoESpec(num_experts=experts, top_k=m.get("expert_used_count"),
+                   intermediate_size=m.get("expert_feed_forward_length") or m.get("feed_forward_length"),
+                   norm_topk_prob=bool(m.get("expert_weights_norm", norm_default)),
+                   shared_intermediate_size=m.get("expert_shared_feed_forward_length") or 0,
+                   mlp_only_layers=dense)
+
+
+def spec_from_dict(value) -> MoESpec | None:
+    """A MoESpec back from its asdict form (ModelArgs saved as JSON)."""
+    if value is None or isinstance(value, MoESpec):
+        return value
+    return MoESpec(**{**value, "mlp_only_layers": tuple(value.get("mlp_only_layers") or ())})
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+def _fuse(gate, up):
+    """An expert's gate and up as one [2 I, H] float matrix, or quantized parts kept as a
+    tuple (one product, no copy)."""
+    if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor):
+        return torch.cat([gate, up])
+    return (gate, up)
+
+
+def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = ExpertNames(),
+              inter: tuple[int, int] | None = None, shared_inter: tuple[int, int] | None = None) -> MoEWeights:
+    """Layer `layer`'s MoE block from `source` (a TensorSource) through `build` (loader.py's
+    MatrixBuilder). inter / shared_inter: this tensor-parallel rank's part of each expert's (and
+    the shared expert's) FFN width (gate/up rows, down columns); None: all of it."""
+    p = f"layers.{layer}."
+    stacked = p + "mlp.experts.{}.weight"
+    block = names.block if source.has(p + names.block + ".gate.weight") else "mlp"
+    router = build.float(p + block + ".gate.weight").float()
+    if source.has(stacked.format("gate_proj")):        # a GGUF file: experts stacked per projection
+        gates = build.experts(stacked.format("gate_proj"), rows=inter)
+        ups = build.experts(stacked.format("up_proj"), rows=inter)
+        downs = build.experts(stacked.format("down_proj"), cols=inter)
+        experts = [ExpertWeights(_fuse(g, u), d) for g, u, d in zip(gates, ups, downs)]
+    else:
+        q = p + block + ".experts.{}.{}.weight"
+        experts = [ExpertWeights(build.matrix([(q.format(e, names.gate), inter), (q.format(e, names.up), inter)]),
+                                 build.matrix([(q.format(e, names.down), None)], cols=inter))
+                   for e in range(spec.num_experts)]
+    if len(experts) != spec.num_experts:
+        raise ValueError(f"layer {layer}: the checkpoint has {len(experts)} experts, the config {spec.num_experts}")
+    w = MoEWeights(router, experts, layer=layer)
+    if spec.shared_intermediate_size:
+        s = p + "mlp.shared_expert.{}.weight"
+        w.shared = ExpertWeights(build.matrix([(s.format("gate_proj"), shared_inter), (s.format("up_proj"), shared_inter)]),
+                                 build.matrix([(s.format("down_proj"), None)], cols=shared_inter))
+        if source.has(p + "mlp.shared_expert_gate.weight"):
+            w.shared_gate = build.float(p + "mlp.shared_expert_gate.weight").float().view(1, -1)
+    return w
+
+
+def hf_moe_shapes(prefix: str, spec: MoESpec, hidden: int, names: ExpertNames = ExpertNames()) -> dict:
+    """A sparse layer's HF tensors and shapes (dummy weights)."""
+    i, q = spec.intermediate_size, prefix + names.block
+    shapes = {q + ".gate.weight": (spec.num_experts, hidden)}
+    for e in range(spec.num_experts):
+        shapes |= {f"{q}.experts.{e}.{names.gate}.weight": (i, hidden), f"{q}.experts.{e}.{names.up}.weight": (i, hidden),
+                   f"{q}.experts.{e}.{names.down}.weight": (hidden, i)}
+    if spec.shared_intermediate_size:
+        s = spec.shared_intermediate_size
+        shapes |= {prefix + "mlp.shared_expert.gate_proj.weight": (s, hidden),
+                   prefix + "mlp.shared_expert.up_proj.weight": (s, hidden),
+                   prefix + "mlp.shared_expert.down_proj.weight": (hidden, s),
+                   prefix + "mlp.shared_expert_gate.weight": (1, hidden)}
+    return shapes

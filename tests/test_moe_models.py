@@ -1,0 +1,189 @@
+"""Mixture-of-experts models (Mixtral, OLMoE, Qwen3-MoE with a dense layer) against transformers float32 on tiny random
+configs (8 experts, top-2): greedy tokens and prompt logprobs, from HF safetensors and from a GGUF
+file with llama.cpp's stacked expert tensors; quantized experts (Q8_0, Q4_0) computed in their
+blocks from slices of the 3-D tensors' bytes, memory-mapped (no dequantized copy); a decode step
+reads only its top-k experts; decode batches, prefill chunks, speculative decoding and the 8-bit
+KV cache run them."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import quant
+from pagedserve.models.moe import count_expert_reads
+from pagedserve.models.quantized import model_weight_bytes
+from tests.conftest import hf_greedy
+from tests.moe_utils import MOE_VARIANTS, make_tiny_moe, oracle_model, write_moe_gguf
+
+PROMPTS = ["The quick brown fox jumps", "Paged attention stores keys", "Once upon a time there was a tiny"]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def moe_models(tiny_tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_moe")
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = make_tiny_moe(root, name, tiny_tokenizer)
+        return cache[name]
+    return get
+
+
+def _model_of(llm: LLM):
+    return llm.engine.executor.worker.runner.model
+
+
+def _check(llm: LLM, hf, tok, exact_tokens: bool = True, margin: float = 1e-3, atol: float = 1e-4) -> None:
+    """Greedy tokens of a batch of prompts (decode batches, prefill chunks) as transformers' (or
+    each within `margin` of the oracle's maximum, teacher-forced), prompt logprobs within atol."""
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out in outs:
+        ids, gen = out.prompt_token_ids, list(out.outputs[0].token_ids)
+        if exact_tokens:
+            assert gen == hf_greedy(hf, ids, NEW), out.prompt
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + gen])).logits[0].float()
+        for i, t in enumerate(gen):
+            row = logits[len(ids) + i - 1]
+            assert row.max() - row[t] <= margin, (out.prompt, i, float(row.max() - row[t]))
+    ids = tok.encode(PROMPTS[2] + " model that liked to count")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
+    assert (ours - ref).abs().max() <= atol, float((ours - ref).abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(MOE_VARIANTS))
+def test_hf_checkpoint_matches_transformers(moe_models, name):
+    tm = moe_models(name)
+    # chunks of 5 tokens: prompts in several prefill chunks beside other sequences' decodes
+    llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=16, max_num_seqs=4)
+    model = _model_of(llm)
+    spec = llm.engine.model_args.moe
+    assert [w.moe is not None for w in model.layers] == [spec.is_sparse(i) for i in range(len(model.layers))]
+    assert any(w.moe is not None for w in model.layers)
+    assert model.compiled_layers is None         # the Python layer loop runs MoE layers
+    _check(llm, tm.hf, tm.tokenizer)
+
+
+@pytest.mark.parametrize("name", sorted(MOE_VARIANTS))
+def test_gguf_with_stacked_experts_matches_transformers(moe_models, name, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    tm = moe_models(name)
+    path = tmp_path / f"{name}.gguf"
+    write_moe_gguf(tm, path)
+    llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
+    assert llm.engine.model_args.architecture == type(tm.hf).__name__
+    _check(llm, tm.hf, tm.tokenizer)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("name", sorted(MOE_VARIANTS))
+def test_quantized_experts_run_in_their_blocks(moe_models, name, qtype, tmp_path):
+    import gguf
+    tm = moe_models(name)
+    path = tmp_path / f"{name}-{qtype}.gguf"
+    oracle = oracle_model(tm, write_moe_gguf(tm, path, gguf.GGMLQuantizationType[qtype]))
+    llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
+    model = _model_of(llm)
+    for w in model.layers:          # each expert: quantized slices of one buffer per projection
+        if w.moe is None:
+            continue
+        gates = [e.gate_up[0] for e in w.moe.experts]
+        assert all(isinstance(g, quant.QuantizedWeight) and g.qtype.startswith(qtype.lower()) for g in gates)
+        starts = [g.data.data_ptr() for g in gates]
+        assert starts == [starts[0] + i * gates[0].nbytes for i in range(len(gates))]
+    size = os.path.getsize(path)
+    assert 0.8 * size <= model_weight_bytes(model) <= 1.02 * size, (model_weight_bytes(model), size)
+    # the integer path quantizes activations to 8 bits: tokens within a margin of the oracle's (as
+    # tests/test_quantized_models.py allows dense layers)
+    _check(llm, oracle, tm.tokenizer, exact_tokens=False, margin=0.15, atol=0.15)
+
+
+def test_a_decode_step_reads_only_its_top_k_experts(moe_models):
+    tm = moe_models("olmoe")
+    llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64)
+    model = _model_of(llm)
+    ids = tm.tokenizer.encode(PROMPTS[0])
+    with count_expert_reads() as reads:
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    k, layers = llm.engine.model_args.moe.top_k, len(model.layers)
+    prefill, decodes = reads.calls[:layers], reads.calls[layers:]
+    assert len(decodes) == 2 * layers
+    for call in decodes:                         # one token: its k experts, one row each
+        assert len(call) == k and all(rows == 1 for (_, _, rows) in call)
+    assert all(sum(rows for (_, _, rows) in call) == k * len(ids) for call in prefill)
+
+
+def test_speculative_decoding_and_8bit_kv(moe_models):
+    tm = moe_models("mixtral")
+    plain = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64)
+    spec = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    prompts = ["one two three one two three one two", PROMPTS[1]]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    kv8 = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, kv_cache_dtype="int8")
+    # 8-bit K/V moves the hidden states a little, and a router's near-tie may then pick another
+    # expert: looser than the dense models' bound, far below what a broken cache gives (nats)
+    _check(kv8, tm.hf, tm.tokenizer, exact_tokens=False, margin=0.3, atol=0.3)
+
+
+def test_tensor_parallel_ranks_split_every_expert(moe_models):
+    """Two ranks, each holding half of every expert's FFN: transformers' greedy tokens, one
+    process's logprobs. OLMoE (q/k norms over all heads) is refused by name."""
+    tm = moe_models("mixtral")
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=2)
+    prompts = PROMPTS[:2]
+    one = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=2)
+    try:
+        for out, ref in zip(llm.generate(prompts, params, use_tqdm=False), one):
+            assert list(out.outputs[0].token_ids) == hf_greedy(tm.hf, out.prompt_token_ids, NEW)
+            for a, b in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs):
+                assert a.keys() == b.keys()
+                assert [b[t].logprob for t in a] == pytest.approx([a[t].logprob for t in a], abs=1e-4)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="q/k norms are over all heads"):
+        LLM(moe_models("olmoe").path, dtype="float32", tensor_parallel_size=2)
+
+
+def test_lora_on_attention_only(moe_models, tmp_path):
+    """An adapter on the attention projections gives PEFT's tokens; one on an expert is refused
+    by name (experts and routers are never adapted)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pagedserve import LoRARequest
+    from pagedserve.errors import InvalidRequestError
+    from tests.lora_utils import make_adapter, oracle_greedy
+    tm = moe_models("olmoe")
+    peft = make_adapter(tm.hf, tmp_path / "attn", 3, rank=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=4)
+    ids = tm.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
+                       lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))[0]
+    want = oracle_greedy(peft, ids, 6)
+    assert list(out.outputs[0].token_ids) == want and want != oracle_greedy(tm.hf, ids, 6)
+    expert = tmp_path / "expert"
+    shutil.copytree(tmp_path / "attn", expert)
+    cfg = json.loads((expert / "adapter_config.json").read_text())
+    (expert / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["gate_proj"]}))
+    key = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_{}.weight"
+    save_file({key.format("A"): torch.zeros(4, 64), key.format("B"): torch.zeros(32, 4)},
+              str(expert / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError, match="mixture-of-experts block"):
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
+                     lora_request=LoRARequest("expert", 2, str(expert)))
