@@ -175,7 +175,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.app import run_server
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S")
-    config = engine_config(args, model=args.model_tag or args.model)
+    named = args.model or []
+    if args.models_dir or len(named) > 1 or any("=" in m for m in named):
+        return _serve_many(args, [*([args.model_tag] if args.model_tag else []), *named])
+    config = engine_config(args, model=args.model_tag or (named[0] if named else None))
     try:
         server = config_from_args(ServerConfig, args)
     except ValueError as e:   # a value the config refuses: one line, as argparse's own errors
@@ -198,6 +201,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = run_server(config, server)
     # Everything has stopped (engine, ranks, Ray): leave now, not seconds later after the
     # interpreter's teardown of torch and the model, so SIGTERM exits within --shutdown-timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve_many(args: argparse.Namespace, models: list[str]) -> int:
+    """Several models behind one server, loaded on demand (server/multi.py)."""
+    from pagedserve.server.model_specs import find_models
+    from pagedserve.server.models_manager import ModelManager
+    from pagedserve.server.multi import run_multi_server
+    try:
+        server = config_from_args(ServerConfig, args)
+        base = config_from_args(EngineConfig, args, model=None)
+        specs = find_models(server.models_dir, models)
+        if not specs:
+            raise ValueError(f"no models in --models-dir {server.models_dir} (.gguf files or HF directories)")
+        ModelManager(specs, base, server, None)   # every model's settings checked now, not at its first request
+    except ValueError as e:
+        sys.exit(f"pagedserve: error: {e}")
+    code = run_multi_server(specs, base, server)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -237,8 +261,11 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hub id, HF directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
+    p.add_argument("--model", action="append", default=None, metavar="MODEL",
+                   help="the model (Hub id, HF directory or .gguf file); repeat as NAME=PATH to serve several, "
+                        "loaded on demand")
     add_config_args(p, ServerConfig)
-    add_config_args(p, EngineConfig)
+    add_config_args(p, EngineConfig, skip=("model",))
 
 
 def build_parser() -> ArgumentParser:

@@ -65,6 +65,14 @@ class _Arena:
 _ARENA = _Arena()
 
 
+def new_model() -> None:
+    """Called once a model's weights are placed: the next weights start a new mapping, so a
+    model's weights never share one with another model's and hold their mappings alone (unloading
+    a model returns all its pages: a multi-model server loads and unloads several in one process,
+    server/models_manager.py)."""
+    _ARENA._flat, _ARENA._at = None, 0
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor in huge pages (see _Arena)."""
     return _ARENA.empty(shape, dtype)

@@ -755,6 +755,7 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         return build_opt_model(args, source.weights, dtype, attention), args, dtype
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
     model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp, quantization)
+    huge_pages.new_model()   # its weights alone hold their mappings: they go with the model
     return model, args, dtype
 
 

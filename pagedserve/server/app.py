@@ -32,8 +32,10 @@ from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import PAGE_FILES, KVStreamHub, add_dashboard_routes
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, parse_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from pagedserve.server.ollama import add_ollama_routes
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
+from pagedserve.server.anthropic import add_anthropic_routes
 from pagedserve.server.embeddings import add_embedding_routes
 from pagedserve.server.lora import ServerLoRAs, add_lora_routes, check_startup_adapters, lora_cards
 from pagedserve.server.responses import add_responses_routes
@@ -152,11 +154,13 @@ class GateMiddleware:
         if not state.llm.ready:
             return APIError(503, f"the server is not ready: the engine is {state.llm.state}")
         if state.api_key and path not in OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer":   # Anthropic's clients send the key as x-api-key
+                token = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' (or "
+                                     "'x-api-key: <key>')", code="invalid_api_key")
         return None
 
 
@@ -256,6 +260,8 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
     add_lora_routes(app, state)
     add_responses_routes(app, state)
     add_embedding_routes(app, state)
+    add_ollama_routes(app, state)
+    add_anthropic_routes(app, state)
     hub = KVStreamHub(state.llm, state.kv_snapshot_interval, run=lambda fn, *args: state.prompts.run(fn, *args))
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)
@@ -321,18 +327,25 @@ def make_engine_client(config: EngineConfig, s: ServerConfig) -> tuple[EngineCli
                            max_waiting_requests=s.max_waiting_requests, log_interval=log_interval), metrics
 
 
+def server_state(config: EngineConfig, s: ServerConfig, llm: EngineClient, metrics: PrometheusStatLogger,
+                 **overrides) -> ServerState:
+    """The state the routes of one model share (a multi-model server makes one per loaded model)."""
+    names = s.served_model_name or [config.model or DEFAULT_MODEL_NAME]
+    kw = dict(api_key=s.api_key, shutdown_timeout=s.shutdown_timeout,
+              max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
+              s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
+              enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
+              kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling,
+              loras=ServerLoRAs(s.lora_modules) if config.enable_lora else None)
+    return ServerState(llm, names, metrics, **{**kw, **overrides})
+
+
 def run_server(config: EngineConfig, server: ServerConfig | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (1 if the model failed to load).
     A limit of None or <= 0 turns it off."""
     s = server or ServerConfig()
-    names = s.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     llm, metrics = make_engine_client(config, s)
-    state = ServerState(llm, names, metrics, api_key=s.api_key, shutdown_timeout=s.shutdown_timeout,
-                        max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
-                        s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
-                        enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
-                        kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling,
-                        loras=ServerLoRAs(s.lora_modules) if config.enable_lora else None)
+    state = server_state(config, s, llm, metrics)
     app = build_app(state, s)
     uv_config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.uvicorn_log_level,
                                access_log=not s.disable_uvicorn_access_log,

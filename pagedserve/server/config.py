@@ -79,6 +79,19 @@ class ServerConfig:
     lora_modules: list[str] | None = setting(None, "LoRA adapters as name=path or JSON {\"name\": ..., \"path\": "
                                                    "..., \"base_model_name\": ...}; the model field picks one")
 
+    # Several models behind one server (server/models_manager.py): the set, and when they load and unload.
+    models_dir: str | None = setting(None, "serve every .gguf file and HF directory in this folder, named by its file "
+                                           "or directory name, loaded on first request (settings per model: "
+                                           "NAME.json or models.json / models.yaml there)")
+    keep_alive: str = setting("5m", "with several models: how long a model stays loaded after its last request "
+                                    "(a duration: 30s, 5m, 1h; 0: unload at once; -1: keep); a request's "
+                                    "keep_alive overrides it")
+    max_loaded_models: int = setting(4, "with several models: most models loaded at once; loading one more unloads "
+                                        "the least recently used idle one (<= 0: no limit)")
+    max_memory: str | None = setting(None, "with several models: the process memory models may fill (a size: 8GiB, "
+                                           "or a share of the machine's RAM: 80%); a load past it unloads the least "
+                                           "recently used idle model first, or is refused with 503")
+
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")

@@ -1,0 +1,289 @@
+"""Several models behind one server (server/models_manager.py, server/multi.py) and the Ollama and
+Anthropic APIs (server/ollama.py, server/anthropic.py), through their real clients.
+
+One server for the module: a --models-dir holding the default model (SmolLM2 GGUF), the tiny
+llama twice (`tiny`; `embed`, a pooling model by its settings), a third copy (`tiny2`) and a
+broken .gguf, at most two loaded at once."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagedserve.server.model_specs import find_models, parse_duration
+from tests.server_utils import API_KEY, authed_http, openai_client, served
+
+GREEDY = {"temperature": 0}
+QUESTION = "What is 2+2?"
+
+
+@pytest.fixture(scope="module")
+def models_dir(tiny_llama, tmp_path_factory):
+    from pagedserve.models.loader import default_model_path
+    try:
+        default = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    d = tmp_path_factory.mktemp("models")
+    (d / "smollm2.gguf").symlink_to(default)
+    for name in ("tiny", "embed", "tiny2"):
+        (d / name).symlink_to(tiny_llama.path)
+    (d / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
+    tiny = {"dtype": "float32", "kv_cache_memory": 1 << 20}
+    (d / "models.json").write_text(json.dumps({"smollm2": {"kv_cache_memory": 32 << 20}, "tiny": tiny,
+                                               "tiny2": tiny, "embed": {**tiny, "runner": "pooling"}}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(models_dir, tmp_path_factory):
+    yield from served(None, tmp_path_factory.mktemp("multimodel"), [
+        "--models-dir", str(models_dir), "--max-loaded-models", "2", "--api-key", API_KEY, "--shutdown-timeout", "0",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-uvicorn-access-log"])
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with authed_http(server) as c:
+        yield c
+
+
+def statuses(http) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in http.get("/v1/models").json()["data"]}
+
+
+def wait_status(http, name: str, want: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while statuses(http)[name] != want:
+        assert time.monotonic() < deadline, f"{name} is {statuses(http)[name]}, not {want}"
+        time.sleep(0.05)
+
+
+def ollama_client(server):
+    import ollama
+    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+def anthropic_client(server):
+    import anthropic
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+# ---- without a server ---------------------------------------------------------------------------
+def test_keep_alive_durations():
+    assert parse_duration("5m") == 300 and parse_duration("1h30m") == 5400 and parse_duration(10) == 10
+    assert parse_duration("0") == 0 and parse_duration(0) == 0 and parse_duration("250ms") == 0.25
+    assert parse_duration(-1) == math.inf and parse_duration("-1m") == math.inf
+    with pytest.raises(ValueError, match="keep_alive"):
+        parse_duration("soon")
+
+
+def test_models_dir_settings_are_checked(tmp_path, tiny_llama):
+    (tmp_path / "a").symlink_to(tiny_llama.path)
+    (tmp_path / "b.gguf").write_bytes(b"")
+    (tmp_path / "notes").mkdir()                       # no config.json: not a model
+    (tmp_path / "a.json").write_text(json.dumps({"dtype": "float32", "keep_alive": "1m"}))
+    specs = {s.name: s for s in find_models(str(tmp_path), ["c=/x/y"])}
+    assert set(specs) == {"a", "b", "c"} and specs["a"].settings == {"dtype": "float32"}
+    assert specs["a"].server == {"keep_alive": "1m"} and specs["c"].path == "/x/y"
+    (tmp_path / "a.json").write_text(json.dumps({"dtipe": "float32"}))
+    with pytest.raises(ValueError, match="dtipe"):
+        find_models(str(tmp_path), [])
+    (tmp_path / "a.json").unlink()
+    (tmp_path / "models.json").write_text(json.dumps({"zzz": {}}))
+    with pytest.raises(ValueError, match="zzz"):
+        find_models(str(tmp_path), [])
+    with pytest.raises(ValueError, match="two models"):
+        find_models(None, ["a=/x", "a=/y"])
+
+
+# ---- the server ---------------------------------------------------------------------------------
+def test_models_are_listed_and_loaded_on_first_request(server, http):
+    assert set(statuses(http)) == {"smollm2", "tiny", "embed", "tiny2", "broken"}
+    http.post("/models/unload", json={"model": "smollm2"}).raise_for_status()
+    assert statuses(http)["smollm2"] == "unloaded"
+    reply = openai_client(server).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=16, **GREEDY)
+    assert reply.model == "smollm2" and reply.choices[0].message.content
+    assert statuses(http)["smollm2"] == "loaded"
+    assert "loading model smollm2" in server.log() and "model smollm2 loaded in" in server.log()
+
+
+def test_the_apis_give_the_same_greedy_answer(server):
+    """OpenAI, Ollama and Anthropic clients reach the same model with the same template."""
+    openai_text = openai_client(server).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=16, **GREEDY
+    ).choices[0].message.content
+    o = ollama_client(server)
+    chat = o.chat(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                  options={"temperature": 0, "num_predict": 16})
+    assert chat.message.content == openai_text and chat.done and chat.eval_count > 0 and chat.prompt_eval_count > 0
+    streamed = list(o.chat(model="smollm2:latest", messages=[{"role": "user", "content": QUESTION}],
+                           options={"temperature": 0, "num_predict": 16}, stream=True))
+    assert "".join(p.message.content for p in streamed) == openai_text
+    assert streamed[-1].done and streamed[-1].done_reason in ("stop", "length") and not streamed[0].done
+    a = anthropic_client(server)
+    message = a.messages.create(model="smollm2", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
+                                extra_body=GREEDY)
+    assert message.content[0].text == openai_text and message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.prompt_eval_count
+    count = a.messages.count_tokens(model="smollm2", messages=[{"role": "user", "content": QUESTION}])
+    assert count.input_tokens == chat.prompt_eval_count
+    with a.messages.stream(model="smollm2", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
+                           extra_body=GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        assert stream.get_final_text() == openai_text
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert kinds.index("content_block_start") < kinds.index("content_block_delta") < kinds.index("content_block_stop")
+
+
+def test_ollama_generate_format_and_errors(server):
+    import ollama
+    o = ollama_client(server)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    chat = o.chat(model="smollm2", messages=[{"role": "user", "content": "2+2 as JSON"}], format=schema,
+                  options={"temperature": 0, "num_predict": 30})
+    assert isinstance(json.loads(chat.message.content)["answer"], int)
+    gen = o.generate(model="smollm2", prompt="The capital of France is", options={"temperature": 0, "num_predict": 6})
+    assert gen.response and gen.context and len(gen.context) == gen.prompt_eval_count + gen.eval_count
+    raw = o.generate(model="smollm2", prompt="The capital of France is", raw=True,
+                     options={"temperature": 0, "num_predict": 6, "stop": ["\n"]})
+    assert raw.prompt_eval_count < gen.prompt_eval_count    # no chat template around it
+    # Tools: a conversation with a call and its result renders and is answered.
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    answer = o.chat(model="smollm2", tools=tools, options={"temperature": 0, "num_predict": 8}, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                          "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}])
+    assert answer.done and answer.prompt_eval_count > chat.prompt_eval_count
+    with pytest.raises(ollama.ResponseError, match="images") as e:
+        o.chat(model="smollm2", messages=[{"role": "user", "content": "what is it?", "images": [b"\x89PNG"]}])
+    assert e.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match="not supported: models are files") as e:
+        o.pull("llama3")
+    with pytest.raises(ollama.ResponseError, match="does not exist"):
+        o.chat(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert {m.model for m in o.list().models} == {"smollm2", "tiny", "embed", "tiny2", "broken"}
+    assert "completion" in o.show("smollm2").capabilities
+
+
+def test_anthropic_tools_and_errors(server):
+    import anthropic
+    a = anthropic_client(server)
+    tool = {"name": "get_weather", "description": "the weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    first = a.messages.create(model="smollm2", max_tokens=40, tools=[tool], extra_body=GREEDY,
+                              tool_choice={"type": "tool", "name": "get_weather"},
+                              messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    (use,) = first.content
+    assert first.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
+    assert isinstance(use.input["city"], str) and use.id.startswith("toolu_")
+    second = a.messages.create(model="smollm2", max_tokens=12, tools=[tool], extra_body=GREEDY,
+                               tool_choice={"type": "none"}, stop_sequences=["\n"], system="Be brief.", messages=[
+                                   {"role": "user", "content": "What is the weather in Paris?"},
+                                   {"role": "assistant", "content": first.model_dump()["content"]},
+                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                                 "content": "sunny, 21 C"}]}])
+    assert second.content[0].type == "text" and second.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
+        a.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        a.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}]}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_embeddings_keep_alive_and_lru(server, http):
+    import ollama
+    o = ollama_client(server)
+    for name in ("tiny", "tiny2", "embed"):
+        http.post("/models/unload", json={"model": name}).raise_for_status()
+    http.post("/models/load", json={"model": "smollm2"}).raise_for_status()
+    vectors = o.embed(model="embed", input=["hello world", "the sea"]).embeddings
+    reference = openai_client(server).embeddings.create(model="embed", input="hello world", encoding_format="float")
+    assert len(vectors) == 2 and vectors[0] == pytest.approx(reference.data[0].embedding, rel=1e-5, abs=1e-6)
+    # Two are loaded (smollm2 used before embed): a third unloads the least recently used, smollm2.
+    assert statuses(http)["smollm2"] == "loaded" and statuses(http)["embed"] == "loaded"
+    o.generate(model="tiny", prompt="hi", options={"num_predict": 2})
+    s = statuses(http)
+    assert s["smollm2"] == "unloaded" and s["embed"] == "loaded" and s["tiny"] == "loaded", s
+    assert "unloading model smollm2 (least recently used" in server.log()
+    assert {m.model for m in o.ps().models} == {"embed", "tiny"}
+    # keep_alive 0: unloaded once the request is answered; -1: kept (no expiry soon).
+    o.generate(model="tiny", prompt="hi", options={"num_predict": 2}, keep_alive=0)
+    wait_status(http, "tiny", "unloaded")
+    o.generate(model="tiny", prompt="hi", options={"num_predict": 2}, keep_alive=-1)
+    (entry,) = [m for m in o.ps().models if m.model == "tiny"]
+    assert entry.expires_at.year > time.gmtime().tm_year + 5
+    # An empty generate with keep_alive 0 unloads without generating (Ollama's way).
+    assert o.generate(model="tiny", keep_alive=0).done_reason == "unload"
+    assert statuses(http)["tiny"] == "unloaded"
+    metrics = http.get("/metrics").text
+    assert 'pagedserve:model_loaded{model_name="embed"} 1.0' in metrics
+    assert 'pagedserve:prompt_tokens_total{model_name="embed"}' in metrics
+    with pytest.raises(ollama.ResponseError, match="pooling"):     # a generating model has no embeddings
+        o.embed(model="tiny2", input="x")
+
+
+def test_requests_wait_through_an_unload_and_reload(server, http):
+    client = openai_client(server)
+    http.post("/models/load", json={"model": "tiny2"}).raise_for_status()
+    loads = server.log().count("model tiny2 loaded in")
+    errors, done = [], []
+
+    def ask(i: int) -> None:
+        try:
+            for _ in range(4):
+                r = client.completions.create(model="tiny2", prompt=f"request {i}", max_tokens=48, extra_body={"min_tokens": 48},
+                                              **GREEDY)
+                done.append(r.choices[0].text)
+        except Exception as e:   # noqa: BLE001 - every failure is the test's
+            errors.append(e)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for after in (2, 10):        # unload twice while requests are in flight and others arrive
+        while len(done) < after and not errors:
+            time.sleep(0.01)
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+            c.post("/models/unload", json={"model": "tiny2"}).raise_for_status()
+    for t in threads:
+        t.join()
+    assert not errors and len(done) == 24
+    assert server.log().count("model tiny2 loaded in") == loads + 2
+
+
+def test_a_model_that_fails_to_load_leaves_the_others_serving(server, http):
+    import openai
+    client = openai_client(server)
+    with pytest.raises(openai.InternalServerError, match="the model 'broken' failed to load"):
+        client.chat.completions.create(model="broken", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    (card,) = [m for m in http.get("/v1/models").json()["data"] if m["id"] == "broken"]
+    assert card["status"]["value"] == "failed" and "GGUF" in card["status"]["error"]
+    r = client.completions.create(model="tiny2", prompt="still here", max_tokens=3)
+    assert r.choices[0].text is not None
+    assert http.post("/models/load", json={"model": "nope"}).status_code == 404
+
+
+def test_one_model_server_speaks_ollama_and_anthropic(api_server):
+    """The one-model server has the same routes (and takes Anthropic's x-api-key)."""
+    import anthropic
+    o = ollama_client(api_server)
+    assert [m.model for m in o.list().models] == ["tiny"]
+    reply = o.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 3})
+    assert reply.done and reply.eval_count <= 3
+    a = anthropic_client(api_server)
+    message = a.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert message.usage.output_tokens <= 3 and message.role == "assistant"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=api_server.url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
