@@ -40,9 +40,9 @@ def available() -> bool:
 
 class _Arena:
     """Weights placed one after another in 2 MiB-aligned anonymous mappings advised
-    MADV_HUGEPAGE (a bump allocator: weights live as long as the model). Small matrices share huge
-    pages, so at most the last, partly touched huge page of each mapping is wasted. A tensor keeps
-    its mapping alive (torch.frombuffer holds it)."""
+    MADV_HUGEPAGE (a bump allocator for one model's weights: new_model starts the next model in
+    new mappings). Small matrices share huge pages, so at most the last, partly touched huge page
+    of each mapping is wasted. A tensor keeps its mapping alive (torch.frombuffer holds it)."""
 
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None     # the current mapping, as bytes from its aligned start
