@@ -1,0 +1,215 @@
+"""The prefix cache's disk tier (issue 53) on a multi-turn agent workload.
+
+    .venv/bin/python benchmarks/kv_tier.py              # the default model, 32 sessions x 4 turns (~3 min quiet)
+    .venv/bin/python benchmarks/kv_tier.py --quick      # 8 sessions x 2 turns: checks the script
+    .venv/bin/python benchmarks/kv_tier.py --model tinyllama-1.1b --load-format dummy --quantization q4_0
+
+Sessions share a long system prompt and tool list (--system tokens); each turn sends the session's
+whole history (system, then per earlier turn its user message and the model's answer) plus a new
+user message (--user tokens) and generates --answer tokens, greedily; sessions take turns round
+robin, --concurrency at a time. The KV pool is a quarter of the working set (the shared prompt and
+every session's history), so a session's history is evicted before its next turn comes. Runs, each
+a fresh engine with the same pool:
+  no tier        every turn recomputes the history the pool lost
+  tier           --kv-offload-path: the history comes back from the disk tier
+  restart, tier  a new engine on the tier's directory: every session's next turn
+  restart, cold  a new engine without it: the same requests
+Reported: mean (and median) time to first token, output tokens/s and requests/s, the tier's hit
+rate (prompt tokens past the pool's hits found in the tier), bytes read per second of the run, and
+the directory's read bandwidth measured after (cold: pages dropped with posix_fadvise; warm: from
+the page cache), the bound of what a tier read can cost, and the share of answers alike between runs
+(tests/test_kv_tier.py checks that the tier's tokens are exact; here the runs compute different
+chunks in bf16, see same_share). Results: a table and benchmarks/results/kv_tier.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+from benchmarks.vs_vllm import cpu_flags, cpu_model  # noqa: E402
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.utils import cdiv  # noqa: E402
+
+
+@dataclass
+class Session:
+    history: list[int]                 # the system prompt, then each turn's user message and answer
+    users: list[list[int]]             # the user message of each turn
+    answers: list[list[int]] = field(default_factory=list)
+
+
+def make_sessions(args, vocab: int) -> list[Session]:
+    rng = random.Random(53)
+    system = [rng.randrange(100, vocab) for _ in range(args.system)]
+    return [Session(list(system), [[rng.randrange(100, vocab) for _ in range(args.user)]
+                                   for _ in range(args.turns + 1)]) for _ in range(args.sessions)]
+
+
+def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
+    """Each turn of `turns` for every session, --concurrency requests at a time; the answers
+    extend the histories. Returns the times to first token and the totals."""
+    params = SamplingParams(temperature=0, max_tokens=args.answer, ignore_eos=True)
+    ttfts, generated, prompt_tokens = [], 0, 0
+    start = time.perf_counter()
+    for turn in turns:
+        for i in range(0, len(sessions), args.concurrency):
+            group = sessions[i:i + args.concurrency]
+            prompts = [s.history + s.users[turn] for s in group]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for s, p, out in zip(group, prompts, outs):
+                m = out.metrics
+                ttfts.append(m.first_token_time - m.arrival_time)
+                answer = list(out.outputs[0].token_ids)
+                s.answers.append(answer)
+                s.history = p + answer
+                generated += len(answer)
+                prompt_tokens += len(p)
+    wall = time.perf_counter() - start
+    stats = llm.kv_cache_stats()
+    queries = stats.get("kv_offload_queries", 0)
+    return dict(requests=len(ttfts), mean_ttft_s=statistics.fmean(ttfts), median_ttft_s=statistics.median(ttfts),
+                wall_s=wall, output_tok_s=generated / wall, requests_s=len(ttfts) / wall, prompt_tokens=prompt_tokens,
+                prefix_cache_hit_rate=stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]),
+                tier_hit_rate=stats.get("kv_offload_hits", 0) / queries if queries else None,
+                tier_blocks_loaded=stats.get("kv_offload_blocks_loaded"),
+                tier_blocks_saved=stats.get("kv_offload_blocks_saved"),
+                tier_load_failures=stats.get("kv_offload_load_failures"),
+                tier_bytes_read=stats.get("kv_offload_bytes_read"),
+                tier_bytes_read_per_s=stats.get("kv_offload_bytes_read", 0) / wall if queries else None,
+                num_evicted_blocks=stats["num_evicted_blocks"])
+
+
+def read_bandwidth(directory: str) -> dict:
+    """Bytes/s reading every tier file once with its pages dropped first (the disk), then again
+    (the page cache)."""
+    files = sorted(Path(directory).glob("*.kvb"))
+    if not files:
+        return {}
+    os.sync()
+    out = {}
+    for name, drop in (("cold_read_bytes_s", True), ("warm_read_bytes_s", False)):
+        if drop:
+            for f in files:
+                with open(f, "rb") as fh:
+                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        total = 0
+        start = time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                total += len(fh.read())
+        out[name] = total / (time.perf_counter() - start)
+    out.update(files=len(files), bytes=sum(f.stat().st_size for f in files))
+    return out
+
+
+def same_share(a: list[Session], b: list[Session]) -> float:
+    """The share of turns whose answers agree (the model's dtype is bf16: a history recomputed in
+    one prefill chunk rounds otherwise than the decode steps that first wrote it, so near ties may
+    part, and a parted answer changes that session's later prompts)."""
+    pairs = [(x, y) for s, t in zip(a, b) for x, y in zip(s.answers, t.answers)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def copy_sessions(sessions: list[Session]) -> list[Session]:
+    return [Session(list(s.history), s.users, list(s.answers)) for s in sessions]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct, Q4_1)")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system", type=int, default=1024, help="tokens of the shared system prompt and tool list")
+    ap.add_argument("--user", type=int, default=32, help="tokens of each turn's new user message (tool output)")
+    ap.add_argument("--answer", type=int, default=32, help="tokens generated per turn")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--pool-share", type=float, default=0.25, help="the KV pool as a share of the working set")
+    ap.add_argument("--dir", default=None, help="the tier's directory (default: a new one under /tmp, removed after)")
+    ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
+    ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.sessions, args.turns, args.out = 8, 2, str(RESULTS / "kv_tier_quick.json")
+    B = 16
+    working_set = cdiv(args.system, B) + args.sessions * cdiv(args.turns * (args.user + args.answer), B)
+    blocks = max(int(working_set * args.pool_share),
+                 cdiv(args.system, B) + args.concurrency * (cdiv((args.turns + 1) * (args.user + args.answer), B) + 1))
+    engine = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
+                  num_gpu_blocks_override=blocks, block_size=B, max_model_len=args.system + (args.turns + 2) * (
+                      args.user + args.answer))
+    tier_dir = args.dir or tempfile.mkdtemp(prefix="kv_tier_bench_")
+    shutil.rmtree(tier_dir, ignore_errors=True)
+    tier = dict(engine, kv_offload_path=tier_dir, kv_offload_gb=64)
+
+    llm = LLM(**engine)
+    sessions = make_sessions(args, llm.engine.vocab_size)
+    runs = {}
+    base = copy_sessions(sessions)
+    runs["no tier"] = run_turns(llm, base, range(args.turns), args)
+    del llm
+    llm = LLM(**tier)
+    tiered = copy_sessions(sessions)
+    runs["tier"] = run_turns(llm, tiered, range(args.turns), args)
+    same_tokens = {"tier vs no tier": same_share(base, tiered)}
+    llm.shutdown()
+    del llm
+    llm = LLM(**tier)                      # the restarted server: its index from the directory
+    restarted = copy_sessions(tiered)
+    runs["restart, tier"] = run_turns(llm, restarted, range(args.turns, args.turns + 1), args)
+    llm.shutdown()
+    del llm
+    llm = LLM(**engine)
+    cold = copy_sessions(tiered)
+    runs["restart, cold"] = run_turns(llm, cold, range(args.turns, args.turns + 1), args)
+    del llm
+    same_tokens["restart: tier vs cold"] = same_share(restarted, cold)
+    disk = read_bandwidth(tier_dir)
+    if args.dir is None:
+        shutil.rmtree(tier_dir, ignore_errors=True)
+
+    print(f"{args.sessions} sessions x {args.turns} turns (+1 after the restart), system {args.system} tokens, "
+          f"user {args.user}, answer {args.answer}, concurrency {args.concurrency}; pool {blocks} blocks of {B} "
+          f"= {blocks / working_set:.2f} of the working set ({working_set} blocks)")
+    print(f"{'run':15} {'mean TTFT':>10} {'median':>8} {'out tok/s':>10} {'req/s':>7} {'tier hit':>9} "
+          f"{'read MB/s':>10} {'loaded':>7} {'failed':>7}")
+    for name, r in runs.items():
+        hit = "-" if r["tier_hit_rate"] is None else f"{100 * r['tier_hit_rate']:.1f}%"
+        rate = "-" if r["tier_bytes_read_per_s"] is None else f"{r['tier_bytes_read_per_s'] / 1e6:.1f}"
+        print(f"{name:15} {r['mean_ttft_s'] * 1000:8.0f}ms {r['median_ttft_s'] * 1000:6.0f}ms "
+              f"{r['output_tok_s']:10.1f} {r['requests_s']:7.2f} {hit:>9} {rate:>10} "
+              f"{r['tier_blocks_loaded'] if r['tier_blocks_loaded'] is not None else '-':>7} "
+              f"{r['tier_load_failures'] if r['tier_load_failures'] is not None else '-':>7}")
+    ttft = runs["no tier"]["mean_ttft_s"] / runs["tier"]["mean_ttft_s"]
+    restart = runs["restart, cold"]["mean_ttft_s"] / runs["restart, tier"]["mean_ttft_s"]
+    print(f"mean TTFT: {ttft:.2f}x lower with the tier; after a restart {restart:.2f}x lower than cold; "
+          f"throughput {runs['tier']['output_tok_s'] / runs['no tier']['output_tok_s']:.2f}x; "
+          f"answers alike: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in same_tokens.items()))
+    if disk:
+        print(f"tier directory: {disk['files']} files, {disk['bytes'] / 1e6:.1f} MB; read bandwidth "
+              f"{disk['cold_read_bytes_s'] / 1e6:.0f} MB/s cold, {disk['warm_read_bytes_s'] / 1e6:.0f} MB/s warm")
+    result = dict(args=vars(args), cpu_model=cpu_model(), cpu_flags=cpu_flags(), threads=os.cpu_count(),
+                  pool_blocks=blocks, working_set_blocks=working_set, runs=runs, ttft_ratio=ttft,
+                  restart_ttft_ratio=restart, same_tokens=same_tokens, disk=disk)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"CPU: {result['cpu_model']} ({' '.join(result['cpu_flags'])}); wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
