@@ -74,7 +74,7 @@ class ScheduledTokens:
     seq_id: int
     token_ids: list[int]                   # the tokens to compute, at positions start, start + 1, ...
     start: int
-    block_ids: list[int]                   # the sequence's block table
+    block_ids: list[int]                   # the sequence's block table (KV group 0's)
     sample: SampleRow | None = None        # the step reaches its last token: sample from it
     prompt_logprobs: PromptLogprobsRange | None = None
     # A pooling request's chunk whose hidden states it needs: LAST (the chunk ending the prompt:
@@ -133,6 +133,10 @@ class StepBatch:
     lora_reads: list[LoRALoad] = field(default_factory=list)
     # The prefix cache's disk tier's moves, before everything else (None: none this step).
     tier: TierMoves | None = None
+    # A hybrid model's KV groups 1.. (kv/groups.py): each sequence's block tables in them, by seq id
+    # (its ScheduledTokens.block_ids is group 0's). -1 in any table: a block released behind a
+    # sliding window, which attention never reads.
+    group_block_ids: dict[int, list[list[int]]] = field(default_factory=dict)
 
 
 @dataclass

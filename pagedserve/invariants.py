@@ -45,7 +45,9 @@ def check_paging_invariants(scheduler: "Scheduler", out: "SchedulerOutput | None
     kv = scheduler.kv
     _check_queues(scheduler, request_ids)
     drafts = {s.seq.seq_id: len(s.draft_token_ids) for s in out.scheduled} if out is not None else {}
-    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, kv_salt(r.cache_salt, r.lora_name), drafts.get(s.seq_id, 0))
+    new = {s.seq.seq_id: s.num_new_tokens for s in out.scheduled} if out is not None else {}
+    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, kv_salt(r.cache_salt, r.lora_name),
+                               drafts.get(s.seq_id, 0), new.get(s.seq_id, 0))
             for r in scheduler.running for s in r.live_seqs}
     swapped = {s.seq_id for r in scheduler.swapped for s in r.live_seqs}
     kv.check_invariants(live, swapped)
@@ -94,7 +96,7 @@ def _check_step(out: "SchedulerOutput") -> list[StepWrite]:
         assert s.start + s.num_new_tokens <= s.seq.num_tokens, f"sequence {seq_id} computes tokens it lacks"
         assert not s.draft_token_ids or (s.samples and s.num_new_tokens == 1), (
             f"sequence {seq_id} has drafts but does not decode")
-        writes.append(StepWrite(seq_id, s.start, s.num_query_tokens, s.block_ids))
+        writes.append(StepWrite(seq_id, s.start, s.num_query_tokens, s.block_ids, s.group_block_ids))
     return writes
 
 
@@ -109,7 +111,9 @@ def _check_batch(scheduler: "Scheduler", out: "SchedulerOutput") -> None:
         s = by_id[t.seq_id]
         assert t.start == s.start and t.token_ids == s.seq.token_ids[s.start:s.start + s.num_new_tokens], (
             f"sequence {t.seq_id}: the batch computes other tokens")
-        assert t.block_ids == scheduler.kv.block_ids(t.seq_id), f"sequence {t.seq_id}: stale block table in the batch"
+        assert t.block_ids == scheduler.kv.block_ids(t.seq_id) and \
+            batch.group_block_ids.get(t.seq_id, []) == scheduler.kv.group_block_ids(t.seq_id), (
+                f"sequence {t.seq_id}: stale block table in the batch")
         assert (t.sample is not None) == s.samples, f"sequence {t.seq_id}: the batch samples where the step does not"
         assert t.draft_token_ids == s.draft_token_ids, f"sequence {t.seq_id}: the batch has other drafts"
         end = t.start + len(t.token_ids)   # a draft model catches up on its own tokens, up to the target's

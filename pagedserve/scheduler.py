@@ -62,7 +62,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence as Seq
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (MODEL_DRAFT, PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow,
@@ -84,7 +84,6 @@ from pagedserve.structured.manager import fill_bitmask
 from pagedserve.spec_decode import ngram
 from pagedserve.spec_decode.suffix import SuffixProposer
 from pagedserve.spec_decode.stats import SpecDecodeCounters
-from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +93,12 @@ class ScheduledSeq:
     request: Request
     seq: Sequence
     num_new_tokens: int
-    block_ids: list[int]        # the sequence's block table after allocation
+    block_ids: list[int]        # the sequence's block table after allocation (KV group 0's)
     start: int = 0              # first position computed (the sequence's computed count)
     samples: bool = False       # the step reaches the sequence's last token: sample from it
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts after its last token
     draft_start: int | None = None   # method draft_model: where the draft model's tokens start (None: it skips this one)
+    group_block_ids: list[list[int]] = field(default_factory=list)   # KV groups 1..'s tables (kv/groups.py)
 
     @property
     def num_query_tokens(self) -> int:
@@ -202,20 +202,23 @@ class QueueView:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
-                 kv_events: KVEventSink | None = None, tier: TierIndex | None = None) -> None:
+                 kv_events: KVEventSink | None = None, tier: TierIndex | None = None,
+                 kv_windows: Seq[int | None] = (None,)) -> None:
         """eos_token_ids: every EOS id of the model (tokenizer and generation config), for
         sampling and beam search alike; kv_events: told of the prefix cache's changes (a
         data-parallel router listens). The scheduler knows no text: the engine's output side
         makes it and checks the stop strings (engine/detokenizer.py), then ends a sequence a
         stop string ended with `stop_seq`. tier: the keys of the disk tier below the prefix
-        cache (kv/tier.py), kept by the engine across resets."""
+        cache (kv/tier.py), kept by the engine across resets. kv_windows: the model's KV groups'
+        sliding windows (kv/groups.py; None: full attention), each group with its own block tables."""
         self.config = config
         self.block_size = config.block_size
         self.max_model_len = max_model_len or config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
                                                  config.enable_prefix_caching, self.max_model_len, num_host_blocks,
-                                                 kv_events, config.kv_cache_dtype, tier)
+                                                 kv_events, config.kv_cache_dtype, tier,
+                                                 kv_windows)
         # The tier below the prefix cache: a waiting request whose prefix it holds waits for
         # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
         self.tier: TierLink | None = getattr(self.kv, "tier", None)
@@ -434,6 +437,8 @@ class Scheduler:
         out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
+        if self.kv.num_groups > 1:
+            out.batch.group_block_ids = {s.seq.seq_id: s.group_block_ids for s in order}
         if self.loras is not None:
             out.batch.lora_loads = self.loras.take_loads()
             out.batch.lora_reads = self.loras.take_reads()
@@ -502,6 +507,8 @@ class Scheduler:
         added = [ScheduledSeq.of(req, s, n, self.kv.block_ids(s.seq_id)) for s, n in plan]
         for x in added:
             x.draft_token_ids = self._drafts.get(x.seq.seq_id, [])
+            if self.kv.num_groups > 1:
+                x.group_block_ids = self.kv.group_block_ids(x.seq.seq_id)
         out.scheduled.extend(added)
         return sum(x.num_query_tokens for x in added)
 
@@ -662,8 +669,7 @@ class Scheduler:
         """Admission control: after the rest of these sequences' prompt blocks (beyond the
         prefix-cache hits they already hold), at least `watermark_blocks` stay free, so that
         running requests have room to grow instead of preempting each other at once."""
-        blocks_per_prompt = cdiv(prompt_len, self.block_size)
-        needed = sum(max(0, blocks_per_prompt - len(self.kv.block_ids(s.seq_id))) for s in seqs)
+        needed = sum(self.kv.num_blocks_to_hold(s.seq_id, prompt_len) for s in seqs)
         return self.kv.num_free_blocks - needed >= self.watermark_blocks
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -723,7 +729,7 @@ class Scheduler:
         """Bring a swapped request's blocks back if they fit, leaving a free block per
         sequence for its next token when others run (so it does not bounce straight back)."""
         ids = [s.seq_id for s in req.live_seqs]
-        needed = self.kv.swap.num_blocks_to_swap(ids) + (len(ids) if self.running else 0)
+        needed = self.kv.swap.num_blocks_to_swap(ids) + (len(ids) * self.kv.num_groups if self.running else 0)
         if needed > self.kv.num_free_blocks:
             return False
         self.swapped.popleft()

@@ -36,6 +36,15 @@ def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tup
                                     tokens, extra))).digest()
 
 
+def group_key(key: BlockKey, group: int) -> BlockKey:
+    """A block's key in KV group `group` (kv/groups.py): group 0 keeps the chain's key (so a model
+    with one group keys its blocks as ever, and a router's lookup keys are group 0's); another
+    group's blocks hold other layers' K and V for the same tokens, so its key hashes the group in."""
+    if group == 0:
+        return key
+    return hashlib.sha256(b"".join((key, b"kv-group", group.to_bytes(4, "little")))).digest()
+
+
 def kv_salt(cache_salt: str | None, lora_name: str | None) -> str | tuple | None:
     """A request's salt for the KV cache: its cache salt, and with a LoRA adapter the adapter's
     name too (its blocks hold other keys and values than the base model's for the same tokens).

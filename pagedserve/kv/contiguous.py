@@ -124,6 +124,7 @@ class ContiguousKVCacheManager(PoolCapacity):
 
     enable_caching = False
     swap = None          # no swap space: a running sequence never needs more memory
+    num_groups = 1       # every layer in one region per sequence (a window's tokens are reserved too)
 
     def __init__(self, num_blocks: int, block_size: int, policy: str, max_model_len: int | None) -> None:
         if policy not in CONTIGUOUS_POLICIES:
@@ -177,9 +178,15 @@ class ContiguousKVCacheManager(PoolCapacity):
         region = self.tables.get(seq_id)
         return [] if region is None else list(range(region.start, region.start + region.num_blocks))
 
+    def group_block_ids(self, seq_id: int) -> list[list[int]]:
+        return []
+
     def num_held_blocks(self, seq_id: int) -> int:
         region = self.tables.get(seq_id)
         return 0 if region is None else region.num_blocks
+
+    def num_blocks_to_hold(self, seq_id: int, num_tokens: int) -> int:
+        return max(0, cdiv(num_tokens, self.block_size) - self.num_held_blocks(seq_id))
 
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
               use_prefix_cache: bool = True) -> int:

@@ -1,6 +1,8 @@
 """Pick the KV cache manager: paged (the engine's own) or a contiguous-reservation baseline."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pagedserve.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedserve.kv.contiguous import ContiguousKVCacheManager
 from pagedserve.kv.events import KVEventSink
@@ -12,16 +14,23 @@ from pagedserve.kv.tier import TierIndex
 def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_caching: bool,
                           max_model_len: int | None, num_host_blocks: int = 0,
                           kv_events: KVEventSink | None = None, kv_cache_dtype: str = "auto",
-                          tier: TierIndex | None = None) -> KVCache:
+                          tier: TierIndex | None = None, kv_windows: Sequence[int | None] = (None,)) -> KVCache:
     """num_host_blocks: swap space (preemption_mode="swap"), which only the paged manager has;
     kv_events: told of prefix-cache changes (the baselines cache nothing, so never hear of any);
     kv_cache_dtype: part of the prefix-cache keys (an 8-bit cache's blocks never mix with 16-bit ones);
-    tier: the keys of the tier below the pool (kv/tier.py), which only the paged manager has."""
+    tier: the keys of the tier below the pool (kv/tier.py), which only the paged manager has;
+    kv_windows: each KV group's sliding window (kv/groups.py; None: full attention)."""
+    if tier is not None and len(kv_windows) > 1:
+        raise ValueError("kv_offload_path keeps one block per prefix block: a model with several KV groups "
+                         "(sliding-window layers) runs without the disk tier")
     if kind == "paged":
         return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events, kv_cache_dtype,
-                              tier)
+                              tier, kv_windows)
     if tier is not None:
         raise ValueError(f"kv_offload_path needs kv_allocator='paged', not {kind!r}")
+    if len(kv_windows) > 1:
+        raise ValueError(f"kv_allocator={kind!r} reserves one region per sequence for every layer: a model with "
+                         f"several KV groups (sliding-window layers) needs kv_allocator='paged'")
     if num_host_blocks:
         raise ValueError(f"preemption_mode='swap' needs kv_allocator='paged', not {kind!r}")
     if kind in CONTIGUOUS_POLICIES:

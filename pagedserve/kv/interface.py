@@ -8,7 +8,7 @@ paged manager has.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class SeqState:
     num_computed_tokens: int
     cache_salt: str | None = None
     num_draft_slots: int = 0   # slots for speculative drafts past token_ids, in the step about to run
+    num_new_tokens: int = 0    # tokens the step about to run computes for it (0: not scheduled, or between steps)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class StepWrite:
     seq_id: int
     start: int                 # first position written
     num_new_tokens: int
-    block_ids: list[int]       # the block table the worker receives
+    block_ids: list[int]       # the block table the worker receives (group 0's)
+    group_block_ids: list[list[int]] = field(default_factory=list)   # groups 1..'s (kv/groups.py)
 
 
 @dataclass
@@ -69,6 +71,8 @@ class KVCacheStats:
     kv_offload_load_failures: int | None = None
     kv_offload_bytes_written: int | None = None
     kv_offload_bytes_read: int | None = None
+    kv_groups: list[str] | None = None   # a hybrid model's KV groups (kv/groups.py): "full", "sliding_window=W"
+    num_blocks_per_group: list[int] | None = None   # distinct device blocks each group's tables hold
 
     @property
     def usage(self) -> float:
@@ -106,6 +110,7 @@ class PoolCapacity:
 
 class KVCache(Protocol):
     block_size: int
+    num_groups: int                   # KV groups (kv/groups.py): one table per sequence and group
     swap: SwapSpace | None            # swap space (preemption_mode="swap"); None where there is none
 
     @property
@@ -140,7 +145,14 @@ class KVCache(Protocol):
         """Release the sequence's blocks past its first num_tokens slots (speculative decoding's
         rejected drafts; only the paged cache has them)."""
 
-    def block_ids(self, seq_id: int) -> list[int]: ...
+    def block_ids(self, seq_id: int) -> list[int]:
+        """Group 0's table as the worker receives it (-1: a hole behind a sliding window)."""
+
+    def group_block_ids(self, seq_id: int) -> list[list[int]]:
+        """The tables of groups 1.. (empty with one group)."""
+
+    def num_blocks_to_hold(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks the sequence must still take to hold its first num_tokens tokens (admission control)."""
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None: ...
 

@@ -41,6 +41,8 @@ class KVSnapshot:
     # longer cached: look up only the keys in `device.keys`).
     cached_tokens: Mapping[BlockKey, tuple[int, ...] | None] = field(default_factory=dict)
     kv_allocator: str = "paged"
+    # A hybrid model's device blocks held by a table: block id -> its KV group (kv/groups.py).
+    group_of_block: dict[int, int] = field(default_factory=dict)
 
 
 def snapshot_pool(blocks: list[KVBlock], tables: Mapping[int, list[KVBlock]], with_keys: bool = True) -> PoolSnapshot:
