@@ -97,6 +97,32 @@ def test_a_flipped_byte_is_detected_and_the_block_recomputed(model, prompts, tmp
     assert again.engine.runner.tier.rejected >= 1
 
 
+def test_two_engines_share_a_directory_at_once(model, prompts, tmp_path):
+    """Two engines run the same prompts at the same time on one directory (both write the same
+    keys, each reads what either wrote): no refused file, the reference's tokens."""
+    ref = one_by_one(LLM(model.path, dtype="float32", num_gpu_blocks_override=256), prompts * 2)
+    engines = [tier_llm(model, tmp_path) for _ in range(2)]
+    outs: dict[int, list] = {}
+
+    def run(i):
+        outs[i] = one_by_one(engines[i], prompts * 2 if i == 0 else prompts[::-1] * 2)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outs[0] == ref and outs[1] == one_by_one_ref(ref, prompts)
+    for llm in engines:
+        assert llm.engine.runner.tier.rejected == 0 and llm.kv_cache_stats()["kv_offload_blocks_loaded"] > 0
+
+
+def one_by_one_ref(ref, prompts):
+    """The reference's tokens for the reversed order (each prompt's tokens do not depend on order)."""
+    by_prompt = {tuple(p): r for p, r in zip(prompts, ref)}
+    return [by_prompt[tuple(p)] for p in prompts[::-1] * 2]
+
+
 def test_salted_blocks_are_found_only_under_their_salt(model, prompts, tmp_path):
     first = tier_llm(model, tmp_path, blocks=64)
     first.generate({"prompt_token_ids": prompts[0], "cache_salt": "tenant-a"}, SP, use_tqdm=False)
