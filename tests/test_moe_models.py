@@ -187,3 +187,19 @@ def test_lora_on_attention_only(moe_models, tmp_path):
     with pytest.raises(InvalidRequestError, match="mixture-of-experts block"):
         llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
                      lora_request=LoRARequest("expert", 2, str(expert)))
+
+
+def test_the_start_log_says_weights_resident_and_read_per_token(moe_models, caplog):
+    from pagedserve.models.quantized import model_read_bytes_per_token
+    tm = moe_models("qwen3_moe")
+    with caplog.at_level("INFO", logger="pagedserve.worker.worker"):
+        llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64)
+    model = _model_of(llm)
+    cfg = tm.hf.config
+    h, e, k, f = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    # layer 1 is sparse: a token reads k of its e experts (3 h f float32 numbers each)
+    unread = (e - k) * 3 * h * f * 4
+    # (and the embedding table: a token reads one row of it)
+    assert model_weight_bytes(model) - model_read_bytes_per_token(model) == unread + model.embed.numel() * 4
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
+    assert f"read per token: {model_read_bytes_per_token(model) / 2**20:.1f} MiB ({k} of {e} experts)" in line

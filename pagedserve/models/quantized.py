@@ -113,6 +113,22 @@ def model_weight_bytes(model) -> int:
     return sum(seen.values())
 
 
+def model_read_bytes_per_token(model) -> int:
+    """The weight bytes one decode token reads: every layer's matrices and norms, but of an MoE
+    block only its router, k experts (of their mean size) and shared expert; the final norm and
+    the LM head (not the embedding: one row)."""
+    from dataclasses import fields
+
+    from pagedserve.models.moe import MoEWeights
+    k = model.args.moe.top_k if getattr(model.args, "moe", None) else 0
+    total = 0
+    for w in model.layers:
+        for f in fields(w):
+            v = getattr(w, f.name)
+            total += v.active_bytes(k) if isinstance(v, MoEWeights) else weight_nbytes(v)
+    return total + weight_nbytes(model.norm) + weight_nbytes(model.lm_head)
+
+
 @dataclass
 class QuantizedEmbedding:
     """An embedding table kept in its GGUF blocks ([rows, bytes per row], possibly a view of the

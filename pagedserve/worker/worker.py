@@ -16,7 +16,7 @@ from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.llama import ModelArgs
 from pagedserve.models.loader import is_gguf, load_model
 from pagedserve.models.ops import ModelOps, TorchOps
-from pagedserve.models.quantized import model_weight_bytes, resolve_quantization
+from pagedserve.models.quantized import model_read_bytes_per_token, model_weight_bytes, resolve_quantization
 from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
@@ -140,9 +140,13 @@ class Worker:
         if device.type == "cuda":
             torch.cuda.empty_cache()      # what building the weights left in the allocator's cache
         model.pack_linear_weights()
-        # The bytes the weights hold (quantized ones: their blocks), beside the KV cache's budget.
-        logger.info("weights: %.1f MiB%s", model_weight_bytes(model) / 2**20,
-                    f" ({quantization} blocks)" if quantization else "")
+        # The bytes the weights hold (quantized ones: their blocks), beside the KV cache's budget;
+        # a mixture of experts reads only its routed experts' share of them per token.
+        moe = args.moe
+        per_token = f"; read per token: {model_read_bytes_per_token(model) / 2**20:.1f} MiB ({moe.top_k} of " \
+                    f"{moe.num_experts} experts)" if moe is not None else ""
+        logger.info("weights: %.1f MiB%s%s", model_weight_bytes(model) / 2**20,
+                    f" ({quantization} blocks)" if quantization else "", per_token)
         max_model_len = resolve_max_model_len(config.max_model_len, args)
         spec = config.speculative_config
         draft = load_draft_model(config, args, max_model_len, ops, device) \
