@@ -163,6 +163,9 @@ def run_child(spec: dict) -> dict:
     kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     per_token = sum(weight_nbytes(getattr(w, n)) for w in model.layers for n in ("qkv", "o", "gate_up", "down")) + \
         weight_nbytes(model.lm_head)
+    if llm.engine.model_args.moe is not None:       # (benchmarks/moe.py) the router and k experts a token reads
+        from pagedserve.models.quantized import model_read_bytes_per_token
+        per_token = model_read_bytes_per_token(model)
     engine = llm.engine
     vocab = llm.engine.model_args.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -169,6 +169,36 @@ def count_expert_reads() -> Iterator[ExpertReads]:
         _reads = previous
 
 
+def _quantized_parts(weight) -> list | None:
+    """A weight's quantized parts (a QuantizedWeight, or a tuple of them), else None."""
+    from pagedserve.kernels.quant import QuantizedWeight
+    if isinstance(weight, QuantizedWeight):
+        return [weight]
+    if isinstance(weight, tuple) and all(isinstance(p, QuantizedWeight) for p in weight):
+        return list(weight)
+    return None
+
+
+def _one_token(h: torch.Tensor, experts: list[ExpertWeights], weights: list[float], spec: MoESpec, ops,
+               linear: Linear, out: torch.Tensor) -> None:
+    """One token's k experts added into out [1, H]. Quantized experts' gate/up run as one product
+    over all k experts' parts (one activation quantization, one parallel pass: k - 1 kernel calls
+    fewer per layer); each down is its own (its input is its expert's)."""
+    parts = [_quantized_parts(e.gate_up) for e in experts]
+    if any(p is None for p in parts):
+        for e, weight in zip(experts, weights):
+            out.add_(run_expert(h, e, spec, ops, linear).float(), alpha=weight)
+        return
+    bias = None if experts[0].gate_up_bias is None else torch.cat([e.gate_up_bias for e in experts])
+    gate_up = linear(h, tuple(p for ps in parts for p in ps), bias).view(len(experts), -1)   # [k, 2 I]
+    if spec.activation == "silu":
+        act = ops.silu_and_mul(gate_up)
+    else:
+        act = clamped_swiglu(gate_up, spec.swiglu_alpha, spec.swiglu_limit)
+    for j, (e, weight) in enumerate(zip(experts, weights)):
+        out.add_(linear(act[j:j + 1], e.down, e.down_bias).float(), alpha=weight)
+
+
 def moe_forward(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Linear | None = None) -> torch.Tensor:
     """The block's output for the normalised hidden states h [T, H] (h's dtype)."""
     linear = linear or ops.linear
@@ -177,10 +207,10 @@ def moe_forward(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Line
     weights, ids = route(logits, spec)
     out = torch.zeros(num_tokens, h.shape[1], dtype=torch.float32, device=h.device)
     ran: list[tuple[int, int, int]] = []
-    if num_tokens == 1:          # a single decode: its k experts in turn, nothing to group
-        for e, weight in zip(ids[0].tolist(), weights[0].tolist()):
-            out.add_(run_expert(h, w.experts[e], spec, ops, linear).float(), alpha=weight)
-            ran.append((w.layer, e, 1))
+    if num_tokens == 1:          # a single decode: its k experts, nothing to group
+        chosen = ids[0].tolist()
+        _one_token(h, [w.experts[e] for e in chosen], weights[0].tolist(), spec, ops, linear, out)
+        ran.extend((w.layer, e, 1) for e in chosen)
     elif num_tokens:
         flat = ids.view(-1)
         order = torch.argsort(flat, stable=True)         # (token, slot) pairs grouped by expert
