@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.attention.cpu_backend import CpuAttention
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels import cpu
+from pagedserve.kernels import cpu, quant
 from pagedserve.models import quantized
 from pagedserve.models.ops import TorchOps
 
@@ -62,7 +62,13 @@ class CpuOps(TorchOps):
         if isinstance(weight, cpu.PackedWeight):
             out = cpu.linear(x, weight, bias)
             return out if out_dtype is None else out.to(out_dtype)
-        return quantized.linear(x, weight, bias, cpu.linear, decode, out_dtype)
+        return quantized.linear(x, weight, bias, cpu.linear, decode, out_dtype, quant.linear)
+
+    # Quantized weights through kernels/quant.py (C++ where built, its torch fallbacks else).
+    quantize = staticmethod(quant.quantize)
+    repack = staticmethod(quant.repack)
+    quantized_linear = staticmethod(quant.linear)
+    quantized_embedding = staticmethod(quant.embedding)
 
     argmax = staticmethod(cpu.argmax_rows)
 

@@ -1,19 +1,8 @@
 """Linear layers over weights kept in GGUF block formats (quant_kernels.cpp, via ctypes).
 
-Formats (QTYPES): the llama.cpp/GGUF blocks, byte for byte as the file stores them.
-32-element blocks: `q4_0` (fp16 d, 16 bytes of nibbles: w = d*(q-8)), `q4_1` (d, m: w = d*q + m),
-`q5_0` / `q5_1` (the same with a fifth bit per element in a 32-bit qh: offset 16 / + m), `q8_0`
-(d, 32 int8). 256-element super-blocks: `q4_k` / `q5_k` (fp16 d and dmin, 8 sub-blocks of 32
-with 6-bit scale and min: w = d*sc*q - dmin*m), `q6_k` (16 sub-blocks of 16 with int8 scales:
-w = d*sc*(q-32)). Other GGUF types (Q2_K, Q3_K, IQ*) have no kernel: the caller dequantizes.
-
-Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLOCK * BLOCK_BYTES]
-(row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
-slice_rows / slice_cols (whole blocks) are views (rows may then be strided); concat_rows stacks
-weights of one type (fused projections), one copy; `embedding` looks rows up (a quantized
-token table). No interleaving of rows: the kernels read each row's blocks where they lie; each
-thread streams a contiguous range of rows, and the activations it reuses per row stay in L1/L2.
-One layout of a type's own bytes (REPACKED): `repack` rewrites a q4_0 matrix whose width is a
+The formats, `QuantizedWeight` and the torch reference live in pagedserve/quant_format.py (a
+room of their own, which models/ imports too); this module re-exports them. Layouts of a type's
+own bytes (REPACKED): `repack` rewrites a q4_0 matrix whose width is a
 multiple of 256, in place where the loader owns its copy (not a file's mapping), as q4_0x8:
 each 8 blocks' scales together and their nibbles rearranged so that every 32-bit lane of a
 512-bit dot falls in one block, which makes the avx512vnni T = 1 dot about 2x faster in L2 and
@@ -84,34 +73,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from pagedserve.kernels import cpu
+from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
+    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, REPACKED, ROW_CHUNK_ELEMENTS, QuantizedWeight, _q4_0x8_order, _q4_1r8,
+    _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
+    quantize_torch, reference_linear, slice_cols, slice_rows)
 
 logger = logging.getLogger(__name__)
 
-QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
-# Layouts the loader makes of a file's type (repack): q4_0 in units of 8 blocks, the same bytes
-# rearranged so a 512-bit dot's lanes each fall in one block (quant_kernels.cpp's Q4_0X): 8 fp16
-# d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and q4_1 in
-# groups of 8 rows interleaved per block (Q4_1R8): a unit one block of 8 rows, their 8 fp16 d, 8 fp16
-# m, then two 64-byte vectors whose byte 8 l + i of vector k is row l's qs[8 k + i].
-REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1"}
-BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
-         "q4_0x8": 256, "q4_1r8": 32}
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "q4_0x8": 144, "q4_1r8": 20}
 _QTYPE_ID = {q: i for i, q in enumerate(QTYPES + tuple(REPACKED))}   # the `qtype` argument of the C functions
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
-QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 
 # T up to this: integer dots on q8 activations; above: dequantized tiles (batch_rows() picks).
 # Measured interleaved in one process (2 threads, Sapphire Rapids): over the vdpbf16ps GEMM the
@@ -248,8 +226,6 @@ def using_amx_int8(enabled: bool | None, min_rows: int | None = None):
 
 
 TILE_ELEMENTS = 1 << 20      # weights dequantized per tile of the large-batch path (4 MiB in float32)
-ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
-
 SOURCE = cpu.CSRC / "quant_kernels.cpp"
 ENV_VARIANT = "PAGEDSERVE_QUANT_KERNELS"
 _EXACT = ("-ffp-contract=off",)    # no fused multiply-adds the source does not ask for: dequantize matches gguf
@@ -298,104 +274,6 @@ KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_k
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
-@dataclass(frozen=True, eq=False)
-class QuantizedWeight:
-    """A [out_features, in_features] matrix in a GGUF block format. data: uint8 [rows,
-    cols / BLOCK * BLOCK_BYTES], each row its blocks in the file's layout (rows may be strided:
-    a slice of whole blocks of columns is a view); q4_1r8 (repack): [rows / 8, that * 8], groups
-    of 8 rows interleaved per block."""
-    qtype: str
-    shape: tuple[int, int]
-    data: torch.Tensor
-
-    def __post_init__(self) -> None:
-        rows, cols = self.shape
-        if self.qtype not in BLOCK:
-            raise ValueError(f"no kernel for quantization type {self.qtype!r}; have {', '.join(QTYPES)}")
-        if cols % BLOCK[self.qtype]:
-            raise ValueError(f"{self.qtype}: {cols} columns are not a multiple of its block ({BLOCK[self.qtype]})")
-        want = (rows // 8, self.row_bytes * 8) if self.qtype == "q4_1r8" else (rows, self.row_bytes)
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or \
-                (rows > 1 and self.data.stride(1) != 1):
-            raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 {list(want)} with "
-                             f"contiguous rows, got {self.data.dtype} {tuple(self.data.shape)}")
-
-    def __getstate__(self) -> dict:          # picklable (to other processes): without the address cache
-        return {k: v for k, v in self.__dict__.items() if k != "_part"}
-
-    @functools.cached_property
-    def _part(self) -> "QuantPart":
-        """This weight as the kernels' QuantPart (built once: linear() runs per layer per step)."""
-        return QuantPart(_QTYPE_ID[self.qtype], self.data.data_ptr(), self.data.stride(0), self.shape[0])
-
-    @property
-    def row_bytes(self) -> int:
-        return self.shape[1] // BLOCK[self.qtype] * BLOCK_BYTES[self.qtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.row_bytes
-
-
-def from_gguf_blocks(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
-    """The weight a GGUF tensor stores: raw uint8 [rows, row_bytes] (or flat) exactly as the file
-    has it, kept as it is (no copy: a view of a memory map stays one)."""
-    rows, cols = int(shape[0]), int(shape[1])
-    if raw.dtype != torch.uint8:
-        raise ValueError(f"raw GGUF blocks must be uint8, got {raw.dtype}")
-    if cols % BLOCK.get(qtype, 1):
-        raise ValueError(f"{qtype}: {cols} columns are not a multiple of its block ({BLOCK[qtype]})")
-    if raw.dim() == 1 and qtype in BLOCK:
-        raw = raw.view(rows, cols // BLOCK[qtype] * BLOCK_BYTES[qtype])
-    return QuantizedWeight(qtype, (rows, cols), raw)
-
-
-def slice_rows(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    """Rows [start, stop) (output features), a view (of q4_1r8: in the file's layout, a copy)."""
-    if not 0 <= start <= stop <= w.shape[0]:
-        raise ValueError(f"rows [{start}, {stop}) out of range for {w.shape[0]} rows")
-    w = _rows_of(w)
-    return QuantizedWeight(w.qtype, (stop - start, w.shape[1]), w.data[start:stop])
-
-
-def slice_cols(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    """Columns [start, stop) (input features) by whole blocks, a view; ValueError where a bound
-    is not on a block boundary."""
-    w = _rows_of(w)
-    block = BLOCK[w.qtype]
-    if not 0 <= start <= stop <= w.shape[1] or start % block or stop % block:
-        raise ValueError(f"{w.qtype}: columns [{start}, {stop}) of {w.shape[1]} do not split by whole blocks "
-                         f"of {block}")
-    b0, b1 = start // block * BLOCK_BYTES[w.qtype], stop // block * BLOCK_BYTES[w.qtype]
-    return QuantizedWeight(w.qtype, (w.shape[0], stop - start), w.data[:, b0:b1])
-
-
-def _q4_0x8_order(rows: torch.Tensor, to_x8: bool) -> torch.Tensor:
-    """uint8 [n, units * 144] between q4_0's blocks and q4_0x8's units (a new tensor)."""
-    n, units = rows.shape[0], rows.shape[1] // 144
-    if to_x8:
-        blk = rows.reshape(n, units, 8, 18)
-        qs = blk[..., 2:].reshape(n, units, 8, 2, 8).transpose(2, 3).reshape(n, units, 128)
-        return torch.cat([blk[..., :2].reshape(n, units, 16), qs], dim=2).view(n, units * 144)
-    unit = rows.reshape(n, units, 144)
-    qs = unit[..., 16:].reshape(n, units, 2, 8, 8).transpose(2, 3).reshape(n, units, 8, 16)
-    return torch.cat([unit[..., :16].reshape(n, units, 8, 2), qs], dim=3).view(n, units * 144)
-
-
-def _q4_1r8(data: torch.Tensor, n: int, nb: int, to_r8: bool) -> torch.Tensor:
-    """q4_1 rows [n, nb * 20] <-> q4_1r8's groups of 8 rows [n / 8, nb * 160] (a new tensor)."""
-    G = n // 8
-    if to_r8:
-        t = data.reshape(G, 8, nb, 20).permute(0, 2, 1, 3)
-        parts = [t[..., 0:2].reshape(G, nb, 16), t[..., 2:4].reshape(G, nb, 16), t[..., 4:12].reshape(G, nb, 64),
-                 t[..., 12:20].reshape(G, nb, 64)]
-        return torch.cat(parts, dim=2).reshape(G, nb * 160)
-    u = data.reshape(G, nb, 160)
-    parts = [u[..., 0:16].reshape(G, nb, 8, 2), u[..., 16:32].reshape(G, nb, 8, 2), u[..., 32:96].reshape(G, nb, 8, 8),
-             u[..., 96:160].reshape(G, nb, 8, 8)]
-    return torch.cat(parts, dim=3).permute(0, 2, 1, 3).reshape(n, nb * 20)
-
-
 def repack(w: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
@@ -416,108 +294,6 @@ def repack(w: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
     for r0, r1 in _row_chunks(*w.shape):
         out[r0:r1] = _q4_0x8_order(w.data[r0:r1], to_x8=True)
     return QuantizedWeight("q4_0x8", w.shape, out)
-
-
-def _rows_of(w: QuantizedWeight) -> QuantizedWeight:
-    """w where its data holds a row per row (every layout but q4_1r8, which becomes the file's: a copy)."""
-    return file_layout(w) if w.qtype == "q4_1r8" else w
-
-
-def file_layout(w: QuantizedWeight) -> QuantizedWeight:
-    """w in its file type's layout (repack's inverse; a new tensor where it was repacked)."""
-    if w.qtype not in REPACKED:
-        return w
-    if w.qtype == "q4_1r8":
-        return QuantizedWeight("q4_1", w.shape, _q4_1r8(w.data, w.shape[0], w.shape[1] // 32, False))
-    return QuantizedWeight(REPACKED[w.qtype], w.shape, _q4_0x8_order(w.data, to_x8=False))
-
-
-def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Weights of one type and width stacked by rows (a fused projection such as qkv or
-    gate_up): one copy of their bytes. ValueError where types or widths differ (a Q4_K_M file
-    may store q, k and v in different types: keep those apart)."""
-    weights = [_rows_of(w) for w in weights]
-    first = weights[0]
-    if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
-        raise ValueError("concat_rows: weights differ in type or width: "
-                         + ", ".join(f"{w.qtype} {w.shape}" for w in weights))
-    return QuantizedWeight(first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
-                           torch.cat([w.data for w in weights]))
-
-
-# ---- torch reference: block decoding, quantization --------------------------------------------
-def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 at byte `offset` of each block, as float32 [n, 1]."""
-    return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 2k]: the k low nibbles, then the k high nibbles."""
-    return torch.cat([qs & 15, qs >> 4], dim=1)
-
-
-def _bits(qh: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 8k] bits, little-endian (bit i of byte j is element 8j + i)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], -1)
-
-
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q4_k / q5_k's 12 bytes -> 8 6-bit scales and 8 6-bit mins (float32 [n, 8])."""
-    a, b, c = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
-    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=1)
-    mn = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=1)
-    return sc.float(), mn.float()
-
-
-def _dequantize_blocks(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, BLOCK_BYTES] -> float32 [n, BLOCK], the same float operations as gguf.quants."""
-    n = blocks.shape[0]
-    if qtype == "q4_0x8":
-        return _dequantize_blocks("q4_0", _q4_0x8_order(blocks, to_x8=False).view(-1, 18)).view(n, 256)
-    if qtype == "q8_0":
-        return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
-    if qtype == "q4_0":
-        return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
-    if qtype == "q4_1":
-        return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
-    if qtype in ("q5_0", "q5_1"):
-        offset = 2 if qtype == "q5_0" else 4
-        q = (_nibbles(blocks[:, offset + 4:]) | (_bits(blocks[:, offset:offset + 4]) << 4)).float()
-        return _f16(blocks, 0) * (q - 16) if qtype == "q5_0" else _f16(blocks, 0) * q + _f16(blocks, 2)
-    if qtype in ("q4_k", "q5_k"):
-        sc, mn = _k_scales(blocks[:, 4:16])
-        d, dm = (_f16(blocks, 0) * sc).unsqueeze(-1), (_f16(blocks, 2) * mn).unsqueeze(-1)
-        qs = blocks[:, 16:144] if qtype == "q4_k" else blocks[:, 48:176]
-        q = torch.stack([qs.view(n, 4, 32) & 15, qs.view(n, 4, 32) >> 4], dim=2).view(n, 8, 32)
-        if qtype == "q5_k":
-            q = q | ((blocks[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1) << 4
-        return (d * q.float() - dm).view(n, 256)
-    if qtype == "q6_k":
-        ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 1, 32)
-        low = torch.cat([ql & 15, ql >> 4], dim=2).view(n, 2, 4, 32)
-        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
-        q = ((low | (high << 4)).view(n, 16, 16).float() - 32)
-        d = (_f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
-        return (d * q).view(n, 256)
-    raise ValueError(f"no kernel for quantization type {qtype!r}")
-
-
-def _row_chunks(rows: int, cols: int):
-    step = max(1, ROW_CHUNK_ELEMENTS // max(cols, 1))
-    for r0 in range(0, rows, step):
-        yield r0, min(rows, r0 + step)
-
-
-def dequantize_torch(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """dequantize in plain torch (the reference of the C++ decoder, and its fallback)."""
-    w = _rows_of(w)
-    rows, cols = w.shape
-    out = torch.empty(rows, cols, dtype=dtype)
-    for r0, r1 in _row_chunks(rows, cols):
-        blocks = w.data[r0:r1].contiguous().view(-1, BLOCK_BYTES[w.qtype])
-        out[r0:r1] = _dequantize_blocks(w.qtype, blocks).view(r1 - r0, cols)
-    return out
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -556,28 +332,6 @@ def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.
     return out.view(*ids.shape, w.shape[1]).to(dtype)
 
 
-def _round_half_away(v: torch.Tensor) -> torch.Tensor:
-    a = v.abs()
-    floored = a.floor()
-    return v.sign() * (floored + (2 * (a - floored)).floor())
-
-
-def _quantize_blocks(qtype: str, x: torch.Tensor) -> torch.Tensor:
-    """float32 [n, 32] -> uint8 [n, BLOCK_BYTES], llama.cpp's reference rounding (as gguf.quants)."""
-    if qtype == "q8_0":
-        d = x.abs().amax(dim=1, keepdim=True) / 127
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = _round_half_away(x * inv).to(torch.int8).view(torch.uint8)
-        return torch.cat([d.half().view(torch.uint8), q], dim=1)
-    if qtype == "q4_0":
-        signed_max = x.gather(1, x.abs().argmax(dim=1, keepdim=True))
-        d = signed_max / -8
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = (x.double() * inv.double() + 8.5).float().trunc().clamp(0, 15).to(torch.uint8)
-        return torch.cat([d.half().view(torch.uint8), q[:, :16] | (q[:, 16:] << 4)], dim=1)
-    raise ValueError(f"quantize() makes {', '.join(QUANTIZE_TYPES)}, not {qtype!r}")
-
-
 def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     """A float / bf16 [rows, cols] weight in q8_0 or q4_0 (the same bytes as
     gguf.quants.quantize): in C++ over the weight as it is, else in torch row chunk by row
@@ -587,10 +341,10 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     rows, cols = weight.shape
     if cols % BLOCK[qtype]:
         raise ValueError(f"{qtype}: {cols} columns are not a multiple of its block ({BLOCK[qtype]})")
-    row_bytes = cols // BLOCK[qtype] * BLOCK_BYTES[qtype]
-    data = torch.empty(rows, row_bytes, dtype=torch.uint8)
     lib = load()
     if lib is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_cpu:
+        row_bytes = cols // BLOCK[qtype] * BLOCK_BYTES[qtype]
+        data = torch.empty(rows, row_bytes, dtype=torch.uint8)
         if weight.stride(1) != 1:
             weight = weight.contiguous()
         if rows:
@@ -598,29 +352,7 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
                                       int(weight.dtype == torch.bfloat16), rows, cols, data.data_ptr(), row_bytes),
                    "quant_quantize")
         return QuantizedWeight(qtype, (rows, cols), data)
-    for r0, r1 in _row_chunks(rows, cols):
-        chunk = weight[r0:r1].float().reshape(-1, BLOCK[qtype])
-        data[r0:r1] = _quantize_blocks(qtype, chunk).view(r1 - r0, row_bytes)
-    return QuantizedWeight(qtype, (rows, cols), data)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the small-batch kernels multiply: x [T, K] as int8 values [T, K] and one float32
-    scale per 32 [T, K/32] (d = max|x| / 127, q = x * (1/d) rounded half to even)."""
-    t, k = x.shape
-    blocks = x.float().reshape(t, k // 32, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    q = torch.round(blocks * inv).to(torch.int8)
-    return q.view(t, k), d.view(t, k // 32)
-
-
-def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """The small-batch kernels' arithmetic in float64, no rounding but the inputs': the q8
-    activations times the dequantized weight (float64 [T, rows]). The tests' oracle."""
-    q, d = quantize_activations(x)
-    x8 = (q.double().view(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).view(x.shape)
-    return x8 @ dequantize_torch(w).double().T
+    return quantize_torch(weight, qtype)
 
 
 # ---- linear -----------------------------------------------------------------------------------
@@ -657,8 +389,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
 
 def _c_parts(parts: list[QuantizedWeight]):
     if len(parts) == 1:
-        return ctypes.byref(parts[0]._part), 1
-    return (QuantPart * len(parts))(*[p._part for p in parts]), len(parts)
+        return ctypes.byref(c_part(parts[0])), 1
+    return (QuantPart * len(parts))(*[c_part(p) for p in parts]), len(parts)
 
 
 def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib,
@@ -765,9 +497,12 @@ def kernel_address(name: str) -> int | None:
 
 
 def c_part(w: QuantizedWeight) -> QuantPart:
-    """w as the C functions' QuantPart (built once per weight; holds w.data's address: keep w
-    alive while it is used)."""
-    return w._part
+    """w as the C functions' QuantPart (built once per weight, kept on it: linear() runs per layer
+    per step; pickling leaves it out; holds w.data's address: keep w alive while it is used)."""
+    part = w.__dict__.get("_part")
+    if part is None:
+        part = w.__dict__["_part"] = QuantPart(_QTYPE_ID[w.qtype], w.data.data_ptr(), w.data.stride(0), w.shape[0])
+    return part
 
 
 def variant() -> str | None:

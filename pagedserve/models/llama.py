@@ -220,11 +220,11 @@ class LlamaModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp:
-            return embedding(input_ids, self.embed)
+            return embedding(input_ids, self.embed, self.ops)
         # Vocab-parallel: each rank looks up the ids in its part, zeros for the others; the sum is whole.
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed.shape[0])
-        x = embedding(local.masked_fill(outside, 0), self.embed)
+        x = embedding(local.masked_fill(outside, 0), self.embed, self.ops)
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()

@@ -3,7 +3,7 @@
 Both end in the same place: ModelArgs plus tensors in HF's layout, fused into the matrices
 `LlamaModel` runs, read one tensor at a time (never a second copy of the whole model). A GGUF
 file is memory-mapped: by default (quantization "gguf") its matmul weights stay in their
-blocks (`quant.QuantizedWeight`, models/quantized.py) and the embedding table too; types
+blocks (`QuantizedWeight` of quant_format.py, models/quantized.py) and the embedding table too; types
 without a kernel, and with gguf_dequantize every tensor, are dequantized with the `gguf`
 package. Its q/k rows are un-permuted from llama.cpp's rotary layout (whole rows, so blocks
 too). An HF model may be quantized at load (q8_0, q4_0), one fused matrix at a time.
@@ -31,8 +31,8 @@ from pagedserve.models import architectures
 from pagedserve.models.llama import LayerWeights, LlamaModel, ModelArgs
 from pagedserve.models.opt import OPT_ARCHITECTURES, OPTArgs, build_opt_model
 from pagedserve.models.ops import ModelOps, TorchOps
+from pagedserve.quant_format import QuantizedWeight, from_gguf_blocks
 from pagedserve.models.presets import PRESETS, is_preset
-from pagedserve.kernels import quant
 from pagedserve.models import huge_pages
 from pagedserve.models.quantized import QuantizedEmbedding, kernel_qtype
 from pagedserve.models import moe_weights
@@ -388,12 +388,14 @@ LM_HEAD_QTYPE = "q8_0"
 class MatrixBuilder:
     """Makes the model's weights of a checkpoint's tensors, one matrix at a time, in the load's
     mode (models/quantized.py resolve_quantization): None: float tensors in `dtype`; "gguf": a
-    GGUF file's blocks (`quant.QuantizedWeight`), parts of a fused matrix joined where their
+    GGUF file's blocks (`QuantizedWeight`), parts of a fused matrix joined where their
     types agree, else kept apart (a tuple); "q8_0" / "q4_0": floats quantized as each fused
     matrix is read. Counts what it made, for the load's one log line."""
 
-    def __init__(self, source: TensorSource, dtype: torch.dtype, quantization: str | None) -> None:
+    def __init__(self, source: TensorSource, dtype: torch.dtype, quantization: str | None,
+                 ops: ModelOps | None = None) -> None:
         self.source, self.dtype, self.mode = source, dtype, quantization
+        self.ops = ops or TorchOps()             # quantize and repack (CpuOps: kernels/quant.py)
         self.blocks_of = isinstance(source, GGUFSource) and quantization == "gguf"
         self.made: Counter = Counter()         # quantized matrices by type
         self.dequantized: Counter = Counter()  # GGUF tensors of types without a kernel, by type
@@ -428,9 +430,9 @@ class MatrixBuilder:
                 raise ValueError(f"{parts[0][0]}: {whole.shape[1]} columns are not whole {qtype} blocks of 32 "
                                  f"(under tensor parallelism: choose another tensor_parallel_size)")
             self.made[qtype] += 1
-            w = quant.quantize(whole.float(), qtype)
+            w = self.ops.quantize(whole.float(), qtype)
             # (its own bytes: repacked in place where the decode kernels have a faster layout)
-            return quant.repack(quant.QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data)),
+            return self.ops.repack(QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data)),
                                 in_place=True)
         if isinstance(self.source, SafetensorsSource) and cols is None and \
                 all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
@@ -466,9 +468,9 @@ class MatrixBuilder:
         owned = raw is not None or len(blocks) > 1 or pad_rows > 0     # a copy, not the file's mapping
         raw = self._stack_rows(blocks, pad_rows) if raw is None else raw
         num_cols = cols[1] - cols[0] if cols else self.source.num_cols(parts[0][0])
-        weight = quant.from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
-        if owned:        # the layout the decode kernels read fastest, where the type has one (quant.repack)
-            weight = quant.repack(weight, in_place=True)
+        weight = from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
+        if owned:        # the layout the decode kernels read fastest, where the type has one (ops.repack)
+            weight = self.ops.repack(weight, in_place=True)
         for n, _ in parts:
             self.source.release(n, weight)
         self.made[qtypes[0]] += 1
@@ -493,9 +495,9 @@ class MatrixBuilder:
         copy = huge_pages.copy_to_huge_pages(raw) if raw.is_contiguous() else None
         owned = copy is not None and copy.data_ptr() != raw.data_ptr()
         raw = copy if owned else raw
-        weights = [quant.from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)) for e in range(raw.shape[0])]
+        weights = [from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)) for e in range(raw.shape[0])]
         if owned:       # the layout the decode kernels read fastest, in place in each expert's bytes
-            weights = [quant.repack(w, in_place=True) for w in weights]
+            weights = [self.ops.repack(w, in_place=True) for w in weights]
             self.source.release(name, raw)
         self.made[qtype] += 1
         return weights
@@ -539,7 +541,7 @@ class MatrixBuilder:
             return weight
         if self.mode in ("q8_0", "q4_0"):
             self.made[LM_HEAD_QTYPE] += 1
-            return quant.quantize(embed.float(), LM_HEAD_QTYPE)
+            return self.ops.quantize(embed.float(), LM_HEAD_QTYPE)
         return embed
 
     def describe(self) -> str:
@@ -565,7 +567,7 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
     equal parts), all of the norms. `tp`: the process group its all-reduces go through.
     `quantization`: the mode (MatrixBuilder); quantized tensors split by whole rows, and by
     whole blocks of columns (else a ValueError names the tensor)."""
-    build = MatrixBuilder(source, dtype, quantization)
+    build = MatrixBuilder(source, dtype, quantization, ops)
     w = build.float
     D = args.head_dim
     q0, q1 = shard.q_heads(args)

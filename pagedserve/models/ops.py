@@ -1,7 +1,8 @@
 """The tensor operations a model runs, behind one object chosen once at load.
 
 `ModelOps` is what models call for their dense math (linear layers, RMSNorm, RoPE,
-SiLU-and-mul) and what the sampler calls for argmax. `TorchOps` is the device-agnostic
+SiLU-and-mul), for the arithmetic of quantized weights (quantize and repack at load, products,
+embedding rows: pagedserve/quant_format.py's QuantizedWeight) and what the sampler calls for argmax. `TorchOps` is the device-agnostic
 reference in plain torch; the CPU implementation (kernels/cpu_ops.py) calls the compiled
 kernels. The worker picks one per device (worker/worker.py `make_ops`), so the model
 itself never asks which device or kernels it runs on.
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from pagedserve.models import quantized
 from pagedserve.models.layers import apply_rope
+from pagedserve.quant_format import QuantizedWeight, quantize_torch
 
 if TYPE_CHECKING:
     from pagedserve.attention.metadata import AttentionMetadata
@@ -46,6 +48,20 @@ class ModelOps(Protocol):
         """x @ weight.T (+ bias); `decode`: x holds decode tokens only (quantized weights may then
         take their integer path for larger batches); out_dtype: the result's (default x's)."""
 
+    def quantize(self, weight: torch.Tensor, qtype: str) -> QuantizedWeight:
+        """A float matrix in q8_0 or q4_0 (the bytes of gguf.quants.quantize): quantize-at-load."""
+
+    def repack(self, weight: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
+        """The weight in the layout these ops' kernels read fastest (or as it is); in_place: its
+        bytes may be rewritten (the loader owns them)."""
+
+    def quantized_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) for a QuantizedWeight or a tuple of them stacked by rows (one product)."""
+
+    def quantized_embedding(self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of a quantized table, dequantized ([*ids.shape, cols] in dtype)."""
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
@@ -70,7 +86,16 @@ class TorchOps:
     def describe(self) -> str:
         return ""
 
-    linear = staticmethod(quantized.linear)   # float weights: F.linear; quantized: kernels/quant.py's reference
+    linear = staticmethod(quantized.linear)   # float weights: F.linear; quantized: quantized_linear
+    # Quantized weights in plain torch: the reference of kernels/quant.py (dequantized exactly,
+    # float32 products; no repacked layouts).
+    quantize = staticmethod(quantize_torch)
+    quantized_linear = staticmethod(quantized.linear_torch)
+    quantized_embedding = staticmethod(quantized.embedding_rows_torch)
+
+    @staticmethod
+    def repack(weight: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
+        return weight
 
     def prepare_weights(self, model) -> None:
         pass

@@ -1,11 +1,12 @@
 """Quantized weights in the model: which mode a load runs in, the linear layers' dispatch, and the
 embedding table kept in its GGUF blocks.
 
-A matmul weight is a float tensor, a `quant.QuantizedWeight` (GGML blocks, computed by
-kernels/quant.py) or, where a fused matrix's parts differ in type (a Q4_K_M file keeps v in Q6_K
-and q, k in Q4_K), a tuple of them that quant.linear multiplies as one product (concatenated where a
-part was dequantized: a type without a kernel). The compute of quantized
-weights is on the CPU only (kernels/quant.py, with a torch reference TorchOps runs too).
+A matmul weight is a float tensor, a `QuantizedWeight` (GGML blocks: pagedserve/quant_format.py)
+or, where a fused matrix's parts differ in type (a Q4_K_M file keeps v in Q6_K and q, k in Q4_K), a
+tuple of them that the ops multiply as one product (concatenated where a part was dequantized: a
+type without a kernel). The compute of quantized weights is the ops' (ModelOps.quantized_linear,
+quantized_embedding): CpuOps runs kernels/quant.py, TorchOps the torch reference of
+quant_format.py; this module imports no kernel.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import quant
-from pagedserve.kernels.quant import QuantizedWeight
+from pagedserve.quant_format import QTYPES, QuantizedWeight, dequantize_torch, from_gguf_blocks, slice_rows
 
 Weight = torch.Tensor | QuantizedWeight | tuple
 
@@ -44,19 +44,40 @@ def resolve_quantization(setting: str | None, gguf_dequantize: bool, is_gguf: bo
 def kernel_qtype(tensor_type) -> str | None:
     """quant's name of a GGML type (gguf.GGMLQuantizationType) that has a kernel, else None."""
     name = tensor_type.name.lower()
-    return name if name in quant.QTYPES else None
+    return name if name in QTYPES else None
+
+
+def linear_torch(x: torch.Tensor, weight: QuantizedWeight | tuple, bias: torch.Tensor | None = None,
+                 decode: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quantized weights' product in plain torch (TorchOps): the weights dequantized exactly, then
+    a float32 matmul; `decode` changes nothing here."""
+    parts = weight if isinstance(weight, tuple) else (weight,)
+    w = torch.cat([dequantize_torch(p) for p in parts])
+    out = F.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(out_dtype or x.dtype)
+
+
+def embedding_rows_torch(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a quantized table in plain torch (TorchOps), one row dequantized at a time."""
+    flat = ids.reshape(-1).tolist()
+    if any(i < 0 or i >= weight.shape[0] for i in flat):
+        raise IndexError(f"embedding: ids out of range for {weight.shape[0]} rows")
+    rows = [dequantize_torch(slice_rows(weight, i, i + 1))[0] for i in flat]
+    out = torch.stack(rows) if rows else torch.empty(0, weight.shape[1])
+    return out.view(*ids.shape, weight.shape[1]).to(dtype)
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear,
-           decode: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           decode: bool = False, out_dtype: torch.dtype | None = None, quantized=linear_torch) -> torch.Tensor:
     """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights;
-    `decode`: x holds decode tokens only (quant.linear's integer path then takes larger batches);
-    out_dtype: the result's (default x's; quantized weights write it from their float32 sums)."""
+    `quantized`: that of quantized ones (CpuOps: kernels/quant.py's linear); `decode`: x holds
+    decode tokens only (the integer path then takes larger batches); out_dtype: the result's
+    (default x's; quantized weights write it from their float32 sums)."""
     if isinstance(weight, QuantizedWeight) or (
             isinstance(weight, tuple) and all(isinstance(part, QuantizedWeight) for part in weight)):
-        return quant.linear(x, weight, bias, decode, out_dtype)     # (parts: one product, no concat)
+        return quantized(x, weight, bias, decode, out_dtype)     # (parts: one product, no concat)
     if isinstance(weight, tuple):        # parts of a fused matrix in different types, some dequantized
-        out = torch.cat([linear(x, part, None, dense, decode) for part in weight], dim=1)
+        out = torch.cat([linear(x, part, None, dense, decode, None, quantized) for part in weight], dim=1)
         out = out if bias is None else out.add_(bias)
     else:
         out = dense(x, weight, bias)
@@ -134,7 +155,7 @@ class QuantizedEmbedding:
     """An embedding table kept in its GGUF blocks ([rows, bytes per row], possibly a view of the
     memory-mapped file): a lookup dequantizes only the rows of the step's tokens (one row per
     token, so the cost is small next to the layers). Any GGML type works: one with a kernel is
-    dequantized by kernels/quant.py, any other by the gguf package."""
+    dequantized by the ops (CpuOps: kernels/quant.py), any other by the gguf package."""
     tensor_type: object          # gguf.GGMLQuantizationType
     blocks: torch.Tensor         # uint8 [rows, bytes per row]
     cols: int
@@ -147,18 +168,20 @@ class QuantizedEmbedding:
     def __post_init__(self) -> None:
         qtype = kernel_qtype(self.tensor_type)
         # The table as a QuantizedWeight over the same blocks (None: a type without a kernel).
-        self.weight = None if qtype is None else quant.from_gguf_blocks(qtype, self.blocks, self.shape)
+        self.weight = None if qtype is None else from_gguf_blocks(qtype, self.blocks, self.shape)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:        # the compiled row dequantize (the gguf package's values)
-            return quant.embedding(self.weight, ids, self.dtype)
+    def lookup(self, ids: torch.Tensor, rows=embedding_rows_torch) -> torch.Tensor:
+        """`rows`: the ops' quantized_embedding (CpuOps: the compiled row dequantize)."""
+        if self.weight is not None:        # the gguf package's values
+            return rows(self.weight, ids, self.dtype)
         rows = self.blocks[ids.to(torch.int64)]
         from gguf import quants
         return torch.from_numpy(np.asarray(quants.dequantize(rows.numpy(), self.tensor_type),
                                            dtype=np.float32)).to(self.dtype)
 
 
-def embedding(ids: torch.Tensor, table) -> torch.Tensor:
+def embedding(ids: torch.Tensor, table, ops=None) -> torch.Tensor:
+    """Rows `ids` of a float or quantized table (ops: whose quantized_embedding looks it up)."""
     if isinstance(table, QuantizedEmbedding):
-        return table.lookup(ids)
+        return table.lookup(ids) if ops is None else table.lookup(ids, ops.quantized_embedding)
     return F.embedding(ids, table)
