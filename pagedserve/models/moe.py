@@ -171,7 +171,7 @@ def count_expert_reads() -> Iterator[ExpertReads]:
 
 def _quantized_parts(weight) -> list | None:
     """A weight's quantized parts (a QuantizedWeight, or a tuple of them), else None."""
-    from pagedserve.kernels.quant import QuantizedWeight
+    from pagedserve.quant_format import QuantizedWeight
     if isinstance(weight, QuantizedWeight):
         return [weight]
     if isinstance(weight, tuple) and all(isinstance(p, QuantizedWeight) for p in weight):
