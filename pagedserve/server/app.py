@@ -32,10 +32,11 @@ from pagedserve.server.config import ServerConfig
 from pagedserve.server.dashboard import PAGE_FILES, KVStreamHub, add_dashboard_routes
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers, parse_body
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from pagedserve.server.ollama import add_ollama_routes
+from pagedserve.server.ollama import add_ollama_routes, ollama_error
+from pagedserve.server.rerank import add_rerank_routes
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
-from pagedserve.server.anthropic import add_anthropic_routes
+from pagedserve.server.anthropic import add_anthropic_routes, anthropic_error
 from pagedserve.server.embeddings import add_embedding_routes
 from pagedserve.server.lora import ServerLoRAs, add_lora_routes, check_startup_adapters, lora_cards
 from pagedserve.server.responses import add_responses_routes
@@ -48,6 +49,15 @@ logger = logging.getLogger("pagedserve.server")
 # answer 503 until it is: /ping is vLLM's SageMaker-style /health).
 OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
 HEALTH_PATHS = {"/health", "/ping"}
+
+
+def shaped_error(path: str, e: APIError) -> Response:
+    """The error in the shape of the API the path belongs to (Ollama's, Anthropic's, else OpenAI's)."""
+    if path.startswith("/api/"):
+        return ollama_error(e)
+    if path.startswith("/v1/messages"):
+        return anthropic_error(e)
+    return e.response()
 
 
 class GateMiddleware:
@@ -64,7 +74,7 @@ class GateMiddleware:
             error = self._refuse(scope) or self._too_large(scope)
             if error is not None:
                 self.state.log_refusal(scope["method"], scope["path"], error)
-                await error.response()(scope, receive, send)
+                await shaped_error(scope["path"], error)(scope, receive, send)
                 return
             if self.state.max_request_body_bytes:
                 receive = self._limited(receive, self.state.max_request_body_bytes)
@@ -262,6 +272,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
     add_embedding_routes(app, state)
     add_ollama_routes(app, state)
     add_anthropic_routes(app, state)
+    add_rerank_routes(app, state)
     hub = KVStreamHub(state.llm, state.kv_snapshot_interval, run=lambda fn, *args: state.prompts.run(fn, *args))
     state.on_shutdown.append(hub.close)   # open pages would otherwise hold the drain to its timeout
     add_dashboard_routes(app, hub)

@@ -31,16 +31,14 @@ from prometheus_client.core import GaugeMetricFamily
 
 import pagedserve
 from pagedserve.config import EngineConfig
-from pagedserve.server.app import GateMiddleware, _Server, build_app, make_engine_client, server_state
+from pagedserve.server.app import GateMiddleware, _Server, build_app, make_engine_client, server_state, shaped_error
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.errors import APIError, bad_request, install_error_handlers, parse_body
+from pagedserve.server.errors import APIError, bad_request, install_error_handlers
 from pagedserve.server.lora import check_startup_adapters
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
 from pagedserve.server.model_specs import ModelSpec, parse_duration
 from pagedserve.server.models_manager import LoadedModel, ModelEntry, ModelManager
-from pagedserve.server.ollama import (NOT_SUPPORTED_PATHS, model_details, not_supported, ollama_error, ollama_model,
-                                      ollama_time)
-from pagedserve.server.anthropic import anthropic_error
+from pagedserve.server.ollama import NOT_SUPPORTED_PATHS, not_supported, ollama_model, ollama_time
 from pagedserve.server.state import ServerState
 
 logger = logging.getLogger("pagedserve.server")
@@ -49,15 +47,6 @@ logger = logging.getLogger("pagedserve.server")
 TOP_PATHS = {"/health", "/ping", "/version", "/load", "/metrics", "/v1/models", "/models", "/models/load",
              "/models/unload", "/api/tags", "/api/ps", "/api/version", "/docs", "/openapi.json", "/redoc",
              *NOT_SUPPORTED_PATHS}
-
-
-def shaped_error(path: str, e: APIError) -> Response:
-    """The error in the shape of the API the path belongs to."""
-    if path.startswith("/api/"):
-        return ollama_error(e)
-    if path.startswith("/v1/messages"):
-        return anthropic_error(e)
-    return e.response()
 
 
 class ModelDispatch:
