@@ -13,6 +13,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kv.block_pool import BlockPool, block_key
+from pagedserve.kv.kv_cache_manager import KVCacheManager
 from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.server.metrics import PrometheusStatLogger
 from pagedserve.worker import kv_tier
@@ -172,6 +173,11 @@ def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
     pool.release(pool.allocate(4))               # keys[1] evicted again: the tier has it, no save
     assert link.take()[0] == []
     assert index.stats.blocks_saved == 4 and index.stats.blocks_loaded == 1 and index.stats.load_failures == 1
+
+
+def test_the_tier_is_off_for_sliding_window_groups():
+    assert KVCacheManager(8, 16, tier=TierIndex(4)).tier is not None
+    assert KVCacheManager(8, 16, tier=TierIndex(4), windows=(None, 64)).tier is None
 
 
 # ---- the worker's store --------------------------------------------------------------------

@@ -81,7 +81,9 @@ class KVCacheManager(PoolCapacity):
         self.num_logical_blocks = 0                  # live entries of all device tables, kept as they change
         self.swap = SwapSpace(self, num_host_blocks)
         # The tier below the pool (kv/tier.py): evicted cached blocks saved, tier hits read back.
-        self.tier = TierLink(self.pool, tier) if tier is not None and enable_caching else None
+        # One KV group only: its keys and fetches are group 0's (the scheduler says it is off).
+        self.tier = TierLink(self.pool, tier) if tier is not None and enable_caching and len(self.windows) == 1 \
+            else None
         # The tokens behind each prefix-cache key, so a snapshot can show a cached block's text
         # after its last owner is gone. Pruned to the keys still in use when it doubles.
         self.cached_tokens: dict[BlockKey, tuple[int, ...] | None] = {}   # None: salted, hidden
