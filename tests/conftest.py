@@ -120,6 +120,22 @@ VARIANTS = {
                                          tie_word_embeddings=False, random_norms=True)),
     "qwen3_tied": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                        tie_word_embeddings=True, random_norms=True)),
+    # Phi-3 / Phi-4-mini: fused qkv and gate_up, partial rotary (half of each head), LongRoPE whose
+    # switch (32 tokens) the longer prompts and generations cross.
+    "phi3_longrope": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                         partial_rotary_factor=0.5, original_max_position_embeddings=32,
+                                         sliding_window=None, random_norms=True,
+                                         rope_scaling={"rope_type": "longrope",
+                                                       "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                                       "long_factor": [1.0, 2.0, 4.0, 9.0]})),
+    # SmolLM3: every 4th layer without RoPE (layer 3 of 4).
+    "smollm3_nope": ("SmolLM3Config", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                           tie_word_embeddings=True, random_norms=True)),
+    # Granite 3: embedding, residual, attention and logits multipliers.
+    "granite_multipliers": ("GraniteConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=False, embedding_multiplier=6.0,
+                                                  residual_multiplier=0.25, attention_multiplier=0.05,
+                                                  logits_scaling=3.0, random_norms=True)),
     # Head dim 64 with 3 query heads per KV head (the default model's shape): the vectorised
     # attention kernel, not only its scalar path.
     "llama_head64": ("LlamaConfig", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1,

@@ -27,7 +27,7 @@ def _qwen3_header(w, cfg) -> None:
 
 
 def _llama_header(w, cfg) -> None:
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def _llama3_rope_freqs(cfg) -> dict:
@@ -52,14 +52,62 @@ def _llama3_rope_freqs(cfg) -> dict:
     return {"rope_freqs.weight": divisors}
 
 
+def _phi3_header(w, cfg) -> None:
+    """As llama.cpp's Phi-3 converter: the rotary dimensions, the original context, LongRoPE's
+    attention factor, sliding_window 0 for none."""
+    import math
+    rope = cfg.rope_parameters
+    w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+    w.add_sliding_window(cfg.sliding_window or 0)
+
+
+def _phi3_tensors(name: str, a):
+    """Phi-3's fused tensors keep their HF layout under llama.cpp's names (ffn_up: gate and up)."""
+    layer = name.removeprefix("model.").split(".")
+    if name.endswith("self_attn.qkv_proj.weight"):
+        return [(f"blk.{layer[1]}.attn_qkv.weight", a)]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        return [(f"blk.{layer[1]}.ffn_up.weight", a)]
+    return None
+
+
+def _phi3_rope_factors(cfg) -> dict:
+    rope = cfg.rope_parameters
+    return {"rope_factors_long.weight": rope["long_factor"], "rope_factors_short.weight": rope["short_factor"]}
+
+
 # variant -> how llama.cpp's converter writes it: (GGUF architecture, write_hf_model keywords)
 GGUF_WRITERS = {
     "qwen3_untied": ("qwen3", dict(header=_qwen3_header)),
     "qwen3_tied": ("qwen3", dict(header=_qwen3_header)),
     # Llama 3.1 / 3.2 / 3.3 files: q/k rows permuted, the scaling as a rope_freqs tensor.
     "llama3_rope": ("llama", dict(header=_llama_header, permute_qk=True)),
+    "phi3_longrope": ("phi3", dict(header=_phi3_header, rename=_phi3_tensors)),
+    # llama.cpp converts both as Llama (q/k rows permuted); SmolLM3's NoPE layers are its constant
+    "smollm3_nope": ("smollm3", dict(header=_llama_header, permute_qk=True)),
+    "granite_multipliers": ("granite", dict(header=lambda w, cfg: (
+        _llama_header(w, cfg), w.add_attention_scale(cfg.attention_multiplier),
+        w.add_embedding_scale(cfg.embedding_multiplier), w.add_residual_scale(cfg.residual_multiplier),
+        w.add_logit_scale(cfg.logits_scaling)), permute_qk=True)),
 }
-EXTRA_TENSORS = {"llama3_rope": _llama3_rope_freqs}
+EXTRA_TENSORS = {"llama3_rope": _llama3_rope_freqs, "phi3_longrope": _phi3_rope_factors}
+# LongRoPE's long factors, chosen by a context past its original 32 tokens, are transformers' for
+# sequences past that length: prompts longer than it.
+LONG_PROMPTS = [PROMPTS[5], PROMPTS[5] + " " + PROMPTS[2], PROMPTS[2] + " " + PROMPTS[5]]
+
+
+def _prompts(name: str) -> list[str]:
+    return LONG_PROMPTS if name == "phi3_longrope" else PROMPTS[:3]
+
+
+def _write(tm, name: str, path, qtype=None) -> dict:
+    """Variant `name` written as llama.cpp writes its architecture (write_hf_model)."""
+    arch, kwargs = GGUF_WRITERS[name]
+    extra = EXTRA_TENSORS[name](tm.hf.config) if name in EXTRA_TENSORS else None
+    return write_hf_model(tm.hf, path, arch, qtype=qtype, extra_tensors=extra, **kwargs)
 
 
 def _oracle(tm, state: dict) -> torch.nn.Module:
@@ -88,32 +136,30 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny_models, tmp_path,
     tm = tiny_models(name)
     arch, kwargs = GGUF_WRITERS[name]
     path = tmp_path / f"{name}.gguf"
-    extra = EXTRA_TENSORS[name](tm.hf.config) if name in EXTRA_TENSORS else None
-    write_hf_model(tm.hf, path, arch, extra_tensors=extra, **kwargs)
+    _write(tm, name, path)
     llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
     assert llm.engine.model_args.architecture == architectures.by_gguf_name(arch).hf_architectures[0]
-    for prompt in PROMPTS[:3]:
+    for prompt in _prompts(name):
         ids = tm.tokenizer.encode(prompt)
         out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, min_tokens=8),
                            use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_greedy(tm.hf, ids, 8), prompt
-    ids = tm.tokenizer.encode(TEXT)
+    ids = tm.tokenizer.encode(_prompts(name)[1] if name == "phi3_longrope" else TEXT)
     torch.testing.assert_close(_prompt_logprobs(llm, ids), _reference_logprobs(tm.hf, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3_untied"])
+@pytest.mark.parametrize("name", ["qwen3_untied", "phi3_longrope", "smollm3_nope", "granite_multipliers"])
 def test_native_q8_0_leaves_the_oracle_only_at_near_ties(tiny_models, tmp_path, name):
     """Q8_0 blocks run by the native kernels: each greedy token is the argmax of transformers on
     the file's (dequantized) weights up to MARGIN, prompt logprobs within LOGPROB_ATOL."""
     tm = tiny_models(name)
-    arch, kwargs = GGUF_WRITERS[name]
     path = tmp_path / f"{name}-q8_0.gguf"
-    oracle = _oracle(tm, write_hf_model(tm.hf, path, arch, qtype=gguf.GGMLQuantizationType.Q8_0, **kwargs))
+    oracle = _oracle(tm, _write(tm, name, path, qtype=gguf.GGMLQuantizationType.Q8_0))
     llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
     model = llm.engine.executor.worker.runner.model
     assert all(getattr(model.layers[0], n).qtype == "q8_0" for n in ("qkv", "o", "gate_up", "down"))
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
-    for out in llm.generate([{"prompt_token_ids": tm.tokenizer.encode(p)} for p in PROMPTS[:3]], params,
+    for out in llm.generate([{"prompt_token_ids": tm.tokenizer.encode(p)} for p in _prompts(name)], params,
                             use_tqdm=False):
         ids, gen = out.prompt_token_ids, list(out.outputs[0].token_ids)
         with torch.no_grad():
@@ -121,7 +167,7 @@ def test_native_q8_0_leaves_the_oracle_only_at_near_ties(tiny_models, tmp_path, 
         for i, t in enumerate(gen):
             row = logits[len(ids) + i - 1]
             assert row.max() - row[t] <= MARGIN, (i, float(row.max() - row[t]))
-    ids = tm.tokenizer.encode(TEXT)
+    ids = tm.tokenizer.encode(_prompts(name)[1] if name == "phi3_longrope" else TEXT)
     assert (_prompt_logprobs(llm, ids) - _reference_logprobs(oracle, ids)).abs().max() <= LOGPROB_ATOL
 
 
@@ -132,3 +178,22 @@ def test_every_architecture_is_found_by_its_names():
         if a.gguf_architecture:
             assert architectures.by_gguf_name(a.gguf_architecture) is a
     assert architectures.by_hf_name("GPT2LMHeadModel") is None
+
+
+def test_longrope_takes_the_short_factors_in_a_context_within_the_original(tiny_models):
+    """An engine whose context is at most LongRoPE's original length (32) runs the short factors:
+    transformers' tokens for every sequence, which stays below the switch."""
+    tm = tiny_models("phi3_longrope")
+    short = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, max_model_len=32)
+    long = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64)
+    prompts = [tm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    assert all(len(p) + 8 <= 32 for p in prompts)
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outs = short.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tm.hf, p, 8) for p in prompts]
+    # and the long factors where the context is longer (not transformers' below the switch)
+    assert [o.outputs[0].token_ids for o in long.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)] != [o.outputs[0].token_ids for o in outs]
+    ids = tm.tokenizer.encode(LONG_PROMPTS[1])
+    assert len(ids) > 32
+    torch.testing.assert_close(_prompt_logprobs(long, ids), _reference_logprobs(tm.hf, ids), atol=1e-4, rtol=1e-4)

@@ -216,8 +216,8 @@ _SIGNATURES = {
     "write_kv": [_P, _P] + [_I] * 4 + [_P] * 3 + [_I] * 8,
     "add_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "add_rms_norm_bf16": [_P] * 4 + [_I] * 2 + [_F],
-    "rope_inplace_f32": [_P] + [_I] * 4 + [_P] * 2,
-    "rope_inplace_bf16": [_P] + [_I] * 4 + [_P] * 2,
+    "rope_inplace_f32": [_P] + [_I] * 4 + [_P] * 2 + [_I],
+    "rope_inplace_bf16": [_P] + [_I] * 4 + [_P] * 2 + [_I],
     "silu_and_mul_f32": [_P] * 2 + [_I] * 2,
     "silu_and_mul_bf16": [_P] * 2 + [_I] * 2,
     "argmax_rows_f32": [_P] + [_I] * 2 + [_P],
@@ -574,7 +574,8 @@ class _ModelDims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
                [(n, ctypes.c_int64) for n in ("quant_small", "quant_tiles", "small_rows", "decode_rows",
-                                              "quant_handover")]
+                                              "quant_handover", "rope_dim")] + \
+               [("residual_scale", ctypes.c_float)]
 
 
 class _CacheRefs(ctypes.Structure):
@@ -633,13 +634,18 @@ class DecoderLayers:
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in model.layers]
         self._norms = [t.contiguous() for w in model.layers for t in (w.input_norm, w.post_norm)] + \
                       [model.norm.contiguous()]
+        # q/k norms (Qwen3) and which layers rotate (SmolLM3's NoPE layers): LayerPtrs' last columns
+        self._qk_norms = [tuple(None if t is None else t.contiguous() for t in (w.q_norm, w.k_norm))
+                          for w in model.layers]
+        no_rope = set(a.no_rope_layers)
         self._parts = []          # the QuantPart arrays the table points to
         self._tiles: list[tuple[int, int, int]] = []    # (layer, column of tile_rows in the table, weight columns)
         rows = []
         for i, (w, bias) in enumerate(zip(model.layers, self._biases)):
             qkv, o, gate_up, down = (self._projection(getattr(w, name)) for name in _PROJECTIONS)
             rows.append([*qkv, 0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
-                         self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr()])
+                         self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr(),
+                         *(0 if t is None else t.data_ptr() for t in self._qk_norms[i]), int(i not in no_rope)])
             for column, proj in zip(_TILE_COLUMNS, (qkv, o, gate_up, down)):
                 if proj[1]:
                     self._tiles.append((i, column, proj[2]))
@@ -652,7 +658,8 @@ class DecoderLayers:
         self._all_r8 = bool(parts) and all(p.qtype == "q4_1r8" for p in parts)
         self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
-                                a.intermediate_size, a.rms_norm_eps, model.scale)    # quant_*: _quant_calls
+                                a.intermediate_size, a.rms_norm_eps, model.scale,    # quant_*: _quant_calls
+                                rope_dim=a.rope_dim, residual_scale=a.residual_multiplier)
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
 
     def _projection(self, weight) -> tuple[int, int, int]:
@@ -845,11 +852,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 def rope_inplace(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate the first num_heads heads of each row of x [T, >= num_heads * head_dim] (rows may
-    be strided) in place; cos, sin: [T, head_dim] contiguous. False where the kernel does not apply."""
+    be strided) in place; cos, sin: [T, R] contiguous, R <= head_dim (less: partial rotary, each
+    head's first R values turn). False where the kernel does not apply."""
     fn = _kernel("rope_inplace", x)
     if fn is None or x.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != x.dtype:
         return False
-    fn(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(), sin.data_ptr())
+    fn(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
     return True
 
 

@@ -92,9 +92,9 @@ class CpuOps(TorchOps):
 
     def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE in place in qkv (one kernel)."""
+        """RoPE in place in qkv (one kernel; partial rotary too)."""
         num_tokens, heads = qkv.shape[0], num_heads + num_kv_heads
-        if cos.shape[-1] != head_dim or not cpu.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim)):
+        if not cpu.rope_inplace(qkv, heads, head_dim, cos.view(num_tokens, -1), sin.view(num_tokens, -1)):
             return super().rotate_queries_and_keys(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
         qk = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:]

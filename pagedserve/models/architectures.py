@@ -96,6 +96,68 @@ class Architecture:
     def hf_names(self) -> str:
         return ", ".join(self.hf_architectures)
 
+    def qkv_parts(self, layer: str, rows: dict[str, Rows], q_size: int, kv_size: int,
+                  suffix: str = "weight") -> list[tuple[str, Rows]]:
+        """The checkpoint tensors (HF names under `layer`, e.g. "layers.3.") and their rows that
+        make the fused q/k/v matrix (or bias), given the rows of q, k and v wanted (a
+        tensor-parallel rank's heads: rows["q"] = (start, end))."""
+        if not self.fused_qkv:
+            return [(f"{layer}self_attn.{n}_proj.{suffix}", rows[n]) for n in "qkv"]
+        name = f"{layer}self_attn.qkv_proj.{suffix}"
+        at = {"q": 0, "k": q_size, "v": q_size + kv_size}
+        return _merged([(name, (at[n] + rows[n][0], at[n] + rows[n][1])) for n in "qkv"])
+
+    def gate_up_parts(self, layer: str, rows: Rows, intermediate: int) -> list[tuple[str, Rows]]:
+        """The checkpoint tensors and rows that make the fused gate/up matrix (rows: a rank's part
+        of the intermediate dimension, None: all)."""
+        if not self.fused_gate_up:
+            return [(f"{layer}mlp.gate_proj.weight", rows), (f"{layer}mlp.up_proj.weight", rows)]
+        r0, r1 = rows or (0, intermediate)
+        name = f"{layer}mlp.gate_up_proj.weight"
+        return _merged([(name, (r0, r1)), (name, (intermediate + r0, intermediate + r1))])
+
+
+Rows = tuple[int, int] | None       # [start, end) of a tensor's rows; None: all of them
+
+
+def _merged(parts: list[tuple[str, Rows]]) -> list[tuple[str, Rows]]:
+    """Adjacent row ranges of the same tensor as one part (a whole fused tensor is read as one)."""
+    out: list[tuple[str, Rows]] = []
+    for name, rows in parts:
+        if out and out[-1][0] == name and out[-1][1][1] == rows[0]:
+            out[-1] = (name, (out[-1][1][0], rows[1]))
+        else:
+            out.append((name, rows))
+    return out
+
+
+def _smollm3_hf(cfg: dict) -> dict:
+    """SmolLM3's no_rope_layers is a per-layer flag, 1 where the layer uses RoPE."""
+    n = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+    return {"no_rope_layers": tuple(i for i, use in enumerate(flags) if not use)}
+
+
+def _smollm3_gguf(m: Metadata) -> dict:
+    # llama.cpp writes no key for it: every 4th layer has no RoPE (its smollm3 loader's constant)
+    return {"no_rope_layers": tuple(i for i in range(m.get("block_count")) if (i + 1) % 4 == 0)}
+
+
+def _granite_hf(cfg: dict) -> dict:
+    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),   # the softmax scale itself
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
+
+
+def _granite_gguf(m: Metadata) -> dict:
+    # llama.cpp's converter writes each only where the config's is non-zero; a missing
+    # attention.scale means 1 / sqrt(head_dim), as in llama.cpp
+    return {"embedding_multiplier": float(m.get("embedding_scale") or 1.0),
+            "residual_multiplier": float(m.get("residual_scale") or 1.0),
+            "attention_multiplier": float(m.get("attention.scale") or 0.0),
+            "logits_scaling": float(m.get("logit_scale") or 1.0)}
+
 
 def _llama_gguf(m: Metadata) -> dict:
     """A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral as Llama)."""
@@ -126,6 +188,14 @@ ARCHITECTURES: list[Architecture] = [
                  hf_config=moe_weights.olmoe_config, gguf_config=_olmoe_gguf),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", qk_norm=True,
                  hf_config=moe_weights.qwen_moe_config, gguf_config=_qwen3moe_gguf),
+    # Phi-3, Phi-3.5, Phi-4-mini: fused qkv and gate_up; partial rotary and LongRoPE from the config
+    # (read for every architecture in loader.py). llama.cpp's ffn_up holds the fused gate_up.
+    Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), "phi3", fused_qkv=True, fused_gate_up=True,
+                 gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    Architecture("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), "smollm3", gguf_rotary_permuted=True,
+                 hf_config=_smollm3_hf, gguf_config=_smollm3_gguf),
+    Architecture("granite", ("GraniteForCausalLM",), ("granite",), "granite", gguf_rotary_permuted=True,
+                 hf_config=_granite_hf, gguf_config=_granite_gguf),
 ]
 
 
@@ -165,9 +235,8 @@ def gguf_rope_scaling(m: Metadata) -> dict | None:
         return {"rope_type": "freq_factors", "factors": freqs}
     long = m.tensor("rope_factors_long.weight")
     if long is not None:
-        return {"rope_type": "longrope", "long_factor": long, "short_factor": m.tensor("rope_factors_short.weight"),
-                "original_max_position_embeddings": m.get("rope.scaling.original_context_length"),
-                "attention_factor": m.get("rope.scaling.attn_factor")}
+        return longrope(long, m.tensor("rope_factors_short.weight"), m.get("rope.scaling.original_context_length"),
+                        m.get("context_length"), attention_factor=m.get("rope.scaling.attn_factor"))
     kind = m.get("rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -175,3 +244,16 @@ def gguf_rope_scaling(m: Metadata) -> dict | None:
         return {"rope_type": "linear", "factor": m.get("rope.scaling.factor")}
     raise ValueError(f"GGUF {m.prefix}rope.scaling.type {kind!r} is not supported (supported: linear, "
                      f"Llama 3's rope_freqs, LongRoPE's rope_factors)")
+
+
+def longrope(long_factor: list[float], short_factor: list[float], original: int, max_positions: int,
+             factor: float | None = None, attention_factor: float | None = None) -> dict:
+    """LongRoPE's rope_scaling with its attention factor resolved as transformers does (from the
+    context's growth over the original, unless given): models/layers.py uses the short factors
+    for a sequence up to `original` tokens and the long ones past it."""
+    import math
+    if attention_factor is None:
+        factor = factor or max_positions / original
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {"rope_type": "longrope", "long_factor": list(long_factor), "short_factor": list(short_factor),
+            "original_max_position_embeddings": int(original), "attention_factor": float(attention_factor)}

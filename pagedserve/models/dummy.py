@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from pagedserve.models import architectures
 from pagedserve.models.llama import ModelArgs
 
 INIT_STD = 0.02
@@ -24,17 +25,21 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (args.vocab_size, h), "norm.weight": (h,)}
     if not args.tie_word_embeddings:
         shapes["lm_head.weight"] = (args.vocab_size, h)
+    arch = architectures.by_hf_name(args.architecture)
+    whole = {"q": (0, q), "k": (0, kv), "v": (0, kv)}
     for layer in range(args.num_layers):
         p = f"layers.{layer}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
+                   p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, i)}
+        # (the checkpoint's own tensors: q/k/v or a fused qkv_proj, gate/up or gate_up_proj)
+        for parts, cols in ((arch.qkv_parts(p, whole, q, kv), (h,)), (arch.gate_up_parts(p, None, i), (h,))):
+            for name, _ in parts:
+                shapes[name] = (sum(r[1] - r[0] if r else i for n, r in parts if n == name), *cols)
         if args.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if args.qkv_bias:
-            shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
+            for name, _ in (parts := arch.qkv_parts(p, whole, q, kv, "bias")):
+                shapes[name] = (sum(r[1] - r[0] for n, r in parts if n == name),)
     return shapes
 
 

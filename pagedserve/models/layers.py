@@ -35,15 +35,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position, looked up by each token's position (no padding)."""
+    """cos/sin tables for every position, looked up by each token's position (no padding).
+
+    LongRoPE (Phi-3, Phi-4-mini) has short and long frequency factors. transformers uses the
+    short ones while a sequence is at most `original_max_position_embeddings` long, and when it
+    grows past that recomputes the whole sequence (every cached key) with the long ones. A paged
+    cache whose blocks outlive and are shared between sequences cannot re-rotate its keys, so,
+    as llama.cpp does, the context the engine serves chooses once: `context_len` past the
+    original length takes the long factors for every position, else the short ones. Tokens equal
+    transformers' for every sequence within the original length (short) and, in a longer
+    context, for every sequence past it (long)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+                 dtype: torch.dtype, context_len: int | None = None) -> None:
+        scale = 1.0
+        if (scaling or {}).get("rope_type") == "longrope":
+            long = (context_len or max_positions) > scaling["original_max_position_embeddings"]
+            factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+            inv_freq = rope_inv_freq(head_dim, theta, None) / factors
+            scale = scaling["attention_factor"]
+        else:
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = (emb.cos() * scale).to(dtype)
+        self.sin = (emb.sin() * scale).to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, 1, D], looked up once per step and shared by all layers."""

@@ -72,10 +72,9 @@ class ModelArgs:
 
     def beyond_compiled_loop(self) -> list[str]:
         """What this model needs that the compiled CPU layer loop (kernels/cpu.py DecoderLayers)
-        does not do: the Python layer loop runs such a model."""
-        return [name for name, on in (("q/k norm", self.qk_norm), ("partial rotary", self.rope_dim != self.head_dim),
-                                      ("layers without RoPE", bool(self.no_rope_layers)),
-                                      ("residual multiplier", self.residual_multiplier != 1.0),
+        does not do: the Python layer loop runs such a model. (It does q/k norms per head, partial
+        rotary, layers without RoPE and the multipliers.)"""
+        return [name for name, on in (("q/k norm over all heads", self.qk_norm_full),
                                       ("clip_qkv", bool(self.clip_qkv)),
                                       ("mixture-of-experts layers", self.moe is not None)) if on]
 
@@ -99,7 +98,8 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, args: ModelArgs, embed, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: Weight, attention: AttentionBackend, max_positions: int,
-                 ops: ModelOps | None = None, tp=None, vocab: tuple[int, int] | None = None) -> None:
+                 ops: ModelOps | None = None, tp=None, vocab: tuple[int, int] | None = None,
+                 context_len: int | None = None) -> None:
         self.args = args          # this rank's shapes (heads, intermediate size) under tensor parallelism
         self.embed = embed        # a float table or a QuantizedEmbedding (models/quantized.py)
         self.layers = layers
@@ -107,8 +107,9 @@ class LlamaModel:
         self.lm_head = lm_head
         self.attention = attention
         self.ops: ModelOps = ops or TorchOps()
+        # (context_len: the longest sequence the engine serves, which picks LongRoPE's factors)
         self.rope = RotaryEmbedding(args.rope_dim, max_positions, args.rope_theta, args.rope_scaling,
-                                    embed.dtype)
+                                    embed.dtype, context_len)
         self.scale = args.attention_multiplier or args.head_dim ** -0.5
         self.no_rope = frozenset(args.no_rope_layers)
         self.q_size = args.num_heads * args.head_dim
@@ -254,3 +255,4 @@ def _to(weight, device: torch.device):
 def _whole(x: torch.Tensor) -> torch.Tensor:
     """One process holds every head: a layer's output is already whole."""
     return x
+

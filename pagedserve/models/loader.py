@@ -79,6 +79,13 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     scaling.update(rope)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type") == "su" or (arch.name == "phi3" and scaling.get("rope_type") == "yarn"):
+        scaling["rope_type"] = "longrope"           # their older names, as transformers reads them
+    if scaling.get("rope_type") == "longrope":
+        scaling = architectures.longrope(
+            scaling["long_factor"], scaling["short_factor"],
+            scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"],
+            cfg.get("max_position_embeddings", 2048), scaling.get("factor"), scaling.get("attention_factor"))
     if scaling.get("rope_type", "default") == "default":
         scaling = None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -117,9 +124,9 @@ def args_from_gguf(reader) -> ModelArgs:
     heads = m.get("attention.head_count")
     hidden = m.get("embedding_length")
     names = {t.name for t in reader.tensors}
-    # head_dim: attention.key_length where llama.cpp wrote one (a config's head_dim), else
-    # rope.dimension_count (older llama files), else hidden / heads.
-    head_dim = m.get("attention.key_length") or m.get("rope.dimension_count") or hidden // heads
+    # head_dim: attention.key_length where llama.cpp wrote one (a config's head_dim), else hidden /
+    # heads; rope.dimension_count is how much of a head RoPE turns (less: partial rotary).
+    head_dim = m.get("attention.key_length") or hidden // heads
     rope_dim = m.get("rope.dimension_count") or head_dim
     args = ModelArgs(
         architecture=arch.hf_architectures[0],
@@ -138,6 +145,7 @@ def args_from_gguf(reader) -> ModelArgs:
         qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rotary_dim=0 if rope_dim == head_dim else rope_dim,
+        sliding_window=m.get("attention.sliding_window") or None,
     )
     return replace(args, **arch.gguf_config(m)) if arch.gguf_config else args
 
@@ -560,7 +568,7 @@ class MatrixBuilder:
 
 def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, attention,
                 max_positions: int, ops: ModelOps | None = None, shard: Shard = Shard(),
-                tp=None, quantization: str | None = None) -> LlamaModel:
+                tp=None, quantization: str | None = None, context_len: int | None = None) -> LlamaModel:
     """The model of `shard`'s rank (models/sharding.py): its query and KV heads of q/k/v
     (rows) and of the attention output (columns), its part of gate/up (rows) and down
     (columns), its part of the vocabulary (embedding and LM head rows, zero-padded to
@@ -575,11 +583,14 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
     heads = {"q": (q0 * D, q1 * D), "k": (k0 * D, k1 * D), "v": (k0 * D, k1 * D)}
     inter = shard.split(args.intermediate_size) if shard.size > 1 else None
     q_cols = heads["q"] if shard.size > 1 else None
+    arch = architectures.by_hf_name(args.architecture)
+    q_size, kv_size = args.num_heads * D, args.num_kv_heads * D
     layers = []
     for i in range(args.num_layers):
         p = f"layers.{i}."
-        qkv = build.matrix([(p + f"self_attn.{n}_proj.weight", heads[n]) for n in "qkv"])
-        bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", heads[n]) for n in "qkv"]) if args.qkv_bias else None
+        qkv = build.matrix(arch.qkv_parts(p, heads, q_size, kv_size))
+        bias = torch.cat([w(n, r) for n, r in arch.qkv_parts(p, heads, q_size, kv_size, "bias")]) \
+            if args.qkv_bias else None
         layer = LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=qkv,
@@ -594,7 +605,7 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
             layer.moe = moe_weights.build_moe(build, source, i, args.moe, _EXPERT_NAMES.get(
                 args.architecture, moe_weights.ExpertNames()), *_expert_parts(args.moe, shard))
         else:
-            layer.gate_up = build.matrix([(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)])
+            layer.gate_up = build.matrix(arch.gate_up_parts(p, inter, args.intermediate_size))
             layer.down = build.matrix([(p + "mlp.down_proj.weight", None)], cols=inter)
         layers.append(layer)
         trim_heap()
@@ -610,7 +621,7 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
     if note:
         logger.info("%s", note)
     return LlamaModel(shard.local_args(args), embed, layers, w("norm.weight"), lm_head, attention, max_positions,
-                      ops, tp=tp, vocab=(vocab[0] if vocab else 0, args.vocab_size))
+                      ops, tp=tp, vocab=(vocab[0] if vocab else 0, args.vocab_size), context_len=context_len)
 
 
 def _expert_parts(spec, shard: Shard) -> tuple:
@@ -756,7 +767,8 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
     if isinstance(args, OPTArgs):
         return build_opt_model(args, source.weights, dtype, attention), args, dtype
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
-    model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp, quantization)
+    model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp, quantization,
+                        context_len=max_model_len or args.max_position_embeddings)
     huge_pages.new_model()   # its weights alone hold their mappings: they go with the model
     return model, args, dtype
 

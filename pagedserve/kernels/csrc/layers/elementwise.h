@@ -16,13 +16,10 @@ inline float round_as(float x, const uint16_t *) {
     return to_f32(b);
 }
 
-// x[r] += y[r] (in the storage type), then out[r] = weight * round(x[r] / rms(x[r])).
+// One row: xr += yr (in the storage type; yr may be null), then out = weight * round(xr / rms(xr)).
+// out may be xr itself.
 template <typename T>
-void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (M * H >= 65536)
-    for (int64_t r = 0; r < M; r++) {
-        T *xr = x + r * H;
-        const T *yr = y ? y + r * H : nullptr;
+inline void add_rms_norm_row(T *xr, const T *yr, const T *weight, T *outr, int64_t H, float eps) {
         float sq = 0.f;
         int64_t i = 0;
         Vec::reg acc = Vec::zero();
@@ -43,10 +40,34 @@ void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t 
         i = 0;
         for (; i + Vec::W <= H; i += Vec::W) {
             const Vec::reg normed = round_as_v<Vec>(Vec::mul(Vec::load(xr + i), Vec::set1(inv)), xr);
-            Vec::store(out + r * H + i, Vec::mul(Vec::load(weight + i), normed));
+            Vec::store(outr + i, Vec::mul(Vec::load(weight + i), normed));
         }
-        for (; i < H; i++) store(out + r * H + i, to_f32(weight[i]) * round_as(to_f32(xr[i]) * inv, xr));
+        for (; i < H; i++) store(outr + i, to_f32(weight[i]) * round_as(to_f32(xr[i]) * inv, xr));
+}
+
+// x[r] += y[r] (in the storage type), then out[r] = weight * round(x[r] / rms(x[r])).
+template <typename T>
+void add_rms_norm(T *x, const T *y, const T *weight, T *out, int64_t M, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (M * H >= 65536)
+    for (int64_t r = 0; r < M; r++) add_rms_norm_row(x + r * H, y ? y + r * H : nullptr, weight, out + r * H, H, eps);
+}
+
+// q/k norm (Qwen3): each of the first `heads` heads (D values) of each row of x (row stride ld)
+// RMS-normalised in place with one weight [D], the same row kernel as add_rms_norm's.
+template <typename T>
+void heads_rms_norm(T *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const T *weight, float eps) {
+#pragma omp parallel for schedule(static) if (rows * heads * D >= 65536)
+    for (int64_t j = 0; j < rows * heads; j++) {
+        T *head = x + (j / heads) * ld + (j % heads) * D;
+        add_rms_norm_row(head, static_cast<const T *>(nullptr), weight, head, D, eps);
     }
+}
+
+// x *= s, rounded to the storage type (Granite's residual multiplier on a layer's output).
+template <typename T>
+void scale_inplace(T *x, int64_t n, float s) {
+#pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) store(x + i, to_f32(x[i]) * s);
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -72,15 +93,17 @@ void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
         }
     }
 }
-// RoPE in place on the first `heads` heads of each row of x (row stride `ld`), rotate-half
-// layout: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [T, D] per token. Each
-// product and the sum are rounded as the reference's separate ops round them.
+// RoPE in place on the first `heads` heads (D values each) of each row of x (row stride `ld`),
+// rotate-half layout over each head's first R values (R < D: partial rotary; the rest pass):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [T, R] per token. Each product and
+// the sum are rounded as the reference's separate ops round them.
 template <typename T>
-void rope_inplace(T *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const T *cos, const T *sin) {
-    const int64_t half = D / 2;
+void rope_inplace(T *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const T *cos, const T *sin,
+                  int64_t R) {
+    const int64_t half = R / 2;
 #pragma omp parallel for schedule(static) if (rows * heads * D >= 65536)
     for (int64_t t = 0; t < rows; t++) {
-        const T *c = cos + t * D, *s = sin + t * D;
+        const T *c = cos + t * R, *s = sin + t * R;
         for (int64_t h = 0; h < heads; h++) {
             T *x1 = x + t * ld + h * D, *x2 = x1 + half;
 #pragma omp simd
@@ -107,13 +130,13 @@ int add_rms_norm_bf16(uint16_t *x, const uint16_t *y, const uint16_t *w, uint16_
     return 0;
 }
 int rope_inplace_f32(float *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const float *cos,
-                     const float *sin) {
-    rope_inplace(x, ld, rows, heads, D, cos, sin);
+                     const float *sin, int64_t R) {
+    rope_inplace(x, ld, rows, heads, D, cos, sin, R);
     return 0;
 }
 int rope_inplace_bf16(uint16_t *x, int64_t ld, int64_t rows, int64_t heads, int64_t D, const uint16_t *cos,
-                      const uint16_t *sin) {
-    rope_inplace(x, ld, rows, heads, D, cos, sin);
+                      const uint16_t *sin, int64_t R) {
+    rope_inplace(x, ld, rows, heads, D, cos, sin, R);
     return 0;
 }
 int silu_and_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I) {

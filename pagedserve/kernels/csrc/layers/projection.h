@@ -21,6 +21,8 @@ struct LayerPtrs {    // one row of the pointer table built in Python (kernels/c
     int64_t qkv_bias;
     Proj o, gate_up, down;
     int64_t input_norm, post_norm;
+    int64_t q_norm, k_norm;       // per-head q/k RMSNorm weights [D] (Qwen3), or 0
+    int64_t rope;                 // 0: this layer's attention has no RoPE (SmolLM3's NoPE layers)
 };
 struct ModelDims {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -31,6 +33,8 @@ struct ModelDims {
     // thresholds: any batch, and a batch of decode tokens only); more rows take the tiles.
     int64_t quant_small, quant_tiles, small_rows, decode_rows;
     int64_t quant_handover;                   // quant_handover_next (project_lora), or 0
+    int64_t rope_dim;                         // leading values of a head RoPE turns (< head_dim: partial)
+    float residual_scale;                     // attention / MLP outputs scaled before the residual add
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
