@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.throughput import decode_step_times, run_pagedserve  # noqa: E402
+from pagedserve.bench.throughput import decode_step_times, run_pagedserve  # noqa: E402
 from benchmarks.workloads import make_trace, trace_stats  # noqa: E402
 from pagedserve.kernels import cpu  # noqa: E402
 

@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from benchmarks.throughput import read_bandwidth
+    from pagedserve.bench.throughput import read_bandwidth
     from pagedserve.kernels import cpu, quant
     from pagedserve.models.dummy import stand_in_tokenizer
     from pagedserve.models.loader import default_model_path

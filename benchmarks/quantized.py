@@ -139,7 +139,7 @@ def _status(key: str) -> int:
 
 def run_child(spec: dict) -> dict:
     """Load one configuration and time it (the child's side)."""
-    from benchmarks.throughput import decode_step_times
+    from pagedserve.bench.throughput import decode_step_times
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.loader import load_tokenizer
     from pagedserve.models.quantized import model_weight_bytes, weight_nbytes
@@ -272,7 +272,7 @@ def main() -> None:
         print(json.dumps(run_child(json.loads(args.child))))
         return
 
-    from benchmarks.throughput import read_bandwidth
+    from pagedserve.bench.throughput import read_bandwidth
     from pagedserve.kernels import cpu, quant
     from pagedserve.models.dummy import stand_in_tokenizer
     from pagedserve.models.loader import default_model_path

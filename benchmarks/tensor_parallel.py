@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.throughput import decode_step_times  # noqa: E402
+from pagedserve.bench.throughput import decode_step_times  # noqa: E402
 from benchmarks.workloads import make_trace  # noqa: E402
 
 # name: (hidden size, layers, vocabulary) of models TP is for.

@@ -258,6 +258,32 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`pagedserve bench latency | throughput | serve` (pagedserve/bench/)."""
+    from pagedserve.bench import latency, serve, throughput
+    if args.bench == "serve":
+        return serve.run(args)
+    module = latency if args.bench == "latency" else throughput
+    module.run(engine_config(args), args)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    from pagedserve.bench import latency, serve, throughput
+    bench = sub.add_parser("bench", help="measure: latency of a batch, offline throughput, or a server "
+                                         "(vLLM's `bench` flags; prints a table, --output-json writes JSON)")
+    kinds = bench.add_subparsers(dest="bench", required=True, parser_class=ArgumentParser)
+    for name, module, text in (("latency", latency, "one batch end to end, timed a few times"),
+                               ("throughput", throughput, "offline: a dataset's requests all at once"),
+                               ("serve", serve, "an async client against the OpenAI-compatible server")):
+        p = kinds.add_parser(name, help=text, description=module.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(p)
+        if module is not serve:
+            add_config_args(p, EngineConfig, skip=("seed",))
+        p.set_defaults(func=cmd_bench)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hub id, HF directory or .gguf file (default: SmolLM2-135M-Instruct); same as --model")
@@ -299,6 +325,8 @@ def build_parser() -> ArgumentParser:
     cache.add_argument("--clear", action="store_true", help="remove converted GGUF weights, tokenizers and "
                                                             "compiled kernels (made again when needed)")
     cache.set_defaults(func=cmd_cache)
+
+    add_bench_parser(sub)
 
     kernels = sub.add_parser("kernels", help="compile the CPU kernels for this CPU now (else the first run does)")
     kernels.add_argument("--all", action="store_true",

@@ -1,33 +1,30 @@
-"""Offline throughput: pagedserve vs transformers static batching, and vs the machine's roofline.
+"""`pagedserve bench throughput`: offline throughput of --num-prompts requests from
+--dataset-name (random: --input-len / --output-len each; sharegpt-like, alpaca-like: the paper's
+length statistics), all submitted at once to LLM.generate, as `vllm bench throughput`.
 
-    .venv/bin/python benchmarks/throughput.py                      # sharegpt-like, 64 requests, bf16, HF baseline
-    .venv/bin/python benchmarks/throughput.py --workload alpaca --num-requests 256
-    .venv/bin/python benchmarks/throughput.py --quick              # small, for a smoke run
+    pagedserve bench throughput --dataset-name sharegpt-like --num-prompts 64 --dtype bfloat16
+    pagedserve bench throughput --dataset-name sharegpt-like --hf-baseline --roofline   # the paper's comparison
 
-In the same run it measures the machine's matmul rate (a large GEMM through
-torch, before and after the run; the higher reading counts) and read bandwidth, counts the FLOPs the workload needs (2 x weights
-touched per token, the LM head only at sampled positions, plus attention) and
-prints the achieved fraction of the matmul rate; and times a single request's
-decode against the memory-bandwidth bound (weight bytes per token / bandwidth).
+--hf-baseline runs the same trace through transformers' static batching (--hf-batch-size, left
+padded, each batch until its longest request is done) on the same weights. --roofline measures
+the machine in the same run (a large GEMM through torch before and after, the higher reading
+counts; read bandwidth), counts the FLOPs the workload needs (2 x weights touched per token, the
+LM head only at sampled positions, plus attention) and prints the achieved fraction of the matmul
+rate; and times a single request's decode against the memory-bandwidth bound (weight bytes per
+token / bandwidth).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.workloads import TraceRequest, make_trace  # noqa: E402
-from pagedserve.kernels import cpu  # noqa: E402
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
+from pagedserve.bench import report
+from pagedserve.bench.datasets import DATASETS, TraceRequest, dataset_trace, make_trace
+from pagedserve.kernels import cpu
 
 # ---- machine calibration -------------------------------------------------------------------
 
@@ -175,102 +172,82 @@ def run_single_decode(llm, prompt_len: int, output_len: int, bandwidth: float) -
                 bound_ms_per_token=bound * 1e3, fraction_of_bound=bound / per_token)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
-    ap.add_argument("--num-requests", type=int, default=None, help="default: 64 sharegpt, 256 alpaca")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    ap.add_argument("--baseline", default="hf", choices=["hf", "none"])
-    ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory", type=int, default=None)
-    ap.add_argument("--no-single", action="store_true", help="skip the single-request decode run")
-    ap.add_argument("--quick", action="store_true", help="few short requests: a smoke run")
-    ap.add_argument("--gguf-dequantize", action="store_true", help="a .gguf model dequantized to --dtype (the float "
-                    "path) instead of computed in its blocks")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="default: benchmarks/results/throughput[_alpaca][_fp32][_quick].json, "
-                    "one file per workload and dtype")
-    ap.add_argument("--cpu-kernels", default=None, choices=["auto", *(v.name for v in cpu.VARIANTS)],
-                    help="CPU kernel variant (default: $PAGEDSERVE_CPU_KERNELS, else the best this CPU runs)")
-    args = ap.parse_args()
-    if args.cpu_kernels:
-        os.environ[cpu.ENV_VARIANT] = args.cpu_kernels
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset-name", default="random", choices=DATASETS, help="the trace's lengths (default: random)")
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, help="random: generated tokens per request (default: 128)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-baseline", action="store_true", help="also transformers' static batching, same trace")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--roofline", action="store_true", help="also the machine's matmul rate and read bandwidth, "
+                   "and a single request's decode against its bandwidth bound")
+    p.add_argument("--output-json", default=None, help="write the result as JSON here")
 
+
+def run(config, opts: argparse.Namespace) -> dict:
     from pagedserve import LLM
-    dtype = DTYPES[args.dtype]
-    n = args.num_requests or (64 if args.workload == "sharegpt" else 256)
-    if args.quick:
-        n = min(n, 8)
-    trace = make_trace(args.workload, n, seed=args.seed)
-    if args.quick:
-        for r in trace:
-            r.prompt_token_ids = r.prompt_token_ids[:32]
-            r.output_len = min(r.output_len, 16)
-
-    print(f"calibrating: {torch.get_num_threads()} threads ...", flush=True)
-    # The rate the run is held to: torch's matmul in the run's dtype, but float32 where our
-    # kernels compute bf16 in float32 (no AVX512-BF16: torch's own bf16 matmul there is a cliff).
-    rate_dtype = torch.float32 if dtype == torch.bfloat16 and cpu.variant() != "avx512bf16" else dtype
-    rate = matmul_rate(rate_dtype)
-    bw = read_bandwidth()
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              gguf_dequantize=args.gguf_dequantize)
+    llm = LLM.from_config(config)
     load_s = time.perf_counter() - t0
-    shape = model_shape(llm)
-    flops = workload_flops(shape, trace)
-
+    dtype = llm.engine.dtype
+    rate_dtype = rate = bw = None
+    if opts.roofline:
+        print(f"calibrating: {torch.get_num_threads()} threads ...", flush=True)
+        # The rate the run is held to: torch's matmul in the run's dtype, but float32 where our
+        # kernels compute bf16 in float32 (no AVX512-BF16: torch's own bf16 matmul there is a cliff).
+        rate_dtype = torch.float32 if dtype == torch.bfloat16 and cpu.variant() != "avx512bf16" else dtype
+        rate, bw = matmul_rate(rate_dtype), read_bandwidth()
+    trace = dataset_trace(opts.dataset_name, opts.num_prompts, opts.input_len, opts.output_len, opts.seed,
+                          llm.engine.model_args.vocab_size, llm.engine.max_model_len)
+    n = len(trace)
     ours = run_pagedserve(llm, trace)
-    # The VM's speed drifts: the rate is also measured right after the run, and the higher of
-    # the two readings is the one the run is held to.
-    rates = [rate, matmul_rate(rate_dtype)]
-    rate = max(rates)
-    ours["flops"] = flops
-    ours["fraction_of_matmul_rate"] = flops / ours["seconds"] / rate
-    result = dict(workload=args.workload, num_requests=n, dtype=args.dtype, threads=torch.get_num_threads(),
-                  matmul_flop_s=rate, matmul_flop_s_measured=rates, matmul_dtype=str(rate_dtype),
-                  read_bytes_s=bw, load_seconds=load_s,
-                  mean_prompt_len=ours["prompt_tokens"] / n, mean_output_len=ours["output_tokens"] / n,
-                  pagedserve=ours, **cpu.describe())
-    if not args.no_single:
-        result["single_decode"] = run_single_decode(llm, 128, 16 if args.quick else 256, bw)
-    if args.baseline == "hf":
+    result = dict(dataset_name=opts.dataset_name, num_prompts=n, threads=torch.get_num_threads(), load_seconds=load_s,
+                  requests_per_s=n / ours["seconds"], mean_prompt_len=ours["prompt_tokens"] / n,
+                  mean_output_len=ours["output_tokens"] / n, pagedserve=ours)
+    if opts.roofline:
+        # The VM's speed drifts: the rate is also measured right after the run, and the higher of
+        # the two readings is the one the run is held to.
+        rates = [rate, matmul_rate(rate_dtype)]
+        rate = max(rates)
+        ours["flops"] = flops = workload_flops(model_shape(llm), trace)
+        ours["fraction_of_matmul_rate"] = flops / ours["seconds"] / rate
+        result.update(matmul_flop_s=rate, matmul_flop_s_measured=rates, matmul_dtype=str(rate_dtype), read_bytes_s=bw)
+        result["single_decode"] = run_single_decode(llm, 128, 256, bw)
+    if opts.hf_baseline:
         hf = load_hf(llm.engine.model_path, dtype)
-        hf_res = run_hf_static(hf, trace, args.hf_batch_size, llm.get_tokenizer().eos_token_id)
-        hf_res["fraction_of_matmul_rate"] = flops / hf_res["seconds"] / rate
+        hf_res = run_hf_static(hf, trace, opts.hf_batch_size, llm.get_tokenizer().eos_token_id)
+        if opts.roofline:
+            hf_res["fraction_of_matmul_rate"] = ours["flops"] / hf_res["seconds"] / rate
         result["hf_static"] = hf_res
         result["speedup_output_tok_s"] = ours["output_tok_s"] / hf_res["output_tok_s"]
+    llm.shutdown()
+    print_result(result, opts)
+    report.write_json(opts.output_json, result, {**vars(opts), "engine": vars(config)})
+    return result
 
-    print(f"CPU kernels: {result['cpu_kernels']} ({result['cpu_model']}; {' '.join(result['cpu_flags'])})")
-    print(f"\n{args.workload}: {n} requests, mean {result['mean_prompt_len']:.0f} in / "
-          f"{result['mean_output_len']:.0f} out, {args.dtype}, {result['threads']} threads")
-    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s ({str(rate_dtype).removeprefix('torch.')}; best of "
-          f"{rates[0] / 1e9:.0f} before and "
-          f"{rates[1] / 1e9:.0f} after the run), read {bw / 1e9:.1f} GB/s; engine load {load_s:.1f}s")
-    print(f"{'system':<28}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'% matmul':>10}")
-    rows = [("pagedserve", ours)] + ([("transformers static (bs %d)" % args.hf_batch_size, result["hf_static"])]
-                                     if "hf_static" in result else [])
-    for name, r in rows:
-        print(f"{name:<28}{r['seconds']:>9.1f}{r['output_tok_s']:>11.1f}{r['total_tok_s']:>13.1f}"
-              f"{100 * r['fraction_of_matmul_rate']:>9.1f}%")
-    if "speedup_output_tok_s" in result:
-        print(f"speedup (output tok/s): {result['speedup_output_tok_s']:.2f}x")
+
+def print_result(result: dict, opts: argparse.Namespace) -> None:
+    ours = result["pagedserve"]
+    print(report.title("Throughput Benchmark Result"))
+    print(report.row("Dataset", f"{opts.dataset_name} x {result['num_prompts']}"))
+    print(report.row("Successful requests", result["num_prompts"], "{:d}"))
+    print(report.row("Benchmark duration (s)", ours["seconds"]))
+    print(report.row("Total input tokens", ours["prompt_tokens"], "{:d}"))
+    print(report.row("Total generated tokens", ours["output_tokens"], "{:d}"))
+    print(report.row("Request throughput (req/s)", result["requests_per_s"]))
+    print(report.row("Output token throughput (tok/s)", ours["output_tok_s"]))
+    print(report.row("Total token throughput (tok/s)", ours["total_tok_s"]))
+    if "hf_static" in result:
+        print(report.title(f"transformers static batching (bs {opts.hf_batch_size})", "-"))
+        print(report.row("Output token throughput (tok/s)", result["hf_static"]["output_tok_s"]))
+        print(report.row("Speedup (output tok/s)", result["speedup_output_tok_s"], "{:.2f}x"))
     if "single_decode" in result:
         s = result["single_decode"]
-        print(f"single request decode: {s['ms_per_token']:.2f} ms/token ({s['tok_s']:.1f} tok/s); bandwidth bound "
-              f"{s['bound_ms_per_token']:.2f} ms/token at {s['read_bytes_s'] / 1e9:.1f} GB/s (best of "
-              f"{'/'.join(f'{b / 1e9:.1f}' for b in s['read_bytes_s_measured'])}) -> "
-              f"{100 * s['fraction_of_bound']:.0f}% of bound")
-    out = Path(args.json or "benchmarks/results/throughput" + ("" if args.workload == "sharegpt" else f"_{args.workload}")
-               + ("_fp32" if args.dtype == "float32" else "") + ("_quick" if args.quick else "") + ".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()
+        print(report.title("Roofline", "-"))
+        print(report.row("Matmul rate (GFLOP/s, best of 2)", result["matmul_flop_s"] / 1e9, "{:.0f}"))
+        print(report.row("Fraction of matmul rate", 100 * ours["fraction_of_matmul_rate"], "{:.1f}%"))
+        print(report.row("Single request decode (ms/token)", s["ms_per_token"]))
+        print(report.row("Bandwidth bound (ms/token)", s["bound_ms_per_token"]))
+        print(report.row("Fraction of bound", 100 * s["fraction_of_bound"], "{:.0f}%"))
+    print("=" * report.WIDTH)

@@ -1,26 +1,24 @@
-"""Serving benchmark: an async client sends a seeded workload to the OpenAI-compatible server.
+"""`pagedserve bench serve`: an async client sends a seeded workload to the OpenAI-compatible
+server and reports what `vllm bench serve` does.
 
-    .venv/bin/python benchmarks/serve.py --quick                 # start the servers itself, small run
-    .venv/bin/python benchmarks/serve.py --num-prompts 200 --request-rate 4
-    .venv/bin/python benchmarks/serve.py --workload sharegpt --num-prompts 100 --request-rate 1
-    .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --no-baseline
+    pagedserve bench serve --num-prompts 64 --input-len 128 --output-len 64      # starts its own server
+    pagedserve bench serve --dataset-name sharegpt-like --num-prompts 100 --request-rate 1
+    pagedserve bench serve --base-url http://127.0.0.1:8000 --percentile-metrics ttft,tpot,itl,e2el
+    pagedserve bench serve --baseline        # and again on a --max-num-seqs 1 server: the ratios
 
-Each request is a streamed /v1/completions call that generates exactly its
-output length (ignore_eos). Workload `random` (default): prompts of exactly
---input-len tokens (seeded random English words, cut to length with /tokenize),
---output-len generated tokens. Workloads `sharegpt` / `alpaca`: the paper's
-length statistics from benchmarks/workloads.py (random token ids below
---vocab-size). Requests arrive as a Poisson process at --request-rate per second
-(inf: all at once), at most --max-concurrency in flight. Metrics follow
-`vllm bench serve`:
+Each request is a streamed /v1/completions call that generates exactly its output length
+(ignore_eos). --dataset-name random (default): prompts of exactly --input-len tokens (seeded
+random English words, cut to length with /tokenize), --output-len generated tokens;
+sharegpt-like / alpaca-like: the paper's length statistics (pagedserve/bench/datasets.py; random
+token ids below --vocab-size). Requests arrive as a Poisson process at --request-rate per second
+(inf: all at once), at most --max-concurrency in flight. Metrics (--percentile-metrics, each with
+mean, median and the --metric-percentiles):
   TTFT  time to the first streamed token
-  ITL   gaps between consecutive streamed chunks (one chunk per engine step)
   TPOT  (latency - TTFT) / (output tokens - 1), per request
+  ITL   gaps between consecutive streamed chunks (one chunk per engine step)
   E2EL  request latency
-Unless --base-url is given, the script starts `pagedserve serve` itself on a
-free port, and (unless --no-baseline) runs the same workload a second time on a
-server with --max-num-seqs 1 (one request at a time: no batching across
-clients), and reports the ratios. Prints a table, writes JSON.
+Unless --base-url is given it starts `pagedserve serve` itself on a free port (--model,
+--server-args).
 """
 from __future__ import annotations
 
@@ -37,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.workloads import WORKLOADS, TraceRequest, make_trace  # noqa: E402
-from pagedserve.server.launcher import launch_server  # noqa: E402
+from pagedserve.bench import report
+from pagedserve.bench.datasets import DATASETS, TraceRequest, dataset_trace
+from pagedserve.server.launcher import launch_server
 
 WORDS = ("the of and to in is was that for on with as by at from it an be this which or are his have had not "
          "but first one their new after also who they two her has been other when there all during into school "
@@ -63,9 +60,9 @@ class RequestResult:
 
 
 async def make_requests(client: httpx.AsyncClient, args, max_model_len: int) -> list[TraceRequest]:
-    if args.workload in WORKLOADS:
-        return make_trace(args.workload, args.num_prompts, args.seed, args.vocab_size, max_model_len,
-                          args.request_rate)
+    if args.dataset_name != "random":
+        return dataset_trace(args.dataset_name, args.num_prompts, args.input_len, args.output_len, args.seed,
+                             args.vocab_size, max_model_len, args.request_rate)
     rng = random.Random(args.seed)
     requests, t = [], 0.0
     for _ in range(args.num_prompts):
@@ -151,13 +148,16 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def summarize(results: list[RequestResult], duration: float, before: dict, after: dict) -> dict:
+METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+
+
+def summarize(results: list[RequestResult], duration: float, before: dict, after: dict, metrics: list[str],
+              which: list[float]) -> dict:
     ok = [r for r in results if r.ok]
-    ms = lambda xs: [1000 * x for x in xs]  # noqa: E731
-    ttft = ms([r.ttft for r in ok])
-    tpot = ms([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1])
-    itl = ms([x for r in ok for x in r.itl])
-    e2el = ms([r.latency for r in ok])
+    values = {"ttft": [r.ttft for r in ok],
+              "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+              "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     summary = {
@@ -166,10 +166,9 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
     }
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        arr = np.array(xs) if xs else np.array([float("nan")])
-        summary.update({f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
-                        f"p99_{name}_ms": float(np.percentile(arr, 99))})
+    for name in metrics:
+        stats = report.percentiles([1000 * x for x in values[name]], which)
+        summary.update({f"{stat}_{name}_ms": v for stat, v in stats.items()})
     steps = after.get("pagedserve:iteration_tokens_total_count", 0) - before.get(
         "pagedserve:iteration_tokens_total_count", 0)
     gen = after.get("pagedserve:generation_tokens_total", 0) - before.get("pagedserve:generation_tokens_total", 0)
@@ -181,82 +180,82 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
     return summary
 
 
-ROWS = [("completed", "Successful requests", "{:.0f}"), ("failed", "Failed requests", "{:.0f}"),
-        ("duration_s", "Benchmark duration (s)", "{:.2f}"),
-        ("request_throughput", "Request throughput (req/s)", "{:.3f}"),
-        ("output_throughput", "Output token throughput (tok/s)", "{:.1f}"),
-        ("total_token_throughput", "Total token throughput (tok/s)", "{:.1f}"),
-        ("mean_generated_tokens_per_step", "Generated tokens per engine step", "{:.2f}")] + [
-    (f"{stat}_{m}_ms", f"{stat.capitalize()} {m.upper()} (ms)", "{:.1f}")
-    for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")]
-
-
-def print_table(runs: dict[str, dict]) -> None:
-    names = list(runs)
-    show_ratio = len(names) == 2
-    header = f"{'':34}" + "".join(f"{n:>16}" for n in names) + (f"{'ratio':>10}" if show_ratio else "")
-    print(header)
-    print("-" * len(header))
-    for key, label, fmt in ROWS:
-        vals = [runs[n].get(key, float("nan")) for n in names]
-        line = f"{label:34}" + "".join(f"{fmt.format(v):>16}" for v in vals)
-        if show_ratio and vals[1]:
-            line += f"{vals[0] / vals[1]:>9.2f}x"
-        print(line)
+def print_table(s: dict, metrics: list[str], which: list[float], label: str = "") -> None:
+    """The run's summary as `vllm bench serve` lays it out."""
+    print(report.title("Serving Benchmark Result" + (f" ({label})" if label else "")))
+    print(report.row("Successful requests", s["completed"], "{:d}"))
+    print(report.row("Failed requests", s["failed"], "{:d}"))
+    print(report.row("Benchmark duration (s)", s["duration_s"]))
+    print(report.row("Total input tokens", s["total_input_tokens"], "{:d}"))
+    print(report.row("Total generated tokens", s["total_output_tokens"], "{:d}"))
+    print(report.row("Request throughput (req/s)", s["request_throughput"]))
+    print(report.row("Output token throughput (tok/s)", s["output_throughput"]))
+    print(report.row("Total token throughput (tok/s)", s["total_token_throughput"]))
+    print(report.row("Generated tokens per engine step", s["mean_generated_tokens_per_step"]))
+    for name in metrics:
+        print(report.title(METRICS[name], "-"))
+        print(report.row(f"Mean {name.upper()} (ms)", s[f"mean_{name}_ms"]))
+        print(report.row(f"Median {name.upper()} (ms)", s[f"median_{name}_ms"]))
+        for p in which:
+            print(report.row(f"P{p:g} {name.upper()} (ms)", s[f"p{p:g}_{name}_ms"]))
+    print("=" * report.WIDTH)
 
 
 def bench_one(args, label: str, extra_server_args: list[str]) -> dict:
     if args.base_url:
         results, duration, before, after = asyncio.run(run_workload(args.base_url, args.served_model, args))
-        return summarize(results, duration, before, after)
+        return summarize(results, duration, before, after, args.metrics, args.percentiles)
     server_args = shlex.split(args.server_args) + extra_server_args + ["--disable-uvicorn-access-log"]
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / f"{label}.log"
     print(f"[{label}] starting: pagedserve serve {args.model or ''} {' '.join(server_args)}  (log: {log})",
           file=sys.stderr)
     with launch_server(args.model, server_args, log, timeout=600) as server:
         results, duration, before, after = asyncio.run(run_workload(server.url, None, args))
-    return summarize(results, duration, before, after)
+    return summarize(results, duration, before, after, args.metrics, args.percentiles)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None, help="model for the servers this script starts (default: SmolLM2)")
+    p.add_argument("--model", default=None, help="model of the server this starts (default: SmolLM2)")
     p.add_argument("--server-args", default="", help="extra `pagedserve serve` flags, one string")
-    p.add_argument("--workload", default="random", choices=["random", *WORKLOADS])
-    p.add_argument("--vocab-size", type=int, default=49152, help="token ids of the sharegpt/alpaca workloads")
+    p.add_argument("--dataset-name", default="random", choices=DATASETS, help="the requests' lengths (default: random)")
+    p.add_argument("--vocab-size", type=int, default=49152, help="token ids of the -like datasets")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", type=int, default=64, help="random: generated tokens per request (default: 64)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help="comma-separated, of ttft, tpot, itl, e2el (default: ttft,tpot,itl)")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default: 99)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-baseline", action="store_true", help="skip the --max-num-seqs 1 server")
-    p.add_argument("--quick", action="store_true", help="16 prompts, 64 in, 32 out")
-    p.add_argument("--result-file", default=str(Path(__file__).parent / "results" / "serve.json"))
-    args = p.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.input_len, args.output_len = 16, 64, 32
+    p.add_argument("--baseline", action="store_true",
+                   help="run it again on a --max-num-seqs 1 server (no batching across clients): the ratios")
+    p.add_argument("--output-json", default=None, help="write the result as JSON here")
 
+
+def run(args: argparse.Namespace) -> int:
+    args.metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in args.metrics if m not in METRICS]
+    if unknown:
+        sys.exit(f"pagedserve bench serve: --percentile-metrics: unknown {', '.join(unknown)}; "
+                 f"expected some of {', '.join(METRICS)}")
+    args.percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     runs = {"continuous": bench_one(args, "continuous", [])}
-    if not args.base_url and not args.no_baseline:
+    if args.baseline and not args.base_url:
         runs["max-num-seqs 1"] = bench_one(args, "max-num-seqs-1", ["--max-num-seqs", "1"])
-    print()
-    lengths = (f"{args.input_len} prompt + {args.output_len} output tokens" if args.workload == "random"
-               else "{} lengths".format(args.workload))
-    print(f"workload: {args.num_prompts} requests, {lengths}, rate {args.request_rate}/s, "
+    lengths = (f"{args.input_len} prompt + {args.output_len} output tokens" if args.dataset_name == "random"
+               else f"{args.dataset_name} lengths")
+    print(f"\nworkload: {args.num_prompts} requests, {lengths}, rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency or 'unlimited'}, seed {args.seed}")
-    print_table(runs)
-    out = Path(args.result_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf") for k, v in vars(args).items()}
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "config": config, "runs": runs}, indent=2))
-    print(f"\nwrote {out}")
+    for label, summary in runs.items():
+        print_table(summary, args.metrics, args.percentiles, label if len(runs) > 1 else "")
+    if len(runs) == 2:
+        a, b = runs.values()
+        print(report.row("Output throughput, continuous / max-num-seqs 1",
+                         a["output_throughput"] / b["output_throughput"], "{:.2f}x"))
+    report.write_json(args.output_json, {"runs": runs}, vars(args))
     return 0 if all(r["failed"] == 0 for r in runs.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
