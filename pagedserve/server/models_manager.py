@@ -336,7 +336,7 @@ def _forget_engine(state: ServerState) -> None:
         if owner is not None and hasattr(owner, "llm"):
             owner.llm = gone
     state.on_shutdown.clear()
-    state.loras = None
+    state.loras = state.metrics = None   # type: ignore[assignment] - the stale state stays small
 
 
 def _collect() -> None:

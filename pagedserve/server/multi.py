@@ -64,6 +64,10 @@ class ModelDispatch:
             if body is None:
                 return   # the client went away before its body arrived
             name, keep_alive, empty = _model_of(scope, body)
+            if keep_alive is not None and not path.startswith("/api/"):   # this server's field, not the route's
+                data = json.loads(body)
+                del data["keep_alive"]
+                body = json.dumps(data).encode()
             if empty and keep_alive == 0:   # Ollama: an empty generate/chat with keep_alive 0 unloads
                 entry = await self.manager.unload(self.manager.resolve(name).name, "a request's keep_alive 0")
                 await _ollama_done(entry.name, "unload", path)(scope, receive, send)
