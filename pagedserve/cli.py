@@ -13,6 +13,7 @@ import typing
 
 from pagedserve.config import EngineConfig
 from pagedserve.models.presets import is_preset
+from pagedserve.models.gguf_reader import GGUFFileError
 from pagedserve.models.resolve import ModelNotFoundError, resolve_model
 from pagedserve.server.config import ServerConfig
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModelNotFoundError as e:
+    except (ModelNotFoundError, GGUFFileError) as e:    # a missing model, a GGUF file refused: one line
         print(f"pagedserve: error: {e}", file=sys.stderr)
         return 2
 

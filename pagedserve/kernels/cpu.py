@@ -616,6 +616,33 @@ def _quant_parts(weight) -> list | None:
     return None
 
 
+def _projection_shape(weight) -> tuple[int, int]:
+    """(output rows, input columns) of a packed float weight, a quantized one or its parts."""
+    parts = _quant_parts(weight)
+    if parts is not None:
+        return sum(p.shape[0] for p in parts), parts[0].shape[1]
+    if isinstance(weight, PackedWeight):
+        return weight.out_features, weight.in_features
+    return tuple(weight.shape)
+
+
+def _check_projection_shapes(model) -> None:
+    """The compiled loop sizes every buffer from the model's args and each kernel writes one
+    output per weight row and reads one input per weight column: a weight of another shape than
+    the args imply would make them write past a buffer, so it is refused here, before any call."""
+    a = model.args
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    want = {"qkv": (q + 2 * kv, a.hidden_size), "o": (a.hidden_size, q),
+            "gate_up": (2 * a.intermediate_size, a.hidden_size), "down": (a.hidden_size, a.intermediate_size)}
+    for i, layer in enumerate(model.layers):
+        for name in _PROJECTIONS:
+            have = _projection_shape(getattr(layer, name))
+            if have != want[name]:
+                raise ValueError(f"layer {i} {name}: a weight of {have[0]} rows x {have[1]} columns, but the "
+                                 f"model's config implies {want[name][0]} x {want[name][1]}: the compiled layer "
+                                 f"loop's buffers would not fit it")
+
+
 class DecoderLayers:
     """Every decoder layer of a Llama-family model as one compiled call per step
     (`decoder_layers_*` in cpu_kernels.cpp: the loop of LlamaModel.forward over the same
@@ -628,6 +655,7 @@ class DecoderLayers:
 
     def __init__(self, model, kv_code: int = 0) -> None:
         a = model.args
+        _check_projection_shapes(model)
         self.dtype = model.dtype
         self.kv_code = kv_code
         # float32 biases for the GEMM, kept alive here: the table holds their addresses.

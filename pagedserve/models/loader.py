@@ -687,6 +687,8 @@ def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Parse and dequantize a GGUF file (seconds), or load the float32 safetensors copy that
     the first load saved under ~/.cache/pagedserve/models (a fraction of a second)."""
     from safetensors.torch import load_file, save_file
+    from pagedserve.models.gguf_check import check_gguf
+    check_gguf(path)                 # before anything reads it (models/gguf_check.py)
     cache, fresh = _derived_cache("models", path)
     if fresh:
         return ModelArgs(**json.loads((cache / "args.json").read_text())), load_file(str(cache / "model.safetensors"))
@@ -739,8 +741,8 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         quantization = None            # random float weights of the file's shapes
     if is_gguf(path):
         if dummy:
-            from pagedserve.models.gguf_reader import GGUFFile
-            args = args_from_gguf(GGUFFile(path))
+            from pagedserve.models.gguf_check import check_gguf
+            args = check_gguf(path)[1]
         elif quantization == "gguf" or sharded:
             args, source = _gguf_source(path, cached=quantization is None)
         else:
@@ -782,13 +784,12 @@ def _gguf_source(path: str, cached: bool = True) -> tuple[ModelArgs, TensorSourc
     """A view of a GGUF model in slices: the float32 copy a one-process load saved, if there is
     one and `cached` (a tensor-parallel rank of the dequantized path), else the GGUF file itself
     (memory-mapped; no copy is saved: that would hold the whole model)."""
+    from pagedserve.models.gguf_check import check_gguf
+    reader, args = check_gguf(path)  # (gguf.GGUFReader would hold the tokenizer's arrays as objects)
     cache, fresh = _derived_cache("models", path) if cached else (None, False)
     if fresh:
         return ModelArgs(**json.loads((cache / "args.json").read_text())), \
             SafetensorsSource([cache / "model.safetensors"], prefix="")
-    from pagedserve.models.gguf_reader import GGUFFile
-    reader = GGUFFile(path)          # (gguf.GGUFReader would hold the tokenizer's arrays as objects)
-    args = args_from_gguf(reader)
     return args, GGUFSource(reader, args)
 
 
@@ -839,6 +840,8 @@ def load_tokenizer(path: str, stand_in: bool = False):
         return stand_in_tokenizer(read_hf_config(path))
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(path)
+    from pagedserve.models.gguf_check import check_gguf
+    check_gguf(path)                 # before transformers' GGUF reader sees it
     cache, fresh = _derived_cache("tokenizers", path)
     if fresh:
         return AutoTokenizer.from_pretrained(str(cache))
