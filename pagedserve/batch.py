@@ -195,6 +195,9 @@ class RunnerOutput:
     # Method draft_model: seq_id -> the drafts the draft model proposed (verified as in `spec`).
     model_drafts: dict[int, list[int]] = field(default_factory=dict)
     tier: TierReport | None = None         # the disk tier's news (None: no tier)
+    # Multi-LoRA: slot -> why its adapter could not be read in this step (its files changed on
+    # disk); the scheduler fails the requests of that slot alone.
+    lora_errors: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def of_tokens(cls, seq_ids: list[int], token_ids: list[int]) -> "RunnerOutput":

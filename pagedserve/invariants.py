@@ -46,7 +46,7 @@ def check_paging_invariants(scheduler: "Scheduler", out: "SchedulerOutput | None
     _check_queues(scheduler, request_ids)
     drafts = {s.seq.seq_id: len(s.draft_token_ids) for s in out.scheduled} if out is not None else {}
     new = {s.seq.seq_id: s.num_new_tokens for s in out.scheduled} if out is not None else {}
-    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, kv_salt(r.cache_salt, r.lora_name),
+    live = {s.seq_id: SeqState(s.token_ids, s.num_computed_tokens, kv_salt(r.cache_salt, r.lora_key),
                                drafts.get(s.seq_id, 0), new.get(s.seq_id, 0))
             for r in scheduler.running for s in r.live_seqs}
     swapped = {s.seq_id for r in scheduler.swapped for s in r.live_seqs}

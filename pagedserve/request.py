@@ -135,8 +135,14 @@ class Request:
 
     @property
     def lora_name(self) -> str | None:
-        """Its adapter's name (None: the base model): part of its prefix-cache keys (kv_salt)."""
+        """Its adapter's name (None: the base model)."""
         return None if self.lora is None else self.lora.lora_name
+
+    @property
+    def lora_key(self) -> str | None:
+        """Its adapter's cache key (id and content; None: the base model): part of its
+        prefix-cache keys (kv_salt)."""
+        return None if self.lora is None else self.lora.cache_key
 
     @property
     def waiting_for_grammar(self) -> bool:

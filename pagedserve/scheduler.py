@@ -75,6 +75,7 @@ from pagedserve.kv.factory import make_kv_cache_manager
 from pagedserve.kv.interface import KVCache
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.tier import TierIndex, TierLink
+from pagedserve.lora.adapter import LoRAReadError
 from pagedserve.lora.slots import LoRASlots
 from pagedserve.outputs import Logprob
 from pagedserve.request import Request, RequestStatus, Sequence
@@ -623,7 +624,7 @@ class Scheduler:
         for seq in seqs:
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens,
-                                                    kv_salt(req.cache_salt, req.lora_name),
+                                                    kv_salt(req.cache_salt, req.lora_key),
                                                     use_prefix_cache=not req.computes_every_prompt_token)
         if self.running and not self._above_watermark(seqs, prompt_len):
             self._release_blocks(req)
@@ -762,6 +763,7 @@ class Scheduler:
 
         update = StepUpdate()
         touched: dict[str, Request] = {}
+        failed_loras = self._fail_lora_reads(out, result.lora_errors, update, touched)
         beams: dict[str, tuple[list[Sequence], list[int]]] = {}
         sample = result.sample
         assert result.sampled_seq_ids == [s.seq.seq_id for s in out.sampled], "the worker sampled other sequences"
@@ -797,7 +799,22 @@ class Scheduler:
                 update.finished.add(rid)
         for rid in update.failed:
             self.abort_request(touched[rid])
+        for lora_int_id in failed_loras:      # (its slot now unused) read afresh next time
+            self.loras.forget(lora_int_id)
         return update
+
+    def _fail_lora_reads(self, out: SchedulerOutput, errors: dict[int, str], update: StepUpdate,
+                         touched: dict[str, Request]) -> set[int]:
+        """The requests whose adapter the worker could not read this step (lora_errors: by slot)
+        fail alone, with the worker's reason; the ids of those adapters."""
+        failed = set()
+        for s in out.scheduled if errors else ():
+            req = s.request
+            if req.lora_slot in errors and req.request_id not in update.failed:
+                touched[req.request_id] = req
+                update.failed[req.request_id] = LoRAReadError(errors[req.lora_slot], req.lora.lora_int_id)
+                failed.add(req.lora.lora_int_id)
+        return failed
 
     @staticmethod
     def _isolated(update: StepUpdate, req: Request, fn, *args) -> None:

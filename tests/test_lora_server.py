@@ -5,6 +5,7 @@ of the adapter streams), bad adapters 400, and vLLM's lora_requests_info gauge."
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import openai
@@ -111,3 +112,20 @@ def test_runtime_routes_need_the_switch_and_modules_parse(monkeypatch):
         add_lora_routes(app, State())
         paths = {r.path for r in app.routes}
         assert ("/v1/load_lora_adapter" in paths and "/v1/unload_lora_adapter" in paths) == routes, value
+
+
+def test_load_refuses_empty_mistyped_and_log_forging_values(server, http, adapters, tmp_path):
+    """400s with a clear message, never a 500; a name cannot write a line of its own into the log."""
+    root = adapters[0]
+    for body, param in (({"lora_name": "", "lora_path": str(root / "sql")}, "lora_name"),
+                        ({"lora_name": "x", "lora_path": ""}, "lora_path"),
+                        ({"lora_name": "evil\nERROR forged line", "lora_path": str(root / "sql")}, "lora_name")):
+        r = http.post("/v1/load_lora_adapter", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    for config in ([1], None, {"r": 4, "lora_alpha": "x"}, {"r": 4, "target_modules": [5]}):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(root / "sql", bad)
+        (bad / "adapter_config.json").write_text(json.dumps(config))
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": bad.name, "lora_path": str(bad)})
+        assert r.status_code == 400 and "LoRA adapter" in r.json()["error"]["message"], (config, r.text)
+    assert not any(line.startswith("ERROR forged") for line in server.log().splitlines())

@@ -15,6 +15,8 @@ routing. The client is dead (/health 503) only when no replica can come back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import os
 import time
@@ -32,6 +34,8 @@ from pagedserve.engine.kv_view import EngineCapture
 from pagedserve.engine.protocol import EngineStatLogger, Params, check_num_prompts
 from pagedserve.engine.tokenizer import front_end_tokenizer
 from pagedserve.kv.block_pool import kv_salt
+from pagedserve.lora.adapter import adapter_fingerprint
+from pagedserve.lora.request import LoRARequest
 from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,20 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)
+def _fingerprint(lora_int_id: int, path: str) -> str:
+    """An adapter's content fingerprint as the replicas' engines compute it (lora/adapter.py),
+    once per (id, path): the server never gives an id twice. A Hub id (not read here): none, so
+    its requests route without prefix hits, never to wrong blocks."""
+    return adapter_fingerprint(path) if os.path.isdir(path) else ""
+
+
+def _lora_key(lora: LoRARequest) -> str:
+    """The adapter's prefix-cache key as the replica's engine makes it (LoRARequest.cache_key)."""
+    return dataclasses.replace(lora, fingerprint=lora.fingerprint or _fingerprint(lora.lora_int_id,
+                                                                                   lora.lora_path)).cache_key
+
+
 def _prompt_ids(prompt: PromptType, tokenizer) -> tuple[list[int], str | tuple | None]:
     """The prompt's token ids and its KV salt (cache salt and LoRA adapter: kv_salt), which the
     router looks its blocks up by, as the replica's prefix cache keys them."""
@@ -68,7 +86,7 @@ def _prompt_ids(prompt: PromptType, tokenizer) -> tuple[list[int], str | tuple |
         if ids is None:
             ids = tokenizer.encode(prompt["prompt"])
         lora = prompt.get("lora_request")
-        return list(ids), kv_salt(prompt.get("cache_salt"), lora.lora_name if lora is not None else None)
+        return list(ids), kv_salt(prompt.get("cache_salt"), _lora_key(lora) if lora is not None else None)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt), None
     return list(prompt), None

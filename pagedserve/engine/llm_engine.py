@@ -30,6 +30,7 @@ from pagedserve.invariants import check_paging_invariants
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.tier import TierIndex
+from pagedserve.lora.adapter import LoRAReadError
 from pagedserve.lora.registry import LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.engine.stats import SchedulerStats
@@ -463,6 +464,9 @@ class LLMEngine:
         self._steps_without_progress = 0
         result = self.executor.execute(sched.batch)
         update = self.scheduler.update_from_output(sched, result)
+        for e in update.failed.values():
+            if isinstance(e, LoRAReadError) and self.loras is not None:
+                self.loras.forget_failed(e.lora_int_id)     # checked again at its next request
 
         # The output side: the step's tokens become text, where the stop strings are checked (a
         # hit ends its sequence through the scheduler); then the request's output. Either may

@@ -29,7 +29,7 @@ _LENGTHS = struct.Struct("<II")         # token count, extra-key bytes: no two i
 
 def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> BlockKey:
     """The key of a full block. `extra_keys` hold what changes a block's content besides its
-    tokens and prefix (a cache salt, a LoRA adapter's name; multimodal hashes would go here too)."""
+    tokens and prefix (a cache salt, a LoRA adapter's key; multimodal hashes would go here too)."""
     extra = json.dumps(extra_keys).encode() if extra_keys else b""
     tokens = array("q", token_ids).tobytes()
     return hashlib.sha256(b"".join((parent or _NO_PARENT, _LENGTHS.pack(len(token_ids), len(extra)),
@@ -45,12 +45,13 @@ def group_key(key: BlockKey, group: int) -> BlockKey:
     return hashlib.sha256(b"".join((key, b"kv-group", group.to_bytes(4, "little")))).digest()
 
 
-def kv_salt(cache_salt: str | None, lora_name: str | None) -> str | tuple | None:
+def kv_salt(cache_salt: str | None, lora_key: str | None) -> str | tuple | None:
     """A request's salt for the KV cache: its cache salt, and with a LoRA adapter the adapter's
-    name too (its blocks hold other keys and values than the base model's for the same tokens).
-    A tuple never encodes like a string salt (first_block_extra_keys), so no cache_salt a client
-    picks can reach an adapter's blocks."""
-    return cache_salt if lora_name is None else ("lora", lora_name, cache_salt)
+    cache key too (its blocks hold other keys and values than the base model's for the same
+    tokens): its id and a fingerprint of its files' content (lora/request.py LoRARequest.cache_key),
+    never its name, which a later adapter may take. A tuple never encodes like a string salt
+    (first_block_extra_keys), so no cache_salt a client picks can reach an adapter's blocks."""
+    return cache_salt if lora_key is None else ("lora", lora_key, cache_salt)
 
 
 def first_block_extra_keys(cache_salt: str | tuple | None, kv_cache_dtype: str = "auto") -> tuple[str, ...]:

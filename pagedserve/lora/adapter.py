@@ -41,6 +41,18 @@ class LoRAAdapterError(InvalidRequestError):
         return (type(self), (self.message,))
 
 
+class LoRAReadError(LoRAAdapterError):
+    """An adapter checked before that the worker could not read in a step (its files changed on
+    disk): the requests using it fail, nothing else."""
+
+    def __init__(self, message: str, lora_int_id: int) -> None:
+        super().__init__(message)
+        self.lora_int_id = lora_int_id
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.lora_int_id))
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """A checked adapter: where its tensors are, its rank and scale, and which (layer, part)
@@ -95,10 +107,12 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
         cfg = json.loads((root / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
         raise fail(f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise fail(f"{CONFIG_FILE} must hold a JSON object; got {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise fail(f"peft_type is {cfg.get('peft_type')!r}; only LORA adapters are served")
     rank = cfg.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise fail(f"r must be an int >= 1; got {rank!r}")
     if rank > max_lora_rank:
         raise fail(f"its rank r={rank} is above max_lora_rank={max_lora_rank} (--max-lora-rank)")
@@ -106,11 +120,18 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
         if cfg.get(key) not in (None, False, "none", [], {}):    # each one's "off" value
             raise fail(f"{key}={cfg[key]!r} is not supported")
     targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise fail(f"target_modules must be a string or a list of strings; got {targets!r}")
     if isinstance(targets, list):
         unknown = sorted({t.split(".")[-1] for t in targets} - set(PEFT_MODULES))
         if unknown:
             raise fail(f"target_modules {unknown} are not among {', '.join(PEFT_MODULES)}")
     alpha = cfg.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise fail(f"lora_alpha must be a number; got {alpha!r}")
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        raise fail(f"use_rslora must be true or false; got {cfg['use_rslora']!r}")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     shapes = part_shapes(args)
     from safetensors import safe_open
@@ -144,6 +165,22 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
     if half:
         raise fail(f"layer {half[0][0]} {half[0][1]}_proj has only one of lora_A and lora_B")
     return AdapterSpec(str(root), rank, float(scaling), {k: (v["A"], v["B"]) for k, v in names.items()})
+
+
+def adapter_fingerprint(path: str) -> str:
+    """A hash of an adapter directory's content (its config and weights, every byte): what its
+    prefix-cache blocks are keyed by (with its id), so changed files never meet the old blocks."""
+    import hashlib
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        h.update(name.encode())
+        try:
+            with open(Path(path) / name, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError:
+            h.update(b"(unreadable)")
+    return h.hexdigest()[:32]
 
 
 def read_tensors(spec: AdapterSpec) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:

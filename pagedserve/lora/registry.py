@@ -4,8 +4,9 @@ requests with lora_path resolved to the local directory the worker reads."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
-from pagedserve.lora.adapter import LoRAAdapterError, read_adapter
+from pagedserve.lora.adapter import LoRAAdapterError, adapter_fingerprint, read_adapter
 from pagedserve.lora.request import LoRARequest
 
 
@@ -13,6 +14,7 @@ class LoRARegistry:
     def __init__(self, args, max_lora_rank: int) -> None:
         self.args, self.max_lora_rank = args, max_lora_rank
         self.checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}   # int id -> (as given, resolved)
+        self.failures: Counter = Counter()     # int id -> reads that failed in a step (forget)
 
     def check(self, lora: LoRARequest) -> LoRARequest:
         """The request's adapter, resolved and checked (LoRAAdapterError if it cannot be served)."""
@@ -26,9 +28,20 @@ class LoRARegistry:
                                        f"({given.lora_path}); each adapter needs its own id")
             return resolved
         spec = read_adapter(lora.lora_path, lora.lora_name, self.args, self.max_lora_rank)
-        resolved = dataclasses.replace(lora, lora_path=spec.path)
+        # Its prefix-cache key's content part; after a failed read (its blocks of that step hold
+        # what another adapter computed) a new generation, so files put back as they were never
+        # meet those blocks.
+        fingerprint = adapter_fingerprint(spec.path) + (f"#{self.failures[lora.lora_int_id]}"
+                                                        if self.failures[lora.lora_int_id] else "")
+        resolved = dataclasses.replace(lora, lora_path=spec.path, fingerprint=fingerprint)
         self.checked[lora.lora_int_id] = (lora, resolved)
         return resolved
 
     def remove(self, lora_int_id: int) -> bool:
         return self.checked.pop(lora_int_id, None) is not None
+
+    def forget_failed(self, lora_int_id: int) -> None:
+        """An adapter the worker could not read in a step (its files changed): checked again,
+        under a new cache key, at its next request."""
+        self.failures[lora_int_id] += 1
+        self.remove(lora_int_id)

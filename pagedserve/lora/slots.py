@@ -68,6 +68,8 @@ class LoRASlots:
                 del self.slot_of[key]
                 self.held[slot] = None
                 self.recent.move_to_end(slot, last=False)
+        for key in [k for k in self.cached if k[0] == lora_int_id]:
+            del self.cached[key]
 
     def take_loads(self) -> list[LoRALoad]:
         loads, self.pending = self.pending, []

@@ -17,7 +17,9 @@ import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from typing import Annotated
+
+from pydantic import BaseModel, Field
 
 from pagedserve.lora.adapter import LoRAAdapterError, read_adapter
 from pagedserve.lora.request import LoRARequest
@@ -55,7 +57,10 @@ class ServerLoRAs:
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         if name in self.adapters:
             raise bad_request(f"the LoRA adapter {name!r} has already been loaded", "lora_name")
-        lora = LoRARequest(name, self._next_id, path, base_model_name)
+        try:
+            lora = LoRARequest(name, self._next_id, path, base_model_name)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_path" if name and name.isprintable() else "lora_name") from None
         self._next_id += 1
         self.adapters[name] = lora
         return lora
@@ -89,13 +94,13 @@ async def check_startup_adapters(state) -> None:
         try:
             await check_adapter(state, lora)
         except APIError as e:
-            logger.error("--lora-modules %s: %s; not served", name, e.message)
+            logger.error("--lora-modules %r: %s; not served", name, e.message)
             del state.loras.adapters[name]
 
 
 class LoadLoRARequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
 
 
 class UnloadLoRARequest(BaseModel):
@@ -114,17 +119,20 @@ def add_lora_routes(app: FastAPI, state) -> None:
         body = await parse_body(raw, LoadLoRARequest)
         if body.lora_name in state.loras.adapters or body.lora_name in state.served_model_names:
             raise bad_request(f"the LoRA adapter {body.lora_name!r} has already been loaded", "lora_name")
-        lora = LoRARequest(body.lora_name, 1, body.lora_path)     # the check's; add assigns the id
+        try:
+            lora = LoRARequest(body.lora_name, 1, body.lora_path)     # the check's; add assigns the id
+        except ValueError as e:
+            raise bad_request(str(e), "lora_name") from None
         await check_adapter(state, lora)
         state.loras.add(body.lora_name, body.lora_path)
-        logger.info("loaded LoRA adapter %s from %s", body.lora_name, body.lora_path)
+        logger.info("loaded LoRA adapter %r from %r", body.lora_name, body.lora_path)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(raw: Request) -> Response:
         body = await parse_body(raw, UnloadLoRARequest)
         state.loras.remove(body.lora_name)
-        logger.info("unloaded LoRA adapter %s", body.lora_name)
+        logger.info("unloaded LoRA adapter %r", body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 

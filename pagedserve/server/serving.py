@@ -308,7 +308,7 @@ class Serving:
             what = (f"n={p.n}, temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
                     f"max_tokens={p.max_tokens}, seed={p.seed}")
         if self.lora is not None:
-            what += f", lora={self.lora.lora_name}"
+            what += f", lora={self.lora.lora_name!r}"
         logger.info("request %s: %d prompt(s) of %s tokens, %s, stream=%s", self.id, len(items),
                     "/".join(str(len(ids)) for _, ids, _ in items), what, bool(self.body.stream))
 

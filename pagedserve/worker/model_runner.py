@@ -96,6 +96,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
         self.lora = None   # multi-LoRA (lora/weights.py LoRAWeights): set by the worker when enabled
+        self.lora_errors: dict[int, str] = {}    # slot -> a load that failed, for the step's RunnerOutput
         self.draft = None  # speculative method draft_model (spec_decode/draft_model.py): set by the worker
         self.tier = None   # the prefix cache's disk tier (worker/kv_tier.py KVTierStore): set by the worker
 
@@ -128,7 +129,11 @@ class ModelRunner:
         for read in batch.lora_reads:
             self.lora.prefetch(read.lora_int_id, read.path)
         for load in batch.lora_loads:
-            self.lora.load(load)
+            try:
+                self.lora.load(load)
+            except Exception as e:   # noqa: BLE001 - its files changed on disk: its requests fail, not the step
+                self.lora_errors[load.slot] = f"LoRA adapter {load.lora_int_id} ({load.path}) could not be " \
+                                              f"read: {type(e).__name__}: {e}"
         if self.draft is not None:
             self.draft.move_blocks(batch)
 
@@ -184,8 +189,9 @@ class ModelRunner:
         if spec_logits is not None:
             rows = [DraftRow(self._sampling_row(s.seq_id, s.sample), s.draft_token_ids) for s in drafted]
             spec = dict(zip([s.seq_id for s in drafted], verify(self.sampler, spec_logits.float(), rows)))
+        lora_errors, self.lora_errors = self.lora_errors, {}
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled=pooled, spec=spec,
-                            model_drafts=model_drafts, tier=self.tier_report())
+                            model_drafts=model_drafts, tier=self.tier_report(), lora_errors=lora_errors)
 
     def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
         """The logits of a step of decodes that all sample, from a captured graph; None when
