@@ -78,12 +78,30 @@ def test_methods_we_lack_are_refused_by_name(method):
         EngineConfig(speculative_config={"method": method, "num_speculative_tokens": 3})
 
 
+# Every value of its type and range, refused at start (issue 51: these started, then failed each request).
+TYPES_AND_RANGES = (({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer"),
+                    ({"num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer"),
+                    ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
+                    ({"prompt_lookup_max": 2.5}, "prompt_lookup_max must be an integer"),
+                    ({"prompt_lookup_max": 10**9}, "at most 1024"),
+                    ({"min_acceptance": "high"}, "min_acceptance must be a number"),
+                    ({"min_acceptance": float("nan")}, "min_acceptance must be a number"),
+                    ({"min_acceptance": 2}, r"min_acceptance in \[0, 1\]"),
+                    ({"min_acceptance_after": -1}, "min_acceptance_after >= 0"),
+                    ({"disable_by_batch_size": 1.5}, "disable_by_batch_size must be an integer"),
+                    ({"suffix_decoding_max_spec_factor": "x"}, "max_spec_factor must be a number"))
+
+
 @pytest.mark.parametrize("bad,match", [({"method": "ngram"}, "num_speculative_tokens"),
                                        ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 32\]"),
                                        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys"),
                                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
                                          "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                                       ("{not json", "JSON")])
+                                       ("{not json", "JSON"),
+                                       *[({"method": "ngram", "num_speculative_tokens": 3, **kv}, match)
+                                         for kv, match in TYPES_AND_RANGES],
+                                       ({"method": "draft_model", "model": 5, "num_speculative_tokens": 2},
+                                        "model must be a string")])
 def test_bad_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(speculative_config=bad)

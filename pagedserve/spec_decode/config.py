@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 # Methods vLLM has that pagedserve does not (yet): refused by name.
@@ -75,6 +76,7 @@ def parse(value: Any) -> SpeculativeConfig | None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown} (known: {', '.join(sorted(known))})")
+    _check_types(d)
     if method == "draft_model" and not d.get("model"):
         raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's path or Hub id "
                          "(a smaller model with the target's vocabulary, e.g. a quantized .gguf copy of it)")
@@ -108,6 +110,28 @@ def parse(value: Any) -> SpeculativeConfig | None:
     if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
         raise ValueError(f"need 1 <= prompt_lookup_min ({cfg.prompt_lookup_min}) <= prompt_lookup_max "
                          f"({cfg.prompt_lookup_max})")
+    if cfg.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+        raise ValueError(f"prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {cfg.prompt_lookup_max}")
     if cfg.disable_by_batch_size < 1:
         raise ValueError(f"disable_by_batch_size must be >= 1, got {cfg.disable_by_batch_size}")
+    if not 0 <= cfg.min_acceptance <= 1 or cfg.min_acceptance_after < 0:
+        raise ValueError(f"need min_acceptance in [0, 1] (got {cfg.min_acceptance}) and min_acceptance_after "
+                         f">= 0 (got {cfg.min_acceptance_after})")
     return cfg
+
+
+MAX_PROMPT_LOOKUP = 1024        # an n-gram longer than this never matches usefully; bounds the search
+_KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "str": ((str,), "a string")}
+
+
+def _check_types(d: dict) -> None:
+    """Every value given of its declared type (a bool is no number), as EngineConfig checks its
+    own: 2.5 or "3" tokens would start and then fail every request."""
+    for f in fields(SpeculativeConfig):
+        value = d.get(f.name)
+        if value is None:       # not given (or None: the default)
+            continue
+        types, what = _KINDS[f.type.removesuffix(" | None")]
+        if isinstance(value, bool) or not isinstance(value, types) or \
+                (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"speculative_config {f.name} must be {what}; got {value!r}")
