@@ -13,8 +13,9 @@ def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)   # `from pagedserve import x`
+            # `from a.b import c` is a.b.c (a module or a name of a.b), never the bare package a.b:
+            # an allowed a.b.quant must not let `from a.b import cpu` through by its prefix.
+            names.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return names
@@ -83,6 +84,27 @@ RULES: dict[str, tuple[str, ...]] = {
     # on plain data; neither reaches the engine, the scheduler or the requests.
     "spec_decode": UPPER + ("pagedserve.engine", "pagedserve.scheduler", "pagedserve.request",
                             "pagedserve.structured", "pagedserve.executor", "pagedserve.cluster"),
+    # lora/: the scheduler's slots and the worker's weights share the adapter's reading and its
+    # request; neither reaches the engine, the scheduler, the requests or the server.
+    "lora": UPPER + ("pagedserve.engine", "pagedserve.scheduler", "pagedserve.request", "pagedserve.executor",
+                     "pagedserve.worker", "pagedserve.cluster", "pagedserve.structured", "pagedserve.models"),
+    # lora/request.py (LoRARequest, re-exported at the top) and slots.py (the scheduler's view)
+    # know no tensors and no kernels.
+    "lora/request.py": ("torch", "pagedserve"),
+    "lora/slots.py": ("torch", "pagedserve.kernels", "pagedserve.lora.weights", "pagedserve.lora.adapter"),
+    # utils.py is pure Python (kv/ imports it): nothing of pagedserve, no torch.
+    "utils.py": ("torch", "pagedserve"),
+    # The settings know every room's choices, but build nothing: no engine, worker or model code.
+    "config.py": UPPER + ("pagedserve.engine", "pagedserve.scheduler", "pagedserve.worker", "pagedserve.executor",
+                          "pagedserve.cluster", "pagedserve.kernels", "pagedserve.models.loader",
+                          "pagedserve.models.llama", "pagedserve.attention", "pagedserve.lora.weights"),
+    # Request parameters: validated data, no tensors, nothing of the engine.
+    "pooling_params.py": UPPER + ("torch", "pagedserve.engine", "pagedserve.scheduler", "pagedserve.request",
+                                  "pagedserve.worker", "pagedserve.models"),
+    "sampling_params.py": UPPER + ("torch", "pagedserve.engine", "pagedserve.scheduler", "pagedserve.request",
+                                   "pagedserve.worker", "pagedserve.models"),
+    # Beam search's candidate selection: pure Python over scores, called by the scheduler.
+    "sampling/beam_search.py": ("torch", "pagedserve"),
     # sim/ stands beside the engine: it drives the real Scheduler, with no model and no engine.
     "sim": UPPER + ("pagedserve.engine", "pagedserve.worker", "pagedserve.executor", "pagedserve.models.llama",
                     "pagedserve.attention", "pagedserve.kernels", "pagedserve.cluster"),
@@ -96,10 +118,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 
 
 def allowed(room: str, name: str, module: str) -> bool:
-    """The module is an allowed one (for the room or this file of it), a name in it, or the
-    package it is imported from."""
-    return any(module == a or module.startswith(a + ".") or a.startswith(module + ".")
-               for a in ALLOWED.get(room, ()) + ALLOWED.get(name, ()))
+    """The module is an allowed one (for the room or this file of it) or a name in it: an exact
+    match, never a package that merely contains an allowed module."""
+    return any(module == a or module.startswith(a + ".") for a in ALLOWED.get(room, ()) + ALLOWED.get(name, ()))
 
 
 @pytest.mark.parametrize("room", sorted(RULES))
@@ -149,3 +170,14 @@ def test_only_request_create_makes_requests():
                if isinstance(fn, ast.FunctionDef) and fn.name in ("create", "fork_seq")
                for node in ast.walk(fn) if isinstance(node, ast.Call)}
     assert not calls - allowed, sorted(calls - allowed)
+
+
+def test_an_allowed_module_lets_through_neither_its_package_nor_its_siblings(tmp_path):
+    """`models` may import kernels.quant: not `import pagedserve.kernels` (then `.cpu` by
+    attribute) nor `from pagedserve.kernels import cpu`, which a prefix match let through."""
+    src = tmp_path / "m.py"
+    src.write_text("import pagedserve.kernels\nfrom pagedserve.kernels import cpu, quant\n"
+                   "from pagedserve.kernels.quant import QuantizedWeight\n")
+    found = _imports(src)
+    bad = [m for m in hits(found, RULES["models"]) if not allowed("models", "models/m.py", m)]
+    assert bad == ["pagedserve.kernels", "pagedserve.kernels.cpu"], bad

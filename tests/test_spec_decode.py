@@ -17,7 +17,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.stats import SchedulerStats
 from pagedserve.sampling.sampler import Sampler, SamplingRow
 from pagedserve.server.metrics import PrometheusStatLogger
-from pagedserve.spec_decode import ngram
+from pagedserve.spec_decode import ngram, rejection
 from pagedserve.spec_decode.rejection import DraftRow, verify
 from tests.conftest import hf_greedy
 from tests.test_engine import assert_no_blocks_held
@@ -418,6 +418,58 @@ def test_rejection_sampling_follows_the_target(draft):
 def test_the_token_after_accepted_drafts_follows_the_target():
     counts = _counts(3000, PROBS, [0, 0], residual=True, position=2)   # both drafts accepted: the bonus
     assert counts.sum() > 300 and _chi2(counts, PROBS) < CHI2_CRIT
+
+
+# A different distribution at each of the 1 + k positions (issue 51: with equal rows a verifier
+# drawing the bonus token from p_0, or accepting by row 0's probability, passed every test).
+PER_POSITION = [PROBS, [0.05, 0.1, 0.15, 0.3, 0.4], [0.2, 0.5, 0.05, 0.05, 0.2]]
+DRAFTS = [0, 3]
+
+
+def _position_counts(trials: int) -> list[torch.Tensor]:
+    """Per position j, how often each token is emitted there among the trials whose drafts before
+    j were all accepted (then the token at j follows p_j: draft accepted or the residual's draw)."""
+    logits = torch.log(torch.tensor(PER_POSITION))
+    sampler, gen = Sampler(set()), torch.Generator().manual_seed(3)
+    counts = [torch.zeros(len(PROBS)) for _ in PER_POSITION]
+    for _ in range(trials):
+        row = SamplingRow(SamplingSettings(temperature=1.0), 0, None, None, gen)
+        out = verify(sampler, logits.clone(), [DraftRow(row, list(DRAFTS))])[0].token_ids
+        for j, token in enumerate(out):
+            if out[:j] == DRAFTS[:j]:
+                counts[j][token] += 1
+    return counts
+
+
+def _wrong_row(bug: str):
+    """rejection._accept_sampled with one row mixed up: the bonus drawn from p_0 ("bonus"), or
+    each draft accepted with row 0's probability ("accept")."""
+    def accept(sampler, logits, d, residual):
+        probs = torch.softmax(logits / d.row.params.temperature, dim=-1)
+        gen = d.row.generator
+        tokens = []
+        for j, draft in enumerate(d.draft_token_ids):
+            if torch.rand(1, generator=gen).item() < probs[0 if bug == "accept" else j, draft].item():
+                tokens.append(draft)
+                continue
+            dist = probs[j].clone()
+            dist[draft] = 0.0
+            return tokens + [rejection._draw(dist, d.row, gen)]
+        return tokens + [rejection._draw(probs[0 if bug == "bonus" else -1], d.row, gen)]
+    return accept
+
+
+def test_each_position_follows_its_own_row(monkeypatch):
+    """Chi-square at every position j = 0..k against p_j, rows all different; a verifier that
+    reads a wrong row at the bonus or at the acceptance fails at that position."""
+    counts = _position_counts(3000)
+    assert counts[2].sum() > 250, "too few trials reach the bonus token"
+    for j, (c, p) in enumerate(zip(counts, PER_POSITION)):
+        assert _chi2(c, p) < CHI2_CRIT, (j, c)
+    for bug, position in (("bonus", 2), ("accept", 1)):
+        monkeypatch.setattr(rejection, "_accept_sampled", _wrong_row(bug))
+        wrong = _position_counts(3000)
+        assert _chi2(wrong[position], PER_POSITION[position]) > CHI2_CRIT, bug
 
 
 # ---- metrics --------------------------------------------------------------------------------
