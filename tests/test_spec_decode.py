@@ -86,7 +86,7 @@ TYPES_AND_RANGES = (({"num_speculative_tokens": 2.5}, "num_speculative_tokens mu
                     ({"prompt_lookup_max": 10**9}, "at most 1024"),
                     ({"min_acceptance": "high"}, "min_acceptance must be a number"),
                     ({"min_acceptance": float("nan")}, "min_acceptance must be a number"),
-                    ({"min_acceptance": 2}, r"min_acceptance in \[0, 1\]"),
+                    ({"min_acceptance": -0.5}, "min_acceptance >= 0"),
                     ({"min_acceptance_after": -1}, "min_acceptance_after >= 0"),
                     ({"disable_by_batch_size": 1.5}, "disable_by_batch_size must be an integer"),
                     ({"suffix_decoding_max_spec_factor": "x"}, "max_spec_factor must be a number"))

@@ -114,8 +114,8 @@ def parse(value: Any) -> SpeculativeConfig | None:
         raise ValueError(f"prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {cfg.prompt_lookup_max}")
     if cfg.disable_by_batch_size < 1:
         raise ValueError(f"disable_by_batch_size must be >= 1, got {cfg.disable_by_batch_size}")
-    if not 0 <= cfg.min_acceptance <= 1 or cfg.min_acceptance_after < 0:
-        raise ValueError(f"need min_acceptance in [0, 1] (got {cfg.min_acceptance}) and min_acceptance_after "
+    if cfg.min_acceptance < 0 or cfg.min_acceptance_after < 0:     # (above 1: drafts always stop)
+        raise ValueError(f"need min_acceptance >= 0 (got {cfg.min_acceptance}) and min_acceptance_after "
                          f">= 0 (got {cfg.min_acceptance_after})")
     return cfg
 
