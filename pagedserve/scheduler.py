@@ -654,7 +654,7 @@ class Scheduler:
         seq = req.live_seqs[0]
         tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
         room = self.kv.num_free_blocks - (self.watermark_blocks if self.running else 0)
-        started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_name), room, count=tries is None)
+        started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), room, count=tries is None)
         self._tier_tries[rid] = (tries or 0) + started
         return started
 
