@@ -172,9 +172,10 @@ def test_only_request_create_makes_requests():
     assert not calls - allowed, sorted(calls - allowed)
 
 
-def test_an_allowed_module_lets_through_neither_its_package_nor_its_siblings(tmp_path):
-    """`models` may import kernels.quant: not `import pagedserve.kernels` (then `.cpu` by
+def test_an_allowed_module_lets_through_neither_its_package_nor_its_siblings(tmp_path, monkeypatch):
+    """Where `models` may import kernels.quant: not `import pagedserve.kernels` (then `.cpu` by
     attribute) nor `from pagedserve.kernels import cpu`, which a prefix match let through."""
+    monkeypatch.setitem(ALLOWED, "models", ("pagedserve.kernels.quant",))
     src = tmp_path / "m.py"
     src.write_text("import pagedserve.kernels\nfrom pagedserve.kernels import cpu, quant\n"
                    "from pagedserve.kernels.quant import QuantizedWeight\n")
