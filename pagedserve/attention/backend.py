@@ -31,8 +31,11 @@ class AttentionBackend(Protocol):
         """Copy the step's k, v [T, Hkv, D] into their slots of one layer's cache."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write k, v, then attend: q [T, Hq, D] over each sequence's cached tokens. Returns [T, Hq, D]."""
+                meta: AttentionMetadata, scale: float, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write k, v, then attend: q [T, Hq, D] over each sequence's cached tokens (within
+        meta.window, a KV group's sliding window; scores soft-capped at softcap; sinks [Hq]: a
+        learned logit per head in the softmax's denominator). Returns [T, Hq, D]."""
 
     def copy_blocks(self, kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V) of the full cache, (src, dst) pairs."""

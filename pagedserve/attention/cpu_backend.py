@@ -33,8 +33,12 @@ class CpuAttention(TorchAttention):
             super().write_kv(kv_cache, k, v, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.window is not None or softcap or sinks is not None:
+            # Not in the kernels yet: the torch reference reads the window's blocks only.
+            return self._reference(q, k, v, kv_cache, meta, scale, softcap, sinks)
         out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale, self.kv_format.code)
         return out if out is not None else self._reference(q, k, v, kv_cache, meta, scale)
 

@@ -1,7 +1,7 @@
 """What attention needs to know about one flat, unpadded batch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -15,6 +15,11 @@ class AttentionMetadata:
     + offset). Sequence i's queries are tokens query_start_loc[i]:query_start_loc[i+1];
     it attends over its first seq_lens[i] cached tokens through block_tables[i]
     (padded with zeros past its last block).
+
+    A hybrid model (kv/groups.py) has one such metadata per KV group: the same queries and
+    lengths, the group's slots and block tables, and its sliding window (`window`: the query at
+    position p reads positions p - window + 1 .. p only; the table's entries before that block
+    are -1, never read). Group 0's metadata holds the others in `groups`.
     """
     slot_mapping: torch.Tensor      # [T] int64
     query_start_loc: torch.Tensor   # [S + 1] int64
@@ -25,6 +30,12 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     max_seq_len: int
+    window: int | None = None       # this KV group's sliding window (None: full attention)
+    groups: list["AttentionMetadata"] = field(default_factory=list)   # on group 0's: every group's, in order
+
+    def group(self, g: int) -> "AttentionMetadata":
+        """KV group g's metadata (a model with one group: this one)."""
+        return self.groups[g] if self.groups else self
 
     @property
     def num_seqs(self) -> int:

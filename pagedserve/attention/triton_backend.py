@@ -26,10 +26,15 @@ class TritonAttention:
         write_kv(kv_cache, k, v, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens; kv_cache: one layer's
-        [2, num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]."""
+        [2, num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]. A sliding window, soft-capping
+        or sinks: the torch reference (not in these kernels yet)."""
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.window is not None or softcap or sinks is not None:
+            from pagedserve.attention.torch_backend import TorchAttention
+            return TorchAttention()._reference(q, k, v, kv_cache, meta, scale, softcap, sinks)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -20,9 +20,6 @@ def make_kv_cache_manager(kind: str, num_blocks: int, block_size: int, enable_ca
     kv_cache_dtype: part of the prefix-cache keys (an 8-bit cache's blocks never mix with 16-bit ones);
     tier: the keys of the tier below the pool (kv/tier.py), which only the paged manager has;
     kv_windows: each KV group's sliding window (kv/groups.py; None: full attention)."""
-    if tier is not None and len(kv_windows) > 1:
-        raise ValueError("kv_offload_path keeps one block per prefix block: a model with several KV groups "
-                         "(sliding-window layers) runs without the disk tier")
     if kind == "paged":
         return KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, kv_events, kv_cache_dtype,
                               tier, kv_windows)

@@ -173,6 +173,67 @@ def _qwen3moe_gguf(m: Metadata) -> dict:
     return {"moe": moe_weights.gguf_moe_spec(m, norm_default=True)}     # llama.cpp renormalises Qwen3-MoE's
 
 
+# ---- Gemma 2 / 3: sliding-window and full layers (kv/groups.py), sandwich norms, GeGLU ------------
+# llama.cpp's Gemma tensors: the attention output's norm, the MLP's input norm (ffn_norm, which is
+# Llama's post-attention norm) and the MLP output's norm.
+GEMMA_GGUF_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def _gemma_common(hidden: int, window: int | None, layer_windows: tuple, scale: float) -> dict:
+    return dict(layer_windows=layer_windows, sliding_window=window, sandwich_norms=True, mlp_activation="gelu_tanh",
+                embedding_multiplier=hidden ** 0.5, attention_multiplier=scale)
+
+
+def _gemma_hf(cfg: dict, pattern: int) -> dict:
+    """A Gemma config: its layer types (every `pattern`-th layer full where the config lists none),
+    softcaps, query_pre_attn_scalar; its norms store w for (1 + w) (norm_offset)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise ValueError(f"{cfg.get('model_type')}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    out = _gemma_common(cfg["hidden_size"], window, tuple(window if t == "sliding_attention" else None for t in types),
+                        (cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5)
+    return dict(out, norm_offset=1.0, attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
+                final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0))
+
+
+def _gemma3_rope(cfg: dict) -> dict:
+    """Gemma 3's two RoPEs: the full layers' (rope_theta, maybe scaled) and the window layers'
+    (rope_local_base_freq, unscaled); transformers 5 nests them in rope_parameters by layer type."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        full, local = {**params, **(cfg.get("rope_scaling") or {})}, {}
+    theta = full.pop("rope_theta", None) or cfg.get("rope_theta") or 1_000_000.0
+    local_theta = local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0
+    if "type" in full and "rope_type" not in full:
+        full["rope_type"] = full.pop("type")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"gemma3: scaled RoPE on the sliding-window layers ({local}) is not supported")
+    return dict(rope_theta=float(theta), local_rope_theta=float(local_theta),
+                rope_scaling=None if full.get("rope_type", "default") == "default" else full)
+
+
+def _gemma_gguf(m: Metadata, pattern: int, big_layers: int) -> dict:
+    """A Gemma GGUF file as llama.cpp reads it: every `pattern`-th layer full (layer il is a window
+    layer where il % pattern < pattern - 1), norms already stored as 1 + w, the query scale
+    1 / sqrt(head_dim) but for the 27B shapes (`big_layers` layers: 1 / sqrt(hidden / heads))."""
+    n, hidden, heads = m.get("block_count"), m.get("embedding_length"), m.get("attention.head_count")
+    pattern = m.get("attention.sliding_window_pattern") or pattern
+    window = m.get("attention.sliding_window")
+    head_dim = m.get("attention.key_length") or hidden // heads
+    scale = (hidden // heads if n == big_layers else head_dim) ** -0.5
+    return dict(_gemma_common(hidden, window, tuple(window if i % pattern < pattern - 1 else None for i in range(n)),
+                              scale),
+                attn_logit_softcapping=float(m.get("attn_logit_softcapping") or 0.0),
+                final_logit_softcapping=float(m.get("final_logit_softcapping") or 0.0))
+
+
 ARCHITECTURES: list[Architecture] = [
     Architecture("llama", ("LlamaForCausalLM",), ("llama",), "llama", gguf_rotary_permuted=True,
                  gguf_config=_llama_gguf),
@@ -196,6 +257,13 @@ ARCHITECTURES: list[Architecture] = [
                  hf_config=_smollm3_hf, gguf_config=_smollm3_gguf),
     Architecture("granite", ("GraniteForCausalLM",), ("granite",), "granite", gguf_rotary_permuted=True,
                  hf_config=_granite_hf, gguf_config=_granite_gguf),
+    Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", qkv_bias=False,
+                 gguf_tensors=GEMMA_GGUF_TENSORS, hf_config=lambda c: _gemma_hf(c, 2),
+                 gguf_config=lambda m: _gemma_gguf(m, 2, 46)),
+    # Gemma 3's text model (the multimodal checkpoints' language model is the same decoder).
+    Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), "gemma3", qkv_bias=False, qk_norm=True,
+                 gguf_tensors=GEMMA_GGUF_TENSORS, hf_config=lambda c: {**_gemma_hf(c, 6), **_gemma3_rope(c)},
+                 gguf_config=lambda m: {**_gemma_gguf(m, 6, 62), "local_rope_theta": 10_000.0}),
 ]
 
 

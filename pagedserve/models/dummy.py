@@ -37,6 +37,10 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
                 shapes[name] = (sum(r[1] - r[0] if r else i for n, r in parts if n == name), *cols)
         if args.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if args.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
+        if args.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (args.num_heads,)
         if args.qkv_bias:
             for name, _ in (parts := arch.qkv_parts(p, whole, q, kv, "bias")):
                 shapes[name] = (sum(r[1] - r[0] for n, r in parts if n == name),)
@@ -48,14 +52,15 @@ class DummyWeights(Mapping):
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> None:
         self.shapes = weight_shapes(args)
+        self.norm_offset = args.norm_offset
         self.dtype, self.device = dtype, torch.device(device)
         # (the meta device, which only checks shapes, has no generator)
         self.generator = None if self.device.type == "meta" else torch.Generator(self.device).manual_seed(seed)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        if name.endswith("norm.weight"):     # (a (1 + w) norm's w: zeros)
+            return torch.full(shape, 1.0 - self.norm_offset, dtype=self.dtype, device=self.device)
         t = torch.empty(shape, dtype=self.dtype, device=self.device)
         return t.normal_(0.0, INIT_STD, generator=self.generator)
 

@@ -60,6 +60,17 @@ class ModelArgs:
     qk_norm_full: bool = False              # with qk_norm: over all of q and all of k, not per head (OLMoE)
     clip_qkv: float = 0.0                   # q, k, v clamped to [-clip, clip] after the norms (OLMoE; 0: none)
     moe: MoESpec | None = None              # mixture-of-experts layers (models/moe.py), where a config has them
+    # Sliding-window attention (kv/groups.py: a hybrid model's KV groups). layer_windows: each
+    # layer's window, None for full attention (Gemma 2 / 3); empty: every layer has
+    # `sliding_window` (Mistral; None: full attention everywhere).
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float = 0.0           # RoPE base of the window layers, unscaled (Gemma 3; 0: the global one)
+    sandwich_norms: bool = False            # attention and MLP outputs RMS-normed before the residual add (Gemma 2 / 3)
+    mlp_activation: str = "silu"            # the gated MLP's activation: silu, or gelu_tanh (GeGLU: Gemma)
+    attn_logit_softcapping: float = 0.0     # scores -> cap * tanh(scores / cap) (Gemma 2; 0: none)
+    final_logit_softcapping: float = 0.0    # the same on the logits
+    attention_sinks: bool = False           # a learned logit per head in each softmax's denominator (gpt-oss)
+    norm_offset: float = 0.0                # added to every RMSNorm weight at load (Gemma's HF norms store w of 1 + w)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):       # from its JSON form (a GGUF file's cached args)
@@ -70,13 +81,22 @@ class ModelArgs:
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention)."""
+        return list(self.layer_windows) if self.layer_windows else [self.sliding_window] * self.num_layers
+
     def beyond_compiled_loop(self) -> list[str]:
         """What this model needs that the compiled CPU layer loop (kernels/cpu.py DecoderLayers)
         does not do: the Python layer loop runs such a model. (It does q/k norms per head, partial
         rotary, layers without RoPE and the multipliers.)"""
         return [name for name, on in (("q/k norm over all heads", self.qk_norm_full),
                                       ("clip_qkv", bool(self.clip_qkv)),
-                                      ("mixture-of-experts layers", self.moe is not None)) if on]
+                                      ("mixture-of-experts layers", self.moe is not None),
+                                      ("sliding-window attention", any(w is not None for w in self.windows())),
+                                      ("sandwich norms", self.sandwich_norms),
+                                      ("GeGLU", self.mlp_activation != "silu"),
+                                      ("soft-capping", bool(self.attn_logit_softcapping)),
+                                      ("attention sinks", self.attention_sinks)) if on]
 
 
 @dataclass
@@ -93,6 +113,9 @@ class LayerWeights:
     moe: MoEWeights | None = None         # the MoE block in the MLP's place (models/moe.py)
     q_norm: torch.Tensor | None = None    # [D], with ModelArgs.qk_norm ([Hq D] / [Hkv D] with qk_norm_full)
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None   # with ModelArgs.sandwich_norms: the attention output's norm ...
+    mlp_out_norm: torch.Tensor | None = None    # ... and the MLP output's (post_norm is then the MLP's input norm)
+    sinks: torch.Tensor | None = None           # [Hq], with ModelArgs.attention_sinks
 
 
 class LlamaModel:
@@ -110,6 +133,11 @@ class LlamaModel:
         # (context_len: the longest sequence the engine serves, which picks LongRoPE's factors)
         self.rope = RotaryEmbedding(args.rope_dim, max_positions, args.rope_theta, args.rope_scaling,
                                     embed.dtype, context_len)
+        # Gemma 3: the window layers' own RoPE base (unscaled).
+        self.local_rope = RotaryEmbedding(args.rope_dim, max_positions, args.local_rope_theta, None, embed.dtype) \
+            if args.local_rope_theta else None
+        self.windows = args.windows()
+        self.kv_groups = None     # kv/groups.py KVGroups, set by the worker (None: one group, layer i in slot i)
         self.scale = args.attention_multiplier or args.head_dim ** -0.5
         self.no_rope = frozenset(args.no_rope_layers)
         self.q_size = args.num_heads * args.head_dim
@@ -137,7 +165,9 @@ class LlamaModel:
                     t.to(device)
                 elif t is not None:
                     setattr(w, f.name, _to(t, device))
-        self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
         return self
 
     def pack_linear_weights(self) -> "LlamaModel":
@@ -161,7 +191,9 @@ class LlamaModel:
         if a.embedding_multiplier != 1.0:
             x = x * a.embedding_multiplier
         cos, sin = self.rope.lookup(positions)
+        local = self.local_rope.lookup(positions) if self.local_rope is not None else (cos, sin)
         qk_size = self.q_size + self.kv_size
+        groups = self.kv_groups
         h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
         if (lora is None or lora.compiled) and self.compiled_layers is not None and self.compiled_layers.forward(
                 x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta,
@@ -182,13 +214,19 @@ class LlamaModel:
                 q = qkv[:, :self.q_size].view(num_tokens, a.num_heads, a.head_dim)
                 k = qkv[:, self.q_size:qk_size].view(num_tokens, a.num_kv_heads, a.head_dim)
             else:
-                q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin)
+                c, s = local if self.windows[i] is not None else (cos, sin)
+                q, k = ops.rotate_queries_and_keys(qkv, a.num_heads, a.num_kv_heads, a.head_dim, c, s)
             v = qkv[:, qk_size:].view(num_tokens, a.num_kv_heads, a.head_dim)
-            attn = self.attention.forward(q, k, v, kv_caches[i], meta, self.scale).reshape(num_tokens, self.q_size)
+            # A hybrid model's layer reads its KV group's tables and its slot of the blocks (kv/groups.py).
+            cache, m = (kv_caches[i], meta) if groups is None else \
+                (kv_caches[groups.layer_slot[i]], meta.group(groups.layer_group[i]))
+            attn = self.attention.forward(q, k, v, cache, m, self.scale, a.attn_logit_softcapping,
+                                          w.sinks).reshape(num_tokens, self.q_size)
             o = linear(attn, w.o)
             if lora is not None:
                 lora.add(i, "o", attn, o)
-            x, h = ops.add_rms_norm(x, self._residual(reduce(o)), w.post_norm, a.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, self._residual(self._out_norm(reduce(o), w.attn_out_norm)), w.post_norm,
+                                    a.rms_norm_eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             if w.moe is not None:        # (LoRA adapters never target experts: lora/adapter.py refuses them)
                 down = moe_forward(h, w.moe, a.moe, ops, linear)
@@ -196,12 +234,17 @@ class LlamaModel:
                 gate_up = linear(h, w.gate_up)
                 if lora is not None:
                     lora.add(i, "gate_up", h, gate_up)
-                act = ops.silu_and_mul(gate_up)
+                act = ops.silu_and_mul(gate_up) if a.mlp_activation == "silu" else gelu_tanh_and_mul(gate_up)
                 down = linear(act, w.down)
                 if lora is not None:
                     lora.add(i, "down", act, down)
-            x, h = ops.add_rms_norm(x, self._residual(reduce(down)), next_norm, a.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, self._residual(self._out_norm(reduce(down), w.mlp_out_norm)), next_norm,
+                                    a.rms_norm_eps)
         return h
+
+    def _out_norm(self, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Sandwich norms (Gemma 2 / 3): a sublayer's output RMS-normed before the residual add."""
+        return y if weight is None else self.ops.rms_norm(y, weight, self.args.rms_norm_eps)
 
     def _norm_heads(self, qkv: torch.Tensor, w: LayerWeights) -> None:
         """q/k norm: each q and k head RMS-normalised over its dimensions (with qk_norm_full: all
@@ -237,6 +280,9 @@ class LlamaModel:
         logits = self.ops.linear(hidden, self.lm_head, out_dtype=torch.float32)
         if self.args.logits_scaling != 1.0:
             logits /= self.args.logits_scaling
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         if not self.tp:
             return logits
         whole = self.tp.gather_columns(logits)
@@ -250,6 +296,12 @@ def _to(weight, device: torch.device):
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantized weights run on the CPU only, not on {device}")
     return weight
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate) * up, gelu's tanh approximation, of a fused [T, 2 I] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

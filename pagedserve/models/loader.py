@@ -107,8 +107,23 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         qk_norm=arch.qk_norm,
         rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
+        layer_windows=_layer_windows(cfg),
     )
     return replace(args, **arch.hf_config(cfg)) if arch.hf_config else args
+
+
+def _layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window where the config lists layer types (transformers 5; Qwen2 with
+    use_sliding_window windows the layers from max_window_layers on); empty: every layer has
+    sliding_window (or none)."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
+                 for i in range(cfg["num_hidden_layers"])]
+    if not types or window is None:
+        return ()
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def args_from_gguf(reader) -> ModelArgs:
@@ -586,21 +601,33 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
     arch = architectures.by_hf_name(args.architecture)
     q_size, kv_size = args.num_heads * D, args.num_kv_heads * D
     layers = []
+
+    def norm(name: str) -> torch.Tensor:      # (1 + w) norms (Gemma's HF checkpoints) as plain RMSNorm weights
+        t = w(name)
+        return t if not args.norm_offset else (t.float() + args.norm_offset).to(dtype)
+
     for i in range(args.num_layers):
         p = f"layers.{i}."
         qkv = build.matrix(arch.qkv_parts(p, heads, q_size, kv_size))
         bias = torch.cat([w(n, r) for n, r in arch.qkv_parts(p, heads, q_size, kv_size, "bias")]) \
             if args.qkv_bias else None
         layer = LayerWeights(
-            input_norm=w(p + "input_layernorm.weight"),
+            input_norm=norm(p + "input_layernorm.weight"),
             qkv=qkv,
             qkv_bias=bias,
             o=build.matrix([(p + "self_attn.o_proj.weight", None)], cols=q_cols),
-            post_norm=w(p + "post_attention_layernorm.weight"),
+            # Gemma (sandwich norms): the MLP's input norm is pre_feedforward_layernorm
+            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if args.sandwich_norms
+                                else "post_attention_layernorm.weight")),
             gate_up=None, down=None,
         )
         if args.qk_norm:
-            layer.q_norm, layer.k_norm = w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")
+            layer.q_norm, layer.k_norm = norm(p + "self_attn.q_norm.weight"), norm(p + "self_attn.k_norm.weight")
+        if args.sandwich_norms:
+            layer.attn_out_norm = norm(p + "post_attention_layernorm.weight")
+            layer.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight")
+        if args.attention_sinks:
+            layer.sinks = w(p + "self_attn.sinks", (q0, q1) if shard.size > 1 else None).float()
         if args.moe is not None and args.moe.is_sparse(i):
             layer.moe = moe_weights.build_moe(build, source, i, args.moe, _EXPERT_NAMES.get(
                 args.architecture, moe_weights.ExpertNames()), *_expert_parts(args.moe, shard))
@@ -620,7 +647,7 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
     note = build.describe()
     if note:
         logger.info("%s", note)
-    return LlamaModel(shard.local_args(args), embed, layers, w("norm.weight"), lm_head, attention, max_positions,
+    return LlamaModel(shard.local_args(args), embed, layers, norm("norm.weight"), lm_head, attention, max_positions,
                       ops, tp=tp, vocab=(vocab[0] if vocab else 0, args.vocab_size), context_len=context_len)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.attention.kv_format import KVFormat, kv_format
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kv.groups import KVGroups, plan_kv_groups
 from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch, TierReport
 from pagedserve.sampling.sampler import Sampler, SamplingRow
 from pagedserve.spec_decode.rejection import DraftRow, verify
@@ -34,51 +35,59 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, i
         dst[:, :, list(d)] = src[:, :, list(s)].to(dst.device)
 
 
-def prepare_batch(batch: list[ScheduledTokens], block_size: int,
-                  device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def prepare_batch(batch: list[ScheduledTokens], block_size: int, device,
+                  group_block_ids: dict[int, list[list[int]]] | None = None,
+                  windows: tuple[int | None, ...] = (None,)) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The flat batch of a step's sequences (their tokens, then their drafts): token ids,
-    positions and the attention metadata (slots from the block tables)."""
+    positions and the attention metadata (slots from the block tables). A hybrid model's KV
+    groups (`windows`, kv/groups.py) each get their metadata, from their tables
+    (`group_block_ids`: groups 1..'s by seq id, StepBatch.group_block_ids), in meta.groups."""
     B = block_size
     ids: list[int] = []
     pos: list[int] = []
-    slots: list[int] = []
     qsl = [0]
     seq_lens = []
-    tables = []
+    tables: list[list[list[int]]] = [[] for _ in windows]     # per group, per sequence
     for s in batch:
         n = s.num_query_tokens
-        start, end = s.start, s.start + n
-        table = s.block_ids
         ids.extend(s.token_ids)
         ids.extend(s.draft_token_ids)
-        rng = range(start, end)
-        pos.extend(rng)
-        slots.extend(table[p // B] * B + p % B for p in rng)
+        pos.extend(range(s.start, s.start + n))
         qsl.append(qsl[-1] + n)
-        seq_lens.append(end)
-        tables.append(table)
-    width = max(len(t) for t in tables)
+        seq_lens.append(s.start + n)
+        for g, table in enumerate([s.block_ids, *(group_block_ids[s.seq_id] if len(windows) > 1 else ())]):
+            tables[g].append(table)
     dev = device
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-        block_tables=block_tables,
-        num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        max_seq_len=max(seq_lens),
-    )
+    shared = dict(query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+                  seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+                  num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
+                  query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_seq_len=max(seq_lens))
+    metas = []
+    for window, group in zip(windows, tables):
+        slots = [table[p // B] * B + p % B for table, s in zip(group, batch) for p in range(s.start, s.start + s.num_query_tokens)]
+        width = max(len(t) for t in group)
+        metas.append(AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in group], dtype=torch.long, device=dev),
+            window=window, **shared))
+    meta = metas[0]
+    if len(metas) > 1 or windows[0] is not None:
+        meta.groups = metas
     return torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), meta
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler,
-                 device: torch.device = torch.device("cpu"), num_host_blocks: int = 0) -> None:
+                 device: torch.device = torch.device("cpu"), num_host_blocks: int = 0,
+                 kv_groups: KVGroups | None = None) -> None:
         a = model.args
         self.model = model
         self.block_size = block_size
+        # A hybrid model's KV groups (kv/groups.py): a block holds layers_per_block layers' K and V
+        # (those of the group whose table names it); the model reads model.kv_groups.
+        self.kv_groups = kv_groups or plan_kv_groups([None] * a.num_layers)
+        model.kv_groups = self.kv_groups
+        layers = self.kv_groups.layers_per_block
         self.sampler = sampler
         self.device = device   # of the model, the KV cache, the batch tensors and the sampler
         # One tensor for all layers, indexed [layers, K/V, blocks, block_size, kv_heads, head_dim].
@@ -89,10 +98,10 @@ class ModelRunner:
         # attention/kv_format.py; the scales travel with their blocks.
         head_major = model.attention.head_major_cache
         fmt: KVFormat = getattr(model.attention, "kv_format", kv_format("auto"))
-        self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major, fmt)
+        self.kv_cache = self._allocate(a, num_blocks, block_size, model.dtype, device, head_major, fmt, num_layers=layers)
         # Swap space (preemption_mode="swap"): the same layout in host memory (pinned, next to a GPU).
         self.host_cache = self._allocate(a, num_host_blocks, block_size, model.dtype, torch.device("cpu"), head_major,
-                                         fmt, pin_memory=torch.device(device).type == "cuda")
+                                         fmt, pin_memory=torch.device(device).type == "cuda", num_layers=layers)
         self.generators: dict[int, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.decode_graphs: DecodeGraphs | None = None      # set by capture_cuda_graphs
         self.lora = None   # multi-LoRA (lora/weights.py LoRAWeights): set by the worker when enabled
@@ -108,9 +117,10 @@ class ModelRunner:
 
     @staticmethod
     def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
-                  fmt: KVFormat, pin_memory: bool = False) -> torch.Tensor:
+                  fmt: KVFormat, pin_memory: bool = False, num_layers: int | None = None) -> torch.Tensor:
+        """num_layers: the layer slots of a block (default: all the model's layers)."""
         inner = (a.num_kv_heads, block_size) if head_major else (block_size, a.num_kv_heads)
-        cache = torch.zeros(a.num_layers, 2, num_blocks, *inner, fmt.row_elements(a.head_dim),
+        cache = torch.zeros(num_layers or a.num_layers, 2, num_blocks, *inner, fmt.row_elements(a.head_dim),
                             dtype=fmt.storage_dtype(dtype), device=device, pin_memory=pin_memory)
         return cache.transpose(3, 4) if head_major else cache
 
@@ -168,7 +178,7 @@ class ModelRunner:
         logits = self._replay_decode(seqs)
         spec_logits = None
         if logits is None:
-            input_ids, positions, meta = self._prepare(seqs)
+            input_ids, positions, meta = self._prepare(seqs, batch.group_block_ids)
             lora = self.lora.step([s.lora_slot for s in seqs], [s.num_query_tokens for s in seqs]) \
                 if self.lora is not None else None
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora) if lora is not None \
@@ -207,8 +217,9 @@ class ModelRunner:
             slots=[s.block_ids[s.start // B] * B + s.start % B for s in seqs],
             seq_lens=[s.start + 1 for s in seqs], block_tables=[s.block_ids for s in seqs]))
 
-    def _prepare(self, batch: list[ScheduledTokens]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return prepare_batch(batch, self.block_size, self.device)
+    def _prepare(self, batch: list[ScheduledTokens], group_block_ids: dict[int, list[list[int]]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return prepare_batch(batch, self.block_size, self.device, group_block_ids, self.kv_groups.windows)
     @staticmethod
     def _pool(batch: list[ScheduledTokens], hidden: torch.Tensor, meta: AttentionMetadata) -> dict:
         """Pooling requests' chunks: the hidden states (after the final norm) they need, in float32

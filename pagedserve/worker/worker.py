@@ -22,6 +22,7 @@ from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
 from pagedserve.worker.device import (KVMemoryPlan, MemoryProbe, default_kv_cache_memory, memory_probe,
                                       profile_kv_memory, resolve_device)
+from pagedserve.kv.groups import KVGroups, plan_kv_groups
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 
@@ -44,10 +45,9 @@ def make_sampler(eos_token_ids: set[int], seed: int, device: torch.device) -> Sa
 
 
 def resolve_max_model_len(requested: int | None, args: ModelArgs) -> int:
-    """The context length: the model's, or a shorter one asked for."""
+    """The context length: the model's, or a shorter one asked for (a sliding window does not
+    limit it: its layers read their windows of the paged cache, kv/groups.py)."""
     limit = args.max_position_embeddings
-    if args.sliding_window:
-        limit = min(limit, args.sliding_window)   # no sliding-window attention: stay inside it
     if requested is None:
         return limit
     if requested > limit:
@@ -55,13 +55,21 @@ def resolve_max_model_len(requested: int | None, args: ModelArgs) -> int:
     return requested
 
 
+def kv_groups_of(args) -> KVGroups:
+    """The model's KV groups (kv/groups.py): its layers by attention kind (OPT: all full)."""
+    windows = args.windows() if hasattr(args, "windows") else [None] * args.num_layers
+    return plan_kv_groups(windows)
+
+
 def num_kv_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
                   memory_plan: KVMemoryPlan | None, draft_args: ModelArgs | None = None) -> tuple[int, int]:
     """(device blocks, host swap-space blocks) for the KV cache: kv_cache_memory (or, on a
     GPU, what the profile's memory_plan leaves) and swap_space, in blocks of this model (and of
-    a draft model's, whose KV lives in the same blocks: a block's bytes count both)."""
-    block_bytes = sum(kv_cache_bytes_per_block(a.num_layers, config.block_size, a.num_kv_heads, a.head_dim,
-                                               dtype, config.kv_cache_dtype) for a in (args, draft_args) if a)
+    a draft model's, whose KV lives in the same blocks: a block's bytes count both). A hybrid
+    model's block holds one KV group's layers (kv/groups.py layers_per_block)."""
+    block_bytes = sum(kv_cache_bytes_per_block(kv_groups_of(a).layers_per_block, config.block_size, a.num_kv_heads,
+                                               a.head_dim, dtype, config.kv_cache_dtype)
+                      for a in (args, draft_args) if a)
     kv_memory = config.kv_cache_memory or default_kv_cache_memory(memory_plan)
     num_blocks = config.num_gpu_blocks_override or kv_memory // block_bytes
     if num_blocks < 1:
@@ -112,6 +120,7 @@ class Worker:
     num_blocks: int
     num_host_blocks: int
     max_model_len: int
+    kv_windows: tuple[int | None, ...] = (None,)    # each KV group's sliding window (kv/groups.py)
     # The disk tier (worker/kv_tier.py), if any: the keys its directory holds for this model,
     # oldest first, and how many blocks its size bound holds (the engine's index, kv/tier.py).
     tier_keys: list[bytes] = field(default_factory=list)
@@ -148,11 +157,16 @@ class Worker:
         logger.info("weights: %.1f MiB%s%s", model_weight_bytes(model) / 2**20,
                     f" ({quantization} blocks)" if quantization else "", per_token)
         max_model_len = resolve_max_model_len(config.max_model_len, args)
+        kv_groups = kv_groups_of(args)
         spec = config.speculative_config
+        if kv_groups.hybrid and spec is not None and spec.method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' shares the target's block tables, and this "
+                             "model has sliding-window layers (KV groups): use method 'ngram' or 'suffix'")
         draft = load_draft_model(config, args, max_model_len, ops, device) \
             if spec is not None and spec.method == "draft_model" else None
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
-        graphs = bool(sizes) and group is None and uses_cuda_graphs(config, device, attention)   # TP: eager
+        # TP and sliding-window models: eager (a graph's attention reads one full table)
+        graphs = bool(sizes) and group is None and not kv_groups.hybrid and uses_cuda_graphs(config, device, attention)
         memory_plan = None
         if probe and config.kv_cache_memory is None and config.num_gpu_blocks_override is None:
             memory_plan = profile_kv_memory(model, config, device, make_sampler(eos_token_ids, config.seed, device),
@@ -162,7 +176,9 @@ class Worker:
         if group:
             num_blocks, num_host_blocks = group.min_int(num_blocks), group.min_int(num_host_blocks)
         sampler = make_sampler(eos_token_ids, config.seed, device)
-        runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks)
+        runner = ModelRunner(model, num_blocks, config.block_size, sampler, device, num_host_blocks, kv_groups)
+        if kv_groups.hybrid:
+            logger.info("KV groups: %s, %d layers a block", ", ".join(kv_groups.describe()), kv_groups.layers_per_block)
         if draft is not None:
             from pagedserve.spec_decode.draft_model import DraftModel
             runner.draft = DraftModel(draft, num_blocks, config.block_size, device, num_host_blocks)
@@ -172,7 +188,7 @@ class Worker:
                                       dtype, device, shard)
         if graphs:
             runner.capture_cuda_graphs(sizes, max_model_len)
-        worker = cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len)
+        worker = cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len, kv_groups.windows)
         if config.kv_offload_path is not None:
             from pagedserve.worker.kv_tier import open_tier_store
             runner.tier = open_tier_store(config, model_path, args, dtype, runner.kv_cache)

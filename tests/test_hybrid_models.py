@@ -1,0 +1,249 @@
+"""Models with sliding-window layers on the paged cache's KV groups (kv/groups.py): Gemma 2
+(alternating window and full layers, soft-capping), Gemma 3 text (5:1-style pattern, local RoPE,
+q/k norms) and Mistral (a window on every layer), tiny and random, with the window (16) far
+shorter than the prompts (~100 tokens, block size 4), so the window really slides and its
+blocks go back to the pool. transformers float32 is the oracle: greedy tokens and logprobs,
+with prefix caching, preemption by recompute and by swap, n=3, beam search, and from GGUF files
+written with llama.cpp's names."""
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.torch_backend import TorchAttention, attention_math
+from pagedserve.kv.groups import window_bound
+from tests.beam_reference import reference_beam_search
+from tests.conftest import CORPUS, TinyModel, hf_greedy
+from tests.gguf_utils import write_hf_model
+
+WINDOW, BLOCK = 16, 4
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1, sliding_window=WINDOW)
+# name: (config class, its own keywords). Soft-caps small enough to bite on tiny random weights.
+HYBRID = {
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, query_pre_attn_scalar=16, attn_logit_softcapping=1.5,
+                                    final_logit_softcapping=2.0, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, tie_word_embeddings=False)),
+}
+_models: dict[str, TinyModel] = {}
+
+
+@pytest.fixture
+def hybrid(tiny_root, tiny_tokenizer, request) -> TinyModel:
+    """The tiny model named by the test's parameter, built once per session (norms random, so
+    that Gemma's (1 + w) counts)."""
+    import transformers
+    name = request.param
+    if name not in _models:
+        cls, extra = HYBRID[name]
+        tok = tiny_tokenizer
+        config = getattr(transformers, cls)(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                            **COMMON, **extra)
+        torch.manual_seed(zlib.crc32(name.encode()) % 1000)
+        model_cls = getattr(transformers, cls.replace("TextConfig", "Config").replace("Config", "ForCausalLM"))
+        hf = model_cls(config).float().eval()
+        with torch.no_grad():
+            for n, t in hf.named_parameters():
+                if n.endswith("norm.weight"):
+                    t.uniform_(-0.5, 0.5) if name.startswith("gemma") else t.uniform_(0.5, 1.5)
+        path = tiny_root / f"hybrid_{name}"
+        hf.save_pretrained(path)
+        tok.save_pretrained(path)
+        _models[name] = TinyModel(str(path), hf, tok, name)
+    return _models[name]
+
+
+def long_prompts(tm: TinyModel, n: int = 2) -> list[list[int]]:
+    """~100-token prompts (several windows long), sharing a long prefix (prefix-cache hits)."""
+    text = " ".join(CORPUS[:7])
+    ids = tm.tokenizer.encode(text)
+    return [ids[:96], ids[:80] + ids[120:130]][:n]
+
+
+def reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ref[torch.arange(len(ids) - 1), ids[1:]]
+
+
+def prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0])
+
+
+def make(tm: TinyModel, **kw) -> LLM:
+    kw = dict(dtype="float32", block_size=BLOCK, num_gpu_blocks_override=256, enable_prefix_caching=True) | kw
+    return LLM(tm.path, **kw)
+
+
+ALL = pytest.mark.parametrize("hybrid", sorted(HYBRID), indirect=True)
+
+
+@ALL
+def test_greedy_tokens_and_logprobs_match_transformers_with_prefix_hits(hybrid):
+    llm = make(hybrid)
+    args = llm.engine.model_args
+    assert any(w == WINDOW for w in args.windows())
+    prompts = long_prompts(hybrid)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    for _ in range(2):           # the second time from the prefix cache (per group)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hybrid.hf, p, 12)
+    stats = llm.kv_cache_stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_used_blocks"] == 0
+    torch.testing.assert_close(prompt_logprobs(llm, prompts[0]), reference_logprobs(hybrid.hf, prompts[0]),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hybrid", ["gemma2"], indirect=True)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_n3_change_no_token(hybrid, mode):
+    """A cache too small for the batch: preemptions (recompute or swap) while window blocks come
+    and go; greedy n=3 requests all give transformers' tokens."""
+    prompts = long_prompts(hybrid)
+    llm = make(hybrid, num_gpu_blocks_override=74, preemption_mode=mode, max_num_seqs=12, admission_watermark=0.0,
+               **({"swap_space": 0.01} if mode == "swap" else {}))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2],
+                        SamplingParams(temperature=0, n=3, max_tokens=10, min_tokens=10), use_tqdm=False)
+    for p, out in zip(prompts * 2, outs):
+        ref = hf_greedy(hybrid.hf, p, 10)
+        assert [o.token_ids for o in out.outputs] == [ref] * 3
+    stats = llm.engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert llm.kv_cache_stats()["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("hybrid", ["gemma3"], indirect=True)
+def test_beam_search_matches_the_reference(hybrid):
+    llm = make(hybrid)
+    prompts = long_prompts(hybrid, 1)
+    eos = hybrid.tokenizer.eos_token_id
+    out = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                          __import__("pagedserve").BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    (ref, gap), = reference_beam_search(hybrid.hf, prompts, 3, 6, eos, ignore_eos=True, num_threads=1)
+    assert [s.tokens for s in out[0].sequences] == [t for t, _ in ref], gap
+
+
+@pytest.mark.parametrize("hybrid", ["gemma3"], indirect=True)
+def test_window_groups_stay_at_their_bound_while_the_full_group_grows(hybrid):
+    """A long prompt decoded token by token: each window group's live blocks stay at
+    ceil(W / B) + 1, the full group's grow with the sequence (kv_cache_stats per group)."""
+    llm = make(hybrid, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+    prompt = long_prompts(hybrid, 1)[0]
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40,
+                                                                         min_tokens=40, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append(llm.kv_cache_stats()["num_blocks_per_group"])
+    stats = llm.kv_cache_stats()
+    assert stats["kv_groups"] == ["full"] + [f"sliding_window={WINDOW}"] * 2 and stats["num_used_blocks"] == 0
+    chunks = len(prompt) // 16                         # the prompt in steps of 16 tokens, then decodes
+    full = [s[0] for s in seen[:-1]]
+    assert full == sorted(full) and full[-1] == -(-(len(prompt) + 39) // BLOCK)
+    assert all(n <= window_bound(WINDOW, BLOCK, 16) for s in seen[:chunks] for n in s[1:])
+    decodes = [n for s in seen[chunks:-1] for n in s[1:]]
+    assert decodes and all(WINDOW // BLOCK <= n <= window_bound(WINDOW, BLOCK) for n in decodes)
+
+
+def test_sliding_window_reads_no_block_outside_the_window():
+    """Blocks before a query's window hold NaN: the reference backend never reads them, and
+    equals dense attention with the window's mask; soft-capping and sinks as their formulas."""
+    torch.manual_seed(0)
+    B, W, Hq, Hkv, D, L = 4, 6, 4, 2, 8, 23
+    cache = torch.randn(2, 16, B, Hkv, D)
+    table = list(range(1, 7))                    # positions 0..23 in blocks 1..6
+    k, v = cache[0][table].flatten(0, 1)[:L], cache[1][table].flatten(0, 1)[:L]
+    q = torch.randn(3, Hq, D)                   # the last 3 positions, a prefill chunk
+    poisoned = cache.clone()
+    first = (L - 3 - W + 1) // B
+    poisoned[:, table[:first]] = float("nan")
+    meta = AttentionMetadata(slot_mapping=torch.tensor([], dtype=torch.long), query_start_loc=torch.tensor([0, 3]),
+                             seq_lens=torch.tensor([L]), block_tables=torch.tensor([[-1] * first + table[first:]]),
+                             num_decodes=0, query_start_loc_cpu=[0, 3], seq_lens_cpu=[L], max_seq_len=L, window=W)
+    sinks = torch.randn(Hq)
+    out = TorchAttention()._reference(q, k, v, poisoned, meta, 0.3, softcap=2.0, sinks=sinks)
+    qpos, kpos = torch.arange(L - 3, L)[:, None], torch.arange(L)
+    allowed = (kpos <= qpos) & (kpos > qpos - W)
+    ref = attention_math(q, k, v, 0.3, allowed, 2.0, sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref)
+    # attention_math itself: gpt-oss's sinks and Gemma 2's soft-cap against transformers' functions.
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+    mask = torch.zeros(1, 1, 3, L).masked_fill(~allowed, float("-inf"))
+    module = type("M", (), {"num_key_value_groups": Hq // Hkv, "training": False, "sinks": sinks,
+                            "head_dim": D})()
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    sink_ref, _ = gpt_oss_eager(module, qt, kt, vt, mask, scaling=0.3, dropout=0.0)
+    torch.testing.assert_close(attention_math(q, k, v, 0.3, allowed, 0.0, sinks), sink_ref[0], atol=1e-5, rtol=1e-5)
+    cap_ref, _ = gemma2_eager(module, qt, kt, vt, mask, scaling=0.3, dropout=0.0, softcap=2.0)
+    torch.testing.assert_close(attention_math(q, k, v, 0.3, allowed, 2.0), cap_ref[0], atol=1e-5, rtol=1e-5)
+
+
+def _gemma_rename(name: str, a):
+    """llama.cpp's Gemma converter: sandwich norms under its names, every norm stored as 1 + w."""
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    name = name.removeprefix("model.")
+    if name == "norm.weight":
+        return [("output_norm.weight", a + 1)]
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        module = rest.rsplit(".", 1)[0]
+        if module in names:
+            return [(f"blk.{i}.{names[module]}.weight", a + 1)]
+    return None
+
+
+def _gemma_header(softcaps: bool):
+    def header(w, cfg) -> None:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        if softcaps:
+            w.add_float32(f"{w.arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+            w.add_float32(f"{w.arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    return header
+
+
+@pytest.mark.parametrize("hybrid", ["gemma2"], indirect=True)
+def test_gguf_as_llama_cpp_writes_gemma2_matches_transformers(hybrid, tmp_path):
+    """A gemma2 GGUF file (llama.cpp's tensor names and metadata keys; its layer pattern)."""
+    path = tmp_path / "gemma2.gguf"
+    write_hf_model(hybrid.hf, path, "gemma2", header=_gemma_header(True), rename=_gemma_rename)
+    llm = LLM(str(path), tokenizer=hybrid.path, dtype="float32", block_size=BLOCK, num_gpu_blocks_override=256)
+    assert llm.engine.model_args.windows() == [WINDOW, None] * 2
+    prompt = long_prompts(hybrid, 1)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, min_tokens=8),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hybrid.hf, prompt, 8)
+    torch.testing.assert_close(prompt_logprobs(llm, prompt), reference_logprobs(hybrid.hf, prompt),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_config_without_layer_types_uses_the_pattern(tmp_path):
+    """A transformers 4 Gemma 3 config (sliding_window_pattern, rope_local_base_freq, rope_scaling)."""
+    from pagedserve.models.loader import args_from_hf_config
+    cfg = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=10, hidden_size=64,
+               intermediate_size=8, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+               sliding_window=512, rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=16,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, hidden_activation="gelu_pytorch_tanh")
+    args = args_from_hf_config(json.loads(json.dumps(cfg)))
+    assert args.windows() == ([512] * 5 + [None]) * 2
+    assert (args.rope_theta, args.local_rope_theta, args.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert args.beyond_compiled_loop()
