@@ -218,8 +218,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
                                                  config.enable_prefix_caching, self.max_model_len, num_host_blocks,
-                                                 kv_events, config.kv_cache_dtype, tier,
-                                                 kv_windows)
+                                                 kv_events, config.kv_cache_dtype, tier, kv_windows,
+                                                 config.max_num_batched_tokens)
         # The tier below the prefix cache: a waiting request whose prefix it holds waits for
         # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
         self.tier: TierLink | None = getattr(self.kv, "tier", None)

@@ -17,6 +17,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_backend import TorchAttention, attention_math
 from pagedserve.kv.groups import window_bound
+from pagedserve.server.metrics import PrometheusStatLogger
 from tests.beam_reference import reference_beam_search
 from tests.conftest import CORPUS, TinyModel, hf_greedy
 from tests.gguf_utils import write_hf_model
@@ -146,9 +147,16 @@ def test_window_groups_stay_at_their_bound_while_the_full_group_grows(hybrid):
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40,
                                                                          min_tokens=40, ignore_eos=True))
     seen = []
+    metrics = PrometheusStatLogger("m")
     while engine.has_unfinished_requests():
         engine.step()
         seen.append(llm.kv_cache_stats()["num_blocks_per_group"])
+        if len(seen) == 10:          # /metrics: a series per group
+            metrics.record(engine.scheduler_stats(), None)
+            text = metrics.render().decode()
+            for g, n in enumerate(seen[-1]):
+                name = "full" if g == 0 else f"sliding_window={WINDOW}"
+                assert f'kv_group_blocks{{kv_group="{g}:{name}",model_name="m"}} {float(n)}' in text, text
     stats = llm.kv_cache_stats()
     assert stats["kv_groups"] == ["full"] + [f"sliding_window={WINDOW}"] * 2 and stats["num_used_blocks"] == 0
     chunks = len(prompt) // 16                         # the prompt in steps of 16 tokens, then decodes

@@ -299,6 +299,7 @@
     const dl = box.lastChild;
     const rows = [["state", b.state], ["ref count", String(b.ref_cnt)], ["owners", b.owners.join(", ") || "-"],
                   ["sequences", b.seqs.join(", ") || "-"], ["hash", b.hash ? b.hash + "..." : "- (not cached)"]];
+    if (b.group !== undefined) rows.push(["KV group", String(b.group)]);   // a hybrid model's (kv/groups.py)
     for (const [k, v] of rows) {
       const dt = document.createElement("dt"), dd = document.createElement("dd");
       dt.textContent = k; dd.textContent = v;

@@ -215,6 +215,8 @@ class KVView:
         else:
             state, owners, seqs = ("free" if key is None else "cached"), [], []
         out: dict[str, Any] = {"id": block_id, "state": state, "ref_cnt": ref, "owners": owners, "seqs": seqs}
+        if seqs and pool is cap.kv.device and cap.kv.group_of_block:   # a hybrid model's KV group (kv/groups.py)
+            out["group"] = cap.kv.group_of_block.get(block_id)
         if key is not None:
             out["hash"] = key.hex()[:HASH_CHARS]
             if key in cap.kv.cached_tokens and cap.kv.cached_tokens[key] is None:

@@ -635,6 +635,8 @@ class LLMEngine:
             external_prefix_cache_hits=kv.get("kv_offload_hits", 0), kv_offload_blocks=kv.get("kv_offload_blocks", 0),
             kv_offload_bytes_written=kv.get("kv_offload_bytes_written", 0),
             kv_offload_bytes_read=kv.get("kv_offload_bytes_read", 0),
+            kv_group_blocks=tuple((f"{g}:{name}", n) for g, (name, n) in
+                                  enumerate(zip(kv.get("kv_groups", ()), kv.get("num_blocks_per_group", ())))),
             **self._lora_stats())
 
     def _lora_stats(self) -> dict:

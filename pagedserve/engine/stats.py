@@ -34,6 +34,8 @@ class SchedulerStats:
     kv_offload_blocks: int = 0
     kv_offload_bytes_written: int = 0
     kv_offload_bytes_read: int = 0
+    # A hybrid model's KV groups (kv/groups.py): (group, e.g. "1:sliding_window=1024", device blocks it holds).
+    kv_group_blocks: tuple[tuple[str, int], ...] = ()
     # Speculative decoding (spec_decode/stats.py): cumulative, as vLLM's spec_decode counters.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

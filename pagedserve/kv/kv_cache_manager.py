@@ -64,13 +64,17 @@ def held_blocks(table: Table) -> list[KVBlock]:
 class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, events: KVEventSink | None = None, kv_cache_dtype: str = "auto",
-                 tier: TierIndex | None = None, windows: Sequence[int | None] = (None,)) -> None:
+                 tier: TierIndex | None = None, windows: Sequence[int | None] = (None,),
+                 max_step_tokens: int | None = None) -> None:
         """tier: the disk tier's keys below the pool (kv/tier.py); windows: each KV group's
-        sliding window (None: full attention), kv/groups.py's order."""
+        sliding window (None: full attention), kv/groups.py's order; max_step_tokens: the most
+        tokens a sequence computes in one step (the scheduler's token budget), which bounds a
+        window group's blocks during a prefill (None: a whole prompt at once)."""
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype         # in every first block's key (block_pool.first_block_extra_keys)
         self.enable_caching = enable_caching
         self.windows: tuple[int | None, ...] = tuple(windows)
+        self.max_step_tokens = max_step_tokens
         self.pool = BlockPool(num_blocks, enable_caching, events)
         # Per group, each sequence's table; group 0's is `tables`.
         self.group_tables: list[dict[int, Table]] = [{} for _ in self.windows]
@@ -191,7 +195,8 @@ class KVCacheManager(PoolCapacity):
             full = cdiv(prompt_len + max_tokens, B)
         else:
             full = cdiv(prompt_len, B) + max_seqs * (cdiv(max_tokens, B) + 1)
-        return sum(full if w is None else min(full, window_bound(w, B, prompt_len) + max_seqs * window_bound(w, B))
+        chunk = min(prompt_len, self.max_step_tokens or prompt_len)
+        return sum(full if w is None else min(full, window_bound(w, B, chunk) + max_seqs * window_bound(w, B))
                    for w in self.windows)
 
     def num_blocks_to_hold(self, seq_id: int, num_tokens: int) -> int:
@@ -461,8 +466,9 @@ class KVCacheManager(PoolCapacity):
         return stats
 
     def blocks_per_group(self) -> list[int]:
-        """Distinct device blocks each group's tables hold now."""
-        return [len({b.block_id for t in tables.values() for b in t if b is not None}) for tables in self.group_tables]
+        """Distinct device blocks each group's tables hold now (a window table read back from its
+        end to its first hole: its live blocks only)."""
+        return [len({id(b) for t in tables.values() for b in _live_tail(t)}) for tables in self.group_tables]
 
     def memory_usage(self, seqs: list[tuple[int, int, int]], waiting_max_len: int | None = None) -> MemoryUsage:
         """Slots by category (see memory_usage.py) for the sequences (seq_id, computed tokens,
@@ -616,6 +622,14 @@ class KVCacheManager(PoolCapacity):
             dsts = [dst for _, dst in moves]
             assert len(set(dsts)) == len(dsts), f"{name}: two blocks moved into one"
             assert all(pool.blocks[d].ref_cnt > 0 for d in dsts), f"{name}: a block moved into a free block"
+
+
+def _live_tail(table: Table):
+    """A table's blocks from its end back to its last hole (holes are a prefix)."""
+    for b in reversed(table):
+        if b is None:
+            return
+        yield b
 
 
 def _ids(table: Table) -> list[int]:

@@ -100,8 +100,11 @@ class PrometheusStatLogger:
                           ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
         lora_requests = Counter(prefix + "lora_requests", "Finished requests per LoRA adapter.",
                                 label + ["lora_name"], registry=r)
+        # A hybrid model's KV groups (kv/groups.py): the device blocks each holds, labelled by group.
+        group_blocks = Gauge(prefix + "kv_group_blocks", "KV blocks each KV group's tables hold (a hybrid model's "
+                             "full-attention and sliding-window groups).", label + ["kv_group"], registry=r)
         self.engines = [EngineSeries({k: v[i] for k, v in series.items()}, success, e, per_pos, lora_info,
-                                     lora_requests)
+                                     lora_requests, group_blocks)
                         for i, e in enumerate(engines)]
 
     def record(self, s: SchedulerStats, it: IterationStats | None) -> None:
@@ -119,8 +122,10 @@ class EngineSeries:
     """One engine's children of the metric families."""
 
     def __init__(self, series: dict, success: Counter, labels: tuple[str, ...], per_pos: Counter | None = None,
-                 lora_info: Gauge | None = None, lora_requests: Counter | None = None) -> None:
+                 lora_info: Gauge | None = None, lora_requests: Counter | None = None,
+                 group_blocks: Gauge | None = None) -> None:
         self.__dict__.update(series)
+        self._group_blocks = group_blocks
         self._lora_requests = lora_requests
         self._lora_info = lora_info
         self._lora_labels: tuple | None = None
@@ -137,6 +142,9 @@ class EngineSeries:
         self.num_requests_swapped.set(s.num_swapped)
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.kv_offload_blocks.set(s.kv_offload_blocks)
+        if self._group_blocks is not None:
+            for group, blocks in s.kv_group_blocks:
+                self._group_blocks.labels(*self._labels, group).set(blocks)
         if s.max_lora and self._lora_info is not None:
             labels = (",".join(sorted(s.running_lora_adapters)), ",".join(sorted(s.waiting_lora_adapters)),
                       str(s.max_lora))
