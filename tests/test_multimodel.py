@@ -307,6 +307,10 @@ def test_a_model_that_fails_to_load_leaves_the_others_serving(server, http):
     r = client.completions.create(model="tiny2", prompt="still here", max_tokens=3)
     assert r.choices[0].text is not None
     assert http.post("/models/load", json={"model": "nope"}).status_code == 404
+    # The dashboard of a model: its page's requests name no model and go where the page's URL says.
+    http.post("/models/unload", json={"model": "tiny"}).raise_for_status()
+    snapshot = http.get("/v1/kv/snapshot", headers={"Referer": f"{server.url}/dashboard?model=tiny"})
+    assert snapshot.status_code == 200 and statuses(http)["tiny"] == "loaded"
 
 
 def test_one_model_server_speaks_ollama_and_anthropic(api_server):
@@ -322,3 +326,86 @@ def test_one_model_server_speaks_ollama_and_anthropic(api_server):
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=api_server.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+
+
+# ---- the manager alone (no engines: a stand-in start) -------------------------------------------
+class _FakeLLM:
+    max_model_len = 64
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        self.stopped = True
+
+    def abort_all(self) -> None:
+        pass
+
+
+def _manager(names, **server):
+    import asyncio
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.config import ServerConfig
+    from pagedserve.server.model_specs import ModelSpec
+    from pagedserve.server.models_manager import LoadedModel, ModelManager
+    from pagedserve.server.state import ServerState
+
+    async def start(entry):
+        await asyncio.sleep(0.01)
+        if entry.name == "bad":
+            raise ValueError("no such weights")
+        llm = _FakeLLM()
+        return LoadedModel(llm, ServerState(llm, [entry.name], None), None, 0)
+    specs = [ModelSpec(n, f"/models/{n}", {"kv_cache_memory": 1 << 20}) for n in names]
+    return ModelManager(specs, EngineConfig(), ServerConfig(**server), start)
+
+
+def test_manager_least_recently_used_busy_and_memory():
+    import asyncio
+
+    from pagedserve.server.errors import APIError
+    from pagedserve.server.model_specs import rss_bytes
+
+    async def scenario():
+        m = _manager(["a", "b", "c", "bad"], max_loaded_models=2, keep_alive="-1")
+        a = await m.acquire("a")
+        b = await m.acquire("b")
+        m.release(b)
+        c = await m.acquire("c")                                               # a is busy, b idle: b goes
+        assert m.entries["b"].status == "unloaded" and m.entries["c"].status == "loaded"
+        with pytest.raises(APIError, match="no loaded model is idle") as e:   # a and c busy
+            await m.acquire("b")
+        assert e.value.status == 503 and m.entries["b"].status == "failed"
+        assert m.entries["a"].status == "loaded" and m.entries["c"].status == "loaded"
+        m.release(a)
+        m.release(c)
+        with pytest.raises(APIError, match="failed to load: ValueError: no such weights") as e:
+            await m.acquire("bad")
+        assert e.value.status == 500 and m.entries["bad"].error == "ValueError: no such weights"
+        assert sum(e.status == "loaded" for e in m.entries.values()) == 1      # one was unloaded to try
+        # Requests that arrive while a model unloads wait for it and load it again.
+        a = await m.acquire("a")
+        loads = a.loads
+        unload = asyncio.ensure_future(m.unload("a"))
+        await asyncio.sleep(0.02)
+        assert m.entries["a"].status == "unloading"                            # waits for the request
+        waiter = asyncio.ensure_future(m.acquire("a"))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        m.release(a)
+        await unload
+        again = await waiter
+        assert again.status == "loaded" and again.loads == loads + 1
+        m.release(again, 0)                                                    # keep_alive 0: unloads at once
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if again.status == "unloaded":
+                break
+        assert again.status == "unloaded"
+        # --max-memory below what the process already uses: nothing to unload, so a 503.
+        small = _manager(["a"], max_memory=str(rss_bytes() // 2))
+        with pytest.raises(APIError, match="--max-memory") as e:
+            await small.acquire("a")
+        assert e.value.status == 503
+    asyncio.run(scenario())

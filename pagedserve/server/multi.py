@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -114,7 +114,7 @@ def _model_of(scope, body: bytes) -> tuple[str | None, float | None, bool]:
     data = data if isinstance(data, dict) else {}
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     name = data.get("model") or (data.get("name") if scope["path"].startswith("/api/") else None) or \
-        (query.get("model") or [None])[0]
+        (query.get("model") or [None])[0] or _referer_model(scope)
     if name is not None and not isinstance(name, str):
         raise bad_request("model must be a string", "model")
     keep_alive = None
@@ -126,6 +126,13 @@ def _model_of(scope, body: bytes) -> tuple[str | None, float | None, bool]:
     empty = (scope["path"] == "/api/generate" and not data.get("prompt") and not data.get("suffix")) or \
         (scope["path"] == "/api/chat" and not data.get("messages"))
     return name, keep_alive, empty
+
+
+def _referer_model(scope) -> str | None:
+    """The model of the page a request comes from: /dashboard?model=NAME's own requests (its KV
+    stream and snapshots) name none, so they go to the model the page was opened for."""
+    referer = dict(scope["headers"]).get(b"referer", b"").decode("latin-1")
+    return (parse_qs(urlsplit(referer).query).get("model") or [None])[0] if referer else None
 
 
 def _ollama_done(name: str, reason: str, path: str) -> Response:
