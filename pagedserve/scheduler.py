@@ -405,8 +405,6 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             admitted = self._admit(req, budget)
-            if self.tier is not None:
-                self.tier.release(req.request_id)   # its table holds what it took
             if admitted is None:
                 break          # out of blocks: stop admitting
             plan, copies = admitted
@@ -642,17 +640,21 @@ class Scheduler:
 
     def _wait_for_tier(self, req: Request) -> bool:
         """Whether a waiting request waits for the disk tier: its reads are in flight, or its
-        prefix misses the pool but hits the tier and reads start now (into free blocks, leaving
-        the admission watermark while others run). At most two reads per request, so a prefix
-        evicted again before admission is computed rather than chased."""
+        prefix misses the pool but hits the tier and reads start now (into free blocks, where its
+        admission would be allowed: leaving the admission watermark while others run). Landed
+        reads are cached blocks like any: the request is admitted through the ordinary lookup. At
+        most two reads per request, so a prefix evicted again before admission is computed
+        rather than chased."""
         rid = req.request_id
         if self.tier.waiting(rid):
-            return not self.tier.ready(rid)
+            return True
         tries = self._tier_tries.get(rid)
         if req.computes_every_prompt_token or (tries or 0) >= 2:
             return False
         seq = req.live_seqs[0]
         tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
+        if self.running and not self._above_watermark([seq], len(req.prompt_token_ids)):
+            return False
         room = self.kv.num_free_blocks - (self.watermark_blocks if self.running else 0)
         started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), room, count=tries is None)
         self._tier_tries[rid] = (tries or 0) + started

@@ -18,6 +18,8 @@ from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.server.metrics import PrometheusStatLogger
 from pagedserve.worker import kv_tier
 from pagedserve.worker.kv_tier import KVTierStore, TierFileError
+from tests.conftest import PROMPTS
+from tests.test_engine import assert_no_blocks_held
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -124,6 +126,25 @@ def one_by_one_ref(ref, prompts):
     return [by_prompt[tuple(p)] for p in prompts[::-1] * 2]
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_parallel_sampling_and_beams_over_the_tier(tiny_llama, tmp_path, mode):
+    """test_preemption's mix (greedy, n=2, beam search; hundreds of preemptions in a pool of 40
+    blocks of 2 tokens) with the tier below the pool, under the invariant checker: the same outputs
+    as with an ample pool."""
+    from tests.test_preemption import BLOCK_SIZE, TIGHT_BLOCKS, host_bytes, run_mix
+    prompts = [tiny_llama.tokenizer.encode(p) for p in PROMPTS]
+    ample, _ = run_mix(LLM(tiny_llama.path, dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks_override=2048),
+                       prompts)
+    kw = dict(preemption_mode=mode, swap_space=host_bytes(tiny_llama, 64) / 1024**3) if mode == "swap" else {}
+    llm = LLM(tiny_llama.path, dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks_override=TIGHT_BLOCKS,
+              kv_offload_path=str(tmp_path), **kw)
+    outs, preempted = run_mix(llm, prompts)
+    assert outs == ample and preempted
+    stats = llm.kv_cache_stats()
+    assert stats["kv_offload_blocks_loaded"] > 0 and stats["kv_offload_load_failures"] == 0
+    assert_no_blocks_held(llm)
+
+
 def test_salted_blocks_are_found_only_under_their_salt(model, prompts, tmp_path):
     first = tier_llm(model, tmp_path, blocks=64)
     first.generate({"prompt_token_ids": prompts[0], "cache_salt": "tenant-a"}, SP, use_tqdm=False)
@@ -164,12 +185,13 @@ def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
     saves, loads, deletes = link.take()
     assert [k for _, k in saves] == keys and deletes == [keys[0]] and list(index.keys) == keys[1:]
     assert link.fetch("r", keys[1:3], room=4, block_size=16)
-    assert [k for k, _ in link.take()[1]] == keys[1:3] and not link.ready("r")
+    assert [k for k, _ in link.take()[1]] == keys[1:3] and link.waiting("r")
     assert all(b.ref_cnt == 2 for b in link.loading.values())    # the load's and the request's
-    link.finished([keys[1]], [keys[2]])
-    assert link.ready("r") and pool.lookup(keys[1]) is not None and keys[2] not in index
-    link.release("r")
-    assert pool.num_free_blocks == 4
+    link.finished([keys[1]], [])
+    assert link.waiting("r") and pool.num_free_blocks == 2        # pinned while a read is in flight
+    link.finished([], [keys[2]])
+    assert not link.waiting("r") and pool.lookup(keys[1]) is not None and keys[2] not in index
+    assert pool.num_free_blocks == 4                              # landed: cached, free, nothing pinned
     pool.release(pool.allocate(4))               # keys[1] evicted again: the tier has it, no save
     assert link.take()[0] == []
     assert index.stats.blocks_saved == 4 and index.stats.blocks_loaded == 1 and index.stats.load_failures == 1

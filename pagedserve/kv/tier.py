@@ -71,8 +71,10 @@ class TierIndex:
 
 @dataclass(eq=False)
 class Fetch:
-    """One waiting request's reads: the blocks it holds while they land (its pool hits, so they
-    are not evicted meanwhile, and each block a load of its lands in) and the keys it awaits."""
+    """One waiting request's reads in flight: the blocks it holds until they land (its pool hits,
+    so they are not evicted meanwhile, and each block a load of its lands in) and the keys it
+    awaits. Only while they are in flight: a pin held longer could keep the oldest running request
+    from its blocks (the scheduler's liveness argument)."""
     blocks: list[KVBlock] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
 
@@ -112,8 +114,8 @@ class TierLink:
     def fetch(self, owner: str, keys: list[BlockKey], room: int, block_size: int, count: bool = True) -> bool:
         """Start reading the longest run of `keys` (a prompt's lookup keys) that the tier holds
         past the pool's hits, into at most `room` new blocks. Returns whether the request has
-        loads to wait for (then `ready` says when they have landed). `count`: the request's
-        first look, counted in queries and hits (in tokens)."""
+        loads to wait for (`waiting` until they have landed). `count`: the request's first look,
+        counted in queries and hits (in tokens)."""
         pool = self.pool
         hits = []
         for key in keys:
@@ -152,14 +154,11 @@ class TierLink:
         return True
 
     def waiting(self, owner: str) -> bool:
+        """Some read of the request is still in flight."""
         return owner in self.fetches
 
-    def ready(self, owner: str) -> bool:
-        """Every load the request waits for has landed (or failed)."""
-        return not any(k in self.loading for k in self.fetches[owner].keys)
-
     def release(self, owner: str) -> None:
-        """The request was admitted (its table holds what it took) or left: drop its pins."""
+        """Drop the request's pins (its reads landed, or it left)."""
         fetch = self.fetches.pop(owner, None)
         if fetch is not None:
             self.pool.release(fetch.blocks[::-1])
@@ -178,6 +177,9 @@ class TierLink:
             self.index.discard(key)
             self.pool.release([block])
             stats.load_failures += 1
+        for owner, fetch in list(self.fetches.items()):   # all its reads in: the request is admitted next
+            if not any(k in self.loading for k in fetch.keys):
+                self.release(owner)
 
     def forget(self, keys: list[BlockKey]) -> None:
         """Keys whose files are gone (a failed write, the directory's size bound)."""
