@@ -151,6 +151,9 @@ def test_ollama_generate_format_and_errors(server):
     assert isinstance(json.loads(chat.message.content)["answer"], int)
     gen = o.generate(model="smollm2", prompt="The capital of France is", options={"temperature": 0, "num_predict": 6})
     assert gen.response and gen.context and len(gen.context) == gen.prompt_eval_count + gen.eval_count
+    streamed = list(o.generate(model="smollm2", prompt="The capital of France is", stream=True,
+                               options={"temperature": 0, "num_predict": 6}))
+    assert "".join(p.response for p in streamed) == gen.response and streamed[-1].context == gen.context
     raw = o.generate(model="smollm2", prompt="The capital of France is", raw=True,
                      options={"temperature": 0, "num_predict": 6, "stop": ["\n"]})
     assert raw.prompt_eval_count < gen.prompt_eval_count    # no chat template around it
@@ -186,6 +189,13 @@ def test_anthropic_tools_and_errors(server):
     (use,) = first.content
     assert first.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
     assert isinstance(use.input["city"], str) and use.id.startswith("toolu_")
+    with a.messages.stream(model="smollm2", max_tokens=40, tools=[tool], extra_body=GREEDY,
+                           tool_choice={"type": "tool", "name": "get_weather"},
+                           messages=[{"role": "user", "content": "What is the weather in Paris?"}]) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert streamed.content[0].type == "tool_use" and streamed.content[0].input == use.input
+    assert streamed.stop_reason == "tool_use" and "input_json" in kinds
     second = a.messages.create(model="smollm2", max_tokens=12, tools=[tool], extra_body=GREEDY,
                                tool_choice={"type": "none"}, stop_sequences=["\n"], system="Be brief.", messages=[
                                    {"role": "user", "content": "What is the weather in Paris?"},

@@ -135,6 +135,10 @@ class ModelManager:
                 return self.entries[candidate]
             if candidate in self.aliases:
                 return self.entries[self.aliases[candidate]]
+        for entry in self.entries.values():   # an adapter loaded at run time (/v1/load_lora_adapter)
+            loras = entry.loaded.state.loras if entry.loaded is not None else None
+            if loras is not None and name in loras.adapters:
+                return entry
         raise APIError(404, f"the model {name!r} does not exist; this server serves "
                             f"{', '.join(map(repr, list(self.entries) + list(self.aliases)))}", "model",
                        "model_not_found")
