@@ -255,3 +255,29 @@ def test_config_without_layer_types_uses_the_pattern(tmp_path):
     assert args.windows() == ([512] * 5 + [None]) * 2
     assert (args.rope_theta, args.local_rope_theta, args.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
     assert args.beyond_compiled_loop()
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_cpu_kernels_read_only_the_window(head_dim):
+    """The CPU attention kernels with a sliding window (decodes, and prefill chunks through the
+    per-token path) equal the torch reference; blocks before each window hold NaN and are never read."""
+    from pagedserve.attention.cpu_backend import CpuAttention
+    from pagedserve.kernels import cpu as cpu_kernels
+    from pagedserve.worker.model_runner import prepare_batch
+    from pagedserve.batch import ScheduledTokens
+    torch.manual_seed(1)
+    B, W, Hq, Hkv = 4, 10, 4, 2
+    cache = torch.randn(2, 64, Hkv, B, head_dim).transpose(2, 3)       # head-major, as the CPU backend's
+    seqs, poison = [], []
+    for i, (length, new) in enumerate([(37, 1), (14, 1), (45, 7), (26, 26)]):      # two decodes, two chunks
+        table = list(range(1 + 12 * i, 1 + 12 * i + -(-length // B)))
+        first = max(0, length - new - W + 1) // B
+        poison += table[:first]
+        seqs.append(ScheduledTokens(i, [0] * new, length - new, [-1] * first + table[first:]))
+    _, _, meta = prepare_batch(seqs, B, "cpu", windows=(W,))
+    q = torch.randn(meta.query_start_loc_cpu[-1], Hq, head_dim)
+    ref = TorchAttention()._reference(q, None, None, cache, meta, 0.25)
+    cache[:, poison] = float("nan")
+    out = cpu_kernels.paged_attention(q, cache, CpuAttention().kernel_rows(meta), 0.25)
+    assert out is not None and not out.isnan().any()      # (None: the kernel did not run)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

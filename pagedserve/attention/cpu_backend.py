@@ -22,10 +22,13 @@ class CpuAttention(TorchAttention):
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
         self.lib = cpu_kernels.load()
-        self._rows: tuple[AttentionMetadata, cpu_kernels.AttentionRows] | None = None
+        # The step's query rows per KV group's metadata (a hybrid model has one per group).
+        self._rows: dict[int, tuple[AttentionMetadata, cpu_kernels.AttentionRows]] = {}
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self.kernel_rows(meta)
+        self._rows.clear()
+        for m in meta.groups or [meta]:
+            self.kernel_rows(m)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -36,8 +39,8 @@ class CpuAttention(TorchAttention):
                 meta: AttentionMetadata, scale: float, softcap: float = 0.0,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
-        if meta.window is not None or softcap or sinks is not None:
-            # Not in the kernels yet: the torch reference reads the window's blocks only.
+        if softcap or sinks is not None:
+            # Not in the kernels yet: the torch reference (a window's blocks only).
             return self._reference(q, k, v, kv_cache, meta, scale, softcap, sinks)
         out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale, self.kv_format.code)
         return out if out is not None else self._reference(q, k, v, kv_cache, meta, scale)
@@ -45,8 +48,10 @@ class CpuAttention(TorchAttention):
     def kernel_rows(self, meta: AttentionMetadata) -> cpu_kernels.AttentionRows:
         """The step's query rows as the kernel reads them; built once per step (`prepare`), used by
         every layer."""
-        if self._rows is None or self._rows[0] is not meta:
+        cached = self._rows.get(id(meta))
+        if cached is None or cached[0] is not meta:
             prefills = meta.num_decodes < meta.num_seqs
-            self._rows = (meta, cpu_kernels.AttentionRows.of(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                                             meta.num_decodes, meta.per_token if prefills else None))
-        return self._rows[1]
+            cached = self._rows[id(meta)] = (meta, cpu_kernels.AttentionRows.of(
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                meta.per_token if prefills else None, meta.window))
+        return cached[1]

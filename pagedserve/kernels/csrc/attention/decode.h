@@ -150,12 +150,15 @@ auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const K *, c
 template <typename T, typename K = T>
 int paged_decode(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *tables, int64_t table_stride,
                  const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L,
-                 float scale, int64_t partition_size) {
+                 float scale, int64_t partition_size, int64_t window = 0) {
     const int64_t G = Hq / Hkv;
     if (G > kMaxGroup || D > kMaxDim || B > kMaxBlock || Hq % Hkv || partition_size > kMaxPartition) return 1;
     const auto fast = pick_partition_kernel<T, K>(D);
+    // A sliding window: the query at position len - 1 reads positions len - window .. len - 1 only
+    // (the table's blocks before them are never touched); partitions split that span.
+    auto first = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, seq_lens[i] - window) : int64_t{0}; };
     int64_t max_len = 1;
-    for (int64_t i = 0; i < N; i++) max_len = std::max(max_len, seq_lens[i]);
+    for (int64_t i = 0; i < N; i++) max_len = std::max(max_len, seq_lens[i] - first(i));
     // Contexts are split into partitions (parallel work for few queries, and each partition's
     // keys, values and scores stay in L1/L2); the partial results are merged after. Where every
     // context fits one partition, results go straight to `out`, with no merge buffer.
@@ -181,7 +184,7 @@ int paged_decode(const T *q, int64_t q_stride, const K *kc, const K *vc, const i
                     p = own.data();
                 }
                 for (int64_t g = 0; g < G; g++) p[g] = -INFINITY;      // m; l and acc start at 0
-                const int64_t t0 = j * partition_size, t1 = std::min(t0 + partition_size, seq_lens[i]);
+                const int64_t t0 = first(i) + j * partition_size, t1 = std::min(t0 + partition_size, seq_lens[i]);
                 if (t0 >= t1) continue;
                 const T *qg = q + i * q_stride + h * G * D;      // the G query heads of KV head h
                 if (fast) {

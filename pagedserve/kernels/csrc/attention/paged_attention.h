@@ -12,30 +12,33 @@ struct AttentionRows {   // laid out by kernels/cpu.py (AttentionRows) from the 
     const int64_t *token_tables;             // per query token (null without prefills): each token
     int64_t token_table_stride;              // as a sequence of its own over its causal prefix
     const int64_t *token_lens;
+    int64_t window;                          // a sliding window (a hybrid model's KV group); 0: none
 };
 
 // Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel where
 // the build has one (AVX2 and up) and the shape fits, else each prefill token through the
-// decode kernel.
+// decode kernel. With a sliding window every query reads only its window's rows (the decode
+// kernel starts each at its length - window), and prefill tokens take the per-token path.
 template <typename T, typename K = T>
 int attend(const T *q, int64_t q_stride, const K *kc, const K *vc, const AttentionRows &a, int64_t num_tokens, T *out,
            int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale, int64_t partition_size) {
     if (a.num_decodes == a.num_seqs)
         return paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, num_tokens, Hq, Hkv, D, B,
-                            L, scale, partition_size);
+                            L, scale, partition_size, a.window);
 #ifdef __AVX2__
     const int64_t nd = a.num_decodes;
-    if (nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq, Hkv, D, B, L,
-                           scale, partition_size))
+    if (a.window == 0 && nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq,
+                                            Hkv, D, B, L, scale, partition_size))
         return 1;
-    if (paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
+    if (a.window == 0 &&
+        paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
                       a.seq_lens + nd, a.query_start + nd, a.num_seqs - nd, out + nd * Hq * D, Hq, Hkv, D, B, L,
                       scale) == 0)
         return 0;
 #endif
     if (a.token_tables == nullptr) return 1;
     return paged_decode(q, q_stride, kc, vc, a.token_tables, a.token_table_stride, a.token_lens, out, num_tokens, Hq,
-                        Hkv, D, B, L, scale, partition_size);
+                        Hkv, D, B, L, scale, partition_size, a.window);
 }
 }  // namespace
 
