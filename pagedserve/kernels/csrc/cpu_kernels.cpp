@@ -42,6 +42,8 @@ extern "C" const char *kernel_variant() {
 
 #include "common/convert.h"
 #include "common/handover.h"
+#include "common/avx512_transpose.h"
+#include "common/amx.h"
 #include "attention/layout.h"
 #include "attention/kv8_format.h"
 #include "attention/decode_scalar.h"

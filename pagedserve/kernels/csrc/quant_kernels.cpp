@@ -55,6 +55,8 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 
 #include "quant/qtypes.h"
 #include "common/convert.h"
+#include "common/avx512_transpose.h"
+#include "common/amx.h"
 #include "quant/dequantize_block.h"
 #include "quant/activations.h"
 #include "quant/prefetch.h"

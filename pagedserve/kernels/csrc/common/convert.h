@@ -3,15 +3,18 @@
 #pragma once
 
 namespace {
+// bf16 bits -> float32 (exact).
+inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
 // ---- cpu_kernels: a storage element (float32 or bf16) as float32, and back -----------------------
 
 inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
+inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
 inline void store(float *dst, float x) { *dst = x; }
 inline void store(uint16_t *dst, float x) {
     uint32_t u;
@@ -59,12 +62,6 @@ float f16(const uint8_t *p) {
 #endif
 }
 
-float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = uint32_t(h) << 16;
-    float out;
-    std::memcpy(&out, &bits, 4);
-    return out;
-}
 
 uint16_t f32_to_bf16(float f) {          // round to nearest even, NaN kept quiet (as torch)
     uint32_t bits;

@@ -23,15 +23,6 @@ struct AmxConfig {
 };
 AmxConfig g_amx;
 
-bool amx_permitted() {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-    if (!tile || !bf16) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
 struct alignas(64) TileConfig {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -177,7 +168,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_gemm(const uint16_t *x, co
 // enable: use AMX where usable (1) or not (0); min_rows: from how many rows of x. Returns 1 where
 // AMX is in use after the call, 0 where not (the CPU or kernel lacks it, or disabled).
 extern "C" int gemm_amx_config(int64_t enable, int64_t min_rows) {
-    static const bool usable = amx_permitted();
+    static const bool usable = amx_permitted(kAmxBf16);
     g_amx.usable = usable;
     g_amx.enabled = usable && enable != 0;
     g_amx.min_rows = std::max<int64_t>(1, min_rows);

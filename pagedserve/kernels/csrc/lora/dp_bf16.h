@@ -67,8 +67,8 @@ void lora_expand_dp_rows(const float *u, int64_t ldu, const uint16_t *pj, const 
     for (int i = 0; i < NR; i++)
         for (int64_t q = 0; q < np; q++) {
             uint16_t lo, hi = 0;
-            store_as(&lo, u[i * ldu + 2 * q]);
-            if (2 * q + 1 < r) store_as(&hi, u[i * ldu + 2 * q + 1]);
+            store(&lo, u[i * ldu + 2 * q]);
+            if (2 * q + 1 < r) store(&hi, u[i * ldu + 2 * q + 1]);
             up[i][q] = _mm512_set1_epi32(static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16));
         }
     int64_t c = c0;

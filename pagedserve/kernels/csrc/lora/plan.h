@@ -98,8 +98,8 @@ void lora_shrink_item(const LoraRefs *lr, const LoraProj &p, const LoraBlock &bl
                 for (; k + Vec::W <= blk.rank; k += Vec::W) Vec::store(uk + k, round_as_v<Vec>(Vec::load(uk + k), x));
                 for (; k < blk.rank; k++) {
                     T rounded;
-                    store_as(&rounded, uk[k]);
-                    uk[k] = as_float(rounded);
+                    store(&rounded, uk[k]);
+                    uk[k] = to_f32(rounded);
                 }
             }
 }

@@ -4,20 +4,6 @@
 
 namespace {
 
-inline float as_float(float v) { return v; }
-inline float as_float(uint16_t v) {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-inline void store_as(float *dst, float v) { *dst = v; }
-inline void store_as(uint16_t *dst, float v) {     // to nearest even (the values are finite)
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    *dst = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // LoRA deltas (lora/weights.py LoRAStep, kernels/cpu.py LoraTable). Per layer and projection
 // the step's slot range (span slots from lo) is a view of lora/weights.py's stacked tensors:
 // A [span * K, in] and BT [span * K, ldb] (K = nparts * R rank rows per slot, R per part; BT
@@ -67,7 +53,7 @@ void lora_shrink_tile(const T *const *xr, const T *a, int64_t lda, int64_t k0, i
     for (int k = 0; k < NK; k++)
         for (int i = 0; i < NR; i++) {
             float s = V::reduce_add(acc[k][i]);
-            for (int64_t c = body; c < len; c++) s += as_float(xr[i][c]) * as_float(a[(k0 + k) * lda + c]);
+            for (int64_t c = body; c < len; c++) s += to_f32(xr[i][c]) * to_f32(a[(k0 + k) * lda + c]);
             u[i * ldu + k0 + k] = s;
         }
 }
@@ -132,8 +118,8 @@ void lora_expand_rows(const float *u, int64_t ldu, const T *b, int64_t ldb, int6
     for (; c < c1; c++)
         for (int i = 0; i < NR; i++) {
             float s = 0.f;
-            for (int64_t k = 0; k < r; k++) s += u[i * ldu + k] * as_float(b[k * ldb + c]);
-            store_as(yr[i] + c, as_float(yr[i][c]) + s);
+            for (int64_t k = 0; k < r; k++) s += u[i * ldu + k] * to_f32(b[k * ldb + c]);
+            store(yr[i] + c, to_f32(yr[i][c]) + s);
         }
 }
 

@@ -35,14 +35,6 @@ struct AmxInt8 {
 };
 AmxInt8 g_amx8;
 
-bool amx8_permitted() {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;     // amx-tile, amx-int8
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
 inline void amx8_barrier() { __asm__ volatile("" ::: "memory"); }   // orders C++ memory accesses around tile asm
 
 struct alignas(64) Amx8Config {
@@ -220,7 +212,7 @@ __attribute__((target("amx-tile,amx-int8"))) void amx8_group(const uint8_t *w, i
         }
         __m512i r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(acc[i]);
-        transpose16x16(r);                    // r[t]: activation row t's sums for the 16 weight rows
+        transpose16_epi32(r);                    // r[t]: activation row t's sums for the 16 weight rows
         const int64_t rows = std::min<int64_t>(16, a.T - 16 * tile);
         for (int64_t t = 0; t < rows; t++) {
             const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[t]), b);

@@ -114,7 +114,7 @@ inline void amxw_store(const float *c, const float *bias, uint16_t *y, int64_t l
                        int64_t col, int64_t nw, bool native) {
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(c + 16 * i);
-    transpose16x16(r);                       // r[t]: activation row t's sums of the 16 weight rows
+    transpose16_epi32(r);                       // r[t]: activation row t's sums of the 16 weight rows
     const __mmask16 mask = nw >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nw) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     for (int64_t t = 0; t < nt; t++) {
@@ -244,7 +244,7 @@ int amxw_linear(const QuantPart *parts, int64_t nparts, const uint16_t *x, int64
             __m512i r[16];
             for (int64_t c = 0; c < 16; c++)
                 r[c] = 16 * k + c < T ? _mm512_loadu_si512(x32 + (16 * k + c) * pairs + g) : _mm512_setzero_si512();
-            transpose16x16(r);
+            transpose16_epi32(r);
             for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(&bv[(k * pairs + g + c) * 16], r[c]);
         }
         amxw_rows(parts, nparts, bv.data(), T, K, total, bias, y, ldy, native, plan);
@@ -267,7 +267,7 @@ int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, 
 // this build, the CPU or kernel lacks AMX-BF16, or disabled).
 extern "C" int quant_amxw_config(int64_t enable, int64_t min_rows, int64_t max_rows) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    static const bool usable = amxw_permitted();
+    static const bool usable = amx_permitted(kAmxBf16);
     g_amxw.enabled = usable && enable != 0;
     g_amxw.min_rows = std::max<int64_t>(1, min_rows);
     g_amxw.max_rows = max_rows;
@@ -283,7 +283,7 @@ extern "C" int quant_amxw_config(int64_t enable, int64_t min_rows, int64_t max_r
 // lacks AMX-INT8, or disabled).
 extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    static const bool usable = amx8_permitted();
+    static const bool usable = amx_permitted(kAmxInt8);
     g_amx8.enabled = usable && enable != 0;
     g_amx8.min_rows = std::max<int64_t>(1, min_rows);
     return g_amx8.enabled ? 1 : 0;

@@ -25,14 +25,6 @@ AmxW g_amxw;
 bool amxw_takes(int64_t T) { return g_amxw.enabled && T >= g_amxw.min_rows && T <= g_amxw.max_rows; }
 bool amxw_enabled() { return g_amxw.enabled; }
 
-bool amxw_permitted() {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;     // amx-tile, amx-bf16
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
 __attribute__((target("amx-tile,amx-bf16"))) void amxw_load_config() {     // every tile 16 x 64 bytes
     Amx8Config cfg{};
     cfg.palette = 1;

@@ -16,29 +16,6 @@ inline __m512i bf16_bits(__m512 x) {
     return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
 }
 
-// In place: r[i] lane j <- r[j] lane i (32-bit lanes).
-inline void transpose16x16(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int k = 0; k < 8; k++) {
-        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-    }
-    for (int m = 0; m < 4; m++) {
-        u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
-        u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
-        u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
-        u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i w01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i x01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
-                      x23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(w01, x01, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(w01, x01, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(w23, x23, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(w23, x23, 0xDD);
-    }
-}
 #endif
 
 // 16 rows' floats (f: [16][ld], columns [0, c)) into packed columns from k0 of one tile of 16
@@ -53,14 +30,14 @@ void pack16(const float *f, int64_t ld, int64_t c, int64_t k0, void *tile, bool 
                 const __m256i hi = _mm512_cvtepi32_epi16(bf16_bits(_mm512_loadu_ps(f + i * ld + j + 16)));
                 r[i] = _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
             }
-            transpose16x16(r);
+            transpose16_epi32(r);
             uint16_t *dst = static_cast<uint16_t *>(tile) + (k0 + j) * 16;
             for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * 32, r[p]);
         }
     } else {
         for (int64_t j = 0; j < c; j += 16) {
             for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(_mm512_loadu_ps(f + i * ld + j));
-            transpose16x16(r);
+            transpose16_epi32(r);
             float *dst = static_cast<float *>(tile) + (k0 + j) * 16;
             for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * 16, r[p]);
         }
@@ -167,7 +144,7 @@ void pack_group_bf16(const uint8_t *w, int64_t ldw, int64_t n, int64_t K, uint16
         for (int64_t j = 0; j < c; j += 32) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(buf + i * kCols + j);
-            transpose16x16(r);
+            transpose16_epi32(r);
             uint16_t *dst = tile + (k0 + j) * 16;
             for (int q = 0; q < 16; q++) _mm512_storeu_si512(dst + q * 32, r[q]);
         }
