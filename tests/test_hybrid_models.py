@@ -35,6 +35,11 @@ HYBRID = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     "mistral": ("MistralConfig", dict(num_hidden_layers=2, tie_word_embeddings=False)),
+    # Gemma 3's own pattern (five window layers, then a full one), as its GGUF files assume.
+    "gemma3_6": ("Gemma3TextConfig", dict(
+        num_hidden_layers=6, query_pre_attn_scalar=16, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
 _models: dict[str, TinyModel] = {}
 
@@ -88,7 +93,7 @@ def make(tm: TinyModel, **kw) -> LLM:
     return LLM(tm.path, **kw)
 
 
-ALL = pytest.mark.parametrize("hybrid", sorted(HYBRID), indirect=True)
+ALL = pytest.mark.parametrize("hybrid", ["gemma2", "gemma3", "mistral"], indirect=True)
 
 
 @ALL
@@ -218,24 +223,30 @@ def _gemma_rename(name: str, a):
     return None
 
 
-def _gemma_header(softcaps: bool):
-    def header(w, cfg) -> None:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-        w.add_sliding_window(cfg.sliding_window)
-        if softcaps:
-            w.add_float32(f"{w.arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
-            w.add_float32(f"{w.arch}.final_logit_softcapping", cfg.final_logit_softcapping)
-    return header
+def _gemma_header(w, cfg) -> None:
+    """What llama.cpp's converter writes for a Gemma beyond the shared header."""
+    import gguf
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.model_type == "gemma2":
+        w.add_float32(f"{w.arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{w.arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    else:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
 
 
-@pytest.mark.parametrize("hybrid", ["gemma2"], indirect=True)
-def test_gguf_as_llama_cpp_writes_gemma2_matches_transformers(hybrid, tmp_path):
-    """A gemma2 GGUF file (llama.cpp's tensor names and metadata keys; its layer pattern)."""
-    path = tmp_path / "gemma2.gguf"
-    write_hf_model(hybrid.hf, path, "gemma2", header=_gemma_header(True), rename=_gemma_rename)
+@pytest.mark.parametrize("hybrid, arch, windows", [("gemma2", "gemma2", [WINDOW, None] * 2),
+                                                   ("gemma3_6", "gemma3", [WINDOW] * 5 + [None])],
+                         indirect=["hybrid"])
+def test_gguf_as_llama_cpp_writes_gemma_matches_transformers(hybrid, arch, windows, tmp_path):
+    """gemma2 / gemma3 GGUF files (llama.cpp's tensor names and metadata keys, its layer patterns,
+    norms stored as 1 + w)."""
+    path = tmp_path / f"{arch}.gguf"
+    write_hf_model(hybrid.hf, path, arch, header=_gemma_header, rename=_gemma_rename)
     llm = LLM(str(path), tokenizer=hybrid.path, dtype="float32", block_size=BLOCK, num_gpu_blocks_override=256)
-    assert llm.engine.model_args.windows() == [WINDOW, None] * 2
+    assert llm.engine.model_args.windows() == windows
     prompt = long_prompts(hybrid, 1)[0]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, min_tokens=8),
                        use_tqdm=False)[0]
