@@ -476,3 +476,24 @@ def test_the_quiet_recordings_validation_fails_for_each_term_scaled_or_removed(q
                         decomposed)
         assert not v["passed"], (term, scale)
         assert not v["terms"][term]["ok"], (term, scale)
+
+
+def test_a_mixture_of_experts_step_is_priced_by_the_experts_it_reads():
+    """OLMoE-1B-7B's shape: all 64 experts resident, one token reads 8; a decode step of one token
+    costs its active weights' bytes, a large batch every expert's."""
+    cfg = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+               intermediate_size=1024, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
+               tie_word_embeddings=False, torch_dtype="bfloat16")
+    moe = ModelShape.from_config(cfg)
+    assert (moe.sparse_layers, moe.dense_layers, moe.expert_ffn_size) == (16, 0, 1024)
+    assert moe.weight_bytes / 2 / 1e9 == pytest.approx(6.9, abs=0.05)         # OLMoE-1B-7B: 6.9B in all
+    assert moe.read_bytes(1) / 2 / 1e9 == pytest.approx(1.17, abs=0.05)       # ~1.3B active with the embedding
+    assert moe.experts_read(1) == pytest.approx(8) and moe.experts_read(256) == pytest.approx(64)
+    one = CostModel(moe, TOY).step_time(StepWork.of([(100, 1)], 1))
+    expert = 3 * 2048 * 1024
+    assert one.linear == pytest.approx(16 * (4 * 2048 * 2048 + 8 * expert) * 2 / (1e12 * 0.8))
+    qwen = ModelShape.from_config({**cfg, "moe_intermediate_size": 512, "mlp_only_layers": [0],
+                                   "decoder_sparse_step": 2})
+    assert (qwen.sparse_layers, qwen.dense_layers, qwen.expert_ffn_size) == (8, 8, 512)
+    dense = ModelShape.from_config({k: v for k, v in cfg.items() if k not in ("num_experts", "num_experts_per_tok")})
+    assert dense.read_bytes(1) == dense.weight_bytes - dense.head_params * 2     # (the embedding is not read)

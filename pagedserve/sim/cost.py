@@ -108,7 +108,12 @@ class CostModel:
         c, m = self.device.calibration, self.model
         L = m.num_layers
         loop = c.loop_factor(w.num_tokens)     # the validated layer loop against the one the terms were fitted in
-        linear = loop * L * sum(c.linear_time(n, k, w.num_tokens) for n, k in m.matrices)
+        linear = loop * (L * sum(c.linear_time(n, k, w.num_tokens) for n, k in m.attention_matrices)
+                         + m.dense_layers * sum(c.linear_time(n, k, w.num_tokens) for n, k in m.mlp_matrices))
+        if m.sparse_layers:      # the experts the step's tokens route to, each over its share of the rows
+            experts = m.experts_read(w.num_tokens)
+            rows = max(1, round(w.num_tokens * m.experts_per_token / experts))
+            linear += loop * m.sparse_layers * experts * sum(c.linear_time(n, k, rows) for n, k in m.expert_matrices)
         lm_head = interpolate(c.lm_head, w.num_sampled) if w.num_sampled else 0.0
         d = c.decode_coefficients(self.block_size if self.paged else None)
         decode = L * (d[0] + d[1] * w.num_decodes + d[2] * w.decode_pairs) if w.num_decodes else 0.0
@@ -127,8 +132,13 @@ class CostModel:
     def _roofline(self, w: StepWork) -> StepTime:
         m, tp, eff = self.model, self.tp, self.device.efficiency
         L, b = m.num_layers, m.dtype_bytes
-        linear = sum(self._roof(2 * L * n * k * w.num_tokens / tp, L * n * k * b / tp, self._flops, self._bw)
-                     for n, k in m.matrices)
+        linear = sum(self._roof(2 * layers * n * k * w.num_tokens / tp, layers * n * k * b / tp, self._flops, self._bw)
+                     for layers, matrices in ((L, m.attention_matrices), (m.dense_layers, m.mlp_matrices))
+                     for n, k in matrices)
+        if m.sparse_layers:      # k experts' work per token; the bytes of the experts the tokens route to
+            expert = sum(n * k for n, k in m.expert_matrices)
+            linear += self._roof(2 * m.sparse_layers * m.experts_per_token * expert * w.num_tokens / tp,
+                                 m.sparse_layers * m.experts_read(w.num_tokens) * expert * b / tp, self._flops, self._bw)
         lm_head = self._roof(2 * m.head_params * w.num_sampled / tp, m.head_params * b / tp, self._flops,
                              self._bw) if w.num_sampled else 0.0
         per_pair = 4 * m.num_heads * m.head_dim * L / tp            # QK^T and PV, all layers
