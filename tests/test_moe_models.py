@@ -203,3 +203,17 @@ def test_the_start_log_says_weights_resident_and_read_per_token(moe_models, capl
     assert model_weight_bytes(model) - model_read_bytes_per_token(model) == unread + model.embed.numel() * 4
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
     assert f"read per token: {model_read_bytes_per_token(model) / 2**20:.1f} MiB ({k} of {e} experts)" in line
+
+
+@pytest.mark.parametrize("name", sorted(MOE_VARIANTS))
+def test_dummy_weights_of_an_moe_config(moe_models, name):
+    """load_format='dummy' draws every expert of the config's shapes (a timing run of a model not here)."""
+    tm = moe_models(name)
+    llm = LLM(tm.path, load_format="dummy", dtype="float32", num_gpu_blocks_override=64)
+    model = _model_of(llm)
+    spec = llm.engine.model_args.moe
+    assert [w.moe is not None and len(w.moe.experts) == spec.num_experts for w in model.layers] == \
+        [spec.is_sparse(i) for i in range(len(model.layers))]
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.models import architectures
 from pagedserve.models.llama import ModelArgs
+from pagedserve.models.moe_weights import expert_names, hf_moe_shapes
 
 INIT_STD = 0.02
 
@@ -30,13 +31,20 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     for layer in range(args.num_layers):
         p = f"layers.{layer}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, i)}
+                   p + "self_attn.o_proj.weight": (h, q)}
+        mlp = []
+        if args.moe is not None and args.moe.is_sparse(layer):     # a router and experts in the MLP's place
+            shapes |= hf_moe_shapes(p, args.moe, h, expert_names(args.architecture))
+        else:
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+            mlp = [(arch.gate_up_parts(p, None, i), (h,))]
         # (the checkpoint's own tensors: q/k/v or a fused qkv_proj, gate/up or gate_up_proj)
-        for parts, cols in ((arch.qkv_parts(p, whole, q, kv), (h,)), (arch.gate_up_parts(p, None, i), (h,))):
+        for parts, cols in [(arch.qkv_parts(p, whole, q, kv), (h,)), *mlp]:
             for name, _ in parts:
                 shapes[name] = (sum(r[1] - r[0] if r else i for n, r in parts if n == name), *cols)
-        if args.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if args.qk_norm:       # per head, or (qk_norm_full) over all of q and of k
+            qn, kn = (q, kv) if args.qk_norm_full else (d, d)
+            shapes |= {p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)}
         if args.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if args.attention_sinks:

@@ -629,8 +629,8 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
         if args.attention_sinks:
             layer.sinks = w(p + "self_attn.sinks", (q0, q1) if shard.size > 1 else None).float()
         if args.moe is not None and args.moe.is_sparse(i):
-            layer.moe = moe_weights.build_moe(build, source, i, args.moe, _EXPERT_NAMES.get(
-                args.architecture, moe_weights.ExpertNames()), *_expert_parts(args.moe, shard))
+            layer.moe = moe_weights.build_moe(build, source, i, args.moe, moe_weights.expert_names(args.architecture),
+                                              *_expert_parts(args.moe, shard))
         else:
             layer.gate_up = build.matrix(arch.gate_up_parts(p, inter, args.intermediate_size))
             layer.down = build.matrix([(p + "mlp.down_proj.weight", None)], cols=inter)
@@ -661,10 +661,6 @@ def _expert_parts(spec, shard: Shard) -> tuple:
         return None, None
     return shard.split(spec.intermediate_size), \
         (shard.split(spec.shared_intermediate_size) if spec.shared_intermediate_size else None)
-
-
-# HF checkpoints whose MoE tensors are not named as Qwen's and OLMoE's
-_EXPERT_NAMES = {"MixtralForCausalLM": moe_weights.MIXTRAL_NAMES}
 
 
 # What pagedserve derives from a GGUF file (its float32 weights, its tokenizer) is cached under

@@ -39,6 +39,11 @@ class ExpertNames:
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
 
+def expert_names(architecture: str) -> ExpertNames:
+    """How an HF architecture's checkpoints name MoE tensors (Qwen's and OLMoE's: the default)."""
+    return MIXTRAL_NAMES if architecture == "MixtralForCausalLM" else ExpertNames()
+
+
 # ---- configs -----------------------------------------------------------------------------------
 
 def qwen_moe_config(cfg: dict) -> dict:
