@@ -224,7 +224,7 @@ def test_embeddings_keep_alive_and_lru(server, http):
     assert len(vectors) == 2 and vectors[0] == pytest.approx(reference.data[0].embedding, rel=1e-5, abs=1e-6)
     # Two are loaded (smollm2 used before embed): a third unloads the least recently used, smollm2.
     assert statuses(http)["smollm2"] == "loaded" and statuses(http)["embed"] == "loaded"
-    o.generate(model="tiny", prompt="hi", options={"num_predict": 2})
+    assert o.generate(model="tiny", prompt="hi", options={"num_predict": 2}).load_duration > 0
     s = statuses(http)
     assert s["smollm2"] == "unloaded" and s["embed"] == "loaded" and s["tiny"] == "loaded", s
     assert "unloading model smollm2 (least recently used" in server.log()

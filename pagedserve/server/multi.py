@@ -72,7 +72,10 @@ class ModelDispatch:
                 entry = await self.manager.unload(self.manager.resolve(name).name, "a request's keep_alive 0")
                 await _ollama_done(entry.name, "unload", path)(scope, receive, send)
                 return
+            started = time.monotonic()
             entry = await self.manager.acquire(name)
+            # What the request waited for its model (Ollama's load_duration), in Starlette's request.state.
+            scope.setdefault("state", {})["model_wait_seconds"] = time.monotonic() - started
         except APIError as e:
             await shaped_error(path, e)(scope, receive, send)
             return

@@ -253,8 +253,9 @@ class OllamaServing(ChatServing):
         m = final.metrics if final is not None else None
         first = m.first_token_time if m is not None and m.first_token_time else now
         prompt_ns = int(max(first - self.arrival, 0) * 1e9)
-        return {**self._head(), "done": True, "done_reason": reason, "total_duration": int((now - self.arrival) * 1e9),
-                "load_duration": 0, "prompt_eval_count": len(final.prompt_token_ids) if final is not None else 0,
+        return {**self._head(), "done": True, "done_reason": reason, "total_duration": int((now - self.arrival) * 1e9) + _load_ns(self.raw),
+                "load_duration": _load_ns(self.raw),
+                "prompt_eval_count": len(final.prompt_token_ids) if final is not None else 0,
                 "prompt_eval_duration": prompt_ns,
                 "eval_count": len(c.token_ids) if c is not None else (completion_tokens or 0),
                 "eval_duration": int(max(now - first, 0) * 1e9)}
@@ -299,6 +300,11 @@ class OllamaServing(ChatServing):
             self.log_finish([final] if final is not None else [], error)
 
 
+def _load_ns(raw: Request) -> int:
+    """Nanoseconds the request waited for its model to load (a multi-model server's dispatch sets it)."""
+    return int(getattr(raw.state, "model_wait_seconds", 0.0) * 1e9)
+
+
 def _served_name(state: ServerState, name: str | None) -> str | None:
     """Ollama's NAME:latest is NAME."""
     if name is not None and name.endswith(":latest") and name not in state.served_model_names:
@@ -339,7 +345,8 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
         if older:
             return JSONResponse({"embedding": vectors[0]})
         return JSONResponse({"model": serving.model, "embeddings": vectors,
-                             "total_duration": int((time.monotonic() - serving.arrival) * 1e9), "load_duration": 0,
+                             "total_duration": int((time.monotonic() - serving.arrival) * 1e9) + _load_ns(raw),
+                             "load_duration": _load_ns(raw),
                              "prompt_eval_count": data["usage"]["prompt_tokens"]})
 
     @app.post("/api/embed")
