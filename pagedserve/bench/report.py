@@ -30,6 +30,17 @@ def row(label: str, value, fmt: str = "{:.2f}") -> str:
     return f"{label + ':':<40}{text:>10}"
 
 
+def print_totals(requests: int, seconds: float, input_tokens: int, output_tokens: int) -> None:
+    """The rows every throughput table starts with (vLLM's names)."""
+    print(row("Successful requests", requests, "{:d}"))
+    print(row("Benchmark duration (s)", seconds))
+    print(row("Total input tokens", input_tokens, "{:d}"))
+    print(row("Total generated tokens", output_tokens, "{:d}"))
+    print(row("Request throughput (req/s)", requests / seconds))
+    print(row("Output token throughput (tok/s)", output_tokens / seconds))
+    print(row("Total token throughput (tok/s)", (input_tokens + output_tokens) / seconds))
+
+
 def machine() -> dict:
     """What the numbers were measured on (the kernels' variants, the CPU's model and flags)."""
     info = {"python": platform.python_version(), "machine": platform.machine()}

@@ -183,14 +183,8 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
 def print_table(s: dict, metrics: list[str], which: list[float], label: str = "") -> None:
     """The run's summary as `vllm bench serve` lays it out."""
     print(report.title("Serving Benchmark Result" + (f" ({label})" if label else "")))
-    print(report.row("Successful requests", s["completed"], "{:d}"))
+    report.print_totals(s["completed"], s["duration_s"], s["total_input_tokens"], s["total_output_tokens"])
     print(report.row("Failed requests", s["failed"], "{:d}"))
-    print(report.row("Benchmark duration (s)", s["duration_s"]))
-    print(report.row("Total input tokens", s["total_input_tokens"], "{:d}"))
-    print(report.row("Total generated tokens", s["total_output_tokens"], "{:d}"))
-    print(report.row("Request throughput (req/s)", s["request_throughput"]))
-    print(report.row("Output token throughput (tok/s)", s["output_throughput"]))
-    print(report.row("Total token throughput (tok/s)", s["total_token_throughput"]))
     print(report.row("Generated tokens per engine step", s["mean_generated_tokens_per_step"]))
     for name in metrics:
         print(report.title(METRICS[name], "-"))

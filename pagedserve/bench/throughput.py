@@ -231,13 +231,7 @@ def print_result(result: dict, opts: argparse.Namespace) -> None:
     ours = result["pagedserve"]
     print(report.title("Throughput Benchmark Result"))
     print(report.row("Dataset", f"{opts.dataset_name} x {result['num_prompts']}"))
-    print(report.row("Successful requests", result["num_prompts"], "{:d}"))
-    print(report.row("Benchmark duration (s)", ours["seconds"]))
-    print(report.row("Total input tokens", ours["prompt_tokens"], "{:d}"))
-    print(report.row("Total generated tokens", ours["output_tokens"], "{:d}"))
-    print(report.row("Request throughput (req/s)", result["requests_per_s"]))
-    print(report.row("Output token throughput (tok/s)", ours["output_tok_s"]))
-    print(report.row("Total token throughput (tok/s)", ours["total_tok_s"]))
+    report.print_totals(result["num_prompts"], ours["seconds"], ours["prompt_tokens"], ours["output_tokens"])
     if "hf_static" in result:
         print(report.title(f"transformers static batching (bs {opts.hf_batch_size})", "-"))
         print(report.row("Output token throughput (tok/s)", result["hf_static"]["output_tok_s"]))
