@@ -653,10 +653,9 @@ class Scheduler:
             return False
         seq = req.live_seqs[0]
         tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
-        if self.running and not self._above_watermark([seq], len(req.prompt_token_ids)):
-            return False
-        room = self.kv.num_free_blocks - (self.watermark_blocks if self.running else 0)
-        started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), room, count=tries is None)
+        reserve = self.watermark_blocks if self.running else 0
+        started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), reserve,
+                                     count=tries is None)
         self._tier_tries[rid] = (tries or 0) + started
         return started
 

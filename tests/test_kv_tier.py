@@ -184,7 +184,8 @@ def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
     pool.release(pool.allocate(4))               # evicts all four: saved, the oldest past capacity dropped
     saves, loads, deletes = link.take()
     assert [k for _, k in saves] == keys and deletes == [keys[0]] and list(index.keys) == keys[1:]
-    assert link.fetch("r", keys[1:3], room=4, block_size=16)
+    assert not link.fetch("r", keys[1:3], blocks_needed=5, reserve=0, block_size=16)   # would not fit
+    assert link.fetch("r", keys[1:3], blocks_needed=3, reserve=0, block_size=16)
     assert [k for k, _ in link.take()[1]] == keys[1:3] and link.waiting("r")
     assert all(b.ref_cnt == 2 for b in link.loading.values())    # the load's and the request's
     link.finished([keys[1]], [])

@@ -151,12 +151,14 @@ class KVCacheManager(PoolCapacity):
                    for i in range(n)] for g, w in enumerate(self.windows)]
         return PrefixHit(keys[:n], groups)
 
-    def tier_fetch(self, owner: str, token_ids: list[int], cache_salt: str | None, room: int,
+    def tier_fetch(self, owner: str, token_ids: list[int], cache_salt: str | None, reserve: int,
                    count: bool = True) -> bool:
-        """Read the tier's blocks of the prompt's prefix past the pool's hits into at most `room`
-        new blocks, ahead of its admission (kv/tier.py). Returns whether it has loads to wait for."""
+        """Read the tier's blocks of the prompt's prefix past the pool's hits ahead of its admission,
+        if that admission would leave `reserve` blocks free (kv/tier.py). Returns whether it has
+        loads to wait for."""
         keys = lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype)
-        if not self.tier.fetch(owner, keys, room, self.block_size, count):
+        needed = cdiv(len(token_ids), self.block_size)
+        if not self.tier.fetch(owner, keys, needed, reserve, self.block_size, count):
             return False
         B = self.block_size
         for i, key in enumerate(keys):   # the dashboard's text of the blocks read back (hidden if salted)

@@ -111,11 +111,13 @@ class TierLink:
                 self.evicted(block)
 
     # ---- loads ---------------------------------------------------------------------------
-    def fetch(self, owner: str, keys: list[BlockKey], room: int, block_size: int, count: bool = True) -> bool:
+    def fetch(self, owner: str, keys: list[BlockKey], blocks_needed: int, reserve: int, block_size: int,
+              count: bool = True) -> bool:
         """Start reading the longest run of `keys` (a prompt's lookup keys) that the tier holds
-        past the pool's hits, into at most `room` new blocks. Returns whether the request has
-        loads to wait for (`waiting` until they have landed). `count`: the request's first look,
-        counted in queries and hits (in tokens)."""
+        past the pool's hits, if the request's admission would then leave `reserve` blocks free
+        (it needs `blocks_needed` in all; the admission watermark while others run). Returns
+        whether it has loads to wait for (`waiting` until they have landed). `count`: the
+        request's first look, counted in queries and hits (tokens the tier holds, in tokens)."""
         pool = self.pool
         hits = []
         for key in keys:
@@ -123,22 +125,19 @@ class TierLink:
             if block is None:
                 break
             hits.append(block)
-        room = min(room, pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0))
-        wanted: list[BlockKey] = []
-        new = 0
+        held = 0                          # the run of keys past the pool's hits that the tier has
         for key in keys[len(hits):]:
-            if key in self.loading:
-                wanted.append(key)
-            elif key in self.index and new < room:
-                wanted.append(key)
-                new += 1
-            else:
+            if key not in self.loading and key not in self.index:
                 break
+            held += 1
         if count:
             self.index.stats.queries += (len(keys) - len(hits)) * block_size
-            self.index.stats.hits += len(wanted) * block_size
-        if not wanted:
-            return False
+            self.index.stats.hits += held * block_size
+        free = pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+        if not held or free - (blocks_needed - len(hits)) < reserve:
+            return False                  # nothing to read, or its admission would not pass
+        wanted = keys[len(hits):len(hits) + held]     # fit: the admission's check above counts them
+        new = sum(k not in self.loading for k in wanted)
         fetch = self.fetches[owner] = Fetch()
         pool.touch(hits)                 # pinned first: allocating below may evict free cached blocks
         fetch.blocks.extend(hits)
