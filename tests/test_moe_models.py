@@ -217,3 +217,64 @@ def test_dummy_weights_of_an_moe_config(moe_models, name):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def _tiny_gpt_oss(tokenizer, root):
+    import transformers
+    cfg = transformers.GptOssConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(11)
+    hf = transformers.GptOssForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.15)
+    hf.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return hf
+
+
+def test_gpt_oss_matches_transformers(tiny_tokenizer, tmp_path):
+    """gpt-oss (4 experts, top-2 of the logits then softmax, clamped SwiGLU with biases, sinks, a
+    sliding-window and a full layer): greedy tokens and prompt logprobs as transformers'."""
+    hf = _tiny_gpt_oss(tiny_tokenizer, tmp_path / "gpt-oss")
+    llm = LLM(str(tmp_path / "gpt-oss"), dtype="float32", num_gpu_blocks_override=64)
+    args = llm.engine.model_args
+    assert args.moe.scoring == "topk_softmax" and args.attention_sinks and args.layer_windows == (4, None)
+    _check(llm, hf, tiny_tokenizer)
+
+
+def _mxfp4_hf(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, out, in] float -> gpt-oss's (blocks [E, out, in / 32, 16], scales [E, out, in / 32]) as
+    the gguf package quantizes it, and the numbers they hold."""
+    import gguf
+    e, out, cols = w.shape
+    raw = gguf.quants.quantize(w.reshape(-1, cols).numpy(), gguf.GGMLQuantizationType.MXFP4)
+    blocks = torch.from_numpy(raw.copy()).view(e, out, cols // 32, 17)
+    qs = blocks[..., 1:].to(torch.int64)
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1)                    # element order
+    hf_blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    from pagedserve.kernels import mxfp4
+    return hf_blocks, blocks[..., 0].contiguous(), mxfp4.dequantize_hf(hf_blocks, blocks[..., 0].contiguous())
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_exactly(tiny_tokenizer, tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 (`*_blocks`, `*_scales`): the same tokens and
+    logprobs as transformers over the numbers the blocks hold."""
+    from safetensors.torch import load_file, save_file
+    root = tmp_path / "gpt-oss-mxfp4"
+    hf = _tiny_gpt_oss(tiny_tokenizer, root)
+    state = load_file(str(root / "model.safetensors"))
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, values = _mxfp4_hf(state.pop(key).float().transpose(1, 2).contiguous())
+        state[key + "_blocks"], state[key + "_scales"] = blocks, scales
+        with torch.no_grad():
+            hf.get_parameter(key.removeprefix("model.") if key.startswith("lm_head") else key).copy_(
+                values.transpose(1, 2))
+    save_file(state, str(root / "model.safetensors"))
+    llm = LLM(str(root), dtype="float32", num_gpu_blocks_override=64)
+    _check(llm, hf, tiny_tokenizer)

@@ -247,6 +247,9 @@ ARCHITECTURES: list[Architecture] = [
                  hf_config=moe_weights.mixtral_config),
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), "olmoe", qk_norm=True,
                  hf_config=moe_weights.olmoe_config, gguf_config=_olmoe_gguf),
+    # gpt-oss from HF directories (bf16 or MXFP4 experts, dequantized at load); YaRN RoPE is not
+    # supported yet (refused by rope_inv_freq), nor its GGUF files
+    Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), qkv_bias=True, hf_config=moe_weights.gpt_oss_config),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", qk_norm=True,
                  hf_config=moe_weights.qwen_moe_config, gguf_config=_qwen3moe_gguf),
     # Phi-3, Phi-3.5, Phi-4-mini: fused qkv and gate_up; partial rotary and LongRoPE from the config

@@ -49,6 +49,8 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if args.attention_sinks:
             shapes[p + "self_attn.sinks"] = (args.num_heads,)
+        if args.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         if args.qkv_bias:
             for name, _ in (parts := arch.qkv_parts(p, whole, q, kv, "bias")):
                 shapes[name] = (sum(r[1] - r[0] for n, r in parts if n == name),)

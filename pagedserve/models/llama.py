@@ -70,6 +70,7 @@ class ModelArgs:
     attn_logit_softcapping: float = 0.0     # scores -> cap * tanh(scores / cap) (Gemma 2; 0: none)
     final_logit_softcapping: float = 0.0    # the same on the logits
     attention_sinks: bool = False           # a learned logit per head in each softmax's denominator (gpt-oss)
+    o_bias: bool = False                    # the attention output projection has a bias (gpt-oss)
     norm_offset: float = 0.0                # added to every RMSNorm weight at load (Gemma's HF norms store w of 1 + w)
 
     def __post_init__(self) -> None:
@@ -116,6 +117,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None   # with ModelArgs.sandwich_norms: the attention output's norm ...
     mlp_out_norm: torch.Tensor | None = None    # ... and the MLP output's (post_norm is then the MLP's input norm)
     sinks: torch.Tensor | None = None           # [Hq], with ModelArgs.attention_sinks
+    o_bias: torch.Tensor | None = None          # [hidden], with ModelArgs.o_bias (under TP: rank 0's only)
 
 
 class LlamaModel:
@@ -222,7 +224,7 @@ class LlamaModel:
                 (kv_caches[groups.layer_slot[i]], meta.group(groups.layer_group[i]))
             attn = self.attention.forward(q, k, v, cache, m, self.scale, a.attn_logit_softcapping,
                                           w.sinks).reshape(num_tokens, self.q_size)
-            o = linear(attn, w.o)
+            o = linear(attn, w.o, w.o_bias)
             if lora is not None:
                 lora.add(i, "o", attn, o)
             x, h = ops.add_rms_norm(x, self._residual(self._out_norm(reduce(o), w.attn_out_norm)), w.post_norm,

@@ -628,6 +628,8 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
             layer.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight")
         if args.attention_sinks:
             layer.sinks = w(p + "self_attn.sinks", (q0, q1) if shard.size > 1 else None).float()
+        if args.o_bias and shard.rank == 0:      # (row-parallel: added once, before the all-reduce)
+            layer.o_bias = w(p + "self_attn.o_proj.bias")
         if args.moe is not None and args.moe.is_sparse(i):
             layer.moe = moe_weights.build_moe(build, source, i, args.moe, moe_weights.expert_names(args.architecture),
                                               *_expert_parts(args.moe, shard))

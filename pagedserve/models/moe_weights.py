@@ -72,6 +72,20 @@ def olmoe_config(cfg: dict) -> dict:
             "qk_norm_full": True, "clip_qkv": float(cfg.get("clip_qkv") or 0.0)}
 
 
+def gpt_oss_config(cfg: dict) -> dict:
+    """gpt-oss: every layer sparse; the router's top-k logits softmaxed; clamped SwiGLU with
+    biases; attention with sinks, biases on q/k/v and o, sliding-window and full layers."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    return {"moe": MoESpec(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                           scoring="topk_softmax", activation="clamped_swiglu",
+                           swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                           swiglu_limit=float(cfg.get("swiglu_limit", 7.0))),
+            "attention_sinks": True, "o_bias": True, "sliding_window": window,
+            "layer_windows": tuple(window if t == "sliding_attention" else None for t in types)}
+
+
 def gguf_moe_spec(m, norm_default: bool) -> MoESpec | None:
     """The MoESpec of a GGUF file's metadata (`m`: architectures.Metadata) and tensors; None for a
     dense model. Which layers are sparse: those with an ffn_gate_inp (a router). llama.cpp's
@@ -115,6 +129,8 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
     MatrixBuilder). inter / shared_inter: this tensor-parallel rank's part of each expert's (and
     the shared expert's) FFN width (gate/up rows, down columns); None: all of it."""
     p = f"layers.{layer}."
+    if source.has(p + "mlp.router.weight"):           # gpt-oss's checkpoint layout
+        return _gpt_oss_moe(build, source, layer, spec, inter)
     stacked = p + "mlp.experts.{}.weight"
     block = names.block if source.has(p + names.block + ".gate.weight") else "mlp"
     router = build.float(p + block + ".gate.weight").float()
@@ -138,6 +154,33 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
         if source.has(p + "mlp.shared_expert_gate.weight"):
             w.shared_gate = build.float(p + "mlp.shared_expert_gate.weight").float().view(1, -1)
     return w
+
+
+def _gpt_oss_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int] | None) -> MoEWeights:
+    """gpt-oss's experts: stacked gate_up [E, H, 2 I] with gate and up interleaved by column (and
+    its bias [E, 2 I]), down [E, I, H] (bias [E, H]), in bf16, or in MXFP4 as `*_blocks` [E, out,
+    in / 32, 16] and `*_scales` [E, out, in / 32] (dequantized here, exactly: kernels/mxfp4.py). Ours:
+    gate rows then up rows [2 I, H], down [H, I], float in the model's dtype."""
+    from pagedserve.kernels import mxfp4
+    p = f"layers.{layer}.mlp."
+
+    def stacked(name: str) -> torch.Tensor:            # [E, out, in]
+        if source.has(p + f"experts.{name}_blocks"):
+            return mxfp4.dequantize_hf(source.get(p + f"experts.{name}_blocks"), source.get(p + f"experts.{name}_scales"))
+        return source.get(p + f"experts.{name}").float().transpose(1, 2)
+
+    gate_up, down = stacked("gate_up_proj"), stacked("down_proj")
+    gu_bias, d_bias = source.get(p + "experts.gate_up_proj_bias").float(), source.get(p + "experts.down_proj_bias").float()
+    r0, r1 = inter or (0, spec.intermediate_size)
+    dtype = build.dtype
+    experts = []
+    for e in range(spec.num_experts):
+        gate, up = gate_up[e, 0::2][r0:r1], gate_up[e, 1::2][r0:r1]
+        bias = torch.cat([gu_bias[e, 0::2][r0:r1], gu_bias[e, 1::2][r0:r1]])
+        experts.append(ExpertWeights(torch.cat([gate, up]).to(dtype), down[e][:, r0:r1].contiguous().to(dtype),
+                                     bias.to(dtype), d_bias[e].to(dtype) if r0 == 0 else None))
+    return MoEWeights(source.get(p + "router.weight").float(), experts, router_bias=source.get(p + "router.bias").float(),
+                      layer=layer)
 
 
 def hf_moe_shapes(prefix: str, spec: MoESpec, hidden: int, names: ExpertNames = ExpertNames()) -> dict:
