@@ -78,6 +78,9 @@ RULES: dict[str, tuple[str, ...]] = {
     # models/ (which holds them) and kernels/ (which computes with them); it imports neither.
     "quant_format.py": UPPER + ("pagedserve.models", "pagedserve.kernels", "pagedserve.attention",
                                 "pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine"),
+    # MXFP4's block format (gpt-oss's experts): data and its exact decoding, the same place.
+    "mxfp4.py": UPPER + ("pagedserve.models", "pagedserve.kernels", "pagedserve.attention",
+                         "pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine"),
     "distributed": UPPER + ("pagedserve.worker", "pagedserve.executor", "pagedserve.scheduler", "pagedserve.engine",
                             "pagedserve.models"),
     # spec_decode/: proposers run on the scheduler's side on token ids, verification in the worker

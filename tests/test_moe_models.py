@@ -258,7 +258,7 @@ def _mxfp4_hf(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     qs = blocks[..., 1:].to(torch.int64)
     codes = torch.cat([qs & 15, qs >> 4], dim=-1)                    # element order
     hf_blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    from pagedserve.kernels import mxfp4
+    from pagedserve import mxfp4
     return hf_blocks, blocks[..., 0].contiguous(), mxfp4.dequantize_hf(hf_blocks, blocks[..., 0].contiguous())
 
 

@@ -1,4 +1,4 @@
-"""MXFP4 (kernels/mxfp4.py): dequantization exact against the format's definition, each E2M1 code
+"""MXFP4 (pagedserve/mxfp4.py): dequantization exact against the format's definition, each E2M1 code
 decoded from its bits ((-1)^s 2^(E-1) (1 + M/2), subnormal (-1)^s M/2) times 2^(e - 127), in both
 byte layouts, and equal to the gguf package's (llama.cpp's) reading of its own MXFP4 blocks."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import mxfp4
+from pagedserve import mxfp4
 
 
 def _e2m1(code: int) -> float:

@@ -159,9 +159,9 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
 def _gpt_oss_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int] | None) -> MoEWeights:
     """gpt-oss's experts: stacked gate_up [E, H, 2 I] with gate and up interleaved by column (and
     its bias [E, 2 I]), down [E, I, H] (bias [E, H]), in bf16, or in MXFP4 as `*_blocks` [E, out,
-    in / 32, 16] and `*_scales` [E, out, in / 32] (dequantized here, exactly: kernels/mxfp4.py). Ours:
+    in / 32, 16] and `*_scales` [E, out, in / 32] (dequantized here, exactly: pagedserve/mxfp4.py). Ours:
     gate rows then up rows [2 I, H], down [H, I], float in the model's dtype."""
-    from pagedserve.kernels import mxfp4
+    from pagedserve import mxfp4
     p = f"layers.{layer}.mlp."
 
     def stacked(name: str) -> torch.Tensor:            # [E, out, in]
