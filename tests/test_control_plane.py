@@ -118,3 +118,25 @@ def test_ray_ranks_rendezvous_at_the_nodes_address_not_all_interfaces(monkeypatc
     ranks.config = EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
     assert ranks.init_method().startswith("tcp://127.0.0.1:5555")
     assert bound == ["127.0.0.1"]
+
+
+def test_a_rank_allocates_nothing_for_a_length_it_cannot_trust(monkeypatch):
+    """The length comes before the MAC can be checked: a forged 2^62 is refused before any
+    buffer of it is made (issue 51: the rank allocated first)."""
+    import torch
+
+    from pagedserve.distributed import group as g
+    rank = object.__new__(g.TensorParallelGroup)
+    rank.rank, rank.world_size, rank.channel = 1, 2, ControlChannel(new_secret())
+    made = []
+
+    def broadcast(t, src=0, async_op=False):
+        if t.dtype == torch.int64:
+            t.fill_(2**62)
+        made.append(t.numel())
+    monkeypatch.setattr(g.dist, "broadcast", broadcast)
+    real_empty = torch.empty
+    monkeypatch.setattr(g.torch, "empty", lambda *a, **k: made.append(a) or real_empty(0, dtype=torch.uint8))
+    with pytest.raises(RefusedMessage, match="limit"):
+        rank.broadcast()
+    assert made == [1], made      # the length's tensor only

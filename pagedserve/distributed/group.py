@@ -25,7 +25,21 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from pagedserve.distributed.wire import ControlChannel
+from pagedserve.distributed.wire import ControlChannel, RefusedMessage
+
+# The largest control message a rank accepts (a step's batch is about 200 bytes a sequence, a
+# grammar bitmask a bit per vocabulary entry and row): the length arrives before the MAC can be
+# checked, so a rank allocates only what this allows.
+MAX_MESSAGE_BYTES = 256 * 1024**2
+
+
+def checked_message_size(size: int) -> int:
+    """The length a control message announces, refused (RefusedMessage) before anything is
+    allocated for it when it is not a plausible one."""
+    if not 0 < size <= MAX_MESSAGE_BYTES:
+        raise RefusedMessage(f"a control message of {size} bytes (the limit is {MAX_MESSAGE_BYTES}): not the "
+                             f"driver's")
+    return size
 
 # How long a rank waits for the driver's next command (the engine may idle for days).
 CONTROL_TIMEOUT = timedelta(days=30)
@@ -95,12 +109,13 @@ class TensorParallelGroup:
         waits for the receiver)."""
         if self.is_driver:
             data = bytearray(self.channel.seal(command))
+            checked_message_size(len(data))
             for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(data, dtype=torch.uint8)):
                 dist.broadcast(t, src=0, async_op=True).wait(self.timeout)
             return command
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0)
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        data = torch.empty(checked_message_size(int(size.item())), dtype=torch.uint8)
         dist.broadcast(data, src=0)
         return self.channel.open(data.numpy().tobytes())
 
