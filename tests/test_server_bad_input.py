@@ -275,6 +275,7 @@ def test_queue_limit_gives_503_until_it_drains(server, http):
             assert r.status_code == 503, r.text
             err = r.json()["error"]
             assert err["type"] == "service_unavailable" and "--max-waiting-requests" in err["message"], err
+            assert r.headers.get("retry-after") == "1", r.headers    # the client's back-off (issue 51)
     finally:
         for cm in opened:   # disconnect: the server aborts them
             cm.__exit__(None, None, None)

@@ -28,13 +28,20 @@ ERROR_TYPES = {
 }
 
 
+# Seconds a client is asked to wait (Retry-After) before trying again after a 503 for a full
+# queue: about a few engine steps' worth of requests leaving (the openai client honours it).
+RETRY_AFTER_S = 1
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers          # extra response headers (Retry-After)
 
     def body(self) -> dict:
         info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "invalid_request_error"),
@@ -42,7 +49,12 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
+
+
+def queue_full(error: Exception) -> APIError:
+    """A 503 for a full queue, with Retry-After: the client backs off and tries again."""
+    return APIError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -30,7 +30,7 @@ from pagedserve.engine.llm import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.errors import APIError, bad_request, queue_full
 from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                                         ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -347,7 +347,7 @@ class Serving:
         except EngineNotReadyError as e:
             raise APIError(503, f"the server cannot take requests now: {e}") from None
         except QueueFullError as e:
-            raise APIError(503, str(e)) from None
+            raise queue_full(e) from None
         except InvalidRequestError as e:   # the engine's validation: param None or "prompt" is our prompt field
             param = self.prompt_param if e.param in (None, "prompt") else self.renamed_params.get(e.param, e.param)
             raise bad_request(e.message, param, e.code) from None
