@@ -317,7 +317,8 @@ class Scheduler:
             self._draft_valid.pop(seq.seq_id, None)
             self._finished_seq_ids.append(seq.seq_id)
             if self.suffix is not None and seq.finish_reason != "abort":
-                self.suffix.add_output(seq.output_token_ids)   # suffix drafts for later requests
+                # suffix drafts for later requests of its tenant and adapter (its KV salt) only
+                self.suffix.add_output(seq.output_token_ids, kv_salt(req.cache_salt, req.lora_key))
         if self.tier is not None:
             self.tier.release(req.request_id)
             self._tier_tries.pop(req.request_id, None)
@@ -563,7 +564,7 @@ class Scheduler:
         if self.draft_model:   # the worker's draft model fills these slots
             drafts = [MODEL_DRAFT] * k
         elif self.suffix is not None:
-            drafts = self.suffix.propose(seq.token_ids, k)
+            drafts = self.suffix.propose(seq.token_ids, k, kv_salt(req.cache_salt, req.lora_key))
         else:
             drafts = ngram.propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts:

@@ -148,6 +148,41 @@ def test_suffix_drafts_follow_the_longest_match_while_confident():
     assert SuffixProposer().propose([1, 2, 3], 4) == []
 
 
+def test_suffix_cache_is_kept_apart_per_tenant_and_adapter():
+    """Outputs cached under one scope (a KV salt) never draft another's (issue 51: acceptance,
+    i.e. latency, told one tenant what another generated)."""
+    from pagedserve.kv.block_pool import kv_salt
+    from pagedserve.spec_decode.suffix import SuffixProposer
+    s = SuffixProposer(max_depth=8, max_cached_requests=3, max_spec_factor=1.0, min_token_prob=0.5)
+    tenant_a, adapter = kv_salt("a", None), kv_salt("a", "1:f00")
+    s.add_output([7, 8, 9, 10, 11, 12], tenant_a)
+    assert s.propose([5, 6, 7, 8, 9], 8, tenant_a) == [10, 11, 12]
+    for other in (None, kv_salt("b", None), adapter):
+        assert s.propose([5, 6, 7, 8, 9], 8, other) == [], other
+    s.add_output([1, 1], None)
+    s.add_output([2, 2], None)
+    s.add_output([3, 3], adapter)                                   # the bound counts every scope
+    assert s.propose([5, 6, 7, 8, 9], 8, tenant_a) == [] and len(s.cache) == 3
+
+
+def test_suffix_drafts_of_one_salt_are_not_another_salts(tiny_llama, prompts):
+    """Through the engine: a request of tenant b after tenant a's identical one gets exactly the
+    drafts it would get alone; tenant a's second request gets more from its own cache."""
+    spec = {"method": "suffix", "num_speculative_tokens": 8}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def accepted(llm, salt):
+        before = llm.kv_cache_stats()["spec_decode_num_accepted_tokens"]
+        llm.generate([{"prompt_token_ids": prompts[3], "cache_salt": salt}], params, use_tqdm=False)
+        return llm.kv_cache_stats()["spec_decode_num_accepted_tokens"] - before
+
+    alone = accepted(make(tiny_llama, spec=spec), "b")
+    llm = make(tiny_llama, spec=spec)
+    accepted(llm, "a")
+    assert accepted(llm, "b") == alone
+    assert accepted(llm, "a") > alone
+
+
 def test_suffix_method_is_exact_and_learns_from_earlier_outputs(tiny_llama, plain, prompts):
     llm = make(tiny_llama, spec={"method": "suffix", "num_speculative_tokens": 8})
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -9,10 +9,16 @@ the tokens searched, hence the small default cache. The cached outputs are searc
 array, joined by a separator no token equals (-1), so a step costs two searches however many
 outputs are cached (64 cached outputs of 200 tokens, an 800-token request: 29 us a proposal,
 against 192 us searched one output at a time; min of interleaved runs). Scheduler side, on token ids; no model.
+
+The cache is kept apart per scope (the request's KV salt: its cache salt and LoRA adapter), so a
+request is drafted only from outputs of its own tenant and adapter: how many drafts are accepted
+(its latency) must not tell one tenant what another generated. The bound counts every scope's
+outputs together, the oldest leaving first.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -24,26 +30,38 @@ class SuffixProposer:
         self.max_depth = max_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self.cache: deque[np.ndarray] = deque(maxlen=max_cached_requests)   # recent outputs, newest last
-        self._joined = np.empty(0, dtype=np.int64)   # the cache as one array: output, -1, output, -1, ...
+        # recent outputs with their scope, newest last
+        self.cache: deque[tuple[Hashable, np.ndarray]] = deque(maxlen=max_cached_requests)
+        self._joined: dict[Hashable, np.ndarray] = {}   # per scope: its outputs as output, -1, output, -1, ...
 
-    def add_output(self, token_ids: list[int]) -> None:
-        """A finished sequence's output joins the cache (the oldest leaves beyond the bound)."""
+    def add_output(self, token_ids: list[int], scope: Hashable = None) -> None:
+        """A finished sequence's output joins its scope's cache (the oldest of all leaves beyond the bound)."""
         if len(token_ids) > 1 and self.cache.maxlen:
-            self.cache.append(np.asarray(token_ids, dtype=np.int64))
-            sep = np.full(1, SEPARATOR, dtype=np.int64)
-            self._joined = np.concatenate([part for out in self.cache for part in (out, sep)])
+            if len(self.cache) == self.cache.maxlen:
+                self._joined.pop(self.cache[0][0], None)        # that scope loses its oldest
+            self.cache.append((scope, np.asarray(token_ids, dtype=np.int64)))
+            self._joined.pop(scope, None)
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def _joined_of(self, scope: Hashable) -> np.ndarray:
+        joined = self._joined.get(scope)
+        if joined is None:
+            sep = np.full(1, SEPARATOR, dtype=np.int64)
+            parts = [part for s, out in self.cache if s == scope for part in (out, sep)]
+            joined = self._joined[scope] = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return joined
+
+    def propose(self, token_ids: list[int], k: int, scope: Hashable = None) -> list[int]:
+        """Drafts from the request's own tokens and its scope's cached outputs."""
         if k <= 0 or len(token_ids) < 2:
             return []
+        joined = self._joined_of(scope)
         ctx = np.asarray(token_ids[-self.max_depth:], dtype=np.int64)
         # The request's own tokens, all but the last as a place a match may end before; then
         # the cached outputs, joined.
         own = np.asarray(token_ids, dtype=np.int64)
-        full = [own, self._joined]
+        full = [own, joined]
         best, matches = 0, []
-        for c, corpus in enumerate((own[:-1], self._joined)):
+        for c, corpus in enumerate((own[:-1], joined)):
             m, ends = _longest_match(corpus, ctx, full=full[c])
             if m > best:
                 best, matches = m, [(c, e) for e in ends]
