@@ -6,6 +6,7 @@ same conversation (greedy), which tests/test_server.py checks against the offlin
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -163,3 +164,46 @@ def test_errors_are_openai_shaped(client, server):
     r = httpx.post(server.url + "/v1/responses", headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"input": [{"type": "image", "url": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_metadata_is_limited_as_openai_limits_it(client):
+    """16 pairs, keys of 64 characters, values of 512 strings (issue 51: 8 MiB of metadata per
+    stored response was kept)."""
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k": "v" * 513}, {"k" * 65: "v"}, {"k": 5}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="tiny", input="x", max_output_tokens=1, metadata=metadata)
+        assert e.value.body["param"] == "metadata", metadata
+    ok = client.responses.create(model="tiny", input="x", max_output_tokens=1,
+                                 metadata={f"k{i}": "v" * 512 for i in range(16)})
+    assert ok.metadata["k15"] == "v" * 512
+
+
+def test_the_store_is_bounded_in_bytes():
+    from pagedserve.server.responses import ResponseStore, StoredResponse
+    store = ResponseStore(size=1000, max_bytes=100_000)
+    for i in range(50):
+        store.put(f"r{i}", StoredResponse({"output": "x" * 10_000}, [{"role": "user", "content": "y" * 5_000}]))
+        assert store.total <= 100_000
+    assert 5 <= len(store.entries) <= 6 and "r49" in store.entries and "r0" not in store.entries
+    store.put("r49", StoredResponse({"output": ""}, []))          # counted anew when it changes
+    assert store.total == sum(store.sizes.values()) < 100_000
+
+
+def test_a_stored_stream_whose_client_leaves_does_not_stay_in_progress(client, server):
+    """The client reads the first events and disconnects: the request is aborted and its stored
+    response ends cancelled (issue 51: in_progress forever)."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "go on", "stream": True,
+                                                        "store": True, "max_output_tokens": 400,
+                                                        "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"response.created"' in line:
+                    rid = json.loads(line[6:])["response"]["id"]
+                    break
+    status = "in_progress"
+    for _ in range(100):
+        status = client.responses.retrieve(rid).status
+        if status != "in_progress":
+            break
+        time.sleep(0.1)
+    assert status == "cancelled"

@@ -105,3 +105,57 @@ def test_large_requests_do_not_stall_other_clients(server, tiny_llama):
     assert health and set(health) == {200}
     assert statuses == [400] * len(requests)
     assert texts and all(text == ref for text in texts)
+
+
+def stalling_bodies() -> list[tuple[str, str, bytes, str]]:
+    """(name, path, body, the error's param): issue 51's bodies that held the event loop (and so
+    every stream) for 5-10 s, each just under the 16 MiB body limit, each refused before parsing."""
+    import json
+    item = {"role": "user", "content": "x"}
+    dumps = lambda d: json.dumps(d, separators=(",", ":")).encode()   # noqa: E731
+    return [("/v1/responses with 500k items", "/v1/responses", dumps({"input": [item] * 500_000}), "input"),
+            ("/tokenize with 500k messages", "/tokenize", dumps({"messages": [item] * 500_000}), "messages"),
+            ("/detokenize of 7M ids", "/detokenize", dumps({"tokens": [1] * 7_000_000}), "tokens")]
+
+
+def test_no_body_stalls_another_clients_stream_by_100_ms(server, tiny_llama):
+    """A stream's largest gap between two chunks while the bodies are sent and refused, against
+    its largest gap before them: at most 100 ms more (issue 51: 5.6-10.4 s)."""
+    bodies = stalling_bodies()
+    assert all(len(body) < 16 * 1024**2 for _, _, body, _ in bodies)
+    ids = tiny_llama.tokenizer.encode(PROMPT)
+    arrivals: list[float] = []
+    window: list[float] = []        # when the bodies were sent: [start, end]
+    answers = []
+    started = threading.Event()
+
+    def send_bodies():
+        started.wait()
+        time.sleep(0.5)             # half a second of the stream before them
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            window.append(time.monotonic())
+            for name, path, body, param in bodies:
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+                answers.append((name, r.status_code, r.json()["error"].get("param") if r.status_code == 400 else r.text))
+            window.append(time.monotonic())
+
+    sender = threading.Thread(target=send_bodies)
+    sender.start()
+    body = {"prompt": ids, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    gaps: list[tuple[float, float]] = []     # (gap, when the later chunk came), within each stream
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        while not (len(window) == 2 and arrivals and arrivals[-1] > window[1] + 0.5):   # streams in a row
+            arrivals.clear()
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        arrivals.append(time.monotonic())
+                        started.set()
+                        if len(arrivals) > 1:
+                            gaps.append((arrivals[-1] - arrivals[-2], arrivals[-1]))
+    sender.join()
+    assert [(name, status, param) for name, status, param in answers] == \
+        [(name, 400, param) for name, _, _, param in bodies], answers
+    before = max(g for g, at in gaps if at < window[0])
+    during = max(g for g, at in gaps if window[0] <= at <= window[1] + 0.2)
+    assert during <= before + 0.1, (before, during, window[1] - window[0])

@@ -244,7 +244,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:
-        body = await parse_body(raw, TokenizeRequest)
+        body = await parse_body(raw, TokenizeRequest, state.prompts.precheck_chat_body)
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt or messages", "prompt")
@@ -259,13 +259,16 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
-        body = await parse_body(raw, DetokenizeRequest)
+        body = await parse_body(raw, DetokenizeRequest, state.prompts.precheck_detokenize_body)
         state.check_model(body.model)
+        if len(body.tokens) > state.llm.max_model_len:
+            raise bad_request(f"at most {state.llm.max_model_len} token ids (this model's context) are detokenized "
+                              f"at once; got {len(body.tokens)}", "tokens")
         vocab = state.llm.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", "tokens")
-        return {"prompt": state.llm.tokenizer.decode(body.tokens)}
+        return {"prompt": await state.prompts.run(state.llm.tokenizer.decode, body.tokens)}   # off the event loop
 
     add_lora_routes(app, state)
     add_responses_routes(app, state)

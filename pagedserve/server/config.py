@@ -75,6 +75,8 @@ class ServerConfig:
         help="/v1/responses keeps responses created with store=true in memory for previous_response_id, "
              "GET /v1/responses/{id} and cancel (default: off, or $VLLM_ENABLE_RESPONSES_API_STORE)")
     responses_api_store_size: int = setting(1000, "most responses the store keeps (the oldest go first)")
+    responses_api_store_bytes: int = setting(64 * 1024**2, "most bytes (their JSON) the responses store keeps "
+                                                           "(the oldest go first)")
     # Multi-LoRA (server/lora.py): adapters served by name; needs --enable-lora.
     lora_modules: list[str] | None = setting(None, "LoRA adapters as name=path or JSON {\"name\": ..., \"path\": "
                                                    "..., \"base_model_name\": ...}; the model field picks one")

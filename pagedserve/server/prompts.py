@@ -30,6 +30,16 @@ from pagedserve.structured.pool import CompilePool
 
 logger = logging.getLogger(__name__)
 
+# Bodies from this size on have their items counted before they are parsed (smaller ones parse
+# in well under a millisecond).
+PRECHECK_BYTES = 64 * 1024
+
+
+def _key_count(data: bytes, key: bytes) -> int:
+    """How many times `"key":` (or `"key" :`) occurs in a JSON body."""
+    return data.count(b'"' + key + b'":') + data.count(b'"' + key + b'" :')
+
+
 # A request whose text is estimated at more characters than this (or with more messages) goes to
 # the large lane.
 LARGE_CHARS = 64 * 1024
@@ -138,17 +148,28 @@ class PromptProcessor:
                               f"is at least {tokens} tokens long; this model's maximum context length is "
                               f"{self.max_model_len} tokens", param, "context_length_exceeded")
 
+    # Before a body is parsed at all: parsing a 16 MB body of small objects holds the event loop
+    # (and so every stream) for seconds, however it is done (JSON parsers hold the GIL). Counting
+    # a key's bytes is a C scan without objects: an upper bound on the items that carry the key
+    # (a JSON string cannot hold `"role":`, its quotes being escaped; only a key so named can).
+
     def precheck_chat_body(self, data: bytes) -> None:
-        """The message count of a chat body, before the body is validated (pydantic takes seconds
-        over hundreds of thousands of messages)."""
-        if len(data) < 64 * 1024:
-            return
-        try:
-            messages = pydantic_core.from_json(data).get("messages")
-        except (ValueError, AttributeError):
-            return
-        if isinstance(messages, list):
-            self.check_messages(len(messages))
+        """A chat (or /tokenize) body's messages, counted before the body is parsed."""
+        if len(data) >= PRECHECK_BYTES:
+            self.check_messages(_key_count(data, b"role"))
+
+    def precheck_responses_body(self, data: bytes) -> None:
+        """A /v1/responses body's input items (messages have a role, calls and their outputs a
+        call_id), counted before the body is parsed; each becomes a chat message."""
+        if len(data) >= PRECHECK_BYTES:
+            self.check_messages(_key_count(data, b"role") + _key_count(data, b"call_id"), param="input")
+
+    def precheck_detokenize_body(self, data: bytes) -> None:
+        """A /detokenize body's token ids (at most one more than its commas), counted before the
+        body is parsed: no more than a context holds."""
+        if len(data) >= PRECHECK_BYTES and data.count(b",") >= self.max_model_len:
+            raise bad_request(f"at most {self.max_model_len} token ids (this model's context) are detokenized at "
+                              f"once", "tokens")
 
     def precheck_completion_body(self, data: bytes) -> None:
         """The prompt count and token-id prompt lengths of a /v1/completions body, before the body

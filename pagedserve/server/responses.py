@@ -30,7 +30,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import ValidationError, field_validator
 
 from pagedserve.chat_templates import warning_headers
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -62,7 +62,7 @@ class ResponsesRequest(OpenAIModel):
     store: bool = True                       # OpenAI's default; without the server's store, nothing is kept
     background: bool = False
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
     user: str | None = None
     seed: Int | None = None
     # vLLM's extra sampling parameters, as for chat
@@ -71,6 +71,23 @@ class ResponsesRequest(OpenAIModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop: str | list[str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_as_openai(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits: at most 16 pairs, keys of 64 characters, values of 512 (a stored
+        response keeps them: no client may park megabytes there)."""
+        if metadata is not None:
+            if len(metadata) > METADATA_PAIRS:
+                raise ValueError(f"at most {METADATA_PAIRS} key-value pairs; got {len(metadata)}")
+            for key, value in metadata.items():
+                if len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
+                    raise ValueError(f"keys of at most {METADATA_KEY_CHARS} characters and values of at most "
+                                     f"{METADATA_VALUE_CHARS}; {key[:64]!r} has {len(key)} and {len(value)}")
+        return metadata
+
+
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 
 # ---- the store ----------------------------------------------------------------------------------
@@ -85,15 +102,25 @@ class StoredResponse:
 
 @dataclass
 class ResponseStore:
-    """The responses created with store=true, at most `size`, the oldest dropped first."""
+    """The responses created with store=true, at most `size` of them and `max_bytes` of their
+    JSON (response and conversation), the oldest dropped first. put() again when an entry
+    changes (it is counted anew)."""
     size: int = 1000
+    max_bytes: int = 64 * 1024**2
     entries: OrderedDict = field(default_factory=OrderedDict)
+    sizes: dict = field(default_factory=dict)         # rid -> its bytes as last put
+    total: int = 0
 
     def put(self, rid: str, entry: StoredResponse) -> None:
+        self.total -= self.sizes.pop(rid, 0)
+        self.sizes[rid] = len(json.dumps(entry.response, default=str)) + len(json.dumps(entry.conversation,
+                                                                                         default=str))
+        self.total += self.sizes[rid]
         self.entries[rid] = entry
         self.entries.move_to_end(rid)
-        while len(self.entries) > max(self.size, 1):
-            self.entries.popitem(last=False)
+        while self.entries and (len(self.entries) > max(self.size, 1) or self.total > self.max_bytes):
+            old, _ = self.entries.popitem(last=False)
+            self.total -= self.sizes.pop(old)
 
     def get(self, rid: str) -> StoredResponse | None:
         return self.entries.get(rid)
@@ -316,6 +343,7 @@ class ResponsesServing(ChatServing):
         if self._entry is not None:
             self._entry.response, self._entry.serving = response, None
             self._entry.conversation = self.conversation + items_to_messages(response["output"])
+            self.store.put(self.id, self._entry)       # counted anew, with its output
         return response
 
     # -- shapes -----------------------------------------------------------------------------------
@@ -444,13 +472,17 @@ class ResponsesServing(ChatServing):
         finally:
             watcher.cancel()
             stream.close()
+            if self._entry is not None and self._entry.response.get("status") == "in_progress":
+                self._entry.cancelled = True      # the client left mid-stream: its request was aborted
+                self._finish_entry(None)
             self.log_finish([final] if final is not None else [])
 
 
 # ---- routes -------------------------------------------------------------------------------------
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     options = state.options
-    store = ResponseStore(options.responses_api_store_size) if options.enable_responses_api_store else None
+    store = ResponseStore(options.responses_api_store_size, options.responses_api_store_bytes) \
+        if options.enable_responses_api_store else None
 
     def stored(response_id: str) -> StoredResponse:
         entry = store.get(response_id) if store is not None else None
@@ -461,7 +493,8 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def create_response(raw: Request):
-        return await ResponsesServing(state, await parse_body(raw, ResponsesRequest), raw, store).create()
+        body = await parse_body(raw, ResponsesRequest, state.prompts.precheck_responses_body)
+        return await ResponsesServing(state, body, raw, store).create()
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> JSONResponse:
