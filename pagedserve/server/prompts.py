@@ -36,8 +36,9 @@ PRECHECK_BYTES = 64 * 1024
 
 
 def _key_count(data: bytes, key: bytes) -> int:
-    """How many times `"key":` (or `"key" :`) occurs in a JSON body."""
-    return data.count(b'"' + key + b'":') + data.count(b'"' + key + b'" :')
+    """How many times `"key"` occurs in a JSON body: its keys so named, and string values equal
+    to it (one scan; a bound from above on the items that carry the key)."""
+    return data.count(b'"' + key + b'"')
 
 
 # A request whose text is estimated at more characters than this (or with more messages) goes to
@@ -150,8 +151,8 @@ class PromptProcessor:
 
     # Before a body is parsed at all: parsing a 16 MB body of small objects holds the event loop
     # (and so every stream) for seconds, however it is done (JSON parsers hold the GIL). Counting
-    # a key's bytes is a C scan without objects: an upper bound on the items that carry the key
-    # (a JSON string cannot hold `"role":`, its quotes being escaped; only a key so named can).
+    # a key's bytes is a C scan without objects: a bound from above on the items that carry the
+    # key (inside a JSON string its quotes are escaped, so only keys, and values equal to it, count).
 
     def precheck_chat_body(self, data: bytes) -> None:
         """A chat (or /tokenize) body's messages, counted before the body is parsed."""
