@@ -16,7 +16,6 @@ from pagedserve.kv.block_pool import BlockPool, block_key
 from pagedserve.kv.kv_cache_manager import KVCacheManager
 from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.server.metrics import PrometheusStatLogger
-from pagedserve.worker import kv_tier
 from pagedserve.worker.kv_tier import KVTierStore, TierFileError
 from tests.conftest import PROMPTS
 from tests.test_engine import assert_no_blocks_held
@@ -286,10 +285,11 @@ def test_the_size_bound_holds_with_two_writers(tmp_path):
 def test_a_full_disk_turns_saving_off_with_one_log_line(tmp_path, monkeypatch, caplog):
     store = make_store(tmp_path)
 
-    def full(*a, **k):
+    def full(path, header, payload):          # a write fails half way, as on a full disk
+        Path(path).write_bytes(header)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(kv_tier.os, "replace", full)
+    monkeypatch.setattr(store, "_write_file", full)
     with caplog.at_level(logging.ERROR, logger="pagedserve.worker.kv_tier"):
         for i in range(3):
             store.save([(0, bytes([i]) * 32)])

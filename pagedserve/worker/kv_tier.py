@@ -254,9 +254,7 @@ class KVTierStore:
                 data = self._header(key, zlib.crc32(payload))
                 tmp = os.path.join(self.root, f".tmp-{os.getpid()}-{uuid.uuid4().hex}")
                 try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.write(payload)
+                    self._write_file(tmp, data, payload)
                     os.replace(tmp, self.path(key))   # readers see the whole file or none
                 except BaseException:
                     self._unlink(tmp)
@@ -274,6 +272,12 @@ class KVTierStore:
                 self._pending.pop(key, None)
         with self._lock:
             self._lost.append(key)
+
+    @staticmethod
+    def _write_file(path: str, header: bytes, payload) -> None:
+        with open(path, "wb") as f:
+            f.write(header)
+            f.write(payload)
 
     def _make_room(self) -> None:
         """Keep the directory (every writer's files) under max_bytes and the disk's free space
