@@ -278,3 +278,13 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_exactly(tiny_tokenizer, tmp_path)
     save_file(state, str(root / "model.safetensors"))
     llm = LLM(str(root), dtype="float32", num_gpu_blocks_override=64)
     _check(llm, hf, tiny_tokenizer)
+
+
+def test_a_checkpoint_without_its_experts_is_refused_by_name(moe_models):
+    from pagedserve.models.loader import DictSource, MatrixBuilder
+    from pagedserve.models.moe_weights import build_moe
+    tm = moe_models("olmoe")
+    args = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64).engine.model_args
+    source = DictSource({"layers.0.mlp.gate.weight": torch.zeros(8, 64)})
+    with pytest.raises(ValueError, match="no experts in the checkpoint.*ffn_\\*_exps"):
+        build_moe(MatrixBuilder(source, torch.float32, None), source, 0, args.moe)

@@ -141,6 +141,10 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
         experts = [ExpertWeights(_fuse(g, u), d) for g, u, d in zip(gates, ups, downs)]
     else:
         q = p + block + ".experts.{}.{}.weight"
+        if not source.has(q.format(0, names.gate)):
+            raise ValueError(f"layer {layer}: no experts in the checkpoint (neither {stacked.format('gate_proj')} nor "
+                             f"{q.format(0, names.gate)}); a GGUF file needs llama.cpp's stacked ffn_*_exps tensors "
+                             f"(files converted before mid-2024 keep one tensor per expert: convert them again)")
         experts = [ExpertWeights(build.matrix([(q.format(e, names.gate), inter), (q.format(e, names.up), inter)]),
                                  build.matrix([(q.format(e, names.down), None)], cols=inter))
                    for e in range(spec.num_experts)]
