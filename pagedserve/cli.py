@@ -20,7 +20,7 @@ from pagedserve.server.config import ServerConfig
 # vLLM options pagedserve does not implement, for a clearer refusal than "unrecognized arguments".
 VLLM_ONLY_OPTIONS = (
     "--speculative-config", "--pipeline-parallel-size", "-pp", "--kv-cache-dtype", "--cpu-offload-gb",
-    "--limit-mm-per-prompt", "--mm-processor-kwargs", "--guided-decoding-backend", "--reasoning-parser",
+    "--limit-mm-per-prompt", "--mm-processor-kwargs", "--guided-decoding-backend",
     "--rope-scaling", "--rope-theta", "--tokenizer-mode", "--task", "--config",
 )
 

@@ -132,3 +132,24 @@ def write_hf_model(hf, path, arch: str, *, permute_qk: bool = False, qtype=None,
         w.add_tensor(file_name, np.asarray(arr, dtype=np.float32))
     finish(w)
     return written
+
+
+def add_tokenizer(w, tok, chat_template: str | None = None) -> None:
+    """A byte-level BPE tokenizer (transformers' fast one) in the GGUF metadata as llama.cpp's
+    converter writes a `gpt2` tokenizer, with its chat template (tokenizer.chat_template)."""
+    import json
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    tokens = [""] * len(tok)
+    for text, i in spec["model"]["vocab"].items():
+        tokens[i] = text
+    for added in spec["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    if chat_template:
+        w.add_chat_template(chat_template)

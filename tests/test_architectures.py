@@ -10,7 +10,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.models import architectures
 from tests.conftest import PROMPTS, hf_greedy
-from tests.gguf_utils import write_hf_model
+from tests.gguf_utils import add_tokenizer, write_hf_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -158,17 +158,50 @@ def test_native_q8_0_leaves_the_oracle_only_at_near_ties(tiny_models, tmp_path, 
     llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
     model = llm.engine.executor.worker.runner.model
     assert all(getattr(model.layers[0], n).qtype == "q8_0" for n in ("qkv", "o", "gate_up", "down"))
-    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
-    for out in llm.generate([{"prompt_token_ids": tm.tokenizer.encode(p)} for p in _prompts(name)], params,
-                            use_tqdm=False):
+    _check_near_ties(llm, oracle, tm, _prompts(name), _prompts(name)[1] if name == "phi3_longrope" else TEXT)
+
+
+def _check_near_ties(llm: LLM, oracle, tm, prompts: list[str], text: str, max_tokens: int = 12) -> None:
+    """Each greedy token is the oracle's argmax up to MARGIN; `text`'s prompt logprobs within LOGPROB_ATOL."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+    for out in llm.generate([{"prompt_token_ids": tm.tokenizer.encode(p)} for p in prompts], params, use_tqdm=False):
         ids, gen = out.prompt_token_ids, list(out.outputs[0].token_ids)
         with torch.no_grad():
             logits = oracle(torch.tensor([ids + gen])).logits[0].float()
         for i, t in enumerate(gen):
             row = logits[len(ids) + i - 1]
             assert row.max() - row[t] <= MARGIN, (i, float(row.max() - row[t]))
-    ids = tm.tokenizer.encode(_prompts(name)[1] if name == "phi3_longrope" else TEXT)
+    ids = tm.tokenizer.encode(text)
     assert (_prompt_logprobs(llm, ids) - _reference_logprobs(oracle, ids)).abs().max() <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "granite_multipliers"])
+def test_quantize_at_load_leaves_the_oracle_only_at_near_ties(tiny_models, name):
+    """An HF model quantized at load (q8_0; Phi-3's fused matrices whole): near-ties only against
+    transformers on the quantized weights (the LM head at q8_0 too)."""
+    from pagedserve.kernels import quant
+    tm = tiny_models(name)
+    llm = LLM(tm.path, dtype="float32", quantization="q8_0", num_gpu_blocks_override=64, max_model_len=32)
+    assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q8_0"
+    state = {n: (quant.dequantize(quant.quantize(t.float(), "q8_0"), torch.float32)
+                 if t.dim() == 2 and "embed_tokens" not in n else t.float()).clone()
+             for n, t in tm.hf.state_dict().items()}
+    _check_near_ties(llm, _oracle(tm, state), tm, PROMPTS[:3], PROMPTS[3], max_tokens=8)
+
+
+def test_speculative_decoding_and_an_8_bit_kv_cache_run_the_architecture(tiny_models):
+    """Qwen3 with n-gram drafts: exactly the tokens without them (float32); with an int8 KV
+    cache, near-ties only against transformers."""
+    tm = tiny_models("qwen3_untied")
+    prompts = [tm.tokenizer.encode(p + " " + p) for p in PROMPTS[:3]]     # repeats: the n-grams find drafts
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    spec = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tm.hf, p, 12) for p in prompts]
+    assert spec.kv_cache_stats()["spec_decode_num_draft_tokens"] > 0
+    kv8 = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, kv_cache_dtype="int8")
+    _check_near_ties(kv8, tm.hf, tm, PROMPTS[:3], TEXT)
 
 
 def test_every_architecture_is_found_by_its_names():
@@ -197,3 +230,70 @@ def test_longrope_takes_the_short_factors_in_a_context_within_the_original(tiny_
     ids = tm.tokenizer.encode(LONG_PROMPTS[1])
     assert len(ids) > 32
     torch.testing.assert_close(_prompt_logprobs(long, ids), _reference_logprobs(tm.hf, ids), atol=1e-4, rtol=1e-4)
+
+
+# A chat template in Qwen3's manner (written for this test): tools listed in the system turn, and
+# with enable_thinking false an empty think block closed in the prompt.
+QWEN3_STYLE_TEMPLATE = (
+    "{% if tools %}<|system|>Tools:{% for t in tools %} {{ t.function.name }}{% endfor %};\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_the_gguf_chat_template_renders_tools_and_enable_thinking(tiny_models, tmp_path):
+    """A GGUF file's tokenizer.chat_template is the chat template (no tokenizer directory given),
+    with the request's tools and chat_template_kwargs (Qwen3's enable_thinking)."""
+    tm = tiny_models("qwen3_tied")
+    path = tmp_path / "qwen3-chat.gguf"
+    write_hf_model(tm.hf, path, "qwen3", header=lambda w, cfg: (_qwen3_header(w, cfg), add_tokenizer(
+        w, tm.tokenizer, QWEN3_STYLE_TEMPLATE)))
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=64)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    messages = [{"role": "user", "content": "Keys and values"}]
+    for kwargs, thinks in ((None, False), ({"enable_thinking": False}, True)):
+        out = llm.chat(messages, params, use_tqdm=False, tools=tools, chat_template_kwargs=kwargs)[0]
+        prompt = llm.get_tokenizer().decode(out.prompt_token_ids)
+        assert prompt.startswith("<|system|>Tools: get_weather;\n<|user|>Keys and values\n<|assistant|>"), prompt
+        assert prompt.endswith("<think>\n\n</think>\n\n") == thinks, prompt
+    assert out.prompt_token_ids == tm.tokenizer.encode(prompt)      # the file's tokenizer is the model's
+
+
+@pytest.mark.parametrize("name, targets", [
+    ("qwen3_untied", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("phi3_longrope", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),     # Phi-3's fused modules
+])
+def test_lora_over_the_architecture_equals_peft(tiny_models, tmp_path, name, targets):
+    """A PEFT adapter of the architecture's own module names: greedy tokens equal peft's (float32)."""
+    from pagedserve import LoRARequest
+    from tests.lora_utils import make_adapter, oracle_greedy
+    tm = tiny_models(name)
+    oracle = make_adapter(tm.hf, tmp_path / "adapter", seed=5, rank=4, alpha=8, targets=targets)
+    # (LongRoPE: a context within its original length keeps transformers' short factors)
+    llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8,
+              max_model_len=32)
+    prompts = [tm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                        lora_request=lora)
+    want = [oracle_greedy(oracle, p, 8) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert want != [oracle_greedy(tm.hf, p, 8) for p in prompts], "the adapter must change the tokens"
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope"])
+def test_tensor_parallel_splits_the_architecture(tiny_models, name):
+    """Two ranks: each reads its heads' rows of q/k/v (Phi-3: of the fused qkv_proj) and its part
+    of gate/up (of gate_up_proj), with its q/k norms; greedy tokens as transformers'."""
+    tm = tiny_models(name)
+    llm = LLM(tm.path, dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64, max_model_len=32)
+    try:
+        prompts = [tm.tokenizer.encode(p) for p in PROMPTS[:3]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tm.hf, p, 8) for p in prompts]
+        assert llm.engine.runner.model.args.num_heads == tm.hf.config.num_attention_heads // 2
+    finally:
+        llm.shutdown()

@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,9 @@ from pagedserve.errors import InvalidRequestError
 PEFT_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                 "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 PARTS = tuple(PEFT_MODULES.values())
+# Fused projections of some architectures (Phi-3's qkv_proj and gate_up_proj): one lora_A, and a
+# lora_B whose rows are its parts' in order; each part is served as its own (A, rows of B).
+FUSED_PEFT_MODULES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -56,11 +59,13 @@ class LoRAReadError(LoRAAdapterError):
 @dataclass(frozen=True)
 class AdapterSpec:
     """A checked adapter: where its tensors are, its rank and scale, and which (layer, part)
-    pairs it adapts (each with the names of its A and B tensors)."""
+    pairs it adapts (each with the names of its A and B tensors, and where B is a fused
+    module's, the part's rows of it)."""
     path: str
     rank: int
     scaling: float
     tensors: dict[tuple[int, str], tuple[str, str]]
+    b_rows: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def parts(self) -> frozenset[str]:
@@ -124,9 +129,9 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
             isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         raise fail(f"target_modules must be a string or a list of strings; got {targets!r}")
     if isinstance(targets, list):
-        unknown = sorted({t.split(".")[-1] for t in targets} - set(PEFT_MODULES))
+        unknown = sorted({t.split(".")[-1] for t in targets} - set(PEFT_MODULES) - set(FUSED_PEFT_MODULES))
         if unknown:
-            raise fail(f"target_modules {unknown} are not among {', '.join(PEFT_MODULES)}")
+            raise fail(f"target_modules {unknown} are not among {', '.join([*PEFT_MODULES, *FUSED_PEFT_MODULES])}")
     alpha = cfg.get("lora_alpha", rank)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise fail(f"lora_alpha must be a number; got {alpha!r}")
@@ -141,6 +146,7 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
     except Exception as e:   # noqa: BLE001 - a corrupt file is a refusal, not a crash
         raise fail(f"{WEIGHTS_FILE} cannot be read ({e})") from None
     names: dict[tuple[int, str], dict[str, str]] = {}
+    b_rows: dict[tuple[int, str], tuple[int, int]] = {}
     moe = getattr(args, "moe", None)
     for key, shape in found.items():
         m = _KEY.search(key)
@@ -148,23 +154,29 @@ def read_adapter(name: str, lora_name: str, args, max_lora_rank: int) -> Adapter
                 m is not None and m.group(2) in _MLP_MODULES and moe.is_sparse(int(m.group(1))))):
             raise fail(f"tensor {key!r} adapts a mixture-of-experts block: on MoE models LoRA covers the attention "
                        f"projections (q/k/v/o_proj) and dense MLP layers only, never experts or routers")
-        if m is None or m.group(2) not in PEFT_MODULES:
-            raise fail(f"tensor {key!r} is not a lora_A/lora_B of {', '.join(PEFT_MODULES)}")
-        layer, part, ab = int(m.group(1)), PEFT_MODULES[m.group(2)], m.group(3)
+        if m is None or (m.group(2) not in PEFT_MODULES and m.group(2) not in FUSED_PEFT_MODULES):
+            raise fail(f"tensor {key!r} is not a lora_A/lora_B of {', '.join([*PEFT_MODULES, *FUSED_PEFT_MODULES])}")
+        layer, ab = int(m.group(1)), m.group(3)
+        parts = FUSED_PEFT_MODULES.get(m.group(2)) or (PEFT_MODULES[m.group(2)],)
         if layer >= args.num_layers:
             raise fail(f"tensor {key!r}: layer {layer}, but the base model has {args.num_layers} layers")
-        fan_in, fan_out = shapes[part]
+        fan_in, fan_out = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
         want = [rank, fan_in] if ab == "A" else [fan_out, rank]
         if shape != want:
             raise fail(f"tensor {key!r} has shape {shape}, expected {want} (r={rank} over the base model's "
                        f"{m.group(2)} of {fan_in} -> {fan_out}): an adapter of another base model?")
-        names.setdefault((layer, part), {})[ab] = key
+        row = 0
+        for part in parts:
+            names.setdefault((layer, part), {})[ab] = key
+            if len(parts) > 1 and ab == "B":
+                b_rows[(layer, part)] = (row, row + shapes[part][1])
+            row += shapes[part][1]
     if not names:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA tensors")
     half = sorted(k for k, v in names.items() if len(v) != 2)
     if half:
         raise fail(f"layer {half[0][0]} {half[0][1]}_proj has only one of lora_A and lora_B")
-    return AdapterSpec(str(root), rank, float(scaling), {k: (v["A"], v["B"]) for k, v in names.items()})
+    return AdapterSpec(str(root), rank, float(scaling), {k: (v["A"], v["B"]) for k, v in names.items()}, b_rows)
 
 
 def adapter_fingerprint(path: str) -> str:
@@ -189,4 +201,6 @@ def read_tensors(spec: AdapterSpec) -> Iterator[tuple[int, str, torch.Tensor, to
     from safetensors import safe_open
     with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
         for (layer, part), (a, b) in spec.tensors.items():
-            yield layer, part, f.get_tensor(a), f.get_tensor(b)
+            rows = spec.b_rows.get((layer, part))
+            weight_b = f.get_tensor(b) if rows is None else f.get_slice(b)[rows[0]:rows[1]]
+            yield layer, part, f.get_tensor(a), weight_b

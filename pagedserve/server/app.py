@@ -349,6 +349,7 @@ def server_state(config: EngineConfig, s: ServerConfig, llm: EngineClient, metri
               max_request_body_bytes=s.max_request_body_bytes if s.max_request_body_bytes and
               s.max_request_body_bytes > 0 else None, log_requests=not s.disable_log_requests,
               enable_auto_tool_choice=s.enable_auto_tool_choice, tool_call_parser=s.tool_call_parser,
+              reasoning_parser=s.reasoning_parser,
               kv_snapshot_interval=s.kv_snapshot_interval, options=s, pooling=config.is_pooling,
               loras=ServerLoRAs(s.lora_modules) if config.enable_lora else None)
     return ServerState(llm, names, metrics, **{**kw, **overrides})

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import ROUTING_POLICIES, positive_float, setting
 from pagedserve.server import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from pagedserve.server.reasoning import REASONING_PARSERS
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TOOL_CALL_PARSERS = ("hermes",)
@@ -52,6 +53,10 @@ class ServerConfig:
                                                    "the output; needs --tool-call-parser")
     tool_call_parser: str | None = setting(None, "the format of tool calls in the output for tool_choice auto "
                                                  "(hermes: <tool_call>{...}</tool_call>)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = setting(None, "split the output's <think>...</think> block into the chat "
+                                                 "message's reasoning_content (qwen3: where the output opens "
+                                                 "one; deepseek_r1: the output starts inside it)",
+                                           choices=REASONING_PARSERS)
     # Data parallelism: this many engine replicas as Ray actors behind one router
     # (pagedserve/cluster/), which sends each request to one of them by `routing_policy`. The
     # serving topology, not an engine setting: each replica runs the same EngineConfig.

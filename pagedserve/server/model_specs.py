@@ -23,7 +23,7 @@ from pagedserve.config import EngineConfig, parse_size
 from pagedserve.server.config import ServerConfig
 
 # ServerConfig fields a model's settings may set for that model alone (the rest are the server's).
-SERVER_KEYS = ("lora_modules", "enable_auto_tool_choice", "tool_call_parser", "keep_alive")
+SERVER_KEYS = ("lora_modules", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "keep_alive")
 SETTINGS_FILES = ("models.json", "models.yaml", "models.yml")
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"model"}
 

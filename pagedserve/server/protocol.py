@@ -195,6 +195,7 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None      # the <think> block, with --reasoning-parser (server/reasoning.py)
 
 
 class ChatChoice(BaseModel):
@@ -218,6 +219,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

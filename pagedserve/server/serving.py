@@ -31,6 +31,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.server.errors import APIError, bad_request, queue_full
+from pagedserve.server.reasoning import ReasoningStreamer, split_reasoning
 from pagedserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                                         ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -610,6 +611,7 @@ class ChatServing(Serving):
         if self.tools is not None:
             self.warning = tools_warning(self.llm.tokenizer.chat_template, logger)
         self._streamers: dict[int, ToolStreamer] = {}
+        self._thinkers: dict[int, ReasoningStreamer] = {}     # per choice, with a reasoning parser
         tool_constraint = ("tools", self.tools.constraint) if self.tools and self.tools.constraint else None
         structured = await self.constraint(tool_constraint)
         tools = self.tools.tools if self.tools else None
@@ -625,10 +627,13 @@ class ChatServing(Serving):
         return await self.submit([(None, ids, params)])
 
     def _choice(self, c: CompletionOutput) -> ChatChoice:
-        content, calls = c.text, []
-        if self.tools is not None:
-            content, calls = parse_tool_calls(self.tools, c.text)
-        message = ChatResponseMessage(role=self.state.options.response_role, content=content, tool_calls=calls)
+        reasoning, content, calls = None, c.text, []
+        if self.state.reasoning_parser:       # the <think> block first; tool calls are in what follows it
+            reasoning, content = split_reasoning(self.state.reasoning_parser, c.text)
+        if self.tools is not None and content is not None:
+            content, calls = parse_tool_calls(self.tools, content)
+        message = ChatResponseMessage(role=self.state.options.response_role, content=content, tool_calls=calls,
+                                      reasoning_content=reasoning)
         return ChatChoice(index=c.index, message=message,
                           logprobs=self._logprobs(c, slice(0, len(c.token_ids))),
                           finish_reason=self._finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
@@ -644,15 +649,18 @@ class ChatServing(Serving):
 
     def chunk_for(self, delta: ChoiceDelta) -> BaseModel:
         c = delta.output
-        content, calls = delta.text, None
+        reasoning, content, calls = None, delta.text, None
         finish_reason = c.finish_reason
+        if self.state.reasoning_parser:
+            thinker = self._thinkers.setdefault(delta.index, ReasoningStreamer(self.state.reasoning_parser))
+            reasoning, content = thinker.feed(delta.text, delta.finished)
         if self.tools is not None:
             streamer = self._streamers.setdefault(delta.index, ToolStreamer(self.tools))
-            content, calls = streamer.feed(delta.text, delta.finished)
+            content, calls = streamer.feed(content or "", delta.finished)
             calls = calls or None
             finish_reason = self._finish_reason(finish_reason, streamer.calls > 0)
         message = DeltaMessage(role=self.state.options.response_role if delta.first else None, content=content,
-                               tool_calls=calls)
+                               tool_calls=calls, reasoning_content=reasoning)
         choice = ChatStreamChoice(index=delta.index, delta=message, logprobs=self._logprobs(c, delta.new_tokens),
                                   finish_reason=finish_reason if delta.finished else None,
                                   stop_reason=c.stop_reason if delta.finished else None)

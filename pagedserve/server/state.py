@@ -36,6 +36,7 @@ class ServerState:
     # Tool calling: tool_choice "auto" needs both (server/tools.py).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None   # server/reasoning.py: <think> blocks as reasoning_content
     kv_snapshot_interval: float = 0.5   # seconds between the dashboard's KV snapshots (server/dashboard.py)
     # The rest of the server's settings (response_role, the responses store, ...), and whether the
     # engine is a pooling one (embeddings only: runner pooling).
