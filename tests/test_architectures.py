@@ -297,3 +297,28 @@ def test_tensor_parallel_splits_the_architecture(tiny_models, name):
         assert llm.engine.runner.model.args.num_heads == tm.hf.config.num_attention_heads // 2
     finally:
         llm.shutdown()
+
+
+def test_phi3_sliding_window_matches_transformers(tiny_root, tiny_tokenizer):
+    """Phi-3-mini-4k's sliding window rides the window KV groups (kv/groups.py) as Mistral's does:
+    prompts several windows long give transformers' tokens and logprobs."""
+    import transformers
+    from tests.conftest import CORPUS
+    tok = tiny_tokenizer
+    config = transformers.Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                     sliding_window=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+                                     initializer_range=0.1, bos_token_id=tok.bos_token_id,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    torch.manual_seed(47)
+    hf = transformers.Phi3ForCausalLM(config).float().eval()
+    path = tiny_root / "phi3_window"
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    llm = LLM(str(path), dtype="float32", block_size=4, num_gpu_blocks_override=256)
+    assert llm.engine.model_args.windows() == [16, 16]
+    ids = tok.encode(" ".join(CORPUS[:7]))[:80]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=10, min_tokens=10),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 10)
+    torch.testing.assert_close(_prompt_logprobs(llm, ids), _reference_logprobs(hf, ids), atol=1e-4, rtol=1e-4)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from pagedserve.models import architectures
 from pagedserve.models.gguf_reader import GGUFFile, GGUFFileError
 from pagedserve.models.llama import ModelArgs
 
@@ -119,12 +120,17 @@ def expected_shapes(args: ModelArgs, p: str) -> dict[str, tuple[tuple[str, int],
     kv = (f"{p}attention.head_count_kv x head dim", args.num_kv_heads * args.head_dim)
     inter = (p + "feed_forward_length", args.intermediate_size)
     vocab = (p + "vocab_size (or the tokenizer's tokens)", args.vocab_size)
+    qkv = (f"{p}attention.head_count + 2 x head_count_kv, x head dim", (args.num_heads + 2 * args.num_kv_heads) *
+           args.head_dim)
+    arch = architectures.by_hf_name(args.architecture)
+    up = (f"2 x {p}feed_forward_length", 2 * args.intermediate_size) if arch and arch.fused_gate_up else inter
     return {
         "token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,),
         "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
         "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
         "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.weight": (hidden, q),
-        "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter),
+        "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (up, hidden), "ffn_down.weight": (hidden, inter),
+        "attn_qkv.weight": (qkv, hidden), "attn_qkv.bias": (qkv,),       # fused (Phi-3; ffn_up: gate and up)
     }
 
 

@@ -52,7 +52,11 @@ class RotaryEmbedding:
         if (scaling or {}).get("rope_type") == "longrope":
             long = (context_len or max_positions) > scaling["original_max_position_embeddings"]
             factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-            inv_freq = rope_inv_freq(head_dim, theta, None) / factors
+            inv_freq = rope_inv_freq(head_dim, theta, None)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"LongRoPE has {factors.numel()} factors; RoPE over {head_dim} dimensions needs "
+                                 f"{inv_freq.numel()}")
+            inv_freq = inv_freq / factors
             scale = scaling["attention_factor"]
         else:
             inv_freq = rope_inv_freq(head_dim, theta, scaling)
