@@ -1,4 +1,4 @@
-"""Take the README's dashboard screenshot (docs/dashboard.png) on the default model.
+"""Take the dashboard screenshot of docs/memory.md (docs/dashboard.png) on the default model.
 
     .venv/bin/python scripts/dashboard_screenshot.py [--out docs/dashboard.png]
 

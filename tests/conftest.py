@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, settings
 # Property tests. "ci", the default: derandomized (every run tries the same examples, so a
 # clean clone passes or fails the same way every time) with no example database; an
 # example that ever failed is pinned with @example on its test. "fuzz": the long random
-# run required before a change to the scheduler or a KV cache manager lands (README,
-# Tests); chosen by `-m fuzz` or PAGEDSERVE_FUZZ_EXAMPLES, with that many examples per
+# run required before a change to the scheduler or a KV cache manager lands (docs/testing.md);
+# chosen by `-m fuzz` or PAGEDSERVE_FUZZ_EXAMPLES, with that many examples per
 # test (default 10,000). "dev": random, CI-sized (--hypothesis-seed works there).
 # HYPOTHESIS_PROFILE picks one explicitly.
 FUZZ_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES") or 10_000)

@@ -2,7 +2,7 @@
 model): the openai client (tests/test_server.py, test_responses.py, test_embeddings.py),
 langchain-openai (ChatOpenAI: chat, stream, a tool call, the Responses API; OpenAIEmbeddings)
 and the openai-agents SDK (an Agent over the Responses API, with a function tool; the chat
-completions model). The README's server section lists exactly these."""
+completions model). The server section of docs/serving.md lists exactly these."""
 from __future__ import annotations
 
 import asyncio

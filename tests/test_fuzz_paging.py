@@ -18,7 +18,7 @@ engine's code path, not a copy of it). `check_paging_invariants`
 runs after `schedule()` (what the step writes) and after every rule; at the end
 every request is run to completion and no block may stay referenced.
 
-CI runs 300 derandomized examples; the fuzz run (README, Tests) runs thousands:
+CI runs 300 derandomized examples; the fuzz run (docs/testing.md) runs thousands:
     PAGEDSERVE_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest -m fuzz -q
 """
 from __future__ import annotations
