@@ -322,3 +322,14 @@ def test_phi3_sliding_window_matches_transformers(tiny_root, tiny_tokenizer):
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, ids, 10)
     torch.testing.assert_close(_prompt_logprobs(llm, ids), _reference_logprobs(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_embeddings_of_the_architecture(tiny_models):
+    """--runner pooling over Qwen3: the last token's final hidden state, normalised, as transformers'."""
+    tm = tiny_models("qwen3_untied")
+    llm = LLM(tm.path, dtype="float32", runner="pooling", num_gpu_blocks_override=64)
+    ids = tm.tokenizer.encode(TEXT)
+    emb = torch.tensor(llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding)
+    with torch.no_grad():
+        last = tm.hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    torch.testing.assert_close(emb, torch.nn.functional.normalize(last, dim=-1), atol=1e-5, rtol=1e-4)

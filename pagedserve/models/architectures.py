@@ -16,7 +16,10 @@ Adding an architecture:
    and a `gguf_config` one from the GGUF metadata (`Metadata`: its keys without the
    `<arch>.` prefix) to the same fields.
 3. Tensors Llama lacks or names otherwise: `gguf_tensors` (GGUF layer kind -> HF module), and
-   a field of `ModelArgs` the loader reads them by (e.g. `qk_norm` -> self_attn.q_norm).
+   a field of `ModelArgs` the loader reads them by (e.g. `qk_norm` -> self_attn.q_norm); fused
+   checkpoint tensors: `fused_qkv` / `fused_gate_up` (`qkv_parts`, `gate_up_parts` give the rows,
+   tensor parallelism included); a GGUF kind of another shape than Llama's: its shape in
+   models/gguf_check.py `expected_shapes` (files from strangers are checked against it).
 4. Math Llama lacks: a `ModelArgs` field whose default is Llama's behaviour, used in
    `LlamaModel.forward`; if the compiled CPU layer loop does not do it, list it in
    `llama.beyond_compiled_loop` (the Python loop then runs that model).
