@@ -14,7 +14,7 @@ Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLO
 (row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
 slice_rows / slice_cols (whole blocks) are views (rows may then be strided); concat_rows stacks
 weights of one type (fused projections), one copy. REPACKED names the layouts kernels/quant.py's
-`repack` rewrites a type into (q4_0x8, q4_1r8; see there); `file_layout` undoes them.
+`repack` rewrites a type into (q4_0x8, q4_1r8, q4_0r8, q8_0r8; see there); `file_layout` undoes them.
 
 The torch reference: `dequantize_torch` (the same float operations as gguf.quants),
 `quantize_torch` (q8_0 / q4_0: the bytes of gguf.quants.quantize), `quantize_activations` and
@@ -22,6 +22,7 @@ The torch reference: `dequantize_torch` (the same float operations as gguf.quant
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,16 @@ QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # rearranged so a 512-bit dot's lanes each fall in one block (quant_kernels.cpp's Q4_0X): 8 fp16
 # d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and q4_1 in
 # groups of 8 rows interleaved per block (Q4_1R8): a unit one block of 8 rows, their 8 fp16 d, 8 fp16
-# m, then two 64-byte vectors whose byte 8 l + i of vector k is row l's qs[8 k + i].
-REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1"}
+# m, then two 64-byte vectors whose byte 8 l + i of vector k is row l's qs[8 k + i]. For 256-bit
+# registers (AVX2, AVX-VNNI) q4_0 and q8_0 the same way: q4_0r8 (8 d, two vectors) and q8_0r8 (8 d,
+# four vectors, byte 8 l + i of vector k row l's qs[8 k + i]); csrc/quant/dot_r8_256.h computes them.
+REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0"}
+R8 = ("q4_1r8", "q4_0r8", "q8_0r8")     # 8 rows interleaved per block: data [rows / 8, row bytes * 8]
+R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8"}
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
-         "q4_0x8": 256, "q4_1r8": 32}
+         "q4_0x8": 256, "q4_1r8": 32, "q4_0r8": 32, "q8_0r8": 32}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "q4_0x8": 144, "q4_1r8": 20}
+               "q4_0x8": 144, "q4_1r8": 20, "q4_0r8": 18, "q8_0r8": 34}
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
@@ -57,7 +62,7 @@ class QuantizedWeight:
             raise ValueError(f"no kernel for quantization type {self.qtype!r}; have {', '.join(QTYPES)}")
         if cols % BLOCK[self.qtype]:
             raise ValueError(f"{self.qtype}: {cols} columns are not a multiple of its block ({BLOCK[self.qtype]})")
-        want = (rows // 8, self.row_bytes * 8) if self.qtype == "q4_1r8" else (rows, self.row_bytes)
+        want = (rows // 8, self.row_bytes * 8) if self.qtype in R8 else (rows, self.row_bytes)
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or \
                 (rows > 1 and self.data.stride(1) != 1):
             raise ValueError(f"{self.qtype} {self.shape}: data must be uint8 {list(want)} with "
@@ -89,7 +94,7 @@ def from_gguf_blocks(qtype: str, raw: torch.Tensor, shape: tuple[int, int]) -> Q
 
 
 def slice_rows(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    """Rows [start, stop) (output features), a view (of q4_1r8: in the file's layout, a copy)."""
+    """Rows [start, stop) (output features), a view (of an r8 layout: in the file's layout, a copy)."""
     if not 0 <= start <= stop <= w.shape[0]:
         raise ValueError(f"rows [{start}, {stop}) out of range for {w.shape[0]} rows")
     w = _rows_of(w)
@@ -120,31 +125,51 @@ def _q4_0x8_order(rows: torch.Tensor, to_x8: bool) -> torch.Tensor:
     return torch.cat([unit[..., :16].reshape(n, units, 8, 2), qs], dim=3).view(n, units * 144)
 
 
-def _q4_1r8(data: torch.Tensor, n: int, nb: int, to_r8: bool) -> torch.Tensor:
-    """q4_1 rows [n, nb * 20] <-> q4_1r8's groups of 8 rows [n / 8, nb * 160] (a new tensor)."""
-    G = n // 8
+@functools.lru_cache(maxsize=None)
+def _r8_places(qtype: str) -> torch.Tensor:
+    """int64 [8 * B]: where byte b of row l's block (file layout, B bytes) lies in a unit of r8
+    layout qtype (at index l * B + b): d at 2 l, q4_1's m at 16 + 2 l, then (after the scales) the
+    codes' 8-byte pieces k at 64 k + 8 l."""
+    B = BLOCK_BYTES[qtype]
+    head = 4 if qtype == "q4_1r8" else 2
+    places = []
+    for l in range(8):
+        places += [2 * l, 2 * l + 1] + ([16 + 2 * l, 17 + 2 * l] if head == 4 else [])
+        places += [8 * head + 64 * (i // 8) + 8 * l + i % 8 for i in range(B - head)]
+    return torch.tensor(places, dtype=torch.int64)
+
+
+def r8_order(qtype: str, data: torch.Tensor, n: int, nb: int, to_r8: bool) -> torch.Tensor:
+    """The file type's rows [n, nb * B] <-> r8 layout qtype's groups of 8 rows [n / 8, nb * 8 B]
+    (a new tensor)."""
+    G, B, places = n // 8, BLOCK_BYTES[qtype], _r8_places(qtype)
     if to_r8:
-        t = data.reshape(G, 8, nb, 20).permute(0, 2, 1, 3)
-        parts = [t[..., 0:2].reshape(G, nb, 16), t[..., 2:4].reshape(G, nb, 16), t[..., 4:12].reshape(G, nb, 64),
-                 t[..., 12:20].reshape(G, nb, 64)]
-        return torch.cat(parts, dim=2).reshape(G, nb * 160)
-    u = data.reshape(G, nb, 160)
-    parts = [u[..., 0:16].reshape(G, nb, 8, 2), u[..., 16:32].reshape(G, nb, 8, 2), u[..., 32:96].reshape(G, nb, 8, 8),
-             u[..., 96:160].reshape(G, nb, 8, 8)]
-    return torch.cat(parts, dim=3).permute(0, 2, 1, 3).reshape(n, nb * 20)
+        blocks = data.reshape(G, 8, nb, B).permute(0, 2, 1, 3).reshape(G, nb, 8 * B)
+        return torch.empty_like(blocks).index_copy_(2, places, blocks).view(G, nb * 8 * B)
+    units = data.reshape(G, nb, 8 * B).index_select(2, places)
+    return units.view(G, nb, 8, B).permute(0, 2, 1, 3).reshape(n, nb * B)
+
+
+def r8_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids (int64 [n]) of an r8 weight in its file type's layout [n, row bytes], each from its
+    group's units (an embedding lookup's few rows, without the whole matrix)."""
+    B, nb = BLOCK_BYTES[w.qtype], w.shape[1] // 32
+    units = w.data.view(w.shape[0] // 8, nb, 8 * B)[ids // 8]              # [n, nb, 8 B]
+    at = _r8_places(w.qtype).view(8, B)[ids % 8]                           # [n, B]
+    return units.gather(2, at.unsqueeze(1).expand(-1, nb, -1)).reshape(ids.numel(), nb * B)
 
 
 def _rows_of(w: QuantizedWeight) -> QuantizedWeight:
-    """w where its data holds a row per row (every layout but q4_1r8, which becomes the file's: a copy)."""
-    return file_layout(w) if w.qtype == "q4_1r8" else w
+    """w where its data holds a row per row (every layout but the r8 ones, which become the file's: a copy)."""
+    return file_layout(w) if w.qtype in R8 else w
 
 
 def file_layout(w: QuantizedWeight) -> QuantizedWeight:
     """w in its file type's layout (repack's inverse; a new tensor where it was repacked)."""
     if w.qtype not in REPACKED:
         return w
-    if w.qtype == "q4_1r8":
-        return QuantizedWeight("q4_1", w.shape, _q4_1r8(w.data, w.shape[0], w.shape[1] // 32, False))
+    if w.qtype in R8:
+        return QuantizedWeight(REPACKED[w.qtype], w.shape, r8_order(w.qtype, w.data, w.shape[0], w.shape[1] // 32, False))
     return QuantizedWeight(REPACKED[w.qtype], w.shape, _q4_0x8_order(w.data, to_x8=False))
 
 

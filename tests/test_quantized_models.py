@@ -246,9 +246,13 @@ def test_the_default_model_runs_in_its_blocks_like_its_dequantized_path():
         pytest.skip(str(e))
     native = LLM(dtype="float32", kv_cache_memory=64 * 1024**2)
     model = _model_of(native)
-    # (q4_1 rows interleaved in eights where the avx512vnni kernels run: quant.repack)
-    q4_1 = "q4_1r8" if quant.variant() == "avx512vnni" else "q4_1"
-    assert model.layers[0].qkv.qtype == q4_1 and model.lm_head.qtype == "q8_0"     # tied: the embedding's
+    # (rows interleaved in eights where the avx512vnni kernels run, q4_1, and on avx2 / avxvnni, q4_1
+    # and the tied head's q8_0 where the loader owns the table's copy: quant.repack)
+    r8_here = quant.variant() in quant.R8_VARIANTS
+    q4_1 = "q4_1r8" if quant.variant() == "avx512vnni" or r8_here else "q4_1"
+    head = "q8_0r8" if r8_here and model.embed.owned else "q8_0"
+    assert model.layers[0].qkv.qtype == q4_1 and model.lm_head.qtype == head     # tied: the embedding's
+    assert model.lm_head is model.embed.weight
     dequantized = LLM(dtype="float32", kv_cache_memory=64 * 1024**2, gguf_dequantize=True)
     assert not isinstance(_model_of(dequantized).layers[0].qkv, quant.QuantizedWeight)
     prompts = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
@@ -331,7 +335,8 @@ def test_an_hf_bf16_directory_loads_in_one_copy(tmp_path):
 def test_quantize_at_load_matches_transformers_on_the_quantized_weights(qtype, tiny_llama):
     llm = LLM(tiny_llama.path, dtype="float32", quantization=qtype, num_gpu_blocks_override=64)
     model = _model_of(llm)
-    assert model.layers[0].qkv.qtype == qtype and model.lm_head.qtype == "q8_0"
+    file_type = lambda w: quant.REPACKED.get(w.qtype, w.qtype)       # noqa: E731 (r8 layouts where repacked)
+    assert file_type(model.layers[0].qkv) == qtype and file_type(model.lm_head) == "q8_0"
     state = {}
     for name, t in tiny_llama.hf.state_dict().items():
         if t.dim() == 2 and "embed_tokens" not in name:

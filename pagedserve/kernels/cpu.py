@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.config import cache_dir
+from pagedserve.quant_format import R8
 from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -684,9 +685,9 @@ class DecoderLayers:
         self._threads = 0         # the thread count tile_rows was computed for (0: not yet)
         self._quant_lib = None    # the quant library _dims has the addresses of
         self._weights = [tuple(getattr(w, n) for n in _PROJECTIONS) for w in model.layers]    # the table points into them
-        # every quantized projection q4_1r8: decode batches keep its integer dots up to more rows
+        # every quantized projection in an r8 layout: decode batches keep its integer dots up to more rows
         parts = [p for w in self._weights for proj in w for p in (_quant_parts(proj) or [])]
-        self._all_r8 = bool(parts) and all(p.qtype == "q4_1r8" for p in parts)
+        self._all_r8 = bool(parts) and all(p.qtype in R8 for p in parts)
         self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                                 a.intermediate_size, a.rms_norm_eps, model.scale,    # quant_*: _quant_calls
@@ -730,7 +731,8 @@ class DecoderLayers:
             d.quant_handover = quant.kernel_address("quant_handover_next")
             self._quant_lib = lib
         bf16 = self.dtype == torch.bfloat16
-        d.small_rows, d.decode_rows = quant.batch_rows(False, bf16), quant.batch_rows(True, bf16, self._all_r8)
+        d.small_rows = quant.batch_rows(False, bf16, self._all_r8)
+        d.decode_rows = quant.batch_rows(True, bf16, self._all_r8)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
             self._threads = torch.get_num_threads()
             for layer, column, cols in self._tiles:

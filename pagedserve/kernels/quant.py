@@ -81,14 +81,19 @@ import torch
 
 from pagedserve.kernels import cpu
 from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
-    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, REPACKED, ROW_CHUNK_ELEMENTS, QuantizedWeight, _q4_0x8_order, _q4_1r8,
-    _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
+    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_OF, REPACKED, ROW_CHUNK_ELEMENTS, QuantizedWeight,
+    _q4_0x8_order, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
     quantize_torch, reference_linear, slice_cols, slice_rows)
 
 logger = logging.getLogger(__name__)
 
 _QTYPE_ID = {q: i for i, q in enumerate(QTYPES + tuple(REPACKED))}   # the `qtype` argument of the C functions
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
+R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_r8_256.h)
+# There the integer dots over r8 layouts take every batch: faster than the tiles (which unpack the
+# rows first) from 1 to 512 rows (measured on Zen 3, 2 threads: 0.34-1.00x the tiles' time), and a
+# row's arithmetic then never depends on the batch (batch-invariant greedy output, issue 51).
+R8_ALL_ROWS = 1 << 30
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
 
 # T up to this: integer dots on q8 activations; above: dequantized tiles (batch_rows() picks).
@@ -189,8 +194,11 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
 def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
-    the tiles would run on makes it pay (AMX: bf16 only); `r8`: weights all q4_1r8, whose integer
-    dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch."""
+    the tiles would run on makes it pay (AMX: bf16 only); `r8`: weights all in r8 layouts, whose integer
+    dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch, and on the 256-bit variants
+    (R8_VARIANTS) at any number of rows (R8_ALL_ROWS)."""
+    if r8 and KERNELS.variant() in R8_VARIANTS:
+        return R8_ALL_ROWS
     if decode and r8:
         return R8_DECODE_ROWS
     if bf16 and amxw_in_use():
@@ -274,21 +282,31 @@ KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_k
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
-def repack(w: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
+def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
-    8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows), else w itself. in_place:
+    8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows; on the avx2 and avxvnni
+    variants (R8_VARIANTS) q4_0, q4_1 and q8_0 with rows a multiple of 8: q4_0r8, q4_1r8, q8_0r8, 1.5-2.5x
+    at 1-16 rows), else w itself. in_place:
     w's bytes are rewritten (only where the caller owns them: not a file's mapping), no copy
-    of the whole matrix; else a new tensor. Every path computes the same values from either."""
-    if w.qtype == "q4_1" and w.shape[0] % 8 == 0 and w.data.is_contiguous() and \
-            os.environ.get(REPACK_ENV, "1") != "0" and variant() == "avx512vnni" and amxw_in_use():
-        r8 = _q4_1r8(w.data, w.shape[0], w.shape[1] // 32, True)
-        if in_place:          # the same storage (the loader's huge-page copy)
-            out = w.data.view(w.shape[0] // 8, -1)
-            out.copy_(r8)
-            r8 = out
-        return QuantizedWeight("q4_1r8", w.shape, r8)
-    if w.qtype != "q4_0" or w.shape[1] % 256 or os.environ.get(REPACK_ENV, "1") == "0":
+    of the whole matrix; else a new tensor. mapped: a small matrix the loader left in the file's
+    mapping: a copy in an r8 layout on the R8_VARIANTS (so that every projection of a model is r8:
+    batch-invariant rows, and the compiled loop's integer dots at any batch), else w itself.
+    Every path computes the same values from either."""
+    if mapped and variant() not in R8_VARIANTS:
+        return w
+    r8_here = variant() in R8_VARIANTS or (w.qtype == "q4_1" and variant() == "avx512vnni" and amxw_in_use())
+    if w.qtype in R8_OF and w.shape[0] % 8 == 0 and w.data.is_contiguous() and \
+            os.environ.get(REPACK_ENV, "1") != "0" and r8_here:
+        r8 = R8_OF[w.qtype]
+        out = w.data.view(w.shape[0] // 8, -1) if in_place else \
+            torch.empty(w.shape[0] // 8, w.row_bytes * 8, dtype=torch.uint8)
+        step = max(8, ROW_CHUNK_ELEMENTS // w.shape[1] // 8 * 8)     # groups of rows at a time: little scratch
+        for r0 in range(0, w.shape[0], step):      # (in place: the same storage, the loader's huge-page copy)
+            r1 = min(w.shape[0], r0 + step)
+            out[r0 // 8:r1 // 8] = r8_order(r8, w.data[r0:r1], r1 - r0, w.shape[1] // 32, True)
+        return QuantizedWeight(r8, w.shape, out)
+    if w.qtype != "q4_0" or w.shape[1] % 256 or os.environ.get(REPACK_ENV, "1") == "0" or mapped:
         return w
     out = w.data if in_place else torch.empty_like(w.data)
     for r0, r1 in _row_chunks(*w.shape):
@@ -311,8 +329,8 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup."""
-    w = _rows_of(w)
+    """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup (of
+    an r8 layout, a tied LM head's: the rows gathered from their groups first)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel():
         # (a decode step's few ids checked in Python: two tensor reductions cost more than its lookup)
@@ -320,6 +338,10 @@ def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.
         low, high = (min(listed), max(listed)) if listed else (int(flat.min()), int(flat.max()))
         if low < 0 or high >= w.shape[0]:
             raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
+    if w.qtype in R8:
+        w = QuantizedWeight(REPACKED[w.qtype], (flat.numel(), w.shape[1]), r8_rows(w, flat))
+        flat = torch.arange(flat.numel())
+    w = _rows_of(w)
     lib = load()
     if lib is None:
         out = torch.stack([dequantize_torch(slice_rows(w, i, i + 1))[0] for i in flat.tolist()]) if flat.numel() \
@@ -380,7 +402,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     out_dtype = out_dtype or x.dtype
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=out_dtype)
-    r8 = all(p.qtype == "q4_1r8" for p in parts)
+    r8 = all(p.qtype in R8 for p in parts)
     if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8) and \
             out_dtype in (torch.float32, torch.bfloat16):
         return _linear_small(x, parts, bias, lib, out_dtype)

@@ -492,8 +492,9 @@ class MatrixBuilder:
         raw = self._stack_rows(blocks, pad_rows) if raw is None else raw
         num_cols = cols[1] - cols[0] if cols else self.source.num_cols(parts[0][0])
         weight = from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
-        if owned:        # the layout the decode kernels read fastest, where the type has one (ops.repack)
-            weight = self.ops.repack(weight, in_place=True)
+        # the layout the decode kernels read fastest, where the type has one (ops.repack): in place
+        # in the loader's copy, or for a small matrix left in the file's mapping a copy where it pays
+        weight = self.ops.repack(weight, in_place=True) if owned else self.ops.repack(weight, mapped=True)
         for n, _ in parts:
             self.source.release(n, weight)
         self.made[qtypes[0]] += 1
@@ -547,7 +548,8 @@ class MatrixBuilder:
                 self.source.release(name, blocks)
             elif pad_rows:
                 blocks = torch.cat([blocks, blocks.new_zeros(pad_rows, blocks.shape[1])])
-            return QuantizedEmbedding(self.source.tensor_type(name), blocks, self.source.num_cols(name), self.dtype)
+            return QuantizedEmbedding(self.source.tensor_type(name), blocks, self.source.num_cols(name), self.dtype,
+                                      owned=stacked is not None or pad_rows > 0)
         return self.matrix([(name, rows)], pad_rows=pad_rows) if self.mode is None or self.blocks_of else \
             self._stack_rows([self.float(name, rows)], pad_rows)
 
@@ -560,6 +562,8 @@ class MatrixBuilder:
                 return self._stack_rows([self.float(name, rows)], pad_rows)
             self.made[qtype] += 1
             weight = embed.weight                  # the table's own blocks, already a QuantizedWeight
+            if embed.owned:     # the head's fastest layout (ops.repack), in place: the lookups read it too
+                weight = embed.weight = self.ops.repack(weight, in_place=True)
             self.source.release(name, weight)      # the lookups read the file's rows again when needed
             return weight
         if self.mode in ("q8_0", "q4_0"):

@@ -51,9 +51,10 @@ class ModelOps(Protocol):
     def quantize(self, weight: torch.Tensor, qtype: str) -> QuantizedWeight:
         """A float matrix in q8_0 or q4_0 (the bytes of gguf.quants.quantize): quantize-at-load."""
 
-    def repack(self, weight: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
+    def repack(self, weight: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
         """The weight in the layout these ops' kernels read fastest (or as it is); in_place: its
-        bytes may be rewritten (the loader owns them)."""
+        bytes may be rewritten (the loader owns them); mapped: a small matrix left in the file's
+        mapping, copied into that layout only where the kernels gain most from it."""
 
     def quantized_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -94,7 +95,7 @@ class TorchOps:
     quantized_embedding = staticmethod(quantized.embedding_rows_torch)
 
     @staticmethod
-    def repack(weight: QuantizedWeight, in_place: bool = False) -> QuantizedWeight:
+    def repack(weight: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
         return weight
 
     def prepare_weights(self, model) -> None:

@@ -155,11 +155,14 @@ class QuantizedEmbedding:
     """An embedding table kept in its GGUF blocks ([rows, bytes per row], possibly a view of the
     memory-mapped file): a lookup dequantizes only the rows of the step's tokens (one row per
     token, so the cost is small next to the layers). Any GGML type works: one with a kernel is
-    dequantized by the ops (CpuOps: kernels/quant.py), any other by the gguf package."""
+    dequantized by the ops (CpuOps: kernels/quant.py), any other by the gguf package. `owned`:
+    blocks is a copy (not the file's mapping), which a tied LM head may repack in place (`weight`
+    then in that layout, which the lookups read too)."""
     tensor_type: object          # gguf.GGMLQuantizationType
     blocks: torch.Tensor         # uint8 [rows, bytes per row]
     cols: int
     dtype: torch.dtype
+    owned: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:

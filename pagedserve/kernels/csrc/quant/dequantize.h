@@ -17,7 +17,7 @@ void dequantize_row(int qt, const uint8_t *w, int64_t K, float *y) {
 // w: rows of blocks, ldw bytes apart; out float32 [rows][ldo]. 0 on success.
 extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int64_t cols, float *out,
                                 int64_t ldo) {
-    if (qt < 0 || qt >= kNumTypes || qt == Q4_1R8 || cols % kElems[qt]) return 1;
+    if (qt < 0 || qt >= kNumTypes || is_r8(qt) || cols % kElems[qt]) return 1;
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
     for (int64_t r = 0; r < rows; r++) dequantize_row(qt, w + r * ldw, cols, out + r * ldo);
     return 0;
@@ -26,7 +26,7 @@ extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t r
 // out float32 [n][cols] = rows ids[0..n) of W (an embedding lookup); ids checked by the caller.
 extern "C" int quant_dequantize_rows(int qt, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
                                      int64_t cols, float *out) {
-    if (qt < 0 || qt >= kNumTypes || qt == Q4_1R8 || cols % kElems[qt]) return 1;
+    if (qt < 0 || qt >= kNumTypes || is_r8(qt) || cols % kElems[qt]) return 1;
 #pragma omp parallel for schedule(static) if (n * cols >= 65536)
     for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + ids[i] * ldw, cols, out + i * cols);
     return 0;

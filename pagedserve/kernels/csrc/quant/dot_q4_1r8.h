@@ -53,6 +53,6 @@ void r8_group(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out
 }
 // NT activation rows per pass (up to 4: registers)
 using R8Fn = void (*)(const uint8_t *, int64_t, const Act &, int64_t, float *, int64_t);
-constexpr R8Fn kR8[5] = {nullptr, r8_group<1>, r8_group<2>, r8_group<3>, r8_group<4>};
+constexpr R8Fn kR8_512[5] = {nullptr, r8_group<1>, r8_group<2>, r8_group<3>, r8_group<4>};
 #endif
 }  // namespace

@@ -86,9 +86,15 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     const bool r8 = any_r8(parts, nparts);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    if (r8 && nparts == 1) {
+    if (r8 && nparts == 1) {     // one r8 part: its groups of 8 rows, 1-4 activation rows a pass
         if (parts[0].rows % 8) return 1;
+        const int qt = int(parts[0].qtype);
+        R8GroupFn kR8[5] = {nullptr};
+        for (int n = 1; n <= 4; n++) kR8[n] = r8_group_fn(qt, n);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if (qt == Q4_1R8)
+            for (int n = 1; n <= 4; n++) kR8[n] = kR8_512[n];
+#endif
         const Act act = thread_act(parts, nparts, T, K, false);
         const int64_t groups = parts[0].rows / 8;
 #pragma omp parallel if (groups * K * T >= 4096)
@@ -111,8 +117,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         }
         return 0;
     }
-#endif
-    if (r8) {         // several parts, or no AVX-512: the rows in the file's layout
+    if (r8) {         // several parts: the rows in the file's layout
         t_handover = plan;
         const PlainParts plain(parts, nparts, K);
         return quant_linear_small(plain.parts.data(), nparts, x, ldx, x_bf16, T, K, bias, y, ldy, y_bf16);

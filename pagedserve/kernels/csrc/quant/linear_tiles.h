@@ -81,7 +81,7 @@ extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const 
     t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0 || tile_rows <= 0 || tile_rows % 32 || (x_bf16 && K % 2) || gemm == nullptr)
         return 1;
-    if (any_r8(parts, nparts) && !(x_bf16 && amxw_takes(T))) {     // (amxw_rows reads Q4_1R8 itself)
+    if (any_r8(parts, nparts) && !(x_bf16 && amxw_takes(T) && only_q4_1r8(parts, nparts))) {   // (amxw_rows reads Q4_1R8)
         t_handover = plan;            // (for the call below)
         const PlainParts plain(parts, nparts, K);
         return quant_linear_tiles(plain.parts.data(), nparts, x, x_bf16, T, K, bias, y, ldy, gemm, tile_rows);

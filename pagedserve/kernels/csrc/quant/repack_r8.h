@@ -1,50 +1,64 @@
-// Q4_1R8 rows unpacked into q4_1's file layout (PlainParts).
+// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8: see QType): a unit is one 32-element block of 8 rows, their
+// 8 fp16 d (Q4_1R8: then their 8 fp16 m), then vectors of 64 bytes (q4: two, q8: four) whose byte
+// 8 l + i of vector k is row l's qs[8 k + i]; rows unpacked from them into the file's layout
+// (PlainParts) for the paths that read rows.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
 namespace {
-// Q4_1R8 (see QType): row l's block of the unit at u, in q4_1's file layout (20 bytes at b).
-inline void r8_block(const uint8_t *u, int l, uint8_t *b) {
-    std::memcpy(b, u + 2 * l, 2);
-    std::memcpy(b + 2, u + 16 + 2 * l, 2);
-    std::memcpy(b + 4, u + 32 + 8 * l, 8);
-    std::memcpy(b + 12, u + 96 + 8 * l, 8);
-}
+constexpr int64_t r8_unit_bytes(int qt) { return 8 * kBytes[r8_file_type(qt)]; }     // 160, 144, 272
+constexpr int r8_codes_at(int qt) { return qt == Q4_1R8 ? 32 : 16; }                // after d (and m)
 
-// Group g's 8 rows in q4_1's file layout into rows (row_bytes apart).
-void unpack_r8(const uint8_t *g, int64_t nb, uint8_t *rows, int64_t row_bytes) {
+// Row l's block of the r8 unit at u, in the file type's layout (kBytes bytes at b).
+inline void r8_block(int qt, const uint8_t *u, int l, uint8_t *b) {
+    std::memcpy(b, u + 2 * l, 2);                                   // d
+    if (qt == Q4_1R8) std::memcpy(b + 2, u + 16 + 2 * l, 2);        // m
+    const int at = r8_codes_at(qt), head = qt == Q4_1R8 ? 4 : 2, vectors = qt == Q8_0R8 ? 4 : 2;
+    for (int k = 0; k < vectors; k++) std::memcpy(b + head + 8 * k, u + at + 64 * k + 8 * l, 8);
+}
+inline void r8_block(const uint8_t *u, int l, uint8_t *b) { r8_block(Q4_1R8, u, l, b); }     // (amxw_units' q4_1r8)
+
+// Group g's 8 rows (nb blocks) in the file type's layout into rows (row_bytes apart).
+inline void unpack_r8(int qt, const uint8_t *g, int64_t nb, uint8_t *rows, int64_t row_bytes) {
+    const int64_t U = r8_unit_bytes(qt), B = kBytes[r8_file_type(qt)];
     for (int64_t j = 0; j < nb; j++)
-        for (int l = 0; l < 8; l++) r8_block(g + j * 160, l, rows + l * row_bytes + j * 20);
+        for (int l = 0; l < 8; l++) r8_block(qt, g + j * U, l, rows + l * row_bytes + j * B);
 }
 
-// The parts with each Q4_1R8 part unpacked into the file's layout (a buffer of the calling
+// The parts with each r8 part unpacked into the file's layout (a buffer of the calling
 // thread's, kept between calls; both threads unpack): for the paths that read rows (the tiles,
 // the other ISA variants).
 struct PlainParts {
     std::vector<QuantPart> parts;
     PlainParts(const QuantPart *in, int64_t nparts, int64_t K) : parts(in, in + nparts) {
         static thread_local std::vector<uint8_t> buf;
-        const int64_t row_bytes = K / kElems[Q4_1] * kBytes[Q4_1];
         int64_t need = 0;
         for (int64_t p = 0; p < nparts; p++)
-            if (in[p].qtype == Q4_1R8) need += in[p].rows * row_bytes;
+            if (is_r8(int(in[p].qtype))) need += in[p].rows * (K / 32 * kBytes[in[p].qtype]);
         if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
         int64_t at = 0;
         for (int64_t p = 0; p < nparts; p++) {
-            if (in[p].qtype != Q4_1R8) continue;
+            if (!is_r8(int(in[p].qtype))) continue;
             uint8_t *dst = buf.data() + at;
             const QuantPart q = in[p];
+            const int qt = int(q.qtype), file = r8_file_type(qt);
+            const int64_t row_bytes = K / 32 * kBytes[file];
 #pragma omp parallel for schedule(static) if (q.rows * K >= 65536)
             for (int64_t g = 0; g < q.rows / 8; g++)
-                unpack_r8(q.w + g * q.ldw, K / kElems[Q4_1], dst + 8 * g * row_bytes, row_bytes);
-            parts[p] = {Q4_1, dst, row_bytes, q.rows};
+                unpack_r8(qt, q.w + g * q.ldw, K / 32, dst + 8 * g * row_bytes, row_bytes);
+            parts[p] = {file, dst, row_bytes, q.rows};
             at += q.rows * row_bytes;
         }
     }
 };
 bool any_r8(const QuantPart *parts, int64_t nparts) {
     for (int64_t p = 0; p < nparts; p++)
-        if (parts[p].qtype == Q4_1R8) return true;
+        if (is_r8(int(parts[p].qtype))) return true;
     return false;
+}
+bool only_q4_1r8(const QuantPart *parts, int64_t nparts) {      // (of the r8 layouts: what amxw_rows reads)
+    for (int64_t p = 0; p < nparts; p++)
+        if (is_r8(int(parts[p].qtype)) && parts[p].qtype != Q4_1R8) return false;
+    return true;
 }
 }  // namespace
