@@ -11,7 +11,7 @@ from pagedserve.models.loader import default_model_path
 pytestmark = pytest.mark.skipif(quant.variant() not in quant.R8_VARIANTS,
                                 reason="the r8 layouts' kernels run on the avx2 / avxvnni variants")
 
-# (every batch of rows takes the integer dots there: quant.R8_ALL_ROWS)
+# (every batch of rows takes the integer dots there with quant.set_batch_invariant: R8_ALL_ROWS)
 PROMPT = "The capital of France is Paris. The capital of"
 OTHERS = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite book is"]
 
@@ -27,6 +27,14 @@ def test_greedy_is_the_same_alone_batched_and_cached():
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+    quant.set_batch_invariant(True)         # prefill chunks on the integer dots too
+    try:
+        _check_invariant()
+    finally:
+        quant.set_batch_invariant(False)
+
+
+def _check_invariant() -> None:
     llm = LLM(kv_cache_memory=64 * 1024**2, enable_prefix_caching=True)
     assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
     alone = _run(llm, [PROMPT])

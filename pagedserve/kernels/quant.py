@@ -90,10 +90,19 @@ logger = logging.getLogger(__name__)
 _QTYPE_ID = {q: i for i, q in enumerate(QTYPES + tuple(REPACKED))}   # the `qtype` argument of the C functions
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
 R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_r8_256.h)
-# There the integer dots over r8 layouts take every batch: faster than the tiles (which unpack the
-# rows first) from 1 to 512 rows (measured on Zen 3, 2 threads: 0.34-1.00x the tiles' time), and a
-# row's arithmetic then never depends on the batch (batch-invariant greedy output, issue 51).
+# There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack
+# the rows first, from 1 to 512 rows: measured on Zen 3, 2 threads, 0.34-1.00x the tiles' time), and
+# with set_batch_invariant(True) ($PAGEDSERVE_BATCH_INVARIANT=1) prefill chunks too: a row's
+# arithmetic then never depends on the batch (batch-invariant greedy output, issue 51); off by
+# default, since 8-bit activations in the prefill move a tiny random MoE model's routing (tests).
 R8_ALL_ROWS = 1 << 30
+_batch_invariant = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "0") == "1"
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Prefill chunks over r8 layouts on the integer dots as decode rows (see R8_ALL_ROWS)."""
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
 
 # T up to this: integer dots on q8 activations; above: dequantized tiles (batch_rows() picks).
@@ -196,8 +205,9 @@ def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False) -> in
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
     the tiles would run on makes it pay (AMX: bf16 only); `r8`: weights all in r8 layouts, whose integer
     dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch, and on the 256-bit variants
-    (R8_VARIANTS) at any number of rows (R8_ALL_ROWS)."""
-    if r8 and KERNELS.variant() in R8_VARIANTS:
+    (R8_VARIANTS) at any number of decode rows (R8_ALL_ROWS), and of any rows where
+    set_batch_invariant(True) (prefill chunks too: a row's arithmetic then never depends on the batch)."""
+    if r8 and (decode or _batch_invariant) and KERNELS.variant() in R8_VARIANTS:
         return R8_ALL_ROWS
     if decode and r8:
         return R8_DECODE_ROWS
