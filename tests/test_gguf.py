@@ -51,6 +51,21 @@ def test_qwen2_gguf_matches_transformers(qwen2_gguf, tmp_path):
     torch.testing.assert_close(ours, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=1e-4)
 
 
+def test_an_entry_made_by_other_code_is_made_again(qwen2_gguf, tmp_path):
+    """A cache entry stamped by another version of the reader (or with ModelArgs fields this
+    code lacks) is converted again, never read as this code's."""
+    import json
+    from pagedserve.models.loader import _load_gguf
+    tm, path = qwen2_gguf
+    args, _ = _load_gguf(str(path))
+    entry = next((tmp_path / "cache" / "models").iterdir())
+    stamp = json.loads((entry / "source.json").read_text())
+    (entry / "args.json").write_text(json.dumps({"a_field_of_other_code": 1}))
+    (entry / "source.json").write_text(json.dumps({**stamp, "derivation": "other"}))
+    again, _ = _load_gguf(str(path))
+    assert again == args
+
+
 def test_the_gguf_cache_is_keyed_by_content_one_entry_per_file(qwen2_gguf, tmp_path):
     from pagedserve.models.loader import _load_gguf
     tm, path = qwen2_gguf

@@ -675,6 +675,18 @@ def _expert_parts(spec, shard: Shard) -> tuple:
 # and last 8 MiB: the header, metadata and tensor table, and the end of the data), not mtime,
 # so copying or touching a file keeps its entry. `pagedserve cache --clear` removes them all.
 _FINGERPRINT_SPAN = 8 * 1024**2
+# What the derivation means: bump when args_from_gguf or _gguf_weights change what they make
+# from the same file (a new ModelArgs field is caught by the field names alone). An entry made
+# by other code is made again, never read as this code's (an old entry would lack, say, the
+# RoPE scaling a newer reader derives from rope_freqs).
+_DERIVATION_VERSION = 2
+
+
+def _derivation() -> str:
+    import hashlib
+    from dataclasses import fields
+    names = ",".join(sorted(f.name for f in fields(ModelArgs)))
+    return hashlib.sha256(f"{_DERIVATION_VERSION}:{names}".encode()).hexdigest()[:16]
 
 
 def gguf_fingerprint(path: str) -> str:
@@ -699,7 +711,8 @@ def _derived_cache(kind: str, path: str) -> tuple[Path, bool]:
     fingerprint = gguf_fingerprint(path)
     stamp = entry / "source.json"
     try:
-        if json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+        stamped = json.loads(stamp.read_text())
+        if stamped.get("fingerprint") == fingerprint and stamped.get("derivation") == _derivation():
             return entry, True
     except (OSError, ValueError):
         pass
@@ -709,7 +722,8 @@ def _derived_cache(kind: str, path: str) -> tuple[Path, bool]:
 
 def _stamp(entry: Path, path: str) -> None:
     (entry / "source.json").write_text(json.dumps({"path": str(Path(path).resolve()),
-                                                   "fingerprint": gguf_fingerprint(path)}))
+                                                   "fingerprint": gguf_fingerprint(path),
+                                                   "derivation": _derivation()}))
 
 
 def _load_gguf(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
