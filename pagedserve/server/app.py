@@ -174,6 +174,27 @@ class GateMiddleware:
         return None
 
 
+def add_process_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /ping, /load and /version: the process's routes, the same on a one-model and a
+    several-model server (server/multi.py)."""
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> dict:
+        """vLLM's server load: the HTTP requests in flight (this one not counted)."""
+        return {"server_load": max(state.num_in_flight - 1, 0)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedserve.__version__}
+
+
 def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -202,22 +223,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
                            allow_credentials=server.allow_credentials)
     install_error_handlers(app)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/load")
-    async def load() -> dict:
-        """vLLM's server load: the HTTP requests in flight (this one not counted)."""
-        return {"server_load": max(state.num_in_flight - 1, 0)}
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": pagedserve.__version__}
+    add_process_routes(app, state)
 
     @app.get("/metrics")
     async def metrics() -> Response:

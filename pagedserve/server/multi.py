@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 import pagedserve
 from pagedserve.config import EngineConfig
-from pagedserve.server.app import GateMiddleware, _Server, build_app, make_engine_client, server_state, shaped_error
+from pagedserve.server.app import GateMiddleware, _Server, add_process_routes, build_app, make_engine_client, server_state, shaped_error
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, bad_request, install_error_handlers
 from pagedserve.server.lora import check_startup_adapters
@@ -215,21 +215,7 @@ def build_top_app(state: ServerState, manager: ModelManager, server: ServerConfi
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged(manager))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/load")
-    async def load() -> dict:
-        return {"server_load": max(state.num_in_flight - 1, 0)}
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": pagedserve.__version__}
+    add_process_routes(app, state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
