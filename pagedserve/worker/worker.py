@@ -151,7 +151,7 @@ class Worker:
         model.pack_linear_weights()
         # The bytes the weights hold (quantized ones: their blocks), beside the KV cache's budget;
         # a mixture of experts reads only its routed experts' share of them per token.
-        moe = args.moe
+        moe = getattr(args, "moe", None)   # OPTArgs has no experts
         per_token = f"; read per token: {model_read_bytes_per_token(model) / 2**20:.1f} MiB ({moe.top_k} of " \
                     f"{moe.num_experts} experts)" if moe is not None else ""
         logger.info("weights: %.1f MiB%s%s", model_weight_bytes(model) / 2**20,
