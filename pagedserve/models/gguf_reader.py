@@ -174,11 +174,6 @@ class GGUFFile:
         self._pos += n
         return text
 
-    def _skip_string(self, field: str) -> None:
-        n = self._unpack("Q", field)
-        self._need(n, field)
-        self._pos += n
-
     def _value(self, kind: int, field: str, depth: int) -> Field:
         if kind in _SCALARS:
             return Field(self._unpack(_SCALARS[kind], field), kind=kind)
@@ -197,9 +192,21 @@ class GGUFFile:
             self._pos += size * count
             return Field(values, count, kind, elem)
         self._fits(count, 8 if elem == 8 else 12, field)      # a string's length, an array's header
-        for _ in range(count):
-            if elem == 8:
-                self._skip_string(field)
-            else:
+        if elem == 8:
+            self._skip_strings(count, field)
+        else:
+            for _ in range(count):
                 self._value(elem, field, depth + 1)
         return Field(None, count, kind, elem)
+
+    def _skip_strings(self, count: int, field: str) -> None:
+        """Past `count` strings: a tokenizer's vocabulary and merges (~10^5 strings), so one tight
+        loop rather than a method call per string."""
+        length, buf, pos, size = struct.Struct("<Q").unpack_from, self._buf, self._pos, self._size
+        for _ in range(count):
+            end = pos + 8 + length(buf, pos)[0] if pos + 8 <= size else size + 1
+            if end > size:
+                raise GGUFFileError(self.path, field, f"a string at offset {pos} runs past the end of the file "
+                                                      f"({size} bytes)")
+            pos = end
+        self._pos = pos
