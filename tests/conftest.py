@@ -128,6 +128,12 @@ VARIANTS = {
                                          rope_scaling={"rope_type": "longrope",
                                                        "short_factor": [1.0, 1.1, 1.3, 1.6],
                                                        "long_factor": [1.0, 2.0, 4.0, 9.0]})),
+    # Qwen3's long-context form: YaRN (factor 4 over an original 32 tokens; beta_fast 8 puts the
+    # ramp inside the 8 frequencies of head_dim 16, so each of its three parts is used).
+    "qwen3_yarn": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       tie_word_embeddings=False, random_norms=True,
+                                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,
+                                                     "beta_slow": 1.0, "original_max_position_embeddings": 32})),
     # SmolLM3: every 4th layer without RoPE (layer 3 of 4).
     "smollm3_nope": ("SmolLM3Config", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                            tie_word_embeddings=True, random_norms=True)),

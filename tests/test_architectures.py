@@ -53,6 +53,17 @@ def _llama3_rope_freqs(cfg) -> dict:
     return {"rope_freqs.weight": divisors}
 
 
+def _qwen3_yarn_header(w, cfg) -> None:
+    """As llama.cpp's converter writes a config's YaRN (the keys it has; no attention factor here)."""
+    _qwen3_header(w, cfg)
+    rope = cfg.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
 def _phi3_header(w, cfg) -> None:
     """As llama.cpp's Phi-3 converter: the rotary dimensions, the original context, LongRoPE's
     attention factor, sliding_window 0 for none."""
@@ -84,6 +95,7 @@ def _phi3_rope_factors(cfg) -> dict:
 GGUF_WRITERS = {
     "qwen3_untied": ("qwen3", dict(header=_qwen3_header)),
     "qwen3_tied": ("qwen3", dict(header=_qwen3_header)),
+    "qwen3_yarn": ("qwen3", dict(header=_qwen3_yarn_header)),
     # Llama 3.1 / 3.2 / 3.3 files: q/k rows permuted, the scaling as a rope_freqs tensor.
     "llama3_rope": ("llama", dict(header=_llama_header, permute_qk=True)),
     "phi3_longrope": ("phi3", dict(header=_phi3_header, rename=_phi3_tensors)),

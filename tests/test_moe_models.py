@@ -50,7 +50,8 @@ def _check(llm: LLM, hf, tok, exact_tokens: bool = True, margin: float = 1e-3, a
         with torch.no_grad():
             logits = hf(torch.tensor([ids + gen])).logits[0].float()
         for i, t in enumerate(gen):
-            row = logits[len(ids) + i - 1]
+            row = logits[len(ids) + i - 1].clone()
+            row[tok.eos_token_id] = float("-inf")        # banned by min_tokens, as in transformers' generate
             assert row.max() - row[t] <= margin, (out.prompt, i, float(row.max() - row[t]))
     ids = tok.encode(PROMPTS[2] + " model that liked to count")
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
@@ -225,7 +226,9 @@ def _tiny_gpt_oss(tokenizer, root):
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        # gpt-oss's YaRN (truncate False), its original context shrunk so the ramp spans head_dim 16's frequencies
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 64}, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     torch.manual_seed(11)
     hf = transformers.GptOssForCausalLM(cfg).float().eval()

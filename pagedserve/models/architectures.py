@@ -250,8 +250,7 @@ ARCHITECTURES: list[Architecture] = [
                  hf_config=moe_weights.mixtral_config),
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), "olmoe", qk_norm=True,
                  hf_config=moe_weights.olmoe_config, gguf_config=_olmoe_gguf),
-    # gpt-oss from HF directories (bf16 or MXFP4 experts, dequantized at load); YaRN RoPE is not
-    # supported yet (refused by rope_inv_freq), nor its GGUF files
+    # gpt-oss (YaRN RoPE from its config): HF directories (bf16 or MXFP4 experts, dequantized at load)
     Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), qkv_bias=True, hf_config=moe_weights.gpt_oss_config),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", qk_norm=True,
                  hf_config=moe_weights.qwen_moe_config, gguf_config=_qwen3moe_gguf),
@@ -316,8 +315,38 @@ def gguf_rope_scaling(m: Metadata) -> dict | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": m.get("rope.scaling.factor")}
-    raise ValueError(f"GGUF {m.prefix}rope.scaling.type {kind!r} is not supported (supported: linear, "
+    if kind == "yarn":
+        # llama.cpp's converter writes a config's factor, original context, betas and attention
+        # factor where it has them; gpt-oss's config (the converter writes no `truncate`) ramps
+        # over fractional dimensions (truncate False), every other config truncates.
+        return yarn({"factor": m.get("rope.scaling.factor"), "beta_fast": m.get("rope.scaling.yarn_beta_fast"),
+                     "beta_slow": m.get("rope.scaling.yarn_beta_slow"),
+                     "attention_factor": m.get("rope.scaling.yarn_attn_factor"),
+                     "original_max_position_embeddings": m.get("rope.scaling.original_context_length"),
+                     "truncate": m.prefix != "gpt-oss."}, m.get("context_length", 2048))
+    raise ValueError(f"GGUF {m.prefix}rope.scaling.type {kind!r} is not supported (supported: linear, yarn, "
                      f"Llama 3's rope_freqs, LongRoPE's rope_factors)")
+
+
+def yarn(scaling: dict, max_positions: int, config_original: int | None = None) -> dict:
+    """YaRN's rope_scaling with transformers' defaults resolved: original_max_position_embeddings
+    (a config's own top-level one first, as transformers gives it priority; else max_positions),
+    factor (None: the context's growth over the original), attention_factor (None: 0.1 ln(factor) + 1, or with
+    mscale and mscale_all_dim their ratio), beta_fast 32, beta_slow 1, truncate True."""
+    import math
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    original = config_original or scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention), "beta_fast": float(scaling.get("beta_fast") or 32),
+            "beta_slow": float(scaling.get("beta_slow") or 1), "truncate": bool(scaling.get("truncate", True))}
 
 
 def longrope(long_factor: list[float], short_factor: list[float], original: int, max_positions: int,

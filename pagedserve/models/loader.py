@@ -86,6 +86,9 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
             scaling["long_factor"], scaling["short_factor"],
             scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"],
             cfg.get("max_position_embeddings", 2048), scaling.get("factor"), scaling.get("attention_factor"))
+    if scaling.get("rope_type") == "yarn":
+        scaling = architectures.yarn(scaling, cfg.get("max_position_embeddings", 2048),
+                                     cfg.get("original_max_position_embeddings"))
     if scaling.get("rope_type", "default") == "default":
         scaling = None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
