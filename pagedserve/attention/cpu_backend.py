@@ -5,7 +5,8 @@ tokens with 32 keys at a time; elsewhere each prefill token goes through the dec
 query over its own causal prefix (AttentionMetadata.per_token). No gathered copy of the context. Falls
 back to the torch reference where the kernel cannot run. With an 8-bit KV format the write kernel
 quantizes each (token, head) row into its slot and every attention kernel reads the codes,
-converting them in registers (attention/kv_format.py)."""
+converting them in registers (attention/kv_format.py). A layer's sliding window
+(AttentionMetadata.window), logit soft-capping and attention sinks run in the same kernels."""
 from __future__ import annotations
 
 import torch
@@ -39,11 +40,9 @@ class CpuAttention(TorchAttention):
                 meta: AttentionMetadata, scale: float, softcap: float = 0.0,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
-        if softcap or sinks is not None:
-            # Not in the kernels yet: the torch reference (a window's blocks only).
-            return self._reference(q, k, v, kv_cache, meta, scale, softcap, sinks)
-        out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale, self.kv_format.code)
-        return out if out is not None else self._reference(q, k, v, kv_cache, meta, scale)
+        out = cpu_kernels.paged_attention(q, kv_cache, self.kernel_rows(meta), scale, self.kv_format.code,
+                                          cpu_kernels.ScoreMods.of(softcap, sinks))
+        return out if out is not None else self._reference(q, k, v, kv_cache, meta, scale, softcap, sinks)
 
     def kernel_rows(self, meta: AttentionMetadata) -> cpu_kernels.AttentionRows:
         """The step's query rows as the kernel reads them; built once per step (`prepare`), used by

@@ -197,10 +197,10 @@ TILED_PREFILL_VARIANTS = ("avx512bf16", "avx512", "avx2")    # scalar runs prefi
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_attention_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
-    "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I],
-    "paged_attention_kv8_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
-    "paged_attention_kv8_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I],
+    "paged_attention_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _P],
+    "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _P],
+    "paged_attention_kv8_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I, _P],
+    "paged_attention_kv8_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I, _P],
     "decoder_layers_f32": [_P] * 12 + [_I],
     "decoder_layers_bf16": [_P] * 12 + [_I],
     "decoder_layers_kv8_f32": [_P] * 12 + [_I, _I],
@@ -476,11 +476,30 @@ class AttentionRows(ctypes.Structure):
         return rows
 
 
+class ScoreMods(ctypes.Structure):
+    """A layer's changes to its attention scores (`ScoreMods` in cpu_kernels.cpp): logit
+    soft-capping (0: none) and the float32 sink logit per query head (None: none). Holds the
+    tensor it points into."""
+    _fields_ = [("softcap", ctypes.c_float), ("sinks", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> "ScoreMods | None":
+        """None where there is nothing to change (the kernels take a null pointer)."""
+        if not softcap and sinks is None:
+            return None
+        sinks32 = None if sinks is None else sinks.detach().float().contiguous()
+        mods = cls(softcap, None if sinks32 is None else sinks32.data_ptr())
+        mods._keep = sinks32
+        mods.heads = 0 if sinks32 is None else sinks32.numel()
+        return mods
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: AttentionRows, scale: float,
-                    kv_code: int = 0) -> torch.Tensor | None:
+                    kv_code: int = 0, mods: ScoreMods | None = None) -> torch.Tensor | None:
     """q: [T, Hq, D] (rows may be strided); kv_cache: [2, blocks, block_size, Hkv, D] (any
     strides but the last) in q's dtype, or (kv_code: an 8-bit format, attention/kv_format.py)
-    uint8 rows [..., D (+ 2 scale bytes)]. None where the kernel does not apply."""
+    uint8 rows [..., D (+ 2 scale bytes)]; mods: the layer's soft-capping and sinks (sinks
+    [Hq]). None where the kernel does not apply."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     fn = _kernel("paged_attention_kv8" if kv_code else "paged_attention", q)
     if fn is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or \
@@ -488,13 +507,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: AttentionRows
         return None
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if mods is not None and mods.heads not in (0, num_heads):     # the kernel reads one sink per query head
+        raise ValueError(f"attention sinks: {mods.heads} logits for {num_heads} query heads")
     if q.stride(2) != 1 or q.stride(1) != head_dim:      # heads of a token side by side
         q = q.contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
     extra = (kv_code,) if kv_code else ()
     status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ctypes.addressof(rows), n,
                 out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, *k_cache.stride()[:3], scale,
-                PARTITION_SIZE, *extra)
+                PARTITION_SIZE, *extra, None if mods is None else ctypes.addressof(mods))
     return out if status == 0 else None
 
 

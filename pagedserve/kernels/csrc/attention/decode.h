@@ -9,7 +9,9 @@
 // a KV head (GQA) are processed together, so each key and value is loaded once for all of
 // them. A partition keeps a running max, sum and weighted sum of values (online softmax);
 // the partitions of one (sequence, head) are merged at the end. Math is float32 whatever
-// the storage type (float32 or bfloat16).
+// the storage type (float32 or bfloat16). Per layer (ScoreMods): soft-capped scores (each
+// partition kernel, on the scaled scores before their max) and a sink logit per head (in the
+// last division only: l + e^(sink - m)).
 //
 // Layouts: q, out [N, Hq, D]; caches [num_blocks, B, Hkv, D] in any order of the first three
 // dims (strides in a Layout; D contiguous); block_tables [N, stride].
@@ -22,8 +24,8 @@ namespace {
 // vector exp, then the weighted sums of values, each value row loaded and converted once per
 // 4 W dims for 2 heads at a time (12 sums and 4 rows in AVX2's 16 registers).
 template <class V, int D, typename T, typename K = T>
-void attend_partition_vec(const T *q, float scale, const K *kc, const K *vc, const int64_t *table, int64_t t0,
-                          int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
+void attend_partition_vec(const T *q, float scale, float softcap, const K *kc, const K *vc, const int64_t *table,
+                          int64_t t0, int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
     using R = typename V::reg;
     constexpr int W = V::W, NR = D / W, NV = NR < 4 ? NR : 4, C = 2;
     float *m = p, *l = p + G, *acc = p + 2 * G;
@@ -80,6 +82,7 @@ void attend_partition_vec(const T *q, float scale, const K *kc, const K *vc, con
             }
             s[t] = V::reduce_add(V::add(a0, a1));
         }
+        if (softcap != 0.f) softcap_scores<V>(s, padded, softcap);     // (the padding is set after)
         for (int64_t t = n; t < padded; t++) s[t] = -INFINITY;
         R mxv = V::load(s);
         for (int64_t t = W; t < padded; t += W) mxv = V::max(mxv, V::load(s + t));
@@ -124,8 +127,8 @@ void attend_partition_vec(const T *q, float scale, const K *kc, const K *vc, con
 
 // The partition kernel for this head dim: vectorised where the CPU and head dim allow.
 template <typename T, typename K = T>
-auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const K *, const K *, const int64_t *, int64_t,
-                                                  int64_t, int64_t, Layout, int64_t, int64_t, float *) {
+auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, float, const K *, const K *, const int64_t *,
+                                                  int64_t, int64_t, int64_t, Layout, int64_t, int64_t, float *) {
 #ifdef __AVX512F__
     switch (D) {
         case 32: return attend_partition_avx512<1, T, K>;
@@ -150,7 +153,7 @@ auto pick_partition_kernel(int64_t D) -> void (*)(const T *, float, const K *, c
 template <typename T, typename K = T>
 int paged_decode(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *tables, int64_t table_stride,
                  const int64_t *seq_lens, T *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L,
-                 float scale, int64_t partition_size, int64_t window = 0) {
+                 float scale, int64_t partition_size, int64_t window = 0, const ScoreMods &mods = {0.f, nullptr}) {
     const int64_t G = Hq / Hkv;
     if (G > kMaxGroup || D > kMaxDim || B > kMaxBlock || Hq % Hkv || partition_size > kMaxPartition) return 1;
     const auto fast = pick_partition_kernel<T, K>(D);
@@ -188,16 +191,17 @@ int paged_decode(const T *q, int64_t q_stride, const K *kc, const K *vc, const i
                 if (t0 >= t1) continue;
                 const T *qg = q + i * q_stride + h * G * D;      // the G query heads of KV head h
                 if (fast) {
-                    fast(qg, scale, kc, vc, tables + i * table_stride, t0, t1, h, L, B, G, p);
+                    fast(qg, scale, mods.softcap, kc, vc, tables + i * table_stride, t0, t1, h, L, B, G, p);
                 } else {
                     float qf[kMaxGroup * kMaxDim];
                     for (int64_t d = 0; d < G * D; d++) qf[d] = to_f32(qg[d]) * scale;
-                    attend_partition(qf, kc, vc, tables + i * table_stride, t0, t1, h, L, D, B, G, p);
+                    attend_partition(qf, mods.softcap, kc, vc, tables + i * table_stride, t0, t1, h, L, D, B, G, p);
                 }
                 if (P == 1)
                     for (int64_t g = 0; g < G; g++) {
                         T *dst = out + (i * Hq + h * G + g) * D;
-                        for (int64_t d = 0; d < D; d++) store(dst + d, p[2 * G + g * D + d] / p[G + g]);
+                        const float l = with_sink(p[G + g], p[g], mods, h * G + g);
+                        for (int64_t d = 0; d < D; d++) store(dst + d, p[2 * G + g * D + d] / l);
                     }
             }
     if (P == 1) return 0;
@@ -217,6 +221,7 @@ int paged_decode(const T *q, int64_t q_stride, const K *kc, const K *vc, const i
                     const float *a = pj + 2 * G + g * D;
                     for (int64_t d = 0; d < D; d++) o[d] += c * a[d];
                 }
+                l = with_sink(l, m, mods, h * G + g);
                 T *dst = out + (i * Hq + h * G + g) * D;
                 for (int64_t d = 0; d < D; d++) store(dst + d, o[d] / l);
             }

@@ -51,6 +51,12 @@ inline void store16(uint16_t *dst, __m512 v) {
 // e^x for any x: large arguments overflow to +inf, as expf does.
 inline __m512 exp16_any(__m512 x) { return exp16(_mm512_min_ps(x, _mm512_set1_ps(89.f))); }
 
+// Soft-capping of 16 scores: cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^(2x) + 1) (as softcap_scores).
+inline __m512 softcap16(__m512 s, float cap) {
+    const __m512 one = _mm512_set1_ps(1.f), e = exp16_any(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)));
+    return _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one))));
+}
+
 // Lane t of the result is the sum of the 16 lanes of v[t]: four rounds of pairwise shuffles
 // and adds, ~3 operations per vector instead of ~8 for a reduction each.
 inline __m512 transpose_sum16(const __m512 *v) {
@@ -270,8 +276,8 @@ void weighted_values_bf16(const uint16_t *w, int64_t w_stride, int heads, const 
 // T: the query's type; K: the cache's (T, or an 8-bit format: q in float32, scaled rows' key
 // scales on the scores, value scales on the softmax weights after their sum).
 template <int J, typename T, typename K = T>
-void attend_partition_avx512(const T *q, float scale, const K *kc, const K *vc, const int64_t *table, int64_t t0,
-                             int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
+void attend_partition_avx512(const T *q, float scale, float softcap, const K *kc, const K *vc, const int64_t *table,
+                             int64_t t0, int64_t t1, int64_t h, Layout L, int64_t B, int64_t G, float *p) {
     constexpr int64_t D = 32 * J, C = J >= 8 ? 1 : 8 / J;
     float *m = p, *l = p + G, *acc = p + 2 * G;
     const int64_t n = t1 - t0, padded = (n + 15) / 16 * 16, W = padded;
@@ -300,6 +306,8 @@ void attend_partition_avx512(const T *q, float scale, const K *kc, const K *vc, 
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores_buf.data() + g * W;
         if constexpr (!kQuant<K>) scores(q + g * D, krow.data(), vrow.data(), n, D, scale, sg, g == 0);
+        if (softcap != 0.f)
+            for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sg + t, softcap16(_mm512_loadu_ps(sg + t), softcap));
         for (int64_t t = n; t < padded; t++) sg[t] = -INFINITY;
         __m512 mxv = _mm512_loadu_ps(sg);
         for (int64_t t = 16; t < padded; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + t));

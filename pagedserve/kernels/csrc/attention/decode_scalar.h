@@ -5,9 +5,10 @@
 namespace {
 // One partition's state for G heads: m[G], l[G], acc[G][D], laid out in `p`.
 template <typename T>
-void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *table, int64_t t0, int64_t t1,
-                      int64_t h, Layout L, int64_t D, int64_t B, int64_t G, float *p) {
-    // T: the cache's element type (the query is float32 already); 8-bit rows carry their scale.
+void attend_partition(const float *q, float softcap, const T *kc, const T *vc, const int64_t *table, int64_t t0,
+                      int64_t t1, int64_t h, Layout L, int64_t D, int64_t B, int64_t G, float *p) {
+    // T: the cache's element type (the query is float32 and scaled already); 8-bit rows carry
+    // their scale. softcap: ScoreMods.softcap (0: none).
     float *m = p, *l = p + G, *acc = p + 2 * G;
     float s[kMaxBlock];
     for (int64_t start = t0; start < t1;) {
@@ -24,6 +25,7 @@ void attend_partition(const float *q, const T *kc, const T *vc, const int64_t *t
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < D; d++) dot += qg[d] * to_f32(kt[d]);
                 if constexpr (kScaled<T>) dot *= row_scale(kt, D);
+                if (softcap != 0.f) dot = softcap1(dot, softcap);
                 s[t] = dot;
                 mx = std::max(mx, dot);
             }

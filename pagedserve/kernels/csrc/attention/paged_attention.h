@@ -18,44 +18,47 @@ struct AttentionRows {   // laid out by kernels/cpu.py (AttentionRows) from the 
 // Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel where
 // the build has one (AVX2 and up) and the shape fits, else each prefill token through the
 // decode kernel. With a sliding window every query reads only its window's rows (the decode
-// kernel starts each at its length - window), and prefill tokens take the per-token path.
+// kernel starts each at its length - window; the prefill tiles start at the first query's
+// window and mask each row's). mods: the layer's soft-capping and sinks, on every path.
 template <typename T, typename K = T>
 int attend(const T *q, int64_t q_stride, const K *kc, const K *vc, const AttentionRows &a, int64_t num_tokens, T *out,
-           int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale, int64_t partition_size) {
+           int64_t Hq, int64_t Hkv, int64_t D, int64_t B, Layout L, float scale, int64_t partition_size,
+           const ScoreMods &mods) {
     if (a.num_decodes == a.num_seqs)
         return paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, num_tokens, Hq, Hkv, D, B,
-                            L, scale, partition_size, a.window);
+                            L, scale, partition_size, a.window, mods);
 #ifdef __AVX2__
     const int64_t nd = a.num_decodes;
-    if (a.window == 0 && nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq,
-                                            Hkv, D, B, L, scale, partition_size))
+    if (nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq, Hkv, D, B, L,
+                           scale, partition_size, a.window, mods))
         return 1;
-    if (a.window == 0 &&
-        paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
+    if (paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
                       a.seq_lens + nd, a.query_start + nd, a.num_seqs - nd, out + nd * Hq * D, Hq, Hkv, D, B, L,
-                      scale) == 0)
+                      scale, a.window, mods) == 0)
         return 0;
 #endif
     if (a.token_tables == nullptr) return 1;
     return paged_decode(q, q_stride, kc, vc, a.token_tables, a.token_table_stride, a.token_lens, out, num_tokens, Hq,
-                        Hkv, D, B, L, scale, partition_size, a.window);
+                        Hkv, D, B, L, scale, partition_size, a.window, mods);
 }
+const ScoreMods kNoMods{0.f, nullptr};
+inline const ScoreMods &mods_or_none(const ScoreMods *m) { return m ? *m : kNoMods; }
 }  // namespace
 
 extern "C" {
 int paged_attention_f32(const float *q, int64_t q_stride, const float *kc, const float *vc, const AttentionRows *a,
                         int64_t num_tokens, float *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
                         int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
-                        int64_t partition_size) {
+                        int64_t partition_size, const ScoreMods *mods) {
     return attend(q, q_stride, kc, vc, *a, num_tokens, out, Hq, Hkv, D, B,
-                  Layout{block_stride, token_stride, head_stride}, scale, partition_size);
+                  Layout{block_stride, token_stride, head_stride}, scale, partition_size, mods_or_none(mods));
 }
 int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
                          const AttentionRows *a, int64_t num_tokens, uint16_t *out, int64_t Hq, int64_t Hkv, int64_t D,
                          int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
-                         int64_t partition_size) {
+                         int64_t partition_size, const ScoreMods *mods) {
     return attend(q, q_stride, kc, vc, *a, num_tokens, out, Hq, Hkv, D, B,
-                  Layout{block_stride, token_stride, head_stride}, scale, partition_size);
+                  Layout{block_stride, token_stride, head_stride}, scale, partition_size, mods_or_none(mods));
 }
 }
 
@@ -73,11 +76,13 @@ int with_kv_format(int64_t code, F f) {
 template <typename T>
 int attend_kv8(const T *q, int64_t q_stride, const uint8_t *kc, const uint8_t *vc, const AttentionRows *a,
                int64_t num_tokens, T *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, int64_t block_stride,
-               int64_t token_stride, int64_t head_stride, float scale, int64_t partition_size, int64_t code) {
+               int64_t token_stride, int64_t head_stride, float scale, int64_t partition_size, int64_t code,
+               const ScoreMods *mods) {
     return with_kv_format(code, [&](auto tag) {
         using K = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
         return attend(q, q_stride, reinterpret_cast<const K *>(kc), reinterpret_cast<const K *>(vc), *a, num_tokens,
-                      out, Hq, Hkv, D, B, Layout{block_stride, token_stride, head_stride}, scale, partition_size);
+                      out, Hq, Hkv, D, B, Layout{block_stride, token_stride, head_stride}, scale, partition_size,
+                      mods_or_none(mods));
     });
 }
 }  // namespace
@@ -86,15 +91,15 @@ extern "C" {
 int paged_attention_kv8_f32(const float *q, int64_t q_stride, const uint8_t *kc, const uint8_t *vc,
                             const AttentionRows *a, int64_t num_tokens, float *out, int64_t Hq, int64_t Hkv, int64_t D,
                             int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride, float scale,
-                            int64_t partition_size, int64_t code) {
+                            int64_t partition_size, int64_t code, const ScoreMods *mods) {
     return attend_kv8(q, q_stride, kc, vc, a, num_tokens, out, Hq, Hkv, D, B, block_stride, token_stride,
-                      head_stride, scale, partition_size, code);
+                      head_stride, scale, partition_size, code, mods);
 }
 int paged_attention_kv8_bf16(const uint16_t *q, int64_t q_stride, const uint8_t *kc, const uint8_t *vc,
                              const AttentionRows *a, int64_t num_tokens, uint16_t *out, int64_t Hq, int64_t Hkv,
                              int64_t D, int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_stride,
-                             float scale, int64_t partition_size, int64_t code) {
+                             float scale, int64_t partition_size, int64_t code, const ScoreMods *mods) {
     return attend_kv8(q, q_stride, kc, vc, a, num_tokens, out, Hq, Hkv, D, B, block_stride, token_stride,
-                      head_stride, scale, partition_size, code);
+                      head_stride, scale, partition_size, code, mods);
 }
 }

@@ -15,6 +15,18 @@
 namespace {
 constexpr int64_t kQueryTokens = 16, kKeyTile = 32;
 
+// The first key a tile of queries from position `pos` on reads: 0, or with a sliding window the
+// first query's window's first key (the table's blocks before it are -1, never read).
+inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+}
+// The keys t0 + lo .. t0 + valid of a tile of nk keys from t0 that the query at `pos` reads.
+struct KeySpan { int64_t lo, valid; };
+inline KeySpan key_span(int64_t pos, int64_t t0, int64_t nk, int64_t window) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window - t0) : 0;
+    return {std::min(lo, nk), std::min(nk, pos + 1 - t0)};
+}
+
 // Where the key and value rows of keys t0..t0+nk (nk <= 32) of KV head h are; the slots past
 // nk repeat a real row (the caller masks their scores).
 template <typename T>
@@ -26,10 +38,10 @@ void key_tile_rows(const T *kc, const T *vc, const int64_t *table, int64_t t0, i
 
 #ifdef __AVX512BF16__
 // The queries of (sequence i, KV head h, tokens j0..j0+nq): rows r = j * G + g, causal:
-// token j sees the first base + j + 1 keys.
+// token j sees the first base + j + 1 keys (with a window, only the last `window` of them).
 void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
                   int64_t base, int64_t j0, int64_t nq, int64_t h, int64_t G, int64_t D, int64_t B, Layout L,
-                  float scale, uint16_t *out, int64_t out_stride) {
+                  float scale, uint16_t *out, int64_t out_stride, int64_t window, const ScoreMods &mods) {
     const int64_t R = nq * G, Rp = (R + 7) / 8 * 8;
     thread_local std::vector<uint16_t> qbuf, kpack, vpack, pbuf;
     thread_local std::vector<float> sbuf, obuf, tmp, mrow, lrow;
@@ -46,7 +58,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
         std::memcpy(&qbuf[j * G * D], q + (j0 + j) * q_stride + h * G * D, G * D * sizeof(uint16_t));
     const int64_t kend = base + j0 + nq;     // keys the last query token sees
     const uint16_t *krow[kKeyTile], *vrow[kKeyTile];
-    for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
+    for (int64_t t0 = first_key(base + j0, window); t0 < kend; t0 += kKeyTile) {
         const int64_t nk = std::min(kKeyTile, kend - t0);
         key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
         // K as a weight [32 keys][D]: tiles of 16 keys, [D/2][16][2]: a 16 x 16 transpose of
@@ -64,19 +76,21 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
             kTiles<float>[rows](&qbuf[r * D], D, kpack.data(), kpack.data() + (D / 2) * 32, nullptr,
                                    &sbuf[r * kKeyTile], kKeyTile, 0, kKeyTile);
         }
-        // Online softmax per row; masked keys (past the row's causal end) get weight 0.
+        // Online softmax per row; masked keys (past the row's causal end, or before its window)
+        // get weight 0.
         for (int64_t r = 0; r < R; r++) {
-            const int64_t valid = std::min(nk, base + j0 + r / G + 1 - t0);
+            const KeySpan k = key_span(base + j0 + r / G, t0, nk, window);
             uint16_t *pr = &pbuf[r * kKeyTile];
-            if (valid <= 0) {
+            if (k.valid <= k.lo) {
                 std::memset(pr, 0, kKeyTile * sizeof(uint16_t));
                 continue;
             }
-            const __mmask32 live = valid >= 32 ? 0xFFFFFFFFu : ((1u << valid) - 1);
-            const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(live),
-                                                 _mm512_mul_ps(_mm512_loadu_ps(&sbuf[r * kKeyTile]), _mm512_set1_ps(scale)));
-            const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(live >> 16),
-                                                 _mm512_mul_ps(_mm512_loadu_ps(&sbuf[r * kKeyTile + 16]), _mm512_set1_ps(scale)));
+            const __mmask32 live = (k.valid >= 32 ? 0xFFFFFFFFu : ((1u << k.valid) - 1)) & ~((1u << k.lo) - 1);
+            __m512 r0 = _mm512_mul_ps(_mm512_loadu_ps(&sbuf[r * kKeyTile]), _mm512_set1_ps(scale));
+            __m512 r1 = _mm512_mul_ps(_mm512_loadu_ps(&sbuf[r * kKeyTile + 16]), _mm512_set1_ps(scale));
+            if (mods.softcap != 0.f) r0 = softcap16(r0, mods.softcap), r1 = softcap16(r1, mods.softcap);
+            const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(live), r0);
+            const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(live >> 16), r1);
             const float mx = std::max(mrow[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
             const float alpha = std::exp(mrow[r] - mx);                 // 0 on the first tile
             const __m512 mv = _mm512_set1_ps(mx);
@@ -110,7 +124,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
     }
     for (int64_t r = 0; r < R; r++) {
         uint16_t *dst = out + (j0 + r / G) * out_stride + (h * G + r % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / lrow[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / with_sink(lrow[r], mrow[r], mods, h * G + r % G));
         for (int64_t d = 0; d < D; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&obuf[r * D + d]), inv));
     }
 }
@@ -125,7 +139,7 @@ void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const
 template <class V, typename T, typename K = T>
 void prefill_item_vec(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *table, int64_t base,
                       int64_t j0, int64_t nq, int64_t h, int64_t G, int64_t D, int64_t B, Layout L, float scale,
-                      T *out, int64_t out_stride) {
+                      T *out, int64_t out_stride, int64_t window, const ScoreMods &mods) {
     using Reg = typename V::reg;
     constexpr int W = V::W, MR = W == 8 ? 5 : 8;
     const int64_t R = nq * G;
@@ -144,7 +158,7 @@ void prefill_item_vec(const T *q, int64_t q_stride, const K *kc, const K *vc, co
     const int64_t kend = base + j0 + nq;     // keys the last query token sees
     const K *krow[kKeyTile], *vrow[kKeyTile];
     float ksc[kKeyTile], vsc[kKeyTile];      // scaled 8-bit rows: on the scores and on V as it is packed
-    for (int64_t t0 = 0; t0 < kend; t0 += kKeyTile) {
+    for (int64_t t0 = first_key(base + j0, window); t0 < kend; t0 += kKeyTile) {
         const int64_t nk = std::min(kKeyTile, kend - t0);
         key_tile_rows(kc, vc, table, t0, nk, h, L, B, krow, vrow);
         if constexpr (kScaled<K>)
@@ -161,17 +175,20 @@ void prefill_item_vec(const T *q, int64_t q_stride, const K *kc, const K *vc, co
             for (int64_t c0 = 0; c0 < kKeyTile; c0 += 16)
                 fma_tile_rows<V, MR>(std::min<int64_t>(MR, R - r), &qbuf[r * D], D, kpack.data() + (c0 / 16) * D * 16,
                                      nullptr, &sbuf[r * kKeyTile], kKeyTile, c0, kKeyTile);
-        // Online softmax per row; masked keys (past the row's causal end) get weight 0.
+        // Online softmax per row; masked keys (past the row's causal end, or before its window)
+        // get weight 0.
         for (int64_t r = 0; r < R; r++) {
-            const int64_t valid = std::min(nk, base + j0 + r / G + 1 - t0);
+            const KeySpan k = key_span(base + j0 + r / G, t0, nk, window);
             float *s = &sbuf[r * kKeyTile];
-            if (valid <= 0) {
+            if (k.valid <= k.lo) {
                 std::memset(s, 0, kKeyTile * sizeof(float));
                 continue;
             }
             if constexpr (kScaled<K>)
-                for (int64_t c = 0; c < valid; c++) s[c] *= ksc[c];
-            for (int64_t c = valid; c < kKeyTile; c++) s[c] = -INFINITY;
+                for (int64_t c = 0; c < k.valid; c++) s[c] *= ksc[c];
+            if (mods.softcap != 0.f) softcap_scores<V>(s, kKeyTile, mods.softcap);
+            for (int64_t c = 0; c < k.lo; c++) s[c] = -INFINITY;
+            for (int64_t c = k.valid; c < kKeyTile; c++) s[c] = -INFINITY;
             Reg mx = V::load(s);
             for (int64_t c = W; c < kKeyTile; c += W) mx = V::max(mx, V::load(s + c));
             const float m = std::max(mrow[r], V::reduce_max(mx));
@@ -203,7 +220,7 @@ void prefill_item_vec(const T *q, int64_t q_stride, const K *kc, const K *vc, co
     }
     for (int64_t r = 0; r < R; r++) {
         T *dst = out + (j0 + r / G) * out_stride + (h * G + r % G) * D;
-        const Reg inv = V::set1(1.f / lrow[r]);
+        const Reg inv = V::set1(1.f / with_sink(lrow[r], mrow[r], mods, h * G + r % G));
         for (int64_t d = 0; d < D; d += W) V::store(dst + d, V::mul(V::load(&obuf[r * D + d]), inv));
     }
 }
@@ -211,11 +228,13 @@ void prefill_item_vec(const T *q, int64_t q_stride, const K *kc, const K *vc, co
 // q, out: the rows of the prefill tokens [T, Hq, D] (q with row stride q_stride, out
 // contiguous); sequence i's chunk is rows query_start[i]..query_start[i+1] (counted from
 // query_start[0]) and ends at context length seq_lens[i]. Returns 1 for shapes it does not
-// take (the caller then runs the decode kernel per token).
+// take (the caller then runs the decode kernel per token). window: each query reads its last
+// `window` positions only (0: all); mods: the layer's soft-capping and sinks.
 template <typename T, typename K = T>
 int paged_prefill(const T *q, int64_t q_stride, const K *kc, const K *vc, const int64_t *tables, int64_t table_stride,
                   const int64_t *seq_lens, const int64_t *query_start, int64_t S, T *out, int64_t Hq, int64_t Hkv,
-                  int64_t D, int64_t B, Layout L, float scale) {
+                  int64_t D, int64_t B, Layout L, float scale, int64_t window = 0,
+                  const ScoreMods &mods = {0.f, nullptr}) {
 #ifdef __AVX512BF16__
     constexpr bool kBf16Dots = std::is_same_v<T, uint16_t> && std::is_same_v<K, uint16_t>;
 #else
@@ -235,7 +254,7 @@ int paged_prefill(const T *q, int64_t q_stride, const K *kc, const K *vc, const 
         const int64_t row = query_start[it.seq] - q0;
         const auto item = [&](auto fn) {
             fn(q + row * q_stride, q_stride, kc, vc, tables + it.seq * table_stride, seq_lens[it.seq] - n, it.j0,
-               std::min(kQueryTokens, n - it.j0), it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D);
+               std::min(kQueryTokens, n - it.j0), it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D, window, mods);
         };
 #ifdef __AVX512BF16__
         if constexpr (kBf16Dots) {

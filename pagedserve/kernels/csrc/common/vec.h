@@ -186,4 +186,16 @@ using Vec = VPortable;
 template <class V> typename V::reg round_as_v(typename V::reg x, const float *) { return x; }
 template <class V> typename V::reg round_as_v(typename V::reg x, const uint16_t *) { return V::round_bf16(x); }
 
+// Soft-capping of scores s[0..n) in place, n a multiple of V::W: cap * tanh(s / cap), as
+// tanh(x) = 1 - 2 / (e^(2x) + 1) (e^2x overflowing to +inf gives 1; underflowing to 0, -1).
+template <class V>
+void softcap_scores(float *s, int64_t n, float cap) {
+    using R = typename V::reg;
+    const R k = V::set1(2.f / cap), one = V::set1(1.f), two = V::set1(2.f), c = V::set1(cap);
+    for (int64_t t = 0; t < n; t += V::W) {
+        const R e = V::exp_any(V::mul(V::load(s + t), k));
+        V::store(s + t, V::mul(c, V::sub(one, V::div(two, V::add(e, one)))));
+    }
+}
+
 }  // namespace

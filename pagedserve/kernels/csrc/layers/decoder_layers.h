@@ -39,7 +39,7 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
                      m.head_dim, reinterpret_cast<char *>(kc), reinterpret_cast<char *>(vc), slots, T_, m.kv_heads,
                      m.head_dim, c.block_size, c.block, c.token, c.head, sizeof(T));
         if (attend(qkv, qkv_size, kc, vc, rows, T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L, m.scale,
-                   c.partition_size))
+                   c.partition_size, kNoMods))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
         if (project_lora(w.o, m, decode, lora, l, 1, attn, nullptr, proj, T_, H, q_size)) return 2;
         if (m.residual_scale != 1.f) scale_inplace(proj, T_ * H, m.residual_scale);
