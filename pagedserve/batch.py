@@ -160,8 +160,10 @@ class TierReport:
     failed: list[bytes] = field(default_factory=list)
     lost: list[bytes] = field(default_factory=list)
     bytes_written: int = 0
-    bytes_read: int = 0
+    bytes_read: int = 0             # the disk's and the host tier's
     writable: bool = True
+    host_blocks: int = 0            # blocks in the host-memory tier (worker/kv_host_tier.py), if any
+    host_loads: int = 0             # loads it served
 
 
 @dataclass

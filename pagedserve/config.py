@@ -171,6 +171,10 @@ class EngineConfig:
                                                 "blocks saved there, read back on a later hit and after a restart")
     kv_offload_gb: float | None = setting(None, "GiB the disk tier's directory may hold (default 8; needs "
                                                 "kv_offload_path)")
+    # Above the disk tier (or alone): evicted blocks kept in host memory (worker/kv_host_tier.py),
+    # pinned on a GPU; on a CPU device a RAM tier whose hits skip the file read and checksum.
+    kv_offload_cpu_gb: float | None = setting(None, "GiB of host memory for evicted cached KV blocks, above the "
+                                                    "disk tier (or alone); pinned on a GPU")
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
     check_invariants: bool = setting(False, "check the paging invariants after every step (slow; tests)")
     # Device and attention kernels. None picks cuda + triton when torch sees a GPU, else cpu + cpu.
@@ -363,21 +367,30 @@ class EngineConfig:
                              f"quantized weights yet); use device='cpu', or gguf_dequantize=True for a GGUF file")
 
     def _check_kv_offload(self) -> None:
-        if self.kv_offload_path is None:
-            if self.kv_offload_gb is not None:
-                raise ValueError("kv_offload_gb needs kv_offload_path (--kv-offload-path DIR): the disk tier's directory")
+        if self.kv_offload_cpu_gb is not None and not self.kv_offload_cpu_gb > 0:
+            raise ValueError(f"kv_offload_cpu_gb must be > 0 GiB, got {self.kv_offload_cpu_gb}")
+        if self.kv_offload_path is None and self.kv_offload_gb is not None:
+            raise ValueError("kv_offload_gb needs kv_offload_path (--kv-offload-path DIR): the disk tier's directory")
+        if not self.kv_offload:
             return
-        if self.kv_offload_gb is None:
-            self.kv_offload_gb = 8.0
-        if not self.kv_offload_gb > 0:
-            raise ValueError(f"kv_offload_gb must be > 0 GiB, got {self.kv_offload_gb}")
-        if not self.kv_offload_path or os.path.isfile(self.kv_offload_path):
-            raise ValueError(f"kv_offload_path must be a directory (made if missing); got {self.kv_offload_path!r}")
+        name = "kv_offload_path" if self.kv_offload_path is not None else "kv_offload_cpu_gb"
+        if self.kv_offload_path is not None:
+            if self.kv_offload_gb is None:
+                self.kv_offload_gb = 8.0
+            if not self.kv_offload_gb > 0:
+                raise ValueError(f"kv_offload_gb must be > 0 GiB, got {self.kv_offload_gb}")
+            if not self.kv_offload_path or os.path.isfile(self.kv_offload_path):
+                raise ValueError(f"kv_offload_path must be a directory (made if missing); got {self.kv_offload_path!r}")
         if not self.enable_prefix_caching or self.kv_allocator != "paged":
-            raise ValueError("kv_offload_path is a tier of the prefix cache: it needs enable_prefix_caching and "
+            raise ValueError(f"{name} is a tier of the prefix cache: it needs enable_prefix_caching and "
                              "kv_allocator='paged'")
         if self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload_path is not supported with tensor_parallel_size > 1 yet")
+            raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet")
+
+    @property
+    def kv_offload(self) -> bool:
+        """A tier below the prefix cache: the disk's, host memory's, or both."""
+        return self.kv_offload_path is not None or self.kv_offload_cpu_gb is not None
 
     @property
     def kv_offload_bytes(self) -> int:

@@ -224,8 +224,8 @@ class Scheduler:
         # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
         self.tier: TierLink | None = getattr(self.kv, "tier", None)
         if tier is not None and self.tier is None:
-            logger.warning("kv_offload_path: the disk tier serves models whose layers all attend to the whole "
-                           "context; it is off for this one (sliding-window KV groups %s)", list(kv_windows))
+            logger.warning("kv_offload_path / kv_offload_cpu_gb: the tier serves models whose layers all attend "
+                           "to the whole context; it is off for this one (sliding-window KV groups %s)", list(kv_windows))
         self._tier_tries: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -669,6 +669,7 @@ class Scheduler:
         self.tier.forget(report.lost)
         stats = self.tier.index.stats
         stats.bytes_written, stats.bytes_read = report.bytes_written, report.bytes_read
+        stats.host_blocks, stats.host_loads = report.host_blocks, report.host_loads
         stats.writable = stats.writable and report.writable
 
     def _above_watermark(self, seqs: list[Sequence], prompt_len: int) -> bool:

@@ -148,7 +148,7 @@ class LLMEngine:
         self.kv_windows = worker.kv_windows     # the KV groups' sliding windows (kv/groups.py)
         self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
         # The keys of the prefix cache's disk tier (kv/tier.py): its files outlive a reset, so does this.
-        self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys) if config.kv_offload_path else None
+        self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys) if config.kv_offload else None
         self.scheduler = self._new_scheduler()
         self.loras = self._lora_registry(config)   # None unless enable_lora
         self.requests: dict[str, Request] = {}
@@ -405,7 +405,7 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.close()
         tier = self.scheduler.tier
-        if tier is not None:      # the pool's cached blocks go to the disk tier, for the next start
+        if tier is not None and self.config.kv_offload_path:   # the pool's cached blocks go to the disk tier, for the next start
             tier.save_cached()
             saves, _, deletes = tier.take()
             self.executor.move_blocks(StepBatch(tier=TierMoves(saves, deletes)))

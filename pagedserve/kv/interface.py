@@ -71,6 +71,8 @@ class KVCacheStats:
     kv_offload_load_failures: int | None = None
     kv_offload_bytes_written: int | None = None
     kv_offload_bytes_read: int | None = None
+    kv_offload_host_blocks: int | None = None      # the host-memory tier (kv_offload_cpu_gb): blocks held,
+    kv_offload_host_loads: int | None = None       # loads it served
     kv_groups: list[str] | None = None   # a hybrid model's KV groups (kv/groups.py): "full", "sliding_window=W"
     num_blocks_per_group: list[int] | None = None   # distinct device blocks each group's tables hold
 

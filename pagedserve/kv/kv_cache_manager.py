@@ -453,7 +453,8 @@ class KVCacheManager(PoolCapacity):
             tier = dict(kv_offload_blocks=len(self.tier.index), kv_offload_queries=t.queries, kv_offload_hits=t.hits,
                         kv_offload_blocks_saved=t.blocks_saved, kv_offload_blocks_loaded=t.blocks_loaded,
                         kv_offload_load_failures=t.load_failures, kv_offload_bytes_written=t.bytes_written,
-                        kv_offload_bytes_read=t.bytes_read)
+                        kv_offload_bytes_read=t.bytes_read, kv_offload_host_blocks=t.host_blocks,
+                        kv_offload_host_loads=t.host_loads)
         stats = KVCacheStats(
             num_blocks=pool.num_blocks, block_size=self.block_size, num_free_blocks=pool.num_free_blocks,
             num_used_blocks=self.num_used_blocks, num_cached_blocks=len(pool.cached),

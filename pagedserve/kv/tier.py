@@ -33,6 +33,8 @@ class TierStats:
     bytes_written: int = 0      # the store's totals, as last reported
     bytes_read: int = 0
     writable: bool = True       # False once a write failed (full disk): no more saves
+    host_blocks: int = 0        # the host-memory tier (kv_offload_cpu_gb): blocks it holds
+    host_loads: int = 0         # loads it served (no file read)
 
 
 class TierIndex:
@@ -141,12 +143,14 @@ class TierLink:
         fetch = self.fetches[owner] = Fetch()
         pool.touch(hits)                 # pinned first: allocating below may evict free cached blocks
         fetch.blocks.extend(hits)
+        for key in wanted:               # the most recent keys first: the evictions' saves trim the oldest
+            if key in self.index:
+                self.index.touch(key)
         fresh = pool.allocate(new)
         for key in wanted:
-            if key not in self.loading:
+            if key not in self.loading:  # (a key trimmed meanwhile by a small index fails its read: recomputed)
                 block = self.loading[key] = fresh.pop()
                 self.loads.append((key, block.block_id))
-                self.index.touch(key)
             pool.touch([self.loading[key]])
             fetch.blocks.append(self.loading[key])
             fetch.keys.append(key)

@@ -60,6 +60,16 @@ def model_identity(path: str) -> list:
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
+def block_view(kv_cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The runner's [layers, 2, blocks, ...] cache as a view whose block b, `view[:, :, b]`, is
+    one block in its storage's order (a head-major cache is read through its contiguous storage),
+    and whether it is head-major."""
+    head_major = not kv_cache.is_contiguous()
+    blocks = kv_cache.transpose(3, 4) if head_major else kv_cache
+    assert blocks.is_contiguous(), "the KV cache's storage is one contiguous tensor"
+    return blocks, head_major
+
+
 def fingerprint(fields: dict) -> str:
     """SHA-256 over what makes a block's bytes mean its tokens' keys and values."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
@@ -74,9 +84,7 @@ class KVTierStore:
         os.makedirs(root, exist_ok=True)
         self.max_bytes = max_bytes
         self.prefix = model_fingerprint[:32] + "-"
-        head_major = not kv_cache.is_contiguous()
-        self.blocks = kv_cache.transpose(3, 4) if head_major else kv_cache
-        assert self.blocks.is_contiguous(), "the KV cache's storage is one contiguous tensor"
+        self.blocks, head_major = block_view(kv_cache)
         self.block_shape = (self.blocks.shape[0], self.blocks.shape[1], *self.blocks.shape[3:])
         self.dtype = self.blocks.dtype
         self.payload_bytes = self.blocks[:, :, 0].numel() * self.blocks.element_size()
@@ -84,6 +92,7 @@ class KVTierStore:
                          shape=list(self.block_shape), layout="head_major" if head_major else "token_major",
                          payload_bytes=self.payload_bytes)
         self.file_bytes = len(self._header(bytes(32), 0)) + self.payload_bytes
+        self.capacity = max_bytes // self.file_bytes     # blocks the size bound holds (the engine's index)
         self.writable = True
         self.bytes_written = 0
         self.bytes_read = 0
@@ -163,11 +172,21 @@ class KVTierStore:
             for (_, key), block in zip(items, copies):
                 self._pending[key] = block
         for (_, key), block in zip(items, copies):
-            self._jobs.put(("save", key, block))
+            self._jobs.put(("save", key, block, None, None))
+
+    def save_copies(self, items: list[tuple[bytes, torch.Tensor]], ready=None, done=None) -> None:
+        """File blocks already copied off the device (the host tier's slots, worker/kv_host_tier.py):
+        the writer thread waits for `ready` (a CUDA event: the copies landed) and calls done(key)
+        after each file, so the host tier reuses no slot before its bytes are written."""
+        with self._lock:
+            for key, block in items:
+                self._pending[key] = block
+        for key, block in items:
+            self._jobs.put(("save", key, block, ready, done))
 
     def delete(self, keys: list[bytes]) -> None:
         for key in keys:
-            self._jobs.put(("delete", key, None))
+            self._jobs.put(("delete", key, None, None, None))
 
     def start_loads(self, items: list[tuple[bytes, int]]) -> None:
         """Read these blocks in the background; `collect` puts them in place."""
@@ -235,15 +254,19 @@ class KVTierStore:
 
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            kind, key, block = job
+            kind, key, block, ready, done = job
             try:
                 if kind == "save":
+                    if ready is not None:
+                        ready.synchronize()
                     self._write(key, block)
                 else:
                     self._unlink(self.path(key))
             except Exception:   # noqa: BLE001 - the writer thread must outlive any one job
                 logger.exception("KV tier: %s of %s failed", kind, key.hex())
             finally:
+                if done is not None:
+                    done(key)
                 self._jobs.task_done()
 
     def _write(self, key: bytes, block: torch.Tensor) -> None:
@@ -320,7 +343,25 @@ class KVTierStore:
             return False
 
 
-def open_tier_store(config, model_path: str, args, dtype: torch.dtype, kv_cache: torch.Tensor) -> KVTierStore:
+def open_tier_store(config, model_path: str, args, dtype: torch.dtype, kv_cache: torch.Tensor):
+    """The store of an engine's tiers below the prefix cache: the disk's (config.kv_offload_path)
+    and, with kv_offload_cpu_gb, host memory's above it (worker/kv_host_tier.py)."""
+    disk = None
+    if config.kv_offload_path is not None:
+        disk = open_disk_store(config, model_path, args, dtype, kv_cache)
+        logger.info("KV disk tier %s: %d blocks of %d bytes found, room for %d", config.kv_offload_path,
+                    len(disk.scan()), disk.file_bytes, disk.capacity)
+    if config.kv_offload_cpu_gb is None:
+        return disk
+    from pagedserve.worker.kv_host_tier import HostTierStore
+    block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+    slots = int(config.kv_offload_cpu_gb * 1024**3) // block_bytes
+    logger.info("KV host-memory tier: %d blocks of %d bytes%s", slots, block_bytes,
+                " (pinned)" if kv_cache.device.type == "cuda" else "")
+    return HostTierStore(kv_cache, slots, disk)
+
+
+def open_disk_store(config, model_path: str, args, dtype: torch.dtype, kv_cache: torch.Tensor) -> KVTierStore:
     """The store of an engine's disk tier (config.kv_offload_path), under the fingerprint of
     what its blocks' bytes depend on: the model's files (a preset's name and seed with dummy
     weights), how they load, the dtype, the KV format and block size, the cache's shape."""

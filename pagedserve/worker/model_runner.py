@@ -130,9 +130,12 @@ class ModelRunner:
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if self.tier is not None and batch.tier is not None:   # first: evicted blocks, before anything overwrites them
-            self.tier.save(batch.tier.saves)
-            self.tier.delete(batch.tier.deletes)
-            self.tier.start_loads(batch.tier.loads)
+            moves = batch.tier
+            saved = {key for _, key in moves.saves}    # deletions first (a host tier reuses their room)
+            self.tier.delete([key for key in moves.deletes if key not in saved])
+            self.tier.save(moves.saves)
+            self.tier.delete([key for key in moves.deletes if key in saved])
+            self.tier.start_loads(moves.loads)
         swap_blocks(self.kv_cache, self.host_cache, batch.swap_out)
         swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
         self.copy_blocks(batch.block_copies)

@@ -189,11 +189,9 @@ class Worker:
         if graphs:
             runner.capture_cuda_graphs(sizes, max_model_len)
         worker = cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len, kv_groups.windows)
-        if config.kv_offload_path is not None:
+        if config.kv_offload:
             from pagedserve.worker.kv_tier import open_tier_store
             runner.tier = open_tier_store(config, model_path, args, dtype, runner.kv_cache)
             worker.tier_keys = runner.tier.scan()
-            worker.tier_capacity = config.kv_offload_bytes // runner.tier.file_bytes
-            logger.info("KV disk tier %s: %d blocks of %d bytes found, room for %d", config.kv_offload_path,
-                        len(worker.tier_keys), runner.tier.file_bytes, worker.tier_capacity)
+            worker.tier_capacity = runner.tier.capacity
         return worker
