@@ -14,7 +14,7 @@ Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLO
 (row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
 slice_rows / slice_cols (whole blocks) are views (rows may then be strided); concat_rows stacks
 weights of one type (fused projections), one copy. REPACKED names the layouts kernels/quant.py's
-`repack` rewrites a type into (q4_0x8, q4_1r8, q4_0r8, q8_0r8; see there); `file_layout` undoes them.
+`repack` rewrites a type into (q4_0x8 and the r8 layouts; see there); `file_layout` undoes them.
 
 The torch reference: `dequantize_torch` (the same float operations as gguf.quants),
 `quantize_torch` (q8_0 / q4_0: the bytes of gguf.quants.quantize), `quantize_activations` and
@@ -30,18 +30,32 @@ import torch
 QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # Layouts the loader makes of a file's type (repack): q4_0 in units of 8 blocks, the same bytes
 # rearranged so a 512-bit dot's lanes each fall in one block (quant_kernels.cpp's Q4_0X): 8 fp16
-# d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and q4_1 in
-# groups of 8 rows interleaved per block (Q4_1R8): a unit one block of 8 rows, their 8 fp16 d, 8 fp16
-# m, then two 64-byte vectors whose byte 8 l + i of vector k is row l's qs[8 k + i]. For 256-bit
-# registers (AVX2, AVX-VNNI) q4_0 and q8_0 the same way: q4_0r8 (8 d, two vectors) and q8_0r8 (8 d,
-# four vectors, byte 8 l + i of vector k row l's qs[8 k + i]); csrc/quant/dot_r8_256.h computes them.
-REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0"}
-R8 = ("q4_1r8", "q4_0r8", "q8_0r8")     # 8 rows interleaved per block: data [rows / 8, row bytes * 8]
-R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8"}
+# d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and the r8
+# layouts (R8): 8 rows interleaved per block, data [rows / 8, row bytes * 8], a unit one block (or
+# super-block) of 8 rows. A unit holds each field of the file's block (R8_FIELDS: start, bytes,
+# piece), in the block's order, in pieces: piece k of row l at (8 * start) + piece * (8 k + l),
+# so q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose byte 8 l + i of vector k is
+# row l's qs[8 k + i]; q4_0r8 and q8_0r8 the same (no m); q4_kr8: 8 d, 8 dmin, the 12 scale bytes
+# as 3 words per row (word w of row l at 32 + 32 w + 4 l), then the qs as above; q5_kr8 the same
+# with qh as 8-byte pieces before the qs; q6_kr8: ql, qh in 8-byte pieces, the 16 int8 scales in
+# pairs (the two of 32-element block k of row l at 8 * 192 + 16 k + 2 l), 8 d. The dots on
+# 256-bit registers (AVX2, AVX-VNNI): csrc/quant/dot_r8_256.h, dot_k_r8_256.h; q4_1r8 also 512-bit.
+REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0",
+            "q4_kr8": "q4_k", "q5_kr8": "q5_k", "q6_kr8": "q6_k"}
+R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8")     # data [rows / 8, row bytes * 8]
+R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8", "q4_k": "q4_kr8", "q5_k": "q5_kr8", "q6_k": "q6_kr8"}
+R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in order
+    "q4_0": ((0, 2, 2), (2, 16, 8)),
+    "q4_1": ((0, 2, 2), (2, 2, 2), (4, 16, 8)),
+    "q8_0": ((0, 2, 2), (2, 32, 8)),
+    "q4_k": ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 8)),
+    "q5_k": ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 32, 8), (48, 128, 8)),
+    "q6_k": ((0, 128, 8), (128, 64, 8), (192, 16, 2), (208, 2, 2)),
+}
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
-         "q4_0x8": 256, "q4_1r8": 32, "q4_0r8": 32, "q8_0r8": 32}
+         "q4_0x8": 256, "q4_1r8": 32, "q4_0r8": 32, "q8_0r8": 32, "q4_kr8": 256, "q5_kr8": 256, "q6_kr8": 256}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "q4_0x8": 144, "q4_1r8": 20, "q4_0r8": 18, "q8_0r8": 34}
+               "q4_0x8": 144, "q4_1r8": 20, "q4_0r8": 18, "q8_0r8": 34, "q4_kr8": 144, "q5_kr8": 176, "q6_kr8": 210}
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
@@ -128,20 +142,18 @@ def _q4_0x8_order(rows: torch.Tensor, to_x8: bool) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _r8_places(qtype: str) -> torch.Tensor:
     """int64 [8 * B]: where byte b of row l's block (file layout, B bytes) lies in a unit of r8
-    layout qtype (at index l * B + b): d at 2 l, q4_1's m at 16 + 2 l, then (after the scales) the
-    codes' 8-byte pieces k at 64 k + 8 l."""
-    B = BLOCK_BYTES[qtype]
-    head = 4 if qtype == "q4_1r8" else 2
+    layout qtype (at index l * B + b): each field's piece k of row l at 8 * start + piece * (8 k + l)."""
     places = []
     for l in range(8):
-        places += [2 * l, 2 * l + 1] + ([16 + 2 * l, 17 + 2 * l] if head == 4 else [])
-        places += [8 * head + 64 * (i // 8) + 8 * l + i % 8 for i in range(B - head)]
+        for start, size, piece in R8_FIELDS[REPACKED[qtype]]:
+            places += [8 * start + piece * (8 * (i // piece) + l) + i % piece for i in range(size)]
     return torch.tensor(places, dtype=torch.int64)
 
 
 def r8_order(qtype: str, data: torch.Tensor, n: int, nb: int, to_r8: bool) -> torch.Tensor:
-    """The file type's rows [n, nb * B] <-> r8 layout qtype's groups of 8 rows [n / 8, nb * 8 B]
-    (a new tensor)."""
+    """The file type's rows [n, nb * B] (a 2-D row-major array of nb blocks a row, n a multiple of
+    8) <-> r8 layout qtype's groups of 8 rows [n / 8, nb * 8 B] (a new tensor). Any r8 layout of R8
+    (the blocks of 32 or the super-blocks of 256 alike)."""
     G, B, places = n // 8, BLOCK_BYTES[qtype], _r8_places(qtype)
     if to_r8:
         blocks = data.reshape(G, 8, nb, B).permute(0, 2, 1, 3).reshape(G, nb, 8 * B)
@@ -153,7 +165,7 @@ def r8_order(qtype: str, data: torch.Tensor, n: int, nb: int, to_r8: bool) -> to
 def r8_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids (int64 [n]) of an r8 weight in its file type's layout [n, row bytes], each from its
     group's units (an embedding lookup's few rows, without the whole matrix)."""
-    B, nb = BLOCK_BYTES[w.qtype], w.shape[1] // 32
+    B, nb = BLOCK_BYTES[w.qtype], w.shape[1] // BLOCK[w.qtype]
     units = w.data.view(w.shape[0] // 8, nb, 8 * B)[ids // 8]              # [n, nb, 8 B]
     at = _r8_places(w.qtype).view(8, B)[ids % 8]                           # [n, B]
     return units.gather(2, at.unsqueeze(1).expand(-1, nb, -1)).reshape(ids.numel(), nb * B)
@@ -169,7 +181,8 @@ def file_layout(w: QuantizedWeight) -> QuantizedWeight:
     if w.qtype not in REPACKED:
         return w
     if w.qtype in R8:
-        return QuantizedWeight(REPACKED[w.qtype], w.shape, r8_order(w.qtype, w.data, w.shape[0], w.shape[1] // 32, False))
+        return QuantizedWeight(REPACKED[w.qtype], w.shape,
+                               r8_order(w.qtype, w.data, w.shape[0], w.shape[1] // BLOCK[w.qtype], False))
     return QuantizedWeight(REPACKED[w.qtype], w.shape, _q4_0x8_order(w.data, to_x8=False))
 
 

@@ -1,5 +1,5 @@
-"""The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q8_0r8: 8 rows interleaved per block,
-csrc/quant/dot_r8_256.h): their bytes, and every variant's kernels against the scalar build's,
+"""The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q8_0r8 and the super-block q4_kr8, q5_kr8,
+q6_kr8: 8 rows interleaved per block, csrc/quant/dot_r8_256.h, dot_k_r8_256.h): their bytes, and every variant's kernels against the scalar build's,
 which spells the same arithmetic out in plain C++ (the avx2 and avxvnni ones equal it bit for bit;
 the avxvnni test runs where the CPU has AVX-VNNI), on rows and columns that are not multiples of
 the threads' share, the 4-row passes or 8 blocks; and a row's result alone equal to it in a batch."""
@@ -10,13 +10,15 @@ from pagedserve.kernels import quant
 from tests.test_quant_kernels import _check_small, weight
 
 TYPES = ["q4_0", "q4_1", "q8_0"]
+K_TYPES = ["q4_k", "q5_k", "q6_k"]
 VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
 
 
 def r8_of(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
     """w in its r8 layout whatever the variant (repack makes it only on avx2 / avxvnni)."""
     r8 = quant.R8_OF[w.qtype]
-    return quant.QuantizedWeight(r8, w.shape, quant.r8_order(r8, w.data, w.shape[0], w.shape[1] // 32, True))
+    return quant.QuantizedWeight(r8, w.shape, quant.r8_order(r8, w.data, w.shape[0], w.shape[1] // quant.BLOCK[w.qtype],
+                                                              True))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -41,24 +43,42 @@ def test_layout_round_trips_and_places_each_row(qtype):
     assert torch.equal(quant.embedding(r, ids.view(1, 5)), quant.embedding(w, ids.view(1, 5)))
 
 
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_layouts_place_each_field_in_pieces(qtype):
+    """A super-block unit: each field of the block, in order, piece k of row l at 8 start + piece (8 k + l)."""
+    w, _ = weight(qtype, rows=16, cols=512)
+    r = r8_of(w)
+    B = quant.BLOCK_BYTES[qtype]
+    assert tuple(r.data.shape) == (2, 2 * 8 * B) and r.nbytes == w.nbytes
+    assert torch.equal(quant.file_layout(r).data, w.data)
+    unit, blocks = r.data[1, 8 * B:2 * 8 * B], w.data[8:16, B:2 * B]         # group 1, super-block 1
+    for start, size, piece in quant.R8_FIELDS[qtype]:
+        got = unit[8 * start:8 * (start + size)].view(size // piece, 8, piece)
+        assert torch.equal(got, blocks[:, start:start + size].reshape(8, size // piece, piece).transpose(0, 1))
+    ids = torch.tensor([3, 8, 15, 0])
+    assert torch.equal(quant.r8_rows(r, ids), w.data[ids])
+    assert torch.equal(quant.embedding(r, ids.view(1, 4)), quant.embedding(w, ids.view(1, 4)))
+
+
 @pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES)
 def test_repack_makes_them_on_256_bit_variants(qtype):
-    w, _ = weight(qtype, rows=16, cols=64)
+    w, _ = weight(qtype, rows=16, cols=quant.BLOCK[qtype] * 2)
     with quant.using_variant(VECTOR[0]):
         r = quant.repack(w)
         assert r.qtype == quant.R8_OF[qtype] and torch.equal(r.data, r8_of(w).data)
         copy = w.data.clone()
         in_place = quant.repack(quant.QuantizedWeight(qtype, w.shape, copy), in_place=True)
         assert in_place.data.data_ptr() == copy.data_ptr() and torch.equal(in_place.data, r.data)
-        assert quant.repack(weight(qtype, rows=12, cols=64)[0]).qtype == qtype       # rows not a multiple of 8
+        assert quant.repack(weight(qtype, rows=12, cols=w.shape[1])[0]).qtype == qtype       # rows not a multiple of 8
     with quant.using_variant("scalar"):
         assert quant.repack(w).qtype in (qtype, "q4_0x8")
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows,cols", [(8, 32), (24, 96), (40, 1568)])
-def test_kernels_equal_the_scalar_arithmetic_and_rows_alone(qtype, rows, cols):
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES)
+@pytest.mark.parametrize("rows,blocks", [(8, 1), (24, 3), (40, 49)])
+def test_kernels_equal_the_scalar_arithmetic_and_rows_alone(qtype, rows, blocks):
+    cols = quant.BLOCK[qtype] * (blocks if quant.BLOCK[qtype] == 32 else (blocks + 7) // 8)
     w, _ = weight(qtype, rows=rows, cols=cols)
     r = r8_of(w)
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
@@ -80,21 +100,40 @@ def test_kernels_equal_the_scalar_arithmetic_and_rows_alone(qtype, rows, cols):
                 assert torch.equal(y16, quant._linear_small(x.bfloat16(), [r], bias, lib, torch.float32).bfloat16())
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES)
 def test_other_paths_read_them_as_the_file_layout(qtype):
     """The tiles (T past the integer path), several parts, dequantize, slices: the file layout's values."""
-    w, _ = weight(qtype, rows=64, cols=576)
+    cols = 576 if quant.BLOCK[qtype] == 32 else 768
+    w, _ = weight(qtype, rows=64, cols=cols)
     r = r8_of(w)
-    other = quant.quantize(torch.randn(16, 576, generator=torch.Generator().manual_seed(1)), "q8_0")
+    other = quant.quantize(torch.randn(16, cols, generator=torch.Generator().manual_seed(1)), "q8_0")
     assert torch.equal(quant.dequantize(r), quant.dequantize(w))
     assert torch.equal(quant.slice_rows(r, 8, 24).data, quant.slice_rows(w, 8, 24).data)
     assert torch.equal(quant.concat_rows([r, r]).data, quant.concat_rows([w, w]).data)
     for variant in quant.supported_variants():
         with quant.using_variant(variant):
             for T in (3, 40):
-                x = torch.randn(T, 576, generator=torch.Generator().manual_seed(T))
+                x = torch.randn(T, cols, generator=torch.Generator().manual_seed(T))
                 for decode in (False, True):
                     assert torch.equal(quant.linear(x, [r, other], None, decode),
                                        quant.linear(x, [w, other], None, decode)), (variant, T)
                 if T > quant.batch_rows(True, False, r8=True):
                     assert torch.equal(quant.linear(x, r, None, True), quant.linear(x, w, None, True)), variant
+
+
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_parts_of_several_r8_types_in_one_product(T):
+    """A Q4_K_M file's fused q/k/v (q4_k, q4_k, q6_k parts), all r8: each part's groups by the integer
+    dots, equal to the same parts one at a time and to the file layout's product."""
+    cols = 512
+    ws = [weight("q4_k", rows=16, cols=cols, seed=1)[0], weight("q4_k", rows=8, cols=cols, seed=2)[0],
+          weight("q6_k", rows=8, cols=cols, seed=3)[0]]
+    rs = [r8_of(w) for w in ws]
+    x = torch.randn(T, cols, generator=torch.Generator().manual_seed(T))
+    for variant in ["scalar"] + VECTOR:
+        with quant.using_variant(variant) as lib:
+            y = quant._linear_small(x, rs, None, lib, torch.float32)
+            each = torch.cat([quant._linear_small(x, [r], None, lib, torch.float32) for r in rs], dim=1)
+            assert torch.equal(y, each), variant
+            for w, part in zip(ws, y.split([16, 8, 8], dim=1)):
+                _check_small(part, x, w)

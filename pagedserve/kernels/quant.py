@@ -81,7 +81,7 @@ import torch
 
 from pagedserve.kernels import cpu
 from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
-    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_OF, REPACKED, ROW_CHUNK_ELEMENTS, QuantizedWeight,
+    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_OF, REPACKED, ROW_CHUNK_ELEMENTS, QuantizedWeight,
     _q4_0x8_order, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
     quantize_torch, reference_linear, slice_cols, slice_rows)
 
@@ -314,7 +314,7 @@ def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> 
         step = max(8, ROW_CHUNK_ELEMENTS // w.shape[1] // 8 * 8)     # groups of rows at a time: little scratch
         for r0 in range(0, w.shape[0], step):      # (in place: the same storage, the loader's huge-page copy)
             r1 = min(w.shape[0], r0 + step)
-            out[r0 // 8:r1 // 8] = r8_order(r8, w.data[r0:r1], r1 - r0, w.shape[1] // 32, True)
+            out[r0 // 8:r1 // 8] = r8_order(r8, w.data[r0:r1], r1 - r0, w.shape[1] // BLOCK[r8], True)
         return QuantizedWeight(r8, w.shape, out)
     if w.qtype != "q4_0" or w.shape[1] % 256 or os.environ.get(REPACK_ENV, "1") == "0" or mapped:
         return w

@@ -30,6 +30,7 @@
 // the loader's Q4_0X: the same bytes rearranged within each 8 blocks, see QType): each thread
 // streams its rows, software-prefetched ahead (see prefetch_rows, row_dot2).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,5 +78,6 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 #include "quant/amxw_linear.h"
 #include "quant/dot_q4_1r8.h"
 #include "quant/dot_r8_256.h"
+#include "quant/dot_k_r8_256.h"
 #include "quant/linear_small.h"
 #include "quant/quantize.h"

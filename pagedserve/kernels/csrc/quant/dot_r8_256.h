@@ -159,13 +159,4 @@ R8GroupFn r8_group_fn(int nt) {
 #endif
     return nt >= 1 && nt <= 4 ? fns[nt] : nullptr;
 }
-inline R8GroupFn r8_group_fn(int qt, int nt) {
-    switch (qt) {
-    case Q4_0R8: return r8_group_fn<Q4_0R8>(nt);
-    case Q4_1R8: return r8_group_fn<Q4_1R8>(nt);
-    case Q8_0R8: return r8_group_fn<Q8_0R8>(nt);
-    }
-    return nullptr;
-}
-
 }  // namespace

@@ -69,6 +69,11 @@ Act quantize_in_region(const Act &shared, bool own, const QuantPart *parts, int6
     return a;
 }
 
+// The group (of 8 rows, counted over all r8 parts) where weight byte `at` falls, rounded up.
+int64_t group_at_byte(const QuantPart *parts, int64_t nparts, int64_t K, int64_t at) {
+    return (row_at_byte(parts, nparts, K, at) + 7) / 8;      // (every part's rows a multiple of 8)
+}
+
 // y[t][r] (float32 or bf16, rows ldy apart) = v + bias[r] (bias float32, or null: + 0).
 inline void put_out(void *y, bool y_bf16, int64_t ldy, const float *bias, int64_t t, int64_t r, float v) {
     v += bias ? bias[r] : 0.f;
@@ -86,33 +91,46 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     const bool r8 = any_r8(parts, nparts);
-    if (r8 && nparts == 1) {     // one r8 part: its groups of 8 rows, 1-4 activation rows a pass
-        if (parts[0].rows % 8) return 1;
-        const int qt = int(parts[0].qtype);
-        R8GroupFn kR8[5] = {nullptr};
-        for (int n = 1; n <= 4; n++) kR8[n] = r8_group_fn(qt, n);
+    if (r8 && all_r8_groups(parts, nparts)) {     // r8 parts: their groups of 8 rows, 1-4 activation rows a pass
+        std::vector<std::array<R8GroupFn, 5>> kR8(nparts);
+        std::vector<int64_t> first(nparts + 1, 0), row0(nparts, 0);     // each part's first group, first row
+        for (int64_t p = 0; p < nparts; p++) {
+            const int qt = int(parts[p].qtype);
+            for (int n = 1; n <= 4; n++) kR8[p][n] = r8_group_fn(qt, n);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        if (qt == Q4_1R8)
-            for (int n = 1; n <= 4; n++) kR8[n] = kR8_512[n];
+            if (qt == Q4_1R8)
+                for (int n = 1; n <= 4; n++) kR8[p][n] = kR8_512[n];
 #endif
+            first[p + 1] = first[p] + parts[p].rows / 8;
+            if (p + 1 < nparts) row0[p + 1] = row0[p] + parts[p].rows;
+        }
         const Act act = thread_act(parts, nparts, T, K, false);
-        const int64_t groups = parts[0].rows / 8;
+        const int64_t groups = first[nparts];
+        int64_t total = 0;       // weight bytes
+        for (int64_t p = 0; p < nparts; p++) total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
 #pragma omp parallel if (groups * K * T >= 4096)
         {
             const Act a = quantize_in_region(act, T * nb <= kOwnBlocks, parts, nparts, T, false, x, ldx, x_bf16 != 0);
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            // each thread a contiguous range of groups holding an equal share of the weight bytes
+            const int64_t g0 = group_at_byte(parts, nparts, K, total * tid / nt);
+            const int64_t g1 = group_at_byte(parts, nparts, K, total * (tid + 1) / nt);
             PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
             const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
             float v[4 * 8];
-            for (int64_t g = g0; g < g1; g++)
+            int64_t p = 0;
+            for (int64_t g = g0; g < g1; g++) {
+                while (g >= first[p + 1]) p++;
+                const uint8_t *w = parts[p].w + (g - first[p]) * parts[p].ldw;
+                const int64_t r = row0[p] + 8 * (g - first[p]);
                 for (int64_t t0 = 0; t0 < T; t0 += 4) {
                     if (t0 == 0) ahead.step(per_group);
                     const int n = int(std::min<int64_t>(4, T - t0));
-                    kR8[n](parts[0].w + g * parts[0].ldw, nb, a, t0, v, 8);
+                    kR8[p][n](w, nb, a, t0, v, 8);
                     for (int t = 0; t < n; t++)
-                        for (int i = 0; i < 8; i++) put_out(y, y_bf16 != 0, ldy, bias, t0 + t, 8 * g + i, v[t * 8 + i]);
+                        for (int i = 0; i < 8; i++) put_out(y, y_bf16 != 0, ldy, bias, t0 + t, r + i, v[t * 8 + i]);
                 }
+            }
             run_after(plan);
         }
         return 0;

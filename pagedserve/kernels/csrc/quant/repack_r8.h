@@ -1,20 +1,42 @@
-// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8: see QType): a unit is one 32-element block of 8 rows, their
-// 8 fp16 d (Q4_1R8: then their 8 fp16 m), then vectors of 64 bytes (q4: two, q8: four) whose byte
-// 8 l + i of vector k is row l's qs[8 k + i]; rows unpacked from them into the file's layout
+// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q4_KR8, Q5_KR8, Q6_KR8: see QType): a unit is one block
+// (or super-block) of 8 rows; each field of the file's block (R8Field: start, bytes, piece), in the
+// block's order, lies in pieces: piece k of row l at 8 * start + piece * (8 k + l) (quant_format.py's
+// R8_FIELDS: the same table). So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
+// byte 8 l + i of vector k is row l's qs[8 k + i]; rows unpacked from them into the file's layout
 // (PlainParts) for the paths that read rows.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
 namespace {
-constexpr int64_t r8_unit_bytes(int qt) { return 8 * kBytes[r8_file_type(qt)]; }     // 160, 144, 272
-constexpr int r8_codes_at(int qt) { return qt == Q4_1R8 ? 32 : 16; }                // after d (and m)
+struct R8Field {
+    int start, bytes, piece;
+};
+struct R8Fields {
+    int n;
+    R8Field f[5];
+};
+constexpr R8Fields r8_fields(int file) {
+    switch (file) {
+    case Q4_0: return {2, {{0, 2, 2}, {2, 16, 8}}};
+    case Q4_1: return {3, {{0, 2, 2}, {2, 2, 2}, {4, 16, 8}}};
+    case Q8_0: return {2, {{0, 2, 2}, {2, 32, 8}}};
+    case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}}};
+    case Q5_K: return {5, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 8}, {48, 128, 8}}};
+    case Q6_K: return {4, {{0, 128, 8}, {128, 64, 8}, {192, 16, 2}, {208, 2, 2}}};
+    }
+    return {0, {}};
+}
+constexpr int64_t r8_unit_bytes(int qt) { return 8 * kBytes[r8_file_type(qt)]; }     // 160, 144, 272, ...
+constexpr int r8_codes_at(int qt) { return qt == Q4_1R8 ? 32 : 16; }                // (32-element types) after d (and m)
 
 // Row l's block of the r8 unit at u, in the file type's layout (kBytes bytes at b).
 inline void r8_block(int qt, const uint8_t *u, int l, uint8_t *b) {
-    std::memcpy(b, u + 2 * l, 2);                                   // d
-    if (qt == Q4_1R8) std::memcpy(b + 2, u + 16 + 2 * l, 2);        // m
-    const int at = r8_codes_at(qt), head = qt == Q4_1R8 ? 4 : 2, vectors = qt == Q8_0R8 ? 4 : 2;
-    for (int k = 0; k < vectors; k++) std::memcpy(b + head + 8 * k, u + at + 64 * k + 8 * l, 8);
+    const R8Fields fs = r8_fields(r8_file_type(qt));
+    for (int i = 0; i < fs.n; i++) {
+        const R8Field f = fs.f[i];
+        for (int k = 0; k < f.bytes / f.piece; k++)
+            std::memcpy(b + f.start + f.piece * k, u + 8 * f.start + f.piece * (8 * k + l), f.piece);
+    }
 }
 inline void r8_block(const uint8_t *u, int l, uint8_t *b) { r8_block(Q4_1R8, u, l, b); }     // (amxw_units' q4_1r8)
 
@@ -34,7 +56,7 @@ struct PlainParts {
         static thread_local std::vector<uint8_t> buf;
         int64_t need = 0;
         for (int64_t p = 0; p < nparts; p++)
-            if (is_r8(int(in[p].qtype))) need += in[p].rows * (K / 32 * kBytes[in[p].qtype]);
+            if (is_r8(int(in[p].qtype))) need += in[p].rows * (K / kElems[in[p].qtype] * kBytes[in[p].qtype]);
         if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
         int64_t at = 0;
         for (int64_t p = 0; p < nparts; p++) {
@@ -42,10 +64,10 @@ struct PlainParts {
             uint8_t *dst = buf.data() + at;
             const QuantPart q = in[p];
             const int qt = int(q.qtype), file = r8_file_type(qt);
-            const int64_t row_bytes = K / 32 * kBytes[file];
+            const int64_t row_bytes = K / kElems[file] * kBytes[file];
 #pragma omp parallel for schedule(static) if (q.rows * K >= 65536)
             for (int64_t g = 0; g < q.rows / 8; g++)
-                unpack_r8(qt, q.w + g * q.ldw, K / 32, dst + 8 * g * row_bytes, row_bytes);
+                unpack_r8(qt, q.w + g * q.ldw, K / kElems[file], dst + 8 * g * row_bytes, row_bytes);
             parts[p] = {file, dst, row_bytes, q.rows};
             at += q.rows * row_bytes;
         }
@@ -55,6 +77,11 @@ bool any_r8(const QuantPart *parts, int64_t nparts) {
     for (int64_t p = 0; p < nparts; p++)
         if (is_r8(int(parts[p].qtype))) return true;
     return false;
+}
+bool all_r8_groups(const QuantPart *parts, int64_t nparts) {      // every part r8 (rows a multiple of 8)
+    for (int64_t p = 0; p < nparts; p++)
+        if (!is_r8(int(parts[p].qtype)) || parts[p].rows % 8) return false;
+    return true;
 }
 bool only_q4_1r8(const QuantPart *parts, int64_t nparts) {      // (of the r8 layouts: what amxw_rows reads)
     for (int64_t p = 0; p < nparts; p++)

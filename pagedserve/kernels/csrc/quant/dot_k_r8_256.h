@@ -1,0 +1,215 @@
+// The super-block r8 layouts' dots (Q4_KR8, Q5_KR8, Q6_KR8: 8 weight rows interleaved per
+// super-block, repack_r8.h's fields) on 256-bit registers (AVX2, AVX-VNNI) and in plain C++ (the
+// scalar build's kernel and the reference the vector ones equal bit for bit), against NT activation
+// rows of 8-bit blocks of 32 (Act). As dot_r8_256.h: a ymm holds 8 bytes of 4 rows; one hadd of the
+// two halves' dots gives a 32-element block's 8 rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the
+// unit's scales are permuted once to meet them. Per row l, over the 32-element blocks j in order:
+//     q4_k, q5_k: acc = fma(float(dot_j), (d * sc_j) * dx_j, acc);  mins = fma(dmin * m_j, ds_j, mins)
+//                 y = acc - mins                  (dot_j: the unsigned codes times the q8 values)
+//     q6_k:       acc = fma(float(sc_2j * dot_2j + sc_2j+1 * dot_2j+1), d * dx_j, acc);  y = acc
+//                 (dot_i: the 16 signed codes q - 32 of sub-block i times the q8 values)
+// The integers are exact; a row's arithmetic is the same whatever NT or the rows around it.
+// Unit offsets (bytes): q4_k: d 0, dmin 16, scale words 32 (word w of row l at 32 + 32 w + 4 l),
+// qs 128 (vector k: 64 bytes, byte 8 l + i row l's qs[8 k + i]); q5_k: the same, qh at 128 (4
+// vectors), qs at 384; q6_k: ql 0 (16 vectors), qh 1024 (8), scales 1536 (pairs: row l's
+// sc[2 j], sc[2 j + 1] at 1536 + 16 j + 2 l), d 1664.
+// Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+
+// The codes of row l's super-block b (file layout): c[256] (q6_k: q - 32), and its scales.
+inline void k_codes(int file, const uint8_t *b, int c[256], int sc[16], int mn[8]) {
+    if (file == Q6_K) {
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, k = e % 128 / 32, l = e % 32;
+            const int lo = (b[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 15;
+            const int hi = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+            c[e] = (lo | (hi << 4)) - 32;
+        }
+        for (int i = 0; i < 16; i++) sc[i] = int8_t(b[192 + i]);
+        return;
+    }
+    k_scales(b + 4, sc, mn);
+    const uint8_t *qs = b + (file == Q4_K ? 16 : 48);
+    for (int e = 0; e < 256; e++) {
+        const int j = e / 32, l = e % 32;
+        c[e] = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+        if (file == Q5_K) c[e] |= ((b[16 + l] >> j) & 1) << 4;
+    }
+}
+
+// The reference: out[t * ldo + l] = row l of the group at g (nb blocks of 32) against activation
+// row t0 + t, the arithmetic above in plain C++ (std::fma: the vector kernels' fused multiply-adds).
+template <int QT, int NT>
+void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    constexpr int file = r8_file_type(QT);
+    constexpr int64_t U = r8_unit_bytes(QT);
+    for (int l = 0; l < 8; l++) {
+        float acc[NT] = {}, mins[NT] = {};
+        for (int64_t s = 0; s < nb / 8; s++) {
+            uint8_t b[256];
+            r8_block(QT, g + s * U, l, b);
+            int c[256], sc[16], mn[8];
+            k_codes(file, b, c, sc, mn);
+            const float d = f16(file == Q6_K ? b + 208 : b), dmin = file == Q6_K ? 0.f : f16(b + 2);
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
+                    const float dx = a.d[(t0 + t) * a.nb + 8 * s + j], ds = a.ds[(t0 + t) * a.nb + 8 * s + j];
+                    int dot = 0;
+                    if constexpr (file == Q6_K) {
+                        int half[2] = {0, 0};
+                        for (int e = 0; e < 32; e++) half[e / 16] += c[32 * j + e] * x[e];
+                        dot = sc[2 * j] * half[0] + sc[2 * j + 1] * half[1];
+                        acc[t] = std::fma(float(dot), d * dx, acc[t]);
+                    } else {
+                        for (int e = 0; e < 32; e++) dot += c[32 * j + e] * x[e];
+                        acc[t] = std::fma(float(dot), (d * float(sc[j])) * dx, acc[t]);
+                        mins[t] = std::fma(dmin * float(mn[j]), ds, mins[t]);
+                    }
+                }
+        }
+        for (int t = 0; t < NT; t++) out[t * ldo + l] = acc[t] - mins[t];
+    }
+}
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// Row l's 16 bits (int16 lanes 4 l' .. 4 l' + 3 of half h: rows 4 h + l') from 16 bytes of pairs
+// (row l's two at 2 l, 2 l + 1), the first (i = 0) or the second of each pair: q6_k's scales.
+inline __m256i q6_scales(__m128i pairs, int h, int i) {
+    const int b = 8 * h + i;
+    const __m128i idx = _mm_setr_epi8(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 4, b + 4, b + 4, b + 4, b + 6, b + 6,
+                                      b + 6, b + 6);
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pairs, idx));
+}
+
+// (x, shifted in its 16-bit lanes by s: left for s > 0) & mask: a bit field of each byte moved in place
+inline __m256i move_bits(__m256i x, int s, int mask) {
+    const __m256i v = s > 0 ? _mm256_slli_epi16(x, s) : s < 0 ? _mm256_srli_epi16(x, -s) : x;
+    return _mm256_and_si256(v, _mm256_set1_epi8(char(mask)));
+}
+
+template <int QT, int NT>
+void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    constexpr int64_t U = r8_unit_bytes(QT);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);    // the hadd's row order (its own inverse)
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[NT], mins[NT];
+    for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
+    auto ld = [](const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); };
+    for (int64_t s = 0; s < nb / 8; s++) {
+        const uint8_t *u = g + s * U;
+        for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
+        if constexpr (QT == Q6_KR8) {
+            const __m256 D = _mm256_permutevar8x32_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1664))), order);
+            for (int j = 0; j < 8; j++) {
+                const int n = j / 4, r = j % 4;
+                const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
+                __m256i aw[2][4], w[2][4];      // per half: |q - 32| and q - 32 of pieces 0..3
+                for (int h = 0; h < 2; h++)
+                    for (int k = 0; k < 4; k++) {
+                        const __m256i ql = ld(u + 64 * (8 * n + 4 * (r % 2) + k) + 32 * h);
+                        const __m256i qh = ld(u + 1024 + 64 * (4 * n + k) + 32 * h);
+                        const __m256i lo = r < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+                        w[h][k] = _mm256_sub_epi8(_mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30)), _mm256_set1_epi8(32));
+                        aw[h][k] = _mm256_sign_epi8(w[h][k], w[h][k]);
+                    }
+                const __m256i sa[2] = {q6_scales(pairs, 0, 0), q6_scales(pairs, 1, 0)};
+                const __m256i sb[2] = {q6_scales(pairs, 0, 1), q6_scales(pairs, 1, 1)};
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
+                    int64_t x8[4];
+                    std::memcpy(x8, x, 32);
+                    __m256i dot[2];
+                    for (int h = 0; h < 2; h++) {
+                        // |w| <= 32, |q| <= 127: two maddubs pairs sum to at most 16256 (16 bits)
+                        __m256i p[4];
+                        for (int k = 0; k < 4; k++)
+                            p[k] = _mm256_maddubs_epi16(aw[h][k], _mm256_sign_epi8(_mm256_set1_epi64x(x8[k]), w[h][k]));
+                        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), sa[h]),
+                                                  _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), sb[h]));
+                    }
+                    const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(a.d[(t0 + t) * a.nb + 8 * s + j]));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, acc[t]);
+                }
+            }
+        } else {
+            constexpr int QS = QT == Q4_KR8 ? 128 : 384;     // the qs vectors (q5_k: after qh's 4)
+            const __m256 D = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u))), order);
+            const __m256 Dm =
+                _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 16))), order);
+            // the 12 scale bytes of each row as 3 words (lanes in the hadd's order): k_scales on 8 rows at once
+            const __m256i w0 = _mm256_permutevar8x32_epi32(ld(u + 32), order);
+            const __m256i w1 = _mm256_permutevar8x32_epi32(ld(u + 64), order);
+            const __m256i w2 = _mm256_permutevar8x32_epi32(ld(u + 96), order);
+            const __m256i m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48);
+            const __m256i sc[2] = {_mm256_and_si256(w0, m6),
+                                   _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), m48))};
+            const __m256i mn[2] = {_mm256_and_si256(w1, m6),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
+                                                   _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48))};
+            const __m256i byte = _mm256_set1_epi32(255);
+            for (int p = 0; p < 4; p++)          // sub-blocks 2 p (low nibbles) and 2 p + 1 (high)
+                for (int i = 0; i < 2; i++) {
+                    __m256i c[2][4];             // [half][piece] (the vectors read twice: the second from L1)
+                    for (int h = 0; h < 2; h++)
+                        for (int k = 0; k < 4; k++) {
+                            const __m256i v = ld(u + QS + 64 * (4 * p + k) + 32 * h);
+                            c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
+                            if constexpr (QT == Q5_KR8)      // the fifth bits: bit j of qh[8 k + i]
+                                c[h][k] = _mm256_or_si256(c[h][k], move_bits(ld(u + 128 + 64 * k + 32 * h), 4 - 2 * p - i, 16));
+                        }
+                    const int j = 2 * p + i;
+                    const __m256i shift = _mm256_set1_epi64x(8 * (j % 4));
+                    const __m256 Dj = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], _mm256_castsi256_si128(shift)), byte)));
+                    const __m256 Mj = _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], _mm256_castsi256_si128(shift)), byte)));
+                    for (int t = 0; t < NT; t++) {
+                        const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
+                        int64_t x8[4];
+                        std::memcpy(x8, x, 32);
+                        const __m256i xb[4] = {_mm256_set1_epi64x(x8[0]), _mm256_set1_epi64x(x8[1]), _mm256_set1_epi64x(x8[2]),
+                                               _mm256_set1_epi64x(x8[3])};
+                        // (q5_k: codes <= 31: four products sum to at most 4 * 2 * 31 * 127 < 32768)
+                        const __m256i dot = _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
+                        const int64_t at = (t0 + t) * a.nb + 8 * s + j;
+                        const __m256 S = _mm256_mul_ps(Dj, _mm256_set1_ps(a.d[at]));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
+                        mins[t] = _mm256_fmadd_ps(Mj, _mm256_set1_ps(a.ds[at]), mins[t]);
+                    }
+                }
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        _mm256_storeu_ps(out + t * ldo, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc[t], mins[t]), order));
+}
+#endif
+
+// The kernel of this build for super-block r8 layout QT and NT (1..4) activation rows a pass.
+template <int QT>
+R8GroupFn rk8_group_fn(int nt) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    constexpr R8GroupFn fns[5] = {nullptr, rk8_group_256<QT, 1>, rk8_group_256<QT, 2>, rk8_group_256<QT, 3>,
+                                  rk8_group_256<QT, 4>};
+#else
+    constexpr R8GroupFn fns[5] = {nullptr, rk8_group_ref<QT, 1>, rk8_group_ref<QT, 2>, rk8_group_ref<QT, 3>,
+                                  rk8_group_ref<QT, 4>};
+#endif
+    return nt >= 1 && nt <= 4 ? fns[nt] : nullptr;
+}
+
+// The kernel of this build for r8 layout qt (any) and NT (1..4) activation rows a pass (null: none here).
+inline R8GroupFn r8_group_fn(int qt, int nt) {
+    switch (qt) {
+    case Q4_0R8: return r8_group_fn<Q4_0R8>(nt);
+    case Q4_1R8: return r8_group_fn<Q4_1R8>(nt);
+    case Q8_0R8: return r8_group_fn<Q8_0R8>(nt);
+    case Q4_KR8: return rk8_group_fn<Q4_KR8>(nt);
+    case Q5_KR8: return rk8_group_fn<Q5_KR8>(nt);
+    case Q6_KR8: return rk8_group_fn<Q6_KR8>(nt);
+    }
+    return nullptr;
+}
+
+}  // namespace
