@@ -145,6 +145,11 @@ def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_mod
         llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
     ratio = _check_against_oracle(llm, oracle, tok)
     assert abs(ratio - 1) < 0.01, ratio
+    if mix in ("q4_k_m", "q5_k_m") and quant.variant() in quant.R8_VARIANTS:     # the super-block r8 dots ran
+        layer = _model_of(llm).layers[0]
+        parts = [p for n in ("qkv", "o", "gate_up", "down")
+                 for p in (getattr(layer, n) if isinstance(getattr(layer, n), tuple) else (getattr(layer, n),))]
+        assert {p.qtype for p in parts} == {mix[:2] + "_kr8", "q6_kr8"}, [p.qtype for p in parts]
     notes = [r.getMessage() for r in caplog.records if "quantized matmul weights" in r.getMessage()]
     assert len(notes) == 1, notes
     if mix == "q3_k_fallback":       # said once: which types, how many tensors
