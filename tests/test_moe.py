@@ -153,6 +153,7 @@ def test_one_token_runs_its_experts_gate_up_as_one_product(monkeypatch):
     x = _hidden(1)
     calls = []
     ops = CpuOps()
+    ops.routed_experts = lambda *a: None      # the experts one by one (where the ops have no kernel for them all)
     counted = lambda *a, **k: calls.append(a[1]) or ops.linear(*a, **k)      # noqa: E731
     fused = moe_forward(x, MoEWeights(w.router, experts), spec, ops, counted)
     assert len(calls) == K + 1 and len(calls[0]) == 2 * K

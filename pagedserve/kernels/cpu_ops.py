@@ -14,6 +14,7 @@ import torch
 from pagedserve.attention.cpu_backend import CpuAttention
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import cpu, quant
+from pagedserve.kernels import moe as moe_kernels
 from pagedserve.models import quantized
 from pagedserve.models.ops import TorchOps
 
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class CpuOps(TorchOps):
+    def __init__(self) -> None:
+        self._expert_tables: dict[int, tuple] = {}      # routed_experts' tables, by id of the experts' list
     @property
     def bf16_is_fast(self) -> bool:
         return cpu.auto_keeps_bf16()
@@ -71,6 +74,16 @@ class CpuOps(TorchOps):
     quantized_embedding = staticmethod(quant.embedding)
 
     argmax = staticmethod(cpu.argmax_rows)
+
+    def routed_experts(self, h: torch.Tensor, experts: list, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor | None:
+        """Quantized SwiGLU experts in one C++ call (kernels/moe.py); the experts' table is built
+        once per list of experts (kept while the list lives: a layer's MoEWeights.experts)."""
+        key = id(experts)
+        cached = self._expert_tables.get(key)
+        if cached is None or cached[0] is not experts:
+            cached = self._expert_tables[key] = (experts, moe_kernels.expert_table(experts))
+        return None if cached[1] is None else moe_kernels.routed_experts(h, cached[1], weights, ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and (normed := cpu.add_rms_norm(x, None, weight, eps)) is not None:

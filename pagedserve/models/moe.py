@@ -4,9 +4,10 @@ shared expert): it takes the MLP's place in a decoder layer.
 Per step: router logits in float32 (routing is a discrete choice: its precision decides which
 weights are read), each token's top-k experts and their weights (`route`), then the tokens
 grouped by expert: each chosen expert runs once over all of its tokens (its weights read once
-per step, through the same `linear` as every other projection: float, packed or quantized GGUF
-blocks), and an expert no token chose is never touched. The weighted outputs are summed in
-float32 per token.
+per step), and an expert no token chose is never touched. The weighted outputs are summed in
+float32 per token. Where the ops have a kernel for the whole set (`ops.routed_experts`: CpuOps
+over quantized SwiGLU experts, kernels/moe.py) it runs them in one call; else each expert runs
+here through the same `linear` as every other projection (float, packed or quantized GGUF blocks).
 
 An expert's weights are whatever the loader made: one [2 I, H] matrix (gate rows, then up
 rows), or a (gate, up) tuple of quantized views into a GGUF file's 3-D tensors (one product,
@@ -199,35 +200,50 @@ def _one_token(h: torch.Tensor, experts: list[ExpertWeights], weights: list[floa
         out.add_(linear(act[j:j + 1], e.down, e.down_bias).float(), alpha=weight)
 
 
-def moe_forward(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Linear | None = None) -> torch.Tensor:
-    """The block's output for the normalised hidden states h [T, H] (h's dtype)."""
-    linear = linear or ops.linear
+def _experts_one_by_one(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Linear, weights: torch.Tensor,
+                        ids: torch.Tensor, ran: list) -> torch.Tensor:
+    """The routed experts' weighted sum (float32 [T, H]), each chosen expert run here over its tokens."""
     num_tokens = h.shape[0]
-    logits = F.linear(h.float(), w.router, w.router_bias)
-    weights, ids = route(logits, spec)
     out = torch.zeros(num_tokens, h.shape[1], dtype=torch.float32, device=h.device)
-    ran: list[tuple[int, int, int]] = []
     if num_tokens == 1:          # a single decode: its k experts, nothing to group
         chosen = ids[0].tolist()
         _one_token(h, [w.experts[e] for e in chosen], weights[0].tolist(), spec, ops, linear, out)
         ran.extend((w.layer, e, 1) for e in chosen)
-    elif num_tokens:
-        flat = ids.view(-1)
-        order = torch.argsort(flat, stable=True)         # (token, slot) pairs grouped by expert
-        tokens = order // spec.top_k
-        gathered = weights.view(-1)[order]
-        counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:            # no token chose it: its weights are not read
-                continue
-            rows = tokens[start:start + n]
-            y = run_expert(h.index_select(0, rows), w.experts[e], spec, ops, linear)
-            out.index_add_(0, rows, y.float() * gathered[start:start + n, None])
-            ran.append((w.layer, e, n))
-            start += n
+        return out
+    flat = ids.view(-1)
+    order = torch.argsort(flat, stable=True)         # (token, slot) pairs grouped by expert
+    tokens = order // spec.top_k
+    gathered = weights.view(-1)[order]
+    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:            # no token chose it: its weights are not read
+            continue
+        rows = tokens[start:start + n]
+        y = run_expert(h.index_select(0, rows), w.experts[e], spec, ops, linear)
+        out.index_add_(0, rows, y.float() * gathered[start:start + n, None])
+        ran.append((w.layer, e, n))
+        start += n
+    return out
+
+
+def moe_forward(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Linear | None = None) -> torch.Tensor:
+    """The block's output for the normalised hidden states h [T, H] (h's dtype)."""
+    num_tokens = h.shape[0]
+    if not num_tokens:
+        return torch.zeros_like(h)
+    logits = F.linear(h.float(), w.router, w.router_bias)
+    weights, ids = route(logits, spec)
+    ran: list[tuple[int, int, int]] = []
+    # the ops' one call for every routed expert (grouped by expert there), where they have one
+    out = ops.routed_experts(h, w.experts, weights, ids) if spec.activation == "silu" else None
+    if out is None:
+        out = _experts_one_by_one(h, w, spec, ops, linear or ops.linear, weights, ids, ran)
+    elif _reads is not None:
+        counts = torch.bincount(ids.view(-1), minlength=spec.num_experts).tolist()
+        ran.extend((w.layer, e, n) for e, n in enumerate(counts) if n)
     if w.shared is not None:
-        shared = run_expert(h, w.shared, spec, ops, linear).float()
+        shared = run_expert(h, w.shared, spec, ops, linear or ops.linear).float()
         if w.shared_gate is not None:
             shared = shared * torch.sigmoid(F.linear(h.float(), w.shared_gate.float()))
         out += shared

@@ -1,0 +1,150 @@
+"""The routed experts' kernel (kernels/moe.py, csrc/moe/experts.h: a layer's experts in one call)
+against the arithmetic it promises, spelled out in float64 (quant.reference_linear: q8 activations
+times the dequantized weights), for r8 layouts and the file's rows, gate/up apart (a GGUF file's
+stacked experts) or fused, decode and prefill batches, one expert taking every token; and that
+it never reads an expert no token chose."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import moe as moe_kernels
+from pagedserve.kernels import quant
+from pagedserve.kernels.cpu_ops import CpuOps
+from pagedserve.models.moe import ExpertWeights, MoESpec, MoEWeights, count_expert_reads, moe_forward, route
+
+H, I, E, K = 256, 64, 8, 2
+KERNEL_VARIANTS = [v for v in ("avx2", "avxvnni", "scalar") if v in quant.supported_variants()]
+
+
+def _experts(qtype: str, fused: bool, r8: bool, seed: int = 0) -> list[ExpertWeights]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(E):
+        gate, up, down = (torch.randn(r, c, generator=g) * 0.1 for r, c in ((I, H), (I, H), (H, I)))
+        pack = (lambda w: quant.repack(w)) if r8 else (lambda w: w)        # noqa: E731
+        if fused:
+            gate_up = pack(quant.quantize(torch.cat([gate, up]), qtype))
+        else:
+            gate_up = (pack(quant.quantize(gate, qtype)), pack(quant.quantize(up, qtype)))
+        out.append(ExpertWeights(gate_up, pack(quant.quantize(down, qtype))))
+    return out
+
+
+def _parts(e: ExpertWeights):
+    """(gate, up, down) in the file's layout (what reference_linear reads)."""
+    gu = [quant.file_layout(p) for p in e.gate_up] if isinstance(e.gate_up, tuple) else \
+        [quant.slice_rows(quant.file_layout(e.gate_up), 0, I), quant.slice_rows(quant.file_layout(e.gate_up), I, 2 * I)]
+    return gu[0], gu[1], quant.file_layout(e.down)
+
+
+def _reference(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: per (token, expert) q8(x) . gate, q8(x) . up, SiLU-and-mul
+    in float32, q8 of that . down, weighted and summed."""
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            gate, up, down = _parts(experts[int(ids[t, s])])
+            g, u = (quant.reference_linear(x[t:t + 1].float(), m).float() for m in (gate, up))
+            act = torch.nn.functional.silu(g) * u
+            out[t] += float(weights[t, s]) * quant.reference_linear(act, down)[0]
+    return out
+
+
+def _route(x: torch.Tensor, one_expert: bool = False):
+    g = torch.Generator().manual_seed(x.shape[0])
+    logits = torch.randn(x.shape[0], E, generator=g)
+    if one_expert:
+        logits[:, 5] += 100.0
+    return route(logits, MoESpec(E, K, I, norm_topk_prob=True))
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+@pytest.mark.parametrize("qtype,fused,r8", [("q4_0", False, True), ("q8_0", True, True), ("q4_0", True, False),
+                                             ("q8_0", False, False)])
+@pytest.mark.parametrize("tokens", [1, 6, 37])
+def test_kernel_equals_its_arithmetic(variant, qtype, fused, r8, tokens):
+    with quant.using_variant(variant):
+        experts = _experts(qtype, fused, r8 and variant in quant.R8_VARIANTS)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1))
+        weights, ids = _route(x, one_expert=tokens == 6)
+        table = moe_kernels.expert_table(experts)
+        assert table is not None
+        ours = moe_kernels.routed_experts(x, table, weights, ids)
+        ref = _reference(x, experts, weights, ids)
+    # the same integers; float32 sums in another order, and a q8 rounding of the SiLU output that
+    # float32 and float64 may put on either side: far below the 8-bit activations' own error
+    torch.testing.assert_close(ours.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+
+
+def test_bf16_rows_and_r8_equal_the_file_layout():
+    """bf16 activations give the float32 ones' result where their values are the same; the r8
+    layout and the file's rows give the same numbers."""
+    if "avx2" not in quant.supported_variants():
+        pytest.skip("r8 layouts are made on the 256-bit variants")
+    with quant.using_variant("avx2"):
+        x = torch.randn(9, H, generator=torch.Generator().manual_seed(2)).bfloat16()
+        weights, ids = _route(x)
+        plain, packed = (moe_kernels.expert_table(_experts("q4_0", False, r8)) for r8 in (False, True))
+        a = moe_kernels.routed_experts(x, plain, weights, ids)
+        b = moe_kernels.routed_experts(x, packed, weights, ids)
+        c = moe_kernels.routed_experts(x.float(), packed, weights, ids)
+    torch.testing.assert_close(a, b, atol=1e-4 * b.abs().max().item(), rtol=1e-5)
+    assert torch.equal(b, c)
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch():
+    """Each output row's arithmetic does not depend on the other rows of the step (batch invariance)."""
+    experts = _experts("q4_0", False, quant.variant() in quant.R8_VARIANTS)
+    table = moe_kernels.expert_table(experts)
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(3))
+    weights, ids = _route(x)
+    together = moe_kernels.routed_experts(x, table, weights, ids)
+    if together is None:
+        pytest.skip("the kernel does not run in this build")
+    for t in range(7):
+        alone = moe_kernels.routed_experts(x[t:t + 1], table, weights[t:t + 1], ids[t:t + 1])
+        assert torch.equal(alone[0], together[t])
+
+
+def test_the_block_takes_the_kernel_and_reads_only_chosen_experts():
+    """moe_forward with CpuOps runs quantized experts in the one call; every expert no token chose
+    is NaN-poisoned and the output stays finite and equal; the counted reads are the chosen ones."""
+    if quant.variant() not in KERNEL_VARIANTS:
+        pytest.skip("the kernel does not run in this build")
+    spec = MoESpec(E, K, I, norm_topk_prob=True)
+    experts = _experts("q8_0", False, quant.variant() in quant.R8_VARIANTS)
+    router = torch.randn(E, H, generator=torch.Generator().manual_seed(4)) * 0.3
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(5))
+    ops = CpuOps()
+    calls = []
+    original = ops.routed_experts
+    ops.routed_experts = lambda *a: calls.append(1) or original(*a)
+    before = moe_forward(x, MoEWeights(router, experts), spec, ops)
+    assert calls
+    _, ids = route(torch.nn.functional.linear(x, router), spec)
+    chosen = set(ids.view(-1).tolist())
+    assert len(chosen) < E
+    for e, ex in enumerate(experts):
+        if e not in chosen:
+            for m in (*ex.gate_up, ex.down):
+                m.data[:] = 0xFF          # every byte: fp16 scales of NaN, in either layout
+    with count_expert_reads() as reads:
+        after = moe_forward(x, MoEWeights(router, experts), spec, ops)
+    assert reads.experts() == chosen
+    assert torch.isfinite(after).all() and torch.equal(after, before)
+    with pytest.raises(AssertionError):       # the poison shows where an expert is read
+        assert torch.isfinite(moe_forward(x, MoEWeights(router, [experts[min(set(range(E)) - chosen)]] * E), spec,
+                                          ops)).all()
+
+
+def test_experts_the_kernel_does_not_take():
+    """Float experts, biases, one float matrix among quantized ones: no table (moe.py runs them one by one)."""
+    floats = [ExpertWeights(torch.randn(2 * I, H), torch.randn(H, I)) for _ in range(E)]
+    assert moe_kernels.expert_table(floats) is None
+    biased = _experts("q8_0", True, False)
+    biased[3].down_bias = torch.zeros(H)
+    assert moe_kernels.expert_table(biased) is None
+    mixed = _experts("q8_0", True, False)
+    mixed[5].down = quant.dequantize(mixed[5].down)
+    assert moe_kernels.expert_table(mixed) is None
