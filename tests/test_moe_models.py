@@ -241,13 +241,18 @@ def _tiny_gpt_oss(tokenizer, root):
     return hf
 
 
-def test_gpt_oss_matches_transformers(tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_gpt_oss_matches_transformers(tiny_tokenizer, tmp_path, backend):
     """gpt-oss (4 experts, top-2 of the logits then softmax, clamped SwiGLU with biases, sinks, a
-    sliding-window and a full layer): greedy tokens and prompt logprobs as transformers'."""
+    sliding-window and a full layer): greedy tokens and prompt logprobs as transformers'; the
+    same through the Triton kernels' window and sinks (interpreted on a CPU)."""
     hf = _tiny_gpt_oss(tiny_tokenizer, tmp_path / "gpt-oss")
-    llm = LLM(str(tmp_path / "gpt-oss"), dtype="float32", num_gpu_blocks_override=64)
+    device = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
+    llm = LLM(str(tmp_path / "gpt-oss"), dtype="float32", num_gpu_blocks_override=64, attention_backend=backend,
+              device=device)
     args = llm.engine.model_args
     assert args.moe.scoring == "topk_softmax" and args.attention_sinks and args.layer_windows == (4, None)
+    assert llm.engine.runner.model.attention.name == (backend or "cpu")
     _check(llm, hf, tiny_tokenizer)
 
 

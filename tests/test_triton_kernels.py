@@ -203,6 +203,77 @@ def test_prefill_equals_torch_reference(specs, block_size, num_heads, num_kv_hea
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float().cpu(), dense, atol=3 * tol, rtol=3 * tol)
 
 
+# ---- sliding window, soft-capping, sinks ------------------------------------------------
+
+def window_batch(window, block_size, num_heads, num_kv_heads, head_dim, seed):
+    """A mixed batch of one KV group with a sliding window, as the worker builds it: each
+    table's blocks wholly before its first query's window are holes (-1), and their cache
+    blocks hold NaN (a kernel that reads one fails). Returns the poisoned cache, the clean one
+    (for the reference), q, metadata."""
+    from pagedserve.batch import ScheduledTokens
+    from pagedserve.worker.model_runner import prepare_batch
+    g = torch.Generator().manual_seed(seed)
+    # (context after the step, new tokens): decodes first (one past the split's MIN_PARTITION),
+    # then a fresh prompt over two query tiles, a chunk after a cached prefix, a short chunk.
+    specs = [(300, 1), (37, 1), (5, 1), (70, 70), (230, 80), (52, 7)]
+    cache = torch.randn(2, 64, block_size, num_kv_heads, head_dim, generator=g)
+    seqs, poison, free = [], [], list(torch.randperm(64, generator=g).tolist())
+    for i, (length, new) in enumerate(specs):
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        first = 0 if window is None else max(0, length - new - window + 1) // block_size
+        poison += table[:first]
+        seqs.append(ScheduledTokens(i, [0] * new, length - new, [-1] * first + table[first:]))
+    _, _, meta = prepare_batch(seqs, block_size, "cpu", windows=(window,))
+    meta.groups = []                       # one group: the metadata the layer is given
+    q = torch.randn(meta.query_start_loc_cpu[-1], num_heads, head_dim, generator=g)
+    poisoned = cache.clone()
+    poisoned[:, poison] = float("nan")
+    return poisoned, cache, q, meta
+
+
+@pytest.mark.parametrize("window,softcap,with_sinks,dtype,num_splits", [
+    (10, 0.0, False, torch.float32, 3),      # a window shorter than a key tile (and than a block pair)
+    (100, 2.0, True, torch.float32, 2),      # a window over several key tiles, with all three
+    (None, 1.5, True, torch.bfloat16, 2),    # soft-capping and sinks over full attention
+    (40, 0.0, True, torch.bfloat16, None),
+])
+def test_window_softcap_and_sinks_equal_torch_reference(window, softcap, with_sinks, dtype, num_splits):
+    """The kernels with a sliding window (no block before it is read: those hold NaN and
+    their table entries are -1), soft-capping and per-head sinks equal the torch reference,
+    decodes split and not, prefill chunks across query tiles."""
+    block_size, hq, hkv, d = 16, 4, 2, 32
+    poisoned, clean, q, meta = window_batch(window, block_size, hq, hkv, d, seed=window or 1)
+    sinks = torch.randn(hq) * 2 if with_sinks else None
+    clean, q = rounded(dtype, clean, q)
+    scale = d ** -0.5
+    ref = TorchAttention()._reference(q, None, None, clean, meta, scale, softcap, sinks)
+    cache = poisoned.to(DEVICE, dtype)
+    qd = q.to(DEVICE, dtype)
+    dmeta = to_device(cache, qd, qd, qd, meta)[-1]
+    dmeta.window = meta.window
+    sinks_d = sinks.to(DEVICE) if sinks is not None else None
+    out = TritonAttention(DEVICE)._attend(qd, cache, dmeta, scale, softcap, sinks_d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu(), ref, atol=tol, rtol=tol)
+    nd = meta.num_decodes
+    split = paged_decode_attention(qd[:nd], cache, dmeta.block_tables[:nd], dmeta.seq_lens[:nd], scale,
+                                   meta.max_seq_len, num_splits=num_splits or 1, window=window, softcap=softcap,
+                                   sinks=sinks_d)
+    torch.testing.assert_close(split.float().cpu(), ref[:nd], atol=tol, rtol=tol)
+
+
+def test_bad_window_and_sinks_are_refused():
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    cache = torch.zeros(2, 4, 16, 2, 16, device=DEVICE)
+    args = (q, cache, torch.zeros(1, 4, dtype=torch.long, device=DEVICE), torch.ones(1, dtype=torch.long,
+                                                                                       device=DEVICE), 1.0, 1)
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(*args, window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode_attention(*args, sinks=torch.zeros(3, device=DEVICE))
+
+
 # ---- the backend on a mixed batch, and in the engine --------------------------------------
 
 def test_backend_forward_on_a_mixed_batch():
@@ -307,9 +378,9 @@ def _signature(fn, args, kwargs):
 def test_kernels_compile_for_sm90(monkeypatch):
     """The interpreter never compiles, so a kernel that Triton's compiler would reject could
     pass every test above. Record real bfloat16 launches (decode with and without a split,
-    prefill, KV write, block copy), then compile each, specialised as the JIT would, to
-    sm_90 (H100/H200) machine code with Triton's bundled ptxas, in a process without the
-    interpreter. No GPU is needed."""
+    prefill, KV write, block copy; decode and prefill with a window, soft-capping and sinks),
+    then compile each, specialised as the JIT would, to sm_90 (H100/H200) machine code with
+    Triton's bundled ptxas, in a process without the interpreter. No GPU is needed."""
     import json
     import subprocess
     import sys
@@ -318,7 +389,8 @@ def test_kernels_compile_for_sm90(monkeypatch):
     run = InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.setdefault((self.fn.__name__, kwargs.get("SPLIT")), (self.fn, args, kwargs))
+        key = (self.fn.__name__, kwargs.get("SPLIT"), kwargs.get("SOFTCAP"), kwargs.get("HAS_SINKS"))
+        launches.setdefault(key, (self.fn, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", record)
@@ -328,17 +400,23 @@ def test_kernels_compile_for_sm90(monkeypatch):
     TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1)
     paged_decode_attention(q[:2], cache, meta.block_tables, meta.seq_lens, 0.1, 301, num_splits=2)
     copy_blocks(cache, cache, [(1, 2)])
+    # A sliding window with soft-capping and sinks (Gemma 2 / gpt-oss layers): decode, split decode, prefill.
+    meta.window = 40
+    sinks = torch.randn(16, device=DEVICE, dtype=torch.bfloat16)
+    TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1, softcap=30.0, sinks=sinks)
+    paged_decode_attention(q[:2], cache, meta.block_tables, meta.seq_lens, 0.1, 301, num_splits=2, window=40,
+                           softcap=30.0, sinks=sinks)
     jobs = []
     for fn, args, kwargs in launches.values():
         sig, consts, attrs = _signature(fn, args, kwargs)
         opts = {k: kwargs[k] for k in ("num_warps",) if k in kwargs}
         jobs.append([fn.__name__, fn.__module__, sig, consts, attrs, opts])
-    assert len(jobs) == 6, [j[0] for j in jobs]
+    assert len(jobs) == 9, [j[0] for j in jobs]
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.splitlines()) == 6, done.stdout
+    assert len(done.stdout.splitlines()) == 9, done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs for minutes")

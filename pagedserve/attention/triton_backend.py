@@ -29,24 +29,27 @@ class TritonAttention:
                 meta: AttentionMetadata, scale: float, softcap: float = 0.0,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens; kv_cache: one layer's
-        [2, num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]. A sliding window, soft-capping
-        or sinks: the torch reference (not in these kernels yet)."""
+        [2, num_blocks, block_size, Hkv, D]. Returns [T, Hq, D]. meta.window (a KV group's
+        sliding window: blocks before it are never read), softcap and sinks: in the kernels."""
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
-        if meta.window is not None or softcap or sinks is not None:
-            from pagedserve.attention.torch_backend import TorchAttention
-            return TorchAttention()._reference(q, k, v, kv_cache, meta, scale, softcap, sinks)
+        return self._attend(q, kv_cache, meta, scale, softcap, sinks)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the cache the step's K/V were already written into."""
+        extra = dict(window=meta.window, softcap=softcap, sinks=sinks)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             # Decodes come first, one token each: token i is sequence i's query.
             paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                   meta.max_seq_len, out=out[:nd])
+                                   meta.max_seq_len, out=out[:nd], **extra)
         if nd < meta.num_seqs:
             qsl = meta.query_start_loc_cpu
             max_query_len = max(qsl[i + 1] - qsl[i] for i in range(nd, meta.num_seqs))
             paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                                     first_seq=nd, num_seqs=meta.num_seqs - nd, max_query_len=max_query_len,
-                                    out=out)
+                                    out=out, **extra)
         return out
 
     @staticmethod

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
-                                               upcast)
+from pagedserve.attention.triton_utils import (LOG2E, attend_tile, check_device, check_sinks, check_window,
+                                               dot_precision, load_kv_tile, next_pow2, sink_start, upcast)
 from pagedserve.utils import cdiv
 
 BLOCK_N = 64                # context tokens per tile
@@ -28,6 +28,12 @@ MAX_PARTITIONS = 64         # at most this many splits per (sequence, head)
 # (~120 registers); benchmarks/gpu_check.py times alternatives on a real GPU.
 NUM_WARPS = 4
 NUM_STAGES = 3              # K/V tiles in flight (software pipelining of the loop)
+
+
+@triton.jit
+def _window_first(seq_len, window):
+    """The first token a decode query reads: seq_len - window inside a sliding window, else 0."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
 
 
 @triton.jit
@@ -47,9 +53,11 @@ def partition_tokens(seq_len: int, num_splits: int, block_n: int = BLOCK_N, min_
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,                                   # softmax scale * log2(e): exp2 below
+    softcap2,                                   # soft-cap * log2(e) (with SOFTCAP)
+    window,                                     # sliding window in tokens (0: full attention)
     num_splits,                                 # programs per (sequence, KV head): a runtime value
     stride_qt, stride_qh,
     stride_c_block, stride_c_tok, stride_c_head,
@@ -60,14 +68,18 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MIN_PART: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # 64-bit offsets (program ids are 32-bit); the cache's are in load_kv_tile.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition = _partition_tokens(seq_len, num_splits, BLOCK_N, MIN_PART)
-    start = part * partition
+    # The query (position seq_len - 1) reads tokens first..seq_len - 1: its window's only (the
+    # table's entries before the window's first block are -1 and never read).
+    first = _window_first(seq_len, window)
+    partition = _partition_tokens(seq_len - first, num_splits, BLOCK_N, MIN_PART)
+    start = first + part * partition
     end = tl.minimum(start + partition, seq_len)   # empty when start >= seq_len
 
     g = tl.arange(0, BLOCK_G)
@@ -80,8 +92,7 @@ def _decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = sink_start(sinks_ptr, heads, g_mask, part == 0, BLOCK_G, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     # Whole tiles without masks, then the partition's last, partial tile (if any).
@@ -90,13 +101,14 @@ def _decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, None, d, d_mask, kv_head,
                             stride_c_block, stride_c_tok, stride_c_head, PAGE, False, UPCAST)
-        m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
     for n0 in tl.range(full_end, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
                             stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
-        m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, softcap2, PRECISION,
+                                    SOFTCAP)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -116,7 +128,7 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    num_splits,
+    window, num_splits,
     stride_ps, stride_pp, stride_ph, stride_ls, stride_lp, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
@@ -124,7 +136,8 @@ def _merge_kernel(
     """Program (sequence, query head): weight each partition by exp(its lse - max)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    full_len = tl.load(seq_lens_ptr + seq)
+    seq_len = full_len - _window_first(full_len, window)      # the tokens the partitions share
     partition = _partition_tokens(seq_len, num_splits, BLOCK_N, MIN_PART)
     num_parts = (seq_len + partition - 1) // partition
     p = tl.arange(0, BLOCK_P)
@@ -163,11 +176,18 @@ def device_sms(device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           window: int | None = None, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [N, Hq, D], one query per sequence, whose K/V are already in the cache;
     kv_cache: [2, num_blocks, block_size, Hkv, D]; block_tables: [N, >= blocks needed];
     seq_lens: [N] (max_seq_len bounds them; only the choice of splits reads it, so a
     captured CUDA graph can pass max_model_len). Returns out [N, Hq, D].
+
+    window: each query reads its last `window` tokens only (a KV group's sliding window: the
+    table's entries before the window's first block may be -1); softcap: scores capped at
+    +-softcap (cap * tanh(s / cap); 0: none); sinks [Hq]: a logit per head in the softmax's
+    denominator (gpt-oss).
 
     num_splits: programs per (sequence, KV head), each over its share of the sequence's
     context; by default choose_splits() decides (1: no split, no merge).
@@ -193,11 +213,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     else:
         part_out = part_lse = out          # unused
     check_device(_decode_kernel, q.device)
+    window = check_window(window)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    sinks = check_sinks(sinks, num_heads, q.device)
     _decode_kernel[decode_grid(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
+        q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q,
         out, part_out, part_lse,
-        scale * 1.4426950408889634, num_splits,
+        scale * LOG2E, softcap * LOG2E if softcap else 1.0, window, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -208,12 +230,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         PAGE=kv_cache.shape[2], BLOCK_N=BLOCK_N, SPLIT=split, MIN_PART=max(MIN_PARTITION, BLOCK_N),
         UPCAST=upcast(_decode_kernel, q.dtype), PRECISION=dot_precision(q.dtype),
-        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        NUM_STAGES=NUM_STAGES, SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, num_warps=NUM_WARPS,
     )
     if split:
         check_device(_merge_kernel, q.device)
         _merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, seq_lens, out, num_splits,
+            part_out, part_lse, seq_lens, out, window, num_splits,
             *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(num_splits),
             BLOCK_N=BLOCK_N, MIN_PART=max(MIN_PARTITION, BLOCK_N),

@@ -4,8 +4,9 @@ Sequence i's queries are tokens query_start_loc[i]:query_start_loc[i+1] of the f
 batch, the last ones of its seq_lens[i] context tokens. Their K/V, and those of any
 cached prefix, are already in the paged cache, so program (query tile, sequence,
 query head) reads every key through the block table and attends causally: query j
-of the chunk (position prefix + j) sees keys 0..prefix + j. Keys past the tile's last
-query are never loaded.
+of the chunk (position prefix + j) sees keys 0..prefix + j (within a sliding window W:
+prefix + j - W + 1..prefix + j). Keys past the tile's last query, and before its first
+query's window, are never loaded.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.triton_utils import (attend_tile, check_device, dot_precision, load_kv_tile, next_pow2,
-                                               upcast)
+from pagedserve.attention.triton_utils import (LOG2E, attend_tile, check_device, check_sinks, check_window,
+                                               dot_precision, load_kv_tile, next_pow2, sink_start, upcast)
 
 BLOCK_M = 64    # queries per tile
 BLOCK_N = 64    # keys per tile
@@ -24,15 +25,15 @@ NUM_STAGES = 2
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    qk_scale, first_seq,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, out_ptr,
+    qk_scale, softcap2, window, first_seq,
     stride_qt, stride_qh,
     stride_c_block, stride_c_tok, stride_c_head,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # 64-bit offsets (program ids are 32-bit); the cache's are in load_kv_tile.
     tile = tl.program_id(0)
@@ -53,29 +54,49 @@ def _prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     pos = prefix + m                                # each query's position in the sequence
-    # Keys before the tile's first query are visible to all its queries: no mask. The
-    # keys from there to its last query (the diagonal) are masked causally. A tile past
-    # the chunk's end has no keys.
+    # Key ranges of the tile, in whole BLOCK_N tiles from `lo` (its first query's window start,
+    # rounded down; keys before `first` are masked, their table entries may be -1):
+    #   [lo, win_end): inside some rows' windows only: masked (window and causal);
+    #   [win_end, full_end): before the tile's first query and inside every row's window: no mask;
+    #   [full_end, kv_end): the diagonal, masked. A tile past the chunk's end has no keys.
     live = tile * BLOCK_M < q_len
-    full_end = tl.where(live, (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
+    first_pos = prefix + tile * BLOCK_M
     kv_end = tl.where(live, tl.minimum(prefix + (tile + 1) * BLOCK_M, seq_len), 0)
+    if window > 0:
+        first = tl.maximum(first_pos - window + 1, 0)
+        all_see = first_pos + BLOCK_M - window        # keys from here on are in every row's window
+        w = pos - window                              # each row sees keys n > w
+    else:
+        first = first_pos * 0
+        all_see = first_pos * 0
+        w = pos * 0 - 1
+    lo = tl.where(live, first // BLOCK_N * BLOCK_N, 0)
+    full_end = tl.maximum(tl.where(live, first_pos // BLOCK_N * BLOCK_N, 0), lo)
+    win_end = tl.minimum(tl.maximum((all_see + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), full_end)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    h_rows = head + m * 0
+    m_i, l_i = sink_start(sinks_ptr, h_rows, m_mask, live, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+    for n0 in tl.range(lo, win_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n >= first
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
+                            stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
+        s_mask = n_mask[None, :] & (n[None, :] > w[:, None])
+        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
+    for n0 in tl.range(win_end, full_end, BLOCK_N, num_stages=NUM_STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, None, d, d_mask, kv_head,
                             stride_c_block, stride_c_tok, stride_c_head, PAGE, False, UPCAST)
-        m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
     for n0 in tl.range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < kv_end
+        n_mask = (n >= first) & (n < kv_end)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
                             stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
-        s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None])
-        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, PRECISION)
+        s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > w[:, None])
+        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + m) * stride_ot + head * stride_oh
@@ -86,13 +107,15 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                             first_seq: int, num_seqs: int, max_query_len: int,
-                            out: torch.Tensor) -> torch.Tensor:
+                            out: torch.Tensor, window: int | None = None, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for sequences first_seq .. first_seq + num_seqs - 1 of the batch.
 
     q, out: [T, Hq, D] for the whole flat batch (only these sequences' rows of `out`
     are written); kv_cache: [2, num_blocks, block_size, Hkv, D] already holding this
     step's K/V; block_tables, seq_lens, query_start_loc: the batch's metadata;
-    max_query_len: the longest of these chunks (it sizes the launch).
+    max_query_len: the longest of these chunks (it sizes the launch); window, softcap, sinks:
+    as paged_decode_attention's.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -102,10 +125,12 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     check_device(_prefill_kernel, q.device)
+    window = check_window(window)
+    sinks = check_sinks(sinks, num_heads, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(triton.cdiv(max_query_len, BLOCK_M), num_seqs, num_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * 1.4426950408889634, first_seq,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks if sinks is not None else q, out,
+        scale * LOG2E, softcap * LOG2E if softcap else 1.0, window, first_seq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -113,6 +138,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         PAGE=kv_cache.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         UPCAST=upcast(_prefill_kernel, q.dtype), PRECISION=dot_precision(q.dtype),
-        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        NUM_STAGES=NUM_STAGES, SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, num_warps=NUM_WARPS,
     )
     return out
