@@ -23,6 +23,7 @@ mkdir -p "$OUT"
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/pagedserve-cache
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1     # no network there: never wait on the Hub
 unset TRITON_INTERPRET
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
