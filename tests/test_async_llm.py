@@ -171,3 +171,74 @@ def test_failed_steps_fail_the_requests_in_flight_then_kill_the_engine(tiny_llam
         with pytest.raises(EngineNotReadyError):
             await llm.add_requests([("late", PROMPT, SamplingParams(**GREEDY))])
     run(llm, body)
+
+
+def _os_threads() -> int:
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_release_thread_team_ends_the_calling_threads_openmp_workers():
+    """libgomp keeps a thread's OpenMP workers until it exits; release_thread_team ends them now."""
+    import threading
+
+    import torch
+
+    from pagedserve.kernels.threads import release_thread_team, set_thread_count
+    counts = []
+
+    def body():
+        set_thread_count(2)
+        before = _os_threads()
+        torch.ones(1 << 22).sum()            # an OpenMP parallel region: one worker joins this thread
+        counts.extend([before, _os_threads(), release_thread_team(), _os_threads()])
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    before, busy, released, after = counts
+    assert released and busy == before + 1 and after == before
+
+
+def test_an_idle_engine_hands_back_its_openmp_workers_while_another_runs(tiny_llama, monkeypatch):
+    """With several engines in a process (a multi-model server), libgomp counts every engine's
+    workers against the CPUs and stops spinning at barriers: an idle engine hands its workers
+    back; an engine alone keeps them."""
+    import threading
+
+    import pagedserve.engine.async_llm as async_module
+    released: list[threading.Thread] = []
+    real = async_module.release_thread_team
+
+    def recording() -> bool:
+        released.append(threading.current_thread())
+        return real()
+    monkeypatch.setattr(async_module, "release_thread_team", recording)
+    a, b = async_llm(tiny_llama, num_threads=2), async_llm(tiny_llama, num_threads=2)
+
+    async def wait_for(count: int) -> None:
+        for _ in range(500):
+            if len(released) >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{len(released)} releases, expected {count}")
+
+    async def main():
+        a.start()
+        await a.wait_started()
+        await collect(a, "a1", SamplingParams(**GREEDY))
+        await asyncio.sleep(0.1)
+        assert released == []                                  # alone: it keeps its workers
+        b.start()
+        await b.wait_started()                                 # b's start wakes a, which hands back
+        await wait_for(2)
+        assert set(released) == {a._thread, b._thread}        # b after its load, a once woken
+        threads = _os_threads()
+        await collect(b, "b1", SamplingParams(**GREEDY))        # b steps (its workers start), then idles
+        await wait_for(3)
+        assert released[2] is b._thread and _os_threads() == threads
+        await a.shutdown()
+        await collect(b, "b2", SamplingParams(**GREEDY))        # alone again: keeps them
+        await asyncio.sleep(0.1)
+        assert len(released) == 3
+        await b.shutdown()
+    asyncio.run(main())

@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -44,6 +45,7 @@ from pagedserve.engine.tokenizer import front_end_tokenizer
 from pagedserve.errors import InvalidRequestError
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
+from pagedserve.kernels.threads import release_thread_team
 from pagedserve.kv.events import KVEventSink
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.request import Request
@@ -131,6 +133,12 @@ def delta_output(c: CompletionOutput, sent: dict[int, tuple[int, int]]) -> Compl
                                logprobs=c.logprobs[num_tokens:] if c.logprobs is not None else None)
 
 
+# The engines whose threads run in this process (a multi-model server has one per loaded model):
+# while there are several, an idle one hands back its OpenMP workers (kernels/threads.py says why).
+_running: "weakref.WeakSet[AsyncLLM]" = weakref.WeakSet()
+_running_lock = threading.Lock()
+
+
 class AsyncLLM:
     """An EngineClient (engine/protocol.py) over one LLMEngine on a thread of its own."""
 
@@ -165,6 +173,7 @@ class AsyncLLM:
         self.engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._holds_team = True            # this thread may hold OpenMP workers (it loaded or stepped)
         self._progress: dict[str, _Progress] = {}
         self._thread: threading.Thread | None = None
         # Event-loop state.
@@ -360,12 +369,19 @@ class AsyncLLM:
         self._publish(None)
         logger.info("engine ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_path,
                     self.max_model_len, self.num_blocks, self.config.block_size)
+        with _running_lock:
+            _running.add(self)
+            others = [e for e in _running if e is not self]
+        for other in others:   # an idle engine that was alone holds its workers: let it look again
+            other._wake.set()
         try:
             self._serve()
         except BaseException as e:   # noqa: BLE001 - the engine cannot go on: say so, never hang
             self._die(e)
             return
         finally:
+            with _running_lock:
+                _running.discard(self)
             self.engine.shutdown()   # the worker processes of tensor parallelism go with the engine
         self.state = "stopped"
 
@@ -376,7 +392,11 @@ class AsyncLLM:
             running = self._apply_commands()
             if running and self.engine.has_unfinished_requests() and not self.engine.only_waiting_for_grammars():
                 self._step()
+                self._holds_team = True
             elif running:
+                if self._holds_team and len(_running) > 1:
+                    release_thread_team()
+                    self._holds_team = False
                 self._wake.wait(self._log.seconds_until_due() if self._log else None)
             if self._log:
                 try:
