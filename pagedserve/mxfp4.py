@@ -7,7 +7,9 @@ Two byte layouts hold the same numbers:
   nibbles are elements 0-15 and high nibbles elements 16-31;
 - HF safetensors (gpt-oss's `*_blocks` uint8 [..., G, 16] and `*_scales` uint8 [..., G]): the
   low nibble of byte j is element 2j, the high nibble element 2j + 1.
-There is no MXFP4 matmul kernel yet: the loader dequantizes these weights (exactly, in float32).
+quant_format.py's type `mxfp4` keeps a matrix in the GGUF layout and kernels/csrc/quant/mxfp4.h
+computes with it (gpt-oss's experts stay MXFP4 in memory on the CPU); elsewhere (a GPU) the loader
+dequantizes them (exactly, in float32).
 """
 from __future__ import annotations
 
@@ -51,8 +53,11 @@ def dequantize_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def hf_to_gguf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The HF pair as GGUF MXFP4 blocks uint8 [..., G * 17] (the same numbers, nibbles regrouped)."""
-    qs = blocks.to(torch.int64)
-    codes = torch.stack([qs & 0x0F, qs >> 4], dim=-1).flatten(-2)   # [..., G, 32] in element order
+    """The HF pair as GGUF MXFP4 blocks uint8 [..., G * 17] (the same numbers, nibbles regrouped),
+    in uint8 throughout (scratch: two bytes per element of the input)."""
+    if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"([..., G, 16] and [..., G])")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)   # [..., G, 32] in element order
     packed = codes[..., :16] | (codes[..., 16:] << 4)
-    return torch.cat([scales.to(torch.int64)[..., None], packed], dim=-1).to(torch.uint8).flatten(-2)
+    return torch.cat([scales.to(torch.uint8)[..., None], packed], dim=-1).flatten(-2)

@@ -8,7 +8,8 @@ Formats (QTYPES): the llama.cpp/GGUF blocks, byte for byte as the file stores th
 `q5_0` / `q5_1` (the same with a fifth bit per element in a 32-bit qh: offset 16 / + m), `q8_0`
 (d, 32 int8). 256-element super-blocks: `q4_k` / `q5_k` (fp16 d and dmin, 8 sub-blocks of 32
 with 6-bit scale and min: w = d*sc*q - dmin*m), `q6_k` (16 sub-blocks of 16 with int8 scales:
-w = d*sc*(q-32)). Other GGUF types (Q2_K, Q3_K, IQ*) have no kernel: the caller dequantizes.
+w = d*sc*(q-32)). `mxfp4` (gpt-oss's experts, llama.cpp's MXFP4: an E8M0 scale byte e and 16
+bytes of E2M1 codes, w = e2m1(code) * 2^(e - 127); pagedserve/mxfp4.py). Other GGUF types (Q2_K, Q3_K, IQ*) have no kernel: the caller dequantizes.
 
 Layout: `QuantizedWeight.data` is the file's own layout, uint8 [rows, cols / BLOCK * BLOCK_BYTES]
 (row-major blocks); from_gguf_blocks keeps it as given (a view of a memory map stays one), and
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+from pagedserve import mxfp4
+
+QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 # Layouts the loader makes of a file's type (repack): q4_0 in units of 8 blocks, the same bytes
 # rearranged so a 512-bit dot's lanes each fall in one block (quant_kernels.cpp's Q4_0X): 8 fp16
 # d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and the r8
@@ -53,9 +56,11 @@ R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in 
     "q6_k": ((0, 128, 8), (128, 64, 8), (192, 16, 2), (208, 2, 2)),
 }
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
-         "q4_0x8": 256, "q4_1r8": 32, "q4_0r8": 32, "q8_0r8": 32, "q4_kr8": 256, "q5_kr8": 256, "q6_kr8": 256}
+         "mxfp4": 32, "q4_0x8": 256, "q4_1r8": 32, "q4_0r8": 32, "q8_0r8": 32, "q4_kr8": 256, "q5_kr8": 256,
+         "q6_kr8": 256}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "q4_0x8": 144, "q4_1r8": 20, "q4_0r8": 18, "q8_0r8": 34, "q4_kr8": 144, "q5_kr8": 176, "q6_kr8": 210}
+               "mxfp4": 17, "q4_0x8": 144, "q4_1r8": 20, "q4_0r8": 18, "q8_0r8": 34, "q4_kr8": 144, "q5_kr8": 176,
+               "q6_kr8": 210}
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 
@@ -231,6 +236,8 @@ def _dequantize_blocks(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
         return _dequantize_blocks("q4_0", _q4_0x8_order(blocks, to_x8=False).view(-1, 18)).view(n, 256)
     if qtype == "q8_0":
         return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+    if qtype == "mxfp4":
+        return mxfp4.dequantize_gguf(blocks)
     if qtype == "q4_0":
         return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
     if qtype == "q4_1":

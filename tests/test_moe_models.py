@@ -270,11 +270,12 @@ def _mxfp4_hf(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return hf_blocks, blocks[..., 0].contiguous(), mxfp4.dequantize_hf(hf_blocks, blocks[..., 0].contiguous())
 
 
-def test_gpt_oss_mxfp4_experts_are_dequantized_exactly(tiny_tokenizer, tmp_path):
-    """A gpt-oss checkpoint whose experts are MXFP4 (`*_blocks`, `*_scales`): the same tokens and
-    logprobs as transformers over the numbers the blocks hold."""
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tiny_tokenizer, tmp_path_factory):
+    """A gpt-oss checkpoint whose experts are MXFP4 (`*_blocks`, `*_scales`), and transformers
+    over the numbers the blocks hold."""
     from safetensors.torch import load_file, save_file
-    root = tmp_path / "gpt-oss-mxfp4"
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     hf = _tiny_gpt_oss(tiny_tokenizer, root)
     state = load_file(str(root / "model.safetensors"))
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -284,8 +285,36 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_exactly(tiny_tokenizer, tmp_path)
             hf.get_parameter(key.removeprefix("model.") if key.startswith("lm_head") else key).copy_(
                 values.transpose(1, 2))
     save_file(state, str(root / "model.safetensors"))
+    return root, hf
+
+
+def _experts_of(llm: LLM) -> list:
+    return [e.gate_up for layer in _model_of(llm).layers for e in layer.moe.experts] + \
+        [e.down for layer in _model_of(llm).layers for e in layer.moe.experts]
+
+
+def test_gpt_oss_mxfp4_experts_exact_in_their_blocks(gpt_oss_mxfp4, tiny_tokenizer, monkeypatch):
+    """The experts stay MXFP4 in memory; through plain torch ops (their blocks dequantized exactly
+    per product) the same tokens and logprobs as transformers over the blocks' numbers."""
+    from pagedserve.models.ops import TorchOps
+    from pagedserve.worker import worker
+    monkeypatch.setattr(worker, "make_ops", lambda device: TorchOps())
+    root, hf = gpt_oss_mxfp4
     llm = LLM(str(root), dtype="float32", num_gpu_blocks_override=64)
+    assert {(w.qtype, type(w).__name__) for w in _experts_of(llm)} == {("mxfp4", "QuantizedWeight")}
     _check(llm, hf, tiny_tokenizer)
+
+
+def test_gpt_oss_mxfp4_experts_on_the_mxfp4_kernels(gpt_oss_mxfp4, tiny_tokenizer):
+    """The CPU ops' MXFP4 kernels (csrc/quant/mxfp4.h: q8 activations, integer dots): transformers'
+    greedy tokens; prompt logprobs within the 8-bit activations' error; the experts resident in
+    MXFP4 (17 bytes per 32 weights, not 4 bytes a weight)."""
+    root, hf = gpt_oss_mxfp4
+    llm = LLM(str(root), dtype="float32", num_gpu_blocks_override=64)
+    experts = _experts_of(llm)
+    assert {w.qtype for w in experts} == {"mxfp4"}
+    assert sum(w.nbytes for w in experts) == sum(w.shape[0] * w.shape[1] // 32 * 17 for w in experts)
+    _check(llm, hf, tiny_tokenizer, atol=0.1)
 
 
 def test_a_checkpoint_without_its_experts_is_refused_by_name(moe_models):

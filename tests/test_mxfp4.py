@@ -63,3 +63,40 @@ def test_nan_scale_and_bad_shapes():
         mxfp4.dequantize_gguf(torch.zeros(16, dtype=torch.uint8))
     with pytest.raises(ValueError, match="do not match"):
         mxfp4.dequantize_hf(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("variant", ["torch"] + __import__("pagedserve.kernels.quant", fromlist=["x"]).supported_variants())
+def test_the_kernels_type_is_exact_and_its_dots_are_the_integers(variant):
+    """quant_format's `mxfp4` (the GGUF layout) through each kernel variant: dequantized exactly as
+    the definition for every scale byte but NaN's (subnormal scales included), a NaN scale NaN; a
+    few rows' product equal to the float64 value of q8 activations times those numbers up to
+    float32 summation order (and a bias added)."""
+    import contextlib
+    from pagedserve.kernels import quant
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(255, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(255)
+    raw = torch.from_numpy(blocks.reshape(15, 17 * 17))
+    w = quant.from_gguf_blocks("mxfp4", raw, (15, 17 * 32))
+    with (quant.using_variant(variant) if variant != "torch" else contextlib.nullcontext()):
+        got = quant.dequantize(w) if variant != "torch" else quant.dequantize_torch(w)
+        flat = got.reshape(255, 32)
+        for b in range(255):
+            qs = blocks[b, 1:]
+            assert flat[b].tolist() == _definition(np.concatenate([qs & 15, qs >> 4]), int(blocks[b, 0])), b
+        nan = raw.clone()
+        nan[0, 0] = 255
+        assert torch.isnan(quant.dequantize(quant.from_gguf_blocks("mxfp4", nan, (15, 17 * 32)))[0, :32]).all()
+        if variant == "torch":
+            return
+        scales = rng.integers(110, 135, size=(40, 9), dtype=np.uint8)          # ordinary magnitudes
+        codes = rng.integers(0, 256, size=(40, 9, 16), dtype=np.uint8)
+        w = quant.from_gguf_blocks("mxfp4", torch.from_numpy(np.concatenate([scales[..., None], codes], -1)
+                                                             .reshape(40, 9 * 17)), (40, 9 * 32))
+        for tokens in (1, 3, 5, 9):
+            x = torch.randn(tokens, 9 * 32, generator=torch.Generator().manual_seed(tokens))
+            bias = torch.randn(40, generator=torch.Generator().manual_seed(7))
+            y = quant.linear(x, w, bias, decode=True)
+            ref = quant.reference_linear(x, w) + bias.double()
+            scale = x.double().abs() @ quant.dequantize_torch(w).double().abs().T + 1
+            assert ((y.double() - ref).abs() <= 1e-5 * scale).all(), (tokens, float((y.double() - ref).abs().max()))

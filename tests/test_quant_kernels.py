@@ -25,7 +25,7 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     """uint8 [rows, row_bytes] of valid blocks: gguf's quantizer where it has one, else random
     quants with small random fp16 scales (K-quants)."""
     rng = np.random.default_rng(seed)
-    if qtype in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+    if qtype in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"):
         x = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05 + rng.standard_normal((rows, 1)) * 0.01
         return gq.quantize(x.astype(np.float32), GGUF_TYPE[qtype])
     nb, bb = cols // 256, quant.BLOCK_BYTES[qtype]

@@ -87,7 +87,9 @@ from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats an
 
 logger = logging.getLogger(__name__)
 
-_QTYPE_ID = {q: i for i, q in enumerate(QTYPES + tuple(REPACKED))}   # the `qtype` argument of the C functions
+# The `qtype` argument of the C functions: csrc/quant/qtypes.h's QType order (the GGUF types with
+# the integer dots' templates, the repacked layouts, then MXFP4, which quant/mxfp4.h computes).
+_QTYPE_ID = {q: i for i, q in enumerate(tuple(q for q in QTYPES if q != "mxfp4") + tuple(REPACKED) + ("mxfp4",))}
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
 R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_r8_256.h, dot_k_r8_256.h)
 # There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack

@@ -425,6 +425,9 @@ class MatrixBuilder:
         self.blocks_of = isinstance(source, GGUFSource) and quantization == "gguf"
         self.made: Counter = Counter()         # quantized matrices by type
         self.dequantized: Counter = Counter()  # GGUF tensors of types without a kernel, by type
+        # MXFP4 checkpoint tensors (gpt-oss's experts) kept in their blocks: where the model runs on
+        # the CPU (its kernels: csrc/quant/mxfp4.h); a GPU gets them dequantized
+        self.keeps_mxfp4 = True
 
     def float(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
         if not self.source.has(name):
@@ -590,14 +593,17 @@ class MatrixBuilder:
 
 def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, attention,
                 max_positions: int, ops: ModelOps | None = None, shard: Shard = Shard(),
-                tp=None, quantization: str | None = None, context_len: int | None = None) -> LlamaModel:
+                tp=None, quantization: str | None = None, context_len: int | None = None,
+                device: torch.device | str = "cpu") -> LlamaModel:
     """The model of `shard`'s rank (models/sharding.py): its query and KV heads of q/k/v
     (rows) and of the attention output (columns), its part of gate/up (rows) and down
     (columns), its part of the vocabulary (embedding and LM head rows, zero-padded to
     equal parts), all of the norms. `tp`: the process group its all-reduces go through.
     `quantization`: the mode (MatrixBuilder); quantized tensors split by whole rows, and by
-    whole blocks of columns (else a ValueError names the tensor)."""
+    whole blocks of columns (else a ValueError names the tensor). `device`: where the model will
+    run (MXFP4 experts stay in their blocks on the CPU only)."""
     build = MatrixBuilder(source, dtype, quantization, ops)
+    build.keeps_mxfp4 = torch.device(device).type == "cpu"
     w = build.float
     D = args.head_dim
     q0, q1 = shard.q_heads(args)
@@ -816,7 +822,7 @@ def load_model(path: str, dtype_name: str, attention, max_model_len: int | None 
         return build_opt_model(args, source.weights, dtype, attention), args, dtype
     max_positions = max(max_model_len or 0, args.max_position_embeddings)
     model = build_model(args, source, dtype, attention, max_positions, ops, shard, tp, quantization,
-                        context_len=max_model_len or args.max_position_embeddings)
+                        context_len=max_model_len or args.max_position_embeddings, device=device)
     huge_pages.new_model()   # its weights alone hold their mappings: they go with the model
     return model, args, dtype
 

@@ -163,10 +163,15 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
 def _gpt_oss_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int] | None) -> MoEWeights:
     """gpt-oss's experts: stacked gate_up [E, H, 2 I] with gate and up interleaved by column (and
     its bias [E, 2 I]), down [E, I, H] (bias [E, H]), in bf16, or in MXFP4 as `*_blocks` [E, out,
-    in / 32, 16] and `*_scales` [E, out, in / 32] (dequantized here, exactly: pagedserve/mxfp4.py). Ours:
-    gate rows then up rows [2 I, H], down [H, I], float in the model's dtype."""
+    in / 32, 16] and `*_scales` [E, out, in / 32]. Ours: gate rows then up rows [2 I, H], down
+    [H, I]: MXFP4 kept in its blocks where the builder keeps them (`build.keeps_mxfp4`: the CPU's
+    kernels; this rank's part of I a whole number of blocks), else float in the model's dtype
+    (dequantized exactly: pagedserve/mxfp4.py)."""
     from pagedserve import mxfp4
     p = f"layers.{layer}.mlp."
+    r0, r1 = inter or (0, spec.intermediate_size)
+    if source.has(p + "experts.gate_up_proj_blocks") and build.keeps_mxfp4 and r0 % 32 == 0 and r1 % 32 == 0:
+        return _gpt_oss_mxfp4_moe(build, source, layer, spec, (r0, r1))
 
     def stacked(name: str) -> torch.Tensor:            # [E, out, in]
         if source.has(p + f"experts.{name}_blocks"):
@@ -175,7 +180,6 @@ def _gpt_oss_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int
 
     gate_up, down = stacked("gate_up_proj"), stacked("down_proj")
     gu_bias, d_bias = source.get(p + "experts.gate_up_proj_bias").float(), source.get(p + "experts.down_proj_bias").float()
-    r0, r1 = inter or (0, spec.intermediate_size)
     dtype = build.dtype
     experts = []
     for e in range(spec.num_experts):
@@ -183,6 +187,34 @@ def _gpt_oss_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int
         bias = torch.cat([gu_bias[e, 0::2][r0:r1], gu_bias[e, 1::2][r0:r1]])
         experts.append(ExpertWeights(torch.cat([gate, up]).to(dtype), down[e][:, r0:r1].contiguous().to(dtype),
                                      bias.to(dtype), d_bias[e].to(dtype) if r0 == 0 else None))
+    return MoEWeights(source.get(p + "router.weight").float(), experts, router_bias=source.get(p + "router.bias").float(),
+                      layer=layer)
+
+
+def _gpt_oss_mxfp4_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int]) -> MoEWeights:
+    """_gpt_oss_moe's experts kept in MXFP4: each expert's blocks regrouped into the GGUF layout
+    (quant_format's `mxfp4`, one expert at a time: little scratch), gate rows then up rows in one
+    matrix, down's columns of this rank's part by whole blocks."""
+    from pagedserve import mxfp4
+    from pagedserve.quant_format import QuantizedWeight, slice_cols
+    p = f"layers.{layer}.mlp."
+    r0, r1 = inter
+    hidden = source.shape(p + "experts.gate_up_proj_scales")[2] * 32
+    gu_blocks, gu_scales = source.get(p + "experts.gate_up_proj_blocks"), source.get(p + "experts.gate_up_proj_scales")
+    d_blocks, d_scales = source.get(p + "experts.down_proj_blocks"), source.get(p + "experts.down_proj_scales")
+    gu_bias, d_bias = source.get(p + "experts.gate_up_proj_bias").float(), source.get(p + "experts.down_proj_bias").float()
+    dtype = build.dtype
+    experts = []
+    for e in range(spec.num_experts):
+        rows = torch.cat([gu_blocks[e, 0::2][r0:r1], gu_blocks[e, 1::2][r0:r1]])       # gate rows, then up rows
+        scales = torch.cat([gu_scales[e, 0::2][r0:r1], gu_scales[e, 1::2][r0:r1]])
+        gate_up = QuantizedWeight("mxfp4", (rows.shape[0], hidden), mxfp4.hf_to_gguf(rows, scales))
+        down = QuantizedWeight("mxfp4", (d_blocks.shape[1], d_blocks.shape[2] * 32), mxfp4.hf_to_gguf(d_blocks[e], d_scales[e]))
+        if (r0, r1) != (0, spec.intermediate_size):
+            down = QuantizedWeight("mxfp4", (down.shape[0], r1 - r0), slice_cols(down, r0, r1).data.contiguous())
+        bias = torch.cat([gu_bias[e, 0::2][r0:r1], gu_bias[e, 1::2][r0:r1]])
+        experts.append(ExpertWeights(gate_up, down, bias.to(dtype), d_bias[e].to(dtype) if r0 == 0 else None))
+    build.made["mxfp4"] += 2 * spec.num_experts
     return MoEWeights(source.get(p + "router.weight").float(), experts, router_bias=source.get(p + "router.bias").float(),
                       layer=layer)
 

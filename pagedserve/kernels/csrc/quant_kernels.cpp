@@ -3,6 +3,7 @@
 // by concern under csrc/ (quant/: types, dots, tiles, AMX paths, the linear entry points); this
 // file includes them in order (one translation unit: each room sees those before it).
 //
+// MXFP4 (quant/mxfp4.h): its integer dots and dequantization, beside the GGUF types' paths.
 // quant_dequantize: blocks -> float32 rows, the same float operations as gguf.quants (exact).
 // quant_quantize: float32 / bf16 rows -> q8_0 or q4_0 blocks, the bytes of gguf.quants.
 // quant_linear_small: y = x @ W.T for a few rows of x: x is quantized once per call into 8-bit
@@ -34,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -65,6 +67,7 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 #include "quant/dot_avx2.h"
 #include "quant/dot_avx512vnni.h"
 #include "quant/dot_k_quants.h"
+#include "quant/mxfp4.h"
 #include "quant/row_dot.h"
 #include "quant/dequantize.h"
 #include "quant/tiles_pack.h"

@@ -6,6 +6,7 @@ namespace {
 
 // Row w's K weights as floats (exactly gguf.quants' values).
 void dequantize_row(int qt, const uint8_t *w, int64_t K, float *y) {
+    if (qt == MXFP4) return mxfp4_dequantize_row(w, K, y);
 #if defined(__AVX2__)
     with_qtype(qt, [&](auto q) { dequantize_row_vec<decltype(q)::value>(w, K, y); });
 #else

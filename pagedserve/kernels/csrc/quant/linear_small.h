@@ -142,7 +142,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group)
-    const bool amx = g_amx8.enabled && T >= g_amx8.min_rows;
+    const bool amx = g_amx8.enabled && T >= g_amx8.min_rows && !any_mxfp4(parts, nparts);
     const int64_t tiles = amx ? (T + 15) / 16 : 0;
     std::vector<int32_t> bv(tiles * (K / 4) * 16);
     std::vector<float> dxt(tiles * nb * 16), dst(tiles * nb * 16);

@@ -86,11 +86,12 @@ extern "C" int quant_linear_tiles(const QuantPart *parts, int64_t nparts, const 
         const PlainParts plain(parts, nparts, K);
         return quant_linear_tiles(plain.parts.data(), nparts, x, x_bf16, T, K, bias, y, ldy, gemm, tile_rows);
     }
-    if (x_bf16 && amxw_takes(T))
+    const bool mx = any_mxfp4(parts, nparts);          // (no AMX or bf16 packer decodes it: dequantize_packed's floats)
+    if (x_bf16 && amxw_takes(T) && !mx)
         return amxw_linear(parts, nparts, static_cast<const uint16_t *>(x), T, K, bias, static_cast<uint16_t *>(y), ldy,
                            plan);
 #if defined(__AVX512F__)
-    if (x_bf16 && amxw_enabled()) return fused_tiles(parts, nparts, x, T, K, bias, y, ldy, gemm);
+    if (x_bf16 && amxw_enabled() && !mx) return fused_tiles(parts, nparts, x, T, K, bias, y, ldy, gemm);
 #endif
     const int64_t elem = x_bf16 ? 2 : 4;
     static thread_local std::vector<uint8_t> packed;

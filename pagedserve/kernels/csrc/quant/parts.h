@@ -17,4 +17,12 @@ bool valid(const QuantPart *parts, int64_t nparts, int64_t K) {
             return false;
     return nparts > 0;
 }
+
+// Whether a part is MXFP4 (quant/mxfp4.h): the AMX paths and the bf16 packers have no MXFP4
+// decoder, so those calls take the generic paths.
+bool any_mxfp4(const QuantPart *parts, int64_t nparts) {
+    for (int64_t p = 0; p < nparts; p++)
+        if (parts[p].qtype == MXFP4) return true;
+    return false;
+}
 }  // namespace

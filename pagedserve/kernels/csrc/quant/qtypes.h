@@ -22,10 +22,12 @@ namespace {
 // (avx2, avxvnni), which compute all three r8 layouts with dot_r8_256.h (256-bit registers).
 // Then Q4_KR8, Q5_KR8, Q6_KR8: the super-block types the same way, a unit one super-block of 8 rows
 // (each field of the block in pieces: repack_r8.h's R8Field), computed by dot_k_r8_256.h.
+// Then MXFP4 (gpt-oss's experts: 32 E2M1 codes and an E8M0 scale, 17 bytes), computed by
+// quant/mxfp4.h alone (with_qtype's per-type templates do not cover it).
 enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, Q4_1R8, Q4_0R8, Q8_0R8, Q4_KR8, Q5_KR8, Q6_KR8,
-             kNumTypes };
-constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256};
-constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20, 18, 34, 144, 176, 210};
+             MXFP4, kNumTypes };
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 32};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20, 18, 34, 144, 176, 210, 17};
 // The r8 layouts: 8 rows interleaved per block (repack_r8.h); their file types.
 constexpr bool is_r8(int qt) { return qt >= Q4_1R8 && qt <= Q6_KR8; }
 constexpr int r8_file_type(int qt) {

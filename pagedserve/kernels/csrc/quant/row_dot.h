@@ -215,6 +215,7 @@ template <int QT>
 RowFn row_fn(int nt) { return pick<QT>(nt, std::make_integer_sequence<int, kMaxNT>{}); }
 
 RowFn row_fn(int qt, int nt) {
+    if (qt == MXFP4) return mxfp4_row_fn(nt);
     return with_qtype(qt, [nt](auto q) { return row_fn<decltype(q)::value>(nt); });
 }
 

@@ -176,7 +176,7 @@ void dequantize_packed(int qt, const uint8_t *w, int64_t ldw, int64_t rows, int6
             void *tile = bf16 ? static_cast<void *>(static_cast<uint16_t *>(out) + g * K * 16)
                               : static_cast<void *>(static_cast<float *>(out) + g * K * 16);
 #if defined(__AVX512F__)
-            if (bf16) {
+            if (bf16 && qt != MXFP4) {
                 pack_group_bf16(qt, w + 16 * g * ldw, ldw, n, K, static_cast<uint16_t *>(tile), native);
                 continue;
             }
