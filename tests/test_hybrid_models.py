@@ -116,15 +116,21 @@ def test_greedy_tokens_and_logprobs_match_transformers_with_prefix_hits(hybrid):
 @pytest.mark.parametrize("hybrid", ["gemma2", "gemma3"], indirect=True)
 def test_triton_backend_matches_transformers(hybrid):
     """The Triton kernels' window and soft-capping in the engine (interpreted on a CPU): greedy
-    tokens and prompt logprobs as transformers', the window sliding over ~100-token prompts."""
+    tokens and prompt logprobs as transformers', the window sliding over ~100-token prompts; the
+    decode steps through the CUDA graphs' buffers (every KV group's slots and tables; on a CPU
+    the padded buffers run eagerly)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = make(hybrid, attention_backend="triton", device=device, enable_prefix_caching=False)
-    assert llm.engine.runner.model.attention.name == "triton"
+    runner = llm.engine.runner
+    assert runner.model.attention.name == "triton"
+    if runner.decode_graphs is None:
+        runner.capture_cuda_graphs([1, 4], llm.engine.max_model_len, capture=False)
     prompts = long_prompts(hybrid)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6,
                                                                                    min_tokens=6), use_tqdm=False)
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hybrid.hf, p, 6)
+    assert runner.decode_graphs.steps_run >= 5
     torch.testing.assert_close(prompt_logprobs(llm, prompts[0]), reference_logprobs(hybrid.hf, prompts[0]),
                                atol=1e-4, rtol=1e-4)
 

@@ -14,6 +14,10 @@ buffer (the largest bucket's rows), so the graphs' outputs do not add up across 
 (35 buckets x their rows x a 128k vocabulary in float32 would be 2.2 GB). Steps that are
 not all decodes that sample, or are larger than the largest bucket, run eagerly.
 
+A model with KV groups (kv/groups.py: sliding-window layers) has a slot buffer and a
+block-table buffer per group, and each group's metadata carries its window: a window
+table's leading holes (-1) are never read by the decode kernel, which starts at the window.
+
 Only the Triton attention backend can be captured (the torch reference loops on the
 host over the batch); `enforce_eager=True` turns graphs off. The bucketing and padding
 are plain host code, tested on the CPU; there `capture=False` runs the same padded
@@ -22,7 +26,7 @@ buffers eagerly (tests/test_cuda_graphs.py).
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +68,9 @@ class DecodeBatch:
     slots: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
+    # KV groups 1.. (a model with sliding-window layers): each group's slots and block tables
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 def pad_decode_batch(batch: DecodeBatch, bucket: int) -> dict[str, torch.Tensor]:
@@ -73,21 +80,28 @@ def pad_decode_batch(batch: DecodeBatch, bucket: int) -> dict[str, torch.Tensor]
     if not 0 < n <= bucket:
         raise ValueError(f"a decode batch of {n} sequences does not fit a bucket of {bucket}")
     pad = bucket - n
-    width = max(len(t) for t in batch.block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.block_tables] + [[0] * width] * pad,
-                          dtype=torch.long)
+
+    def padded(tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.long)
+
+    def slots(s: list[int]) -> torch.Tensor:
+        return torch.tensor(s + [PAD_SLOT] * pad, dtype=torch.long)
+
     return dict(input_ids=torch.tensor(batch.token_ids + [0] * pad, dtype=torch.long),
                 positions=torch.tensor(batch.positions + [0] * pad, dtype=torch.long),
-                slot_mapping=torch.tensor(batch.slots + [PAD_SLOT] * pad, dtype=torch.long),
+                slot_mapping=slots(batch.slots),
                 seq_lens=torch.tensor(batch.seq_lens + [PAD_SEQ_LEN] * pad, dtype=torch.long),
-                block_tables=tables)
+                block_tables=padded(batch.block_tables),
+                group_slots=[slots(s) for s in batch.group_slots],
+                group_tables=[padded(t) for t in batch.group_tables])
 
 
 class DecodeGraphs:
     """The captured decode steps of one model over one KV cache tensor."""
 
     def __init__(self, model, kv_cache: torch.Tensor, sizes: list[int], max_model_len: int, block_size: int,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True, windows: tuple[int | None, ...] = (None,)) -> None:
         if not sizes:
             raise ValueError("no batch sizes to capture")
         self.model, self.kv_cache, self.sizes = model, kv_cache, sizes
@@ -97,9 +111,12 @@ class DecodeGraphs:
         # Static inputs, the largest bucket's; a smaller bucket uses their leading rows.
         self.input_ids = torch.zeros(m, dtype=torch.long, device=device)
         self.positions = torch.zeros(m, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((m,), PAD_SLOT, dtype=torch.long, device=device)
         self.seq_lens = torch.full((m,), PAD_SEQ_LEN, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(m, self.max_blocks, dtype=torch.long, device=device)
+        # Per KV group (one for a model without sliding windows): slots and block tables.
+        self.windows = windows
+        self.group_slots = [torch.full((m,), PAD_SLOT, dtype=torch.long, device=device) for _ in windows]
+        self.group_tables = [torch.zeros(m, self.max_blocks, dtype=torch.long, device=device) for _ in windows]
+        self.slot_mapping, self.block_tables = self.group_slots[0], self.group_tables[0]
         self.query_start_loc = torch.arange(m + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None        # [largest bucket, vocab]: every graph's output
@@ -108,11 +125,15 @@ class DecodeGraphs:
             self._capture()
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
-            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], num_decodes=b,
+        metas = [AttentionMetadata(
+            slot_mapping=slots[:b], query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=tables[:b], num_decodes=b,
             query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[self.max_model_len] * b,
-            max_seq_len=self.max_model_len)   # the bound the attention launch is sized for
+            max_seq_len=self.max_model_len,   # the bound the attention launch is sized for
+            window=window) for slots, tables, window in zip(self.group_slots, self.group_tables, self.windows)]
+        if len(metas) > 1 or self.windows[0] is not None:
+            metas[0].groups = metas
+        return metas[0]
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model.forward(self.input_ids[:b], self.positions[:b], self._meta(b), self.kv_cache)
@@ -144,10 +165,12 @@ class DecodeGraphs:
         n = len(batch.token_ids)
         b = bucket_for(n, self.sizes)
         host = pad_decode_batch(batch, b)
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        for name in ("input_ids", "positions", "seq_lens"):
             getattr(self, name)[:b].copy_(host[name], non_blocking=True)
-        width = host["block_tables"].shape[1]
-        self.block_tables[:b, :width].copy_(host["block_tables"], non_blocking=True)
+        for slots, tables, s, t in zip(self.group_slots, self.group_tables, [host["slot_mapping"], *host["group_slots"]],
+                                       [host["block_tables"], *host["group_tables"]]):
+            slots[:b].copy_(s, non_blocking=True)
+            tables[:b, :t.shape[1]].copy_(t, non_blocking=True)
         self.steps_run += 1
         if b in self.graphs:
             self.graphs[b].replay()

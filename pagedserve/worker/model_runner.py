@@ -113,7 +113,7 @@ class ModelRunner:
         """Capture the decode step for these batch sizes (capture=False: pad and run the same
         buffers eagerly, which is how the CPU tests check the padding)."""
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, sizes, max_model_len, self.block_size,
-                                          torch.device(self.device), capture)
+                                          torch.device(self.device), capture, self.kv_groups.windows)
 
     @staticmethod
     def _allocate(a, num_blocks: int, block_size: int, dtype: torch.dtype, device, head_major: bool,
@@ -178,7 +178,7 @@ class ModelRunner:
         drafted_at = [i for i, s in enumerate(seqs) if s.sample is not None and s.draft_token_ids]
         sampled, drafted = [seqs[i] for i in sampled_at], [seqs[i] for i in drafted_at]
         prompt_lps, pooled = {}, {}
-        logits = self._replay_decode(seqs)
+        logits = self._replay_decode(seqs, batch.group_block_ids)
         spec_logits = None
         if logits is None:
             input_ids, positions, meta = self._prepare(seqs, batch.group_block_ids)
@@ -206,7 +206,8 @@ class ModelRunner:
         return RunnerOutput([s.seq_id for s in sampled], sample, prompt_lps, pooled=pooled, spec=spec,
                             model_drafts=model_drafts, tier=self.tier_report(), lora_errors=lora_errors)
 
-    def _replay_decode(self, seqs: list[ScheduledTokens]) -> torch.Tensor | None:
+    def _replay_decode(self, seqs: list[ScheduledTokens], group_block_ids: dict[int, list[list[int]]] | None = None
+                       ) -> torch.Tensor | None:
         """The logits of a step of decodes that all sample, from a captured graph; None when
         there are no graphs or the step is not one they take."""
         graphs = self.decode_graphs
@@ -215,10 +216,14 @@ class ModelRunner:
                     for s in seqs):
             return None
         B = self.block_size
+        groups = range(1, len(self.kv_groups.windows))      # KV groups past the first (sliding windows)
+        tables = [[group_block_ids[s.seq_id][g - 1] for s in seqs] for g in groups]
         return graphs.run(DecodeBatch(
             token_ids=[s.token_ids[0] for s in seqs], positions=[s.start for s in seqs],
             slots=[s.block_ids[s.start // B] * B + s.start % B for s in seqs],
-            seq_lens=[s.start + 1 for s in seqs], block_tables=[s.block_ids for s in seqs]))
+            seq_lens=[s.start + 1 for s in seqs], block_tables=[s.block_ids for s in seqs],
+            group_slots=[[t[s.start // B] * B + s.start % B for t, s in zip(ts, seqs)] for ts in tables],
+            group_tables=tables))
 
     def _prepare(self, batch: list[ScheduledTokens], group_block_ids: dict[int, list[list[int]]] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

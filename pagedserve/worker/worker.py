@@ -165,8 +165,8 @@ class Worker:
         draft = load_draft_model(config, args, max_model_len, ops, device) \
             if spec is not None and spec.method == "draft_model" else None
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
-        # TP and sliding-window models: eager (a graph's attention reads one full table)
-        graphs = bool(sizes) and group is None and not kv_groups.hybrid and uses_cuda_graphs(config, device, attention)
+        # TP: eager. Sliding-window models: a graph's buffers hold every KV group's slots and tables.
+        graphs = bool(sizes) and group is None and uses_cuda_graphs(config, device, attention)
         memory_plan = None
         if probe and config.kv_cache_memory is None and config.num_gpu_blocks_override is None:
             memory_plan = profile_kv_memory(model, config, device, make_sampler(eos_token_ids, config.seed, device),
