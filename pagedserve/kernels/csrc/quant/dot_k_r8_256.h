@@ -84,6 +84,11 @@ inline __m256i q6_scales(__m128i pairs, int h, int i) {
     return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pairs, idx));
 }
 
+// The 8 bytes at p in each 64-bit lane (one broadcast load).
+inline __m256i bcast8(const int8_t *p) {
+    return _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double *>(p)));
+}
+
 // (x, shifted in its 16-bit lanes by s: left for s > 0) & mask: a bit field of each byte moved in place
 inline __m256i move_bits(__m256i x, int s, int mask) {
     const __m256i v = s > 0 ? _mm256_slli_epi16(x, s) : s < 0 ? _mm256_srli_epi16(x, -s) : x;
@@ -96,6 +101,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);    // the hadd's row order (its own inverse)
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[NT], mins[NT];
+    #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
     auto ld = [](const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); };
     for (int64_t s = 0; s < nb / 8; s++) {
@@ -104,11 +110,14 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
         if constexpr (QT == Q6_KR8) {
             const __m256 D = _mm256_permutevar8x32_ps(
                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1664))), order);
+            #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const int n = j / 4, r = j % 4;
                 const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
                 __m256i aw[2][4], w[2][4];      // per half: |q - 32| and q - 32 of pieces 0..3
+                #pragma GCC unroll 8
                 for (int h = 0; h < 2; h++)
+                    #pragma GCC unroll 8
                     for (int k = 0; k < 4; k++) {
                         const __m256i ql = ld(u + 64 * (8 * n + 4 * (r % 2) + k) + 32 * h);
                         const __m256i qh = ld(u + 1024 + 64 * (4 * n + k) + 32 * h);
@@ -118,16 +127,17 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                     }
                 const __m256i sa[2] = {q6_scales(pairs, 0, 0), q6_scales(pairs, 1, 0)};
                 const __m256i sb[2] = {q6_scales(pairs, 0, 1), q6_scales(pairs, 1, 1)};
+                #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++) {
                     const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
-                    int64_t x8[4];
-                    std::memcpy(x8, x, 32);
                     __m256i dot[2];
+                    #pragma GCC unroll 8
                     for (int h = 0; h < 2; h++) {
                         // |w| <= 32, |q| <= 127: two maddubs pairs sum to at most 16256 (16 bits)
                         __m256i p[4];
+                        #pragma GCC unroll 8
                         for (int k = 0; k < 4; k++)
-                            p[k] = _mm256_maddubs_epi16(aw[h][k], _mm256_sign_epi8(_mm256_set1_epi64x(x8[k]), w[h][k]));
+                            p[k] = _mm256_maddubs_epi16(aw[h][k], _mm256_sign_epi8(bcast8(x + 8 * k), w[h][k]));
                         dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), sa[h]),
                                                   _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), sb[h]));
                     }
@@ -151,10 +161,14 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
                                                    _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48))};
             const __m256i byte = _mm256_set1_epi32(255);
+            #pragma GCC unroll 8
             for (int p = 0; p < 4; p++)          // sub-blocks 2 p (low nibbles) and 2 p + 1 (high)
+                #pragma GCC unroll 8
                 for (int i = 0; i < 2; i++) {
                     __m256i c[2][4];             // [half][piece] (the vectors read twice: the second from L1)
+                    #pragma GCC unroll 8
                     for (int h = 0; h < 2; h++)
+                        #pragma GCC unroll 8
                         for (int k = 0; k < 4; k++) {
                             const __m256i v = ld(u + QS + 64 * (4 * p + k) + 32 * h);
                             c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
@@ -165,12 +179,10 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                     const __m256i shift = _mm256_set1_epi64x(8 * (j % 4));
                     const __m256 Dj = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], _mm256_castsi256_si128(shift)), byte)));
                     const __m256 Mj = _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], _mm256_castsi256_si128(shift)), byte)));
+                    #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {
                         const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
-                        int64_t x8[4];
-                        std::memcpy(x8, x, 32);
-                        const __m256i xb[4] = {_mm256_set1_epi64x(x8[0]), _mm256_set1_epi64x(x8[1]), _mm256_set1_epi64x(x8[2]),
-                                               _mm256_set1_epi64x(x8[3])};
+                        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
                         // (q5_k: codes <= 31: four products sum to at most 4 * 2 * 31 * 127 < 32768)
                         const __m256i dot = _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
                         const int64_t at = (t0 + t) * a.nb + 8 * s + j;
@@ -181,6 +193,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                 }
         }
     }
+    #pragma GCC unroll 8
     for (int t = 0; t < NT; t++)
         _mm256_storeu_ps(out + t * ldo, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc[t], mins[t]), order));
 }
