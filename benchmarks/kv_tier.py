@@ -78,6 +78,7 @@ def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
                 generated += len(answer)
                 prompt_tokens += len(p)
     wall = time.perf_counter() - start
+    print(f"  {len(ttfts)} requests in {wall:.1f} s, mean TTFT {1000 * statistics.fmean(ttfts):.0f} ms", flush=True)
     stats = llm.kv_cache_stats()
     queries = stats.get("kv_offload_queries", 0)
     return dict(requests=len(ttfts), mean_ttft_s=statistics.fmean(ttfts), median_ttft_s=statistics.median(ttfts),

@@ -162,3 +162,53 @@ def test_cluster_sim_kv_aware_hits_more_than_round_robin():
         assert all(sim.router.index.keys[i] == set(rep.sched.kv.pool.cached) for i, rep in enumerate(sim.replicas))
         hit[policy] = sum(r.num_cached_tokens for r in results) / sum(r.num_prompt_tokens for r in results)
     assert hit["kv_aware"] > hit["round_robin"]
+
+
+def test_kv_aware_counts_a_tier_hit_as_a_cheaper_hit():
+    """Replica 0 holds 8 blocks of the prompt in its pool; replica 1 the first 4 in its pool and
+    the next 12 in its tier (disk or host memory): 4 + 0.75 * 12 = 13 > 8, so replica 1, and
+    a tier run counts only where it continues the pool's hits (the replica's fetch stops there)."""
+    system = tokens(11, 64)
+    keys = lookup_block_keys(system + [5], B)
+    router = Router(2, B, "kv_aware")
+    router.apply_events(0, [("stored", k) for k in keys[:8]])
+    router.apply_events(1, [("stored", k) for k in keys[:4]] + [("tier_stored", k) for k in keys[4:16]])
+    route = router.route(system + tokens(12, 10))
+    assert (route.replica, route.decision, route.matched_blocks, route.tier_blocks) == (1, "prefix", 4, 12)
+    assert router.counters.estimated_tier_hit_tokens == 12 * B
+    # A tier alone is a hit too ("tier"), and its blocks leave with tier_removed.
+    router.apply_events(1, [("removed", k) for k in keys[:4]] + [("tier_stored", k) for k in keys[:4]])
+    router.finished(1)
+    route = router.route(system + tokens(13, 10))
+    assert (route.replica, route.decision, route.tier_blocks) == (1, "tier", 16)
+    router.finished(1)
+    router.apply_events(1, [("tier_removed", k) for k in keys[2:16]] + [("cleared", None)])
+    assert router.index.tier[1] == set(keys[:2])          # a pool reset keeps the tier's keys
+    route = router.route(system + tokens(14, 10))         # 8 pool blocks beat 0.75 * 2
+    assert (route.replica, route.matched_blocks) == (0, 8)
+    router.set_alive(1, False)                             # a replica gone: its tier is forgotten
+    assert router.index.tier[1] == set()
+
+
+def test_the_tier_index_reports_every_key_it_gains_and_loses():
+    """The engine's TierIndex (kv/tier.py) through a KVEventLog, as a Ray replica's poll carries
+    it: after saves past its capacity, failed and lost reads, and a restart from the directory's
+    keys, the router's view of the tier is the index's keys."""
+    from pagedserve.kv.block_pool import BlockPool, block_key
+    from pagedserve.kv.tier import TierIndex, TierLink
+    log, index = KVEventLog(), KVIndex(1)
+    keys = [block_key(None, [i]) for i in range(10)]
+    tier = TierIndex(capacity=6, keys=keys[:3], events=log)          # a restart: the files found
+    pool = BlockPool(4, events=log)
+    link = TierLink(pool, tier)
+    for start in (3, 7):                                              # cached, then evicted: saved
+        blocks = pool.allocate(min(4, 10 - start))
+        for b, k in zip(blocks, keys[start:]):
+            pool.cache(b, k)
+        pool.release(blocks)
+    pool.release(pool.allocate(4))
+    link.finished([], [])
+    link.forget([keys[9]])                                            # a file gone (the size bound)
+    index.apply(0, log.drain())
+    assert index.tier[0] == set(tier.keys) and len(tier.keys) == 5
+    assert index.keys[0] == set(pool.cached)

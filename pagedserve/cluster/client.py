@@ -159,6 +159,10 @@ class DataParallelLLM:
         self._estimated = Counter(prefix + "router_estimated_prefix_hit_tokens",
                                   "Prompt tokens the router expected the chosen replica's prefix cache to hold.",
                                   ["model_name"], registry=r).labels(name)
+        self._estimated_tier = Counter(prefix + "router_estimated_tier_hit_tokens",
+                                       "Prompt tokens the router expected the chosen replica's KV tier (disk, "
+                                       "host memory) to read back, past its prefix cache's.",
+                                       ["model_name"], registry=r).labels(name)
         self._actual = Counter(prefix + "router_actual_prefix_hit_tokens",
                                "Prompt tokens the chosen replica's prefix cache served.",
                                ["model_name"], registry=r).labels(name)
@@ -306,6 +310,7 @@ class DataParallelLLM:
                 raise rebuild_error(*value)
             # Counted once the request is taken: a rerouted one counts its last route only.
             self._estimated.inc(route.matched_blocks * self.router.block_size)
+            self._estimated_tier.inc(route.tier_blocks * self.router.block_size)
             return gen, i
 
     async def _pump(self, stream: RoutedStream, rid: str, replica: int, gen) -> None:

@@ -5,14 +5,18 @@ The router hashes a prompt with the engine's own lookup keys (kv/block_pool.py
 `lookup_block_keys`, SHA-256 chained, the cache salt in the first key) and keeps, per
 replica, the exact set of keys in its prefix cache from the replica's KV events
 (kv/events.py). So "this replica holds the first k blocks of the prompt" is what the
-replica's own lookup would find, not an estimate.
+replica's own lookup would find, not an estimate. With a tier below the prefix cache
+(`kv_offload_path` / `kv_offload_cpu_gb`, kv/tier.py) the events also say which keys each
+replica's tier holds: the blocks after the pool's hits that its tier would read back count as
+hits too, at `tier_credit` of a pool hit (a read instead of a recompute, but not free).
 
 Policies (`--routing-policy`):
 - round_robin: the next live replica in turn.
 - least_loaded: the fewest requests in flight (sent and not finished: running + waiting).
 - prefix_hash: consistent hashing of the prompt's first blocks (a ring with virtual nodes,
   so a replica leaving moves only its own share); no full block: least_loaded.
-- kv_aware (default): the most cached prefix blocks, less a penalty per request in flight; plain
+- kv_aware (default): the most cached prefix blocks (tier blocks at `tier_credit` each), less a
+  penalty per request in flight; plain
   least_loaded when the replicas are imbalanced beyond both thresholds (as SGLang's router
   does) or when no replica matches enough of the prompt (as Ray Serve's prefix-aware router
   does).
@@ -35,23 +39,42 @@ class NoReplicaError(RuntimeError):
 
 
 class KVIndex:
-    """Per replica, the exact set of block keys in its prefix cache, kept from its KV events."""
+    """Per replica, the exact set of block keys in its prefix cache, and in the tier below it,
+    kept from its KV events."""
 
     def __init__(self, num_replicas: int) -> None:
         self.keys: list[set[BlockKey]] = [set() for _ in range(num_replicas)]
+        self.tier: list[set[BlockKey]] = [set() for _ in range(num_replicas)]
 
     def apply(self, replica: int, events: Iterable[KVEvent]) -> None:
-        keys = self.keys[replica]
+        keys, tier = self.keys[replica], self.tier[replica]
         for kind, key in events:
             if kind == "stored":
                 keys.add(key)
             elif kind == "removed":
                 keys.discard(key)
-            else:   # "cleared": the replica's pool started afresh
+            elif kind == "tier_stored":
+                tier.add(key)
+            elif kind == "tier_removed":
+                tier.discard(key)
+            else:   # "cleared": the replica's pool started afresh (its tier outlives that)
                 keys.clear()
 
     def clear(self, replica: int) -> None:
+        """The replica is gone: its pool and its index of the tier (a new engine reports its tier)."""
         self.keys[replica].clear()
+        self.tier[replica].clear()
+
+    def matched_tier_blocks(self, replica: int, prompt_keys: Sequence[BlockKey], start: int) -> int:
+        """How many of the prompt's blocks from `start` (past the pool's hits) the replica's tier
+        holds in a run: those its scheduler would read back instead of computing."""
+        tier = self.tier[replica]
+        n = 0
+        for key in prompt_keys[start:]:
+            if key not in tier:
+                break
+            n += 1
+        return n
 
     def matched_blocks(self, replica: int, prompt_keys: Sequence[BlockKey]) -> int:
         """How many of the prompt's first blocks the replica's lookup would find (it stops at
@@ -72,6 +95,7 @@ class KVIndex:
 class _IndexSink:
     def __init__(self, index: KVIndex, replica: int) -> None:
         self._keys = index.keys[replica]
+        self._tier = index.tier[replica]
 
     def stored(self, key: BlockKey) -> None:
         self._keys.add(key)
@@ -81,6 +105,12 @@ class _IndexSink:
 
     def cleared(self) -> None:
         self._keys.clear()
+
+    def tier_stored(self, key: BlockKey) -> None:
+        self._tier.add(key)
+
+    def tier_removed(self, key: BlockKey) -> None:
+        self._tier.discard(key)
 
 
 @dataclass
@@ -99,9 +129,10 @@ class RouteRequest:
 @dataclass
 class Route:
     replica: int
-    decision: str             # why: round_robin | least_loaded | prefix_hash | prefix | load | imbalanced
+    decision: str             # why: round_robin | least_loaded | prefix_hash | prefix | tier | load | imbalanced
     matched_blocks: int       # blocks of the prompt the router expects the replica to hold
     incarnation: int = 0      # the replica's incarnation when routed (Router sets it)
+    tier_blocks: int = 0      # the next blocks, expected in the replica's tier (read back, not computed)
 
 
 class RoutingPolicy:
@@ -179,13 +210,16 @@ class PrefixHash(RoutingPolicy):
 
 
 class KVAware(RoutingPolicy):
-    """score = matched blocks - load_penalty * requests in flight: a request ahead in the
-    queue costs about as much as recomputing `load_penalty` blocks of prompt."""
+    """score = matched blocks + tier_credit * tier blocks - load_penalty * requests in flight: a
+    request ahead in the queue costs about as much as recomputing `load_penalty` blocks of
+    prompt, and a block read back from the tier saves most of a recompute (a read costs a few ms
+    of disk or memory bandwidth where a block's prefill costs tens to hundreds of ms on a CPU)."""
     name = "kv_aware"
 
     def __init__(self, load_penalty: float = 4.0, balance_abs_threshold: int = 16,
-                 balance_rel_threshold: float = 1.5, min_match: float = 0.1) -> None:
+                 balance_rel_threshold: float = 1.5, min_match: float = 0.1, tier_credit: float = 0.75) -> None:
         self.load_penalty = load_penalty
+        self.tier_credit = tier_credit
         self.balance_abs_threshold = balance_abs_threshold   # in-flight requests, max - min
         self.balance_rel_threshold = balance_rel_threshold   # max > this * min
         self.min_match = min_match                           # share of the prompt's blocks
@@ -201,14 +235,16 @@ class KVAware(RoutingPolicy):
             i = least_loaded(replicas, live, self.rotation)
             return Route(i, "imbalanced", index.matched_blocks(i, req.keys))
         matched = {i: index.matched_blocks(i, req.keys) for i in live}
-        best = max(matched.values())
-        if not req.keys or best < self.min_match * len(req.keys):
+        tier = {i: index.matched_tier_blocks(i, req.keys, matched[i]) for i in live}
+        credit = {i: matched[i] + self.tier_credit * tier[i] for i in live}
+        if not req.keys or max(credit.values()) < self.min_match * len(req.keys):
             i = least_loaded(replicas, live, self.rotation)
-            return Route(i, "load", matched[i])
-        scores = {i: matched[i] - self.load_penalty * replicas[i].in_flight for i in live}
+            return Route(i, "load", matched[i], tier_blocks=tier[i])
+        scores = {i: credit[i] - self.load_penalty * replicas[i].in_flight for i in live}
         top = max(scores.values())
         i = self.rotation.pick([i for i in live if scores[i] == top])
-        return Route(i, "prefix" if matched[i] else "load", matched[i])
+        decision = "prefix" if matched[i] else "tier" if tier[i] else "load"
+        return Route(i, decision, matched[i], tier_blocks=tier[i])
 
 
 def make_policy(name: str, num_replicas: int) -> RoutingPolicy:
@@ -228,6 +264,7 @@ class RouterCounters:
     decisions: Counter = field(default_factory=Counter)   # decision -> requests
     prompt_tokens: int = 0
     estimated_hit_tokens: int = 0   # tokens of routed prompts the router expected in the chosen cache
+    estimated_tier_hit_tokens: int = 0   # ... and in the chosen replica's tier (past the cache's hits)
     rerouted: int = 0               # requests sent again after their replica failed before starting them
 
 
@@ -267,6 +304,7 @@ class Router:
         c.decisions[route.decision] += 1
         c.prompt_tokens += len(token_ids)
         c.estimated_hit_tokens += route.matched_blocks * self.block_size
+        c.estimated_tier_hit_tokens += route.tier_blocks * self.block_size
         return route
 
     def rerouted(self, route: Route, num_prompt_tokens: int) -> None:
@@ -276,6 +314,7 @@ class Router:
         c.rerouted += 1
         c.prompt_tokens -= num_prompt_tokens
         c.estimated_hit_tokens -= route.matched_blocks * self.block_size
+        c.estimated_tier_hit_tokens -= route.tier_blocks * self.block_size
 
     def finished(self, replica: int, incarnation: int | None = None) -> None:
         """A request routed to `replica` (in `incarnation`, if given) has ended. One of an

@@ -148,7 +148,7 @@ class LLMEngine:
         self.kv_windows = worker.kv_windows     # the KV groups' sliding windows (kv/groups.py)
         self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
         # The keys of the prefix cache's disk tier (kv/tier.py): its files outlive a reset, so does this.
-        self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys) if config.kv_offload else None
+        self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys, kv_events) if config.kv_offload else None
         self.scheduler = self._new_scheduler()
         self.loras = self._lora_registry(config)   # None unless enable_lora
         self.requests: dict[str, Request] = {}

@@ -1,8 +1,9 @@
-"""KV events: what entered and left a block pool's prefix cache, by block key.
+"""KV events: what entered and left a block pool's prefix cache, by block key, and the keys
+the tier below it (kv/tier.py: disk, host memory) holds.
 
-A data-parallel router keeps an exact index of every replica's cached blocks from
-these events (`KVIndex`, cluster/routing.py). The block pool calls an optional sink; with none
-set (the default) it costs one `is None` test per cached or evicted block.
+A data-parallel router keeps an exact index of every replica's cached blocks and tier keys from
+these events (`KVIndex`, cluster/routing.py). The block pool and the tier's index call an optional
+sink; with none set (the default) it costs one `is None` test per cached or evicted block.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Protocol
 from pagedserve.kv.block_pool import BlockKey
 
 # One event: ("stored", key), ("removed", key), or ("cleared", None) when a pool starts
-# afresh (a new engine, or the KV bookkeeping reset after a failed step).
+# afresh (a new engine, or the KV bookkeeping reset after a failed step); the tier's
+# ("tier_stored", key), ("tier_removed", key) (a reset keeps the tier: "cleared" is the pool's).
 KVEvent = tuple[str, BlockKey | None]
 
 
@@ -20,6 +22,8 @@ class KVEventSink(Protocol):
     def stored(self, key: BlockKey) -> None: ...
     def removed(self, key: BlockKey) -> None: ...
     def cleared(self) -> None: ...
+    def tier_stored(self, key: BlockKey) -> None: ...
+    def tier_removed(self, key: BlockKey) -> None: ...
 
 
 class KVEventLog:
@@ -37,6 +41,12 @@ class KVEventLog:
 
     def cleared(self) -> None:
         self._events.append(("cleared", None))
+
+    def tier_stored(self, key: BlockKey) -> None:
+        self._events.append(("tier_stored", key))
+
+    def tier_removed(self, key: BlockKey) -> None:
+        self._events.append(("tier_removed", key))
 
     def drain(self) -> list[KVEvent]:
         out = []

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock
+from pagedserve.kv.events import KVEventSink
 
 
 @dataclass
@@ -41,14 +42,15 @@ class TierIndex:
     """The keys the tier holds, least recently used first, at most `capacity` of them. Outlives
     the KV bookkeeping (LLMEngine.reset keeps it), since the files do."""
 
-    def __init__(self, capacity: int, keys: Iterable[BlockKey] = ()) -> None:
+    def __init__(self, capacity: int, keys: Iterable[BlockKey] = (), events: KVEventSink | None = None) -> None:
+        """events: told of every key that enters or leaves (a data-parallel router's index)."""
         self.capacity = capacity
         self.keys: OrderedDict[BlockKey, None] = OrderedDict()
         self.stats = TierStats()
-        for key in keys:        # oldest first (the store lists them by modification time)
-            self.keys[key] = None
+        self.events = events
         self.evicted: list[BlockKey] = []       # keys over capacity, whose files go next
-        self._trim()
+        for key in keys:        # oldest first (the store lists them by modification time)
+            self.add(key)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -60,15 +62,21 @@ class TierIndex:
         self.keys.move_to_end(key)
 
     def add(self, key: BlockKey) -> None:
+        if key not in self.keys and self.events is not None:
+            self.events.tier_stored(key)
         self.keys[key] = None
         self._trim()
 
     def discard(self, key: BlockKey) -> None:
-        self.keys.pop(key, None)
+        if self.keys.pop(key, 0) is None and self.events is not None:
+            self.events.tier_removed(key)
 
     def _trim(self) -> None:
         while len(self.keys) > self.capacity:
-            self.evicted.append(self.keys.popitem(last=False)[0])
+            key = self.keys.popitem(last=False)[0]
+            self.evicted.append(key)
+            if self.events is not None:
+                self.events.tier_removed(key)
 
 
 @dataclass(eq=False)
