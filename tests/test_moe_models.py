@@ -108,6 +108,32 @@ def test_quantized_experts_run_in_their_blocks(moe_models, name, qtype, tmp_path
     _check(llm, oracle, tm.tokenizer, exact_tokens=False, margin=0.15, atol=0.15)
 
 
+@pytest.mark.parametrize("name,dtype", [("olmoe", "float32"), ("qwen3_moe", "float32"), ("mixtral", "bfloat16")])
+def test_the_compiled_loop_runs_quantized_experts_as_the_python_loop(moe_models, name, dtype, tmp_path):
+    """GGUF experts in Q8_0 (r8 layouts on the 256-bit variants): the compiled layer loop (MoE block,
+    OLMoE's all-head q/k norms and clip_qkv in C++) gives the Python loop's tokens and logprobs."""
+    import gguf
+    from pagedserve.kernels import moe as moe_kernels
+    if not moe_kernels.runs_here():
+        pytest.skip("quant_moe_experts does not run in this build")
+    tm = moe_models(name)
+    path = tmp_path / f"{name}-Q8_0.gguf"
+    write_moe_gguf(tm, path, gguf.GGMLQuantizationType.Q8_0)
+    llm = LLM(str(path), tokenizer=tm.path, dtype=dtype, num_gpu_blocks_override=64)
+    model = _model_of(llm)
+    assert model.compiled_layers is not None
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
+    compiled = llm.generate(PROMPTS, params, use_tqdm=False)
+    model.compiled_layers, loop = None, model.compiled_layers
+    python = llm.generate(PROMPTS, params, use_tqdm=False)
+    model.compiled_layers = loop
+    for a, b in zip(compiled, python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        la = torch.tensor([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
+        lb = torch.tensor([lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
+        assert (la - lb).abs().max() <= (2e-2 if dtype == "bfloat16" else 1e-3), a.prompt
+
+
 def test_a_decode_step_reads_only_its_top_k_experts(moe_models):
     tm = moe_models("olmoe")
     llm = LLM(tm.path, dtype="float32", num_gpu_blocks_override=64)

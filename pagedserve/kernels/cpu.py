@@ -600,7 +600,10 @@ class _ModelDims(ctypes.Structure):
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
                [(n, ctypes.c_int64) for n in ("quant_small", "quant_tiles", "small_rows", "decode_rows",
                                               "quant_handover", "rope_dim")] + \
-               [("residual_scale", ctypes.c_float)]
+               [("residual_scale", ctypes.c_float)] + \
+               [(n, ctypes.c_int64) for n in ("quant_moe", "experts", "top_k", "moe_intermediate", "norm_topk_prob",
+                                              "qk_norm_full")] + \
+               [("clip_qkv", ctypes.c_float)]
 
 
 class _CacheRefs(ctypes.Structure):
@@ -641,6 +644,24 @@ def _quant_parts(weight) -> list | None:
     return None
 
 
+def _moe_layer(layer) -> tuple[torch.Tensor, object] | None:
+    """A mixture-of-experts layer's (router float32 [E, H], kernels/moe.py's ExpertTable) for the
+    compiled loop's MoE block (layers/moe_block.h: softmax routing, SwiGLU experts all quantized, no
+    shared expert, no router bias); None for a dense layer or an MoE block it does not run."""
+    from pagedserve.kernels import moe     # (imports quant, which imports this module)
+    w = layer.moe
+    if w is None or w.shared is not None or w.router_bias is not None:
+        return None
+    table = moe.expert_table(w.experts)
+    return None if table is None else (w.router.float().contiguous(), table)
+
+
+def moe_kernels_run() -> bool:
+    """Whether the active quant library runs quant_moe_experts (the 256-bit and scalar builds)."""
+    from pagedserve.kernels import moe
+    return moe.runs_here()
+
+
 def _projection_shape(weight) -> tuple[int, int]:
     """(output rows, input columns) of a packed float weight, a quantized one or its parts."""
     parts = _quant_parts(weight)
@@ -661,6 +682,8 @@ def _check_projection_shapes(model) -> None:
             "gate_up": (2 * a.intermediate_size, a.hidden_size), "down": (a.hidden_size, a.intermediate_size)}
     for i, layer in enumerate(model.layers):
         for name in _PROJECTIONS:
+            if layer.moe is not None and name in ("gate_up", "down"):      # (its experts: the MoE table's checks)
+                continue
             have = _projection_shape(getattr(layer, name))
             if have != want[name]:
                 raise ValueError(f"layer {i} {name}: a weight of {have[0]} rows x {have[1]} columns, but the "
@@ -693,12 +716,16 @@ class DecoderLayers:
         no_rope = set(a.no_rope_layers)
         self._parts = []          # the QuantPart arrays the table points to
         self._tiles: list[tuple[int, int, int]] = []    # (layer, column of tile_rows in the table, weight columns)
+        # mixture-of-experts layers: each one's router and kernels/moe.py's table of its experts
+        self._moe = [_moe_layer(w) for w in model.layers]
         rows = []
         for i, (w, bias) in enumerate(zip(model.layers, self._biases)):
             qkv, o, gate_up, down = (self._projection(getattr(w, name)) for name in _PROJECTIONS)
+            moe = self._moe[i]
             rows.append([*qkv, 0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
                          self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr(),
-                         *(0 if t is None else t.data_ptr() for t in self._qk_norms[i]), int(i not in no_rope)])
+                         *(0 if t is None else t.data_ptr() for t in self._qk_norms[i]), int(i not in no_rope),
+                         *((0, 0) if moe is None else (moe[0].data_ptr(), ctypes.addressof(moe[1].array)))])
             for column, proj in zip(_TILE_COLUMNS, (qkv, o, gate_up, down)):
                 if proj[1]:
                     self._tiles.append((i, column, proj[2]))
@@ -712,13 +739,22 @@ class DecoderLayers:
         self.quantized = bool(self._parts)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                                 a.intermediate_size, a.rms_norm_eps, model.scale,    # quant_*: _quant_calls
-                                rope_dim=a.rope_dim, residual_scale=a.residual_multiplier)
+                                rope_dim=a.rope_dim, residual_scale=a.residual_multiplier,
+                                qk_norm_full=int(a.qk_norm_full), clip_qkv=a.clip_qkv)
+        tables = [m for m in self._moe if m is not None]
+        if tables:
+            d = self._dims
+            d.experts, d.top_k, d.norm_topk_prob = a.moe.num_experts, a.moe.top_k, int(a.moe.norm_topk_prob)
+            d.moe_intermediate = tables[0][1].intermediate
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
 
     def _projection(self, weight) -> tuple[int, int, int]:
         """A projection's (w, nparts, its weight columns) for its table row (Proj in
-        cpu_kernels.cpp; the columns become tile_rows in _quant_calls)."""
+        cpu_kernels.cpp; the columns become tile_rows in _quant_calls); (0, 0, 0) for none (an
+        MoE layer's MLP)."""
         from pagedserve.kernels import quant
+        if weight is None:
+            return 0, 0, 0
         parts = _quant_parts(weight)
         if parts is None:
             return weight.data.data_ptr(), 0, 0
@@ -733,7 +769,11 @@ class DecoderLayers:
         from pagedserve.kernels import quant
         if _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is None:
             return False
-        weights = [getattr(w, n) for w in model.layers for n in _PROJECTIONS]
+        spec = getattr(model.args, "moe", None)
+        if spec is not None and (spec.scoring != "softmax" or spec.activation != "silu" or any(
+                w.moe is not None and _moe_layer(w) is None for w in model.layers)):
+            return False
+        weights = [getattr(w, n) for w in model.layers for n in _PROJECTIONS if getattr(w, n) is not None]
         quantized = [t for t in weights if not isinstance(t, PackedWeight)]
         return all(_quant_parts(t) is not None for t in quantized) and (
             not quantized or quant.kernel_address("quant_linear_small") is not None)
@@ -750,7 +790,10 @@ class DecoderLayers:
             d.quant_small = quant.kernel_address("quant_linear_small")
             d.quant_tiles = quant.kernel_address("quant_linear_tiles")
             d.quant_handover = quant.kernel_address("quant_handover_next")
+            d.quant_moe = quant.kernel_address("quant_moe_experts") if d.experts else 0
             self._quant_lib = lib
+        if d.experts and not moe_kernels_run():
+            return False
         bf16 = self.dtype == torch.bfloat16
         d.small_rows = quant.batch_rows(False, bf16, self._all_r8)
         d.decode_rows = quant.batch_rows(True, bf16, self._all_r8)

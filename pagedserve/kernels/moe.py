@@ -27,6 +27,12 @@ class MoEExpert(ctypes.Structure):
 
 
 UNSUPPORTED = 2        # quant_moe_experts' status where its build does not run it
+BUILDS = ("avx2", "avxvnni", "scalar")       # the quant variants whose quant_moe_experts runs
+
+
+def runs_here() -> bool:
+    """Whether the active quant library runs the kernel (the compiled layer loop asks, per step)."""
+    return quant.variant() in BUILDS
 
 
 def _half(w: QuantizedWeight, second: bool) -> QuantPart:

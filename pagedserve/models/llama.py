@@ -89,11 +89,9 @@ class ModelArgs:
     def beyond_compiled_loop(self) -> list[str]:
         """What this model needs that the compiled CPU layer loop (kernels/cpu.py DecoderLayers)
         does not do: the Python layer loop runs such a model. (It does q/k norms per head, partial
-        rotary, layers without RoPE and the multipliers.)"""
-        return [name for name, on in (("q/k norm over all heads", self.qk_norm_full),
-                                      ("clip_qkv", bool(self.clip_qkv)),
-                                      ("mixture-of-experts layers", self.moe is not None),
-                                      ("sliding-window attention", any(w is not None for w in self.windows())),
+        rotary, layers without RoPE, the multipliers, OLMoE's q/k norms over all heads and clip_qkv,
+        and mixture-of-experts layers whose experts its MoE block takes: DecoderLayers.supports.)"""
+        return [name for name, on in (("sliding-window attention", any(w is not None for w in self.windows())),
                                       ("sandwich norms", self.sandwich_norms),
                                       ("GeGLU", self.mlp_activation != "silu"),
                                       ("soft-capping", bool(self.attn_logit_softcapping)),

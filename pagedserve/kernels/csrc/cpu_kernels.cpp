@@ -66,4 +66,5 @@ extern "C" const char *kernel_variant() {
 #include "lora/amx.h"
 #include "lora/plan.h"
 #include "lora/handover.h"
+#include "layers/moe_block.h"
 #include "layers/decoder_layers.h"

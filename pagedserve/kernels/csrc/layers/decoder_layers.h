@@ -24,11 +24,16 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (project_lora(w.qkv, m, decode, lora, l, 0, h, reinterpret_cast<const float *>(w.qkv_bias), qkv, T_,
                          qkv_size, H))
             return 2;
+        // q/k norms per head, or (qk_norm_full: OLMoE) over all of q and all of k
+        const int64_t q_heads = m.qk_norm_full ? 1 : m.heads, k_heads = m.qk_norm_full ? 1 : m.kv_heads;
         if (w.q_norm)
-            heads_rms_norm(qkv, qkv_size, T_, m.heads, m.head_dim, reinterpret_cast<const T *>(w.q_norm), m.eps);
+            heads_rms_norm(qkv, qkv_size, T_, q_heads, q_size / q_heads, reinterpret_cast<const T *>(w.q_norm), m.eps);
         if (w.k_norm)
-            heads_rms_norm(qkv + q_size, qkv_size, T_, m.kv_heads, m.head_dim, reinterpret_cast<const T *>(w.k_norm),
-                           m.eps);
+            heads_rms_norm(qkv + q_size, qkv_size, T_, k_heads, kv_size / k_heads,
+                           reinterpret_cast<const T *>(w.k_norm), m.eps);
+        if (m.clip_qkv > 0.f)
+            for (int64_t i = 0; i < T_ * qkv_size; i++)
+                store(qkv + i, std::min(m.clip_qkv, std::max(-m.clip_qkv, to_f32(qkv[i]))));
         if (w.rope) rope_inplace(qkv, qkv_size, T_, m.heads + m.kv_heads, m.head_dim, cos, sin, m.rope_dim);
         if constexpr (kQuant<K>)
             write_kv_quant(qkv + q_size, qkv + q_size + kv_size, qkv_size, m.head_dim, qkv_size, m.head_dim, kc, vc,
@@ -44,9 +49,13 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (project_lora(w.o, m, decode, lora, l, 1, attn, nullptr, proj, T_, H, q_size)) return 2;
         if (m.residual_scale != 1.f) scale_inplace(proj, T_ * H, m.residual_scale);
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);
-        if (project_lora(w.gate_up, m, decode, lora, l, 2, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
-        silu_and_mul(gate_up, act, T_, I);
-        if (project_lora(w.down, m, decode, lora, l, 3, act, nullptr, proj, T_, H, I)) return 2;
+        if (w.moe_experts) {     // a mixture-of-experts layer (LoRA never targets experts)
+            if (moe_block(w, m, h, proj, T_)) return 2;
+        } else {
+            if (project_lora(w.gate_up, m, decode, lora, l, 2, h, nullptr, gate_up, T_, 2 * I, H)) return 2;
+            silu_and_mul(gate_up, act, T_, I);
+            if (project_lora(w.down, m, decode, lora, l, 3, act, nullptr, proj, T_, H, I)) return 2;
+        }
         if (m.residual_scale != 1.f) scale_inplace(proj, T_ * H, m.residual_scale);
         add_rms_norm(x, proj, next_norm, h, T_, H, m.eps);
     }

@@ -23,6 +23,9 @@ struct LayerPtrs {    // one row of the pointer table built in Python (kernels/c
     int64_t input_norm, post_norm;
     int64_t q_norm, k_norm;       // per-head q/k RMSNorm weights [D] (Qwen3), or 0
     int64_t rope;                 // 0: this layer's attention has no RoPE (SmolLM3's NoPE layers)
+    // A mixture-of-experts layer (gate_up, down unused): its router float32 [experts][hidden] and
+    // quant_kernels' MoEExpert array (layers/moe_block.h); 0 in a dense layer.
+    int64_t moe_router, moe_experts;
 };
 struct ModelDims {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -35,6 +38,11 @@ struct ModelDims {
     int64_t quant_handover;                   // quant_handover_next (project_lora), or 0
     int64_t rope_dim;                         // leading values of a head RoPE turns (< head_dim: partial)
     float residual_scale;                     // attention / MLP outputs scaled before the residual add
+    // Mixture-of-experts layers (layers/moe_block.h): quant_moe_experts by address (0: none),
+    // experts, k a token, each expert's width, whether the k weights are renormalised; then
+    // OLMoE's q/k norm over all of q and all of k (not per head) and its clamp of q, k, v (0: none).
+    int64_t quant_moe, experts, top_k, moe_intermediate, norm_topk_prob, qk_norm_full;
+    float clip_qkv;
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
