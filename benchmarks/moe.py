@@ -4,6 +4,7 @@ read only when routed to.
     .venv/bin/python benchmarks/moe.py                       # Q4_0, all 16 layers (~3.9 GB file)
     .venv/bin/python benchmarks/moe.py --mixes Q4_0 Q8_0 --layers 8
     .venv/bin/python benchmarks/moe.py --llama-bench /path/to/llama-bench
+    .venv/bin/python benchmarks/moe.py --mixes Q4_K_M --llama-quantize /path/to/llama-quantize
     .venv/bin/python benchmarks/moe.py --tiny                # a 2-layer narrow shape: checks the script
 
 The shape is OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924's config: hidden 2048, 16 layers, 16 heads of
@@ -13,7 +14,8 @@ The shape is OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924's config: hidden 2048, 16 l
 converter lays it out (experts stacked per projection: ffn_{gate,up,down}_exps; routers float32),
 with random valid blocks (uniform nibbles / bytes, fp16 scales of a small spread: the routers then
 spread tokens over the experts about evenly), in the mix's types (Q4_0: every matrix in Q4_0 but
-the embedding and output in Q8_0; Q8_0: all in Q8_0).
+the embedding and output in Q8_0; Q8_0: all in Q8_0; Q4_K_M: llama-quantize's mix of the Q8_0
+file, requantized).
 
 Each configuration runs in a child process (benchmarks/quantized.py's run_child): single-stream
 decode tok/s (rounds of a 128-token prompt then decode steps: the median of the rounds' median
@@ -50,7 +52,8 @@ OLMOE_1B_7B = dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", hidde
                    num_experts_per_tok=8, norm_topk_prob=False, vocab_size=49152, max_position_embeddings=4096,
                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, clip_qkv=None,
                    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0", "output": "Q8_0"}, "Q8_0": {"*": "Q8_0"}}
+MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0", "output": "Q8_0"}, "Q8_0": {"*": "Q8_0"},
+         "Q4_K_M": None}        # llama-quantize's, from the Q8_0 file (--llama-quantize)
 _SCALE = {"Q4_0": 0.004, "Q8_0": 0.0004}        # fp16 block scales: weights of std ~0.02
 
 
@@ -109,6 +112,8 @@ def main() -> None:
     ap.add_argument("--mixes", nargs="+", default=["Q4_0"], choices=list(MIXES))
     ap.add_argument("--layers", type=int, default=None, help="layers of the shape (default: OLMoE's 16)")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench: run it on the same files")
+    ap.add_argument("--llama-quantize", default=None, help="path of llama.cpp's llama-quantize: makes the Q4_K_M "
+                                                          "mix from the Q8_0 file (requantized: random weights)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer 256-wide shape: checks the script, measures nothing")
     ap.add_argument("--work-dir", default=None, help="where the GGUF files are written (default: a temporary dir)")
     ap.add_argument("--decode-rounds", type=int, default=3)
@@ -146,7 +151,17 @@ def main() -> None:
     try:
         for mix in args.mixes:
             path = work / f"olmoe-shape-{config['num_hidden_layers']}l-{mix}.gguf"
-            if not path.exists():
+            if not path.exists() and MIXES[mix] is None:       # llama-quantize's mix, from the Q8_0 file
+                if not args.llama_quantize:
+                    ap.error(f"--mixes {mix} needs --llama-quantize")
+                source = work / f"olmoe-shape-{config['num_hidden_layers']}l-Q8_0.gguf"
+                if not source.exists():
+                    print(f"  writing {source.name} ...", flush=True)
+                    write_olmoe_gguf(config, MIXES["Q8_0"], source, tokenizer_from)
+                print(f"  llama-quantize {mix} ...", flush=True)
+                subprocess.run([args.llama_quantize, "--allow-requantize", str(source), str(path), mix, str(threads)],
+                               check=True, capture_output=True)
+            elif not path.exists():
                 print(f"  writing {path.name} ...", flush=True)
                 write_olmoe_gguf(config, MIXES[mix], path, tokenizer_from)
             print(f"  {mix} native ...", flush=True)
