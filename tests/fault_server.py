@@ -11,6 +11,8 @@ takes at least 20 ms longer, so a test can hold requests running for a known tim
 """
 from __future__ import annotations
 
+import functools
+import json
 import sys
 import time
 
@@ -24,10 +26,11 @@ STEP_FAULT = "FAULT-IN-THE-STEP"
 FATAL_FAULT = "FAULT-OUTSIDE-ANY-REQUEST"
 SLOW_STEPS = "SLOW-STEPS"
 SLOW_STEP_SECONDS = 0.02
-# A grammar holding this string compiles for SLOW_COMPILE_SECONDS (xgrammar's compile cannot be
-# interrupted: the compile pool's time limit and abandonment must cope with it).
+# A grammar holding this string is compiled as slow_grammar() instead: a real compile of about
+# 15 s on the tiny model's vocabulary (xgrammar's compile cannot be interrupted in a process: the
+# time limit must kill its child process, and abandonment too).
 SLOW_COMPILE = "SLOW-COMPILE"
-SLOW_COMPILE_SECONDS = 30.0
+SLOW_COMPILE_PROPERTIES = 3000
 # A chat whose message holds this string takes SLOW_RENDER_SECONDS to render (a huge template).
 SLOW_RENDER = "SLOW-RENDER"
 SLOW_RENDER_SECONDS = 30.0
@@ -35,6 +38,21 @@ SLOW_RENDER_SECONDS = 30.0
 
 class InjectedFault(RuntimeError):
     pass
+
+
+def slow_schema(properties: int) -> dict:
+    """A JSON schema that is slow to compile, within every size limit at 1300 properties (about
+    240 kB of grammar): required string properties, each with a pattern. xgrammar's compile grows
+    faster than linearly in them (tiny vocabulary, 2 busy cores: 1300 about 3 s, 3000 about 15 s;
+    the default model's: 1000 about 17 s)."""
+    return {"type": "object", "required": [f"p{i}" for i in range(properties)],
+            "properties": {f"p{i}": {"type": "string", "pattern": "[a-z0-9_]+[^x]*"} for i in range(properties)}}
+
+
+@functools.cache
+def slow_grammar() -> str:
+    import xgrammar as xgr
+    return str(xgr.Grammar.from_json_schema(json.dumps(slow_schema(SLOW_COMPILE_PROPERTIES)), any_whitespace=False))
 
 
 def _marked(req, marker: str) -> bool:
@@ -88,10 +106,8 @@ def install(patch=None) -> None:
     patch(LLMEngine, "tokenize_prompt", text_of_every_prompt)
     compile_grammar = GrammarCompiler._compile
 
-    def slow_compile(self, ebnf):
-        if SLOW_COMPILE in ebnf:
-            time.sleep(SLOW_COMPILE_SECONDS)
-        return compile_grammar(self, ebnf)
+    def slow_compile(self, ebnf, *args):
+        return compile_grammar(self, slow_grammar() if SLOW_COMPILE in ebnf else ebnf, *args)
     patch(GrammarCompiler, "_compile", slow_compile)
     from pagedserve.server import serving
     render_chat = serving.render_chat

@@ -133,9 +133,9 @@ def test_grammars_compile_off_the_engine_thread_and_are_cached(llm, monkeypatch)
     release = threading.Event()
     compile_grammar = GrammarCompiler._compile
 
-    def slow_compile(self, ebnf):
+    def slow_compile(self, ebnf, *args):
         release.wait(60)
-        return compile_grammar(self, ebnf)
+        return compile_grammar(self, ebnf, *args)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
     constraint = StructuredOutputsParams(regex="(ab)+c")   # not compiled before in this module
@@ -161,7 +161,7 @@ def test_grammars_compile_off_the_engine_thread_and_are_cached(llm, monkeypatch)
 
 
 def test_a_grammar_that_fails_to_compile_fails_its_request_only(llm, monkeypatch):
-    def broken(self, ebnf):
+    def broken(self, ebnf, *args):
         raise RuntimeError("compiler exploded")
     monkeypatch.setattr(GrammarCompiler, "_compile", broken)
     bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="x{2}y"))

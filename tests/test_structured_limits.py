@@ -1,17 +1,21 @@
 """Structured outputs against a hostile client (issue 34): the compile pool's time limit,
 abandoned compiles, the cache's byte bound, schema depth and size limits, repeat caps, and
 grammars that can match nothing. The compiler runs over the tests' tiny tokenizer (400 tokens),
-so real xgrammar compiles stay fast; slow compiles are simulated by blocking `_compile`."""
+so real xgrammar compiles stay fast; slow compiles are a real schema that is slow to compile
+(tests/fault_server.py's slow_schema), or simulated by blocking `_compile`."""
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 
 import pytest
 import xgrammar
 
-from pagedserve import InvalidRequestError, StructuredOutputsParams
+from pagedserve import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 from pagedserve.structured.manager import GrammarCompiler
+from tests.fault_server import slow_schema
 
 WAIT = 60   # seconds any future may take here before the test fails (never reached when it passes)
 
@@ -35,10 +39,10 @@ def blocked(monkeypatch):
     release = threading.Event()
     original = GrammarCompiler._compile
 
-    def maybe_slow(self, ebnf):
+    def maybe_slow(self, ebnf, *args):
         if "slow" in ebnf:
             release.wait(WAIT)
-        return original(self, ebnf)
+        return original(self, ebnf, *args)
     monkeypatch.setattr(GrammarCompiler, "_compile", maybe_slow)
     yield release
     release.set()
@@ -60,14 +64,69 @@ def test_grammar_text_is_built_on_the_compile_pool_only(compiler, monkeypatch):
     assert threads and all(t.startswith("pagedserve-grammar") for t in threads), threads
 
 
-def test_a_compile_over_the_time_limit_fails_with_a_clear_error_and_frees_the_pool(compiler, blocked):
-    c = compiler(num_threads=1, compile_timeout=0.2)
-    slow = c.compile(StructuredOutputsParams(grammar='root ::= "slow"'))
+SLOW = slow_schema(1300)    # a real compile of about 3 s here, within every size limit
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (the pool reaps what it kills)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_compile_over_the_time_limit_is_killed_with_its_process(compiler):
+    """The compile runs in a child process that the time limit kills: the client gets a clear
+    error, the compile does not run on (no orphan thread, the process is gone) and the next
+    compile works."""
+    c = compiler(num_threads=1, compile_timeout=0.3)
+    assert c.compile(StructuredOutputsParams(regex="ab?")).result(WAIT) is not None   # its process started
+    (pid,) = c._processes.pids
+    start = time.monotonic()
     with pytest.raises(InvalidRequestError, match="time limit") as e:
-        slow.result(WAIT)
+        c.compile(StructuredOutputsParams(json=SLOW)).result(WAIT)
     assert e.value.param == "structured_outputs"
-    # The timed-out compile still runs (xgrammar cannot be interrupted) but holds no slot.
-    assert c.compile(StructuredOutputsParams(regex="ab?")).result(WAIT) is not None
+    assert time.monotonic() - start < 2.5          # the limit, the schema's conversion and parse; not the compile
+    assert not alive(pid) and c._pool._orphans == 0
+    assert c.compile(StructuredOutputsParams(regex="abc?")).result(WAIT) is not None
+    assert pid not in c._processes.pids and all(alive(p) for p in c._processes.pids)
+
+
+def test_an_abandoned_compile_is_killed_with_its_process(compiler):
+    c = compiler(num_threads=1, compile_timeout=WAIT)
+    c.compile(StructuredOutputsParams(regex="ab?")).result(WAIT)
+    state = c.new_state(StructuredOutputsParams(json=SLOW))
+    deadline = time.monotonic() + WAIT
+    while not c._processes._busy and not state.compiled.done() and time.monotonic() < deadline:
+        time.sleep(0.01)                           # until its child has the grammar
+    assert not state.compiled.done()
+    (pid,) = [child.pid for child in c._processes._busy]
+    state.release()                                # its client left
+    with pytest.raises(Exception, match="abandoned"):
+        state.compiled.result(WAIT)
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(pid)
+
+
+def test_the_engine_fails_only_the_slow_request_and_keeps_no_block(tiny_llama):
+    llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, structured_outputs_compile_timeout=0.3)
+    try:
+        slow = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=SLOW))
+        with pytest.raises(Exception, match="time limit"):      # (RequestsFailed naming it)
+            llm.generate(["a", "b"], [slow, SamplingParams(max_tokens=4)], use_tqdm=False)
+        assert llm.kv_cache_stats()["num_used_blocks"] == 0
+        llm.engine.check_paging_invariants()
+        (out,) = llm.generate(["b"], SamplingParams(temperature=0, max_tokens=4,
+                                                    structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                              use_tqdm=False)
+        assert out.outputs[0].text in ("yes", "no")
+        pids = llm.engine.grammars._processes.pids
+    finally:
+        llm.shutdown()
+    assert pids and not any(alive(p) for p in pids)     # shutdown kills the compile processes
 
 
 def test_abandoned_compiles_do_not_hold_new_ones(compiler, blocked):

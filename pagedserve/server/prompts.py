@@ -81,7 +81,7 @@ class _Lane:
     def __init__(self, name: str, tokenizer: Any, copy_tokenizer: bool) -> None:
         self._tokenizer = tokenizer
         self._copy = copy_tokenizer
-        self._pool = CompilePool(1, None, lambda _: RuntimeError("no time limit"), max_orphans=0, name=name)
+        self._pool = CompilePool(1, max_orphans=0, name=name)
 
     def tokenizer(self) -> Any:
         """(The lane's thread.) Its tokenizer, copied on first use."""

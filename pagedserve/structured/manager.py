@@ -25,6 +25,7 @@ import numpy as np
 from pagedserve.errors import InvalidRequestError
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.utils import cdiv
+from pagedserve.structured.compile_process import CompileJob, CompileProcesses, TrialFailed, TrialTimeout
 from pagedserve.structured.pool import CompilePool, Task
 
 BITS = 32
@@ -44,6 +45,7 @@ class _Entry:
     key: tuple[str, str]
     future: Future
     task: Task | None = None
+    job: CompileJob | None = None   # its trial compile (a child process), which release() kills
     users: int = 0
     nbytes: int = 0
     cached: bool = True          # in the cache (its bytes counted)
@@ -54,8 +56,9 @@ class GrammarCompiler:
     grammar text there too: converting a schema is proportional to its size), with the results
     cached by the constraint's text, least recently used evicted past `max_cache_bytes`.
 
-    Limits: `compile_timeout` seconds per compile (then the request fails with a 400-kind
-    InvalidRequestError, and the compile runs on as an orphan, see pool.py);
+    Limits: `compile_timeout` seconds per compile, enforced by a trial compile in a child process
+    that is killed past it (compile_process.py; then the request fails with a 400-kind
+    InvalidRequestError); without a limit, compiles run in this process only;
     `max_grammar_bytes` of grammar text per constraint; a grammar that matches no text at all is
     refused once compiled. A compile whose every request has gone (`release`) is abandoned."""
 
@@ -70,7 +73,10 @@ class GrammarCompiler:
         self._compiler = None     # xgrammar's, over its view of the vocabulary: built on a pool thread
         self.compile_timeout = compile_timeout if compile_timeout and compile_timeout > 0 else None
         self.max_grammar_bytes = max_grammar_bytes if max_grammar_bytes and max_grammar_bytes > 0 else None
-        self._pool = CompilePool(num_threads, self.compile_timeout, _timeout_error)
+        self._pool = CompilePool(num_threads)
+        self._processes: CompileProcesses | None = None   # the trial compiles' children, with the compiler
+        self._num_threads = num_threads
+        self._closed = False
         self._cache: dict[tuple[str, str], _Entry] = {}   # least recently used first
         self.max_cache_bytes = max_cache_bytes
         self.cache_bytes = 0
@@ -99,7 +105,8 @@ class GrammarCompiler:
                 self._forget(entry)
                 entry = None
             if entry is None:
-                entry = _Entry(key, Future(), nbytes=len(key[0]) + len(key[1]) + ENTRY_OVERHEAD)
+                entry = _Entry(key, Future(), job=CompileJob(),
+                               nbytes=len(key[0]) + len(key[1]) + ENTRY_OVERHEAD)
                 self.cache_bytes += entry.nbytes
                 entry.task = self._pool.submit(lambda e=entry: self._build(params, e))
                 entry.future = entry.task.future
@@ -113,12 +120,15 @@ class GrammarCompiler:
 
     def release(self, entry: _Entry) -> None:
         """A request using the entry has ended; a compile nobody waits for any more is abandoned
-        (dropped from the queue, or left to finish as an orphan, its result dropped)."""
+        (dropped from the queue; its trial compile's child killed; a compile in this process
+        left to finish as an orphan, its result dropped)."""
         with self._lock:
             entry.users -= 1
             abandon = entry.users <= 0 and not entry.future.done()
             if abandon:
                 self._forget(entry)
+        if abandon and entry.job is not None:
+            entry.job.cancel()
         if abandon and entry.task is not None:
             self._pool.abandon(entry.task, RuntimeError("the grammar compile was abandoned: its requests ended"))
 
@@ -159,7 +169,7 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"the constraint is too large: its grammar is {len(text)} bytes and the limit is "
                 f"{self.max_grammar_bytes} (--structured-outputs-max-grammar-bytes)", "structured_outputs")
-        compiled = self._compile(text)
+        compiled = self._compile(text, entry.job)
         if not _matches_something(compiled, self.vocab_size, self.stop_token_ids):
             raise InvalidRequestError(f"the {params.kind} matches no text: no token can start it and it cannot end "
                                       f"empty (e.g. a rule that only refers to itself)",
@@ -167,20 +177,35 @@ class GrammarCompiler:
         self._count(entry, compiled)
         return compiled
 
-    def _compile(self, ebnf: str):
+    def _compile(self, ebnf: str, job: CompileJob | None = None):
+        """(Pool thread.) With a time limit: the trial compile in a child process first (killed
+        past the limit), then the compile here, which takes what the trial took."""
         try:
             grammar = self._xgr.Grammar.from_ebnf(ebnf)
         except (RuntimeError, ValueError) as e:
             raise InvalidRequestError(f"invalid grammar: {e}", "structured_outputs") from None
-        return self._xgrammar_compiler().compile_grammar(grammar)
+        compiler = self._xgrammar_compiler()
+        if self.compile_timeout is not None:
+            try:
+                self._processes.trial(ebnf, self.compile_timeout, job or CompileJob())
+            except TrialTimeout:
+                raise _timeout_error(self.compile_timeout) from None
+            except TrialFailed as e:
+                raise InvalidRequestError(f"the grammar did not compile: {e}", "structured_outputs") from None
+        return compiler.compile_grammar(grammar)
 
     def _xgrammar_compiler(self):
-        """Built by the first compile (reading the vocabulary takes a while), not on the engine thread."""
+        """Built by the first compile (reading the vocabulary takes a while), not on the engine
+        thread; with it, the trial compiles' child processes (over the same vocabulary)."""
         with self._build_lock:
             if self._compiler is None:
                 xgr = self._xgr
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
+                if self.compile_timeout is not None:
+                    self._processes = CompileProcesses(info.serialize_json(), max_idle=self._num_threads)
+                    if self._closed:
+                        self._processes.close()
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
@@ -192,6 +217,9 @@ class GrammarCompiler:
     def close(self) -> None:
         """Fail every queued and running compile now (shutdown); the threads never hold the exit."""
         self._pool.close(RuntimeError("the grammar compile was cancelled: the server is shutting down"))
+        self._closed = True
+        if self._processes is not None:     # (one built after this closes itself: _xgrammar_compiler)
+            self._processes.close()
 
 
 def _timeout_error(seconds: float) -> InvalidRequestError:

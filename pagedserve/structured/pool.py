@@ -1,20 +1,18 @@
-"""CompilePool: the threads grammars compile on, with a time limit and abandonment.
+"""CompilePool: the threads grammars compile on, with abandonment.
 
-xgrammar's compile cannot be interrupted, so a compile nobody wants any more (its client left,
-or it ran past the time limit) cannot be stopped; what the pool does instead:
+The time limit is not the pool's: a trial compile in a child process enforces it
+(compile_process.py). A task nobody wants any more (its client left) is handled so:
 - a queued task that is abandoned leaves the queue (it never runs);
-- a running task that is abandoned or times out becomes an orphan: its future is answered at once
+- a running task that is abandoned becomes an orphan (its owner also stops what it can, e.g.
+  kills its trial compile's child): its future is answered at once
   (an error), its result is dropped when it ends, and the pool starts a spare thread so that
   `num_threads` threads stay free for wanted work (at most `max_orphans` orphans run at a time;
   beyond that new work waits for one to end, which the per-request size caps keep short);
 - threads are daemons: an orphan never holds the process's exit (SIGTERM), and `close()` answers
   every queued and running task at once.
-The time limit counts from a task's start on a thread (queueing is bounded by the limit of the
-tasks ahead of it).
 """
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections import deque
@@ -33,22 +31,17 @@ class Task:
 
 
 class CompilePool:
-    def __init__(self, num_threads: int, timeout: float | None, timeout_error: Callable[[float], BaseException],
-                 max_orphans: int = 4, name: str = "pagedserve-grammar") -> None:
+    def __init__(self, num_threads: int, max_orphans: int = 4, name: str = "pagedserve-grammar") -> None:
         self.num_threads = max(1, num_threads)
-        self.timeout = timeout if timeout and timeout > 0 else None
         self.max_orphans = max_orphans
-        self._timeout_error = timeout_error
         self._name = name
         self._cond = threading.Condition()
         self._queue: deque[Task] = deque()
         self._running: set[Task] = set()
-        self._deadlines: list[tuple[float, int, Task]] = []   # heap, for the timer thread
         self._threads = 0
         self._idle = 0
         self._orphans = 0            # orphaned tasks still running
         self._closed = False
-        self._timer: threading.Thread | None = None
 
     # ---- callers -----------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any]) -> Task:
@@ -59,7 +52,7 @@ class CompilePool:
                 return task
             self._queue.append(task)
             self._spawn_if_needed()
-            self._cond.notify_all()   # the timer thread waits on it too
+            self._cond.notify_all()
         return task
 
     def abandon(self, task: Task, error: BaseException) -> None:
@@ -116,8 +109,6 @@ class CompilePool:
                 task = self._queue.popleft()
                 task.started = time.monotonic()
                 self._running.add(task)
-                if self.timeout is not None:
-                    self._watch(task)
             try:
                 result, error = task.fn(), None
             except BaseException as e:   # noqa: BLE001 - handed to whoever waits on the future
@@ -132,32 +123,6 @@ class CompilePool:
                         return
                     continue
             _answer(task.future, result, error)
-
-    def _watch(self, task: Task) -> None:
-        """(Lock held.) The timer thread fails the task when its time is up."""
-        heapq.heappush(self._deadlines, (task.started + self.timeout, id(task), task))
-        if self._timer is None:
-            self._timer = threading.Thread(target=self._time, name=f"{self._name}-timer", daemon=True)
-            self._timer.start()
-        self._cond.notify_all()
-
-    def _time(self) -> None:
-        while True:
-            expired = []
-            with self._cond:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                while self._deadlines and (self._deadlines[0][0] <= now or self._deadlines[0][2].future.done()):
-                    _, _, task = heapq.heappop(self._deadlines)
-                    if task in self._running and not task.orphan and not task.future.done():
-                        self._orphan(task)
-                        expired.append(task)
-                if not expired:
-                    wait = self._deadlines[0][0] - now if self._deadlines else None
-                    self._cond.wait(wait)
-            for task in expired:
-                _answer(task.future, error=self._timeout_error(self.timeout))
 
 
 def _answer(future: Future, result: Any = None, error: BaseException | None = None) -> None:
