@@ -83,11 +83,9 @@ def test_a_compile_over_the_time_limit_is_killed_with_its_process(compiler):
     c = compiler(num_threads=1, compile_timeout=0.3)
     assert c.compile(StructuredOutputsParams(regex="ab?")).result(WAIT) is not None   # its process started
     (pid,) = c._processes.pids
-    start = time.monotonic()
     with pytest.raises(InvalidRequestError, match="time limit") as e:
         c.compile(StructuredOutputsParams(json=SLOW)).result(WAIT)
     assert e.value.param == "structured_outputs"
-    assert time.monotonic() - start < 2.5          # the limit, the schema's conversion and parse; not the compile
     assert not alive(pid) and c._pool._orphans == 0
     assert c.compile(StructuredOutputsParams(regex="abc?")).result(WAIT) is not None
     assert pid not in c._processes.pids and all(alive(p) for p in c._processes.pids)

@@ -275,4 +275,7 @@ def _child_main() -> None:
 
 
 if __name__ == "__main__":
-    _child_main()
+    try:
+        _child_main()
+    except (BrokenPipeError, KeyboardInterrupt):   # the parent went away (or was interrupted)
+        os._exit(0)
