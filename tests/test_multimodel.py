@@ -371,6 +371,51 @@ def _manager(names, **server):
     return ModelManager(specs, EngineConfig(), ServerConfig(**server), start)
 
 
+def test_a_capacity_refusal_is_a_503_with_retry_after_and_leaves_the_model_unloaded():
+    """Every loaded model busy: a request for another one gets a 503 with Retry-After in its API's
+    shape, /v1/models shows it unloaded (not failed), and once a model is free the retry loads it."""
+    import asyncio
+
+    from starlette.responses import PlainTextResponse
+
+    from pagedserve.server.config import ServerConfig
+    from pagedserve.server.multi import ModelDispatch, build_top_app
+    from pagedserve.server.state import ServerState
+
+    async def scenario():
+        m = _manager(["a", "b", "c"], max_loaded_models=2, keep_alive="-1")
+        start = m._start_model
+
+        async def start_with_routes(entry):
+            loaded = await start(entry)
+            loaded.app = PlainTextResponse(f"hello from {entry.name}")
+            return loaded
+        m._start_model = start_with_routes
+        state = ServerState(m, list(m.entries), None)
+        app = ModelDispatch(build_top_app(state, m, ServerConfig()), m)
+        a, b = await m.acquire("a"), await m.acquire("b")                      # both busy
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            for path, body, shape in [
+                    ("/v1/chat/completions", {"model": "c", "messages": []}, lambda j: j["error"]["code"]),
+                    ("/api/chat", {"model": "c", "messages": [{"role": "user", "content": "hi"}]},
+                     lambda j: j["error"]),
+                    ("/v1/messages", {"model": "c", "max_tokens": 1, "messages": []}, lambda j: j["error"]["type"]),
+                    ("/models/load", {"model": "c"}, lambda j: j["error"]["code"])]:
+                r = await http.post(path, json=body)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", (path, r.text)
+                assert shape(r.json()) and "no loaded model is idle" in r.text, (path, r.text)
+                cards = {c["id"]: c["status"] for c in (await http.get("/v1/models")).json()["data"]}
+                assert cards["c"] == {"value": "unloaded"}, cards
+            m.release(b)                                                          # b idle: it makes room
+            r = await http.post("/v1/completions", json={"model": "c", "prompt": "hi"})
+            assert r.status_code == 200 and r.text == "hello from c"
+            cards = {c["id"]: c["status"]["value"] for c in (await http.get("/v1/models")).json()["data"]}
+            assert cards == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        m.release(a)
+    asyncio.run(scenario())
+
+
 def test_manager_least_recently_used_busy_and_memory():
     import asyncio
 
@@ -386,7 +431,8 @@ def test_manager_least_recently_used_busy_and_memory():
         assert m.entries["b"].status == "unloaded" and m.entries["c"].status == "loaded"
         with pytest.raises(APIError, match="no loaded model is idle") as e:   # a and c busy
             await m.acquire("b")
-        assert e.value.status == 503 and m.entries["b"].status == "failed"
+        assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
+        assert m.entries["b"].status == "unloaded" and m.entries["b"].error is None   # not the model's fault
         assert m.entries["a"].status == "loaded" and m.entries["c"].status == "loaded"
         m.release(a)
         m.release(c)

@@ -43,7 +43,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 def anthropic_error(e: APIError) -> JSONResponse:
     kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status)
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
+                        headers=e.headers)
 
 
 def _id(prefix: str) -> str:

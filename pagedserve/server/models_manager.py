@@ -3,7 +3,8 @@ own KV cache), ServerState and routes (app.py's build_app); `ModelManager` loads
 unloads them when idle.
 
 A model's life: unloaded -> loading -> loaded -> unloading -> unloaded (or failed, when its load
-raised: the error is kept for /v1/models and the next request tries again). A request leases its
+raised: the error is kept for /v1/models and the next request tries again; a load refused for room,
+`NoRoom`, leaves it unloaded and answers 503 with Retry-After). A request leases its
 model (`acquire`) for as long as it is answered, a stream to its end; `release` sets the model's
 keep-alive from the request's `keep_alive` (Ollama's semantics: the last request's wins) or the
 server's --keep-alive, and once no request holds it a timer unloads it after that time. Loads run
@@ -32,13 +33,21 @@ from typing import Any, Callable
 from pagedserve.config import EngineConfig
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.errors import APIError
+from pagedserve.server.errors import RETRY_AFTER_S, APIError
 from pagedserve.server.model_specs import ModelSpec, parse_duration, parse_memory, rss_bytes
 from pagedserve.server.state import ServerState
 
 logger = logging.getLogger("pagedserve.server")
 
 DEFAULT_KV_BYTES = 2 * 1024**3      # the engine's CPU default when kv_cache_memory is unset
+
+
+class NoRoom(APIError):
+    """A load refused for capacity (every loaded model busy, or --max-memory): a 503 with
+    Retry-After; the model stays unloaded and the next request for it tries again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "model", "model_capacity", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass
@@ -164,6 +173,8 @@ class ModelManager:
                 task = entry.task
                 try:
                     await asyncio.shield(task)
+                except NoRoom:
+                    raise   # every request waiting for this load hears it: 503, retry later
                 except APIError:
                     if entry.status == "failed":
                         raise
@@ -218,6 +229,10 @@ class ModelManager:
                 logger.info("loading model %s from %s", entry.name, entry.spec.path)
                 loaded = await self._start_model(entry)
                 loaded.memory_bytes = max(rss_bytes() - before, 0)
+            except NoRoom as e:   # nothing wrong with the model: it stays unloaded, a later request tries again
+                entry.status, entry.progress = "unloaded", ""
+                logger.warning("model %s was not loaded: %s", entry.name, e.message)
+                raise
             except APIError as e:
                 entry.status, entry.error, entry.progress = "failed", e.message, ""
                 logger.error("model %s was not loaded: %s", entry.name, e.message)
@@ -255,8 +270,8 @@ class ModelManager:
             idle = [e for e in self.entries.values()
                     if e.status == "loaded" and e is not entry and e.leases == 0 and e.waiting == 0]
             if not idle:
-                raise APIError(503, f"cannot load the model {entry.name!r}: {problem}, and no loaded model is "
-                                    f"idle to unload; retry later", "model", "model_capacity")
+                raise NoRoom(f"cannot load the model {entry.name!r}: {problem}, and no loaded model is idle to "
+                             f"unload; retry later")
             victim = min(idle, key=lambda e: e.last_used)
             entry.progress = f"unloading {victim.name} to make room"
             await self.unload(victim.name, f"least recently used, to make room for {entry.name} ({problem})")

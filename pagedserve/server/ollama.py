@@ -55,7 +55,7 @@ def ollama_time(seconds: float) -> str:
 
 
 def ollama_error(e: APIError) -> JSONResponse:
-    return JSONResponse({"error": e.message}, status_code=e.status)
+    return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
 
 
 async def not_supported(raw: Request) -> JSONResponse:
