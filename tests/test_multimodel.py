@@ -31,11 +31,13 @@ def models_dir(tiny_llama, tmp_path_factory):
         pytest.skip(str(e))
     d = tmp_path_factory.mktemp("models")
     (d / "smollm2.gguf").symlink_to(default)
+    (d / "hermes.gguf").symlink_to(default)     # the same model with the hermes template (ChatML with tools)
     for name in ("tiny", "embed", "tiny2"):
         (d / name).symlink_to(tiny_llama.path)
     (d / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
     tiny = {"dtype": "float32", "kv_cache_memory": 1 << 20}
     (d / "models.json").write_text(json.dumps({"smollm2": {"kv_cache_memory": 32 << 20}, "tiny": tiny,
+                                               "hermes": {"kv_cache_memory": 32 << 20, "chat_template": "hermes"},
                                                "tiny2": tiny, "embed": {**tiny, "runner": "pooling"}}))
     return d
 
@@ -104,7 +106,7 @@ def test_models_dir_settings_are_checked(tmp_path, tiny_llama):
 
 # ---- the server ---------------------------------------------------------------------------------
 def test_models_are_listed_and_loaded_on_first_request(server, http):
-    assert set(statuses(http)) == {"smollm2", "tiny", "embed", "tiny2", "broken"}
+    assert set(statuses(http)) == {"smollm2", "hermes", "tiny", "embed", "tiny2", "broken"}
     http.post("/models/unload", json={"model": "smollm2"}).raise_for_status()
     assert statuses(http)["smollm2"] == "unloaded"
     reply = openai_client(server).chat.completions.create(
@@ -174,8 +176,49 @@ def test_ollama_generate_format_and_errors(server):
         o.pull("llama3")
     with pytest.raises(ollama.ResponseError, match="does not exist"):
         o.chat(model="nope", messages=[{"role": "user", "content": "hi"}])
-    assert {m.model for m in o.list().models} == {"smollm2", "tiny", "embed", "tiny2", "broken"}
+    assert {m.model for m in o.list().models} == {"smollm2", "hermes", "tiny", "embed", "tiny2", "broken"}
     assert "completion" in o.show("smollm2").capabilities
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CITIES = ["London", "Berlin", "Rome"]     # earlier turns: the small model follows them and calls the tool
+
+
+def test_the_models_own_tool_calls_become_tool_calls(server):
+    """No forced tool choice: the model writes a hermes <tool_call> and the server hands it out as
+    Ollama's message.tool_calls (plain and streamed) and Anthropic's tool_use block."""
+    def ask(city):
+        return {"role": "user", "content": f"What is the weather in {city}?"}
+    messages = []
+    for city in CITIES:
+        messages += [ask(city), {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": city}}}]}]
+    messages.append(ask("Paris"))
+    o = ollama_client(server)
+    options = {"temperature": 0, "num_predict": 40}
+    reply = o.chat(model="hermes", messages=messages, tools=[WEATHER], options=options)
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    assert reply.message.content == "" and reply.done_reason == "stop"
+    untouched = o.chat(model="hermes", messages=messages, options=options)    # no tools: the text as it is
+    assert untouched.message.tool_calls is None and "<tool_call>" in untouched.message.content
+    streamed = list(o.chat(model="hermes", messages=messages, tools=[WEATHER], options=options, stream=True))
+    assert "".join(p.message.content for p in streamed) == "" and streamed[-1].done
+    assert [c.function for p in streamed for c in p.message.tool_calls or []] == [call.function]
+
+    a = anthropic_client(server)
+    history = []
+    for i, city in enumerate(CITIES):
+        history += [ask(city), {"role": "assistant", "content": [
+            {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {"city": city}}]}]
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    message = a.messages.create(model="hermes", max_tokens=40, tools=[tool], messages=history + [ask("Paris")],
+                                extra_body=GREEDY)
+    assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["tool_use"]
+    assert message.content[0].name == "get_weather" and message.content[0].input == {"city": "Paris"}
 
 
 def test_anthropic_tools_and_errors(server):
