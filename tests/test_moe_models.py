@@ -16,6 +16,7 @@ from pagedserve.kernels import quant
 from pagedserve.models.moe import count_expert_reads
 from pagedserve.models.quantized import model_weight_bytes
 from tests.conftest import hf_greedy
+from tests.gpt_oss_utils import tiny_gpt_oss
 from tests.moe_utils import MOE_VARIANTS, make_tiny_moe, oracle_model, write_moe_gguf
 
 PROMPTS = ["The quick brown fox jumps", "Paged attention stores keys", "Once upon a time there was a tiny"]
@@ -246,33 +247,12 @@ def test_dummy_weights_of_an_moe_config(moe_models, name):
     assert len(out.outputs[0].token_ids) == 4
 
 
-def _tiny_gpt_oss(tokenizer, root):
-    import transformers
-    cfg = transformers.GptOssConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512, rms_norm_eps=1e-5,
-        # gpt-oss's YaRN (truncate False), its original context shrunk so the ramp spans head_dim 16's frequencies
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "truncate": False, "original_max_position_embeddings": 64}, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(11)
-    hf = transformers.GptOssForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if "norm" not in n:
-                p.normal_(0, 0.15)
-    hf.save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return hf
-
-
 @pytest.mark.parametrize("backend", [None, "triton"])
 def test_gpt_oss_matches_transformers(tiny_tokenizer, tmp_path, backend):
     """gpt-oss (4 experts, top-2 of the logits then softmax, clamped SwiGLU with biases, sinks, a
     sliding-window and a full layer): greedy tokens and prompt logprobs as transformers'; the
     same through the Triton kernels' window and sinks (interpreted on a CPU)."""
-    hf = _tiny_gpt_oss(tiny_tokenizer, tmp_path / "gpt-oss")
+    hf = tiny_gpt_oss(tiny_tokenizer, tmp_path / "gpt-oss")
     device = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
     llm = LLM(str(tmp_path / "gpt-oss"), dtype="float32", num_gpu_blocks_override=64, attention_backend=backend,
               device=device)
@@ -302,7 +282,7 @@ def gpt_oss_mxfp4(tiny_tokenizer, tmp_path_factory):
     over the numbers the blocks hold."""
     from safetensors.torch import load_file, save_file
     root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
-    hf = _tiny_gpt_oss(tiny_tokenizer, root)
+    hf = tiny_gpt_oss(tiny_tokenizer, root)
     state = load_file(str(root / "model.safetensors"))
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         blocks, scales, values = _mxfp4_hf(state.pop(key).float().transpose(1, 2).contiguous())

@@ -250,8 +250,12 @@ ARCHITECTURES: list[Architecture] = [
                  hf_config=moe_weights.mixtral_config),
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), "olmoe", qk_norm=True,
                  hf_config=moe_weights.olmoe_config, gguf_config=_olmoe_gguf),
-    # gpt-oss (YaRN RoPE from its config): HF directories (bf16 or MXFP4 experts, dequantized at load)
-    Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), qkv_bias=True, hf_config=moe_weights.gpt_oss_config),
+    # gpt-oss (YaRN RoPE): HF directories (bf16 or MXFP4 experts) and llama.cpp's `gpt-oss` files (MXFP4
+    # experts stacked per projection, with their biases; the sinks as attn_sinks; the MLP's input norm
+    # as post_attention_norm)
+    Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), "gpt-oss", qkv_bias=True,
+                 gguf_tensors={"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"},
+                 hf_config=moe_weights.gpt_oss_config, gguf_config=moe_weights.gpt_oss_gguf_config),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", qk_norm=True,
                  hf_config=moe_weights.qwen_moe_config, gguf_config=_qwen3moe_gguf),
     # Phi-3, Phi-3.5, Phi-4-mini: fused qkv and gate_up; partial rotary and LongRoPE from the config

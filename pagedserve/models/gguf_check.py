@@ -131,6 +131,24 @@ def expected_shapes(args: ModelArgs, p: str) -> dict[str, tuple[tuple[str, int],
         "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.weight": (hidden, q),
         "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (up, hidden), "ffn_down.weight": (hidden, inter),
         "attn_qkv.weight": (qkv, hidden), "attn_qkv.bias": (qkv,),       # fused (Phi-3; ffn_up: gate and up)
+        "attn_output.bias": (hidden,), "post_attention_norm.weight": (hidden,),
+        "attn_sinks.weight": ((p + "attention.head_count", args.num_heads),),
+    } | (_moe_shapes(args, p, hidden) if args.moe is not None else {})
+
+
+def _moe_shapes(args: ModelArgs, p: str, hidden: tuple[str, int]) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The routers' and the stacked experts' shapes ([E, rows, cols]: the kernels read each expert's
+    rows as a slice of the tensor's bytes), their biases (gpt-oss), the shared expert's."""
+    experts = (p + "expert_count", args.moe.num_experts)
+    inter = (p + "expert_feed_forward_length", args.moe.intermediate_size)
+    shared = (p + "expert_shared_feed_forward_length", args.moe.shared_intermediate_size)
+    return {
+        "ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.bias": (experts,),
+        "ffn_gate_exps.weight": (experts, inter, hidden), "ffn_up_exps.weight": (experts, inter, hidden),
+        "ffn_down_exps.weight": (experts, hidden, inter),
+        "ffn_gate_exps.bias": (experts, inter), "ffn_up_exps.bias": (experts, inter), "ffn_down_exps.bias": (experts, hidden),
+        "ffn_gate_shexp.weight": (shared, hidden), "ffn_up_shexp.weight": (shared, hidden),
+        "ffn_down_shexp.weight": (hidden, shared), "ffn_gate_inp_shexp.weight": (hidden,),
     }
 
 

@@ -640,7 +640,8 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
             layer.attn_out_norm = norm(p + "post_attention_layernorm.weight")
             layer.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight")
         if args.attention_sinks:
-            layer.sinks = w(p + "self_attn.sinks", (q0, q1) if shard.size > 1 else None).float()
+            sinks = p + "self_attn.sinks"        # (a GGUF file's attn_sinks: "sinks.weight")
+            layer.sinks = w(sinks if source.has(sinks) else sinks + ".weight", (q0, q1) if shard.size > 1 else None).float()
         if args.o_bias and shard.rank == 0:      # (row-parallel: added once, before the all-reduce)
             layer.o_bias = w(p + "self_attn.o_proj.bias")
         if args.moe is not None and args.moe.is_sparse(i):
@@ -897,8 +898,8 @@ def load_tokenizer(path: str, stand_in: bool = False):
     cache, fresh = _derived_cache("tokenizers", path)
     if fresh:
         return AutoTokenizer.from_pretrained(str(cache))
-    p = Path(path)
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    from pagedserve.models.gguf_tokenizer import load_gguf_tokenizer
+    tok = load_gguf_tokenizer(path)
     try:
         tok.save_pretrained(str(cache))
         _stamp(cache, path)

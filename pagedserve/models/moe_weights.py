@@ -86,6 +86,20 @@ def gpt_oss_config(cfg: dict) -> dict:
             "layer_windows": tuple(window if t == "sliding_attention" else None for t in types)}
 
 
+def gpt_oss_gguf_config(m) -> dict:
+    """A llama.cpp `gpt-oss` file: its MoE block as gpt_oss_config's (llama.cpp's SwiGLU-OAI has
+    gpt-oss's alpha 1.702 and limit 7.0 as constants), sinks, o_proj bias; layer i windowed where
+    i % pattern < pattern - 1 (attention.sliding_window_pattern, 2 when absent: even layers, as
+    the config's layer_types)."""
+    from dataclasses import replace
+    spec = replace(gguf_moe_spec(m, norm_default=False), scoring="topk_softmax", activation="clamped_swiglu")
+    window = m.get("attention.sliding_window") or None
+    pattern = m.get("attention.sliding_window_pattern") or 2
+    windows = tuple(window if i % pattern < pattern - 1 else None for i in range(m.get("block_count")))
+    return {"moe": spec, "attention_sinks": True, "o_bias": True, "sliding_window": window,
+            "layer_windows": windows if window else ()}
+
+
 def gguf_moe_spec(m, norm_default: bool) -> MoESpec | None:
     """The MoESpec of a GGUF file's metadata (`m`: architectures.Metadata) and tensors; None for a
     dense model. Which layers are sparse: those with an ffn_gate_inp (a router). llama.cpp's
@@ -139,6 +153,7 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
         ups = build.experts(stacked.format("up_proj"), rows=inter)
         downs = build.experts(stacked.format("down_proj"), cols=inter)
         experts = [ExpertWeights(_fuse(g, u), d) for g, u, d in zip(gates, ups, downs)]
+        _add_stacked_biases(build, source, layer, experts, inter)
     else:
         q = p + block + ".experts.{}.{}.weight"
         if not source.has(q.format(0, names.gate)):
@@ -151,6 +166,8 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
     if len(experts) != spec.num_experts:
         raise ValueError(f"layer {layer}: the checkpoint has {len(experts)} experts, the config {spec.num_experts}")
     w = MoEWeights(router, experts, layer=layer)
+    if source.has(p + block + ".gate.bias"):            # gpt-oss's router bias
+        w.router_bias = build.float(p + block + ".gate.bias").float()
     if spec.shared_intermediate_size:
         s = p + "mlp.shared_expert.{}.weight"
         w.shared = ExpertWeights(build.matrix([(s.format("gate_proj"), shared_inter), (s.format("up_proj"), shared_inter)]),
@@ -158,6 +175,19 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
         if source.has(p + "mlp.shared_expert_gate.weight"):
             w.shared_gate = build.float(p + "mlp.shared_expert_gate.weight").float().view(1, -1)
     return w
+
+
+def _add_stacked_biases(build, source, layer: int, experts: list[ExpertWeights], inter: tuple[int, int] | None) -> None:
+    """A GGUF file's stacked expert biases (gpt-oss: ffn_gate_exps.bias [E, I], ffn_up_exps,
+    ffn_down_exps [E, H]) onto its experts, this rank's part of I; none where the file has none."""
+    name = f"layers.{layer}.mlp.experts.{{}}.bias"
+    if not source.has(name.format("gate_proj")):
+        return
+    gate, up, down = (build.float(name.format(n)) for n in ("gate_proj", "up_proj", "down_proj"))
+    r0, r1 = inter or (0, gate.shape[1])
+    for e, expert in enumerate(experts):
+        expert.gate_up_bias = torch.cat([gate[e, r0:r1], up[e, r0:r1]])
+        expert.down_bias = down[e] if r0 == 0 else None         # (row-parallel: added once)
 
 
 def _gpt_oss_moe(build, source, layer: int, spec: MoESpec, inter: tuple[int, int] | None) -> MoEWeights:
