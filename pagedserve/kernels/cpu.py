@@ -201,10 +201,10 @@ _SIGNATURES = {
     "paged_attention_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _P],
     "paged_attention_kv8_f32": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I, _P],
     "paged_attention_kv8_bf16": [_P, _I, _P, _P, _P, _I, _P] + [_I] * 7 + [_F, _I, _I, _P],
-    "decoder_layers_f32": [_P] * 12 + [_I],
-    "decoder_layers_bf16": [_P] * 12 + [_I],
-    "decoder_layers_kv8_f32": [_P] * 12 + [_I, _I],
-    "decoder_layers_kv8_bf16": [_P] * 12 + [_I, _I],
+    "decoder_layers_f32": [_P] * 14 + [_I],
+    "decoder_layers_bf16": [_P] * 14 + [_I],
+    "decoder_layers_kv8_f32": [_P] * 14 + [_I, _I],
+    "decoder_layers_kv8_bf16": [_P] * 14 + [_I, _I],
     "lora_delta_f32": [_P, _I, _I, _P, _I, _P, _I, _I],
     "lora_delta_bf16": [_P, _I, _I, _P, _I, _P, _I, _I],
     "lora_handover_config": [_I],
@@ -603,7 +603,7 @@ class _ModelDims(ctypes.Structure):
                [("residual_scale", ctypes.c_float)] + \
                [(n, ctypes.c_int64) for n in ("quant_moe", "experts", "top_k", "moe_intermediate", "norm_topk_prob",
                                               "qk_norm_full")] + \
-               [("clip_qkv", ctypes.c_float)]
+               [("clip_qkv", ctypes.c_float), ("softcap", ctypes.c_float), ("activation", ctypes.c_int64)]
 
 
 class _CacheRefs(ctypes.Structure):
@@ -630,6 +630,8 @@ class _LoraRefs(ctypes.Structure):
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
+_GROUP_COLUMN, _SLOT_COLUMN = 23, 24    # a layer's KV group and cache slot in a LayerPtrs row
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _quant_parts(weight) -> list | None:
@@ -710,10 +712,17 @@ class DecoderLayers:
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in model.layers]
         self._norms = [t.contiguous() for w in model.layers for t in (w.input_norm, w.post_norm)] + \
                       [model.norm.contiguous()]
-        # q/k norms (Qwen3) and which layers rotate (SmolLM3's NoPE layers): LayerPtrs' last columns
+        # q/k norms (Qwen3), which layers rotate (SmolLM3's NoPE layers) and with which tables
+        # (Gemma 3's window layers: the local ones), sandwich norms (Gemma), sinks (gpt-oss), and
+        # each layer's KV group and cache slot (set_groups): LayerPtrs' last columns
         self._qk_norms = [tuple(None if t is None else t.contiguous() for t in (w.q_norm, w.k_norm))
                           for w in model.layers]
+        self._out_norms = [tuple(None if t is None else t.contiguous() for t in (w.attn_out_norm, w.mlp_out_norm))
+                           for w in model.layers]
+        self._sinks = [None if w.sinks is None else w.sinks.float().contiguous() for w in model.layers]
         no_rope = set(a.no_rope_layers)
+        windows = a.windows()
+        local = bool(a.local_rope_theta)
         self._parts = []          # the QuantPart arrays the table points to
         self._tiles: list[tuple[int, int, int]] = []    # (layer, column of tile_rows in the table, weight columns)
         # mixture-of-experts layers: each one's router and kernels/moe.py's table of its experts
@@ -724,8 +733,11 @@ class DecoderLayers:
             moe = self._moe[i]
             rows.append([*qkv, 0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
                          self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr(),
-                         *(0 if t is None else t.data_ptr() for t in self._qk_norms[i]), int(i not in no_rope),
-                         *((0, 0) if moe is None else (moe[0].data_ptr(), ctypes.addressof(moe[1].array)))])
+                         *(0 if t is None else t.data_ptr() for t in self._qk_norms[i]),
+                         0 if i in no_rope else 2 if local and windows[i] is not None else 1,
+                         *((0, 0) if moe is None else (moe[0].data_ptr(), ctypes.addressof(moe[1].array))),
+                         *(0 if t is None else t.data_ptr() for t in (*self._out_norms[i], self._sinks[i])),
+                         0, i])
             for column, proj in zip(_TILE_COLUMNS, (qkv, o, gate_up, down)):
                 if proj[1]:
                     self._tiles.append((i, column, proj[2]))
@@ -740,12 +752,15 @@ class DecoderLayers:
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                                 a.intermediate_size, a.rms_norm_eps, model.scale,    # quant_*: _quant_calls
                                 rope_dim=a.rope_dim, residual_scale=a.residual_multiplier,
-                                qk_norm_full=int(a.qk_norm_full), clip_qkv=a.clip_qkv)
+                                qk_norm_full=int(a.qk_norm_full), clip_qkv=a.clip_qkv,
+                                softcap=a.attn_logit_softcapping, activation=_ACTIVATIONS[a.mlp_activation])
         tables = [m for m in self._moe if m is not None]
         if tables:
             d = self._dims
             d.experts, d.top_k, d.norm_topk_prob = a.moe.num_experts, a.moe.top_k, int(a.moe.norm_topk_prob)
             d.moe_intermediate = tables[0][1].intermediate
+        # (layer_group, layer_slot) as the table has them: one group, layer l in cache slot l, until set_groups
+        self.groups = ((0,) * a.num_layers, tuple(range(a.num_layers)))
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
 
     def _projection(self, weight) -> tuple[int, int, int]:
@@ -762,12 +777,22 @@ class DecoderLayers:
         self._parts.append(array)
         return ctypes.addressof(array), len(parts), parts[0].shape[1]
 
+    def set_groups(self, layer_group: tuple[int, ...], layer_slot: tuple[int, ...]) -> None:
+        """A hybrid model's KV groups (kv/groups.py, set by the worker after the load): layer l
+        attends with group layer_group[l]'s rows over cache slot layer_slot[l]."""
+        if (layer_group, layer_slot) != self.groups:
+            self._table[:, _GROUP_COLUMN] = torch.tensor(layer_group)
+            self._table[:, _SLOT_COLUMN] = torch.tensor(layer_slot)
+            self.groups = (layer_group, layer_slot)
+
     @staticmethod
     def supports(model, kv_code: int = 0) -> bool:
-        """Whether the compiled loop runs this model: its kernels are built, and every projection
-        is a packed float weight or quantized with kernels/quant.py's kernels built."""
+        """Whether the compiled loop runs this model: its kernels are built, its MLP's activation
+        is one the loop has, and every projection is a packed float weight or quantized with
+        kernels/quant.py's kernels built."""
         from pagedserve.kernels import quant
-        if _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is None:
+        if _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is None or \
+                model.args.mlp_activation not in _ACTIVATIONS:
             return False
         spec = getattr(model.args, "moe", None)
         if spec is not None and (spec.scoring != "softmax" or spec.activation != "silu" or any(
@@ -804,30 +829,41 @@ class DecoderLayers:
         return True
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, slot_mapping: torch.Tensor, rows: AttentionRows,
-                lora: "tuple[LoraTable, torch.Tensor] | None" = None) -> bool:
+                kv_caches: torch.Tensor, slot_mapping: torch.Tensor | list[torch.Tensor],
+                rows: AttentionRows | list[AttentionRows],
+                lora: "tuple[LoraTable, torch.Tensor] | None" = None,
+                local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """x (residual) and h (first layer's normalised input) [T, H], updated in place to the
-        final residual and normalised hidden state; cos, sin [T, D]; kv_caches [layers, 2,
-        blocks, block_size, Hkv, D] (any strides but the last); rows: the step's query rows;
-        lora: the step's LoRA weights and each row's slot block (int64 [T]; negative: none).
-        False (nothing done to x and h) where it does not apply."""
+        final residual and normalised hidden state; cos, sin [T, D] (local: the window layers'
+        own, Gemma 3); kv_caches [slots, 2, blocks, block_size, Hkv, D] (any strides but the
+        last); slot_mapping, rows: the step's slots and query rows, one of each per KV group
+        (set_groups); lora: the step's LoRA weights and each row's slot block (int64 [T];
+        negative: none). False (nothing done to x and h) where it does not apply."""
         num_tokens = x.shape[0]
         cache_dtype = torch.uint8 if self.kv_code else self.dtype
-        if kv_caches.dtype != cache_dtype or kv_caches.stride(-1) != 1 or not (
-                x.is_contiguous() and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+        cos_l, sin_l = local or (cos, sin)
+        rows = [rows] if isinstance(rows, AttentionRows) else rows
+        slots = [m.contiguous() for m in ([slot_mapping] if isinstance(slot_mapping, torch.Tensor) else slot_mapping)]
+        layer_group, layer_slot = self.groups
+        if kv_caches.dtype != cache_dtype or kv_caches.stride(-1) != 1 or \
+                len(rows) != 1 + max(layer_group) or len(slots) != len(rows) or \
+                max(layer_slot) >= kv_caches.shape[0] or not all(
+                t.is_contiguous() for t in (x, h, cos, sin, cos_l, sin_l)):
             return False
         if self.quantized and not self._quant_calls():
             return False
         st = kv_caches.stride()
         refs = _CacheRefs(st[0], st[1], st[2], st[3], st[4], kv_caches.shape[3], PARTITION_SIZE)
-        slots = slot_mapping.contiguous()
+        slot_array = (ctypes.c_void_p * len(slots))(*[m.data_ptr() for m in slots])
         lora_refs = None
         if lora is not None:
             table, row_block = lora
             lora_refs = table.refs(row_block)
+        row_array = (AttentionRows * len(rows))(*rows)       # copies; `rows` keeps their tensors alive
         status = self._fn(self._table.data_ptr(), self._norms[-1].data_ptr(), ctypes.addressof(self._dims),
-                          x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
-                          ctypes.addressof(refs), slots.data_ptr(), ctypes.addressof(rows),
+                          x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(),
+                          sin_l.data_ptr(), kv_caches.data_ptr(), ctypes.addressof(refs), ctypes.addressof(slot_array),
+                          ctypes.addressof(row_array),
                           None if lora_refs is None else ctypes.addressof(lora_refs), num_tokens,
                           *((self.kv_code,) if self.kv_code else ()))
         if status == 2:

@@ -127,13 +127,22 @@ class CpuDecoderLayers:
     def __init__(self, model) -> None:
         self.layers = cpu.DecoderLayers(model, model.attention.kv_format.code)     # 8-bit KV cache too
         self.attention: CpuAttention = model.attention
+        self.model = model            # its kv_groups, set by the runner after the load
         self.num_layers = model.args.num_layers
         self._lora: cpu.LoraTable | None = None      # the last slot range's weight addresses
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None) -> bool:
+                kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None,
+                local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """lora: a step with adapter rows (lora/weights.py LoRAStep) whose deltas the loop
-        computes (`compiled`): its table of weight addresses made once per slot range (until a slot is reloaded)."""
+        computes (`compiled`): its table of weight addresses made once per slot range (until a slot is reloaded).
+        local: the window layers' own RoPE tables (Gemma 3). A hybrid model's layers attend with
+        their KV group's rows (meta.groups) over their cache slots (model.kv_groups)."""
+        groups = self.model.kv_groups
+        if groups is not None:
+            self.layers.set_groups(groups.layer_group, groups.layer_slot)
+        metas = meta.groups or [meta]
+        rows = [self.attention.kernel_rows(m) for m in metas]
         deltas = None
         if lora is not None:
             key, table = lora.compiled_key(), self._lora
@@ -143,5 +152,4 @@ class CpuDecoderLayers:
             if not table.ok:
                 return False
             deltas = (table, row_block)
-        return self.layers.forward(x, h, cos, sin, kv_caches, meta.slot_mapping, self.attention.kernel_rows(meta),
-                                   deltas)
+        return self.layers.forward(x, h, cos, sin, kv_caches, [m.slot_mapping for m in metas], rows, deltas, local)

@@ -90,12 +90,10 @@ class ModelArgs:
         """What this model needs that the compiled CPU layer loop (kernels/cpu.py DecoderLayers)
         does not do: the Python layer loop runs such a model. (It does q/k norms per head, partial
         rotary, layers without RoPE, the multipliers, OLMoE's q/k norms over all heads and clip_qkv,
-        and mixture-of-experts layers whose experts its MoE block takes: DecoderLayers.supports.)"""
-        return [name for name, on in (("sliding-window attention", any(w is not None for w in self.windows())),
-                                      ("sandwich norms", self.sandwich_norms),
-                                      ("GeGLU", self.mlp_activation != "silu"),
-                                      ("soft-capping", bool(self.attn_logit_softcapping)),
-                                      ("attention sinks", self.attention_sinks)) if on]
+        mixture-of-experts layers whose experts its MoE block takes (DecoderLayers.supports),
+        sliding windows (per layer, with the window layers' own RoPE), sandwich norms, GeGLU,
+        soft-capping and sinks.)"""
+        return [name for name, on in (("an attention output bias", self.o_bias),) if on]
 
 
 @dataclass
@@ -195,10 +193,13 @@ class LlamaModel:
         qk_size = self.q_size + self.kv_size
         groups = self.kv_groups
         h = ops.rms_norm(x, self.layers[0].input_norm, a.rms_norm_eps)
-        if (lora is None or lora.compiled) and self.compiled_layers is not None and self.compiled_layers.forward(
-                x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches, meta,
-                *(() if lora is None else (lora,))):
-            return h
+        if (lora is None or lora.compiled) and self.compiled_layers is not None:
+            extra = () if lora is None else (lora,)
+            if self.local_rope is not None:
+                extra = (lora, (local[0].view(num_tokens, -1), local[1].view(num_tokens, -1)))
+            if self.compiled_layers.forward(x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches,
+                                            meta, *extra):
+                return h
         # Decode-only batches: quantized weights keep their integer path up to larger batches.
         linear = ops.linear if meta.num_decodes < num_tokens else functools.partial(ops.linear, decode=True)
         reduce = self.tp.all_reduce if self.tp else _whole

@@ -26,11 +26,13 @@ class CompiledLayers(Protocol):
     """Every decoder layer of a model as one call (an ops implementation may offer it)."""
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None) -> bool:
+                kv_caches: torch.Tensor, meta: AttentionMetadata, lora=None,
+                local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """x (residual), h (first layer's normalised input) [T, H] updated in place to the final
         residual and normalised hidden state; cos, sin [T, D]; lora: a LoRAStep whose deltas
-        it adds (lora/weights.py; passed only when there is one). False (nothing done) where
-        it does not apply."""
+        it adds (lora/weights.py; passed only when there is one, or local is); local: the window
+        layers' own cos, sin [T, D] (Gemma 3; passed only where the model has them). False
+        (nothing done) where it does not apply."""
 
 
 class ModelOps(Protocol):

@@ -70,11 +70,16 @@ void scale_inplace(T *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) store(x + i, to_f32(x[i]) * s);
 }
 
+// Both gates are g * sigmoid(a g'): SiLU's argument is g itself; gelu's tanh approximation
+// 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3).
+constexpr float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+inline float gelu_tanh(float g) { return g / (1.f + std::exp(-2.f * kGeluC * (g + kGeluA * g * g * g))); }
 
-// out[r, :I] = round(silu(gate)) * up, where gate_up[r] = [gate (I), up (I)].
+// out[r, :I] = round(act(gate)) * up, where gate_up[r] = [gate (I), up (I)]; act: SiLU, or with
+// `gelu` gelu's tanh approximation (GeGLU).
 template <typename T>
-void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
+void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I, bool gelu = false) {
 #pragma omp parallel for schedule(static) if (M * I >= 65536)
     for (int64_t r = 0; r < M; r++) {
         const T *g = gate_up + r * 2 * I, *u = g + I;
@@ -82,13 +87,16 @@ void silu_and_mul(const T *gate_up, T *out, int64_t M, int64_t I) {
         int64_t i = 0;
         for (; i + Vec::W <= I; i += Vec::W) {
             const Vec::reg gv = Vec::load(g + i);
-            const Vec::reg e = Vec::exp_any(Vec::sub(Vec::zero(), gv));
-            const Vec::reg sv = round_as_v<Vec>(Vec::div(gv, Vec::add(Vec::set1(1.f), e)), o);
+            Vec::reg arg = Vec::sub(Vec::zero(), gv);       // -g, or -2u
+            if (gelu)
+                arg = Vec::mul(Vec::set1(-2.f * kGeluC),
+                               Vec::fmadd(Vec::mul(Vec::set1(kGeluA), gv), Vec::mul(gv, gv), gv));
+            const Vec::reg sv = round_as_v<Vec>(Vec::div(gv, Vec::add(Vec::set1(1.f), Vec::exp_any(arg))), o);
             Vec::store(o + i, Vec::mul(sv, Vec::load(u + i)));
         }
         for (; i < I; i++) {
             T rounded;
-            store(&rounded, silu(to_f32(g[i])));
+            store(&rounded, gelu ? gelu_tanh(to_f32(g[i])) : silu(to_f32(g[i])));
             store(o + i, to_f32(rounded) * to_f32(u[i]));
         }
     }

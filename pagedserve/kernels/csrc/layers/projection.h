@@ -22,10 +22,15 @@ struct LayerPtrs {    // one row of the pointer table built in Python (kernels/c
     Proj o, gate_up, down;
     int64_t input_norm, post_norm;
     int64_t q_norm, k_norm;       // per-head q/k RMSNorm weights [D] (Qwen3), or 0
-    int64_t rope;                 // 0: this layer's attention has no RoPE (SmolLM3's NoPE layers)
+    int64_t rope;                 // 0: no RoPE (SmolLM3's NoPE layers); 1: the step's cos/sin;
+                                  // 2: the local ones (Gemma 3's window layers)
     // A mixture-of-experts layer (gate_up, down unused): its router float32 [experts][hidden] and
     // quant_kernels' MoEExpert array (layers/moe_block.h); 0 in a dense layer.
     int64_t moe_router, moe_experts;
+    int64_t attn_out_norm;        // sandwich norms (Gemma 2 / 3): the attention's and the MLP's
+    int64_t mlp_out_norm;         // outputs RMS-normed before their residual adds, or 0
+    int64_t sinks;                // float32 [heads]: attention sinks (gpt-oss), or 0
+    int64_t group, slot;          // its KV group (which AttentionRows: window, tables), its layer slot of the cache
 };
 struct ModelDims {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -43,6 +48,8 @@ struct ModelDims {
     // OLMoE's q/k norm over all of q and all of k (not per head) and its clamp of q, k, v (0: none).
     int64_t quant_moe, experts, top_k, moe_intermediate, norm_topk_prob, qk_norm_full;
     float clip_qkv;
+    float softcap;                            // attention logit soft-capping (Gemma 2; 0: none)
+    int64_t activation;                       // the gated MLP's: 0 SiLU, 1 GeGLU (gelu's tanh approximation)
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
