@@ -89,6 +89,7 @@ def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
                 tier_blocks_saved=stats.get("kv_offload_blocks_saved"),
                 tier_load_failures=stats.get("kv_offload_load_failures"),
                 tier_bytes_read=stats.get("kv_offload_bytes_read"),
+                tier_host_loads=stats.get("kv_offload_host_loads"),
                 tier_bytes_read_per_s=stats.get("kv_offload_bytes_read", 0) / wall if queries else None,
                 num_evicted_blocks=stats["num_evicted_blocks"])
 
@@ -141,6 +142,8 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32, help="tokens generated per turn")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--pool-share", type=float, default=0.25, help="the KV pool as a share of the working set")
+    ap.add_argument("--cpu-gb", type=float, default=None,
+                    help="a host-memory tier above the disk tier (--kv-offload-cpu-gb) in the tier runs")
     ap.add_argument("--dir", default=None, help="the tier's directory (default: a new one under /tmp, removed after)")
     ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
     ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
@@ -149,14 +152,17 @@ def main() -> None:
         args.sessions, args.turns, args.out = 8, 2, str(RESULTS / "kv_tier_quick.json")
     B = 16
     working_set = cdiv(args.system, B) + args.sessions * cdiv(args.turns * (args.user + args.answer), B)
+    # At least the shared prompt and --concurrency requests' histories (the last turn's, with its
+    # answer), above the admission watermark (5%): a group's requests are admitted together.
     blocks = max(int(working_set * args.pool_share),
-                 cdiv(args.system, B) + args.concurrency * (cdiv((args.turns + 1) * (args.user + args.answer), B) + 1))
+                 int((cdiv(args.system, B) + args.concurrency * (cdiv((args.turns + 1) * (args.user + args.answer), B)
+                                                                  + 1)) / 0.95) + 1)
     engine = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
                   num_gpu_blocks_override=blocks, block_size=B, max_model_len=args.system + (args.turns + 2) * (
                       args.user + args.answer))
     tier_dir = args.dir or tempfile.mkdtemp(prefix="kv_tier_bench_")
     shutil.rmtree(tier_dir, ignore_errors=True)
-    tier = dict(engine, kv_offload_path=tier_dir, kv_offload_gb=64)
+    tier = dict(engine, kv_offload_path=tier_dir, kv_offload_gb=64, kv_offload_cpu_gb=args.cpu_gb)
 
     llm = LLM(**engine)
     sessions = make_sessions(args, llm.engine.vocab_size)

@@ -223,9 +223,6 @@ class Scheduler:
         # The tier below the prefix cache: a waiting request whose prefix it holds waits for
         # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
         self.tier: TierLink | None = getattr(self.kv, "tier", None)
-        if tier is not None and self.tier is None:
-            logger.warning("kv_offload_path / kv_offload_cpu_gb: the tier serves models whose layers all attend "
-                           "to the whole context; it is off for this one (sliding-window KV groups %s)", list(kv_windows))
         self._tier_tries: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

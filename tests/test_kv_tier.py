@@ -17,8 +17,9 @@ from pagedserve.kv.kv_cache_manager import KVCacheManager
 from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.server.metrics import PrometheusStatLogger
 from pagedserve.worker.kv_tier import KVTierStore, TierFileError
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, hf_greedy
 from tests.test_engine import assert_no_blocks_held
+from tests.test_hybrid_models import BLOCK, hybrid, make  # noqa: F401 - the hybrid fixture
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -197,9 +198,23 @@ def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
     assert index.stats.blocks_saved == 4 and index.stats.blocks_loaded == 1 and index.stats.load_failures == 1
 
 
-def test_the_tier_is_off_for_sliding_window_groups():
-    assert KVCacheManager(8, 16, tier=TierIndex(4)).tier is not None
-    assert KVCacheManager(8, 16, tier=TierIndex(4), windows=(None, 64)).tier is None
+@pytest.mark.parametrize("hybrid", ["gemma3"], indirect=True)
+def test_sliding_window_models_read_every_groups_blocks_back(hybrid, tmp_path):
+    """KV groups (Gemma 3's pattern: window layers and a full one): each group's evicted blocks
+    go to the tier under their own keys and a prompt's prefix comes back for every group (the
+    full group's blocks, the window groups' last blocks), with transformers' greedy tokens."""
+    tm = hybrid
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, len(tm.tokenizer)) for _ in range(66)] for _ in range(3)]
+    llm = make(tm, num_gpu_blocks_override=64, kv_offload_path=str(tmp_path))
+    assert llm.engine.scheduler.tier is not None and len(llm.engine.kv_windows) > 1
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for p in prompts + prompts:       # each prompt's blocks evicted by the next two
+        out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(tm.hf, p, 6)
+    stats = llm.kv_cache_stats()
+    assert stats["kv_offload_blocks_loaded"] >= 3 * (64 // BLOCK) and stats["kv_offload_load_failures"] == 0
+    assert stats["prefix_cache_hits"] >= 3 * 64 and stats["num_used_blocks"] == 0
 
 
 # ---- the worker's store --------------------------------------------------------------------

@@ -85,8 +85,8 @@ class KVCacheManager(PoolCapacity):
         self.num_logical_blocks = 0                  # live entries of all device tables, kept as they change
         self.swap = SwapSpace(self, num_host_blocks)
         # The tier below the pool (kv/tier.py): evicted cached blocks saved, tier hits read back.
-        # One KV group only: its keys and fetches are group 0's (the scheduler says it is off).
-        self.tier = TierLink(self.pool, tier) if tier is not None and enable_caching and len(self.windows) == 1 \
+        # With KV groups, every group's blocks go to the tier under their own keys (group_key).
+        self.tier = TierLink(self.pool, tier) if tier is not None and enable_caching \
             else None
         # The tokens behind each prefix-cache key, so a snapshot can show a cached block's text
         # after its last owner is gone. Pruned to the keys still in use when it doubles.
@@ -158,13 +158,60 @@ class KVCacheManager(PoolCapacity):
         loads to wait for."""
         keys = lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype)
         needed = cdiv(len(token_ids), self.block_size)
-        if not self.tier.fetch(owner, keys, needed, reserve, self.block_size, count):
+        started = self._tier_fetch_groups(owner, token_ids, keys, cache_salt, reserve, count) if self.hybrid else \
+            self.tier.fetch(owner, keys, needed, reserve, self.block_size, count)
+        if not started:
             return False
         B = self.block_size
         for i, key in enumerate(keys):   # the dashboard's text of the blocks read back (hidden if salted)
             if key in self.tier.loading:
                 self.cached_tokens[key] = None if cache_salt is not None else tuple(token_ids[i * B:(i + 1) * B])
         return True
+
+    def _tier_fetch_groups(self, owner: str, token_ids: list[int], keys: list[BlockKey], cache_salt: str | None,
+                           reserve: int, count: bool) -> bool:
+        """`tier_fetch` with KV groups: the longest prefix every group can serve from the pool and
+        the tier together (a full group: all its blocks; a window group: those its window covers,
+        as `lookup_prefix_hit`), its pool blocks pinned and its other blocks, each group's under its
+        own key, read from the tier."""
+        B, tier = self.block_size, self.tier
+        in_pool = len(self.lookup_prefix_hit(token_ids, cache_salt).keys)
+
+        def has(g: int, i: int) -> bool:
+            key = group_key(keys[i], g)
+            return self.pool.lookup(key) is not None or tier.available(key)
+
+        n = len(keys)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                n = next((i for i in range(n) if not has(g, i)), n)
+        while n > in_pool:   # a window group's miss at block i rules out every prefix whose window covers it
+            miss = next((i for g, w in enumerate(self.windows) if w is not None
+                         for i in range(n - 1, first_needed_block(w, n * B, B) - 1, -1) if not has(g, i)), None)
+            if miss is None:
+                break
+            n = miss
+        if count:
+            tier.index.stats.queries += (len(keys) - in_pool) * B
+            tier.index.stats.hits += max(0, n - in_pool) * B
+        if n <= in_pool:
+            return False
+        hits, wanted, held = [], [], 0
+        for g, w in enumerate(self.windows):
+            for i in range(first_needed_block(w, n * B, B), n):
+                key = group_key(keys[i], g)
+                block = self.pool.lookup(key)
+                if block is not None:
+                    hits.append(block)
+                else:
+                    wanted.append(key)
+            held += self._group_blocks_needed(w, len(token_ids))
+        return tier.start(owner, hits, wanted, held - len(hits), reserve)
+
+    def _group_blocks_needed(self, window: int | None, num_tokens: int) -> int:
+        """Blocks a group's table holds after a prompt of num_tokens (at most a window's bound)."""
+        blocks = cdiv(num_tokens, self.block_size)
+        return blocks if window is None else min(blocks, window_bound(window, self.block_size))
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens

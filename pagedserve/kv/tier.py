@@ -143,11 +143,20 @@ class TierLink:
         if count:
             self.index.stats.queries += (len(keys) - len(hits)) * block_size
             self.index.stats.hits += held * block_size
+        return self.start(owner, hits, keys[len(hits):len(hits) + held], blocks_needed - len(hits), reserve)
+
+    def available(self, key: BlockKey) -> bool:
+        """The tier holds the key, or is reading it."""
+        return key in self.index or key in self.loading
+
+    def start(self, owner: str, hits: list[KVBlock], wanted: list[BlockKey], new_blocks: int, reserve: int) -> bool:
+        """Pin the request's pool hits and read `wanted` (tier keys) into new blocks, if its
+        admission (`new_blocks` beyond its hits, the reads' included) would leave `reserve` free."""
+        pool = self.pool
         free = pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
-        if not held or free - (blocks_needed - len(hits)) < reserve:
+        new = sum(k not in self.loading for k in wanted)   # reads another request started hold their blocks
+        if not wanted or free - (new_blocks - (len(wanted) - new)) < reserve:
             return False                  # nothing to read, or its admission would not pass
-        wanted = keys[len(hits):len(hits) + held]     # fit: the admission's check above counts them
-        new = sum(k not in self.loading for k in wanted)
         fetch = self.fetches[owner] = Fetch()
         pool.touch(hits)                 # pinned first: allocating below may evict free cached blocks
         fetch.blocks.extend(hits)

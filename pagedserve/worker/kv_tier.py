@@ -191,7 +191,7 @@ class KVTierStore:
     def start_loads(self, items: list[tuple[bytes, int]]) -> None:
         """Read these blocks in the background; `collect` puts them in place."""
         for key, block_id in items:
-            self._inflight.append((key, block_id, self._readers.submit(self._read, key)))
+            self._inflight.append((key, block_id, self._readers.submit(self._read, key, block_id)))
 
     def collect(self, wait: bool = False) -> TierReport:
         """Reads that are done (all, with `wait`) copied into their blocks, and the news since
@@ -203,7 +203,9 @@ class KVTierStore:
                 pending.append((key, block_id, future))
                 continue
             try:
-                self.blocks[:, :, block_id].copy_(future.result())
+                block = future.result()
+                if block is not None:      # (a CPU cache's block was copied in by the reader thread)
+                    self.blocks[:, :, block_id].copy_(block)
                 report.loaded.append(key)
             except Exception as e:   # noqa: BLE001 - a bad file costs a recompute, never the engine
                 self.rejected += isinstance(e, TierFileError)
@@ -234,7 +236,10 @@ class KVTierStore:
         self._readers.shutdown()
 
     # ---- background threads ----------------------------------------------------------------
-    def _read(self, key: bytes) -> torch.Tensor:
+    def _read(self, key: bytes, block_id: int) -> torch.Tensor | None:
+        """The block's bytes (checked), or None where this thread copied them into block_id
+        already (a CPU cache: the block is the load's alone until it lands, and the copy stays
+        off the engine thread; a device cache is written on the engine thread's stream)."""
         with self._lock:
             block = self._pending.get(key)
         if block is not None:          # saved a moment ago, still on its way to the disk
@@ -250,6 +255,9 @@ class KVTierStore:
             pass
         with self._lock:
             self.bytes_read += n
+        if self.blocks.device.type == "cpu":
+            self.blocks[:, :, block_id].copy_(block)
+            return None
         return block
 
     def _write_loop(self) -> None:
