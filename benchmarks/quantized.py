@@ -6,6 +6,9 @@
                                         # all 24 layers, decode only, quantized files only (~10 min)
     .venv/bin/python benchmarks/quantized.py --llama-bench ~/llama.cpp/build/bin/llama-bench \
         --llama-quantize ~/llama.cpp/build/bin/llama-quantize    # files made by llama.cpp, and its speed on them
+    .venv/bin/python benchmarks/quantized.py --full --full-prefill --shape qwen3-4b --mixes Q4_K_M --no-default-model \
+        --llama-bench ... --llama-quantize ...   # issue 47's Qwen3-4B-shaped Q4_K_M (GGUF qwen3): decode and a
+                                                 # 128-token prefill beside llama-bench (an 8 GB f16 made once)
 
 For the default model (SmolLM2-135M-Instruct, Q4_1) and a SmolLM2-1.7B-shaped model with random
 weights, written here as GGUF files (Q4_0 and Q8_0 quantized by kernels/quant.py; a Q4_K_M-like mix
@@ -63,6 +66,15 @@ SMOLLM2_1_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidd
                     num_key_value_heads=32, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                     rope_theta=130000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
+# Qwen3-4B's config (Qwen/Qwen3-4B's config.json): issue 47's benchmark shape (--shape qwen3-4b).
+QWEN3_4B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", torch_dtype="bfloat16",
+                hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False,
+                bos_token_id=151643, eos_token_id=151645)
+# --shape: (config, GGUF architecture, file stem)
+SHAPES = {"smollm2-1.7b": (SMOLLM2_1_7B, "llama", "smollm2-1.7b-shape"), "qwen3-4b": (QWEN3_4B, "qwen3", "qwen3-4b-shape")}
+
 # GGML type of each tensor kind per file ("*": the rest), as llama.cpp's presets mix them.
 MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0"},
          "Q8_0": {"*": "Q8_0"},
@@ -85,36 +97,47 @@ def _raw_blocks(ggml: str, w: torch.Tensor, rng: np.random.Generator) -> np.ndar
                            sample_rows=64)
 
 
-def copy_tokenizer(writer, source: str) -> None:
+def copy_tokenizer(writer, source: str, vocab: int | None = None) -> None:
     """The tokenizer.ggml.* fields of GGUF file `source` into `writer` (llama.cpp loads no model
-    without a vocabulary)."""
+    without a vocabulary), its per-token arrays padded with unused tokens to `vocab` entries
+    (a shape whose vocabulary is larger than the source's: llama.cpp wants one per row)."""
     import gguf
     reader = gguf.GGUFReader(source)
+    pads = {"tokenizer.ggml.tokens": lambda i: f"<unused_{i}>", "tokenizer.ggml.token_type": lambda i: 5,
+            "tokenizer.ggml.scores": lambda i: 0.0}      # (5: llama.cpp's UNUSED token type)
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer.ggml."):
             continue
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_array(name, field.contents())
+            values = list(field.contents())
+            if name in pads and vocab:
+                values += [pads[name](i) for i in range(len(values), vocab)]
+            writer.add_array(name, values)
         else:
             writer.add_key_value(name, field.contents(), kind)
 
 
-def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0, tokenizer_from: str | None = None) -> None:
-    """A `llama` GGUF file of `config`'s shapes, random weights (std 0.02; norms 1), tensor by
-    tensor in the mix's types (written to a temporary file as they are made: memory stays about
-    one tensor, not the model); with the tokenizer of GGUF file `tokenizer_from`."""
+def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0, tokenizer_from: str | None = None,
+               arch: str = "llama") -> None:
+    """A GGUF file of architecture `arch` (llama, qwen3) of `config`'s shapes, random weights
+    (std 0.02; norms 1), tensor by tensor in the mix's types (written to a temporary file as they
+    are made: memory stays about one tensor, not the model); with the tokenizer of GGUF file
+    `tokenizer_from`."""
     import gguf
 
     from pagedserve.models.dummy import DummyWeights
     from pagedserve.models.loader import args_from_hf_config
     args = args_from_hf_config(config)
-    w = gguf_writer(path, "llama", layers=args.num_layers, context=args.max_position_embeddings,
+    w = gguf_writer(path, arch, layers=args.num_layers, context=args.max_position_embeddings,
                     hidden=args.hidden_size, intermediate=args.intermediate_size, heads=args.num_heads,
                     kv_heads=args.num_kv_heads, eps=args.rms_norm_eps, vocab=args.vocab_size,
                     rope_theta=args.rope_theta, use_temp_file=True)
+    if args.head_dim != args.hidden_size // args.num_heads:
+        w.add_key_length(args.head_dim)
+        w.add_value_length(args.head_dim)
     if tokenizer_from:
-        copy_tokenizer(w, tokenizer_from)
+        copy_tokenizer(w, tokenizer_from, args.vocab_size)
     weights = DummyWeights(args, torch.float32, "cpu", seed)
     rng = np.random.default_rng(seed)
     for name in weights:
@@ -253,6 +276,10 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="full size, decode only: all 24 layers of the 1.7B shape, "
                                                        "the quantized files only (~10 min)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the 1.7B shape (default: 24; 4 with --quick)")
+    ap.add_argument("--full-prefill", action="store_true", help="with --full: also one 128-token prefill timed "
+                    "(and llama-bench -p 128)")
+    ap.add_argument("--shape", default="smollm2-1.7b", choices=list(SHAPES),
+                    help="the random-weight shape of the quantized files (qwen3-4b: issue 47's, GGUF qwen3)")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     ap.add_argument("--no-default-model", action="store_true")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench: run it on the same files")
@@ -279,9 +306,11 @@ def main() -> None:
     threads = torch.get_num_threads()
     if args.full and args.quick:
         ap.error("--full and --quick are exclusive")
-    layers = args.layers or (4 if args.quick else SMOLLM2_1_7B["num_hidden_layers"])
+    shape, arch, stem = SHAPES[args.shape]
+    layers = args.layers or (4 if args.quick else shape["num_hidden_layers"])
     # --full: decode only (repeats 0: no prefill timing), 64 steps
-    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (128, 64, 0) if args.full else (512, 128, 3)
+    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (128, 64, int(args.full_prefill)) if args.full \
+        else (512, 128, 3)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pagedserve-quantized-"))
     work.mkdir(parents=True, exist_ok=True)
     cache = str(work / "cache")
@@ -300,7 +329,7 @@ def main() -> None:
         result = {"model": model_file, "config": label, **child({**base, **spec}, timeout)}
         if gguf_file and args.llama_bench:
             result["llama_bench"] = llama_bench(args.llama_bench, gguf_file, threads,
-                                                0 if args.full else prefill_len, decode_len)
+                                                0 if args.full and not args.full_prefill else prefill_len, decode_len)
         runs.append(result)
 
     try:
@@ -310,31 +339,32 @@ def main() -> None:
             if not args.full:
                 run("bf16 dequantized", "SmolLM2-135M-Instruct", dict(model=path, gguf_dequantize=True,
                                                                        dtype="bfloat16"), None)
-        config = {**SMOLLM2_1_7B, "num_hidden_layers": layers}
+        config = {**shape, "num_hidden_layers": layers}
         if args.tiny:
             config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=4)
             layers = 2
         tokenizer_from = default_model_path()      # its vocabulary is SmolLM2-1.7B's
-        shape_dir = work / "smollm2-1.7b-shape"
+        shape_dir = work / stem
         shape_dir.mkdir(exist_ok=True)
         (shape_dir / "config.json").write_text(json.dumps(config))
         stand_in_tokenizer(config).save_pretrained(str(shape_dir))
-        name = f"SmolLM2-1.7B shape ({layers} layers)" if not args.tiny else "tiny shape (2 layers, 256 wide)"
+        name = f"{'SmolLM2-1.7B' if args.shape == 'smollm2-1.7b' else 'Qwen3-4B'} shape ({layers} layers)" \
+            if not args.tiny else "tiny shape (2 layers, 256 wide)"
         maker = "llama-quantize" if args.llama_quantize else "benchmarks/quantized.py"
-        f16 = work / "smollm2-1.7b-shape-F16.gguf"
+        f16 = work / f"{stem}-F16.gguf"
         for mix in args.mixes:
-            path = work / f"smollm2-1.7b-shape-{mix}{'-llama' if args.llama_quantize else ''}.gguf"
+            path = work / f"{stem}-{mix}{'-llama' if args.llama_quantize else ''}.gguf"
             if not path.exists():
                 if args.llama_quantize:
                     if not f16.exists():
                         print(f"  writing {f16.name} ...", flush=True)
-                        write_gguf(config, {"*": "F16"}, f16, tokenizer_from=tokenizer_from)
+                        write_gguf(config, {"*": "F16"}, f16, tokenizer_from=tokenizer_from, arch=arch)
                     print(f"  llama-quantize {mix} ...", flush=True)
                     llama_quantize(args.llama_quantize, f16, path, mix, threads)
                 else:
                     print(f"  writing {path.name} ...", flush=True)
-                    write_gguf(config, MIXES[mix], path, tokenizer_from=tokenizer_from)
+                    write_gguf(config, MIXES[mix], path, tokenizer_from=tokenizer_from, arch=arch)
             run(f"{mix} native", name, dict(model=str(path), tokenizer=str(shape_dir)), str(path))
             runs[-1].update(file_bytes=path.stat().st_size, file_made_by=maker)
         if not args.full:
@@ -363,7 +393,8 @@ def main() -> None:
               f"{r['prefill_tok_s'] or 0:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16} {r.get('batch_tok_s') or 0:>11.1f}")
-    result = dict(threads=threads, read_bytes_s=bandwidth, quick=args.quick, full=args.full, tiny=args.tiny,
+    result = dict(threads=threads, read_bytes_s=bandwidth, shape=args.shape, quick=args.quick, full=args.full,
+                  tiny=args.tiny,
                   layers_of_1_7b_shape=layers,
                   prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, decode_rounds=decode_rounds,
                   runs=runs,

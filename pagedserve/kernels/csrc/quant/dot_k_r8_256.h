@@ -108,38 +108,41 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
         const uint8_t *u = g + s * U;
         for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
         if constexpr (QT == Q6_KR8) {
+            const __m256i k32 = _mm256_set1_epi8(32);
             const __m256 D = _mm256_permutevar8x32_ps(
                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1664))), order);
             #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const int n = j / 4, r = j % 4;
                 const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
-                __m256i aw[2][4], w[2][4];      // per half: |q - 32| and q - 32 of pieces 0..3
-                #pragma GCC unroll 8
+                __m256i c[2][4];                // per half: the unsigned codes q (0..63) of pieces 0..3
+#pragma GCC unroll 8
                 for (int h = 0; h < 2; h++)
-                    #pragma GCC unroll 8
+#pragma GCC unroll 8
                     for (int k = 0; k < 4; k++) {
                         const __m256i ql = ld(u + 64 * (8 * n + 4 * (r % 2) + k) + 32 * h);
                         const __m256i qh = ld(u + 1024 + 64 * (4 * n + k) + 32 * h);
                         const __m256i lo = r < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-                        w[h][k] = _mm256_sub_epi8(_mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30)), _mm256_set1_epi8(32));
-                        aw[h][k] = _mm256_sign_epi8(w[h][k], w[h][k]);
+                        c[h][k] = _mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30));
                     }
                 const __m256i sa[2] = {q6_scales(pairs, 0, 0), q6_scales(pairs, 1, 0)};
                 const __m256i sb[2] = {q6_scales(pairs, 0, 1), q6_scales(pairs, 1, 1)};
-                #pragma GCC unroll 8
+#pragma GCC unroll 8
                 for (int t = 0; t < NT; t++) {
                     const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
+                    const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+                    // the offset 32 * q's pairs (the same in every row's lanes), taken off in 16 bits: each
+                    // lane of q's and of the offset's sums fits (<= 2 * 2 * 63 * 127, 2 * 2 * 32 * 127), and
+                    // so does their difference, (q - 32) times 4 activations (<= 4 * 32 * 127)
+                    const __m256i o[2] = {_mm256_add_epi16(_mm256_maddubs_epi16(k32, xb[0]), _mm256_maddubs_epi16(k32, xb[1])),
+                                          _mm256_add_epi16(_mm256_maddubs_epi16(k32, xb[2]), _mm256_maddubs_epi16(k32, xb[3]))};
                     __m256i dot[2];
-                    #pragma GCC unroll 8
+#pragma GCC unroll 8
                     for (int h = 0; h < 2; h++) {
-                        // |w| <= 32, |q| <= 127: two maddubs pairs sum to at most 16256 (16 bits)
-                        __m256i p[4];
-                        #pragma GCC unroll 8
-                        for (int k = 0; k < 4; k++)
-                            p[k] = _mm256_maddubs_epi16(aw[h][k], _mm256_sign_epi8(bcast8(x + 8 * k), w[h][k]));
-                        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), sa[h]),
-                                                  _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), sb[h]));
+                        const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
+                        const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
+                        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, o[0]), sa[h]),
+                                                  _mm256_madd_epi16(_mm256_sub_epi16(qb, o[1]), sb[h]));
                     }
                     const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(a.d[(t0 + t) * a.nb + 8 * s + j]));
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, acc[t]);

@@ -34,8 +34,14 @@ inline void r8_block(int qt, const uint8_t *u, int l, uint8_t *b) {
     const R8Fields fs = r8_fields(r8_file_type(qt));
     for (int i = 0; i < fs.n; i++) {
         const R8Field f = fs.f[i];
-        for (int k = 0; k < f.bytes / f.piece; k++)
-            std::memcpy(b + f.start + f.piece * k, u + 8 * f.start + f.piece * (8 * k + l), f.piece);
+        const uint8_t *src = u + 8 * f.start + f.piece * l;
+        uint8_t *dst = b + f.start;
+        // (each piece size its own constant-size copy: a move, not a call; unpacking is per product)
+        switch (f.piece) {
+        case 2: for (int k = 0; k < f.bytes / 2; k++) std::memcpy(dst + 2 * k, src + 16 * k, 2); break;
+        case 4: for (int k = 0; k < f.bytes / 4; k++) std::memcpy(dst + 4 * k, src + 32 * k, 4); break;
+        default: for (int k = 0; k < f.bytes / 8; k++) std::memcpy(dst + 8 * k, src + 64 * k, 8); break;
+        }
     }
 }
 inline void r8_block(const uint8_t *u, int l, uint8_t *b) { r8_block(Q4_1R8, u, l, b); }     // (amxw_units' q4_1r8)
