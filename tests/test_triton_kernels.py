@@ -342,7 +342,7 @@ for name, module, sig, consts, attrs, opts in json.loads(sys.stdin.read()):
     attrs = {tuple(k): [["tt.divisibility", 16]] for k in attrs}
     compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=opts)
-    print(name, len(compiled.asm["cubin"]), "bytes of sm_90 code")
+    print(name, len(compiled.asm["cubin"]), "bytes of sm_90 code,", compiled.metadata.shared, "of shared memory")
 """
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
@@ -378,9 +378,10 @@ def _signature(fn, args, kwargs):
 def test_kernels_compile_for_sm90(monkeypatch):
     """The interpreter never compiles, so a kernel that Triton's compiler would reject could
     pass every test above. Record real bfloat16 launches (decode with and without a split,
-    prefill, KV write, block copy; decode and prefill with a window, soft-capping and sinks),
-    then compile each, specialised as the JIT would, to sm_90 (H100/H200) machine code with
-    Triton's bundled ptxas, in a process without the interpreter. No GPU is needed."""
+    prefill, KV write, block copy; decode and prefill with a window, soft-capping and sinks; head
+    dim 256), then compile each, specialised as the JIT would, to sm_90 (H100/H200) machine code
+    with Triton's bundled ptxas, in a process without the interpreter, each within a block's
+    shared memory. No GPU is needed."""
     import json
     import subprocess
     import sys
@@ -389,7 +390,8 @@ def test_kernels_compile_for_sm90(monkeypatch):
     run = InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        key = (self.fn.__name__, kwargs.get("SPLIT"), kwargs.get("SOFTCAP"), kwargs.get("HAS_SINKS"))
+        key = (self.fn.__name__, kwargs.get("SPLIT"), kwargs.get("SOFTCAP"), kwargs.get("HAS_SINKS"),
+               kwargs.get("HEAD_DIM"))
         launches.setdefault(key, (self.fn, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -406,17 +408,24 @@ def test_kernels_compile_for_sm90(monkeypatch):
     TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1, softcap=30.0, sinks=sinks)
     paged_decode_attention(q[:2], cache, meta.block_tables, meta.seq_lens, 0.1, 301, num_splits=2, window=40,
                            softcap=30.0, sinks=sinks)
+    # Gemma 2 / 3's head dim 256 (its prefill tiles must fit a block's shared memory).
+    cache, q, k, v, meta, _ = make_batch([(30, 1), (0, 40)], 16, 2, 256, 4, num_blocks=8, seed=6)
+    cache, q, k, v, meta = to_device(cache, q, k, v, meta, torch.bfloat16)
+    TritonAttention(DEVICE).forward(q, k, v, cache, meta, 0.1)
     jobs = []
     for fn, args, kwargs in launches.values():
         sig, consts, attrs = _signature(fn, args, kwargs)
         opts = {k: kwargs[k] for k in ("num_warps",) if k in kwargs}
         jobs.append([fn.__name__, fn.__module__, sig, consts, attrs, opts])
-    assert len(jobs) == 9, [j[0] for j in jobs]
+    assert len(jobs) == 12, [j[0] for j in jobs]
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.splitlines()) == 9, done.stdout
+    lines = done.stdout.splitlines()
+    assert len(lines) == 12, done.stdout
+    # An H100 / H200 gives a block at most 227 KiB of shared memory (Triton refuses a larger launch).
+    assert max(int(line.split()[-4]) for line in lines) <= 227 * 1024, done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs for minutes")

@@ -21,6 +21,17 @@ BLOCK_M = 64    # queries per tile
 BLOCK_N = 64    # keys per tile
 NUM_WARPS = 8   # sm_90, head dim 128: ~170 registers, no spills
 NUM_STAGES = 2
+# Head dims above 128 (Gemma 2 / 3: 256): the tiles above need 257 KiB of shared memory there,
+# past the 227 KiB an H100 gives a block (Triton refuses the launch); these take 69 KiB and
+# 184-196 registers without spills (sm_90, Triton 3.6's ptxas).
+WIDE = dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=2)
+
+
+def tile_settings(head_dim: int) -> dict:
+    """The launch's tile sizes, warps and pipeline stages for a head dim."""
+    if next_pow2(head_dim) > 128:
+        return WIDE
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, NUM_STAGES=NUM_STAGES)
 
 
 @triton.jit
@@ -33,7 +44,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # 64-bit offsets (program ids are 32-bit); the cache's are in load_kv_tile.
     tile = tl.program_id(0)
@@ -59,32 +70,31 @@ def _prefill_kernel(
     #   [lo, win_end): inside some rows' windows only: masked (window and causal);
     #   [win_end, full_end): before the tile's first query and inside every row's window: no mask;
     #   [full_end, kv_end): the diagonal, masked. A tile past the chunk's end has no keys.
+    # Without a window (HAS_WINDOW false, a compile-time branch) the first range is empty.
     live = tile * BLOCK_M < q_len
     first_pos = prefix + tile * BLOCK_M
     kv_end = tl.where(live, tl.minimum(prefix + (tile + 1) * BLOCK_M, seq_len), 0)
-    if window > 0:
+    full_end = tl.where(live, first_pos // BLOCK_N * BLOCK_N, 0)
+    m_i, l_i = sink_start(sinks_ptr, head + m * 0, m_mask, live, BLOCK_M, HAS_SINKS)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    if HAS_WINDOW:
         first = tl.maximum(first_pos - window + 1, 0)
         all_see = first_pos + BLOCK_M - window        # keys from here on are in every row's window
         w = pos - window                              # each row sees keys n > w
+        lo = tl.where(live, first // BLOCK_N * BLOCK_N, 0)
+        full_end = tl.maximum(full_end, lo)
+        win_end = tl.minimum(tl.maximum((all_see + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), full_end)
+        for n0 in tl.range(lo, win_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n >= first
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
+                                stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
+            s_mask = n_mask[None, :] & (n[None, :] > w[:, None])
+            m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP,
+                                        True)
     else:
-        first = first_pos * 0
-        all_see = first_pos * 0
-        w = pos * 0 - 1
-    lo = tl.where(live, first // BLOCK_N * BLOCK_N, 0)
-    full_end = tl.maximum(tl.where(live, first_pos // BLOCK_N * BLOCK_N, 0), lo)
-    win_end = tl.minimum(tl.maximum((all_see + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), full_end)
-
-    h_rows = head + m * 0
-    m_i, l_i = sink_start(sinks_ptr, h_rows, m_mask, live, BLOCK_M, HAS_SINKS)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    for n0 in tl.range(lo, win_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n >= first
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
-                            stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
-        s_mask = n_mask[None, :] & (n[None, :] > w[:, None])
-        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
+        win_end = 0
     for n0 in tl.range(win_end, full_end, BLOCK_N, num_stages=NUM_STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, None, d, d_mask, kv_head,
@@ -92,11 +102,16 @@ def _prefill_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, True, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
     for n0 in tl.range(full_end, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = (n >= first) & (n < kv_end)
+        if HAS_WINDOW:
+            n_mask = (n >= first) & (n < kv_end)
+            s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > w[:, None])
+        else:
+            n_mask = n < kv_end
+            s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None])
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, n, n_mask, d, d_mask, kv_head,
                             stride_c_block, stride_c_tok, stride_c_head, PAGE, True, UPCAST)
-        s_mask = n_mask[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > w[:, None])
-        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP)
+        m_i, l_i, acc = attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION, SOFTCAP,
+                                    HAS_WINDOW)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + m) * stride_ot + head * stride_oh
@@ -128,7 +143,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     window = check_window(window)
     sinks = check_sinks(sinks, num_heads, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _prefill_kernel[(triton.cdiv(max_query_len, BLOCK_M), num_seqs, num_heads)](
+    t = tile_settings(head_dim)
+    _prefill_kernel[(triton.cdiv(max_query_len, t["BLOCK_M"]), num_seqs, num_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks if sinks is not None else q, out,
         scale * LOG2E, softcap * LOG2E if softcap else 1.0, window, first_seq,
         q.stride(0), q.stride(1),
@@ -136,8 +152,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        PAGE=kv_cache.shape[2], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        PAGE=kv_cache.shape[2], BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
         UPCAST=upcast(_prefill_kernel, q.dtype), PRECISION=dot_precision(q.dtype),
-        NUM_STAGES=NUM_STAGES, SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, num_warps=NUM_WARPS,
+        NUM_STAGES=t["NUM_STAGES"], SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
+        num_warps=t["NUM_WARPS"],
     )
     return out

@@ -63,22 +63,24 @@ def upcast(kernel, dtype: torch.dtype) -> bool:
 
 @triton.jit
 def attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap2, PRECISION: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, MAYBE_EMPTY: tl.constexpr = False):
     """One step of the online softmax: the scores of the query rows q [M, D] against the
     key tile k [N, D] (where s_mask holds; `True` for a tile every row may see) are
     folded into the running max m_i, sum l_i (base 2) and output acc [M, D].
 
     SOFTCAP: scores capped as cap * tanh(s / cap) (Gemma 2); the scores here are in base 2
-    (times log2 e), so softcap2 = cap * log2 e caps them the same. A row with no visible key
-    in this tile (a sliding window's edge) and none before keeps its state: the max it
-    subtracts is 0 then, never -inf - -inf."""
+    (times log2 e), so softcap2 = cap * log2 e caps them the same. MAYBE_EMPTY: a row may have
+    no visible key in this tile and none before (a sliding window's edge); it keeps its state
+    (the max it subtracts is 0 then, never -inf - -inf)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if SOFTCAP:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow.
         s = softcap2 * (1.0 - 2.0 / (tl.exp2(s * (2.8853900817779268 / softcap2)) + 1.0))
     s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_use = m_new
+    if MAYBE_EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
