@@ -148,3 +148,22 @@ def test_experts_the_kernel_does_not_take():
     mixed = _experts("q8_0", True, False)
     mixed[5].down = quant.dequantize(mixed[5].down)
     assert moe_kernels.expert_table(mixed) is None
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+def test_k_quant_experts(variant):
+    """A Q4_K_M file's experts (gate and up q4_k, down q6_k; r8 layouts on the 256-bit variants)
+    against the same arithmetic in float64."""
+    from tests.test_quant_kernels import weight
+    width = 256                           # a super-block: down's input width too
+    with quant.using_variant(variant):
+        pack = quant.repack if variant in quant.R8_VARIANTS else (lambda w: w)
+        experts = [ExpertWeights(tuple(pack(weight("q4_k", width, H, seed=3 * e + j)[0]) for j in (0, 1)),
+                                 pack(weight("q6_k", H, width, seed=3 * e + 2)[0])) for e in range(E)]
+        if variant in quant.R8_VARIANTS:
+            assert experts[0].down.qtype == "q6_kr8" and experts[0].gate_up[0].qtype == "q4_kr8"
+        x = torch.randn(5, H, generator=torch.Generator().manual_seed(6))
+        weights, ids = _route(x)
+        ours = moe_kernels.routed_experts(x, moe_kernels.expert_table(experts), weights, ids)
+        ref = _reference(x, experts, weights, ids)
+    torch.testing.assert_close(ours.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
