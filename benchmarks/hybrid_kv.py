@@ -16,6 +16,15 @@ how many 32k sequences hold their whole context at once in the same KV memory (m
 long enough outputs that memory, not time, limits them).
 
     .venv/bin/python -m benchmarks.hybrid_kv [--json out.json]
+
+--decode: the per-token goal instead (no step pays for the windows' bookkeeping). A Gemma 3
+1B-shaped model (random weights, load_format=dummy, quantized to q4_0 at load: 26 layers, 1 KV
+head of 256, window 512 on five layers of six) decodes one sequence at a short context (a
+--prompt-token prompt, --decode-tokens tokens) with its windows, and again with every layer full
+attention (the window ignored: one KV group); decode tok/s of each (the best of --rounds), and
+their ratio. CPU kernels (the compiled layer loop); the machine's flags are recorded.
+
+    .venv/bin/python -m benchmarks.hybrid_kv --decode [--json out.json]
 """
 from __future__ import annotations
 
@@ -114,13 +123,76 @@ def concurrency(cache: Cache, kv_bytes: int, prompt_len: int, output: int, reque
             "preemptions": sched.stats.num_preemptions, "steps": steps}
 
 
+# Gemma 3 1B (google/gemma-3-1b-it's config): 26 layers, every 6th full, window 512.
+GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+                 intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                 head_dim=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                 query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+                 hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
+
+
+def decode_speed(config: dict, prompt: int, tokens: int, rounds: int) -> dict:
+    """One sequence's decode tok/s: (time of prompt + `tokens` steps - time of the prompt and one
+    step) per token, the best of `rounds`."""
+    import tempfile
+    import time
+    from pathlib import Path
+    from pagedserve import LLM
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        llm = LLM(tmp, load_format="dummy", dtype="bfloat16", quantization="q4_0", block_size=BLOCK,
+                  max_model_len=4096, enable_prefix_caching=False, max_num_seqs=1)
+        ids = {"prompt_token_ids": [5 + i % 1000 for i in range(prompt)]}
+
+        def run(n: int) -> float:
+            start = time.perf_counter()
+            llm.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0), use_tqdm=False)
+            return time.perf_counter() - start
+        run(4)                           # warm-up: kernels, buffers
+        best = min(run(tokens + 1) - run(1) for _ in range(rounds))
+        model = llm.engine.runner.model
+        info = dict(compiled_layer_loop=model.compiled_layers is not None,
+                    kv_groups=list(llm.engine.runner.kv_groups.describe()))
+        del llm
+    return dict(tok_s=tokens / best, **info)
+
+
+def decode_goal(args) -> dict:
+    from pagedserve.kernels import cpu
+    windowed = GEMMA3_1B
+    ignored = dict(GEMMA3_1B, layer_types=["full_attention"] * GEMMA3_1B["num_hidden_layers"])
+    flags = sorted(f for f in cpu.cpu_flags() if f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx_vnni",
+                                                        "amx_tile"))
+    print(f"Gemma 3 1B shape, q4_0 at load, one sequence: {args.prompt_tokens}-token prompt, {args.decode_tokens} "
+          f"decode steps, best of {args.rounds}; CPU flags {' '.join(flags)}, variant {cpu.variant()}")
+    out = {"machine": platform.processor() or platform.machine(), "cpu_flags": flags, "variant": cpu.variant(),
+           "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
+    for name, config in (("windows", windowed), ("window ignored", ignored)):
+        out[name] = r = decode_speed(config, args.prompt_tokens, args.decode_tokens, args.rounds)
+        print(f"{name:16}{r['tok_s']:>8.2f} tok/s  (groups {', '.join(r['kv_groups'])}; compiled loop "
+              f"{r['compiled_layer_loop']})")
+    out["ratio"] = out["windows"]["tok_s"] / out["window ignored"]["tok_s"]
+    print(f"windows / window ignored: {out['ratio']:.3f} (goal >= 0.95)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-gib", type=float, default=20.0, help="KV memory for the concurrency run (GiB)")
     ap.add_argument("--requests", type=int, default=36, help="32k requests queued in the concurrency run")
     ap.add_argument("--output", type=int, default=256, help="tokens each of them decodes")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--decode", action="store_true", help="the decode-speed goal instead (see above)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.decode:
+        results = decode_goal(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     groups = plan_kv_groups(LAYER_WINDOWS)
     results = {"model": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window": WINDOW,
                          "full_layers": LAYER_WINDOWS.count(None), "kv_groups": list(groups.describe()),
