@@ -289,6 +289,9 @@ def model_starter(server: ServerConfig):
             raise
         state = server_state(entry.config, s, llm, metrics, max_request_body_bytes=None)
         state.loop = asyncio.get_running_loop()
+        # The prompt lanes (the vocabulary's longest token, the template's cost of a message) are part
+        # of the load, not of its first request's TTFT; off the event loop: other models keep serving.
+        await asyncio.to_thread(lambda: state.prompts)
         if state.loras is not None:
             await check_startup_adapters(state)
         return LoadedModel(llm, state, build_app(state, s), 0)
