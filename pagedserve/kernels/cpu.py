@@ -629,6 +629,7 @@ class _LoraRefs(ctypes.Structure):
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_MOE_BUILDS = ("avx2", "avxvnni", "scalar")      # the quant variants whose quant_moe_experts runs (kernels/moe.py)
 _TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
 _GROUP_COLUMN, _SLOT_COLUMN = 23, 24    # a layer's KV group and cache slot in a LayerPtrs row
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -644,24 +645,6 @@ def _quant_parts(weight) -> list | None:
     if isinstance(weight, tuple) and weight and all(isinstance(p, quant.QuantizedWeight) for p in weight):
         return list(weight)
     return None
-
-
-def _moe_layer(layer) -> tuple[torch.Tensor, object] | None:
-    """A mixture-of-experts layer's (router float32 [E, H], kernels/moe.py's ExpertTable) for the
-    compiled loop's MoE block (layers/moe_block.h: softmax routing, SwiGLU experts all quantized, no
-    shared expert, no router bias); None for a dense layer or an MoE block it does not run."""
-    from pagedserve.kernels import moe     # (imports quant, which imports this module)
-    w = layer.moe
-    if w is None or w.shared is not None or w.router_bias is not None:
-        return None
-    table = moe.expert_table(w.experts)
-    return None if table is None else (w.router.float().contiguous(), table)
-
-
-def moe_kernels_run() -> bool:
-    """Whether the active quant library runs quant_moe_experts (the 256-bit and scalar builds)."""
-    from pagedserve.kernels import moe
-    return moe.runs_here()
 
 
 def _projection_shape(weight) -> tuple[int, int]:
@@ -726,7 +709,8 @@ class DecoderLayers:
         self._parts = []          # the QuantPart arrays the table points to
         self._tiles: list[tuple[int, int, int]] = []    # (layer, column of tile_rows in the table, weight columns)
         # mixture-of-experts layers: each one's router and kernels/moe.py's table of its experts
-        self._moe = [_moe_layer(w) for w in model.layers]
+        from pagedserve.kernels import moe as moe_kernels        # (it imports quant, which imports this module)
+        self._moe = [moe_kernels.layer_table(w) for w in model.layers]
         rows = []
         for i, (w, bias) in enumerate(zip(model.layers, self._biases)):
             qkv, o, gate_up, down = (self._projection(getattr(w, name)) for name in _PROJECTIONS)
@@ -794,9 +778,10 @@ class DecoderLayers:
         if _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", model.dtype) is None or \
                 model.args.mlp_activation not in _ACTIVATIONS:
             return False
+        from pagedserve.kernels import moe as moe_kernels
         spec = getattr(model.args, "moe", None)
         if spec is not None and (spec.scoring != "softmax" or spec.activation != "silu" or any(
-                w.moe is not None and _moe_layer(w) is None for w in model.layers)):
+                w.moe is not None and moe_kernels.layer_table(w) is None for w in model.layers)):
             return False
         weights = [getattr(w, n) for w in model.layers for n in _PROJECTIONS if getattr(w, n) is not None]
         quantized = [t for t in weights if not isinstance(t, PackedWeight)]
@@ -817,7 +802,7 @@ class DecoderLayers:
             d.quant_handover = quant.kernel_address("quant_handover_next")
             d.quant_moe = quant.kernel_address("quant_moe_experts") if d.experts else 0
             self._quant_lib = lib
-        if d.experts and not moe_kernels_run():
+        if d.experts and quant.variant() not in _MOE_BUILDS:
             return False
         bf16 = self.dtype == torch.bfloat16
         d.small_rows = quant.batch_rows(False, bf16, self._all_r8)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels import quant
+from pagedserve.kernels import cpu, quant
 from pagedserve.kernels.quant import QuantPart, QuantizedWeight, c_part
 
 
@@ -27,7 +27,7 @@ class MoEExpert(ctypes.Structure):
 
 
 UNSUPPORTED = 2        # quant_moe_experts' status where its build does not run it
-BUILDS = ("avx2", "avxvnni", "scalar")       # the quant variants whose quant_moe_experts runs
+BUILDS = cpu._MOE_BUILDS       # the quant variants whose quant_moe_experts runs
 
 
 def runs_here() -> bool:
@@ -99,3 +99,14 @@ def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, i
     if status:
         raise RuntimeError(f"quant_moe_experts failed (status {status})")
     return out
+
+
+def layer_table(layer) -> tuple[torch.Tensor, ExpertTable] | None:
+    """A mixture-of-experts layer's (router float32 [E, H], its ExpertTable) for the compiled layer
+    loop's MoE block (csrc/layers/moe_block.h: SwiGLU experts all quantized, no shared expert, no
+    router bias); None for a dense layer or a block it does not run."""
+    w = layer.moe
+    if w is None or w.shared is not None or w.router_bias is not None:
+        return None
+    table = expert_table(w.experts)
+    return None if table is None else (w.router.float().contiguous(), table)
