@@ -419,8 +419,9 @@ class Scheduler:
         return out
 
     def _make_batch(self, out: SchedulerOutput) -> None:
-        """The worker's copy of the step: data only, decodes first (attention batches them)."""
-        order = sorted(out.scheduled, key=lambda s: s.num_query_tokens != 1)
+        """The worker's copy of the step: data only, decodes first (attention batches them), then
+        verification chunks (a decode and its drafts: attended row by row as decodes), then prefills."""
+        order = sorted(out.scheduled, key=lambda s: 0 if s.num_query_tokens == 1 else 1 if s.draft_token_ids else 2)
         seqs = []
         for s in order:
             seq = s.seq

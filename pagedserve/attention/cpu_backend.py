@@ -52,5 +52,5 @@ class CpuAttention(TorchAttention):
             prefills = meta.num_decodes < meta.num_seqs
             cached = self._rows[id(meta)] = (meta, cpu_kernels.AttentionRows.of(
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                meta.per_token if prefills else None, meta.window))
+                meta.per_token if prefills else None, meta.window, meta.num_verify))
         return cached[1]

@@ -31,6 +31,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_seq_len: int
     window: int | None = None       # this KV group's sliding window (None: full attention)
+    # Verification chunks (a decode token and its drafts) right after the decodes: each of their
+    # rows attends alone over its causal prefix, as a decode row does (the same kernel and
+    # arithmetic), so greedy speculation emits plain decoding's tokens.
+    num_verify: int = 0
     groups: list["AttentionMetadata"] = field(default_factory=list)   # on group 0's: every group's, in order
 
     def group(self, g: int) -> "AttentionMetadata":
@@ -40,6 +44,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Query rows that attend as decode rows: the decodes' and the verification chunks'."""
+        return self.query_start_loc_cpu[self.num_decodes + self.num_verify]
 
     @cached_property
     def per_token(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -458,20 +458,22 @@ class AttentionRows(ctypes.Structure):
     _fields_ = [("tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
                 ("query_start", ctypes.c_void_p), ("num_seqs", ctypes.c_int64), ("num_decodes", ctypes.c_int64),
                 ("token_tables", ctypes.c_void_p), ("token_table_stride", ctypes.c_int64),
-                ("token_lens", ctypes.c_void_p), ("window", ctypes.c_int64)]
+                ("token_lens", ctypes.c_void_p), ("window", ctypes.c_int64), ("num_verify", ctypes.c_int64)]
 
     @classmethod
     def of(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_decodes: int,
-           per_token: tuple[torch.Tensor, torch.Tensor] | None, window: int | None = None) -> "AttentionRows":
+           per_token: tuple[torch.Tensor, torch.Tensor] | None, window: int | None = None,
+           num_verify: int = 0) -> "AttentionRows":
         """block_tables [S, width], seq_lens [S], query_start [S + 1]: int64, contiguous;
         per_token: (tables, lens) per query token, needed only with prefills; window: a sliding
         window (each query reads its last `window` positions only; the table's -1 entries before
-        them are never read)."""
+        them are never read); num_verify: verification chunks after the decodes, whose rows take the
+        decode kernel one by one (per_token), as decode rows would."""
         tok_tables, tok_lens = per_token or (None, None)
         rows = cls(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start.data_ptr(),
                    seq_lens.shape[0], num_decodes, None if tok_tables is None else tok_tables.data_ptr(),
                    0 if tok_tables is None else tok_tables.stride(0), None if tok_lens is None else tok_lens.data_ptr(),
-                   window or 0)
+                   window or 0, num_verify)
         rows._keep = (block_tables, seq_lens, query_start, per_token)
         return rows
 

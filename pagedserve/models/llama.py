@@ -200,8 +200,9 @@ class LlamaModel:
             if self.compiled_layers.forward(x, h, cos.view(num_tokens, -1), sin.view(num_tokens, -1), kv_caches,
                                             meta, *extra):
                 return h
-        # Decode-only batches: quantized weights keep their integer path up to larger batches.
-        linear = ops.linear if meta.num_decodes < num_tokens else functools.partial(ops.linear, decode=True)
+        # Decode-only batches (verification rows count as decodes): quantized weights keep their
+        # integer path up to larger batches.
+        linear = ops.linear if meta.num_decode_rows < num_tokens else functools.partial(ops.linear, decode=True)
         reduce = self.tp.all_reduce if self.tp else _whole
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
@@ -273,12 +274,14 @@ class LlamaModel:
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor | None:
         """Logits in float32 for the rows that are sampled (the LM head runs only on those).
-        Under tensor parallelism every rank must call it; the driver gets the whole
-        vocabulary's logits, the other ranks None."""
+        `decode`: one row per sampled position (not prompt logprobs' every row), computed as decode
+        rows (quantized: the decode thresholds, so a row's arithmetic does not depend on how many
+        share the step). Under tensor parallelism every rank must call it; the driver gets the
+        whole vocabulary's logits, the other ranks None."""
         # (float32 out of the product itself where it can: quantized heads skip a bf16 rounding and a copy)
-        logits = self.ops.linear(hidden, self.lm_head, out_dtype=torch.float32)
+        logits = self.ops.linear(hidden, self.lm_head, decode=decode, out_dtype=torch.float32)
         if self.args.logits_scaling != 1.0:
             logits /= self.args.logits_scaling
         cap = self.args.final_logit_softcapping

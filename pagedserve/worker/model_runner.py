@@ -61,6 +61,7 @@ def prepare_batch(batch: list[ScheduledTokens], block_size: int, device,
     shared = dict(query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
                   seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
                   num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
+                  num_verify=sum(1 for s in batch if len(s.token_ids) == 1 and s.draft_token_ids),
                   query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_seq_len=max(seq_lens))
     metas = []
     for window, group in zip(windows, tables):
@@ -190,8 +191,10 @@ class ModelRunner:
             last = [qsl[i + 1] - 1 for i in sampled_at]
             spec_rows = [r for i in drafted_at for r in range(qsl[i + 1] - 1 - len(seqs[i].draft_token_ids), qsl[i + 1])]
             # None on a tensor-parallel rank but the driver (it only took part in the gather)
-            logits = self.model.compute_logits(hidden[last]) if sampled else None
-            spec_logits = self.model.compute_logits(hidden[spec_rows]) if drafted else None
+            # Sampled rows are one per sequence (1 + k for a drafted one): the LM head computes each
+            # as a decode row, whatever the number of rows (batch-invariant greedy output).
+            logits = self.model.compute_logits(hidden[last], decode=True) if sampled else None
+            spec_logits = self.model.compute_logits(hidden[spec_rows], decode=True) if drafted else None
             prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
             pooled = self._pool(seqs, hidden, meta)
         sample = None

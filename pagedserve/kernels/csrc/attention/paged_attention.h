@@ -13,10 +13,12 @@ struct AttentionRows {   // laid out by kernels/cpu.py (AttentionRows) from the 
     int64_t token_table_stride;              // as a sequence of its own over its causal prefix
     const int64_t *token_lens;
     int64_t window;                          // a sliding window (a hybrid model's KV group); 0: none
-};
+    int64_t num_verify;                      // verification chunks after the decodes: their rows
+};                                           // attend one by one as decode rows (token_tables)
 
-// Decode rows through the decode kernel; prefill chunks through the tiled prefill kernel where
-// the build has one (AVX2 and up) and the shape fits, else each prefill token through the
+// Decode rows through the decode kernel; verification chunks' rows too, one by one (so that
+// speculation's arithmetic is plain decoding's); prefill chunks through the tiled prefill kernel
+// where the build has one (AVX2 and up) and the shape fits, else each prefill token through the
 // decode kernel. With a sliding window every query reads only its window's rows (the decode
 // kernel starts each at its length - window; the prefill tiles start at the first query's
 // window and mask each row's). mods: the layer's soft-capping and sinks, on every path.
@@ -28,12 +30,17 @@ int attend(const T *q, int64_t q_stride, const K *kc, const K *vc, const Attenti
         return paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, num_tokens, Hq, Hkv, D, B,
                             L, scale, partition_size, a.window, mods);
 #ifdef __AVX2__
-    const int64_t nd = a.num_decodes;
+    const int64_t nd = a.num_decodes, nv = nd + a.num_verify, r0 = a.query_start[nd], r1 = a.query_start[nv];
     if (nd && paged_decode(q, q_stride, kc, vc, a.tables, a.table_stride, a.seq_lens, out, nd, Hq, Hkv, D, B, L,
                            scale, partition_size, a.window, mods))
         return 1;
-    if (paged_prefill(q + nd * q_stride, q_stride, kc, vc, a.tables + nd * a.table_stride, a.table_stride,
-                      a.seq_lens + nd, a.query_start + nd, a.num_seqs - nd, out + nd * Hq * D, Hq, Hkv, D, B, L,
+    if (r1 > r0 && paged_decode(q + r0 * q_stride, q_stride, kc, vc, a.token_tables + r0 * a.token_table_stride,
+                                a.token_table_stride, a.token_lens + r0, out + r0 * Hq * D, r1 - r0, Hq, Hkv, D, B, L,
+                                scale, partition_size, a.window, mods))
+        return 1;
+    if (nv == a.num_seqs ||
+        paged_prefill(q + r1 * q_stride, q_stride, kc, vc, a.tables + nv * a.table_stride, a.table_stride,
+                      a.seq_lens + nv, a.query_start + nv, a.num_seqs - nv, out + r1 * Hq * D, Hq, Hkv, D, B, L,
                       scale, a.window, mods) == 0)
         return 0;
 #endif

@@ -25,7 +25,8 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
     T *qkv = scratch.data(), *attn = qkv + T_ * qkv_size, *proj = attn + T_ * q_size, *gate_up = proj + T_ * H,
       *act = gate_up + T_ * 2 * I;
     const Layout L{c.block, c.token, c.head};
-    const bool decode = rows[0].num_decodes == T_;      // decode tokens only: quantized weights' decode threshold
+    // decode tokens only (verification rows count as decodes): quantized weights' decode threshold
+    const bool decode = rows[0].query_start[rows[0].num_decodes + rows[0].num_verify] == T_;
     for (int64_t l = 0; l < m.layers; l++) {
         const LayerPtrs &w = layers[l];
         K *kc = cache + w.slot * c.layer, *vc = kc + c.kv;
