@@ -96,7 +96,8 @@ R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (25
 # the rows first, from 1 to 512 rows: measured on Zen 3, 2 threads, 0.34-1.00x the tiles' time), and
 # with set_batch_invariant(True) ($PAGEDSERVE_BATCH_INVARIANT=1) prefill chunks too: a row's
 # arithmetic then never depends on the batch (batch-invariant greedy output, issue 51); off by
-# default, since 8-bit activations in the prefill move a tiny random MoE model's routing (tests).
+# default: it costs 11% on a mixed offline trace (benchmarks/batch_invariance.py, RESULTS.md), and
+# 8-bit activations in the prefill move a tiny random MoE model's routing (tests).
 R8_ALL_ROWS = 1 << 30
 _batch_invariant = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "0") == "1"
 
