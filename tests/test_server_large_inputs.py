@@ -208,3 +208,48 @@ def test_slow_readers_do_not_keep_kv_blocks_after_generation(server, tiny_llama)
     finally:
         for s in socks:
             s.close()
+
+
+def test_slow_readers_do_not_grow_the_servers_memory_with_their_unread_output(server, tiny_llama):
+    """Streams whose clients read nothing: the server's socket buffers fill and each stream's
+    outputs wait for the reader. Waiting outputs are cumulative, so only the newest of each request
+    is kept (engine/async_llm.py RequestStream): what a stalled reader pins is its output once,
+    not one copy of it per step (before: 16 streams of 440 tokens grew the server by ~40 MB, the
+    copies' sum, quadratic in the length). Meanwhile /health answers and the blocks are freed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from tests.server_utils import metrics, rss_bytes
+    url = urlsplit(server.url)
+    ids = tiny_llama.tokenizer.encode(PROMPT)
+    payload = json.dumps({"prompt": ids, "max_tokens": 512 - len(ids) - 8, "temperature": 0, "ignore_eos": True,
+                          "stream": True, "logprobs": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        wait_idle(http)
+        before = rss_bytes(server.proc.pid)
+        socks = []
+        try:
+            for _ in range(16):
+                s = socket.create_connection((url.hostname, url.port))
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.sendall(request)
+                socks.append(s)
+            deadline, answers = time.monotonic() + 120, 0
+            while time.monotonic() < deadline:
+                answers += http.get("/health").status_code == 200
+                m = metrics(http)
+                if m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0 \
+                        and m["pagedserve:kv_cache_usage_perc"] == 0:
+                    break
+                time.sleep(0.2)
+            assert m["pagedserve:kv_cache_usage_perc"] == 0, m
+            assert answers >= 3                                       # the event loop kept answering
+            grown = rss_bytes(server.proc.pid) - before
+            unread = sum(len(s.recv(1 << 20, socket.MSG_DONTWAIT | socket.MSG_PEEK)) for s in socks)
+            assert unread > 0
+            assert grown < 16 * 1024**2, f"the server grew by {grown / 1024**2:.1f} MB for 16 unread streams"
+        finally:
+            for s in socks:
+                s.close()

@@ -83,27 +83,41 @@ class RequestStream:
 
     Each output is cumulative (text and token ids so far). Iteration ends when every
     request has finished; close() aborts whatever has not.
+
+    A request's output not taken yet is replaced by its next one (cumulative: the newer holds
+    all of it), so a caller that reads slowly (a streaming client that reads nothing: its socket's
+    buffers full) pins each request's output once, not one copy per step; its next read gets
+    everything since, in one piece. (Event loop only: AsyncLLM delivers with call_soon_threadsafe.)
     """
 
     def __init__(self, llm: "AsyncLLM", request_ids: list[str]) -> None:
         self._llm = llm
         self.request_ids = list(request_ids)
         self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # Request id -> its newest output not taken yet (an error under None), oldest first.
+        self._pending: dict[str | None, RequestOutput | BaseException] = {}
+        self._ready = asyncio.Event()
 
     @property
     def finished(self) -> bool:
         return not self._unfinished
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        key = None if isinstance(item, BaseException) else item.request_id
+        if key is not None and key in self._pending:
+            del self._pending[key]           # superseded: the newer one goes to the end, in arrival order
+        self._pending[key] = item
+        self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         while self._unfinished:
-            item = await self._queue.get()
+            while not self._pending:
+                self._ready.clear()
+                await self._ready.wait()
+            item = self._pending.pop(next(iter(self._pending)))
             if isinstance(item, BaseException):
                 self.abort()   # the caller's other requests are of no use now
                 self._unfinished.clear()
