@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 
-from benchmarks.quantized import child, copy_tokenizer, llama_bench  # noqa: E402
+from benchmarks.quantized import child, copy_tokenizer, llama_bench, llama_quantize  # noqa: E402
 from tests.gguf_utils import finish, gguf_writer  # noqa: E402
 
 # allenai/OLMoE-1B-7B-0924's config.json (the vocabulary: the default model's, see above)
@@ -159,8 +158,7 @@ def main() -> None:
                     print(f"  writing {source.name} ...", flush=True)
                     write_olmoe_gguf(config, MIXES["Q8_0"], source, tokenizer_from)
                 print(f"  llama-quantize {mix} ...", flush=True)
-                subprocess.run([args.llama_quantize, "--allow-requantize", str(source), str(path), mix, str(threads)],
-                               check=True, capture_output=True)
+                llama_quantize(args.llama_quantize, source, path, mix, threads, allow_requantize=True)
             elif not path.exists():
                 print(f"  writing {path.name} ...", flush=True)
                 write_olmoe_gguf(config, MIXES[mix], path, tokenizer_from)

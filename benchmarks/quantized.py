@@ -260,9 +260,12 @@ def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int) ->
     return out
 
 
-def llama_quantize(exe: str, source: Path, path: Path, ftype: str, threads: int) -> None:
-    """llama.cpp's llama-quantize: GGUF `source` (f16) as `ftype` (Q4_0, Q8_0, Q4_K_M, ...) at `path`."""
-    res = subprocess.run([exe, str(source), str(path), ftype, str(threads)], capture_output=True, text=True,
+def llama_quantize(exe: str, source: Path, path: Path, ftype: str, threads: int,
+                   allow_requantize: bool = False) -> None:
+    """llama.cpp's llama-quantize: GGUF `source` (f16, or a quantized file with allow_requantize)
+    as `ftype` (Q4_0, Q8_0, Q4_K_M, ...) at `path`."""
+    flags = ["--allow-requantize"] if allow_requantize else []
+    res = subprocess.run([exe, *flags, str(source), str(path), ftype, str(threads)], capture_output=True, text=True,
                          timeout=3600)
     if res.returncode:
         raise RuntimeError(f"llama-quantize {ftype} failed: {res.stderr[-2000:]}")
