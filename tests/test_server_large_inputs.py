@@ -236,8 +236,9 @@ def test_slow_readers_do_not_grow_the_servers_memory_with_their_unread_output(se
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 s.sendall(request)
                 socks.append(s)
-            deadline, answers = time.monotonic() + 120, 0
+            deadline, checks, answers = time.monotonic() + 120, 0, 0
             while time.monotonic() < deadline:
+                checks += 1
                 answers += http.get("/health").status_code == 200
                 m = metrics(http)
                 if m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0 \
@@ -245,7 +246,9 @@ def test_slow_readers_do_not_grow_the_servers_memory_with_their_unread_output(se
                     break
                 time.sleep(0.2)
             assert m["pagedserve:kv_cache_usage_perc"] == 0, m
-            assert answers >= 3                                       # the event loop kept answering
+            # the event loop kept answering (how many checks fit depends on the machine's speed)
+            assert answers == checks >= 1
+            assert http.get("/health").status_code == 200
             grown = rss_bytes(server.proc.pid) - before
             unread = sum(len(s.recv(1 << 20, socket.MSG_DONTWAIT | socket.MSG_PEEK)) for s in socks)
             assert unread > 0
