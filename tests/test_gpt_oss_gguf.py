@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import moe as moe_kernels
 from tests.conftest import hf_greedy
 from tests.gpt_oss_utils import tiny_gpt_oss, write_gpt_oss_gguf
 
@@ -43,6 +44,8 @@ def test_gpt_oss_gguf_generates_transformers_tokens(gpt_oss_file, tiny_tokenizer
             parts = e.gate_up if isinstance(e.gate_up, tuple) else (e.gate_up,)
             assert {p.qtype for p in parts} | {e.down.qtype} == {"mxfp4"}
             assert e.gate_up_bias is not None and e.down_bias is not None
+    # the compiled layer loop runs it (attention and router biases, sinks, windows, clamped SwiGLU)
+    assert (model.compiled_layers is not None) == moe_kernels.runs_here()
     params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, out.prompt_token_ids, NEW), out.prompt
@@ -52,6 +55,30 @@ def test_gpt_oss_gguf_generates_transformers_tokens(gpt_oss_file, tiny_tokenizer
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
     assert (ours - ref).abs().max() <= 0.1          # the experts' q8 activations (csrc/quant/mxfp4.h)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_compiled_loop_runs_gpt_oss_as_the_python_loop(gpt_oss_file, dtype):
+    """The compiled layer loop (o and router biases, top-k softmax routing, the experts' clamped
+    SwiGLU with biases in csrc/moe/experts.h) gives the Python layer loop's greedy tokens and
+    logprobs, prompts prefilled in chunks past the window."""
+    if not moe_kernels.runs_here():
+        pytest.skip("quant_moe_experts does not run in this build")
+    path, _ = gpt_oss_file
+    llm = LLM(str(path), num_gpu_blocks_override=64, dtype=dtype, max_num_batched_tokens=16, max_num_seqs=4)
+    model = llm.engine.executor.worker.runner.model
+    assert model.compiled_layers is not None
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
+    prompts = PROMPTS + [" ".join(PROMPTS)]
+    compiled = llm.generate(prompts, params, use_tqdm=False)
+    model.compiled_layers, loop = None, model.compiled_layers
+    python = llm.generate(prompts, params, use_tqdm=False)
+    model.compiled_layers = loop
+    for a, b in zip(compiled, python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        la = torch.tensor([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
+        lb = torch.tensor([lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
+        assert (la - lb).abs().max() <= (2e-2 if dtype == "bfloat16" else 1e-3), a.prompt
 
 
 def test_an_expert_tensor_contradicting_the_metadata_is_refused(gpt_oss_file, tmp_path):

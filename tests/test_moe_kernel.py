@@ -11,10 +11,19 @@ import torch
 from pagedserve.kernels import moe as moe_kernels
 from pagedserve.kernels import quant
 from pagedserve.kernels.cpu_ops import CpuOps
-from pagedserve.models.moe import ExpertWeights, MoESpec, MoEWeights, count_expert_reads, moe_forward, route
+from pagedserve.models.moe import (ExpertWeights, MoESpec, MoEWeights, clamped_swiglu, count_expert_reads, moe_forward,
+                                   route)
 
 H, I, E, K = 256, 64, 8, 2
 KERNEL_VARIANTS = [v for v in ("avx2", "avxvnni", "scalar") if v in quant.supported_variants()]
+
+
+def _mxfp4(w: torch.Tensor, g: torch.Generator) -> quant.QuantizedWeight:
+    """Random MXFP4 blocks of w's shape (E8M0 scales 2^-7 .. 2^-4: weights up to about 0.4)."""
+    rows, cols = w.shape
+    blocks = torch.randint(0, 256, (rows, cols // 32, 17), dtype=torch.uint8, generator=g)
+    blocks[..., 0] = torch.randint(120, 124, (rows, cols // 32), dtype=torch.uint8, generator=g)
+    return quant.from_gguf_blocks("mxfp4", blocks.view(rows, -1), (rows, cols))
 
 
 def _experts(qtype: str, fused: bool, r8: bool, seed: int = 0) -> list[ExpertWeights]:
@@ -23,11 +32,9 @@ def _experts(qtype: str, fused: bool, r8: bool, seed: int = 0) -> list[ExpertWei
     for _ in range(E):
         gate, up, down = (torch.randn(r, c, generator=g) * 0.1 for r, c in ((I, H), (I, H), (H, I)))
         pack = (lambda w: quant.repack(w)) if r8 else (lambda w: w)        # noqa: E731
-        if fused:
-            gate_up = pack(quant.quantize(torch.cat([gate, up]), qtype))
-        else:
-            gate_up = (pack(quant.quantize(gate, qtype)), pack(quant.quantize(up, qtype)))
-        out.append(ExpertWeights(gate_up, pack(quant.quantize(down, qtype))))
+        make = (lambda w: _mxfp4(w, g)) if qtype == "mxfp4" else (lambda w: pack(quant.quantize(w, qtype)))  # noqa: E731
+        gate_up = make(torch.cat([gate, up])) if fused else (make(gate), make(up))
+        out.append(ExpertWeights(gate_up, make(down)))
     return out
 
 
@@ -38,16 +45,25 @@ def _parts(e: ExpertWeights):
     return gu[0], gu[1], quant.file_layout(e.down)
 
 
-def _reference(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in float64: per (token, expert) q8(x) . gate, q8(x) . up, SiLU-and-mul
-    in float32, q8 of that . down, weighted and summed."""
+def _reference(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor,
+               spec: MoESpec | None = None) -> torch.Tensor:
+    """The kernel's arithmetic in float64: per (token, expert) q8(x) . gate, q8(x) . up (plus their
+    biases), SiLU-and-mul (or spec's clamped SwiGLU) in float32, q8 of that . down (plus its bias),
+    weighted and summed."""
     out = torch.zeros(x.shape[0], H, dtype=torch.float64)
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
-            gate, up, down = _parts(experts[int(ids[t, s])])
+            e = experts[int(ids[t, s])]
+            gate, up, down = _parts(e)
             g, u = (quant.reference_linear(x[t:t + 1].float(), m).float() for m in (gate, up))
-            act = torch.nn.functional.silu(g) * u
-            out[t] += float(weights[t, s]) * quant.reference_linear(act, down)[0]
+            if e.gate_up_bias is not None:
+                g, u = g + e.gate_up_bias[:I], u + e.gate_up_bias[I:]
+            if spec is None or spec.activation == "silu":
+                act = torch.nn.functional.silu(g) * u
+            else:
+                act = clamped_swiglu(torch.cat([g, u], dim=-1), spec.swiglu_alpha, spec.swiglu_limit)
+            y = quant.reference_linear(act, down)[0]
+            out[t] += float(weights[t, s]) * (y if e.down_bias is None else y + e.down_bias.double())
     return out
 
 
@@ -139,11 +155,12 @@ def test_the_block_takes_the_kernel_and_reads_only_chosen_experts():
 
 
 def test_experts_the_kernel_does_not_take():
-    """Float experts, biases, one float matrix among quantized ones: no table (moe.py runs them one by one)."""
+    """Float experts, a bias of the wrong size, one float matrix among quantized ones: no table
+    (moe.py runs them one by one)."""
     floats = [ExpertWeights(torch.randn(2 * I, H), torch.randn(H, I)) for _ in range(E)]
     assert moe_kernels.expert_table(floats) is None
     biased = _experts("q8_0", True, False)
-    biased[3].down_bias = torch.zeros(H)
+    biased[3].down_bias = torch.zeros(H + 1)
     assert moe_kernels.expert_table(biased) is None
     mixed = _experts("q8_0", True, False)
     mixed[5].down = quant.dequantize(mixed[5].down)
@@ -167,3 +184,31 @@ def test_k_quant_experts(variant):
         ours = moe_kernels.routed_experts(x, moe_kernels.expert_table(experts), weights, ids)
         ref = _reference(x, experts, weights, ids)
     torch.testing.assert_close(ours.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+
+
+def _gpt_oss_experts(qtype: str, fused: bool, r8: bool) -> list[ExpertWeights]:
+    """_experts with gpt-oss's biases (gate_up [2 I], down [H]), large enough that the clamps bite."""
+    g = torch.Generator().manual_seed(8)
+    experts = _experts(qtype, fused, r8, seed=7)
+    for e in experts:
+        e.gate_up_bias = torch.randn(2 * I, generator=g) * 4
+        e.down_bias = torch.randn(H, generator=g)
+    return experts
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+@pytest.mark.parametrize("qtype,fused", [("mxfp4", False), ("mxfp4", True), ("q8_0", False)])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_clamped_swiglu_with_biases(variant, qtype, fused, tokens):
+    """gpt-oss's experts: biases on gate, up and down, the clamped SwiGLU (alpha, limit) between;
+    MXFP4 (its GGUF stacks gate and up apart; its HF checkpoint fused) and an r8 layout."""
+    spec = MoESpec(E, K, I, scoring="topk_softmax", activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=7.0)
+    with quant.using_variant(variant):
+        experts = _gpt_oss_experts(qtype, fused, qtype != "mxfp4" and variant in quant.R8_VARIANTS)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(9)) * 4
+        weights, ids = _route(x, one_expert=tokens == 6)
+        ours = moe_kernels.routed_experts(x, moe_kernels.expert_table(experts), weights, ids, moe_kernels.glu_of(spec))
+        ref = _reference(x, experts, weights, ids, spec)
+        plain = _reference(x, experts, weights, ids)            # SwiGLU over the same biased values
+    torch.testing.assert_close(ours.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+    assert (plain - ref).abs().max() > 0.1 * ref.abs().max()     # the activation matters here

@@ -605,7 +605,9 @@ class _ModelDims(ctypes.Structure):
                [("residual_scale", ctypes.c_float)] + \
                [(n, ctypes.c_int64) for n in ("quant_moe", "experts", "top_k", "moe_intermediate", "norm_topk_prob",
                                               "qk_norm_full")] + \
-               [("clip_qkv", ctypes.c_float), ("softcap", ctypes.c_float), ("activation", ctypes.c_int64)]
+               [("clip_qkv", ctypes.c_float), ("softcap", ctypes.c_float), ("activation", ctypes.c_int64)] + \
+               [("moe_scoring", ctypes.c_int64), ("moe_glu", ctypes.c_int64), ("swiglu_alpha", ctypes.c_float),
+                ("swiglu_limit", ctypes.c_float)]
 
 
 class _CacheRefs(ctypes.Structure):
@@ -705,6 +707,7 @@ class DecoderLayers:
         self._out_norms = [tuple(None if t is None else t.contiguous() for t in (w.attn_out_norm, w.mlp_out_norm))
                            for w in model.layers]
         self._sinks = [None if w.sinks is None else w.sinks.float().contiguous() for w in model.layers]
+        self._o_biases = [None if w.o_bias is None else w.o_bias.float().contiguous() for w in model.layers]
         no_rope = set(a.no_rope_layers)
         windows = a.windows()
         local = bool(a.local_rope_theta)
@@ -721,9 +724,10 @@ class DecoderLayers:
                          self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr(),
                          *(0 if t is None else t.data_ptr() for t in self._qk_norms[i]),
                          0 if i in no_rope else 2 if local and windows[i] is not None else 1,
-                         *((0, 0) if moe is None else (moe[0].data_ptr(), ctypes.addressof(moe[1].array))),
+                         *((0, 0) if moe is None else (moe.router.data_ptr(), ctypes.addressof(moe.table.array))),
                          *(0 if t is None else t.data_ptr() for t in (*self._out_norms[i], self._sinks[i])),
-                         0, i])
+                         0, i,
+                         *(0 if t is None else t.data_ptr() for t in (self._o_biases[i], moe and moe.router_bias))])
             for column, proj in zip(_TILE_COLUMNS, (qkv, o, gate_up, down)):
                 if proj[1]:
                     self._tiles.append((i, column, proj[2]))
@@ -734,7 +738,7 @@ class DecoderLayers:
         # every quantized projection in an r8 layout: decode batches keep its integer dots up to more rows
         parts = [p for w in self._weights for proj in w for p in (_quant_parts(proj) or [])]
         self._all_r8 = bool(parts) and all(p.qtype in R8 for p in parts)
-        self.quantized = bool(self._parts)
+        self.quantized = bool(self._parts) or any(m is not None for m in self._moe)     # (quant's kernels)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                                 a.intermediate_size, a.rms_norm_eps, model.scale,    # quant_*: _quant_calls
                                 rope_dim=a.rope_dim, residual_scale=a.residual_multiplier,
@@ -744,7 +748,9 @@ class DecoderLayers:
         if tables:
             d = self._dims
             d.experts, d.top_k, d.norm_topk_prob = a.moe.num_experts, a.moe.top_k, int(a.moe.norm_topk_prob)
-            d.moe_intermediate = tables[0][1].intermediate
+            d.moe_intermediate = tables[0].table.intermediate
+            d.moe_scoring = moe_kernels.SCORINGS[a.moe.scoring]
+            d.moe_glu, d.swiglu_alpha, d.swiglu_limit = moe_kernels.glu_of(a.moe)
         # (layer_group, layer_slot) as the table has them: one group, layer l in cache slot l, until set_groups
         self.groups = ((0,) * a.num_layers, tuple(range(a.num_layers)))
         self._fn = _compiled("decoder_layers_kv8" if kv_code else "decoder_layers", self.dtype)
@@ -782,7 +788,7 @@ class DecoderLayers:
             return False
         from pagedserve.kernels import moe as moe_kernels
         spec = getattr(model.args, "moe", None)
-        if spec is not None and (spec.scoring != "softmax" or spec.activation != "silu" or any(
+        if spec is not None and (spec.scoring not in moe_kernels.SCORINGS or any(
                 w.moe is not None and moe_kernels.layer_table(w) is None for w in model.layers)):
             return False
         weights = [getattr(w, n) for w in model.layers for n in _PROJECTIONS if getattr(w, n) is not None]

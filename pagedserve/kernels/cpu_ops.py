@@ -76,14 +76,16 @@ class CpuOps(TorchOps):
     argmax = staticmethod(cpu.argmax_rows)
 
     def routed_experts(self, h: torch.Tensor, experts: list, weights: torch.Tensor,
-                       ids: torch.Tensor) -> torch.Tensor | None:
-        """Quantized SwiGLU experts in one C++ call (kernels/moe.py); the experts' table is built
-        once per list of experts (kept while the list lives: a layer's MoEWeights.experts)."""
+                       ids: torch.Tensor, spec) -> torch.Tensor | None:
+        """Quantized experts (SwiGLU, or gpt-oss's clamped SwiGLU with biases) in one C++ call
+        (kernels/moe.py); the experts' table is built once per list of experts (kept while the list
+        lives: a layer's MoEWeights.experts)."""
         key = id(experts)
         cached = self._expert_tables.get(key)
         if cached is None or cached[0] is not experts:
             cached = self._expert_tables[key] = (experts, moe_kernels.expert_table(experts))
-        return None if cached[1] is None else moe_kernels.routed_experts(h, cached[1], weights, ids)
+        return None if cached[1] is None else moe_kernels.routed_experts(h, cached[1], weights, ids,
+                                                                          moe_kernels.glu_of(spec))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and (normed := cpu.add_rms_norm(x, None, weight, eps)) is not None:

@@ -1,14 +1,14 @@
 """A mixture-of-experts layer's routed experts in one C++ call (quant_kernels' quant_moe_experts,
 csrc/moe/experts.h): the step's tokens grouped by expert, each chosen expert's gate, up and down
 read once for all of its tokens (integer dots over 8-bit activations, the r8 layouts' 8-row
-kernels where the loader repacked them), SiLU-and-mul between, the weighted sum per token in
-float32; experts no token chose are never touched. One parallel region per layer, no Python per
-expert.
+kernels where the loader repacked them), the gated activation between (SwiGLU, or gpt-oss's
+clamped SwiGLU with its alpha and limit), the weighted sum per token in float32; experts no token
+chose are never touched. One parallel region per layer, no Python per expert.
 
 It takes experts whose weights are all quantized (a GGUF file's stacked experts: gate and up
-apart; or one fused [2 I, H] gate_up), SwiGLU without biases, rows a multiple of 8; anything else
-(float experts, gpt-oss's clamped SwiGLU with biases, the AVX-512 build) returns None and
-models/moe.py runs the experts one by one through ops.linear.
+apart; or one fused [2 I, H] gate_up), with or without biases (gpt-oss's), rows a multiple of 8;
+anything else (float experts, the AVX-512 build) returns None and models/moe.py runs the experts
+one by one through ops.linear.
 """
 from __future__ import annotations
 
@@ -22,12 +22,26 @@ from pagedserve.kernels.quant import QuantPart, QuantizedWeight, c_part
 
 
 class MoEExpert(ctypes.Structure):
-    """MoEExpert in csrc/moe/experts.h: one expert's gate [I, H], up [I, H], down [H, I]."""
-    _fields_ = [("gate", QuantPart), ("up", QuantPart), ("down", QuantPart)]
+    """MoEExpert in csrc/moe/experts.h: one expert's gate [I, H], up [I, H], down [H, I] and their
+    float32 biases (addresses, 0: none)."""
+    _fields_ = [("gate", QuantPart), ("up", QuantPart), ("down", QuantPart), ("gate_bias", ctypes.c_void_p),
+                ("up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p)]
+
+
+class MoEGlu(ctypes.Structure):
+    """MoEGlu in csrc/moe/experts.h: the gated activation (0 SwiGLU, 1 clamped SwiGLU) and its alpha, limit."""
+    _fields_ = [("kind", ctypes.c_int64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
 
 
 UNSUPPORTED = 2        # quant_moe_experts' status where its build does not run it
 BUILDS = cpu._MOE_BUILDS       # the quant variants whose quant_moe_experts runs
+SCORINGS = {"softmax": 0, "topk_softmax": 1}          # models/moe.py's scorings as the compiled loop's MoE block codes them
+GLUS = {"silu": 0, "clamped_swiglu": 1}               # models/moe.py's activations as the kernel codes them
+
+
+def glu_of(spec) -> tuple[int, float, float]:
+    """A MoESpec's activation as the kernel's (kind, alpha, limit)."""
+    return GLUS[spec.activation], spec.swiglu_alpha, spec.swiglu_limit
 
 
 def runs_here() -> bool:
@@ -49,11 +63,16 @@ def _fits(w: QuantizedWeight, rows: int, cols: int) -> bool:
 
 @dataclass
 class ExpertTable:
-    """A layer's experts as the kernel takes them: the MoEExpert array (their weights' addresses)
-    and the experts themselves, which it keeps alive."""
+    """A layer's experts as the kernel takes them: the MoEExpert array (their weights' and biases'
+    addresses), the experts themselves and the float32 biases, which it keeps alive."""
     array: ctypes.Array
     experts: list
     intermediate: int
+    biases: list
+
+
+def _bias(b: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    return None if b is None else b.detach().float().contiguous().view(size)
 
 
 def expert_table(experts: list) -> ExpertTable | None:
@@ -62,8 +81,11 @@ def expert_table(experts: list) -> ExpertTable | None:
         return None
     hidden, intermediate = experts[0].down.shape
     table = (MoEExpert * len(experts))()
+    biases = []
     for slot, e in zip(table, experts):
-        if e.gate_up_bias is not None or e.down_bias is not None or not isinstance(e.down, QuantizedWeight):
+        if not isinstance(e.down, QuantizedWeight) or \
+                (e.gate_up_bias is not None and e.gate_up_bias.numel() != 2 * intermediate) or \
+                (e.down_bias is not None and e.down_bias.numel() != hidden):
             return None
         gu = e.gate_up
         if isinstance(gu, tuple) and len(gu) == 2 and all(isinstance(p, QuantizedWeight) for p in gu):
@@ -77,12 +99,20 @@ def expert_table(experts: list) -> ExpertTable | None:
         if not _fits(e.down, hidden, intermediate):
             return None
         slot.gate, slot.up, slot.down = gate, up, c_part(e.down)
-    return ExpertTable(table, list(experts), intermediate)
+        gu_bias, down_bias = _bias(e.gate_up_bias, 2 * intermediate), _bias(e.down_bias, hidden)
+        if gu_bias is not None:
+            slot.gate_bias, slot.up_bias = gu_bias.data_ptr(), gu_bias.data_ptr() + 4 * intermediate
+        if down_bias is not None:
+            slot.down_bias = down_bias.data_ptr()
+        biases += [gu_bias, down_bias]
+    return ExpertTable(table, list(experts), intermediate, biases)
 
 
-def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, ids: torch.Tensor,
+                   glu: tuple[int, float, float] = (0, 1.0, 0.0)) -> torch.Tensor | None:
     """sum_s weights[t, s] * expert_{ids[t, s]}(h[t]) for each row t of h [T, H] (float32 [T, H]),
-    or None where the kernel does not run here (no library, the AVX-512 build, h not float32 / bf16)."""
+    or None where the kernel does not run here (no library, the AVX-512 build, h not float32 / bf16).
+    glu: the activation (glu_of: SwiGLU by default)."""
     lib = quant.load()
     if lib is None or h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 2:
         return None
@@ -91,9 +121,11 @@ def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, i
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    act = MoEGlu(*glu)
     status = lib.quant_moe_experts(ctypes.addressof(table.array), len(table.array), h.data_ptr(), h.stride(0),
                                    int(h.dtype == torch.bfloat16), num_tokens, hidden, table.intermediate, ids.data_ptr(),
-                                   weights.data_ptr(), ids.shape[1], out.data_ptr())
+                                   weights.data_ptr(), ids.shape[1], ctypes.addressof(act),
+                                   out.data_ptr())
     if status == UNSUPPORTED:
         return None
     if status:
@@ -101,12 +133,22 @@ def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, i
     return out
 
 
-def layer_table(layer) -> tuple[torch.Tensor, ExpertTable] | None:
-    """A mixture-of-experts layer's (router float32 [E, H], its ExpertTable) for the compiled layer
-    loop's MoE block (csrc/layers/moe_block.h: SwiGLU experts all quantized, no shared expert, no
-    router bias); None for a dense layer or a block it does not run."""
+@dataclass
+class LayerTable:
+    """A mixture-of-experts layer as the compiled loop's MoE block takes it: its router float32
+    [E, H], the router's bias float32 [E] (gpt-oss) or None, and its experts' table."""
+    router: torch.Tensor
+    router_bias: torch.Tensor | None
+    table: ExpertTable
+
+
+def layer_table(layer) -> LayerTable | None:
+    """A mixture-of-experts layer's LayerTable for the compiled layer loop's MoE block
+    (csrc/layers/moe_block.h: experts all quantized, no shared expert); None for a dense layer or
+    a block it does not run."""
     w = layer.moe
-    if w is None or w.shared is not None or w.router_bias is not None:
+    if w is None or w.shared is not None:
         return None
     table = expert_table(w.experts)
-    return None if table is None else (w.router.float().contiguous(), table)
+    bias = None if w.router_bias is None else w.router_bias.float().contiguous()
+    return None if table is None else LayerTable(w.router.float().contiguous(), bias, table)

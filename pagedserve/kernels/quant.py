@@ -289,8 +289,8 @@ _SIGNATURES = {
     # ranges and runs its `after` at the end of its parallel region
     "quant_handover_next": [_P],
     # experts (MoEExpert [E]), E, x, ldx, x_is_bf16, T, H, I, ids (int64 [T, k]), weights (float32 [T, k]), k,
-    # out (float32 [T, H], added to): a layer's routed experts (kernels/moe.py)
-    "quant_moe_experts": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P],
+    # glu (MoEGlu, or null: SwiGLU), out (float32 [T, H], added to): a layer's routed experts (kernels/moe.py)
+    "quant_moe_experts": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _P],
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
                             "quantized-weight kernels (%s) unavailable, using torch: %s",

@@ -90,10 +90,11 @@ class ModelArgs:
         """What this model needs that the compiled CPU layer loop (kernels/cpu.py DecoderLayers)
         does not do: the Python layer loop runs such a model. (It does q/k norms per head, partial
         rotary, layers without RoPE, the multipliers, OLMoE's q/k norms over all heads and clip_qkv,
-        mixture-of-experts layers whose experts its MoE block takes (DecoderLayers.supports),
-        sliding windows (per layer, with the window layers' own RoPE), sandwich norms, GeGLU,
-        soft-capping and sinks.)"""
-        return [name for name, on in (("an attention output bias", self.o_bias),) if on]
+        mixture-of-experts layers whose experts its MoE block takes (DecoderLayers.supports: gpt-oss's
+        router bias, top-k softmax and clamped SwiGLU with biases too), sliding windows (per layer,
+        with the window layers' own RoPE), sandwich norms, GeGLU, soft-capping, sinks and the
+        attention output bias.)"""
+        return []
 
 
 @dataclass

@@ -6,7 +6,7 @@ weights are read), each token's top-k experts and their weights (`route`), then 
 grouped by expert: each chosen expert runs once over all of its tokens (its weights read once
 per step), and an expert no token chose is never touched. The weighted outputs are summed in
 float32 per token. Where the ops have a kernel for the whole set (`ops.routed_experts`: CpuOps
-over quantized SwiGLU experts, kernels/moe.py) it runs them in one call; else each expert runs
+over quantized experts, SwiGLU or gpt-oss's clamped SwiGLU with biases, kernels/moe.py) it runs them in one call; else each expert runs
 here through the same `linear` as every other projection (float, packed or quantized GGUF blocks).
 
 An expert's weights are whatever the loader made: one [2 I, H] matrix (gate rows, then up
@@ -236,7 +236,7 @@ def moe_forward(h: torch.Tensor, w: MoEWeights, spec: MoESpec, ops, linear: Line
     weights, ids = route(logits, spec)
     ran: list[tuple[int, int, int]] = []
     # the ops' one call for every routed expert (grouped by expert there), where they have one
-    out = ops.routed_experts(h, w.experts, weights, ids) if spec.activation == "silu" else None
+    out = ops.routed_experts(h, w.experts, weights, ids, spec)
     if out is None:
         out = _experts_one_by_one(h, w, spec, ops, linear or ops.linear, weights, ids, ran)
     elif _reads is not None:

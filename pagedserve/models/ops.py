@@ -74,10 +74,11 @@ class ModelOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def routed_experts(self, h: torch.Tensor, experts: list, weights: torch.Tensor,
-                       ids: torch.Tensor) -> torch.Tensor | None:
-        """A mixture-of-experts layer's routed SwiGLU experts in one call (models/moe.py): for each
-        row t of h [T, H], sum_s weights[t, s] * expert_{ids[t, s]}(h[t]), float32 [T, H]; None
-        where these ops have no such kernel for these experts (then moe.py runs them one by one)."""
+                       ids: torch.Tensor, spec) -> torch.Tensor | None:
+        """A mixture-of-experts layer's routed experts in one call (models/moe.py; spec: its MoESpec,
+        the activation): for each row t of h [T, H], sum_s weights[t, s] * expert_{ids[t, s]}(h[t]),
+        float32 [T, H]; None where these ops have no such kernel for these experts (then moe.py runs
+        them one by one)."""
 
     def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +124,7 @@ class TorchOps:
         return F.silu(gate) * up
 
     def routed_experts(self, h: torch.Tensor, experts: list, weights: torch.Tensor,
-                       ids: torch.Tensor) -> torch.Tensor | None:
+                       ids: torch.Tensor, spec) -> torch.Tensor | None:
         return None          # moe.py's loop over the experts is the reference
 
     def rotate_queries_and_keys(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -59,7 +59,9 @@ int decoder_layers(const LayerPtrs *layers, const T *final_norm, ModelDims m, T 
         if (attend(qkv, qkv_size, kc, vc, rows[w.group], T_, attn, m.heads, m.kv_heads, m.head_dim, c.block_size, L,
                    m.scale, c.partition_size, mods))
             return l ? 2 : 1;        // the first layer refuses before it attends: nothing cached yet is wrong
-        if (project_lora(w.o, m, decode, lora, l, 1, attn, nullptr, proj, T_, H, q_size)) return 2;
+        if (project_lora(w.o, m, decode, lora, l, 1, attn, reinterpret_cast<const float *>(w.o_bias), proj, T_, H,
+                         q_size))
+            return 2;
         if (w.attn_out_norm) out_norm(proj, w.attn_out_norm, T_, H, m.eps);
         if (m.residual_scale != 1.f) scale_inplace(proj, T_ * H, m.residual_scale);
         add_rms_norm(x, proj, reinterpret_cast<const T *>(w.post_norm), h, T_, H, m.eps);

@@ -1,5 +1,6 @@
-// A mixture-of-experts layer inside the compiled layer loop: the router in float32, each token's
-// top-k experts (softmax over all, the k largest, renormalised where the model says), then
+// A mixture-of-experts layer inside the compiled layer loop: the router in float32 (plus its bias:
+// gpt-oss), each token's top-k experts (softmax over all, the k largest, renormalised where the
+// model says; or gpt-oss's: the k largest logits, softmax over those k), then
 // quant_kernels' quant_moe_experts by address (csrc/moe/experts.h: every routed expert of the
 // step in one call). What models/moe.py's moe_forward does with ops.routed_experts, without
 // returning to Python.
@@ -7,8 +8,43 @@
 #pragma once
 
 namespace {
+struct MoEGlu {        // quant_kernels' (csrc/moe/experts.h): 0 SwiGLU, 1 clamped SwiGLU (alpha, limit)
+    int64_t kind;
+    float alpha, limit;
+};
 using QuantMoE = int (*)(const void *experts, int64_t E, const void *x, int64_t ldx, int x_bf16, int64_t T, int64_t H,
-                         int64_t I, const int64_t *ids, const float *weights, int64_t k, float *out);
+                         int64_t I, const int64_t *ids, const float *weights, int64_t k, const MoEGlu *glu,
+                         float *out);
+
+// Token t's k experts of its logits l [E] (ties: the lower expert) and their weights.
+inline void moe_top_k(float *l, int64_t E, int64_t k, int64_t *chosen, float *wt, const ModelDims &m) {
+    if (m.moe_scoring == 0) {               // softmax over all experts, then the k largest
+        float top = l[0];
+        for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; e++) sum += l[e] = std::exp(l[e] - top);
+        for (int64_t e = 0; e < E; e++) l[e] /= sum;
+    }
+    float total = 0.f;
+    for (int64_t s = 0; s < k; s++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            bool taken = false;
+            for (int64_t q = 0; q < s; q++) taken |= chosen[q] == e;
+            if (!taken && (best < 0 || l[e] > l[best])) best = e;
+        }
+        chosen[s] = best;
+        total += wt[s] = l[best];
+    }
+    if (m.moe_scoring == 1) {               // the k largest logits, softmax over those (gpt-oss)
+        const float top = wt[0];
+        total = 0.f;
+        for (int64_t s = 0; s < k; s++) total += wt[s] = std::exp(wt[s] - top);
+        for (int64_t s = 0; s < k; s++) wt[s] /= total;
+    } else if (m.norm_topk_prob) {
+        for (int64_t s = 0; s < k; s++) wt[s] /= total;
+    }
+}
 
 // y [T][H] (T's type) = the MoE block of router / experts over h [T][H]. 0 on success.
 template <typename T>
@@ -33,34 +69,19 @@ int moe_block(const LayerPtrs &w, const ModelDims &m, const T *h, T *y, int64_t 
         for (; j < H; j++) acc[0] += to_f32(x[j]) * r[j];
         lg[i] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     }
-    for (int64_t t = 0; t < T_; t++) {          // softmax, the k largest (ties: the lower expert), renormalised
-        float *l = lg + t * E;
-        float top = l[0];
-        for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
-        float sum = 0.f;
-        for (int64_t e = 0; e < E; e++) sum += l[e] = std::exp(l[e] - top);
-        for (int64_t e = 0; e < E; e++) l[e] /= sum;
-        int64_t *chosen = ids.data() + t * k;
-        float *wt = weights.data() + t * k, total = 0.f;
-        for (int64_t s = 0; s < k; s++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                bool taken = false;
-                for (int64_t q = 0; q < s; q++) taken |= chosen[q] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
-            }
-            chosen[s] = best;
-            total += wt[s] = l[best];
-        }
-        if (m.norm_topk_prob)
-            for (int64_t s = 0; s < k; s++) wt[s] /= total;
+    const float *bias = reinterpret_cast<const float *>(w.moe_router_bias);
+    for (int64_t t = 0; t < T_; t++) {
+        if (bias)
+            for (int64_t e = 0; e < E; e++) lg[t * E + e] += bias[e];
+        moe_top_k(lg + t * E, E, k, ids.data() + t * k, weights.data() + t * k, m);
     }
     float *o = std::is_same_v<T, float> ? reinterpret_cast<float *>(y) : out.data();
     std::memset(o, 0, sizeof(float) * T_ * H);
     constexpr int bf16 = std::is_same_v<T, uint16_t>;
+    const MoEGlu glu{m.moe_glu, m.swiglu_alpha, m.swiglu_limit};
     const int status = reinterpret_cast<QuantMoE>(m.quant_moe)(reinterpret_cast<const void *>(w.moe_experts), E, h, H,
                                                                 bf16, T_, H, m.moe_intermediate, ids.data(),
-                                                                weights.data(), k, o);
+                                                                weights.data(), k, &glu, o);
     if (status) return status;
     if constexpr (!std::is_same_v<T, float>)
         for (int64_t i = 0; i < T_ * H; i++) store(y + i, o[i]);

@@ -31,6 +31,8 @@ struct LayerPtrs {    // one row of the pointer table built in Python (kernels/c
     int64_t mlp_out_norm;         // outputs RMS-normed before their residual adds, or 0
     int64_t sinks;                // float32 [heads]: attention sinks (gpt-oss), or 0
     int64_t group, slot;          // its KV group (which AttentionRows: window, tables), its layer slot of the cache
+    int64_t o_bias;               // float32 [hidden]: the attention output projection's bias (gpt-oss), or 0
+    int64_t moe_router_bias;      // float32 [experts]: the router's bias (gpt-oss), or 0
 };
 struct ModelDims {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -50,6 +52,10 @@ struct ModelDims {
     float clip_qkv;
     float softcap;                            // attention logit soft-capping (Gemma 2; 0: none)
     int64_t activation;                       // the gated MLP's: 0 SiLU, 1 GeGLU (gelu's tanh approximation)
+    // MoE routing: 0 softmax then top-k, 1 top-k logits then softmax (gpt-oss); the experts' gated
+    // activation: 0 SwiGLU, 1 gpt-oss's clamped SwiGLU with its alpha and limit.
+    int64_t moe_scoring, moe_glu;
+    float swiglu_alpha, swiglu_limit;
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;

@@ -4,10 +4,12 @@
 //
 //   x [T][H] -> 8-bit activation blocks once; rows gathered per (token, slot) pair in expert order
 //   phase 1: for each chosen expert e and group of 8 rows g of its gate and up (I rows each):
-//            a[p][8 g + i] = silu(gate . x_p) * (up . x_p) for e's pairs p (float32)
+//            a[p][8 g + i] = glu(gate . x_p + gate_bias, up . x_p + up_bias) for e's pairs p (float32)
 //   a -> 8-bit activation blocks (every pair's row)
 //   phase 2: for each chosen expert e and group g of its down's H rows:
-//            out[token(p)][8 g + i] += weight(p) * (down . a_p)
+//            out[token(p)][8 g + i] += weight(p) * (down . a_p + down_bias)
+// glu: SwiGLU, silu(g) * u; or gpt-oss's clamped SwiGLU, g' * sigmoid(alpha g') * (u' + 1) with
+// g' = min(g, limit), u' = u clamped to [-limit, limit]. The biases (gpt-oss's) are optional.
 //
 // Every thread takes the same share of each chosen expert's groups (a contiguous range: one
 // stream per matrix), so the work is even whatever the tokens per expert, and in phase 2 a thread
@@ -22,9 +24,15 @@
 #pragma once
 
 // One routed expert: gate [I][H], up [I][H], down [H][I] (any of the block types, an r8 layout or
-// the file's rows).
+// the file's rows), and their float32 biases [I], [I], [H] or null.
 struct MoEExpert {
     QuantPart gate, up, down;
+    const float *gate_bias, *up_bias, *down_bias;
+};
+// The gated activation between up and down: kind 0 SwiGLU, 1 gpt-oss's clamped SwiGLU (alpha, limit).
+struct MoEGlu {
+    int64_t kind;
+    float alpha, limit;
 };
 
 namespace {
@@ -41,7 +49,12 @@ struct MoEAct {
 thread_local MoEAct t_moe_x, t_moe_a;
 thread_local std::vector<float> t_moe_gated;
 
-inline float moe_silu(float g) { return g / (1.f + std::exp(-g)); }
+inline float moe_glu(const MoEGlu &f, float g, float u) {
+    if (f.kind == 0) return g / (1.f + std::exp(-g)) * u;
+    g = std::min(g, f.limit);
+    u = std::min(f.limit, std::max(-f.limit, u));
+    return g / (1.f + std::exp(-f.alpha * g)) * (u + 1.f);
+}
 
 // out[t * 8 + i] (t < nt) = row 8 g + i of m against activation rows t0 .. t0 + nt - 1 of a.
 inline void moe_rows8(const QuantPart &m, int64_t g, const Act &a, int64_t t0, int nt, float *out) {
@@ -67,16 +80,19 @@ bool moe_part_ok(const QuantPart &m, int64_t rows, int64_t K) {
 
 // out [T][H] float32 += the routed experts' outputs: token t's slots s < k chose expert
 // ids[t * k + s] with weight weights[t * k + s]; x [T][ldx] float32 or bf16 (H columns). I: each
-// expert's FFN width. 0 on success; 1: bad arguments; 2: not in this build (see above).
+// expert's FFN width; glu: the activation (null: SwiGLU). 0 on success; 1: bad arguments; 2: not in
+// this build (see above).
 extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void *x, int64_t ldx, int x_bf16,
                                  int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *weights,
-                                 int64_t k, float *out) {
+                                 int64_t k, const MoEGlu *glu, float *out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     (void)experts, (void)E, (void)x, (void)ldx, (void)x_bf16, (void)T, (void)H, (void)I, (void)ids, (void)weights;
-    (void)k, (void)out;
+    (void)k, (void)glu, (void)out;
     return 2;
 #else
     if (T <= 0 || k <= 0 || E <= 0 || H % 32 || I % 32) return T == 0 ? 0 : 1;
+    const MoEGlu act = glu ? *glu : MoEGlu{0, 1.f, 0.f};
+    if (act.kind != 0 && act.kind != 1) return 1;
     // Group the (token, slot) pairs by expert, tokens in order within each (a counting sort).
     std::vector<int64_t> start(E + 1, 0);
     for (int64_t p = 0; p < T * k; p++) {
@@ -126,9 +142,12 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                     const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
                     moe_rows8(m.gate, g, xg, p0, n, vg);
                     moe_rows8(m.up, g, xg, p0, n, vu);
+                    const float *bg = m.gate_bias ? m.gate_bias + 8 * g : nullptr;
+                    const float *bu = m.up_bias ? m.up_bias + 8 * g : nullptr;
                     for (int t = 0; t < n; t++)
                         for (int i = 0; i < 8; i++)
-                            gated[(p0 + t) * I + 8 * g + i] = moe_silu(vg[t * 8 + i]) * vu[t * 8 + i];
+                            gated[(p0 + t) * I + 8 * g + i] = moe_glu(act, vg[t * 8 + i] + (bg ? bg[i] : 0.f),
+                                                                      vu[t * 8 + i] + (bu ? bu[i] : 0.f));
                 }
         }
 #pragma omp barrier
@@ -145,9 +164,10 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                 for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
                     const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
                     moe_rows8(m.down, g, ag, p0, n, v);
+                    const float *b = m.down_bias ? m.down_bias + 8 * g : nullptr;
                     for (int t = 0; t < n; t++) {
                         float *o = out + token[p0 + t] * H + 8 * g;
-                        for (int i = 0; i < 8; i++) o[i] += weight[p0 + t] * v[t * 8 + i];
+                        for (int i = 0; i < 8; i++) o[i] += weight[p0 + t] * (v[t * 8 + i] + (b ? b[i] : 0.f));
                     }
                 }
         }
