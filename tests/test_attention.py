@@ -127,17 +127,18 @@ def test_long_contexts_split_and_merged(specs):
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 64), (4, 4, 128), (6, 2, 32), (3, 1, 80)])
 def test_tiled_prefill_equals_dense(kernel_variant, dtype, block_size, num_heads, num_kv_heads, head_dim):
-    """Prefill chunks go through the tiled kernel (16 query tokens x 32 keys at a time, online
-    softmax): chunks shorter and longer than a tile, with and without cached context, after
-    decode rows. Without the per-token view the kernel has no fallback, so a result proves the
+    """Prefill chunks go through the tiled kernel (a chunk's query rows in parts of up to 64 rows, 16
+    tokens with bf16 dots, x 32 keys at a time, online softmax): chunks shorter and longer than a
+    part, split evenly (70 tokens: two of 35 at G = 1), with and without a long cached context,
+    after decode rows. Without the per-token view the kernel has no fallback, so a result proves the
     tiled path ran. (bf16 at head dim 80 has none with AVX512-BF16: its tiles need D % 32.)"""
     if kernel_variant not in cpu.TILED_PREFILL_VARIANTS:
         pytest.skip(f"the {kernel_variant} kernels have no tiled prefill (prefill tokens use the decode kernel)")
     if kernel_variant == "avx512bf16" and dtype == torch.bfloat16 and head_dim % 32:
         pytest.skip("the bf16 dot-product tiles take head dims that are multiples of 32")
-    specs = [(5, 1), (300, 1), (0, 1), (0, 100), (37, 50), (300, 33), (15, 17), (0, 3)]   # decodes first
+    specs = [(5, 1), (300, 1), (0, 1), (0, 100), (37, 50), (300, 33), (15, 17), (0, 3), (600, 70)]   # decodes first
     cache, q, k, v, meta, history = make_batch(specs, block_size, num_kv_heads, head_dim, num_heads,
-                                               num_blocks=1200 // block_size + 64)
+                                               num_blocks=1900 // block_size + 64)
     cache = cache.to(dtype).transpose(2, 3).contiguous().transpose(2, 3)    # head-major, as the CPU runner
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     cpu.write_kv(cache, k, v, meta.slot_mapping)

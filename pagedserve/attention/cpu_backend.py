@@ -1,7 +1,7 @@
 """The CPU attention backend: one compiled paged-attention call (pagedserve/kernels) per layer
 for the whole batch, reading keys and values in place from their blocks: decode tokens through
-the decode kernel, prefill chunks (AVX2 and up) through a tiled kernel that meets 16 query
-tokens with 32 keys at a time; elsewhere each prefill token goes through the decode kernel as a
+the decode kernel, prefill chunks (AVX2 and up) through a tiled kernel that meets a chunk's
+query tokens (up to 64 rows of them, 16 tokens with bf16 dot products) with 32 keys at a time; elsewhere each prefill token goes through the decode kernel as a
 query over its own causal prefix (AttentionMetadata.per_token). No gathered copy of the context. Falls
 back to the torch reference where the kernel cannot run. With an 8-bit KV format the write kernel
 quantizes each (token, head) row into its slot and every attention kernel reads the codes,

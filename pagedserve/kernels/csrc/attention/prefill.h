@@ -5,7 +5,8 @@
 // ---- prefill attention: tiles of queries against tiles of keys -------------------------------
 // The decode kernel serves prefill tokens one query at a time, each re-reading its whole
 // prefix: at a 2000-token prompt that is half of the prefill's time. Here the queries of one
-// sequence's chunk (up to 16 tokens x the G heads of a KV head) meet 32 keys at a time as two
+// sequence's chunk (up to 16 tokens x the G heads of a KV head; the float32 path up to kQueryRows
+// rows) meet 32 keys at a time as two
 // small GEMMs on the GEMM tiles above: scores = Q K^T (K packed like a weight), then
 // O += P V (V packed likewise), with an online softmax between (as flash attention).
 // bf16 with AVX512-BF16: bf16 dot products, P rounded to bf16 for the second product as flash
@@ -14,6 +15,20 @@
 #ifdef __AVX2__
 namespace {
 constexpr int64_t kQueryTokens = 16, kKeyTile = 32;
+// The float32 path meets up to kQueryRows query rows (tokens x G) with each key tile: a short chunk
+// after a long cached prefix (a prefix-cache or disk-tier hit's suffix) then packs each cached
+// key and value tile once for the whole chunk instead of once per 16 tokens (the packing and
+// softmax, not the products, were most of such a chunk's attention). 64 rows: the item's
+// buffers (q, the sums, P V) stay in L2.
+constexpr int64_t kQueryRows = 64;
+
+// Query tokens per item for a chunk of n tokens at group size G: equal parts of at most
+// max(16, kQueryRows / G) tokens (the bf16 dot path keeps 16).
+inline int64_t query_tile(int64_t n, int64_t G, bool bf16_dots) {
+    const int64_t cap = bf16_dots ? kQueryTokens : std::max<int64_t>(kQueryTokens, kQueryRows / G);
+    const int64_t parts = (n + cap - 1) / cap;
+    return (n + parts - 1) / parts;
+}
 
 // The first key a tile of queries from position `pos` on reads: 0, or with a sliding window the
 // first query's window's first key (the table's blocks before it are -1, never read).
@@ -242,11 +257,14 @@ int paged_prefill(const T *q, int64_t q_stride, const K *kc, const K *vc, const 
 #endif
     if (D % (kBf16Dots ? 32 : 16) || D > kMaxDim || Hq % Hkv || Hq / Hkv > kMaxGroup) return 1;
     const int64_t G = Hq / Hkv, q0 = query_start[0];
-    struct Item { int64_t seq, j0, h; };
+    struct Item { int64_t seq, j0, nq, h; };
     std::vector<Item> items;
-    for (int64_t i = 0; i < S; i++)
-        for (int64_t j0 = 0; j0 < query_start[i + 1] - query_start[i]; j0 += kQueryTokens)
-            for (int64_t h = 0; h < Hkv; h++) items.push_back({i, j0, h});
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t n = query_start[i + 1] - query_start[i];
+        const int64_t tile = query_tile(n, G, kBf16Dots);
+        for (int64_t j0 = 0; j0 < n; j0 += tile)
+            for (int64_t h = 0; h < Hkv; h++) items.push_back({i, j0, std::min(tile, n - j0), h});
+    }
 #pragma omp parallel for schedule(dynamic, 1)
     for (size_t k = 0; k < items.size(); k++) {
         const Item &it = items[k];
@@ -254,7 +272,7 @@ int paged_prefill(const T *q, int64_t q_stride, const K *kc, const K *vc, const 
         const int64_t row = query_start[it.seq] - q0;
         const auto item = [&](auto fn) {
             fn(q + row * q_stride, q_stride, kc, vc, tables + it.seq * table_stride, seq_lens[it.seq] - n, it.j0,
-               std::min(kQueryTokens, n - it.j0), it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D, window, mods);
+               it.nq, it.h, G, D, B, L, scale, out + row * Hq * D, Hq * D, window, mods);
         };
 #ifdef __AVX512BF16__
         if constexpr (kBf16Dots) {
