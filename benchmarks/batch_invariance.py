@@ -1,6 +1,7 @@
-"""The cost of batch-invariant quantized products (`quant.set_batch_invariant`,
-`PAGEDSERVE_BATCH_INVARIANT=1`): the default model's prefill and an offline trace with it off
-and on, interleaved in one process (the switch is read per product), best of `--repeats`.
+"""The cost of batch-invariant steps (`--batch-invariant on`, `PAGEDSERVE_BATCH_INVARIANT=1`;
+the default `auto` turns it on for steps holding a greedy request, as every workload here is):
+the default model's prefill and an offline trace with it off and on, interleaved in one process
+(the scheduler reads the engine's setting per step), best of `--repeats`.
 
     .venv/bin/python benchmarks/batch_invariance.py          # table on stdout, JSON in results/
 
@@ -47,19 +48,18 @@ def main() -> None:
     vocab = llm.engine.vocab_size
     workloads = {   # name: (prompts, max_tokens)
         "prefill 8 x 512 tokens": (prompts(8, 512, 0, vocab), 1),
-        "trace 16 x (128 in, 64 out)": (prompts(16, 128, 1, vocab), 64),
+        "trace 16 x (128 in, 64 out)": (prompts(16, 128, 1, vocab), 64),          # one prefill step, then decodes
+        "trace 48 x (128 in, 64 out)": (prompts(48, 128, 3, vocab), 64),          # decodes sharing steps with prefills
         "one request (128 in, 128 out)": (prompts(1, 128, 2, vocab), 128),
     }
     timed(llm, workloads["prefill 8 x 512 tokens"][0][:2], 4)   # warm up (kernels, buffers)
     best: dict[str, dict[str, float]] = {name: {} for name in workloads}
     for _ in range(args.repeats):
         for name, (batch, max_tokens) in workloads.items():
-            for mode in (False, True):
-                quant.set_batch_invariant(mode)
+            for key in ("off", "on"):
+                llm.engine.config.batch_invariant = key      # the scheduler's config: read per step
                 seconds, tokens = timed(llm, batch, max_tokens)
-                key = "on" if mode else "off"
                 best[name][key] = max(best[name].get(key, 0.0), tokens / seconds)
-    quant.set_batch_invariant(False)
     rows = [dict(workload=name, off_tok_s=r["off"], on_tok_s=r["on"], on_over_off=r["on"] / r["off"])
             for name, r in best.items()]
     print(f"{'workload':32} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}")

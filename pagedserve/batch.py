@@ -137,6 +137,11 @@ class StepBatch:
     # (its ScheduledTokens.block_ids is group 0's). -1 in any table: a block released behind a
     # sliding window, which attention never reads.
     group_block_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    # Compute every row as it would be alone (the engine's batch_invariant setting; auto: a step
+    # holding a greedy request), so greedy output does not depend on what shares the
+    # step, on prefix-cache hits or on speculation (quantized products: prefill chunks on the
+    # decode rows' arithmetic).
+    batch_invariant: bool = False
 
 
 @dataclass

@@ -39,6 +39,10 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # Quantized weights (models/quantized.py): gguf: a .gguf file's own blocks; q8_0 / q4_0: an HF
 # float model quantized at load into those GGML block types.
 QUANTIZATIONS = ("gguf", "q8_0", "q4_0")
+# Batch-invariant steps (batch.py StepBatch.batch_invariant): auto: steps holding a greedy
+# request (its output must reproduce); on: every step; off: none.
+BATCH_INVARIANT = ("auto", "on", "off")
+BATCH_INVARIANT_ENV = "PAGEDSERVE_BATCH_INVARIANT"     # 1: on, 0: off (the default when unset)
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -261,6 +265,16 @@ class EngineConfig:
     gguf_dequantize: bool = setting(False, "dequantize a .gguf file's weights to dtype at load (float compute, a "
                                            "float32 copy cached per file) instead of computing in its blocks")
 
+    # Batch invariance: a request's rows computed as they would be alone, whatever shares their
+    # step (quantized products in r8 layouts: prefill chunks on the decode rows' integer dots,
+    # a few percent slower on long prefill chunks; benchmarks/batch_invariance.py). None: from
+    # $PAGEDSERVE_BATCH_INVARIANT (1: on, 0: off), else auto.
+    batch_invariant: str | None = setting(None, "auto: steps holding a greedy (temperature 0) request compute every "
+                                                "row as it would be alone (greedy output does not depend on the "
+                                                "batch, the prefix cache or speculation); on: every step; off: "
+                                                "none; default: $PAGEDSERVE_BATCH_INVARIANT (1 on, 0 off), else auto",
+                                          choices=BATCH_INVARIANT)
+
     # Speculative decoding (spec_decode/): vLLM's speculative_config, a dict or its JSON
     # ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ...}); None: off.
     # Made a spec_decode.config.SpeculativeConfig by __post_init__.
@@ -290,6 +304,10 @@ class EngineConfig:
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if self.batch_invariant is None:
+            env = os.environ.get(BATCH_INVARIANT_ENV, "")
+            self.batch_invariant = {"1": "on", "0": "off"}.get(env, "auto")
+        _one_of("batch_invariant", self.batch_invariant, BATCH_INVARIANT)
         if not 0 <= self.admission_watermark < 1:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)

@@ -418,6 +418,14 @@ class Scheduler:
         self._make_batch(out)
         return out
 
+    def _batch_invariant(self, scheduled: list) -> bool:
+        """Whether the step computes every row as it would be alone (config.batch_invariant;
+        auto: it holds a greedy request, whose output users expect to reproduce)."""
+        mode = self.config.batch_invariant
+        if mode != "auto":
+            return mode == "on"
+        return any(s.request.sampling is not None and s.request.sampling.greedy for s in scheduled)
+
     def _make_batch(self, out: SchedulerOutput) -> None:
         """The worker's copy of the step: data only, decodes first (attention batches them), then
         verification chunks (a decode and its drafts: attended row by row as decodes), then prefills."""
@@ -437,7 +445,8 @@ class Scheduler:
                 draft_start=s.draft_start or 0, lora_slot=s.request.lora_slot))
         out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
         out.spec = [s for s in order if s.draft_token_ids]
-        out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids)
+        out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids,
+                              batch_invariant=self._batch_invariant(order))
         if self.kv.num_groups > 1:
             out.batch.group_block_ids = {s.seq.seq_id: s.group_block_ids for s in order}
         if self.loras is not None:

@@ -1,46 +1,93 @@
-"""Greedy output of the default model (in its GGUF blocks) does not depend on the batch: the same
-request alone, among other requests and after a prefix-cache hit gives the
-same tokens and logprobs, where its quantized products run in r8 layouts (the avx2 / avxvnni
-kernels: a row's arithmetic does not depend on how many rows share the call; csrc/quant/dot_r8_256.h),
-and greedy n-gram and suffix speculation give plain decoding's tokens and logprobs."""
+"""Greedy output of the default model (in its GGUF blocks) does not depend on the batch, by
+default: the same request alone, among other requests (chunked prefills sharing its decode
+steps), after a prefix-cache hit and with n-gram or suffix speculation gives the same tokens and
+logprobs, where its quantized products run in r8 layouts (the avx2 / avxvnni kernels: a row's
+arithmetic does not depend on how many rows share the call; csrc/quant/dot_r8_256.h). Steps
+holding a greedy request are batch-invariant (EngineConfig.batch_invariant "auto": prefill
+chunks take the decode rows' integer dots too); steps of sampled requests only are not."""
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
 from pagedserve.kernels import quant
 from pagedserve.models.loader import default_model_path
+from pagedserve.pooling_params import PoolingParams
+from pagedserve.request import Request
+from pagedserve.scheduler import Scheduler
 
-pytestmark = pytest.mark.skipif(quant.variant() not in quant.R8_VARIANTS,
-                                reason="the r8 layouts' kernels run on the avx2 / avxvnni variants")
+# The r8 variants this CPU runs (an AVX-512 machine runs avx2 too): each runs the default model
+# in r8 layouts. None (no AVX2): nothing to check.
+R8_HERE = [v for v in quant.R8_VARIANTS if v in quant.supported_variants()]
+needs_r8 = pytest.mark.parametrize("variant", R8_HERE or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the r8 layouts' kernels run on the avx2 / avxvnni variants, which this CPU lacks"))])
 
-# (every batch of rows takes the integer dots there with quant.set_batch_invariant: R8_ALL_ROWS)
 PROMPT = "The capital of France is Paris. The capital of"
-OTHERS = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite book is"]
+OTHERS = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite book is",
+          "A long prompt, so that its prefill takes several chunks and shares steps with the others' decodes: "
+          "the quick brown fox jumps over the lazy dog, again and again and again, until the budget runs out."]
 
 
-def _run(llm: LLM, prompts: list[str]):
-    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=1)
-    out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
-    return out.token_ids, [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
-
-
-def test_greedy_is_the_same_alone_batched_and_cached():
+def _default_model() -> None:
     try:
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    quant.set_batch_invariant(True)         # prefill chunks on the integer dots too
-    try:
-        _check_invariant()
-    finally:
-        quant.set_batch_invariant(False)
 
 
-def _check_invariant() -> None:
-    llm = LLM(kv_cache_memory=64 * 1024**2, enable_prefix_caching=True)
-    assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
-    alone = _run(llm, [PROMPT])
-    assert _run(llm, [PROMPT]) == alone                    # its prompt's full blocks now a prefix-cache hit
-    assert _run(llm, [PROMPT] + OTHERS) == alone            # a prefill of 5 prompts, decode steps of 5 rows
+def _run(llm: LLM, prompts: list[str], max_tokens: int = 24):
+    """The first prompt's greedy tokens and their logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=1)
+    out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    return out.token_ids, [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+
+
+@needs_r8
+def test_greedy_is_the_same_alone_batched_cached_and_speculated_by_default(variant):
+    """The default settings (batch_invariant auto). A token budget of 32 puts prompts in chunks
+    and the first prompt's decodes in steps with the others' prefill chunks (mixed steps: more
+    than 16 rows, which took the dequantized tiles before)."""
+    _default_model()
+    small = dict(kv_cache_memory=64 * 1024**2, max_num_batched_tokens=32, max_num_seqs=8)
+    with quant.using_variant(variant):
+        llm = LLM(enable_prefix_caching=True, **small)
+        assert llm.engine.config.batch_invariant == "auto"
+        assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
+        alone = _run(llm, [PROMPT])
+        assert _run(llm, [PROMPT]) == alone                    # its prompt's full blocks now a prefix-cache hit
+        assert _run(llm, [PROMPT] + OTHERS) == alone            # chunked prefills, mixed steps
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        drafted = LLM(enable_prefix_caching=False, speculative_config=spec, **small)
+        assert _run(drafted, [PROMPT]) == alone
+        assert _run(drafted, [PROMPT] + OTHERS) == alone
+        assert drafted.kv_cache_stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def _step_flags(mode: str | None, temperatures: list[float], pooling: bool = False) -> list[bool]:
+    sched = Scheduler(EngineConfig(block_size=4, batch_invariant=mode, enable_prefix_caching=False), 64)
+    for i, t in enumerate(temperatures):
+        sched.add_request(Request.create(str(i), None, [7] * 6, SamplingParams(temperature=t, max_tokens=4), 4,
+                                         sched.new_seq_id()))
+    if pooling:
+        sched.add_request(Request.create("p", None, [7] * 6, PoolingParams(), 1, sched.new_seq_id(), pooling="LAST"))
+    return [sched.schedule().batch.batch_invariant]
+
+
+def test_the_step_is_batch_invariant_where_it_holds_a_greedy_request(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_BATCH_INVARIANT", raising=False)
+    assert _step_flags(None, [0.0]) == [True]                 # default: auto
+    assert _step_flags("auto", [1.0, 0.0]) == [True]          # one greedy request in the step
+    assert _step_flags("auto", [1.0, 0.7]) == [False]         # sampled requests only: the faster tiles
+    assert _step_flags("auto", [], pooling=True) == [False]   # embeddings: closer to the float model
+    assert _step_flags("on", [], pooling=True) == [True]
+    assert _step_flags("on", [1.0]) == [True]
+    assert _step_flags("off", [0.0]) == [False]
+    monkeypatch.setenv("PAGEDSERVE_BATCH_INVARIANT", "0")
+    assert EngineConfig().batch_invariant == "off"
+    monkeypatch.setenv("PAGEDSERVE_BATCH_INVARIANT", "1")
+    assert EngineConfig().batch_invariant == "on"
+    assert EngineConfig(batch_invariant="off").batch_invariant == "off"   # the argument wins
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="sometimes")
 
 
 # Prompts whose continuations repeat, so that the n-gram and suffix proposers draft often.
@@ -50,16 +97,15 @@ REPEATING = ["The capital of France is Paris. The capital of Germany is Berlin. 
              "Write a list of fruits: apple, banana, cherry, apple, banana,"]
 
 
+@pytest.mark.skipif(quant.variant() not in quant.R8_VARIANTS,
+                    reason="the r8 layouts' kernels run on the avx2 / avxvnni variants")
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_speculation_gives_plain_decodings_tokens_and_logprobs(method):
     """Verification rows attend one by one as decode rows (csrc/attention/paged_attention.h) and
     take the decode rows' products: drafted steps give plain decoding's tokens and logprobs, bit
     for bit, on the quantized default model, alone and four at a time. (Before, the verification
     chunk took the tiled prefill attention: the text changed from its 40th token.)"""
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    _default_model()
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} \
         if method == "ngram" else {"method": "suffix", "num_speculative_tokens": 4}
     params = SamplingParams(temperature=0, max_tokens=120, min_tokens=120, logprobs=1)

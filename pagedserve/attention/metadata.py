@@ -35,6 +35,9 @@ class AttentionMetadata:
     # rows attends alone over its causal prefix, as a decode row does (the same kernel and
     # arithmetic), so greedy speculation emits plain decoding's tokens.
     num_verify: int = 0
+    # A batch-invariant step (StepBatch.batch_invariant): the model computes every row as it would
+    # alone (quantized products: the decode rows' arithmetic for prefill chunks too).
+    batch_invariant: bool = False
     groups: list["AttentionMetadata"] = field(default_factory=list)   # on group 0's: every group's, in order
 
     def group(self, g: int) -> "AttentionMetadata":

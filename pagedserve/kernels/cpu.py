@@ -796,9 +796,10 @@ class DecoderLayers:
         return all(_quant_parts(t) is not None for t in quantized) and (
             not quantized or quant.kernel_address("quant_linear_small") is not None)
 
-    def _quant_calls(self) -> bool:
+    def _quant_calls(self, invariant: bool = False) -> bool:
         """The quant kernels' addresses and thresholds as kernels/quant.py has them now (it may
-        have switched variants since the table was built); False where none is built."""
+        have switched variants since the table was built; `invariant`: a batch-invariant step's);
+        False where none is built."""
         from pagedserve.kernels import quant
         lib = quant.load()
         if lib is None:
@@ -813,7 +814,7 @@ class DecoderLayers:
         if d.experts and quant.variant() not in _MOE_BUILDS:
             return False
         bf16 = self.dtype == torch.bfloat16
-        d.small_rows = quant.batch_rows(False, bf16, self._all_r8)
+        d.small_rows = quant.batch_rows(False, bf16, self._all_r8, invariant)
         d.decode_rows = quant.batch_rows(True, bf16, self._all_r8)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
             self._threads = torch.get_num_threads()
@@ -825,13 +826,14 @@ class DecoderLayers:
                 kv_caches: torch.Tensor, slot_mapping: torch.Tensor | list[torch.Tensor],
                 rows: AttentionRows | list[AttentionRows],
                 lora: "tuple[LoraTable, torch.Tensor] | None" = None,
-                local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+                local: tuple[torch.Tensor, torch.Tensor] | None = None, invariant: bool = False) -> bool:
         """x (residual) and h (first layer's normalised input) [T, H], updated in place to the
         final residual and normalised hidden state; cos, sin [T, D] (local: the window layers'
         own, Gemma 3); kv_caches [slots, 2, blocks, block_size, Hkv, D] (any strides but the
         last); slot_mapping, rows: the step's slots and query rows, one of each per KV group
         (set_groups); lora: the step's LoRA weights and each row's slot block (int64 [T];
-        negative: none). False (nothing done to x and h) where it does not apply."""
+        negative: none); invariant: a batch-invariant step (quant.batch_rows). False (nothing done
+        to x and h) where it does not apply."""
         num_tokens = x.shape[0]
         cache_dtype = torch.uint8 if self.kv_code else self.dtype
         cos_l, sin_l = local or (cos, sin)
@@ -843,7 +845,7 @@ class DecoderLayers:
                 max(layer_slot) >= kv_caches.shape[0] or not all(
                 t.is_contiguous() for t in (x, h, cos, sin, cos_l, sin_l)):
             return False
-        if self.quantized and not self._quant_calls():
+        if self.quantized and not self._quant_calls(invariant):
             return False
         st = kv_caches.stride()
         refs = _CacheRefs(st[0], st[1], st[2], st[3], st[4], kv_caches.shape[3], PARTITION_SIZE)

@@ -59,13 +59,13 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Plain, packed (prepare_weights packs them) or quantized weights (`decode`, out_dtype:
-        models/quantized.py's)."""
+               out_dtype: torch.dtype | None = None, invariant: bool = False) -> torch.Tensor:
+        """Plain, packed (prepare_weights packs them) or quantized weights (`decode`, out_dtype,
+        `invariant`: models/quantized.py's)."""
         if isinstance(weight, cpu.PackedWeight):
             out = cpu.linear(x, weight, bias)
             return out if out_dtype is None else out.to(out_dtype)
-        return quantized.linear(x, weight, bias, cpu.linear, decode, out_dtype, quant.linear)
+        return quantized.linear(x, weight, bias, cpu.linear, decode, out_dtype, quant.linear, invariant)
 
     # Quantized weights through kernels/quant.py (C++ where built, its torch fallbacks else).
     quantize = staticmethod(quant.quantize)
@@ -154,4 +154,5 @@ class CpuDecoderLayers:
             if not table.ok:
                 return False
             deltas = (table, row_block)
-        return self.layers.forward(x, h, cos, sin, kv_caches, [m.slot_mapping for m in metas], rows, deltas, local)
+        return self.layers.forward(x, h, cos, sin, kv_caches, [m.slot_mapping for m in metas], rows, deltas, local,
+                                   meta.batch_invariant)

@@ -94,16 +94,21 @@ R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at th
 R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_r8_256.h, dot_k_r8_256.h)
 # There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack
 # the rows first, from 1 to 512 rows: measured on Zen 3, 2 threads, 0.34-1.00x the tiles' time), and
-# with set_batch_invariant(True) ($PAGEDSERVE_BATCH_INVARIANT=1) prefill chunks too: a row's
-# arithmetic then never depends on the batch (batch-invariant greedy output, issue 51); off by
-# default: it costs 11% on a mixed offline trace (benchmarks/batch_invariance.py, RESULTS.md), and
-# 8-bit activations in the prefill move a tiny random MoE model's routing (tests).
+# in a batch-invariant step (linear(invariant=True): the engine's batch_invariant setting, on by
+# default for steps holding a greedy request) prefill chunks too: a row's arithmetic
+# then never depends on the batch (batch-invariant greedy output, issue 51). Not for every step:
+# the integer dots cost a few percent over the tiles on long prefill chunks
+# (benchmarks/batch_invariance.py, RESULTS.md), and 8-bit activations in the prefill move a tiny
+# random MoE model's routing (tests). set_batch_invariant(True) makes every product invariant,
+# whatever the call says (kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT is the engine's:
+# config.py).
 R8_ALL_ROWS = 1 << 30
-_batch_invariant = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "0") == "1"
+_batch_invariant = False
 
 
 def set_batch_invariant(enabled: bool) -> None:
-    """Prefill chunks over r8 layouts on the integer dots as decode rows (see R8_ALL_ROWS)."""
+    """Every product's prefill chunks over r8 layouts on the integer dots as decode rows (see
+    R8_ALL_ROWS), whether or not the call asks for it (linear's `invariant`)."""
     global _batch_invariant
     _batch_invariant = bool(enabled)
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
@@ -203,14 +208,15 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
     return _AMXW.using(enabled, rows)
 
 
-def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False) -> int:
+def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False, invariant: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
     the tiles would run on makes it pay (AMX: bf16 only); `r8`: weights all in r8 layouts, whose integer
     dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch, and on the 256-bit variants
-    (R8_VARIANTS) at any number of decode rows (R8_ALL_ROWS), and of any rows where
-    set_batch_invariant(True) (prefill chunks too: a row's arithmetic then never depends on the batch)."""
-    if r8 and (decode or _batch_invariant) and KERNELS.variant() in R8_VARIANTS:
+    (R8_VARIANTS) at any number of decode rows (R8_ALL_ROWS), and of any rows in a batch-invariant
+    step (`invariant`, or set_batch_invariant(True): prefill chunks too, so a row's arithmetic never
+    depends on the batch)."""
+    if r8 and (decode or invariant or _batch_invariant) and KERNELS.variant() in R8_VARIANTS:
         return R8_ALL_ROWS
     if decode and r8:
         return R8_DECODE_ROWS
@@ -395,11 +401,12 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
 
 # ---- linear -----------------------------------------------------------------------------------
 def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
-           bias: torch.Tensor | None = None, decode: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, decode: bool = False, out_dtype: torch.dtype | None = None,
+           invariant: bool = False) -> torch.Tensor:
     """x [T, cols] (float32 or bf16) @ w.T (+ bias) -> [T, rows] in out_dtype (default x's;
     the integer path writes float32 straight from its sums, as the LM head's logits want). T up to
-    batch_rows(decode, bf16) (`decode`: x holds decode tokens only): integer dots over q8
-    activations; more: dequantized weight tiles.
+    batch_rows(decode, bf16, r8, invariant) (`decode`: x holds decode tokens only; `invariant`: a
+    batch-invariant step): integer dots over q8 activations; more: dequantized weight tiles.
     w may be several weights of one width (any types), stacked by rows as one product: a fused
     projection (qkv, gate_up) whose parts are stored apart, with no copy of them (the
     activations are quantized once, one parallel pass covers every part's rows)."""
@@ -419,7 +426,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=out_dtype)
     r8 = all(p.qtype in R8 for p in parts)
-    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8) and \
+    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8, invariant) and \
             out_dtype in (torch.float32, torch.bfloat16):
         return _linear_small(x, parts, bias, lib, out_dtype)
     return _linear_tiles(x, parts, bias, lib).to(out_dtype)

@@ -202,8 +202,10 @@ class LlamaModel:
                                             meta, *extra):
                 return h
         # Decode-only batches (verification rows count as decodes): quantized weights keep their
-        # integer path up to larger batches.
-        linear = ops.linear if meta.num_decode_rows < num_tokens else functools.partial(ops.linear, decode=True)
+        # integer path up to larger batches; in a batch-invariant step, at any batch.
+        decode = meta.num_decode_rows == num_tokens
+        linear = functools.partial(ops.linear, decode=True) if decode else \
+            functools.partial(ops.linear, invariant=True) if meta.batch_invariant else ops.linear
         reduce = self.tp.all_reduce if self.tp else _whole
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)

@@ -46,9 +46,11 @@ class ModelOps(Protocol):
         `model.compiled_layers` where the whole layer loop runs as one call."""
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, invariant: bool = False) -> torch.Tensor:
         """x @ weight.T (+ bias); `decode`: x holds decode tokens only (quantized weights may then
-        take their integer path for larger batches); out_dtype: the result's (default x's)."""
+        take their integer path for larger batches); out_dtype: the result's (default x's);
+        `invariant`: a batch-invariant step (each row's arithmetic as if it were alone: quantized
+        weights in r8 layouts keep their integer path for every row)."""
 
     def quantize(self, weight: torch.Tensor, qtype: str) -> QuantizedWeight:
         """A float matrix in q8_0 or q4_0 (the bytes of gguf.quants.quantize): quantize-at-load."""

@@ -48,9 +48,9 @@ def kernel_qtype(tensor_type) -> str | None:
 
 
 def linear_torch(x: torch.Tensor, weight: QuantizedWeight | tuple, bias: torch.Tensor | None = None,
-                 decode: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 decode: bool = False, out_dtype: torch.dtype | None = None, invariant: bool = False) -> torch.Tensor:
     """Quantized weights' product in plain torch (TorchOps): the weights dequantized exactly, then
-    a float32 matmul; `decode` changes nothing here."""
+    a float32 matmul; `decode` and `invariant` change nothing here."""
     parts = weight if isinstance(weight, tuple) else (weight,)
     w = torch.cat([dequantize_torch(p) for p in parts])
     out = F.linear(x.float(), w, None if bias is None else bias.float())
@@ -68,16 +68,18 @@ def embedding_rows_torch(weight: QuantizedWeight, ids: torch.Tensor, dtype: torc
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, dense=F.linear,
-           decode: bool = False, out_dtype: torch.dtype | None = None, quantized=linear_torch) -> torch.Tensor:
+           decode: bool = False, out_dtype: torch.dtype | None = None, quantized=linear_torch,
+           invariant: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias) for any kind of weight; `dense`: the linear of float weights;
     `quantized`: that of quantized ones (CpuOps: kernels/quant.py's linear); `decode`: x holds
-    decode tokens only (the integer path then takes larger batches); out_dtype: the result's
-    (default x's; quantized weights write it from their float32 sums)."""
+    decode tokens only (the integer path then takes larger batches); `invariant`: a batch-invariant
+    step (each row computed as it would be alone); out_dtype: the result's (default x's; quantized
+    weights write it from their float32 sums)."""
     if isinstance(weight, QuantizedWeight) or (
             isinstance(weight, tuple) and all(isinstance(part, QuantizedWeight) for part in weight)):
-        return quantized(x, weight, bias, decode, out_dtype)     # (parts: one product, no concat)
+        return quantized(x, weight, bias, decode, out_dtype, invariant=invariant)   # (parts: one product, no concat)
     if isinstance(weight, tuple):        # parts of a fused matrix in different types, some dequantized
-        out = torch.cat([linear(x, part, None, dense, decode, None, quantized) for part in weight], dim=1)
+        out = torch.cat([linear(x, part, None, dense, decode, None, quantized, invariant) for part in weight], dim=1)
         out = out if bias is None else out.add_(bias)
     else:
         out = dense(x, weight, bias)

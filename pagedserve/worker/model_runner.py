@@ -183,6 +183,7 @@ class ModelRunner:
         spec_logits = None
         if logits is None:
             input_ids, positions, meta = self._prepare(seqs, batch.group_block_ids)
+            meta.batch_invariant = batch.batch_invariant
             lora = self.lora.step([s.lora_slot for s in seqs], [s.num_query_tokens for s in seqs]) \
                 if self.lora is not None else None
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora) if lora is not None \
