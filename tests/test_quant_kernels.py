@@ -428,3 +428,27 @@ def test_amx_int8_parts_bias_and_bf16(amx_int8):
     for w in parts:
         _check_small(y32[:, first:first + w.shape[0]], x.float(), w, bias[first:first + w.shape[0]])
         first += w.shape[0]
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q6_k"])
+@pytest.mark.parametrize("tokens", [17, 33])
+def test_sampled_rows_past_16(variant, qtype, tokens):
+    """The LM head's call for a step's sampled rows (compute_logits(decode=True): float32 logits) and
+    a batch-invariant step's products (invariant=True), past the 16 rows prefill chunks take on the
+    integer dots, in the layout this variant's repack makes: up to the variant's own limit for such
+    rows (batch_rows) the kernel's arithmetic, each row equal to its product alone where the rows
+    are r8 on the 256-bit variants (R8_ALL_ROWS), beyond it the float product."""
+    w = quant.repack(weight(qtype, rows=40, cols=768 if quant.BLOCK[qtype] == 256 else 288)[0])
+    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(tokens))
+    r8 = w.qtype in quant.R8
+    for kind in ({"decode": True}, {"invariant": True}):
+        y = quant.linear(x, w, out_dtype=torch.float32, **kind)
+        assert y.shape == (tokens, 40) and y.dtype == torch.float32
+        exact = x @ quant.dequantize_torch(quant.file_layout(w)).T
+        if variant == "torch" or tokens > quant.batch_rows(bf16=False, r8=r8, **kind):
+            torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)      # the tiles
+            continue
+        _check_small(y, x, quant.file_layout(w))
+        if r8 and variant in quant.R8_VARIANTS:
+            alone = torch.cat([quant.linear(x[i:i + 1], w, out_dtype=torch.float32, **kind) for i in range(tokens)])
+            assert torch.equal(y, alone)

@@ -408,13 +408,18 @@ def test_decode_batches_tell_the_kernels_so(base_model, tmp_path, monkeypatch):
     lm_head = _model_of(llm).lm_head
     _model_of(llm).compiled_layers = None    # the Python layer loop's flag (the compiled loop's: test_compiled_quantized_layers)
 
-    def spy(x, w, bias=None, decode=False, out_dtype=None):
+    invariant_calls: list[bool] = []
+
+    def spy(x, w, bias=None, decode=False, out_dtype=None, invariant=False):
         if w is not lm_head:                                   # the logits' rows: not a batch kind
             calls.append((x.shape[0], decode))
-        return real(x, w, bias, decode, out_dtype)
+            invariant_calls.append(invariant)
+        return real(x, w, bias, decode, out_dtype, invariant)
     monkeypatch.setattr(quant, "linear", spy)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 24)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     prefill = [rows for rows, decode in calls if not decode]
     assert prefill and min(prefill) > 2 and all(not decode for rows, decode in calls if rows > 2), calls
     assert {(2, True), (1, True)} >= {c for c in calls if c[1]} and (2, True) in calls, calls   # the decode steps
+    # greedy requests: batch-invariant steps (batch_invariant auto), the prefill chunks told so
+    assert all(inv for (rows, decode), inv in zip(calls, invariant_calls) if not decode)
