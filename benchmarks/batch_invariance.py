@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    llm = LLM(kv_cache_memory=256 * 1024**2, enable_prefix_caching=False)
+    llm = LLM(kv_cache_memory=512 * 1024**2, enable_prefix_caching=False)
     vocab = llm.engine.vocab_size
     workloads = {   # name: (prompts, max_tokens)
         "prefill 8 x 512 tokens": (prompts(8, 512, 0, vocab), 1),

@@ -798,8 +798,7 @@ class DecoderLayers:
 
     def _quant_calls(self, invariant: bool = False) -> bool:
         """The quant kernels' addresses and thresholds as kernels/quant.py has them now (it may
-        have switched variants since the table was built; `invariant`: a batch-invariant step's);
-        False where none is built."""
+        have switched variants since the table was built; `invariant`: a batch-invariant step's); False where none is built."""
         from pagedserve.kernels import quant
         lib = quant.load()
         if lib is None:
@@ -832,8 +831,7 @@ class DecoderLayers:
         own, Gemma 3); kv_caches [slots, 2, blocks, block_size, Hkv, D] (any strides but the
         last); slot_mapping, rows: the step's slots and query rows, one of each per KV group
         (set_groups); lora: the step's LoRA weights and each row's slot block (int64 [T];
-        negative: none); invariant: a batch-invariant step (quant.batch_rows). False (nothing done
-        to x and h) where it does not apply."""
+        negative: none); invariant: a batch-invariant step. False (nothing done to x and h) where it does not apply."""
         num_tokens = x.shape[0]
         cache_dtype = torch.uint8 if self.kv_code else self.dtype
         cos_l, sin_l = local or (cos, sin)
