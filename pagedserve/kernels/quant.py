@@ -93,15 +93,15 @@ _QTYPE_ID = {q: i for i, q in enumerate(tuple(q for q in QTYPES if q != "mxfp4")
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
 R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_r8_256.h, dot_k_r8_256.h)
 # There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack
-# the rows first, from 1 to 512 rows: measured on Zen 3, 2 threads, 0.34-1.00x the tiles' time), and
-# in a batch-invariant step (linear(invariant=True): the engine's batch_invariant setting, on by
-# default for steps holding a greedy request) prefill chunks too: a row's arithmetic
-# then never depends on the batch (batch-invariant greedy output, issue 51). Not for every step:
-# the integer dots cost a few percent over the tiles on long prefill chunks
-# (benchmarks/batch_invariance.py, RESULTS.md), and 8-bit activations in the prefill move a tiny
-# random MoE model's routing (tests). set_batch_invariant(True) makes every product invariant,
-# whatever the call says (kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT is the engine's:
-# config.py).
+# the rows first, from 1 to 512 rows), and in a batch-invariant step (linear(invariant=True): the
+# engine's batch_invariant setting, on by default for steps holding a greedy request) prefill chunks
+# too: a row's arithmetic then never depends on the batch (batch-invariant greedy output, issue 51).
+# From 8 rows they run as an integer GEMM (csrc/quant/gemm_r8_256.h: a unit's codes unpacked once
+# per tile of 64 activation rows, the same arithmetic per row; q8_0r8 through the 1-4-row dots).
+# Not for every step: 8-bit activations in the prefill move a tiny random MoE model's routing and
+# the prompt logprobs of the tests' float oracles. set_batch_invariant(True) makes every product
+# invariant, whatever the call says (kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT is the
+# engine's: config.py).
 R8_ALL_ROWS = 1 << 30
 _batch_invariant = False
 

@@ -80,6 +80,11 @@ inline void put_out(void *y, bool y_bf16, int64_t ldy, const float *bias, int64_
     if (y_bf16) static_cast<uint16_t *>(y)[t * ldy + r] = f32_to_bf16(v);
     else static_cast<float *>(y)[t * ldy + r] = v;
 }
+
+// Many activation rows over r8 layouts: the GEMM of quant/gemm_r8_256.h (included after this room).
+bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T);
+int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, bool x_bf16, int64_t T, int64_t K,
+                   const float *bias, void *y, int64_t ldy, bool y_bf16, const Handover *plan);
 }  // namespace
 
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
@@ -91,6 +96,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     if (!valid(parts, nparts, K) || T <= 0) return 1;
     const int64_t nb = K / 32;
     const bool r8 = any_r8(parts, nparts);
+    if (gemm_r8_takes(parts, nparts, T)) return gemm_r8_linear(parts, nparts, x, ldx, x_bf16 != 0, T, K, bias, y, ldy, y_bf16 != 0, plan);
     if (r8 && all_r8_groups(parts, nparts)) {     // r8 parts: their groups of 8 rows, 1-4 activation rows a pass
         std::vector<std::array<R8GroupFn, 5>> kR8(nparts);
         std::vector<int64_t> first(nparts + 1, 0), row0(nparts, 0);     // each part's first group, first row

@@ -1,0 +1,280 @@
+// The r8 layouts' integer GEMM on 256-bit registers (AVX2, AVX-VNNI): many activation rows (prefill
+// chunks, large decode batches) against groups of 8 interleaved weight rows (repack_r8.h), the
+// same arithmetic per activation row as the one-to-four-row dots (dot_r8_256.h, dot_k_r8_256.h),
+// bit for bit: per row, over the 32-element blocks j in order, acc = fma(float(dot_j), A_j * dx_j,
+// acc), mins = fma(M_j, ds_j, mins), y = acc +- mins (the integers exact, whatever route sums them).
+// So a row's result never depends on how many rows share the call (batch invariance).
+// What changes is the loop order: those dots hold 1-4 rows' accumulators in registers and unpack a
+// unit's codes for every pass of 4 rows; here a unit's codes and scales are unpacked into registers
+// once per tile of kGemmTile activation rows, and the tile's rows stream past them, each row's
+// accumulators in an L1 buffer (one load and one store a unit), the activations laid out block-major
+// per tile (a unit's rows contiguous: no 4 KiB-strided loads) and, for q6_k, the offset 32 times
+// each 4 activations' sums computed once per call instead of once per unit (2 loads, not 4 maddubs).
+// Per unit and row the work is then the dot itself (8 maddubs, 2 madd, 1 hadd; q6_k 8 + 4 madd),
+// one conversion, one multiply and one or two multiply-adds.
+// Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group's weights
+
+// The activations of tiles of kGemmTile rows, block-major within each tile: tile at t0 (n rows):
+// row t's block j at q + 32 * (t0 * nb + j * n + t), its dx, ds at d, ds + t0 * nb + j * n + t, and
+// (q6_k) o + 8 * (t0 * nb + j * n + t): the int16 lanes 32 (x[2i] + x[2i + 1] + x[8 + 2i] + x[9 + 2i]),
+// i < 4, then the same for x[16 ..]: q6_k's offset 32 times the pairs maddubs sums.
+struct GemmAct {
+    int8_t *q;
+    float *d, *ds;
+    int16_t *o;
+    int64_t T, K, nb;
+    int64_t at(int64_t t0, int64_t n, int64_t j, int64_t t) const { return t0 * nb + j * n + t; }
+};
+
+struct GemmBuffers {
+    std::vector<int8_t, Aligned64<int8_t>> q;
+    std::vector<float, Aligned64<float>> d, ds;
+    std::vector<int16_t, Aligned64<int16_t>> o;
+};
+thread_local GemmBuffers t_gemm;
+
+// Block i (row t = i / nb, block j) of a (row-major Act) into g's tile layout.
+inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offsets) {
+    const int64_t t = i / a.nb, j = i % a.nb, t0 = t / kGemmTile * kGemmTile;
+    const int64_t n = std::min(kGemmTile, g.T - t0), at = g.at(t0, n, j, t - t0);
+    const int8_t *x = a.q + t * a.K + 32 * j;
+    std::memcpy(g.q + 32 * at, x, 32);
+    g.d[at] = a.d[i];
+    g.ds[at] = a.ds[i];
+    if (offsets)
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                g.o[8 * at + 4 * h + k] = int16_t(32 * (x[16 * h + 2 * k] + x[16 * h + 2 * k + 1] + x[16 * h + 8 + 2 * k] +
+                                                        x[16 * h + 9 + 2 * k]));
+}
+
+// A 32-element block's dots of 8 rows (lanes in the hadd's order, as dot_r8_256.h's
+// hadd(q4_half, q4_half)): codes c <= 15 (Q5: <= 31) against the activations' four 8-byte broadcasts xb.
+template <bool Q5>
+inline __m256i q4_dot8(const __m256i c[2][4], const __m256i xb[4]) {
+#if !defined(__AVXVNNI__)
+    if constexpr (!Q5) {
+    // each half's four products in 16 bits (<= 4 * 2 * 31 * 127), then adjacent lanes of the two
+    // halves added in 16 bits too (q4: <= 2 * 4 * 2 * 15 * 127 < 32768; q5_k's codes <= 31 can
+    // not: hadd in 32 bits), one madd per block instead of one per half
+    auto half16 = [&](const __m256i *h) {
+        return _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(h[0], xb[0]), _mm256_maddubs_epi16(h[1], xb[1])),
+                                _mm256_add_epi16(_mm256_maddubs_epi16(h[2], xb[2]), _mm256_maddubs_epi16(h[3], xb[3])));
+    };
+    return _mm256_madd_epi16(_mm256_hadd_epi16(half16(c[0]), half16(c[1])), _mm256_set1_epi16(1));
+    }
+#endif
+    return _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
+}
+
+// acc, mins ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against 32-element block j of
+// the group: codes c (per half, pieces: vector 0 low, 1 low, 0 high, 1 high nibbles), scales A, M.
+template <bool Q5 = false>
+inline void gemm_q4_rows(const __m256i c[2][4], __m256 A, __m256 M, const GemmAct &g, int64_t t0, int64_t n, int64_t j,
+                         float *acc, float *mins) {
+    const int64_t at = g.at(t0, n, j, 0);
+    const int8_t *xq = g.q + 32 * at;
+    const float *dx = g.d + at, *ds = g.ds + at;
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t *x = xq + 32 * t;
+        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+        const __m256i dot = q4_dot8<Q5>(c, xb);
+        const __m256 S = _mm256_mul_ps(A, _mm256_set1_ps(dx[t]));
+        _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
+        _mm256_store_ps(mins + 8 * t, _mm256_fmadd_ps(M, _mm256_set1_ps(ds[t]), _mm256_load_ps(mins + 8 * t)));
+    }
+}
+
+// The group at w (nb blocks of 32) against tile rows t0 .. t0 + n - 1: acc, mins as above.
+template <int QT>
+void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, float *acc, float *mins) {
+    constexpr int64_t U = r8_unit_bytes(QT);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    auto ld = [](const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); };
+    auto f16x8 = [&](const uint8_t *p) {
+        return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))), order);
+    };
+    if constexpr (QT == Q4_0R8 || QT == Q4_1R8) {
+        constexpr int C = r8_codes_at(QT);
+        for (int64_t j = 0; j < g.nb; j++) {
+            const uint8_t *u = w + j * U;
+            const __m256 A = f16x8(u);
+            const __m256 M = QT == Q4_1R8 ? f16x8(u + 16) : _mm256_mul_ps(A, _mm256_set1_ps(-8.f));
+            __m256i c[2][4];
+            for (int h = 0; h < 2; h++) {
+                const __m256i v0 = ld(u + C + 32 * h), v1 = ld(u + C + 64 + 32 * h);
+                c[h][0] = _mm256_and_si256(v0, m4);
+                c[h][1] = _mm256_and_si256(v1, m4);
+                c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+                c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            }
+            gemm_q4_rows(c, A, M, g, t0, n, j, acc, mins);
+        }
+    } else if constexpr (QT == Q4_KR8 || QT == Q5_KR8) {
+        constexpr int QS = QT == Q4_KR8 ? 128 : 384;
+        const __m256i m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48), byte = _mm256_set1_epi32(255);
+        for (int64_t s = 0; s < g.nb / 8; s++) {
+            const uint8_t *u = w + s * U;
+            const __m256 D = f16x8(u), Dm = f16x8(u + 16);
+            const __m256i w0 = _mm256_permutevar8x32_epi32(ld(u + 32), order);
+            const __m256i w1 = _mm256_permutevar8x32_epi32(ld(u + 64), order);
+            const __m256i w2 = _mm256_permutevar8x32_epi32(ld(u + 96), order);
+            const __m256i sc[2] = {_mm256_and_si256(w0, m6),
+                                   _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), m48))};
+            const __m256i mn[2] = {_mm256_and_si256(w1, m6),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
+                                                   _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48))};
+            for (int j = 0; j < 8; j++) {
+                const int p = j / 2, i = j % 2;
+                __m256i c[2][4];
+                for (int h = 0; h < 2; h++)
+                    for (int k = 0; k < 4; k++) {
+                        const __m256i v = ld(u + QS + 64 * (4 * p + k) + 32 * h);
+                        c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
+                        if constexpr (QT == Q5_KR8)      // the fifth bits: bit j of qh[8 k + i]
+                            c[h][k] = _mm256_or_si256(c[h][k], move_bits(ld(u + 128 + 64 * k + 32 * h), 4 - 2 * p - i, 16));
+                    }
+                const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
+                const __m256 Dj = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], shift), byte)));
+                const __m256 Mj = _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), byte)));
+                gemm_q4_rows<QT == Q5_KR8>(c, Dj, Mj, g, t0, n, 8 * s + j, acc, mins);
+            }
+        }
+    } else {        // Q6_KR8 (no minimum terms: mins stays 0)
+        static_assert(QT == Q6_KR8, "gemm_r8_group: an r8 layout");
+        for (int64_t s = 0; s < g.nb / 8; s++) {
+            const uint8_t *u = w + s * U;
+            const __m256 D = f16x8(u + 1664);
+            for (int j = 0; j < 8; j++) {
+                const int nn = j / 4, r = j % 4;
+                const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
+                __m256i c[2][4];
+                for (int h = 0; h < 2; h++)
+                    for (int k = 0; k < 4; k++) {
+                        const __m256i ql = ld(u + 64 * (8 * nn + 4 * (r % 2) + k) + 32 * h);
+                        const __m256i qh = ld(u + 1024 + 64 * (4 * nn + k) + 32 * h);
+                        const __m256i lo = r < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+                        c[h][k] = _mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30));
+                    }
+                const __m256i sa[2] = {q6_scales(pairs, 0, 0), q6_scales(pairs, 1, 0)};
+                const __m256i sb[2] = {q6_scales(pairs, 0, 1), q6_scales(pairs, 1, 1)};
+                const int64_t at = g.at(t0, n, 8 * s + j, 0);
+                const int8_t *xq = g.q + 32 * at;
+                const int16_t *xo = g.o + 8 * at;
+                const float *dx = g.d + at;
+                for (int64_t t = 0; t < n; t++) {
+                    const int8_t *x = xq + 32 * t;
+                    const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+                    const __m256i o[2] = {bcast8(reinterpret_cast<const int8_t *>(xo + 8 * t)),
+                                          bcast8(reinterpret_cast<const int8_t *>(xo + 8 * t + 4))};
+                    __m256i dot[2];
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
+                        const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
+                        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, o[0]), sa[h]),
+                                                  _mm256_madd_epi16(_mm256_sub_epi16(qb, o[1]), sb[h]));
+                    }
+                    const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
+                    _mm256_store_ps(acc + 8 * t,
+                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, _mm256_load_ps(acc + 8 * t)));
+                }
+            }
+        }
+    }
+}
+
+using GemmGroupFn = void (*)(const uint8_t *, const GemmAct &, int64_t, int64_t, float *, float *);
+inline GemmGroupFn gemm_group_fn(int qt) {
+    switch (qt) {
+    case Q4_0R8: return gemm_r8_group<Q4_0R8>;
+    case Q4_1R8: return gemm_r8_group<Q4_1R8>;
+    case Q4_KR8: return gemm_r8_group<Q4_KR8>;
+    case Q5_KR8: return gemm_r8_group<Q5_KR8>;
+    case Q6_KR8: return gemm_r8_group<Q6_KR8>;
+    }
+    return nullptr;
+}
+inline bool gemm_has(int qt) { return gemm_group_fn(qt) != nullptr; }
+#else
+inline bool gemm_has(int) { return false; }
+#endif
+
+// Whether the GEMM takes this product: every part in an r8 layout it has (all_r8_groups), on a
+// 256-bit build, from kGemmMinRows activation rows (fewer: the dots' 1-4-row passes).
+constexpr int64_t kGemmMinRows = 8;
+bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T) {
+    if (T < kGemmMinRows) return false;
+    for (int64_t p = 0; p < nparts; p++)
+        if (!gemm_has(int(parts[p].qtype)) || parts[p].rows % 8) return false;
+    return true;
+}
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// y = x @ W.T + bias through gemm_r8_group (gemm_r8_takes(parts) holds); `plan`: a LoRA handover.
+int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, bool x_bf16, int64_t T, int64_t K,
+                   const float *bias, void *y, int64_t ldy, bool y_bf16, const Handover *plan) {
+    const int64_t nb = K / 32;
+    std::vector<GemmGroupFn> fn(nparts);
+    std::vector<int64_t> first(nparts + 1, 0), row0(nparts, 0);     // each part's first group, first row
+    bool offsets = false;
+    int64_t total = 0;       // weight bytes
+    for (int64_t p = 0; p < nparts; p++) {
+        fn[p] = gemm_group_fn(int(parts[p].qtype));
+        offsets |= parts[p].qtype == Q6_KR8;
+        first[p + 1] = first[p] + parts[p].rows / 8;
+        if (p + 1 < nparts) row0[p + 1] = row0[p] + parts[p].rows;
+        total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+    }
+    const Act act = thread_act(parts, nparts, T, K, false);
+    GemmBuffers &b = t_gemm;
+    const GemmAct ga{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), offsets ? fit(b.o, 8 * T * nb) : nullptr, T, K, nb};
+    const int64_t groups = first[nparts];
+#pragma omp parallel
+    {
+        const Act a = quantize_in_region(act, false, parts, nparts, T, false, x, ldx, x_bf16);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * nb; i++) gemm_relayout(a, ga, i, offsets);
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t g0 = group_at_byte(parts, nparts, K, total * tid / nt);
+        const int64_t g1 = std::min(groups, group_at_byte(parts, nparts, K, total * (tid + 1) / nt));
+        PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
+        const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
+        alignas(64) float acc[kGemmTile * 8], mins[kGemmTile * 8], v[8];
+        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+        int64_t p = 0;
+        for (int64_t g = g0; g < g1; g++) {
+            while (g >= first[p + 1]) p++;
+            const uint8_t *w = parts[p].w + (g - first[p]) * parts[p].ldw;
+            const int64_t r = row0[p] + 8 * (g - first[p]);
+            const bool minus = parts[p].qtype != Q4_0R8 && parts[p].qtype != Q4_1R8;     // K types: acc - mins
+            ahead.step(per_group);
+            for (int64_t t0 = 0; t0 < T; t0 += kGemmTile) {
+                const int64_t n = std::min(kGemmTile, T - t0);
+                std::memset(acc, 0, sizeof(float) * 8 * n);
+                std::memset(mins, 0, sizeof(float) * 8 * n);
+                fn[p](w, ga, t0, n, acc, mins);
+                for (int64_t t = 0; t < n; t++) {
+                    const __m256 A = _mm256_load_ps(acc + 8 * t), M = _mm256_load_ps(mins + 8 * t);
+                    _mm256_storeu_ps(v, _mm256_permutevar8x32_ps(minus ? _mm256_sub_ps(A, M) : _mm256_add_ps(A, M), order));
+                    for (int i = 0; i < 8; i++) put_out(y, y_bf16, ldy, bias, t0 + t, r + i, v[i]);
+                }
+            }
+        }
+        run_after(plan);
+    }
+    return 0;
+}
+#else
+int gemm_r8_linear(const QuantPart *, int64_t, const void *, int64_t, bool, int64_t, int64_t, const float *, void *, int64_t,
+                   bool, const Handover *) {
+    return 1;
+}
+#endif
+}  // namespace

@@ -1,0 +1,57 @@
+"""The integer GEMM over r8 layouts (csrc/quant/gemm_r8_256.h: from 8 activation rows on the avx2 and
+avxvnni variants): against the float64 reference of the same 8-bit activations (quant.reference_linear)
+and bit for bit against the scalar build's arithmetic, at every number of rows 1..70 (the 64-row
+tiles' edges, odd tails), several parts of different types in one product, bias, bf16 in and out;
+and every row alone equal to it in the batch (batch invariance). Skips where the CPU has neither."""
+import pytest
+import torch
+
+from pagedserve.kernels import quant
+from tests.test_quant_kernels import _check_small, weight
+from tests.test_quant_r8_256 import r8_of
+
+VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
+pytestmark = pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
+
+
+@pytest.mark.parametrize("qtypes,cols", [(("q4_0",), 96), (("q4_1",), 160), (("q4_k",), 512), (("q5_k",), 256),
+                                         (("q6_k",), 768), (("q4_k", "q6_k", "q4_1"), 256), (("q8_0", "q4_0"), 64)])
+def test_gemm_equals_the_scalar_arithmetic_at_every_row_count(qtypes, cols):
+    ws = [weight(q, rows=rows, cols=cols, seed=i)[0] for i, (q, rows) in enumerate(zip(qtypes, (24, 8, 16)))]
+    rs = [r8_of(w) for w in ws]
+    splits = [w.shape[0] for w in ws]
+    bias = torch.randn(sum(splits), generator=torch.Generator().manual_seed(5))
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(7)) * 3
+    with quant.using_variant("scalar") as lib:
+        ref = quant._linear_small(x, rs, bias, lib, torch.float32)       # one row at a time (4-row passes)
+    for T in list(range(1, 20)) + [31, 33, 63, 64, 65, 70]:
+        for t0 in {0, 70 - T}:
+            for w, part, b in zip(ws, ref[t0:t0 + T].split(splits, dim=1), bias.split(splits)):
+                _check_small(part, x[t0:t0 + T], w, b)
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            for T in list(range(1, 20)) + [31, 33, 63, 64, 65, 70]:
+                for t0 in {0, 70 - T}:
+                    y = quant._linear_small(x[t0:t0 + T], rs, bias, lib, torch.float32)
+                    assert torch.equal(y, ref[t0:t0 + T]), (variant, T, t0, (y - ref[t0:t0 + T]).abs().max())
+            y16 = quant._linear_small(x.bfloat16(), rs, bias, lib, torch.bfloat16)
+            assert torch.equal(y16, quant._linear_small(x.bfloat16(), rs, bias, lib, torch.float32).bfloat16())
+
+
+def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants():
+    """linear() over r8 weights: decode batches of any size on the integer dots (the GEMM from 8 rows:
+    each row the value it has alone), and prefill chunks too with set_batch_invariant(True)."""
+    w, _ = weight("q4_k", rows=32, cols=256)
+    r = r8_of(w)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
+    for variant in VECTOR:
+        with quant.using_variant(variant):
+            alone = torch.cat([quant.linear(x[t:t + 1], r, decode=True) for t in range(0, 300, 37)])
+            assert quant.batch_rows(True, False, r8=True) >= 300
+            assert torch.equal(quant.linear(x, r, decode=True)[::37], alone), variant
+            quant.set_batch_invariant(True)
+            try:
+                assert quant.batch_rows(False, True, r8=True) >= 300
+                assert torch.equal(quant.linear(x, r)[::37], alone), variant
+            finally:
+                quant.set_batch_invariant(False)
