@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--decode-rounds", type=int, default=3)
     ap.add_argument("--prefill-len", type=int, default=128)
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run on the same GGUF file")
+    ap.add_argument("--gguf-only", action="store_true", help="skip the HF checkpoint's load measurements")
+    ap.add_argument("--python-loop", action="store_true", help="the GGUF file through the Python layer loop too")
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--load-child", default=None, help=argparse.SUPPRESS)
@@ -207,7 +209,7 @@ def main() -> None:
             write_hf(config, hf)
         hf_bytes = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
         result["hf_bytes"] = hf_bytes
-        for mode in ("mxfp4", "dequantized"):
+        for mode in () if args.gguf_only else ("mxfp4", "dequantized"):
             print(f"  HF load, experts {mode} ...", flush=True)
             result[f"hf_load_{mode}"] = _run_load({"model": str(hf), "dequantize": mode == "dequantized"})
         path = work / "gpt-oss-shape.gguf"
@@ -216,9 +218,13 @@ def main() -> None:
             write_gguf(config, path, default_model_path())
         result["gguf_bytes"] = path.stat().st_size
         print("  GGUF native ...", flush=True)
-        result["gguf"] = child(dict(model=str(path), tokenizer=str(hf), cache=str(work / "cache"),
-                                    prefill_len=args.prefill_len, decode_len=args.decode_len, repeats=1, batch=0,
-                                    decode_rounds=args.decode_rounds, kv_cache_memory=128 * 1024**2), 1800)
+        spec = dict(model=str(path), tokenizer=str(hf), cache=str(work / "cache"), prefill_len=args.prefill_len,
+                    decode_len=args.decode_len, repeats=1, batch=0, decode_rounds=args.decode_rounds,
+                    kv_cache_memory=128 * 1024**2)
+        result["gguf"] = child(spec, 1800)
+        if args.python_loop:
+            print("  GGUF native, the Python layer loop ...", flush=True)
+            result["gguf_python_loop"] = child(dict(spec, python_loop=True), 1800)
         if args.llama_bench:
             print("  llama-bench ...", flush=True)
             result["llama_bench"] = llama_bench(args.llama_bench, str(path), threads, args.prefill_len, args.decode_len)
@@ -227,7 +233,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     mib = 2**20
     print(f"\nHF checkpoint {hf_bytes / mib:.0f} MiB (experts MXFP4):")
-    for mode in ("mxfp4", "dequantized"):
+    for mode in () if args.gguf_only else ("mxfp4", "dequantized"):
         r = result[f"hf_load_{mode}"]
         print(f"  experts {mode:<12} " + (f"error: {r['error'].strip().splitlines()[-1]}" if "error" in r else
               f"peak load {r['peak_load_bytes'] / mib:>7.0f} MiB  resident after {r['resident_after_bytes'] / mib:>7.0f} MiB  "
@@ -236,10 +242,13 @@ def main() -> None:
     if "error" in g:
         print(f"GGUF: error: {g['error'].strip().splitlines()[-1]}")
     else:
-        print(f"GGUF {result['gguf_bytes'] / mib:.0f} MiB: decode {g['decode_tok_s']:.2f} tok/s, prefill "
+        print(f"GGUF {result['gguf_bytes'] / mib:.0f} MiB ({'compiled' if g.get('compiled_loop') else 'Python'} layer loop): decode {g['decode_tok_s']:.2f} tok/s, prefill "
               f"{g['prefill_tok_s'] or 0:.1f} tok/s, resident {(g['rss_after'] - g['rss_before_load'] - g['kv_cache_bytes']) / mib:.0f} MiB"
               + (f"; llama.cpp decode {lb['decode_tok_s']:.2f}, prefill {lb.get('prefill_tok_s') or 0:.1f} tok/s"
                  if "decode_tok_s" in lb else f"; llama.cpp: {lb['error'][-300:]}" if "error" in lb else ""))
+    p = result.get("gguf_python_loop")
+    if p and "error" not in p:
+        print(f"  the Python layer loop: decode {p['decode_tok_s']:.2f} tok/s, prefill {p['prefill_tok_s'] or 0:.1f} tok/s")
     if args.tiny and not args.json:
         return
     out = Path(args.json) if args.json else RESULTS / "gpt_oss.json"

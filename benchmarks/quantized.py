@@ -183,6 +183,8 @@ def run_child(spec: dict) -> dict:
     peak_load = _status("VmHWM:")
     runner = llm.engine.executor.worker.runner
     model = runner.model
+    if spec.get("python_loop"):         # the Python layer loop over the same kernels (a comparison)
+        model.compiled_layers = None
     kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     per_token = sum(weight_nbytes(getattr(w, n)) for w in model.layers for n in ("qkv", "o", "gate_up", "down")) + \
         weight_nbytes(model.lm_head)
@@ -231,7 +233,7 @@ def run_child(spec: dict) -> dict:
                 decode_tok_s=1 / median, decode_ms=median * 1e3, decode_best_tok_s=1 / best,
                 decode_round_ms=[r * 1e3 for r in rounds],
                 prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None,
-                batch=spec.get("batch"), batch_tok_s=batch_tok_s)
+                batch=spec.get("batch"), batch_tok_s=batch_tok_s, compiled_loop=model.compiled_layers is not None)
 
 
 def child(spec: dict, timeout: float) -> dict:
