@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/kv_tier.py              # the default model, 32 sessions x 4 turns (~3 min quiet)
     .venv/bin/python benchmarks/kv_tier.py --quick      # 8 sessions x 2 turns: checks the script
     .venv/bin/python benchmarks/kv_tier.py --model tinyllama-1.1b --load-format dummy --quantization q4_0
+    # a larger model, one run per call (each within a 5-minute timed run), the same --dir throughout:
+    .venv/bin/python benchmarks/kv_tier.py --model M.gguf --warm --dir /tmp/t --part no-tier   # then tier, restart
 
 Sessions share a long system prompt and tool list (--system tokens); each turn sends the session's
 whole history (system, then per earlier turn its user message and the model's answer) plus a new
@@ -14,6 +16,8 @@ a fresh engine with the same pool:
   tier           --kv-offload-path: the history comes back from the disk tier
   restart, tier  a new engine on the tier's directory: every session's next turn
   restart, cold  a new engine without it: the same requests
+With --warm the shared prompt is prefilled once, untimed, before the first two runs' turns (a
+server's steady state, where the system prompt is already cached); the restart runs never warm it.
 Reported: mean (and median) time to first token, output tokens/s and requests/s, the tier's hit
 rate (prompt tokens past the pool's hits found in the tier), bytes read per second of the run, and
 the directory's read bandwidth measured after (cold: pages dropped with posix_fadvise; warm: from
@@ -129,6 +133,24 @@ def copy_sessions(sessions: list[Session]) -> list[Session]:
     return [Session(list(s.history), s.users, list(s.answers)) for s in sessions]
 
 
+def save_sessions(path: Path, sessions: list[Session]) -> None:
+    path.write_text(json.dumps([dict(history=s.history, users=s.users, answers=s.answers) for s in sessions]))
+
+
+def load_sessions(path: Path) -> list[Session]:
+    if not path.exists():
+        sys.exit(f"{path} is missing: run --part no-tier and --part tier first, with the same --dir")
+    return [Session(d["history"], d["users"], d["answers"]) for d in json.loads(path.read_text())]
+
+
+def warm_shared_prompt(llm: LLM, sessions: list[Session], args) -> None:
+    """--warm: the shared prompt prefilled once, untimed (a server's steady state: the first
+    session's first turn would otherwise carry the whole system prompt's prefill in both runs)."""
+    if args.warm:
+        llm.generate([{"prompt_token_ids": sessions[0].history[:args.system]}],
+                     SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct, Q4_1)")
@@ -145,11 +167,18 @@ def main() -> None:
     ap.add_argument("--cpu-gb", type=float, default=None,
                     help="a host-memory tier above the disk tier (--kv-offload-cpu-gb) in the tier runs")
     ap.add_argument("--dir", default=None, help="the tier's directory (default: a new one under /tmp, removed after)")
+    ap.add_argument("--warm", action="store_true",
+                    help="prefill the shared prompt once, untimed, before the no-tier and tier runs' turns")
+    ap.add_argument("--part", choices=("all", "no-tier", "tier", "restart"), default="all",
+                    help="one run (restart: both restart runs) per call, so each fits a 5-minute timed run; needs "
+                         "--dir (the tier's files and the sessions between calls); results merge into --out")
     ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
     ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
     args = ap.parse_args()
     if args.quick:
         args.sessions, args.turns, args.out = 8, 2, str(RESULTS / "kv_tier_quick.json")
+    if args.part != "all" and args.dir is None:
+        ap.error("--part needs --dir")
     B = 16
     working_set = cdiv(args.system, B) + args.sessions * cdiv(args.turns * (args.user + args.answer), B)
     # At least the shared prompt and --concurrency requests' histories (the last turn's, with its
@@ -161,38 +190,58 @@ def main() -> None:
                   num_gpu_blocks_override=blocks, block_size=B, max_model_len=args.system + (args.turns + 2) * (
                       args.user + args.answer))
     tier_dir = args.dir or tempfile.mkdtemp(prefix="kv_tier_bench_")
-    shutil.rmtree(tier_dir, ignore_errors=True)
-    tier = dict(engine, kv_offload_path=tier_dir, kv_offload_gb=64, kv_offload_cpu_gb=args.cpu_gb)
-
-    llm = LLM(**engine)
-    sessions = make_sessions(args, llm.engine.vocab_size)
-    runs = {}
-    base = copy_sessions(sessions)
-    runs["no tier"] = run_turns(llm, base, range(args.turns), args)
-    del llm
-    llm = LLM(**tier)
-    tiered = copy_sessions(sessions)
-    runs["tier"] = run_turns(llm, tiered, range(args.turns), args)
-    same_tokens = {"tier vs no tier": same_share(base, tiered)}
-    llm.shutdown()
-    del llm
-    llm = LLM(**tier)                      # the restarted server: its index from the directory
-    restarted = copy_sessions(tiered)
-    runs["restart, tier"] = run_turns(llm, restarted, range(args.turns, args.turns + 1), args)
-    llm.shutdown()
-    del llm
-    llm = LLM(**engine)
-    cold = copy_sessions(tiered)
-    runs["restart, cold"] = run_turns(llm, cold, range(args.turns, args.turns + 1), args)
-    del llm
-    same_tokens["restart: tier vs cold"] = same_share(restarted, cold)
-    disk = read_bandwidth(tier_dir)
-    if args.dir is None:
+    state = Path(tier_dir) / "sessions"
+    if args.part in ("all", "no-tier"):
         shutil.rmtree(tier_dir, ignore_errors=True)
+        state.mkdir(parents=True)
+    tier = dict(engine, kv_offload_path=tier_dir, kv_offload_gb=64, kv_offload_cpu_gb=args.cpu_gb)
+    previous = json.loads(Path(args.out).read_text()) if args.part not in ("all", "no-tier") and \
+        Path(args.out).exists() else {}
+    runs, same_tokens = dict(previous.get("runs", {})), dict(previous.get("same_tokens", {}))
 
+    if args.part in ("all", "no-tier"):
+        llm = LLM(**engine)
+        sessions = make_sessions(args, llm.engine.vocab_size)
+        save_sessions(state / "start.json", sessions)
+        base = copy_sessions(sessions)
+        warm_shared_prompt(llm, base, args)
+        runs["no tier"] = run_turns(llm, base, range(args.turns), args)
+        save_sessions(state / "no_tier.json", base)
+        del llm
+    if args.part in ("all", "tier"):
+        sessions = load_sessions(state / "start.json")
+        llm = LLM(**tier)
+        tiered = copy_sessions(sessions)
+        warm_shared_prompt(llm, tiered, args)
+        runs["tier"] = run_turns(llm, tiered, range(args.turns), args)
+        same_tokens["tier vs no tier"] = same_share(load_sessions(state / "no_tier.json"), tiered)
+        save_sessions(state / "tier.json", tiered)
+        llm.shutdown()
+        del llm
+    disk = previous.get("disk", {})
+    if args.part in ("all", "restart"):
+        tiered = load_sessions(state / "tier.json")
+        llm = LLM(**tier)                      # the restarted server: its index from the directory
+        restarted = copy_sessions(tiered)
+        runs["restart, tier"] = run_turns(llm, restarted, range(args.turns, args.turns + 1), args)
+        llm.shutdown()
+        del llm
+        llm = LLM(**engine)
+        cold = copy_sessions(tiered)
+        runs["restart, cold"] = run_turns(llm, cold, range(args.turns, args.turns + 1), args)
+        del llm
+        same_tokens["restart: tier vs cold"] = same_share(restarted, cold)
+        disk = read_bandwidth(tier_dir)
+        if args.dir is None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
+
+    history_blocks = args.sessions * cdiv(args.turns * (args.user + args.answer), B)
+    room = blocks - cdiv(args.system, B)
     print(f"{args.sessions} sessions x {args.turns} turns (+1 after the restart), system {args.system} tokens, "
-          f"user {args.user}, answer {args.answer}, concurrency {args.concurrency}; pool {blocks} blocks of {B} "
-          f"= {blocks / working_set:.2f} of the working set ({working_set} blocks)")
+          f"user {args.user}, answer {args.answer}, concurrency {args.concurrency}{', shared prompt warmed' if args.warm else ''}; "
+          f"pool {blocks} blocks of {B} = {blocks / working_set:.2f} of the working set ({working_set} blocks); "
+          f"the sessions' histories ({history_blocks} blocks) = {history_blocks / room:.1f}x the pool's room beside "
+          f"the shared prompt ({room} blocks)")
     print(f"{'run':15} {'mean TTFT':>10} {'median':>8} {'out tok/s':>10} {'req/s':>7} {'tier hit':>9} "
           f"{'read MB/s':>10} {'loaded':>7} {'failed':>7}")
     for name, r in runs.items():
@@ -202,16 +251,22 @@ def main() -> None:
               f"{r['output_tok_s']:10.1f} {r['requests_s']:7.2f} {hit:>9} {rate:>10} "
               f"{r['tier_blocks_loaded'] if r['tier_blocks_loaded'] is not None else '-':>7} "
               f"{r['tier_load_failures'] if r['tier_load_failures'] is not None else '-':>7}")
-    ttft = runs["no tier"]["mean_ttft_s"] / runs["tier"]["mean_ttft_s"]
-    restart = runs["restart, cold"]["mean_ttft_s"] / runs["restart, tier"]["mean_ttft_s"]
-    print(f"mean TTFT: {ttft:.2f}x lower with the tier; after a restart {restart:.2f}x lower than cold; "
-          f"throughput {runs['tier']['output_tok_s'] / runs['no tier']['output_tok_s']:.2f}x; "
-          f"answers alike: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in same_tokens.items()))
+    ttft = restart = None
+    if "no tier" in runs and "tier" in runs:
+        ttft = runs["no tier"]["mean_ttft_s"] / runs["tier"]["mean_ttft_s"]
+        print(f"mean TTFT: {ttft:.2f}x lower with the tier; throughput "
+              f"{runs['tier']['output_tok_s'] / runs['no tier']['output_tok_s']:.2f}x")
+    if "restart, tier" in runs:
+        restart = runs["restart, cold"]["mean_ttft_s"] / runs["restart, tier"]["mean_ttft_s"]
+        print(f"after a restart {restart:.2f}x lower than cold")
+    if same_tokens:
+        print("answers alike: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in same_tokens.items()))
     if disk:
         print(f"tier directory: {disk['files']} files, {disk['bytes'] / 1e6:.1f} MB; read bandwidth "
               f"{disk['cold_read_bytes_s'] / 1e6:.0f} MB/s cold, {disk['warm_read_bytes_s'] / 1e6:.0f} MB/s warm")
-    result = dict(args=vars(args), cpu_model=cpu_model(), cpu_flags=cpu_flags(), threads=os.cpu_count(),
-                  pool_blocks=blocks, working_set_blocks=working_set, runs=runs, ttft_ratio=ttft,
+    result = dict(args={k: v for k, v in vars(args).items() if k != "part"}, cpu_model=cpu_model(),
+                  cpu_flags=cpu_flags(), threads=os.cpu_count(), pool_blocks=blocks, working_set_blocks=working_set,
+                  history_blocks=history_blocks, pool_room_blocks=room, runs=runs, ttft_ratio=ttft,
                   restart_ttft_ratio=restart, same_tokens=same_tokens, disk=disk)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
