@@ -9,6 +9,8 @@
     .venv/bin/python benchmarks/quantized.py --full --full-prefill --shape qwen3-4b --mixes Q4_K_M --no-default-model \
         --llama-bench ... --llama-quantize ...   # issue 47's Qwen3-4B-shaped Q4_K_M (GGUF qwen3): decode and a
                                                  # 128-token prefill beside llama-bench (an 8 GB f16 made once)
+    .venv/bin/python benchmarks/quantized.py --full --full-prefill --shape gemma3-1b --mixes Q4_K_M --no-default-model \
+        --llama-bench ... --llama-quantize ...   # issue 48's Gemma 3 1B-shaped Q4_K_M (GGUF gemma3, a hybrid model)
 
 For the default model (SmolLM2-135M-Instruct, Q4_1) and a SmolLM2-1.7B-shaped model with random
 weights, written here as GGUF files (Q4_0 and Q8_0 quantized by kernels/quant.py; a Q4_K_M-like mix
@@ -58,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 
-from tests.gguf_utils import finish, gguf_name, gguf_writer, random_k_blocks  # noqa: E402
+from tests.gguf_utils import finish, gemma_header, gemma_rename, gguf_name, gguf_writer, random_k_blocks  # noqa: E402
 
 # SmolLM2-1.7B's config (HuggingFaceTB/SmolLM2-1.7B-Instruct's config.json).
 SMOLLM2_1_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", torch_dtype="bfloat16",
@@ -72,8 +74,18 @@ QWEN3_4B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_a
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False,
                 bos_token_id=151643, eos_token_id=151645)
-# --shape: (config, GGUF architecture, file stem)
-SHAPES = {"smollm2-1.7b": (SMOLLM2_1_7B, "llama", "smollm2-1.7b-shape"), "qwen3-4b": (QWEN3_4B, "qwen3", "qwen3-4b-shape")}
+# Gemma 3 1B's text config (google/gemma-3-1b-it's config.json): issue 48's benchmark shape (--shape gemma3-1b),
+# a hybrid model: 26 layers, a 512-token window on five of every six, 1 KV head of 256, a 262144-token vocabulary.
+GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", torch_dtype="bfloat16",
+                 vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6,
+                 rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+                 sliding_window=512, max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh",
+                 tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
+# --shape: (config, GGUF architecture, file stem, its name in the table)
+SHAPES = {"smollm2-1.7b": (SMOLLM2_1_7B, "llama", "smollm2-1.7b-shape", "SmolLM2-1.7B"),
+          "qwen3-4b": (QWEN3_4B, "qwen3", "qwen3-4b-shape", "Qwen3-4B"),
+          "gemma3-1b": (GEMMA3_1B, "gemma3", "gemma3-1b-shape", "Gemma 3 1B")}
 
 # GGML type of each tensor kind per file ("*": the rest), as llama.cpp's presets mix them.
 MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0"},
@@ -120,10 +132,10 @@ def copy_tokenizer(writer, source: str, vocab: int | None = None) -> None:
 
 def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0, tokenizer_from: str | None = None,
                arch: str = "llama") -> None:
-    """A GGUF file of architecture `arch` (llama, qwen3) of `config`'s shapes, random weights
-    (std 0.02; norms 1), tensor by tensor in the mix's types (written to a temporary file as they
-    are made: memory stays about one tensor, not the model); with the tokenizer of GGUF file
-    `tokenizer_from`."""
+    """A GGUF file of architecture `arch` (llama, qwen3, gemma3) of `config`'s shapes, random weights
+    (std 0.02; norms 1; gemma3: its sandwich norms, q/k norms and window as llama.cpp's converter
+    writes them), tensor by tensor in the mix's types (written to a temporary file as they are made:
+    memory stays about one tensor, not the model); with the tokenizer of GGUF file `tokenizer_from`."""
     import gguf
 
     from pagedserve.models.dummy import DummyWeights
@@ -133,7 +145,10 @@ def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0, tokenizer_fro
                     hidden=args.hidden_size, intermediate=args.intermediate_size, heads=args.num_heads,
                     kv_heads=args.num_kv_heads, eps=args.rms_norm_eps, vocab=args.vocab_size,
                     rope_theta=args.rope_theta, use_temp_file=True)
-    if args.head_dim != args.hidden_size // args.num_heads:
+    gemma = arch == "gemma3"
+    if gemma:
+        gemma_header(w, args.head_dim, config["sliding_window"])
+    elif args.head_dim != args.hidden_size // args.num_heads:
         w.add_key_length(args.head_dim)
         w.add_value_length(args.head_dim)
     if tokenizer_from:
@@ -142,10 +157,11 @@ def write_gguf(config: dict, mix: dict, path: Path, seed: int = 0, tokenizer_fro
     rng = np.random.default_rng(seed)
     for name in weights:
         t = weights[name]
-        kind, name_in_file = gguf_name(name)
         if t.dim() == 1:
-            w.add_tensor(name_in_file, t.numpy())
+            renamed = gemma_rename(name, t.numpy()) if gemma else None
+            w.add_tensor(*(renamed[0] if renamed else (gguf_name(name)[1], t.numpy())))
             continue
+        kind, name_in_file = gguf_name(name)
         ggml = mix.get(kind, mix["*"])          # (random weights: q/k need no rotary permutation)
         w.add_tensor(name_in_file, _raw_blocks(ggml, t, rng), raw_dtype=gguf.GGMLQuantizationType[ggml])
     finish(w)
@@ -311,7 +327,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     if args.full and args.quick:
         ap.error("--full and --quick are exclusive")
-    shape, arch, stem = SHAPES[args.shape]
+    shape, arch, stem, shape_name = SHAPES[args.shape]
     layers = args.layers or (4 if args.quick else shape["num_hidden_layers"])
     # --full: decode only (repeats 0: no prefill timing), 64 steps
     prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (128, 64, int(args.full_prefill)) if args.full \
@@ -354,7 +370,7 @@ def main() -> None:
         shape_dir.mkdir(exist_ok=True)
         (shape_dir / "config.json").write_text(json.dumps(config))
         stand_in_tokenizer(config).save_pretrained(str(shape_dir))
-        name = f"{'SmolLM2-1.7B' if args.shape == 'smollm2-1.7b' else 'Qwen3-4B'} shape ({layers} layers)" \
+        name = f"{shape_name} shape ({layers} layers)" \
             if not args.tiny else "tiny shape (2 layers, 256 wide)"
         maker = "llama-quantize" if args.llama_quantize else "benchmarks/quantized.py"
         f16 = work / f"{stem}-F16.gguf"

@@ -52,6 +52,30 @@ def hf_writer(path, arch: str, cfg, **kwargs):
                        kv_heads=cfg.num_key_value_heads, eps=cfg.rms_norm_eps, vocab=cfg.vocab_size, **kwargs)
 
 
+def gemma_rename(name: str, a):
+    """llama.cpp's Gemma converter: sandwich norms under its names, every norm stored as 1 + w
+    ([(GGUF name, array)]; None for a tensor the shared table names)."""
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    name = name.removeprefix("model.")
+    if name == "norm.weight":
+        return [("output_norm.weight", a + 1)]
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        module = rest.rsplit(".", 1)[0]
+        if module in names:
+            return [(f"blk.{i}.{names[module]}.weight", a + 1)]
+    return None
+
+
+def gemma_header(w, head_dim: int, sliding_window: int) -> None:
+    """The keys llama.cpp's Gemma converter adds to the shared header (both Gemma 2 and 3)."""
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_sliding_window(sliding_window)
+
+
 def finish(w) -> None:
     """Write the header, metadata and tensors added to `w`, and close the file."""
     w.write_header_to_file()

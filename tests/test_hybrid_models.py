@@ -20,7 +20,7 @@ from pagedserve.kv.groups import window_bound
 from pagedserve.server.metrics import PrometheusStatLogger
 from tests.beam_reference import reference_beam_search
 from tests.conftest import CORPUS, TinyModel, hf_greedy
-from tests.gguf_utils import write_hf_model
+from tests.gguf_utils import gemma_header, gemma_rename, write_hf_model
 
 WINDOW, BLOCK = 16, 4
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -229,28 +229,10 @@ def test_sliding_window_reads_no_block_outside_the_window():
     torch.testing.assert_close(attention_math(q, k, v, 0.3, allowed, 2.0), cap_ref[0], atol=1e-5, rtol=1e-5)
 
 
-def _gemma_rename(name: str, a):
-    """llama.cpp's Gemma converter: sandwich norms under its names, every norm stored as 1 + w."""
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    name = name.removeprefix("model.")
-    if name == "norm.weight":
-        return [("output_norm.weight", a + 1)]
-    if name.startswith("layers."):
-        _, i, rest = name.split(".", 2)
-        module = rest.rsplit(".", 1)[0]
-        if module in names:
-            return [(f"blk.{i}.{names[module]}.weight", a + 1)]
-    return None
-
-
 def _gemma_header(w, cfg) -> None:
     """What llama.cpp's converter writes for a Gemma beyond the shared header."""
     import gguf
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_sliding_window(cfg.sliding_window)
+    gemma_header(w, cfg.head_dim, cfg.sliding_window)
     if cfg.model_type == "gemma2":
         w.add_float32(f"{w.arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{w.arch}.final_logit_softcapping", cfg.final_logit_softcapping)
@@ -266,7 +248,7 @@ def test_gguf_as_llama_cpp_writes_gemma_matches_transformers(hybrid, arch, windo
     """gemma2 / gemma3 GGUF files (llama.cpp's tensor names and metadata keys, its layer patterns,
     norms stored as 1 + w)."""
     path = tmp_path / f"{arch}.gguf"
-    write_hf_model(hybrid.hf, path, arch, header=_gemma_header, rename=_gemma_rename)
+    write_hf_model(hybrid.hf, path, arch, header=_gemma_header, rename=gemma_rename)
     llm = LLM(str(path), tokenizer=hybrid.path, dtype="float32", block_size=BLOCK, num_gpu_blocks_override=256)
     assert llm.engine.model_args.windows() == windows
     prompt = long_prompts(hybrid, 1)[0]
