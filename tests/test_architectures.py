@@ -161,6 +161,43 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(tiny_models, tmp_path,
     torch.testing.assert_close(_prompt_logprobs(llm, ids), _reference_logprobs(tm.hf, ids), atol=1e-4, rtol=1e-4)
 
 
+def _phi3_split_qkv(cfg):
+    """A Phi-3 file with attn_q / attn_k / attn_v instead of the fused attn_qkv (llama.cpp reads
+    either): qkv_proj's rows cut at q_size and q_size + kv_size, the rest as _phi3_tensors."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+
+    def rename(name: str, a):
+        if name.endswith("self_attn.qkv_proj.weight"):
+            i = name.removeprefix("model.").split(".")[1]
+            return [(f"blk.{i}.attn_{n}.weight", part) for n, part in zip("qkv", (a[:q], a[q:q + kv], a[q + kv:]))]
+        return _phi3_tensors(name, a)
+    return rename
+
+
+@pytest.mark.parametrize("qtype", [None, gguf.GGMLQuantizationType.Q8_0])
+def test_phi3_gguf_with_separate_q_k_v_matches_transformers(tiny_models, tmp_path, qtype):
+    """Phi-3 GGUF files whose attention holds attn_q, attn_k and attn_v (no attn_qkv): float32
+    equals transformers' greedy tokens and prompt logprobs; Q8_0 leaves it only at near ties."""
+    tm = tiny_models("phi3_longrope")
+    cfg = tm.hf.config
+    path = tmp_path / "phi3-split.gguf"
+    state = write_hf_model(tm.hf, path, "phi3", header=_phi3_header, rename=_phi3_split_qkv(cfg), qtype=qtype,
+                           extra_tensors=_phi3_rope_factors(cfg))
+    assert {"blk.0.attn_q.weight", "blk.0.attn_v.weight"} <= {t.name for t in gguf.GGUFReader(path).tensors}
+    llm = LLM(str(path), tokenizer=tm.path, dtype="float32", num_gpu_blocks_override=64)
+    if qtype is not None:
+        _check_near_ties(llm, _oracle(tm, state), tm, _prompts("phi3_longrope"), LONG_PROMPTS[1])
+        return
+    for prompt in _prompts("phi3_longrope"):
+        ids = tm.tokenizer.encode(prompt)
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, min_tokens=8),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(tm.hf, ids, 8), prompt
+    ids = tm.tokenizer.encode(LONG_PROMPTS[1])
+    torch.testing.assert_close(_prompt_logprobs(llm, ids), _reference_logprobs(tm.hf, ids), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["qwen3_untied", "phi3_longrope", "smollm3_nope", "granite_multipliers"])
 def test_native_q8_0_leaves_the_oracle_only_at_near_ties(tiny_models, tmp_path, name):
     """Q8_0 blocks run by the native kernels: each greedy token is the argmax of transformers on

@@ -100,11 +100,12 @@ class Architecture:
         return ", ".join(self.hf_architectures)
 
     def qkv_parts(self, layer: str, rows: dict[str, Rows], q_size: int, kv_size: int,
-                  suffix: str = "weight") -> list[tuple[str, Rows]]:
+                  suffix: str = "weight", fused: bool | None = None) -> list[tuple[str, Rows]]:
         """The checkpoint tensors (HF names under `layer`, e.g. "layers.3.") and their rows that
         make the fused q/k/v matrix (or bias), given the rows of q, k and v wanted (a
-        tensor-parallel rank's heads: rows["q"] = (start, end))."""
-        if not self.fused_qkv:
+        tensor-parallel rank's heads: rows["q"] = (start, end)). fused: whether this checkpoint
+        stores qkv_proj (None: the architecture's way; a Phi-3 GGUF file may hold attn_q/k/v)."""
+        if not (self.fused_qkv if fused is None else fused):
             return [(f"{layer}self_attn.{n}_proj.{suffix}", rows[n]) for n in "qkv"]
         name = f"{layer}self_attn.qkv_proj.{suffix}"
         at = {"q": 0, "k": q_size, "v": q_size + kv_size}

@@ -621,8 +621,10 @@ def build_model(args: ModelArgs, source: TensorSource, dtype: torch.dtype, atten
 
     for i in range(args.num_layers):
         p = f"layers.{i}."
-        qkv = build.matrix(arch.qkv_parts(p, heads, q_size, kv_size))
-        bias = torch.cat([w(n, r) for n, r in arch.qkv_parts(p, heads, q_size, kv_size, "bias")]) \
+        # (a Phi-3 GGUF file holds either the fused attn_qkv or attn_q / attn_k / attn_v, as llama.cpp reads it)
+        fused = arch.fused_qkv and source.has(p + "self_attn.qkv_proj.weight")
+        qkv = build.matrix(arch.qkv_parts(p, heads, q_size, kv_size, fused=fused))
+        bias = torch.cat([w(n, r) for n, r in arch.qkv_parts(p, heads, q_size, kv_size, "bias", fused)]) \
             if args.qkv_bias else None
         layer = LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
