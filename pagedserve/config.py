@@ -266,8 +266,8 @@ class EngineConfig:
                                            "float32 copy cached per file) instead of computing in its blocks")
 
     # Batch invariance: a request's rows computed as they would be alone, whatever shares their
-    # step (quantized products in r8 layouts: prefill chunks on the decode rows' integer dots,
-    # a few percent slower on long prefill chunks; benchmarks/batch_invariance.py). None: from
+    # step (quantized products in r8 layouts: prefill chunks on the decode rows' integer dots and
+    # GEMM; benchmarks/batch_invariance.py measures on against off). None: from
     # $PAGEDSERVE_BATCH_INVARIANT (1: on, 0: off), else auto.
     batch_invariant: str | None = setting(None, "auto: steps holding a greedy (temperature 0) request compute every "
                                                 "row as it would be alone (greedy output does not depend on the "
