@@ -73,27 +73,48 @@ inline __m256i q4_dot8(const __m256i c[2][4], const __m256i xb[4]) {
     return _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
 }
 
-// acc, mins ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against 32-element block j of
-// the group: codes c (per half, pieces: vector 0 low, 1 low, 0 high, 1 high nibbles), scales A, M.
+// acc ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against 32-element block j of the
+// group: codes c (per half, pieces: vector 0 low, 1 low, 0 high, 1 high nibbles), scale A.
 template <bool Q5 = false>
-inline void gemm_q4_rows(const __m256i c[2][4], __m256 A, __m256 M, const GemmAct &g, int64_t t0, int64_t n, int64_t j,
-                         float *acc, float *mins) {
+inline void gemm_q4_rows(const __m256i c[2][4], __m256 A, const GemmAct &g, int64_t t0, int64_t n, int64_t j, float *acc) {
     const int64_t at = g.at(t0, n, j, 0);
     const int8_t *xq = g.q + 32 * at;
-    const float *dx = g.d + at, *ds = g.ds + at;
+    const float *dx = g.d + at;
     for (int64_t t = 0; t < n; t++) {
         const int8_t *x = xq + 32 * t;
         const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
         const __m256i dot = q4_dot8<Q5>(c, xb);
         const __m256 S = _mm256_mul_ps(A, _mm256_set1_ps(dx[t]));
         _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
-        _mm256_store_ps(mins + 8 * t, _mm256_fmadd_ps(M, _mm256_set1_ps(ds[t]), _mm256_load_ps(mins + 8 * t)));
     }
 }
 
-// The group at w (nb blocks of 32) against tile rows t0 .. t0 + n - 1: acc, mins as above.
+// mins ([n][8]) = rows t0 .. t0 + n - 1's minimum terms, the chain over the blocks j in order of
+// fma(M_j, ds_j, mins), M_j the group's at m + 8 j (a pass of its own: 8 rows' chains in registers,
+// no load and store of them per block, as the dots' accumulators have).
+inline void gemm_mins(const float *m, const GemmAct &g, int64_t t0, int64_t n, float *mins) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < g.nb; j++) {
+            const __m256 M = _mm256_load_ps(m + 8 * j);
+            const float *ds = g.ds + g.at(t0, n, j, t);
+            for (int i = 0; i < 8; i++) r[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(ds[i]), r[i]);
+        }
+        for (int i = 0; i < 8; i++) _mm256_store_ps(mins + 8 * (t + i), r[i]);
+    }
+    for (; t < n; t++) {
+        __m256 r = _mm256_setzero_ps();
+        for (int64_t j = 0; j < g.nb; j++) r = _mm256_fmadd_ps(_mm256_load_ps(m + 8 * j), _mm256_set1_ps(g.ds[g.at(t0, n, j, t)]), r);
+        _mm256_store_ps(mins + 8 * t, r);
+    }
+}
+
+// The group at w (nb blocks of 32) against tile rows t0 .. t0 + n - 1: acc, mins as above (q6_k:
+// mins untouched); m: the group's M_j (nb * 8 floats, 32-byte aligned) as scratch.
 template <int QT>
-void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, float *acc, float *mins) {
+void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, float *acc, float *mins, float *m) {
     constexpr int64_t U = r8_unit_bytes(QT);
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -115,8 +136,10 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
                 c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
                 c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
             }
-            gemm_q4_rows(c, A, M, g, t0, n, j, acc, mins);
+            _mm256_store_ps(m + 8 * j, M);
+            gemm_q4_rows(c, A, g, t0, n, j, acc);
         }
+        gemm_mins(m, g, t0, n, mins);
     } else if constexpr (QT == Q4_KR8 || QT == Q5_KR8) {
         constexpr int QS = QT == Q4_KR8 ? 128 : 384;
         const __m256i m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48), byte = _mm256_set1_epi32(255);
@@ -144,9 +167,11 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
                 const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
                 const __m256 Dj = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], shift), byte)));
                 const __m256 Mj = _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), byte)));
-                gemm_q4_rows<QT == Q5_KR8>(c, Dj, Mj, g, t0, n, 8 * s + j, acc, mins);
+                _mm256_store_ps(m + 8 * (8 * s + j), Mj);
+                gemm_q4_rows<QT == Q5_KR8>(c, Dj, g, t0, n, 8 * s + j, acc);
             }
         }
+        gemm_mins(m, g, t0, n, mins);
     } else {        // Q6_KR8 (no minimum terms: mins stays 0)
         static_assert(QT == Q6_KR8, "gemm_r8_group: an r8 layout");
         for (int64_t s = 0; s < g.nb / 8; s++) {
@@ -190,7 +215,7 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
     }
 }
 
-using GemmGroupFn = void (*)(const uint8_t *, const GemmAct &, int64_t, int64_t, float *, float *);
+using GemmGroupFn = void (*)(const uint8_t *, const GemmAct &, int64_t, int64_t, float *, float *, float *);
 inline GemmGroupFn gemm_group_fn(int qt) {
     switch (qt) {
     case Q4_0R8: return gemm_r8_group<Q4_0R8>;
@@ -247,6 +272,7 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
         PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
         const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
         alignas(64) float acc[kGemmTile * 8], mins[kGemmTile * 8], v[8];
+        std::vector<float, Aligned64<float>> m(8 * nb);         // the group's minimum scales
         const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
         int64_t p = 0;
         for (int64_t g = g0; g < g1; g++) {
@@ -259,7 +285,7 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
                 const int64_t n = std::min(kGemmTile, T - t0);
                 std::memset(acc, 0, sizeof(float) * 8 * n);
                 std::memset(mins, 0, sizeof(float) * 8 * n);
-                fn[p](w, ga, t0, n, acc, mins);
+                fn[p](w, ga, t0, n, acc, mins, m.data());
                 for (int64_t t = 0; t < n; t++) {
                     const __m256 A = _mm256_load_ps(acc + 8 * t), M = _mm256_load_ps(mins + 8 * t);
                     _mm256_storeu_ps(v, _mm256_permutevar8x32_ps(minus ? _mm256_sub_ps(A, M) : _mm256_add_ps(A, M), order));
