@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
 
 
 @pytest.mark.parametrize("qtypes,cols", [(("q4_0",), 96), (("q4_1",), 160), (("q4_k",), 512), (("q5_k",), 256),
-                                         (("q6_k",), 768), (("q4_k", "q6_k", "q4_1"), 256), (("q8_0", "q4_0"), 64)])
+                                         (("q6_k",), 768), (("q4_k", "q6_k", "q4_1"), 256), (("q8_0", "q4_0"), 64),
+                                         (("q5_0",), 96), (("q5_0", "q4_k"), 256)])
 def test_gemm_equals_the_scalar_arithmetic_at_every_row_count(qtypes, cols):
     ws = [weight(q, rows=rows, cols=cols, seed=i)[0] for i, (q, rows) in enumerate(zip(qtypes, (24, 8, 16)))]
     rs = [r8_of(w) for w in ws]

@@ -1,4 +1,4 @@
-"""The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q8_0r8 and the super-block q4_kr8, q5_kr8,
+"""The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q5_0r8, q8_0r8 and the super-block q4_kr8, q5_kr8,
 q6_kr8: 8 rows interleaved per block, csrc/quant/dot_r8_256.h, dot_k_r8_256.h): their bytes, and every variant's kernels against the scalar build's,
 which spells the same arithmetic out in plain C++ (the avx2 and avxvnni ones equal it bit for bit;
 the avxvnni test runs where the CPU has AVX-VNNI), on rows and columns that are not multiples of
@@ -9,7 +9,7 @@ import torch
 from pagedserve.kernels import quant
 from tests.test_quant_kernels import _check_small, weight
 
-TYPES = ["q4_0", "q4_1", "q8_0"]
+TYPES = ["q4_0", "q4_1", "q8_0", "q5_0"]
 K_TYPES = ["q4_k", "q5_k", "q6_k"]
 VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
 
@@ -21,7 +21,7 @@ def r8_of(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
                                                               True))
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
 def test_layout_round_trips_and_places_each_row(qtype):
     w, _ = weight(qtype, rows=24, cols=96)
     r = r8_of(w)
@@ -43,10 +43,11 @@ def test_layout_round_trips_and_places_each_row(qtype):
     assert torch.equal(quant.embedding(r, ids.view(1, 5)), quant.embedding(w, ids.view(1, 5)))
 
 
-@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("qtype", K_TYPES + ["q5_0"])
 def test_k_layouts_place_each_field_in_pieces(qtype):
-    """A super-block unit: each field of the block, in order, piece k of row l at 8 start + piece (8 k + l)."""
-    w, _ = weight(qtype, rows=16, cols=512)
+    """A super-block unit (q5_0: a block's, d then qh in 4-byte pieces then qs): each field of the
+    block, in order, piece k of row l at 8 start + piece (8 k + l)."""
+    w, _ = weight(qtype, rows=16, cols=512 if qtype in K_TYPES else 64)
     r = r8_of(w)
     B = quant.BLOCK_BYTES[qtype]
     assert tuple(r.data.shape) == (2, 2 * 8 * B) and r.nbytes == w.nbytes

@@ -45,6 +45,7 @@ MIXES = {
     "q4_0": {"*": GGML.Q4_0},
     "q4_1": {"*": GGML.Q4_1},
     "q5_1": {"*": GGML.Q5_1},
+    "q5_0": {"*": GGML.Q5_0},       # (q5_0r8 on the 256-bit variants: Gemma 3's, gpt-oss's widths in Q4_K_M)
     # as llama.cpp's Q4_K_M / Q5_K_M: v, down and the output matrix in Q6_K (q/k/v then differ)
     "q4_k_m": {"*": GGML.Q4_K, "attn_v": GGML.Q6_K, "ffn_down": GGML.Q6_K, "output": GGML.Q6_K},
     "q5_k_m": {"*": GGML.Q5_K, "attn_v": GGML.Q6_K, "ffn_down": GGML.Q6_K, "output": GGML.Q6_K},
@@ -150,6 +151,11 @@ def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_mod
         parts = [p for n in ("qkv", "o", "gate_up", "down")
                  for p in (getattr(layer, n) if isinstance(getattr(layer, n), tuple) else (getattr(layer, n),))]
         assert {p.qtype for p in parts} == {mix[:2] + "_kr8", "q6_kr8"}, [p.qtype for p in parts]
+    if mix == "q5_0" and quant.variant() in quant.R8_VARIANTS:        # the q5_0r8 dots ran
+        layer = _model_of(llm).layers[0]
+        assert {p.qtype for n in ("qkv", "o", "gate_up", "down")
+                for p in (getattr(layer, n) if isinstance(getattr(layer, n), tuple) else (getattr(layer, n),))} == \
+            {"q5_0r8"}
     notes = [r.getMessage() for r in caplog.records if "quantized matmul weights" in r.getMessage()]
     assert len(notes) == 1, notes
     if mix == "q3_k_fallback":       # said once: which types, how many tensors

@@ -97,7 +97,7 @@ R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (25
 # engine's batch_invariant setting, on by default for steps holding a greedy request) prefill chunks
 # too: a row's arithmetic then never depends on the batch (batch-invariant greedy output, issue 51).
 # From 8 rows they run as an integer GEMM (csrc/quant/gemm_r8_256.h: a unit's codes unpacked once
-# per tile of 64 activation rows, the same arithmetic per row; q8_0r8 through the 1-4-row dots).
+# per tile of 64 activation rows, the same arithmetic per row; q8_0r8 and q5_0r8 through the 1-4-row dots).
 # Not for every step: 8-bit activations in the prefill move a tiny random MoE model's routing and
 # the prompt logprobs of the tests' float oracles. set_batch_invariant(True) makes every product
 # invariant, whatever the call says (kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT is the
@@ -308,7 +308,7 @@ def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> 
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
     8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows; on the avx2 and avxvnni
-    variants (R8_VARIANTS) q4_0, q4_1, q8_0, q4_k, q5_k and q6_k with rows a multiple of 8: their r8
+    variants (R8_VARIANTS) q4_0, q4_1, q5_0, q8_0, q4_k, q5_k and q6_k with rows a multiple of 8: their r8
     layouts (R8_OF), 1.5-2.5x at 1-16 rows; q4_k 2.4x at T = 1 on Zen 3), else w itself. in_place:
     w's bytes are rewritten (only where the caller owns them: not a file's mapping), no copy
     of the whole matrix; else a new tensor. mapped: a small matrix the loader left in the file's

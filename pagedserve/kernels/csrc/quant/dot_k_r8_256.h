@@ -221,6 +221,7 @@ inline R8GroupFn r8_group_fn(int qt, int nt) {
     case Q4_0R8: return r8_group_fn<Q4_0R8>(nt);
     case Q4_1R8: return r8_group_fn<Q4_1R8>(nt);
     case Q8_0R8: return r8_group_fn<Q8_0R8>(nt);
+    case Q5_0R8: return r8_group_fn<Q5_0R8>(nt);
     case Q4_KR8: return rk8_group_fn<Q4_KR8>(nt);
     case Q5_KR8: return rk8_group_fn<Q5_KR8>(nt);
     case Q6_KR8: return rk8_group_fn<Q6_KR8>(nt);

@@ -3,12 +3,13 @@
 // QType's Q4_1R8, Q4_0R8, Q8_0R8 and repack_r8.h) against NT activation rows. A unit is one
 // 32-element block of 8 rows: their 8 fp16 d (q4_1: then their 8 fp16 m), then vectors of 64 bytes
 // whose byte 8 l + i of vector k is row l's qs[8 k + i] (q4_0, q4_1: two vectors, elements 8 k + i
-// low nibble, 16 + 8 k + i high; q8_0: four, element 8 k + i).
+// low nibble, 16 + 8 k + i high; q8_0: four, element 8 k + i). Q5_0R8: q4_0r8 with the 8 rows'
+// 32-bit qh after the d (row l's at 16 + 4 l), bit e of it element e's fifth bit, offset 16.
 // A 256-bit register holds half a vector: 8 bytes of each of 4 rows, against an 8-byte broadcast of
 // the activations, so a dot's lanes 2 l', 2 l' + 1 are row l' of that half; one hadd of the two
 // halves' dots gives the 8 rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the unit's scales are
 // permuted once to meet them: per unit and activation row one conversion, one multiply-add by
-// d * dx and (q4_0, q4_1) one by the minimum term (q4_0: -8 d, with dx * sum(q)), no per-row
+// d * dx and (q4_0, q4_1, q5_0) one by the minimum term (q4_0: -8 d, q5_0: -16 d, with dx * sum(q)), no per-row
 // reduction. Each activation row's arithmetic is the same whatever NT or the rows around it
 // (batch invariance): per row l, over the blocks j in order,
 //     acc = fma(float(dot_j), d_j * dx_j, acc);  mins = fma(m_j, ds_j, mins);  y = acc + mins
@@ -19,13 +20,15 @@
 
 namespace {
 
-// The codes of row l, block unit u, element e (q4_0: without its offset 8, which the minimum term takes).
+// The codes of row l, block unit u, element e (q4_0, q5_0: without their offsets 8, 16, which the
+// minimum term takes).
 inline int r8_code(int qt, const uint8_t *u, int l, int e) {
     const uint8_t *v = u + r8_codes_at(qt);
     if (qt == Q8_0R8) return int8_t(v[64 * (e / 8) + 8 * l + e % 8]);
     const int i = e % 16;
     const uint8_t q = v[64 * (i / 8) + 8 * l + i % 8];
-    return e < 16 ? q & 15 : q >> 4;
+    const int high = qt == Q5_0R8 ? (u[16 + 4 * l + e / 8] >> (e % 8) & 1) << 4 : 0;      // qh's bit e
+    return (e < 16 ? q & 15 : q >> 4) | high;
 }
 
 // The reference: out[t * ldo + l] = row l of the group at g (nb blocks) against activation row
@@ -44,6 +47,7 @@ void r8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
                 acc = std::fma(float(dot), d * dx, acc);
                 if constexpr (QT == Q4_1R8) mins = std::fma(f16(u + 16 + 2 * l), ds, mins);
                 if constexpr (QT == Q4_0R8) mins = std::fma(d * -8.f, ds, mins);
+                if constexpr (QT == Q5_0R8) mins = std::fma(d * -16.f, ds, mins);
             }
             out[t * ldo + l] = acc + mins;
         }
@@ -61,7 +65,7 @@ inline __m256i dp4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// One half (rows 4 h .. 4 h + 3) of a q4 unit: its low and high nibbles of vectors 0, 1 against
+// One half (rows 4 h .. 4 h + 3) of a q4 (or q5_0) unit: its low and high nibbles of vectors 0, 1 against
 // the activations' four 8-byte broadcasts x[0..3] (elements 0-7, 8-15, 16-23, 24-31).
 inline __m256i q4_half(const __m256i c[4], const __m256i x[4]) {
 #if defined(__AVXVNNI__)
@@ -71,11 +75,26 @@ inline __m256i q4_half(const __m256i c[4], const __m256i x[4]) {
             x[2]),
         c[3], x[3]);
 #else
-    // four products of codes <= 15 and |q| <= 127 in 16 bits: |sum| <= 4 * 2 * 15 * 127 < 32768
+    // four products of codes <= 31 (q5_0's) and |q| <= 127 in 16 bits: |sum| <= 4 * 2 * 31 * 127 < 32768
     const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[0], x[0]), _mm256_maddubs_epi16(c[1], x[1])),
                                        _mm256_add_epi16(_mm256_maddubs_epi16(c[2], x[2]), _mm256_maddubs_epi16(c[3], x[3])));
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 #endif
+}
+
+// Q5_0R8: the fifth bits into a half's codes c[0..3] (elements 0-7, 8-15, 16-23, 24-31 of its 4
+// rows, 8 bytes a row): byte k of row l's qh (4 rows' qh at qh) holds bit i of element 8 k + i.
+inline void q5_high(__m256i c[4], const uint8_t *qh) {
+    const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(qh)));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), b16 = _mm256_set1_epi8(16);
+    for (int k = 0; k < 4; k++) {
+        // byte 8 l' + i of the result: qh byte k of row l' (byte 4 l' + k of each 128-bit lane's copy)
+        const __m256i pick = _mm256_setr_epi8(k, k, k, k, k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k,
+                                              8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k,
+                                              12 + k, 12 + k, 12 + k, 12 + k, 12 + k);
+        const __m256i b = _mm256_shuffle_epi8(words, pick);
+        c[k] = _mm256_or_si256(c[k], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), b16));
+    }
 }
 
 template <int QT, int NT>
@@ -96,6 +115,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
         if constexpr (QT == Q4_1R8)
             M = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 16))), order);
         if constexpr (QT == Q4_0R8) M = _mm256_mul_ps(A, _mm256_set1_ps(-8.f));
+        if constexpr (QT == Q5_0R8) M = _mm256_mul_ps(A, _mm256_set1_ps(-16.f));
         if constexpr (QT == Q8_0R8) {
             // signed codes: |w| (unsigned) times q with w's sign; |w| <= 128, |q| <= 127: one pair fits 16 bits
             __m256i w[2][4], aw[2][4];
@@ -127,6 +147,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
                 c[h][1] = _mm256_and_si256(v1, m4);
                 c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
                 c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+                if constexpr (QT == Q5_0R8) q5_high(c[h], u + 16 + 16 * h);
             }
             for (int t = 0; t < NT; t++) {
                 const int8_t *x = xr + t * a.K + 32 * j;

@@ -19,19 +19,22 @@ namespace {
 // it; amxw_rows dequantizes it; every other path reads its rows unpacked (PlainParts).
 // Then Q4_0R8 and Q8_0R8: q4_0 and q8_0 the same way (8 fp16 d, then two vectors of nibbles, or
 // four of int8 codes: byte 8 l + i of vector k row l's qs[8 k + i]), made on the 256-bit variants
-// (avx2, avxvnni), which compute all three r8 layouts with dot_r8_256.h (256-bit registers).
+// (avx2, avxvnni), which compute them (and Q5_0R8) with dot_r8_256.h (256-bit registers).
+// Then Q5_0R8 (q5_0 the same: 8 fp16 d, the 8 rows' 32-bit qh, then q4_0r8's vectors of nibbles),
+// after the super-block ones below (its id follows them: quant.py's _QTYPE_ID order).
 // Then Q4_KR8, Q5_KR8, Q6_KR8: the super-block types the same way, a unit one super-block of 8 rows
 // (each field of the block in pieces: repack_r8.h's R8Field), computed by dot_k_r8_256.h.
 // Then MXFP4 (gpt-oss's experts: 32 E2M1 codes and an E8M0 scale, 17 bytes), computed by
 // quant/mxfp4.h alone (with_qtype's per-type templates do not cover it).
 enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, Q4_1R8, Q4_0R8, Q8_0R8, Q4_KR8, Q5_KR8, Q6_KR8,
-             MXFP4, kNumTypes };
-constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 32};
-constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20, 18, 34, 144, 176, 210, 17};
+             Q5_0R8, MXFP4, kNumTypes };
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 32, 32};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20, 18, 34, 144, 176, 210, 22, 17};
 // The r8 layouts: 8 rows interleaved per block (repack_r8.h); their file types.
-constexpr bool is_r8(int qt) { return qt >= Q4_1R8 && qt <= Q6_KR8; }
+constexpr bool is_r8(int qt) { return qt >= Q4_1R8 && qt <= Q5_0R8; }
 constexpr int r8_file_type(int qt) {
-    return qt == Q4_1R8 ? Q4_1 : qt == Q4_0R8 ? Q4_0 : qt == Q8_0R8 ? Q8_0 : qt == Q4_KR8 ? Q4_K : qt == Q5_KR8 ? Q5_K : Q6_K;
+    return qt == Q4_1R8 ? Q4_1 : qt == Q4_0R8 ? Q4_0 : qt == Q8_0R8 ? Q8_0 : qt == Q4_KR8 ? Q4_K : qt == Q5_KR8 ? Q5_K
+         : qt == Q5_0R8 ? Q5_0 : Q6_K;
 }
 
 // f(std::integral_constant<int, QT>{}) for the run-time type qt: the one switch behind every

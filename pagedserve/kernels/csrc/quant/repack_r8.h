@@ -1,4 +1,4 @@
-// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q4_KR8, Q5_KR8, Q6_KR8: see QType): a unit is one block
+// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q5_0R8, Q4_KR8, Q5_KR8, Q6_KR8: see QType): a unit is one block
 // (or super-block) of 8 rows; each field of the file's block (R8Field: start, bytes, piece), in the
 // block's order, lies in pieces: piece k of row l at 8 * start + piece * (8 k + l) (quant_format.py's
 // R8_FIELDS: the same table). So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
@@ -19,6 +19,7 @@ constexpr R8Fields r8_fields(int file) {
     switch (file) {
     case Q4_0: return {2, {{0, 2, 2}, {2, 16, 8}}};
     case Q4_1: return {3, {{0, 2, 2}, {2, 2, 2}, {4, 16, 8}}};
+    case Q5_0: return {3, {{0, 2, 2}, {2, 4, 4}, {6, 16, 8}}};
     case Q8_0: return {2, {{0, 2, 2}, {2, 32, 8}}};
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}}};
     case Q5_K: return {5, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 8}, {48, 128, 8}}};
@@ -27,7 +28,7 @@ constexpr R8Fields r8_fields(int file) {
     return {0, {}};
 }
 constexpr int64_t r8_unit_bytes(int qt) { return 8 * kBytes[r8_file_type(qt)]; }     // 160, 144, 272, ...
-constexpr int r8_codes_at(int qt) { return qt == Q4_1R8 ? 32 : 16; }                // (32-element types) after d (and m)
+constexpr int r8_codes_at(int qt) { return qt == Q5_0R8 ? 48 : qt == Q4_1R8 ? 32 : 16; }    // (32-element types) after d (m, qh)
 
 // Row l's block of the r8 unit at u, in the file type's layout (kBytes bytes at b).
 inline void r8_block(int qt, const uint8_t *u, int l, uint8_t *b) {
