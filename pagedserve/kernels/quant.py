@@ -97,7 +97,7 @@ R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (25
 # engine's batch_invariant setting, on by default for steps holding a greedy request) prefill chunks
 # too: a row's arithmetic then never depends on the batch (batch-invariant greedy output, issue 51).
 # From 8 rows they run as an integer GEMM (csrc/quant/gemm_r8_256.h: a unit's codes unpacked once
-# per tile of 64 activation rows, the same arithmetic per row; q8_0r8 and q5_0r8 through the 1-4-row dots).
+# per tile of 64 activation rows, the same arithmetic per row; q8_0r8 through the 1-4-row dots).
 # Not for every step: 8-bit activations in the prefill move a tiny random MoE model's routing and
 # the prompt logprobs of the tests' float oracles. set_batch_invariant(True) makes every product
 # invariant, whatever the call says (kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT is the

@@ -122,12 +122,12 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
     auto f16x8 = [&](const uint8_t *p) {
         return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))), order);
     };
-    if constexpr (QT == Q4_0R8 || QT == Q4_1R8) {
+    if constexpr (QT == Q4_0R8 || QT == Q4_1R8 || QT == Q5_0R8) {
         constexpr int C = r8_codes_at(QT);
         for (int64_t j = 0; j < g.nb; j++) {
             const uint8_t *u = w + j * U;
             const __m256 A = f16x8(u);
-            const __m256 M = QT == Q4_1R8 ? f16x8(u + 16) : _mm256_mul_ps(A, _mm256_set1_ps(-8.f));
+            const __m256 M = QT == Q4_1R8 ? f16x8(u + 16) : _mm256_mul_ps(A, _mm256_set1_ps(QT == Q5_0R8 ? -16.f : -8.f));
             __m256i c[2][4];
             for (int h = 0; h < 2; h++) {
                 const __m256i v0 = ld(u + C + 32 * h), v1 = ld(u + C + 64 + 32 * h);
@@ -135,9 +135,10 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
                 c[h][1] = _mm256_and_si256(v1, m4);
                 c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
                 c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+                if constexpr (QT == Q5_0R8) q5_high(c[h], u + 16 + 16 * h);      // (dot_r8_256.h)
             }
             _mm256_store_ps(m + 8 * j, M);
-            gemm_q4_rows(c, A, g, t0, n, j, acc);
+            gemm_q4_rows<QT == Q5_0R8>(c, A, g, t0, n, j, acc);
         }
         gemm_mins(m, g, t0, n, mins);
     } else if constexpr (QT == Q4_KR8 || QT == Q5_KR8) {
@@ -220,6 +221,7 @@ inline GemmGroupFn gemm_group_fn(int qt) {
     switch (qt) {
     case Q4_0R8: return gemm_r8_group<Q4_0R8>;
     case Q4_1R8: return gemm_r8_group<Q4_1R8>;
+    case Q5_0R8: return gemm_r8_group<Q5_0R8>;
     case Q4_KR8: return gemm_r8_group<Q4_KR8>;
     case Q5_KR8: return gemm_r8_group<Q5_KR8>;
     case Q6_KR8: return gemm_r8_group<Q6_KR8>;
@@ -279,7 +281,8 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
             while (g >= first[p + 1]) p++;
             const uint8_t *w = parts[p].w + (g - first[p]) * parts[p].ldw;
             const int64_t r = row0[p] + 8 * (g - first[p]);
-            const bool minus = parts[p].qtype != Q4_0R8 && parts[p].qtype != Q4_1R8;     // K types: acc - mins
+            const int64_t qt = parts[p].qtype;
+            const bool minus = qt != Q4_0R8 && qt != Q4_1R8 && qt != Q5_0R8;     // K types: acc - mins
             ahead.step(per_group);
             for (int64_t t0 = 0; t0 < T; t0 += kGemmTile) {
                 const int64_t n = std::min(kGemmTile, T - t0);
