@@ -132,3 +132,17 @@ def oracle_model(tm: TinyMoE, state: dict[str, torch.Tensor]):
 
 def read_config(tm: TinyMoE) -> dict:
     return json.loads((Path(tm.path) / "config.json").read_text())
+
+
+def assert_compiled_loop_equals_python_loop(llm, model, prompts: list[str], params, dtype: str) -> None:
+    """Greedy outputs with the compiled CPU layer loop, then with it switched off (the Python
+    layer loop): the same tokens, and logprobs within dtype's rounding."""
+    compiled = llm.generate(prompts, params, use_tqdm=False)
+    model.compiled_layers, loop = None, model.compiled_layers
+    python = llm.generate(prompts, params, use_tqdm=False)
+    model.compiled_layers = loop
+    for a, b in zip(compiled, python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        la = torch.tensor([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
+        lb = torch.tensor([lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
+        assert (la - lb).abs().max() <= (2e-2 if dtype == "bfloat16" else 1e-3), a.prompt

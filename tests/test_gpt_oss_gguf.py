@@ -13,6 +13,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import moe as moe_kernels
 from tests.conftest import hf_greedy
 from tests.gpt_oss_utils import tiny_gpt_oss, write_gpt_oss_gguf
+from tests.moe_utils import assert_compiled_loop_equals_python_loop
 
 gguf = pytest.importorskip("gguf")
 
@@ -70,15 +71,7 @@ def test_the_compiled_loop_runs_gpt_oss_as_the_python_loop(gpt_oss_file, dtype):
     assert model.compiled_layers is not None
     params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
     prompts = PROMPTS + [" ".join(PROMPTS)]
-    compiled = llm.generate(prompts, params, use_tqdm=False)
-    model.compiled_layers, loop = None, model.compiled_layers
-    python = llm.generate(prompts, params, use_tqdm=False)
-    model.compiled_layers = loop
-    for a, b in zip(compiled, python):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
-        la = torch.tensor([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
-        lb = torch.tensor([lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
-        assert (la - lb).abs().max() <= (2e-2 if dtype == "bfloat16" else 1e-3), a.prompt
+    assert_compiled_loop_equals_python_loop(llm, model, prompts, params, dtype)
 
 
 def test_an_expert_tensor_contradicting_the_metadata_is_refused(gpt_oss_file, tmp_path):

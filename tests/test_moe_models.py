@@ -17,7 +17,8 @@ from pagedserve.models.moe import count_expert_reads
 from pagedserve.models.quantized import model_weight_bytes
 from tests.conftest import hf_greedy
 from tests.gpt_oss_utils import tiny_gpt_oss
-from tests.moe_utils import MOE_VARIANTS, make_tiny_moe, oracle_model, write_moe_gguf
+from tests.moe_utils import (MOE_VARIANTS, assert_compiled_loop_equals_python_loop, make_tiny_moe, oracle_model,
+                             write_moe_gguf)
 
 PROMPTS = ["The quick brown fox jumps", "Paged attention stores keys", "Once upon a time there was a tiny"]
 NEW = 8
@@ -126,15 +127,7 @@ def test_the_compiled_loop_runs_quantized_experts_as_the_python_loop(moe_models,
     model = _model_of(llm)
     assert model.compiled_layers is not None
     params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
-    compiled = llm.generate(PROMPTS, params, use_tqdm=False)
-    model.compiled_layers, loop = None, model.compiled_layers
-    python = llm.generate(PROMPTS, params, use_tqdm=False)
-    model.compiled_layers = loop
-    for a, b in zip(compiled, python):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
-        la = torch.tensor([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
-        lb = torch.tensor([lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
-        assert (la - lb).abs().max() <= (2e-2 if dtype == "bfloat16" else 1e-3), a.prompt
+    assert_compiled_loop_equals_python_loop(llm, model, PROMPTS, params, dtype)
 
 
 def test_a_decode_step_reads_only_its_top_k_experts(moe_models):
