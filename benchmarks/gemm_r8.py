@@ -1,0 +1,96 @@
+"""The integer r8 kernels alone (csrc/quant/dot_r8_256.h, dot_k_r8_256.h, gemm_r8_256.h) on one
+decoder layer of a shape (Qwen3-4B by default: qkv 6144x2560, o 2560x4096, gate_up 19456x2560,
+down 2560x9728): per GGUF type, decode (T = 1, the dots) over --layers layers' distinct weights (so
+they stream from memory) and prefill (T = --tokens, the GEMM) over one layer, each timing the minimum
+over interleaved rounds in one process. With --ab-source, another build of quant_kernels.cpp (e.g.
+main's, checked out elsewhere) runs interleaved with this one on the same weights and activations.
+
+    .venv/bin/python benchmarks/gemm_r8.py                       # ~1-2 min, 2 threads: q4_k, q6_k
+    .venv/bin/python benchmarks/gemm_r8.py --types q4_k,q6_k,q5_0,q4_0 --ab-source /tmp/base/quant_kernels.cpp
+    .venv/bin/python benchmarks/gemm_r8.py --tiny                # seconds: checks the script runs
+
+Prints per type and T: ms per layer, weight GB/s, integer GOP/s (2 T N K per layer / time) and, with
+--ab-source, this build's speedup over the other. Writes benchmarks/results/gemm_r8.json (--out)
+with the CPU's flags and quant.describe().
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.quant_kernels import interleaved_min, other_build, random_weight  # noqa: E402
+from pagedserve.kernels import quant  # noqa: E402
+
+SHAPES = {"qwen3-4b": [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)],
+          "smollm2-1.7b": [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+          "tiny": [(256, 256), (256, 512)]}
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split()
+                              if f.startswith(("avx", "fma", "f16c", "amx")))
+    except OSError:
+        pass
+    return []
+
+
+def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, other) -> list[dict]:
+    rng = np.random.default_rng(0)
+    weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in shapes]
+    if weights[0].qtype not in quant.R8:
+        raise SystemExit(f"{qtype}: no r8 layout in variant {quant.variant()} (the r8 kernels need avx2 / avxvnni)")
+    rows = []
+    for t, ws in ((1, weights), (tokens, weights[:len(shapes)])):
+        xs = {k: torch.randn(t, k).bfloat16() for _, k in shapes}
+        libs = [quant.load()] + ([other] if other is not None else [])
+        fns = [lambda lib=lib: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in ws] for lib in libs]
+        times = interleaved_min(fns, rounds)
+        nbytes, ops = sum(w.nbytes for w in ws), sum(2 * t * w.shape[0] * w.shape[1] for w in ws)
+        per_layer = times[0] / (len(ws) // len(shapes))
+        row = dict(type=qtype, layout=weights[0].qtype, variant=quant.variant(), tokens=t, layers=len(ws) // len(shapes),
+                   ms_per_layer=per_layer * 1e3, gbs=nbytes / times[0] / 1e9, gops=ops / times[0] / 1e9)
+        if other is not None:
+            row.update(ab_ms_per_layer=times[1] / (len(ws) // len(shapes)) * 1e3, ab_speedup=times[1] / times[0])
+        rows.append(row)
+        ab = f"  | --ab-source {row['ab_ms_per_layer']:8.2f} ms (this build {row['ab_speedup']:.3f}x)" if other else ""
+        print(f"{qtype:5} {row['layout']:7} T={t:<4} {row['ms_per_layer']:8.2f} ms/layer {row['gbs']:6.1f} GB/s "
+              f"{row['gops']:7.1f} GOP/s{ab}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-4b", choices=[s for s in SHAPES if s != "tiny"])
+    ap.add_argument("--types", default="q4_k,q6_k")
+    ap.add_argument("--tokens", type=int, default=128, help="activation rows of the prefill timing")
+    ap.add_argument("--layers", type=int, default=2, help="layers of distinct weights for the decode timing")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ab-source", default=None, help="another quant_kernels.cpp, built and run interleaved")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, 2 rounds: checks the script runs")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/gemm_r8.json")
+    args = ap.parse_args()
+    shapes = SHAPES["tiny" if args.tiny else args.shape]
+    rounds = 2 if args.tiny else args.rounds
+    quant.set_batch_invariant(True)        # every product on the integer path (what the GEMM serves)
+    other = other_build(args.ab_source) if args.ab_source else None
+    print(f"variant {quant.variant()}, {torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}", flush=True)
+    rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, other)]
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "gemm_r8.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command=" ".join(sys.argv), shape="tiny" if args.tiny else args.shape,
+                                   threads=torch.get_num_threads(), cpu_flags=cpu_flags(), ab_source=args.ab_source,
+                                   quant=quant.describe(), rows=rows), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
