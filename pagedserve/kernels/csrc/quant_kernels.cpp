@@ -80,6 +80,7 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 #include "quant/amxw_units.h"
 #include "quant/amxw_linear.h"
 #include "quant/dot_q4_1r8.h"
+#include "quant/unpack_r8_256.h"
 #include "quant/dot_r8_256.h"
 #include "quant/dot_k_r8_256.h"
 #include "quant/linear_small.h"

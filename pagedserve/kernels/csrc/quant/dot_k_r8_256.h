@@ -75,130 +75,65 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
 }
 
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-// Row l's 16 bits (int16 lanes 4 l' .. 4 l' + 3 of half h: rows 4 h + l') from 16 bytes of pairs
-// (row l's two at 2 l, 2 l + 1), the first (i = 0) or the second of each pair: q6_k's scales.
-inline __m256i q6_scales(__m128i pairs, int h, int i) {
-    const int b = 8 * h + i;
-    const __m128i idx = _mm_setr_epi8(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 4, b + 4, b + 4, b + 4, b + 6, b + 6,
-                                      b + 6, b + 6);
-    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pairs, idx));
-}
-
 // The 8 bytes at p in each 64-bit lane (one broadcast load).
 inline __m256i bcast8(const int8_t *p) {
     return _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double *>(p)));
 }
 
-// (x, shifted in its 16-bit lanes by s: left for s > 0) & mask: a bit field of each byte moved in place
-inline __m256i move_bits(__m256i x, int s, int mask) {
-    const __m256i v = s > 0 ? _mm256_slli_epi16(x, s) : s < 0 ? _mm256_srli_epi16(x, -s) : x;
-    return _mm256_and_si256(v, _mm256_set1_epi8(char(mask)));
-}
-
 template <int QT, int NT>
 void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
     constexpr int64_t U = r8_unit_bytes(QT);
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);    // the hadd's row order (its own inverse)
-    const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[NT], mins[NT];
     #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
-    auto ld = [](const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); };
     for (int64_t s = 0; s < nb / 8; s++) {
         const uint8_t *u = g + s * U;
         for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
         if constexpr (QT == Q6_KR8) {
             const __m256i k32 = _mm256_set1_epi8(32);
-            const __m256 D = _mm256_permutevar8x32_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1664))), order);
+            const __m256 D = r8_f16x8(u + 1664);
             #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const int n = j / 4, r = j % 4;
-                const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
-                __m256i c[2][4];                // per half: the unsigned codes q (0..63) of pieces 0..3
-#pragma GCC unroll 8
-                for (int h = 0; h < 2; h++)
-#pragma GCC unroll 8
-                    for (int k = 0; k < 4; k++) {
-                        const __m256i ql = ld(u + 64 * (8 * n + 4 * (r % 2) + k) + 32 * h);
-                        const __m256i qh = ld(u + 1024 + 64 * (4 * n + k) + 32 * h);
-                        const __m256i lo = r < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-                        c[h][k] = _mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30));
-                    }
-                const __m256i sa[2] = {q6_scales(pairs, 0, 0), q6_scales(pairs, 1, 0)};
-                const __m256i sb[2] = {q6_scales(pairs, 0, 1), q6_scales(pairs, 1, 1)};
+                __m256i c[2][4], sa[2], sb[2];       // per half: the unsigned codes q (0..63) of pieces 0..3
+                q6_codes_256(u, j, c);
+                q6_block_scales(u, j, sa, sb);
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++) {
                     const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
                     const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                    // the offset 32 * q's pairs (the same in every row's lanes), taken off in 16 bits: each
-                    // lane of q's and of the offset's sums fits (<= 2 * 2 * 63 * 127, 2 * 2 * 32 * 127), and
-                    // so does their difference, (q - 32) times 4 activations (<= 4 * 32 * 127)
+                    // the offset 32 * q's pairs (q6_dot8 takes it off in 16 bits)
                     const __m256i o[2] = {_mm256_add_epi16(_mm256_maddubs_epi16(k32, xb[0]), _mm256_maddubs_epi16(k32, xb[1])),
                                           _mm256_add_epi16(_mm256_maddubs_epi16(k32, xb[2]), _mm256_maddubs_epi16(k32, xb[3]))};
-                    __m256i dot[2];
-#pragma GCC unroll 8
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
-                        const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
-                        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, o[0]), sa[h]),
-                                                  _mm256_madd_epi16(_mm256_sub_epi16(qb, o[1]), sb[h]));
-                    }
                     const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(a.d[(t0 + t) * a.nb + 8 * s + j]));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6_dot8(c, xb, o, sa, sb)), S, acc[t]);
                 }
             }
         } else {
-            constexpr int QS = QT == Q4_KR8 ? 128 : 384;     // the qs vectors (q5_k: after qh's 4)
-            const __m256 D = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u))), order);
-            const __m256 Dm =
-                _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 16))), order);
-            // the 12 scale bytes of each row as 3 words (lanes in the hadd's order): k_scales on 8 rows at once
-            const __m256i w0 = _mm256_permutevar8x32_epi32(ld(u + 32), order);
-            const __m256i w1 = _mm256_permutevar8x32_epi32(ld(u + 64), order);
-            const __m256i w2 = _mm256_permutevar8x32_epi32(ld(u + 96), order);
-            const __m256i m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48);
-            const __m256i sc[2] = {_mm256_and_si256(w0, m6),
-                                   _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), m48))};
-            const __m256i mn[2] = {_mm256_and_si256(w1, m6),
-                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
-                                                   _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48))};
-            const __m256i byte = _mm256_set1_epi32(255);
+            const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
+            __m256i sc[2], mn[2];
+            k_scale_words(u, sc, mn);
             #pragma GCC unroll 8
-            for (int p = 0; p < 4; p++)          // sub-blocks 2 p (low nibbles) and 2 p + 1 (high)
+            for (int j = 0; j < 8; j++) {    // sub-blocks 2 p (low nibbles) and 2 p + 1 (high: the vectors again, from L1)
+                __m256i c[2][4];             // [half][piece]
+                k_codes_256<QT>(u, j, c);
+                const __m256 Dj = k_sub_scale(D, sc, j), Mj = k_sub_scale(Dm, mn, j);
                 #pragma GCC unroll 8
-                for (int i = 0; i < 2; i++) {
-                    __m256i c[2][4];             // [half][piece] (the vectors read twice: the second from L1)
-                    #pragma GCC unroll 8
-                    for (int h = 0; h < 2; h++)
-                        #pragma GCC unroll 8
-                        for (int k = 0; k < 4; k++) {
-                            const __m256i v = ld(u + QS + 64 * (4 * p + k) + 32 * h);
-                            c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
-                            if constexpr (QT == Q5_KR8)      // the fifth bits: bit j of qh[8 k + i]
-                                c[h][k] = _mm256_or_si256(c[h][k], move_bits(ld(u + 128 + 64 * k + 32 * h), 4 - 2 * p - i, 16));
-                        }
-                    const int j = 2 * p + i;
-                    const __m256i shift = _mm256_set1_epi64x(8 * (j % 4));
-                    const __m256 Dj = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], _mm256_castsi256_si128(shift)), byte)));
-                    const __m256 Mj = _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], _mm256_castsi256_si128(shift)), byte)));
-                    #pragma GCC unroll 8
-                    for (int t = 0; t < NT; t++) {
-                        const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
-                        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                        // (q5_k: codes <= 31: four products sum to at most 4 * 2 * 31 * 127 < 32768)
-                        const __m256i dot = _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
-                        const int64_t at = (t0 + t) * a.nb + 8 * s + j;
-                        const __m256 S = _mm256_mul_ps(Dj, _mm256_set1_ps(a.d[at]));
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
-                        mins[t] = _mm256_fmadd_ps(Mj, _mm256_set1_ps(a.ds[at]), mins[t]);
-                    }
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
+                    const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+                    // (q5_k: codes <= 31: four products sum to at most 4 * 2 * 31 * 127 < 32768)
+                    const __m256i dot = _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
+                    const int64_t at = (t0 + t) * a.nb + 8 * s + j;
+                    const __m256 S = _mm256_mul_ps(Dj, _mm256_set1_ps(a.d[at]));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
+                    mins[t] = _mm256_fmadd_ps(Mj, _mm256_set1_ps(a.ds[at]), mins[t]);
                 }
+            }
         }
     }
     #pragma GCC unroll 8
     for (int t = 0; t < NT; t++)
-        _mm256_storeu_ps(out + t * ldo, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc[t], mins[t]), order));
+        _mm256_storeu_ps(out + t * ldo, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc[t], mins[t]), r8_order()));
 }
 #endif
 

@@ -82,27 +82,11 @@ inline __m256i q4_half(const __m256i c[4], const __m256i x[4]) {
 #endif
 }
 
-// Q5_0R8: the fifth bits into a half's codes c[0..3] (elements 0-7, 8-15, 16-23, 24-31 of its 4
-// rows, 8 bytes a row): byte k of row l's qh (4 rows' qh at qh) holds bit i of element 8 k + i.
-inline void q5_high(__m256i c[4], const uint8_t *qh) {
-    const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(qh)));
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), b16 = _mm256_set1_epi8(16);
-    for (int k = 0; k < 4; k++) {
-        // byte 8 l' + i of the result: qh byte k of row l' (byte 4 l' + k of each 128-bit lane's copy)
-        const __m256i pick = _mm256_setr_epi8(k, k, k, k, k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k,
-                                              8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k,
-                                              12 + k, 12 + k, 12 + k, 12 + k, 12 + k);
-        const __m256i b = _mm256_shuffle_epi8(words, pick);
-        c[k] = _mm256_or_si256(c[k], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), b16));
-    }
-}
-
 template <int QT, int NT>
 void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
     constexpr int64_t U = r8_unit_bytes(QT);
     constexpr int C = r8_codes_at(QT);
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);    // the hadd's row order (its own inverse)
-    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i order = r8_order();
     __m256 acc[NT], mins[NT];
     for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
     const int8_t *xr = a.q + t0 * a.K;
@@ -110,10 +94,9 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *u = g + j * U;
         for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
-        const __m256 A = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u))), order);
+        const __m256 A = r8_f16x8(u);
         __m256 M = _mm256_setzero_ps();
-        if constexpr (QT == Q4_1R8)
-            M = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 16))), order);
+        if constexpr (QT == Q4_1R8) M = r8_f16x8(u + 16);
         if constexpr (QT == Q4_0R8) M = _mm256_mul_ps(A, _mm256_set1_ps(-8.f));
         if constexpr (QT == Q5_0R8) M = _mm256_mul_ps(A, _mm256_set1_ps(-16.f));
         if constexpr (QT == Q8_0R8) {
@@ -121,7 +104,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
             __m256i w[2][4], aw[2][4];
             for (int h = 0; h < 2; h++)
                 for (int k = 0; k < 4; k++) {
-                    w[h][k] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + C + 64 * k + 32 * h));
+                    w[h][k] = r8_load(u + C + 64 * k + 32 * h);
                     aw[h][k] = _mm256_sign_epi8(w[h][k], w[h][k]);
                 }
             for (int t = 0; t < NT; t++) {
@@ -140,15 +123,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
             }
         } else {
             __m256i c[2][4];       // per half: vector 0 low, vector 1 low, vector 0 high, vector 1 high
-            for (int h = 0; h < 2; h++) {
-                const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + C + 32 * h));
-                const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + C + 64 + 32 * h));
-                c[h][0] = _mm256_and_si256(v0, m4);
-                c[h][1] = _mm256_and_si256(v1, m4);
-                c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-                c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-                if constexpr (QT == Q5_0R8) q5_high(c[h], u + 16 + 16 * h);
-            }
+            q4_unit_codes<QT>(u, c);
             for (int t = 0; t < NT; t++) {
                 const int8_t *x = xr + t * a.K + 32 * j;
                 int64_t x8[4];

@@ -116,60 +116,28 @@ inline void gemm_mins(const float *m, const GemmAct &g, int64_t t0, int64_t n, f
 template <int QT>
 void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, float *acc, float *mins, float *m) {
     constexpr int64_t U = r8_unit_bytes(QT);
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    auto ld = [](const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); };
-    auto f16x8 = [&](const uint8_t *p) {
-        return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))), order);
-    };
     if constexpr (QT == Q4_0R8 || QT == Q4_1R8 || QT == Q5_0R8) {
-        constexpr int C = r8_codes_at(QT);
         for (int64_t j = 0; j < g.nb; j++) {
             const uint8_t *u = w + j * U;
-            const __m256 A = f16x8(u);
-            const __m256 M = QT == Q4_1R8 ? f16x8(u + 16) : _mm256_mul_ps(A, _mm256_set1_ps(QT == Q5_0R8 ? -16.f : -8.f));
+            const __m256 A = r8_f16x8(u);
+            const __m256 M = QT == Q4_1R8 ? r8_f16x8(u + 16) : _mm256_mul_ps(A, _mm256_set1_ps(QT == Q5_0R8 ? -16.f : -8.f));
             __m256i c[2][4];
-            for (int h = 0; h < 2; h++) {
-                const __m256i v0 = ld(u + C + 32 * h), v1 = ld(u + C + 64 + 32 * h);
-                c[h][0] = _mm256_and_si256(v0, m4);
-                c[h][1] = _mm256_and_si256(v1, m4);
-                c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-                c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-                if constexpr (QT == Q5_0R8) q5_high(c[h], u + 16 + 16 * h);      // (dot_r8_256.h)
-            }
+            q4_unit_codes<QT>(u, c);
             _mm256_store_ps(m + 8 * j, M);
             gemm_q4_rows<QT == Q5_0R8>(c, A, g, t0, n, j, acc);
         }
         gemm_mins(m, g, t0, n, mins);
     } else if constexpr (QT == Q4_KR8 || QT == Q5_KR8) {
-        constexpr int QS = QT == Q4_KR8 ? 128 : 384;
-        const __m256i m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48), byte = _mm256_set1_epi32(255);
         for (int64_t s = 0; s < g.nb / 8; s++) {
             const uint8_t *u = w + s * U;
-            const __m256 D = f16x8(u), Dm = f16x8(u + 16);
-            const __m256i w0 = _mm256_permutevar8x32_epi32(ld(u + 32), order);
-            const __m256i w1 = _mm256_permutevar8x32_epi32(ld(u + 64), order);
-            const __m256i w2 = _mm256_permutevar8x32_epi32(ld(u + 96), order);
-            const __m256i sc[2] = {_mm256_and_si256(w0, m6),
-                                   _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), m48))};
-            const __m256i mn[2] = {_mm256_and_si256(w1, m6),
-                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
-                                                   _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48))};
+            const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
+            __m256i sc[2], mn[2];
+            k_scale_words(u, sc, mn);
             for (int j = 0; j < 8; j++) {
-                const int p = j / 2, i = j % 2;
                 __m256i c[2][4];
-                for (int h = 0; h < 2; h++)
-                    for (int k = 0; k < 4; k++) {
-                        const __m256i v = ld(u + QS + 64 * (4 * p + k) + 32 * h);
-                        c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
-                        if constexpr (QT == Q5_KR8)      // the fifth bits: bit j of qh[8 k + i]
-                            c[h][k] = _mm256_or_si256(c[h][k], move_bits(ld(u + 128 + 64 * k + 32 * h), 4 - 2 * p - i, 16));
-                    }
-                const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
-                const __m256 Dj = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], shift), byte)));
-                const __m256 Mj = _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), byte)));
-                _mm256_store_ps(m + 8 * (8 * s + j), Mj);
-                gemm_q4_rows<QT == Q5_KR8>(c, Dj, g, t0, n, 8 * s + j, acc);
+                k_codes_256<QT>(u, j, c);
+                _mm256_store_ps(m + 8 * (8 * s + j), k_sub_scale(Dm, mn, j));
+                gemm_q4_rows<QT == Q5_KR8>(c, k_sub_scale(D, sc, j), g, t0, n, 8 * s + j, acc);
             }
         }
         gemm_mins(m, g, t0, n, mins);
@@ -177,20 +145,12 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
         static_assert(QT == Q6_KR8, "gemm_r8_group: an r8 layout");
         for (int64_t s = 0; s < g.nb / 8; s++) {
             const uint8_t *u = w + s * U;
-            const __m256 D = f16x8(u + 1664);
+            const __m256 D = r8_f16x8(u + 1664);
+#pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const int nn = j / 4, r = j % 4;
-                const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
-                __m256i c[2][4];
-                for (int h = 0; h < 2; h++)
-                    for (int k = 0; k < 4; k++) {
-                        const __m256i ql = ld(u + 64 * (8 * nn + 4 * (r % 2) + k) + 32 * h);
-                        const __m256i qh = ld(u + 1024 + 64 * (4 * nn + k) + 32 * h);
-                        const __m256i lo = r < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-                        c[h][k] = _mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30));
-                    }
-                const __m256i sa[2] = {q6_scales(pairs, 0, 0), q6_scales(pairs, 1, 0)};
-                const __m256i sb[2] = {q6_scales(pairs, 0, 1), q6_scales(pairs, 1, 1)};
+                __m256i c[2][4], sa[2], sb[2];
+                q6_codes_256(u, j, c);
+                q6_block_scales(u, j, sa, sb);
                 const int64_t at = g.at(t0, n, 8 * s + j, 0);
                 const int8_t *xq = g.q + 32 * at;
                 const int16_t *xo = g.o + 8 * at;
@@ -200,16 +160,9 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
                     const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
                     const __m256i o[2] = {bcast8(reinterpret_cast<const int8_t *>(xo + 8 * t)),
                                           bcast8(reinterpret_cast<const int8_t *>(xo + 8 * t + 4))};
-                    __m256i dot[2];
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
-                        const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
-                        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, o[0]), sa[h]),
-                                                  _mm256_madd_epi16(_mm256_sub_epi16(qb, o[1]), sb[h]));
-                    }
                     const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
                     _mm256_store_ps(acc + 8 * t,
-                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, _mm256_load_ps(acc + 8 * t)));
+                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6_dot8(c, xb, o, sa, sb)), S, _mm256_load_ps(acc + 8 * t)));
                 }
             }
         }
@@ -275,7 +228,7 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
         const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
         alignas(64) float acc[kGemmTile * 8], mins[kGemmTile * 8], v[8];
         std::vector<float, Aligned64<float>> m(8 * nb);         // the group's minimum scales
-        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+        const __m256i order = r8_order();
         int64_t p = 0;
         for (int64_t g = g0; g < g1; g++) {
             while (g >= first[p + 1]) p++;

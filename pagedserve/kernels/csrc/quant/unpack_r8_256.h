@@ -1,0 +1,150 @@
+// A unit of an r8 layout (repack_r8.h: 8 weight rows interleaved) unpacked into 256-bit registers
+// (AVX2, AVX-VNNI): its fp16 scales, the K-quants' 6-bit scale and minimum words, and the codes of a
+// 32-element block as c[h][k], half h (rows 4 h .. 4 h + 3) and piece k (8 bytes of each of the 4
+// rows: elements 8 k .. 8 k + 7, against the activations' k-th 8-byte broadcast). The decode dots
+// (dot_r8_256.h, dot_k_r8_256.h) and the GEMM (gemm_r8_256.h) unpack through these same helpers:
+// their results are equal bit for bit because each gets the same codes and scales.
+// Lanes of a block's 8-row result are in the hadd's order (0, 1, 4, 5, 2, 3, 6, 7): the scales are
+// permuted once to meet them (r8_order).
+// Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// The hadd's row order of a block's 8 rows (its own inverse).
+inline __m256i r8_order() { return _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); }
+
+inline __m256i r8_load(const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+
+// The 8 rows' fp16 scales at p as floats, in the hadd's order.
+inline __m256 r8_f16x8(const uint8_t *p) {
+    return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))), r8_order());
+}
+
+// (x, shifted in its 16-bit lanes by s: left for s > 0) & mask: a bit field of each byte moved in place
+inline __m256i move_bits(__m256i x, int s, int mask) {
+    const __m256i v = s > 0 ? _mm256_slli_epi16(x, s) : s < 0 ? _mm256_srli_epi16(x, -s) : x;
+    return _mm256_and_si256(v, _mm256_set1_epi8(char(mask)));
+}
+
+// Q5_0R8: the fifth bits into a half's codes c[0..3] (elements 0-7, 8-15, 16-23, 24-31 of its 4
+// rows, 8 bytes a row): byte k of row l's qh (4 rows' qh at qh) holds bit i of element 8 k + i.
+inline void q5_high(__m256i c[4], const uint8_t *qh) {
+    const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(qh)));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), b16 = _mm256_set1_epi8(16);
+    for (int k = 0; k < 4; k++) {
+        // byte 8 l' + i of the result: qh byte k of row l' (byte 4 l' + k of each 128-bit lane's copy)
+        const __m256i pick = _mm256_setr_epi8(k, k, k, k, k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k, 4 + k,
+                                              8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 8 + k, 12 + k, 12 + k, 12 + k,
+                                              12 + k, 12 + k, 12 + k, 12 + k, 12 + k);
+        const __m256i b = _mm256_shuffle_epi8(words, pick);
+        c[k] = _mm256_or_si256(c[k], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), b16));
+    }
+}
+
+// Q4_0R8, Q4_1R8, Q5_0R8: unit u's codes (q5_0 with its fifth bits; offsets not taken off): per
+// half, vector 0's low nibbles, vector 1's low, vector 0's high, vector 1's high.
+template <int QT>
+inline void q4_unit_codes(const uint8_t *u, __m256i c[2][4]) {
+    constexpr int C = r8_codes_at(QT);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v0 = r8_load(u + C + 32 * h), v1 = r8_load(u + C + 64 + 32 * h);
+        c[h][0] = _mm256_and_si256(v0, m4);
+        c[h][1] = _mm256_and_si256(v1, m4);
+        c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        if constexpr (QT == Q5_0R8) q5_high(c[h], u + 16 + 16 * h);
+    }
+}
+
+// Q4_KR8, Q5_KR8: the 12 scale bytes of each row as 3 words (lanes in the hadd's order), k_scales
+// on 8 rows at once: byte b of sc[i] (mn[i]) is sub-block 4 i + b's 6-bit scale (minimum).
+inline void k_scale_words(const uint8_t *u, __m256i sc[2], __m256i mn[2]) {
+    const __m256i w0 = _mm256_permutevar8x32_epi32(r8_load(u + 32), r8_order());
+    const __m256i w1 = _mm256_permutevar8x32_epi32(r8_load(u + 64), r8_order());
+    const __m256i w2 = _mm256_permutevar8x32_epi32(r8_load(u + 96), r8_order());
+    const __m256i m4 = _mm256_set1_epi8(15), m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48);
+    sc[0] = _mm256_and_si256(w0, m6);
+    sc[1] = _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), m48));
+    mn[0] = _mm256_and_si256(w1, m6);
+    mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48));
+}
+
+// D times sub-block j's 6-bit scale (or minimum) of the words w (k_scale_words' sc or mn).
+inline __m256 k_sub_scale(__m256 D, const __m256i w[2], int j) {
+    const __m256i v = _mm256_and_si256(_mm256_srl_epi32(w[j / 4], _mm_cvtsi32_si128(8 * (j % 4))), _mm256_set1_epi32(255));
+    return _mm256_mul_ps(D, _mm256_cvtepi32_ps(v));
+}
+
+// Q4_KR8, Q5_KR8: the codes of sub-block j (2 p + i: vectors 4 p .. 4 p + 3 of qs, low nibbles for
+// i = 0, high for 1; q5_k's fifth bits from qh: bit j of qh[8 k + i']).
+template <int QT>
+inline void k_codes_256(const uint8_t *u, int j, __m256i c[2][4]) {
+    constexpr int QS = QT == Q4_KR8 ? 128 : 384;     // the qs vectors (q5_k: after qh's 4)
+    const int p = j / 2, i = j % 2;
+    const __m256i m4 = _mm256_set1_epi8(15);
+#pragma GCC unroll 8
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 8
+        for (int k = 0; k < 4; k++) {
+            const __m256i v = r8_load(u + QS + 64 * (4 * p + k) + 32 * h);
+            c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
+            if constexpr (QT == Q5_KR8) c[h][k] = _mm256_or_si256(c[h][k], move_bits(r8_load(u + 128 + 64 * k + 32 * h), 4 - j, 16));
+        }
+}
+
+// Q6_KR8: the unsigned codes q (0..63) of sub-block j (its ql nibbles and qh's 2 bits).
+inline void q6_codes_256(const uint8_t *u, int j, __m256i c[2][4]) {
+    const int n = j / 4, r = j % 4;
+    const __m256i m4 = _mm256_set1_epi8(15);
+#pragma GCC unroll 8
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 8
+        for (int k = 0; k < 4; k++) {
+            const __m256i ql = r8_load(u + 64 * (8 * n + 4 * (r % 2) + k) + 32 * h);
+            const __m256i qh = r8_load(u + 1024 + 64 * (4 * n + k) + 32 * h);
+            const __m256i lo = r < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+            c[h][k] = _mm256_or_si256(lo, move_bits(qh, 4 - 2 * r, 0x30));
+        }
+}
+
+// Row l's 16 bits (int16 lanes 4 l' .. 4 l' + 3 of half h: rows 4 h + l') from 16 bytes of pairs
+// (row l's two at 2 l, 2 l + 1), the first (i = 0) or the second of each pair: q6_k's scales.
+inline __m256i q6_scales(__m128i pairs, int h, int i) {
+    const int b = 8 * h + i;
+    const __m128i idx = _mm_setr_epi8(b, b, b, b, b + 2, b + 2, b + 2, b + 2, b + 4, b + 4, b + 4, b + 4, b + 6, b + 6,
+                                      b + 6, b + 6);
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(pairs, idx));
+}
+
+// Q6_KR8: sub-block j's scale pairs per half: sa the first 16 elements' scale, sb the second's.
+inline void q6_block_scales(const uint8_t *u, int j, __m256i sa[2], __m256i sb[2]) {
+    const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j));
+    sa[0] = q6_scales(pairs, 0, 0);
+    sa[1] = q6_scales(pairs, 1, 0);
+    sb[0] = q6_scales(pairs, 0, 1);
+    sb[1] = q6_scales(pairs, 1, 1);
+}
+
+// Q6_KR8: a 32-element block's dots of 8 rows (lanes in the hadd's order): codes c (q6_codes_256)
+// against the activations' broadcasts xb, the offset 32 * q's pairs o (the same in every row's
+// lanes: o[0] pieces 0, 1, o[1] pieces 2, 3), taken off in 16 bits: each lane of q's and of the
+// offset's sums fits (<= 2 * 2 * 63 * 127, 2 * 2 * 32 * 127), and so does their difference,
+// (q - 32) times 4 activations (<= 4 * 32 * 127); then times the scales sa, sb in 32 bits.
+inline __m256i q6_dot8(const __m256i c[2][4], const __m256i xb[4], const __m256i o[2], const __m256i sa[2],
+                       const __m256i sb[2]) {
+    __m256i dot[2];
+#pragma GCC unroll 8
+    for (int h = 0; h < 2; h++) {
+        const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
+        const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
+        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, o[0]), sa[h]),
+                                  _mm256_madd_epi16(_mm256_sub_epi16(qb, o[1]), sb[h]));
+    }
+    return _mm256_hadd_epi32(dot[0], dot[1]);
+}
+#endif
+
+}  // namespace
