@@ -172,6 +172,9 @@ def main() -> None:
     ap.add_argument("--part", choices=("all", "no-tier", "tier", "restart"), default="all",
                     help="one run (restart: both restart runs) per call, so each fits a 5-minute timed run; needs "
                          "--dir (the tier's files and the sessions between calls); results merge into --out")
+    ap.add_argument("--partial-blocks", action="store_true",
+                    help="--enable-partial-block-caching in every run: a turn takes over the previous answer's "
+                         "last, partly computed block instead of computing its tokens again")
     ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
     ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
     args = ap.parse_args()
@@ -188,7 +191,7 @@ def main() -> None:
                                                                   + 1)) / 0.95) + 1)
     engine = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
                   num_gpu_blocks_override=blocks, block_size=B, max_model_len=args.system + (args.turns + 2) * (
-                      args.user + args.answer))
+                      args.user + args.answer), enable_partial_block_caching=args.partial_blocks)
     tier_dir = args.dir or tempfile.mkdtemp(prefix="kv_tier_bench_")
     state = Path(tier_dir) / "sessions"
     if args.part in ("all", "no-tier"):

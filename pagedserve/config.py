@@ -143,6 +143,12 @@ class EngineConfig:
                                           "fp8_e4m3, fp8_e5m2, int8 (8-bit: ~2x the tokens)",
                                   choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of common prompt prefixes")
+    # A finished sequence's last, partly computed block stays cached under the key of its
+    # computed tokens (kv/kv_cache_manager.py _keep_partial_block): a chat's next turn, which
+    # resends them, takes the block over instead of computing them again.
+    enable_partial_block_caching: bool = setting(False, "keep a sequence's last, partly filled KV block in the "
+                                                        "prefix cache when it ends, for a later prompt that "
+                                                        "continues its tokens (a chat's next turn)")
     # paged, or a baseline that reserves one contiguous region per request (kv/contiguous.py):
     # max | pow2 | oracle. The baselines share nothing (no n > 1, beam search or prefix caching).
     kv_allocator: str = setting("paged", "paged, or a paper baseline reserving one contiguous region per "

@@ -219,7 +219,7 @@ class Scheduler:
         self.kv: KVCache = make_kv_cache_manager(config.kv_allocator, num_blocks, config.block_size,
                                                  config.enable_prefix_caching, self.max_model_len, num_host_blocks,
                                                  kv_events, config.kv_cache_dtype, tier, kv_windows,
-                                                 config.max_num_batched_tokens)
+                                                 config.max_num_batched_tokens, config.enable_partial_block_caching)
         # The tier below the prefix cache: a waiting request whose prefix it holds waits for
         # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
         self.tier: TierLink | None = getattr(self.kv, "tier", None)
@@ -275,7 +275,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def free_seq(self, seq: Sequence, req: Request) -> None:
-        self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         self._draft_valid.pop(seq.seq_id, None)
         self._finished_seq_ids.append(seq.seq_id)
         if req.structured is not None:
@@ -310,7 +310,7 @@ class Scheduler:
             self.swapped.remove(req)
         self._release_lora(req)
         for seq in req.seqs:
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self._draft_valid.pop(seq.seq_id, None)
             self._finished_seq_ids.append(seq.seq_id)
             if self.suffix is not None and seq.finish_reason != "abort":
@@ -731,7 +731,7 @@ class Scheduler:
         thrown_away = 0
         for seq in req.live_seqs:
             thrown_away += seq.num_computed_tokens
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             # A prefix-cache hit on readmission brings back the target's KV; the draft model's
             # in those blocks may be another sequence's: it recomputes its own.
             self._draft_valid.pop(seq.seq_id, None)

@@ -52,9 +52,9 @@ HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
 class PagingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
-                spec_k=st.sampled_from([0, 0, 1, 3]), method=st.sampled_from(["ngram", "suffix", "draft_model"]),
+                partial=st.booleans(), spec_k=st.sampled_from([0, 0, 1, 3]), method=st.sampled_from(["ngram", "suffix", "draft_model"]),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
-    def setup(self, num_blocks, block_size, budget, max_seqs, caching, spec_k, method, num_host_blocks=0):
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, partial, spec_k, method, num_host_blocks=0):
         # spec_k > 0: n-gram or suffix drafts (the tiny vocabulary repeats, so they come often),
         # or a draft model's (random tokens, its KV in a second shadow), verified by
         # _model_output with a random number accepted.
@@ -65,7 +65,8 @@ class PagingMachine(RuleBasedStateMachine):
                    {"prompt_lookup_min": 1, "prompt_lookup_max": 2})} if spec_k else None
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
                               max_num_seqs=max_seqs,
-                              enable_prefix_caching=caching, speculative_config=spec,
+                              enable_prefix_caching=caching, enable_partial_block_caching=partial,
+                              speculative_config=spec,
                               preemption_mode="swap" if num_host_blocks else "recompute")
         self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})
         self.host: dict[int, list] = {i: [None] * block_size for i in range(num_host_blocks)}
@@ -87,7 +88,18 @@ class PagingMachine(RuleBasedStateMachine):
           kind=st.sampled_from(["single", "single", "parallel", "beam"]), n=st.integers(1, 3),
           extra=st.integers(0, 2), prompt_logprobs=st.booleans())
     def add_request(self, prefix, cut, suffix, max_tokens, kind, n, extra, prompt_logprobs):
-        prompt = PREFIXES[prefix][:cut] + suffix or [0]
+        self._add(PREFIXES[prefix][:cut] + suffix or [0], max_tokens, kind, n, extra, prompt_logprobs)
+
+    @precondition(lambda self: self.done)
+    @rule(which=st.integers(0, 1000), suffix=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=4),
+          max_tokens=st.integers(1, 8))
+    def continue_a_finished_request(self, which, suffix, max_tokens):
+        """A chat's next turn: a finished sequence's tokens (prompt and output) and new ones (its
+        last, partly computed block may be cached: enable_partial_block_caching)."""
+        seq = self.done[which % len(self.done)].seqs[0]
+        self._add(seq.token_ids + suffix, max_tokens, "single", 1, 0, False)
+
+    def _add(self, prompt, max_tokens, kind, n, extra, prompt_logprobs):
         self.counter += 1
         rid = f"r{self.counter}"
         if kind == "beam":

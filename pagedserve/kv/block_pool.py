@@ -36,6 +36,13 @@ def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tup
                                     tokens, extra))).digest()
 
 
+def partial_block_key(parent: BlockKey | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> BlockKey:
+    """The key of a block's first len(token_ids) < block_size tokens (a sequence's last block,
+    partly computed): `block_key`'s chain, whose token count, hashed in, keeps it apart from any
+    full block's key."""
+    return block_key(parent, token_ids, extra_keys)
+
+
 def group_key(key: BlockKey, group: int) -> BlockKey:
     """A block's key in KV group `group` (kv/groups.py): group 0 keeps the chain's key (so a model
     with one group keys its blocks as ever, and a router's lookup keys are group 0's); another
@@ -161,6 +168,13 @@ class BlockPool:
                 self.free_queue[block.block_id] = block
                 if block.key is None:
                     self.free_queue.move_to_end(block.block_id, last=False)
+
+    def take(self, block: KVBlock) -> None:
+        """Hand a free cached block to one holder as its own: out of the free queue and the prefix
+        cache (a partial block whose holder writes the rest of it)."""
+        assert block.ref_cnt == 0 and block.key is not None, f"block {block.block_id} is not free and cached"
+        self.touch([block])
+        self._uncache(block)
 
     def lookup(self, key: BlockKey) -> KVBlock | None:
         return self.cached.get(key)

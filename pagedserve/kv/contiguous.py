@@ -31,6 +31,7 @@ scheduler, model and attention run on top.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.config import CONTIGUOUS_POLICIES
@@ -246,7 +247,7 @@ class ContiguousKVCacheManager(PoolCapacity):
         """A reservation holds its slots to the end: nothing to release (speculative decoding,
         which trims, runs on the paged cache only)."""
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         region = self.tables.pop(seq_id, None)
         self.max_lens.pop(seq_id, None)
         if region is not None:

@@ -9,6 +9,7 @@ paged manager has.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -141,7 +142,9 @@ class KVCache(Protocol):
 
     def fork(self, parent_id: int, child_id: int) -> None: ...
 
-    def free(self, seq_id: int) -> None: ...
+    def free(self, seq_id: int, token_ids: Seq[int] = (), num_computed: int = 0) -> None:
+        """Drop the sequence's blocks; its tokens and computed count let the paged cache keep its
+        last, partly computed block cached (enable_partial_block_caching)."""
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Release the sequence's blocks past its first num_tokens slots (speculative decoding's

@@ -21,11 +21,12 @@ manager's own. Pure Python: no tensors here.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock, group_key, lookup_block_keys, prefix_block_keys
+from pagedserve.kv.block_pool import (BlockKey, BlockPool, KVBlock, first_block_extra_keys, group_key,
+                                      lookup_block_keys, partial_block_key, prefix_block_keys)
 from pagedserve.kv.events import KVEventSink
 from pagedserve.kv.groups import first_needed_block, window_bound, window_name
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
@@ -50,6 +51,8 @@ class PrefixHit:
     the blocks to take (None where a window group needs no block: behind its window)."""
     keys: list[BlockKey]
     groups: list[Table]
+    partial: KVBlock | None = None    # a cached partial block after them (one group only), taken over
+    partial_tokens: int = 0           # the tokens it holds
 
     @property
     def num_blocks(self) -> int:
@@ -65,15 +68,19 @@ class KVCacheManager(PoolCapacity):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, events: KVEventSink | None = None, kv_cache_dtype: str = "auto",
                  tier: TierIndex | None = None, windows: Sequence[int | None] = (None,),
-                 max_step_tokens: int | None = None) -> None:
+                 max_step_tokens: int | None = None, partial_blocks: bool = False) -> None:
         """tier: the disk tier's keys below the pool (kv/tier.py); windows: each KV group's
         sliding window (None: full attention), kv/groups.py's order; max_step_tokens: the most
         tokens a sequence computes in one step (the scheduler's token budget), which bounds a
-        window group's blocks during a prefill (None: a whole prompt at once)."""
+        window group's blocks during a prefill (None: a whole prompt at once); partial_blocks:
+        a freed sequence's last, partly computed block stays cached (`_keep_partial_block`)."""
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype         # in every first block's key (block_pool.first_block_extra_keys)
         self.enable_caching = enable_caching
         self.windows: tuple[int | None, ...] = tuple(windows)
+        # Partial blocks only with one KV group (a window group's last block may be behind no window).
+        self.partial_blocks = partial_blocks and enable_caching and all(w is None for w in self.windows) \
+            and len(self.windows) == 1
         self.max_step_tokens = max_step_tokens
         self.pool = BlockPool(num_blocks, enable_caching, events)
         # Per group, each sequence's table; group 0's is `tables`.
@@ -158,8 +165,18 @@ class KVCacheManager(PoolCapacity):
         loads to wait for."""
         keys = lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype)
         needed = cdiv(len(token_ids), self.block_size)
+        partial = None
+        if self.partial_blocks:     # a partial block after the run of keys the pool and the tier hold
+            pool, tier = self.pool, self.tier
+
+            def has(key: BlockKey) -> bool:
+                return pool.lookup(key) is not None or tier.available(key)
+
+            run = next((i for i, key in enumerate(keys) if not has(key)), len(keys))
+            found = self._partial_key(token_ids, cache_salt, keys[:run], has)
+            partial = (run, found[0]) if found else None
         started = self._tier_fetch_groups(owner, token_ids, keys, cache_salt, reserve, count) if self.hybrid else \
-            self.tier.fetch(owner, keys, needed, reserve, self.block_size, count)
+            self.tier.fetch(owner, keys, needed, reserve, self.block_size, count, partial)
         if not started:
             return False
         B = self.block_size
@@ -207,6 +224,40 @@ class KVCacheManager(PoolCapacity):
                     wanted.append(key)
             held += self._group_blocks_needed(w, len(token_ids))
         return tier.start(owner, hits, wanted, held - len(hits), reserve)
+
+    def _partial_key(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey],
+                     has: Callable[[BlockKey], bool]) -> tuple[BlockKey, int] | None:
+        """The longest partial block right after the full blocks of `keys` that `has` finds: its
+        key and its tokens (fewer than a block, and never the prompt's last token)."""
+        B, n = self.block_size, len(keys)
+        extra = first_block_extra_keys(cache_salt, self.kv_cache_dtype) if n == 0 else ()
+        for k in range(min(B - 1, len(token_ids) - 1 - n * B), 0, -1):
+            key = partial_block_key(keys[-1] if keys else None, token_ids[n * B:n * B + k], extra)
+            if has(key):
+                return key, k
+        return None
+
+    def _keep_partial_block(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """A sequence letting go of its blocks leaves its last, partly computed block in the prefix
+        cache under the key of the tokens it holds (`partial_block_key`, chained on its full
+        blocks), if no other table shares it. A later prompt that continues those tokens (a chat's
+        next turn: the history ends in the previous answer) takes the block over as its own
+        (`admit`) and computes only the rest of it; no copy, since slots past them are the taker's
+        to write. Like any cached block it may be evicted to the tier, and read back from it."""
+        n, k = divmod(num_computed, self.block_size)
+        table, keys = self.tables.get(seq_id), self.keys.get(seq_id, [])
+        if not self.partial_blocks or k == 0 or table is None or len(table) <= n or len(keys) != n \
+                or num_computed > len(token_ids):
+            return
+        block = table[n]
+        if block.ref_cnt != 1 or block.key is not None:
+            return
+        tokens = token_ids[n * self.block_size:num_computed]
+        salt = self.salts[seq_id]
+        key = partial_block_key(keys[-1] if n else None, tokens,
+                                first_block_extra_keys(salt, self.kv_cache_dtype) if n == 0 else ())
+        self.pool.cache(block, key)
+        self.cached_tokens[key] = None if salt is not None else tuple(tokens)
 
     def _group_blocks_needed(self, window: int | None, num_tokens: int) -> int:
         """Blocks a group's table holds after a prompt of num_tokens (at most a window's bound)."""
@@ -273,8 +324,17 @@ class KVCacheManager(PoolCapacity):
         """Start the sequence's tables with the cached blocks of its longest cached prefix of
         `token_ids`; returns the tokens they hold. Paging reserves nothing ahead (`max_len`)."""
         hit = self.lookup_prefix_hit(token_ids, cache_salt) if use_prefix_cache else None
+        if hit is not None and self.partial_blocks:   # a free cached partial block after the full hits
+
+            def free_cached(key: BlockKey) -> bool:
+                block = self.pool.lookup(key)
+                return block is not None and block.ref_cnt == 0
+
+            found = self._partial_key(token_ids, cache_salt, hit.keys, free_cached)
+            if found:
+                hit.partial, hit.partial_tokens = self.pool.lookup(found[0]), found[1]
         self.allocate(seq_id, token_ids, 0, 0, prefix=hit, cache_salt=cache_salt)
-        return hit.num_blocks * self.block_size if hit else 0
+        return hit.num_blocks * self.block_size + hit.partial_tokens if hit else 0
 
     def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
         if self.hybrid:   # blocks behind a window are free for this step's tokens
@@ -313,6 +373,10 @@ class KVCacheManager(PoolCapacity):
                 assert not table, "prefix blocks only attach to an empty block table"
                 self.pool.touch(held_blocks(prefix_groups[g]))
                 table.extend(prefix_groups[g])
+            if g == 0 and prefix is not None and prefix.partial is not None:
+                assert len(table) == prefix.num_blocks, "a partial block follows the prefix's full blocks"
+                self.pool.take(prefix.partial)     # its own now: this sequence writes the rest of it
+                table.append(prefix.partial)
             self.num_logical_blocks += len(held_blocks(table)) - held
             if self.windows[g] is not None:
                 self._release_behind_window(g, table, num_computed)
@@ -384,10 +448,12 @@ class KVCacheManager(PoolCapacity):
         self.keys[child_id] = list(self.keys[parent_id])
         self.salts[child_id] = self.salts[parent_id]
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Drop a sequence's tables (on the device or in swap space). Tail blocks are released
         first so that, among cached blocks, a prefix's later blocks are evicted before its
-        earlier ones."""
+        earlier ones. With its tokens and computed count, its last partly computed block stays
+        cached (`_keep_partial_block`, if partial_blocks)."""
+        self._keep_partial_block(seq_id, token_ids, num_computed)
         self.release_tables([seq_id])
         self.keys.pop(seq_id, None)
         self.salts.pop(seq_id, None)

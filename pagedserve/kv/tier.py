@@ -122,12 +122,15 @@ class TierLink:
 
     # ---- loads ---------------------------------------------------------------------------
     def fetch(self, owner: str, keys: list[BlockKey], blocks_needed: int, reserve: int, block_size: int,
-              count: bool = True) -> bool:
+              count: bool = True, partial: tuple[int, BlockKey] | None = None) -> bool:
         """Start reading the longest run of `keys` (a prompt's lookup keys) that the tier holds
         past the pool's hits, if the request's admission would then leave `reserve` blocks free
         (it needs `blocks_needed` in all; the admission watermark while others run). Returns
         whether it has loads to wait for (`waiting` until they have landed). `count`: the
-        request's first look, counted in queries and hits (tokens the tier holds, in tokens)."""
+        request's first look, counted in queries and hits (tokens the tier holds, in tokens).
+        partial: (its index, its key) of a partial block after the keys the pool and tier hold
+        (kv_cache_manager's partial blocks): read too (or pinned, in the pool) where the run
+        reaches it."""
         pool = self.pool
         hits = []
         for key in keys:
@@ -143,7 +146,14 @@ class TierLink:
         if count:
             self.index.stats.queries += (len(keys) - len(hits)) * block_size
             self.index.stats.hits += held * block_size
-        return self.start(owner, hits, keys[len(hits):len(hits) + held], blocks_needed - len(hits), reserve)
+        wanted, pinned = keys[len(hits):len(hits) + held], list(hits)
+        if partial is not None and partial[0] == len(hits) + held:
+            block = pool.lookup(partial[1])
+            if block is not None:
+                pinned.append(block)
+            elif self.available(partial[1]):
+                wanted.append(partial[1])
+        return self.start(owner, pinned, wanted, blocks_needed - len(pinned), reserve)
 
     def available(self, key: BlockKey) -> bool:
         """The tier holds the key, or is reading it."""
