@@ -42,13 +42,14 @@ QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4
 # (row l's at 16 + 4 l), then the qs as q4_0r8's; q4_kr8: 8 d, 8 dmin, the 12 scale bytes
 # as 3 words per row (word w of row l at 32 + 32 w + 4 l), then the qs as above; q5_kr8 the same
 # with qh as 8-byte pieces before the qs; q6_kr8: ql, qh in 8-byte pieces, the 16 int8 scales in
-# pairs (the two of 32-element block k of row l at 8 * 192 + 16 k + 2 l), 8 d. The dots on
-# 256-bit registers (AVX2, AVX-VNNI): csrc/quant/dot_r8_256.h, dot_k_r8_256.h; q4_1r8 also 512-bit.
+# pairs (the two of 32-element block k of row l at 8 * 192 + 16 k + 2 l), 8 d; mxfp4r8: the 8 rows'
+# E8M0 bytes, then the qs as q4_0r8's. The dots on 256-bit registers (AVX2, AVX-VNNI):
+# csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h; q4_1r8 also 512-bit.
 REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0",
-            "q4_kr8": "q4_k", "q5_kr8": "q5_k", "q6_kr8": "q6_k", "q5_0r8": "q5_0"}
-R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8", "q5_0r8")     # data [rows / 8, row bytes * 8]
+            "q4_kr8": "q4_k", "q5_kr8": "q5_k", "q6_kr8": "q6_k", "q5_0r8": "q5_0", "mxfp4r8": "mxfp4"}
+R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8", "q5_0r8", "mxfp4r8")   # data [rows / 8, row bytes * 8]
 R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8", "q4_k": "q4_kr8", "q5_k": "q5_kr8", "q6_k": "q6_kr8",
-         "q5_0": "q5_0r8"}
+         "q5_0": "q5_0r8", "mxfp4": "mxfp4r8"}
 R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in order
     "q4_0": ((0, 2, 2), (2, 16, 8)),
     "q5_0": ((0, 2, 2), (2, 4, 4), (6, 16, 8)),
@@ -57,13 +58,14 @@ R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in 
     "q4_k": ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 8)),
     "q5_k": ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 32, 8), (48, 128, 8)),
     "q6_k": ((0, 128, 8), (128, 64, 8), (192, 16, 2), (208, 2, 2)),
+    "mxfp4": ((0, 1, 1), (1, 16, 8)),
 }
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
          "mxfp4": 32, "q4_0x8": 256, "q4_1r8": 32, "q4_0r8": 32, "q8_0r8": 32, "q4_kr8": 256, "q5_kr8": 256,
-         "q6_kr8": 256, "q5_0r8": 32}
+         "q6_kr8": 256, "q5_0r8": 32, "mxfp4r8": 32}
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
                "mxfp4": 17, "q4_0x8": 144, "q4_1r8": 20, "q4_0r8": 18, "q8_0r8": 34, "q4_kr8": 144, "q5_kr8": 176,
-               "q6_kr8": 210, "q5_0r8": 22}
+               "q6_kr8": 210, "q5_0r8": 22, "mxfp4r8": 17}
 QUANTIZE_TYPES = ("q8_0", "q4_0")                       # what quantize() produces
 ROW_CHUNK_ELEMENTS = 1 << 22  # elements per chunk where torch dequantizes / quantizes whole matrices
 

@@ -11,6 +11,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import moe as moe_kernels
+from pagedserve.kernels import quant
 from tests.conftest import hf_greedy
 from tests.gpt_oss_utils import tiny_gpt_oss, write_gpt_oss_gguf
 from tests.moe_utils import assert_compiled_loop_equals_python_loop
@@ -39,11 +40,13 @@ def test_gpt_oss_gguf_generates_transformers_tokens(gpt_oss_file, tiny_tokenizer
     assert args.layer_windows == (4, None) and args.moe.scoring == "topk_softmax"
     assert args.rope_scaling["rope_type"] == "yarn" and args.rope_scaling["truncate"] is False
     model = llm.engine.executor.worker.runner.model
+    # the experts' bytes repacked at load on the 256-bit variants (8 rows interleaved: dot_mxfp4_r8_256.h)
+    mxfp4_layout = "mxfp4r8" if quant.variant() in quant.R8_VARIANTS else "mxfp4"
     for layer in model.layers:
         assert layer.sinks.shape == (4,) and layer.moe.router_bias is not None
         for e in layer.moe.experts:
             parts = e.gate_up if isinstance(e.gate_up, tuple) else (e.gate_up,)
-            assert {p.qtype for p in parts} | {e.down.qtype} == {"mxfp4"}
+            assert {p.qtype for p in parts} | {e.down.qtype} == {mxfp4_layout}
             assert e.gate_up_bias is not None and e.down_bias is not None
     # the compiled layer loop runs it (attention and router biases, sinks, windows, clamped SwiGLU)
     assert (model.compiled_layers is not None) == moe_kernels.runs_here()

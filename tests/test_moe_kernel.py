@@ -32,7 +32,7 @@ def _experts(qtype: str, fused: bool, r8: bool, seed: int = 0) -> list[ExpertWei
     for _ in range(E):
         gate, up, down = (torch.randn(r, c, generator=g) * 0.1 for r, c in ((I, H), (I, H), (H, I)))
         pack = (lambda w: quant.repack(w)) if r8 else (lambda w: w)        # noqa: E731
-        make = (lambda w: _mxfp4(w, g)) if qtype == "mxfp4" else (lambda w: pack(quant.quantize(w, qtype)))  # noqa: E731
+        make = (lambda w: pack(_mxfp4(w, g))) if qtype == "mxfp4" else (lambda w: pack(quant.quantize(w, qtype)))  # noqa: E731
         gate_up = make(torch.cat([gate, up])) if fused else (make(gate), make(up))
         out.append(ExpertWeights(gate_up, make(down)))
     return out
@@ -197,14 +197,18 @@ def _gpt_oss_experts(qtype: str, fused: bool, r8: bool) -> list[ExpertWeights]:
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)
-@pytest.mark.parametrize("qtype,fused", [("mxfp4", False), ("mxfp4", True), ("q8_0", False)])
+@pytest.mark.parametrize("qtype,fused,r8", [("mxfp4", False, True), ("mxfp4", True, True), ("mxfp4", False, False),
+                                           ("q8_0", False, True)])
 @pytest.mark.parametrize("tokens", [1, 6])
-def test_clamped_swiglu_with_biases(variant, qtype, fused, tokens):
+def test_clamped_swiglu_with_biases(variant, qtype, fused, r8, tokens):
     """gpt-oss's experts: biases on gate, up and down, the clamped SwiGLU (alpha, limit) between;
-    MXFP4 (its GGUF stacks gate and up apart; its HF checkpoint fused) and an r8 layout."""
+    MXFP4 (its GGUF stacks gate and up apart; its HF checkpoint fused), in its r8 layout (mxfp4r8,
+    made on the 256-bit variants) and its file's rows, and q8_0 in its r8 layout."""
     spec = MoESpec(E, K, I, scoring="topk_softmax", activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=7.0)
     with quant.using_variant(variant):
-        experts = _gpt_oss_experts(qtype, fused, qtype != "mxfp4" and variant in quant.R8_VARIANTS)
+        r8 = r8 and variant in quant.R8_VARIANTS
+        experts = _gpt_oss_experts(qtype, fused, r8)
+        assert experts[0].down.qtype == (quant.R8_OF[qtype] if r8 else qtype)
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(9)) * 4
         weights, ids = _route(x, one_expert=tokens == 6)
         ours = moe_kernels.routed_experts(x, moe_kernels.expert_table(experts), weights, ids, moe_kernels.glu_of(spec))

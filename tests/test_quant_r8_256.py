@@ -1,15 +1,16 @@
-"""The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q5_0r8, q8_0r8 and the super-block q4_kr8, q5_kr8,
-q6_kr8: 8 rows interleaved per block, csrc/quant/dot_r8_256.h, dot_k_r8_256.h): their bytes, and every variant's kernels against the scalar build's,
+"""The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q5_0r8, q8_0r8, mxfp4r8 and the super-block q4_kr8,
+q5_kr8, q6_kr8: 8 rows interleaved per block, csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h): their bytes, and every variant's kernels against the scalar build's,
 which spells the same arithmetic out in plain C++ (the avx2 and avxvnni ones equal it bit for bit;
 the avxvnni test runs where the CPU has AVX-VNNI), on rows and columns that are not multiples of
 the threads' share, the 4-row passes or 8 blocks; and a row's result alone equal to it in a batch."""
+import numpy as np
 import pytest
 import torch
 
 from pagedserve.kernels import quant
 from tests.test_quant_kernels import _check_small, weight
 
-TYPES = ["q4_0", "q4_1", "q8_0", "q5_0"]
+TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "mxfp4"]
 K_TYPES = ["q4_k", "q5_k", "q6_k"]
 VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
 
@@ -43,10 +44,10 @@ def test_layout_round_trips_and_places_each_row(qtype):
     assert torch.equal(quant.embedding(r, ids.view(1, 5)), quant.embedding(w, ids.view(1, 5)))
 
 
-@pytest.mark.parametrize("qtype", K_TYPES + ["q5_0"])
+@pytest.mark.parametrize("qtype", K_TYPES + ["q5_0", "mxfp4"])
 def test_k_layouts_place_each_field_in_pieces(qtype):
-    """A super-block unit (q5_0: a block's, d then qh in 4-byte pieces then qs): each field of the
-    block, in order, piece k of row l at 8 start + piece (8 k + l)."""
+    """A super-block unit (q5_0: a block's, d then qh in 4-byte pieces then qs; mxfp4: the 8 E8M0
+    bytes, then qs): each field of the block, in order, piece k of row l at 8 start + piece (8 k + l)."""
     w, _ = weight(qtype, rows=16, cols=512 if qtype in K_TYPES else 64)
     r = r8_of(w)
     B = quant.BLOCK_BYTES[qtype]
@@ -138,3 +139,24 @@ def test_parts_of_several_r8_types_in_one_product(T):
             assert torch.equal(y, each), variant
             for w, part in zip(ws, y.split([16, 8, 8], dim=1)):
                 _check_small(part, x, w)
+
+
+
+def test_mxfp4r8_every_scale_byte():
+    """mxfp4r8's scales built from their exponent bits: every E8M0 byte (the subnormal 2^-128 and
+    2^-127 included, the overflowing ones) gives the scalar build's values bit for bit, 255 NaN."""
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, size=(24, 16, 17), dtype=np.uint8)
+    blocks[:16, :, 0] = np.arange(256, dtype=np.uint8).reshape(16, 16)         # row 15's last: 255
+    blocks[16:, :, 0] = rng.integers(110, 135, size=(8, 16), dtype=np.uint8)
+    w = quant.from_gguf_blocks("mxfp4", torch.from_numpy(blocks.reshape(24, 16 * 17)), (24, 16 * 32))
+    r = r8_of(w)
+    x = torch.randn(3, 16 * 32, generator=torch.Generator().manual_seed(0))
+    with quant.using_variant("scalar") as lib:
+        ref = quant._linear_small(x, [r], None, lib, torch.float32)
+    assert torch.isnan(ref[:, 15]).all() and (ref[:, 0] != 0).all()        # (row 0: scales 2^-127 .. 2^-112)
+    _check_small(ref[:, 16:], x, quant.slice_rows(w, 16, 24))
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            y = quant._linear_small(x, [r], None, lib, torch.float32)
+            torch.testing.assert_close(y, ref, rtol=0, atol=0, equal_nan=True, msg=variant)

@@ -88,10 +88,12 @@ from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats an
 logger = logging.getLogger(__name__)
 
 # The `qtype` argument of the C functions: csrc/quant/qtypes.h's QType order (the GGUF types with
-# the integer dots' templates, the repacked layouts, then MXFP4, which quant/mxfp4.h computes).
-_QTYPE_ID = {q: i for i, q in enumerate(tuple(q for q in QTYPES if q != "mxfp4") + tuple(REPACKED) + ("mxfp4",))}
+# the integer dots' templates, the repacked layouts, then MXFP4, which quant/mxfp4.h computes, and its
+# r8 layout).
+_QTYPE_ID = {q: i for i, q in enumerate(tuple(q for q in QTYPES if q != "mxfp4") +
+                                        tuple(q for q in REPACKED if q != "mxfp4r8") + ("mxfp4", "mxfp4r8"))}
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
-R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_r8_256.h, dot_k_r8_256.h)
+R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_*r8_256.h)
 # There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack
 # the rows first, from 1 to 512 rows), and in a batch-invariant step (linear(invariant=True): the
 # engine's batch_invariant setting, on by default for steps holding a greedy request) prefill chunks
@@ -308,8 +310,8 @@ def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> 
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
     8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows; on the avx2 and avxvnni
-    variants (R8_VARIANTS) q4_0, q4_1, q5_0, q8_0, q4_k, q5_k and q6_k with rows a multiple of 8: their r8
-    layouts (R8_OF), 1.5-2.5x at 1-16 rows; q4_k 2.4x at T = 1 on Zen 3), else w itself. in_place:
+    variants (R8_VARIANTS) q4_0, q4_1, q5_0, q8_0, q4_k, q5_k, q6_k and mxfp4 with rows a multiple of 8:
+    their r8 layouts (R8_OF), 1.5-2.5x at 1-16 rows; q4_k 2.4x at T = 1 on Zen 3), else w itself. in_place:
     w's bytes are rewritten (only where the caller owns them: not a file's mapping), no copy
     of the whole matrix; else a new tensor. mapped: a small matrix the loader left in the file's
     mapping: a copy in an r8 layout on the R8_VARIANTS (so that every projection of a model is r8:

@@ -529,6 +529,13 @@ class MatrixBuilder:
         if owned:       # the layout the decode kernels read fastest, in place in each expert's bytes
             weights = [self.ops.repack(w, in_place=True) for w in weights]
             self.source.release(name, raw)
+        elif raw.is_contiguous() and self.ops.repack(weights[0], mapped=True) is not weights[0]:
+            # left in the mapping (small, or no huge pages) where the kernels have such a layout: one
+            # copy of the stack (each expert still a slice of one buffer) repacked in place
+            raw = raw.clone()
+            weights = [self.ops.repack(from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)), in_place=True)
+                       for e in range(raw.shape[0])]
+            self.source.release(name, raw)
         self.made[qtype] += 1
         return weights
 

@@ -82,6 +82,7 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 #include "quant/dot_q4_1r8.h"
 #include "quant/unpack_r8_256.h"
 #include "quant/dot_r8_256.h"
+#include "quant/dot_mxfp4_r8_256.h"
 #include "quant/dot_k_r8_256.h"
 #include "quant/linear_small.h"
 #include "quant/gemm_r8_256.h"

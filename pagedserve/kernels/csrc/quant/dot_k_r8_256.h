@@ -160,6 +160,7 @@ inline R8GroupFn r8_group_fn(int qt, int nt) {
     case Q4_KR8: return rk8_group_fn<Q4_KR8>(nt);
     case Q5_KR8: return rk8_group_fn<Q5_KR8>(nt);
     case Q6_KR8: return rk8_group_fn<Q6_KR8>(nt);
+    case MXFP4R8: return mxfp4_r8_group_fn(nt);       // (dot_mxfp4_r8_256.h)
     }
     return nullptr;
 }

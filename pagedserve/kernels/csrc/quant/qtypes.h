@@ -25,16 +25,17 @@ namespace {
 // Then Q4_KR8, Q5_KR8, Q6_KR8: the super-block types the same way, a unit one super-block of 8 rows
 // (each field of the block in pieces: repack_r8.h's R8Field), computed by dot_k_r8_256.h.
 // Then MXFP4 (gpt-oss's experts: 32 E2M1 codes and an E8M0 scale, 17 bytes), computed by
-// quant/mxfp4.h alone (with_qtype's per-type templates do not cover it).
+// quant/mxfp4.h alone (with_qtype's per-type templates do not cover it); then MXFP4R8, its r8
+// layout (8 E8M0 bytes, then the codes as q4_0r8's), computed by quant/dot_mxfp4_r8_256.h.
 enum QType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_0X, Q4_1R8, Q4_0R8, Q8_0R8, Q4_KR8, Q5_KR8, Q6_KR8,
-             Q5_0R8, MXFP4, kNumTypes };
-constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 32, 32};
-constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20, 18, 34, 144, 176, 210, 22, 17};
+             Q5_0R8, MXFP4, MXFP4R8, kNumTypes };
+constexpr int64_t kElems[kNumTypes] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 32, 32, 32};
+constexpr int64_t kBytes[kNumTypes] = {18, 20, 22, 24, 34, 144, 176, 210, 144, 20, 18, 34, 144, 176, 210, 22, 17, 17};
 // The r8 layouts: 8 rows interleaved per block (repack_r8.h); their file types.
-constexpr bool is_r8(int qt) { return qt >= Q4_1R8 && qt <= Q5_0R8; }
+constexpr bool is_r8(int qt) { return (qt >= Q4_1R8 && qt <= Q5_0R8) || qt == MXFP4R8; }
 constexpr int r8_file_type(int qt) {
     return qt == Q4_1R8 ? Q4_1 : qt == Q4_0R8 ? Q4_0 : qt == Q8_0R8 ? Q8_0 : qt == Q4_KR8 ? Q4_K : qt == Q5_KR8 ? Q5_K
-         : qt == Q5_0R8 ? Q5_0 : Q6_K;
+         : qt == Q5_0R8 ? Q5_0 : qt == MXFP4R8 ? MXFP4 : Q6_K;
 }
 
 // f(std::integral_constant<int, QT>{}) for the run-time type qt: the one switch behind every

@@ -1,4 +1,4 @@
-// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q5_0R8, Q4_KR8, Q5_KR8, Q6_KR8: see QType): a unit is one block
+// The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q5_0R8, Q4_KR8, Q5_KR8, Q6_KR8, MXFP4R8: see QType): a unit is one block
 // (or super-block) of 8 rows; each field of the file's block (R8Field: start, bytes, piece), in the
 // block's order, lies in pieces: piece k of row l at 8 * start + piece * (8 k + l) (quant_format.py's
 // R8_FIELDS: the same table). So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
@@ -24,6 +24,7 @@ constexpr R8Fields r8_fields(int file) {
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}}};
     case Q5_K: return {5, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 8}, {48, 128, 8}}};
     case Q6_K: return {4, {{0, 128, 8}, {128, 64, 8}, {192, 16, 2}, {208, 2, 2}}};
+    case MXFP4: return {2, {{0, 1, 1}, {1, 16, 8}}};
     }
     return {0, {}};
 }
@@ -39,6 +40,7 @@ inline void r8_block(int qt, const uint8_t *u, int l, uint8_t *b) {
         uint8_t *dst = b + f.start;
         // (each piece size its own constant-size copy: a move, not a call; unpacking is per product)
         switch (f.piece) {
+        case 1: for (int k = 0; k < f.bytes; k++) dst[k] = src[8 * k]; break;
         case 2: for (int k = 0; k < f.bytes / 2; k++) std::memcpy(dst + 2 * k, src + 16 * k, 2); break;
         case 4: for (int k = 0; k < f.bytes / 4; k++) std::memcpy(dst + 4 * k, src + 32 * k, 4); break;
         default: for (int k = 0; k < f.bytes / 8; k++) std::memcpy(dst + 8 * k, src + 64 * k, 8); break;

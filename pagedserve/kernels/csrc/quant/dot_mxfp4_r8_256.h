@@ -1,0 +1,109 @@
+// MXFP4R8: MXFP4 (quant/mxfp4.h) with 8 rows interleaved per block (quant.repack on the avx2 and
+// avxvnni variants; repack_r8.h's fields {0, 1, 1}, {1, 16, 8}). A unit is one 32-element block
+// of 8 rows, 136 bytes: their 8 E8M0 scale bytes (row l's at l), then two vectors of 64 bytes whose
+// byte 8 l + i of vector k is row l's qs[8 k + i] (elements 8 k + i low nibble, 16 + 8 k + i high).
+// The dot on 256-bit registers, as dot_r8_256.h's q4_0r8 one: a register holds 8 bytes of 4 rows
+// against an 8-byte broadcast of the activations; the codes become the doubled E2M1 values (one
+// pshufb of the nibbles: kE2M1x2, -12 .. 12) and multiply the q8 activations as |w| times q with w's
+// sign (maddubs: four pairs of |w| <= 12, |q| <= 127 fit 16 bits), one hadd of the two halves gives
+// the 8 rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the unit's scales (2^(e - 128): half the
+// scale undoes the doubling, built from the exponent bits) are permuted once to meet them. Per row
+// l, over the blocks j in order (the integers exact, no minimum term):
+//     acc = fma(float(dot_j), 2^(e_j - 128) * dx_j, acc);  y = acc
+// which mxfp4_r8_ref spells out in plain C++ (the scalar and AVX-512 builds' kernel, and the
+// reference the vector kernel equals bit for bit). Integer maddubs only (no VNNI form): the
+// avxvnni build runs the avx2 instructions.
+// Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
+#pragma once
+
+namespace {
+
+constexpr int64_t kMxR8Unit = 136;     // 8 rows x 17 bytes
+
+// The reference: out[t * ldo + l] = row l of the group at g (nb blocks) against activation row t0 + t.
+template <int NT>
+void mxfp4_r8_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    for (int t = 0; t < NT; t++)
+        for (int l = 0; l < 8; l++) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < nb; j++) {
+                const uint8_t *u = g + j * kMxR8Unit;
+                const int8_t *x = a.q + (t0 + t) * a.K + 32 * j;
+                int dot = 0;
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t q = u[8 + 64 * (i / 8) + 8 * l + i % 8];
+                    dot += kE2M1x2[q & 15] * x[i] + kE2M1x2[q >> 4] * x[16 + i];
+                }
+                acc = std::fma(float(dot), e8m0_pow2(u[l], -1) * a.d[(t0 + t) * a.nb + j], acc);
+            }
+            out[t * ldo + l] = acc;
+        }
+}
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr int64_t kMxR8Ahead = 2048;     // bytes of the group's stream fetched ahead (as dot_r8_256.h's)
+
+// The 8 rows' 2^(e - 128) as float32 from their scale bytes (e8m0_pow2(e, -1) for every e: e = 0
+// is the subnormal 2^-128, 255 NaN).
+inline __m256 mxfp4_r8_scales(const uint8_t *u) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(u)));
+    __m256 s = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));   // exact: 2^(e-127) / 2
+    s = _mm256_blendv_ps(s, _mm256_castsi256_ps(_mm256_set1_epi32(0x00200000)),
+                         _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+    return _mm256_blendv_ps(s, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                            _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_set1_epi32(255))));
+}
+
+template <int NT>
+void mxfp4_r8_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);    // the hadd's row order (its own inverse)
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(kE2M1x2)));
+    __m256 acc[NT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    const int8_t *xr = a.q + t0 * a.K;
+    const float *dr = a.d + t0 * a.nb;
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *u = g + j * kMxR8Unit;
+        for (int64_t l = 0; l < kMxR8Unit; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kMxR8Ahead + l), _MM_HINT_T0);
+        const __m256 A = _mm256_permutevar8x32_ps(mxfp4_r8_scales(u), order);
+        // per half: the values w (elements 0-7, 8-15, 16-23, 24-31 of its 4 rows) and |w|
+        __m256i w[2][4], aw[2][4];
+        for (int h = 0; h < 2; h++) {
+            const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + 8 + 32 * h));
+            const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + 72 + 32 * h));
+            w[h][0] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v0, m4));
+            w[h][1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v1, m4));
+            w[h][2] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4));
+            w[h][3] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4));
+            for (int k = 0; k < 4; k++) aw[h][k] = _mm256_sign_epi8(w[h][k], w[h][k]);
+        }
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = xr + t * a.K + 32 * j;
+            int64_t x8[4];
+            std::memcpy(x8, x, 32);
+            __m256i dot[2];
+            for (int h = 0; h < 2; h++) {
+                __m256i s = _mm256_setzero_si256();     // four pairs of |w| q: |sum| <= 4 * 2 * 12 * 127 < 32768
+                for (int k = 0; k < 4; k++)
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(aw[h][k], _mm256_sign_epi8(_mm256_set1_epi64x(x8[k]), w[h][k])));
+                dot[h] = _mm256_madd_epi16(s, ones);
+            }
+            const __m256 S = _mm256_mul_ps(A, _mm256_set1_ps(dr[t * a.nb + j]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + t * ldo, _mm256_permutevar8x32_ps(acc[t], order));
+}
+#endif
+
+// The kernel of this build for NT (1..4) activation rows a pass (R8GroupFn: dot_r8_256.h).
+R8GroupFn mxfp4_r8_group_fn(int nt) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    constexpr R8GroupFn fns[5] = {nullptr, mxfp4_r8_256<1>, mxfp4_r8_256<2>, mxfp4_r8_256<3>, mxfp4_r8_256<4>};
+#else
+    constexpr R8GroupFn fns[5] = {nullptr, mxfp4_r8_ref<1>, mxfp4_r8_ref<2>, mxfp4_r8_ref<3>, mxfp4_r8_ref<4>};
+#endif
+    return nt >= 1 && nt <= 4 ? fns[nt] : nullptr;
+}
+}  // namespace
