@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from pagedserve.engine.kv_view import apply_update
+from tests.fault_server import SLOW_STEPS
 from tests.server_utils import API_KEY, KV_BLOCKS, api_server_args, served, wait_idle
 
 ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent /
@@ -32,7 +33,7 @@ LONG_PROMPT = ("Once upon a time there was a tiny language model that liked to c
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     yield from served(tiny_llama.path, tmp_path_factory.mktemp("dashboard"),
-                      api_server_args("--kv-snapshot-interval", "0.1"))
+                      api_server_args("--kv-snapshot-interval", "0.1"), module="tests.fault_server")
 
 
 def complete_in_background(http, **body) -> tuple[threading.Thread, dict]:
@@ -47,9 +48,11 @@ def complete_in_background(http, **body) -> tuple[threading.Thread, dict]:
 
 
 def shared_run(http, **extra) -> tuple[threading.Thread, dict]:
-    """n=4 over a prompt of several full blocks, long enough to be watched while it runs."""
-    return complete_in_background(http, prompt=LONG_PROMPT, n=4, max_tokens=440, temperature=1.0, seed=1,
-                                  ignore_eos=True, **extra)
+    """n=4 over a prompt of several full blocks, long enough to be watched while it runs: its
+    steps are slowed (tests/fault_server.py SLOW_STEPS), so its 150 tokens take at least 3 s
+    however fast the machine (a snapshot comes every 0.1 s)."""
+    return complete_in_background(http, prompt=f"{LONG_PROMPT} {SLOW_STEPS}", n=4, max_tokens=150, temperature=1.0,
+                                  seed=1, ignore_eos=True, **extra)
 
 
 def read_events(lines, until, timeout: float = 120.0):

@@ -4,6 +4,8 @@ Faults are injected with tests/fault_server.py (by a marker in the prompt text).
 A fault in one request's processing fails that request alone; a step that fails
 as a whole fails the requests in flight and the engine goes on; a fault outside
 any request kills the engine: /health 503, requests 5xx at once, exit status 1.
+A request that must still be running when the fault comes is marked SLOW_STEPS (each of its
+steps takes 20 ms longer), so that no machine is fast enough to finish it first.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm_engine import RequestsFailed
 from pagedserve.server.launcher import launch_server
 from tests import fault_server
-from tests.fault_server import FATAL_FAULT, REQUEST_FAULT, STEP_FAULT
+from tests.fault_server import FATAL_FAULT, REQUEST_FAULT, SLOW_STEPS, STEP_FAULT
 from tests.server_utils import KV_BLOCKS, PROMPT, served, sse_events, tiny_server_args, wait_idle
 from tests.test_engine import assert_no_blocks_held, make_llm
 
@@ -111,7 +113,8 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_engine_goes_on(fault
         # never wrote: a later prompt with that prefix must not find them.
         prefix = "An operating system maps pages of virtual memory to physical frames. " * 3
         bad = {"prompt": f"{prefix}{STEP_FAULT}", "max_tokens": 20, **GREEDY}
-        r, _, events = stream_alongside(http, PROMPT, 300, lambda: http.post("/v1/completions", json=bad))
+        r, _, events = stream_alongside(http, f"{PROMPT} {SLOW_STEPS}", 300,
+                                        lambda: http.post("/v1/completions", json=bad))
         assert r.status_code == 500 and "injected fault in a model step" in r.json()["error"]["message"], r.text
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert errors and "injected fault in a model step" in errors[0]["message"]   # failed with it
@@ -168,7 +171,8 @@ def test_a_dead_engine_fails_everything_at_once_and_health_says_503(tiny_llama, 
                                          timeout=60) as c:
                 assert (await c.get("/health")).status_code == 200
                 long = asyncio.create_task(c.post("/v1/completions",
-                                                  json={"prompt": PROMPT, "max_tokens": 400, **GREEDY}))
+                                                  json={"prompt": f"{PROMPT} {SLOW_STEPS}", "max_tokens": 400,
+                                                        **GREEDY}))
                 while state.llm.scheduler_stats.num_running == 0:
                     await asyncio.sleep(0.005)
                 fatal = await c.post("/v1/completions", json={"prompt": FATAL_FAULT, "max_tokens": 5})
@@ -193,7 +197,7 @@ def test_a_dead_engine_exits_the_server_with_status_1(tiny_llama, tmp_path):
 
             def kill_it():
                 got["r"] = http.post("/v1/completions", json={"prompt": FATAL_FAULT, "max_tokens": 5})
-            _, _, events = stream_alongside(http, PROMPT, 400, kill_it)
+            _, _, events = stream_alongside(http, f"{PROMPT} {SLOW_STEPS}", 400, kill_it)
         assert got["r"].status_code in (500, 503)
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert errors and errors[0]["code"] is None and "cannot go on" in errors[0]["message"]
