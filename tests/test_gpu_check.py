@@ -47,11 +47,15 @@ def test_without_a_gpu_only_the_dry_run_runs():
     assert res.returncode == 2 and "--dry-run" in res.stderr
 
 
-def test_time_boxes_shrink_to_what_is_left_with_measured_overheads():
+def test_time_boxes_shrink_to_what_is_left_with_measured_overheads(monkeypatch):
     """Each time box is fit when it starts, from the budget left and the overheads measured
     so far: section 4's load (with CUDA graph capture) stands in, scaled by the weights, for
-    section 5's until that one is loaded and measured."""
+    section 5's until that one is loaded and measured. The clock stands still (a loaded
+    machine's pause between two lines would otherwise spend the budget)."""
+    import types
+
     from benchmarks import gpu_check as gc
+    monkeypatch.setattr(gc, "time", types.SimpleNamespace(perf_counter=lambda: 1000.0))
     plan = gc.full_plan()
     paper_boxes = 3 * (plan.paper_warmup_seconds + plan.paper_seconds)
     budget = gc.Budget(1000.0, start=gc.time.perf_counter())
