@@ -83,7 +83,7 @@ def test_a_slot_is_not_reused_before_its_file_is_written(tmp_path):
     write = below._write_file
 
     def slow(path, header, payload):
-        gate.wait(10)
+        gate.wait(60)
         write(path, header, payload)
 
     below._write_file = slow

@@ -23,7 +23,7 @@ def _llm(path: str, tp: int, **kw) -> LLM:
     return LLM(path, dtype="float32", tensor_parallel_size=tp, **kw)
 
 
-def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+def _gone(pids: list[int], timeout: float = 60.0) -> bool:
     """None of these processes runs (within `timeout`: one that saw its parent go exits by itself)."""
     def running(pid: int) -> bool:
         try:
