@@ -16,9 +16,10 @@ from tests.server_utils import api_server_args, authed_http, openai_client, serv
 
 @pytest.fixture(scope="session")
 def api_server(tiny_llama, tmp_path_factory):
+    # tests/fault_server.py installed: a test that must watch a request run marks it SLOW_STEPS.
     yield from served(tiny_llama.path, tmp_path_factory.mktemp("api"), api_server_args(
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-responses-api-store",
-        "--responses-api-store-size", "4"))
+        "--responses-api-store-size", "4"), module="tests.fault_server")
 
 
 @pytest.fixture(scope="session")

@@ -228,7 +228,7 @@ def test_an_idle_engine_hands_back_its_openmp_workers_while_another_runs(tiny_ll
     a, b = async_llm(tiny_llama, num_threads=2), async_llm(tiny_llama, num_threads=2)
 
     async def wait_for(count: int) -> None:
-        for _ in range(500):
+        for _ in range(3000):                                  # (30 s: returns once they came)
             if len(released) >= count:
                 return
             await asyncio.sleep(0.01)

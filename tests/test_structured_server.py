@@ -83,7 +83,8 @@ def test_streamed_structured_output_parses(client):
         max_tokens=120, stream=True, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     chunks = list(stream)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert len(chunks) > 5 and valid_json(text, PERSON), text
+    # Streamed, not at once (how many pieces: as fast as the client reads; a slow read takes all since the last)
+    assert len(chunks) >= 2 and valid_json(text, PERSON), text
 
 
 def test_named_and_required_tool_choice(client):
@@ -108,7 +109,8 @@ def test_streamed_tool_calls(client):
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
     deltas = [(ch.choices[0].delta.tool_calls, ch.choices[0].finish_reason) for ch in stream if ch.choices]
     calls = [tc for d, _ in deltas for tc in d or []]
-    assert calls[0].id and calls[0].function.name == "get_weather" and len(calls) > 3   # arguments as they come
+    # The arguments as they come: more than one delta (how many depends on how fast the client reads)
+    assert calls[0].id and calls[0].function.name == "get_weather" and len(calls) >= 2
     jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in calls)), WEATHER)
     assert deltas[-1][1] == "tool_calls"
 

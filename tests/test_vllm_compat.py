@@ -181,8 +181,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_llama):
     assert cut.outputs[0].token_ids == hf_generate(tiny_llama, ids[-7:], 6)
 
 
-def test_output_kind_delta_and_final_only(tiny_llama):
+def test_output_kind_delta_and_final_only(tiny_llama, monkeypatch):
+    """Slowed steps (tests/fault_server.py SLOW_STEPS: the engine thread sleeps 20 ms a step) let the
+    caller take each delta as it comes, so that DELTA yields more than one, on any machine."""
     from pagedserve.engine.async_llm import AsyncLLM
+    from tests import fault_server
+    fault_server.install(monkeypatch.setattr)
 
     async def run():
         llm = AsyncLLM(EngineConfig(model=tiny_llama.path, dtype="float32", num_gpu_blocks_override=64),
@@ -193,7 +197,8 @@ def test_output_kind_delta_and_final_only(tiny_llama):
             outs = {}
             for kind in RequestOutputKind:
                 params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, output_kind=kind)
-                outs[kind] = [o async for o in llm.generate("The quick brown fox", params, kind.name)]
+                outs[kind] = [o async for o in llm.generate(f"The quick brown fox {fault_server.SLOW_STEPS}", params,
+                                                            kind.name)]
             return outs
         finally:
             await llm.shutdown()
@@ -299,7 +304,10 @@ def test_openmp_defaults_are_set_before_torch_loads():
     code = "import os, pagedserve, torch; print(os.environ.get('GOMP_SPINCOUNT'), os.environ['OMP_NUM_THREADS'], " \
            "torch.get_num_threads())"
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    cpus = str(len(os.sched_getaffinity(0)))
+    # The CPUs this process may use: its affinity mask capped by its cgroup quota (a container given
+    # 2 CPUs of a larger host has more in its mask).
+    from pagedserve.kernels.threads import available_cpus
+    cpus = str(available_cpus())
     out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["10000", cpus, cpus]
     # What the user set wins.
