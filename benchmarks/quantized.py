@@ -11,6 +11,7 @@
                                                  # 128-token prefill beside llama-bench (an 8 GB f16 made once)
     .venv/bin/python benchmarks/quantized.py --full --full-prefill --shape gemma3-1b --mixes Q4_K_M --no-default-model \
         --llama-bench ... --llama-quantize ...   # issue 48's Gemma 3 1B-shaped Q4_K_M (GGUF gemma3, a hybrid model)
+                                                 # (--shape gemma3-4b: its 4B shape, an 8 GB f16 made once)
 
 For the default model (SmolLM2-135M-Instruct, Q4_1) and a SmolLM2-1.7B-shaped model with random
 weights, written here as GGUF files (Q4_0 and Q8_0 quantized by kernels/quant.py; a Q4_K_M-like mix
@@ -82,10 +83,20 @@ GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", 
                  rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
                  sliding_window=512, max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh",
                  tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
+# Gemma 3 4B's text config (google/gemma-3-4b-it's text_config): issue 48's larger shape (--shape gemma3-4b),
+# 34 layers, a 1024-token window on five of every six, 4 KV heads of 256, a 262208-token vocabulary. (Its
+# linear rope scaling of the global layers, factor 8, is left out: random weights, no effect on speed.)
+GEMMA3_4B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", torch_dtype="bfloat16",
+                 vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                 rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+                 sliding_window=1024, max_position_embeddings=131072, hidden_activation="gelu_pytorch_tanh",
+                 tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
 # --shape: (config, GGUF architecture, file stem, its name in the table)
 SHAPES = {"smollm2-1.7b": (SMOLLM2_1_7B, "llama", "smollm2-1.7b-shape", "SmolLM2-1.7B"),
           "qwen3-4b": (QWEN3_4B, "qwen3", "qwen3-4b-shape", "Qwen3-4B"),
-          "gemma3-1b": (GEMMA3_1B, "gemma3", "gemma3-1b-shape", "Gemma 3 1B")}
+          "gemma3-1b": (GEMMA3_1B, "gemma3", "gemma3-1b-shape", "Gemma 3 1B"),
+          "gemma3-4b": (GEMMA3_4B, "gemma3", "gemma3-4b-shape", "Gemma 3 4B")}
 
 # GGML type of each tensor kind per file ("*": the rest), as llama.cpp's presets mix them.
 MIXES = {"Q4_0": {"*": "Q4_0", "token_embd": "Q8_0"},
