@@ -426,6 +426,12 @@ class Scheduler:
             return mode == "on"
         return any(s.request.sampling is not None and s.request.sampling.greedy for s in scheduled)
 
+    def _needs_invariant_blocks(self, req: Request) -> bool:
+        """A greedy request under auto reads only cached KV that batch-invariant steps computed, as
+        it computes its own: else a prefix computed in a step of sampled requests only changes
+        its tokens ("on" computes every block so, "off" promises nothing)."""
+        return self.config.batch_invariant == "auto" and req.sampling is not None and req.sampling.greedy
+
     def _make_batch(self, out: SchedulerOutput) -> None:
         """The worker's copy of the step: data only, decodes first (attention batches them), then
         verification chunks (a decode and its drafts: attended row by row as decodes), then prefills."""
@@ -447,6 +453,8 @@ class Scheduler:
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids,
                               batch_invariant=self._batch_invariant(order))
+        if not out.batch.batch_invariant and order:   # its blocks are none a greedy request takes under auto
+            self.kv.mark_batch_dependent([(s.seq.seq_id, s.start) for s in order])
         if self.kv.num_groups > 1:
             out.batch.group_block_ids = {s.seq.seq_id: s.group_block_ids for s in order}
         if self.loras is not None:
@@ -631,7 +639,8 @@ class Scheduler:
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens,
                                                     kv_salt(req.cache_salt, req.lora_key),
-                                                    use_prefix_cache=not req.computes_every_prompt_token)
+                                                    use_prefix_cache=not req.computes_every_prompt_token,
+                                                    invariant_only=self._needs_invariant_blocks(req))
         if self.running and not self._above_watermark(seqs, prompt_len):
             self._release_blocks(req)
             return None
@@ -663,7 +672,7 @@ class Scheduler:
         tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
         reserve = self.watermark_blocks if self.running else 0
         started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), reserve,
-                                     count=tries is None)
+                                     count=tries is None, invariant_only=self._needs_invariant_blocks(req))
         self._tier_tries[rid] = (tries or 0) + started
         return started
 

@@ -120,3 +120,48 @@ def test_greedy_speculation_gives_plain_decodings_tokens_and_logprobs(method):
     assert [outputs(drafted, [p])[0] for p in REPEATING] == want_alone
     assert outputs(drafted, REPEATING) == want_batched
     assert drafted.kv_cache_stats()["spec_decode_num_accepted_tokens"] > 200
+
+
+def _cached_after_sampled(mode: str, temperature: float) -> int:
+    """Prompt tokens a request of `temperature` finds cached after a sampled request with its
+    prompt ran alone (a step of sampled requests only: not batch-invariant under auto)."""
+    sched = Scheduler(EngineConfig(block_size=4, batch_invariant=mode), 64)
+    prompt = list(range(10, 23))                                  # three full blocks looked up
+    sched.add_request(Request.create("s", None, prompt, SamplingParams(temperature=1.0, max_tokens=4), 4,
+                                     sched.new_seq_id()))
+    assert sched.schedule().batch.batch_invariant == (mode == "on")
+    sched.add_request(Request.create("t", None, prompt, SamplingParams(temperature=temperature, max_tokens=4), 4,
+                                     sched.new_seq_id()))
+    out = sched.schedule()
+    return next(s.start for s in out.scheduled if s.request.request_id == "t")
+
+
+def test_a_greedy_request_under_auto_takes_no_prefix_a_sampled_only_step_computed():
+    """Under auto a greedy request computes its prompt batch-invariantly; blocks a step of
+    sampled requests only computed hold other K and V, so its prefix lookup passes them over
+    (kv_cache_manager.py invariant_only). A sampled request takes them; under on every step is
+    invariant, under off greedy output is not promised: both take them."""
+    assert _cached_after_sampled("auto", 0.0) == 0
+    assert _cached_after_sampled("auto", 0.8) == 12
+    assert _cached_after_sampled("on", 0.0) == 12
+    assert _cached_after_sampled("off", 0.0) == 12
+
+
+@needs_r8
+def test_greedy_after_a_sampled_request_with_its_prompt_gives_its_tokens_alone(variant):
+    """The gap auto had: a sampled request alone computes a long prompt's prefill on the
+    dequantized tiles; a greedy request with that prompt after it took those blocks from the
+    prefix cache and its tokens changed. It now computes them itself, as alone (the paging
+    invariants checked every step); a second greedy request takes its blocks."""
+    _default_model()
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 12)
+    small = dict(kv_cache_memory=64 * 1024**2, check_invariants=True)
+    with quant.using_variant(variant):
+        alone = _run(LLM(enable_prefix_caching=False, **small), [prompt], max_tokens=32)
+        llm = LLM(enable_prefix_caching=True, **small)
+        assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
+        sampled = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=2, seed=1), use_tqdm=False)[0]
+        assert len(sampled.prompt_token_ids) > 64                 # a prefill chunk on the tiles
+        assert _run(llm, [prompt], max_tokens=32) == alone
+        again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0

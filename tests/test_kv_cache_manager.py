@@ -375,3 +375,59 @@ def test_prefix_lookup_never_covers_the_last_token(tokens, block_size):
     hits = kv.lookup_prefix(tokens)
     assert len(hits) * block_size <= len(tokens) - 1
     assert len(hits) == (len(tokens) - 1) // block_size
+
+
+# ---- blocks of batch-dependent steps (batch_invariant "auto": a greedy request's lookup) -------
+def test_a_greedy_lookup_stops_at_the_first_block_a_batch_dependent_step_computed():
+    """Under auto, steps of sampled requests only compute with other arithmetic (prefill chunks
+    on dequantized tiles): their blocks hold other K and V than a greedy request computes alone,
+    so its lookup (invariant_only) stops at the first such block; a later block, though a
+    batch-invariant step computed it, attends over that one and is not taken either."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(17))                             # four full blocks looked up
+    kv.allocate(1, prompt, 0, 8)                          # blocks 0-1: a batch-invariant step
+    kv.allocate(1, prompt, 8, 4)                          # block 2: a step of sampled requests only
+    kv.mark_batch_dependent([(1, 8)])
+    kv.allocate(1, prompt, 12, 5)                         # block 3: batch-invariant again
+    kv.check_invariants()
+    assert kv.lookup_prefix(prompt) == kv.tables[1][:4]   # a sampled request takes them all
+    assert kv.lookup_prefix(prompt, invariant_only=True) == kv.tables[1][:2]
+    assert [b.batch_invariant for b in kv.tables[1][:4]] == [True, True, False, False]
+    # A greedy request takes blocks 0-1 and computes 2-3 itself: its copies replace the others
+    # in the cache (greedy requests take them from now on), which stay with their holder.
+    old = kv.tables[1][2:4]
+    assert kv.admit(2, prompt, 32, invariant_only=True) == 8
+    kv.allocate_slots([(2, prompt, 8, 9)])
+    kv.check_invariants()
+    assert kv.lookup_prefix(prompt, invariant_only=True) == kv.tables[2][:4] == kv.lookup_prefix(prompt)
+    assert all(b.key is None and b.ref_cnt == 1 for b in old)
+    kv.free(1)                                            # uncached: reused first, nothing lost
+    assert {b.block_id for b in old} <= set(list(kv.pool.free_queue)[:3])   # with its partial block 4
+    kv.check_invariants()
+
+
+def test_a_batch_dependent_prefix_makes_the_blocks_after_it_batch_dependent():
+    """A sampled request that takes a batch-dependent prefix computes its next blocks over it:
+    even in a batch-invariant step they are not invariant (no greedy request takes them), and
+    a fork, swap space and a batch-invariant copy computed meanwhile keep the flags true."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_host_blocks=16)
+    prompt = list(range(9))
+    kv.allocate(1, prompt, 0, 9)
+    kv.mark_batch_dependent([(1, 0)])                     # all of sequence 1 batch-dependent
+    longer = prompt + list(range(100, 108))
+    assert kv.admit(2, longer, 32) == 8                   # a sampled request takes both blocks
+    kv.allocate_slots([(2, longer, 8, 9)])                # a batch-invariant step
+    kv.fork(2, 3)
+    assert kv.lookup_prefix(longer) == kv.tables[2][:4]
+    assert kv.lookup_prefix(longer, invariant_only=True) == []
+    assert not any(b.batch_invariant for b in kv.tables[2][:4])    # (its partial block: set once full)
+    kv.swap.swap_out([2, 3])
+    kv.swap.swap_in([2, 3])
+    kv.check_invariants()
+    assert not any(b.batch_invariant for b in kv.tables[2][:4]) and kv.lookup_prefix(longer, invariant_only=True) == []
+    # A step that is not invariant from a later position leaves the blocks before it as they were.
+    kv.allocate(4, longer, 0, 12)
+    kv.mark_batch_dependent([(4, 8)])
+    assert [b.batch_invariant for b in kv.tables[4]] == [True, True, False]
+    assert kv.lookup_prefix(longer, invariant_only=True) == kv.tables[4][:2]
+    kv.check_invariants()

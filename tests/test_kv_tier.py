@@ -14,7 +14,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kv.block_pool import BlockPool, block_key
 from pagedserve.kv.kv_cache_manager import KVCacheManager
-from pagedserve.kv.tier import TierIndex, TierLink
+from pagedserve.kv.tier import TierIndex, TierLink, pool_key, tier_key
 from pagedserve.server.metrics import PrometheusStatLogger
 from pagedserve.worker.kv_tier import KVTierStore, TierFileError
 from tests.conftest import PROMPTS, hf_greedy
@@ -196,6 +196,31 @@ def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
     pool.release(pool.allocate(4))               # keys[1] evicted again: the tier has it, no save
     assert link.take()[0] == []
     assert index.stats.blocks_saved == 4 and index.stats.blocks_loaded == 1 and index.stats.load_failures == 1
+
+
+def test_a_batch_dependent_block_is_filed_under_its_own_key_and_never_read_back_for_a_greedy_request():
+    """A block a step of sampled requests only computed (batch_invariant auto) goes to the tier
+    under tier_key(key, False): a greedy request's fetch (invariant_only) skips it, a sampled
+    request's reads it back, flagged so; a restarted engine's index (the files' keys) tells the
+    copies apart, and a batch-invariant copy is preferred."""
+    pool, link, keys = cached_pool(2, TierIndex(capacity=8))
+    pool.cached[keys[1]].batch_invariant = False
+    pool.release(pool.allocate(2))                    # both evicted: saved
+    assert [k for _, k in link.take()[0]] == [keys[0], tier_key(keys[1], False)]
+    assert pool_key(tier_key(keys[1], False)) == (keys[1], False) and pool_key(keys[1]) == (keys[1], True)
+    index = TierIndex(capacity=8, keys=list(link.index.keys))     # a restart: the files' keys
+    pool = BlockPool(4)
+    link = TierLink(pool, index)
+    assert link.fetch("greedy", keys, blocks_needed=2, reserve=0, block_size=16, invariant_only=True)
+    assert [k for k, _ in link.take()[1]] == [keys[0]]             # stops at the batch-dependent block
+    link.finished([keys[0]], [])
+    assert link.fetch("sampled", keys, blocks_needed=2, reserve=0, block_size=16)
+    assert [k for k, _ in link.take()[1]] == [tier_key(keys[1], False)]
+    link.finished([tier_key(keys[1], False)], [])
+    assert pool.lookup(keys[1]) is not None and pool.lookup(keys[1], invariant_only=True) is None
+    assert pool.lookup(keys[0], invariant_only=True) is not None
+    index.add(keys[1])                                # a batch-invariant copy saved meanwhile: preferred
+    assert link.tier_source(keys[1]) == keys[1] and link.tier_source(keys[1], invariant_only=True) == keys[1]
 
 
 @pytest.mark.parametrize("hybrid", ["gemma3"], indirect=True)

@@ -97,6 +97,11 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     key: BlockKey | None = None      # set while the block is in the prefix cache
+    # Its K and V (and those of every block before it in its sequence) were computed by
+    # batch-invariant steps only (StepBatch.batch_invariant), as a greedy request computes them
+    # alone: a greedy request's lookup under batch_invariant "auto" takes only such blocks. Set
+    # when the block is cached (kv_cache_manager.py), cleared for a step that is not invariant.
+    batch_invariant: bool = True
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -145,6 +150,7 @@ class BlockPool:
                     self.on_evict(block)
                 self._uncache(block)
             block.ref_cnt = 1
+            block.batch_invariant = True
             out.append(block)
         return out
 
@@ -176,14 +182,25 @@ class BlockPool:
         self.touch([block])
         self._uncache(block)
 
-    def lookup(self, key: BlockKey) -> KVBlock | None:
-        return self.cached.get(key)
+    def lookup(self, key: BlockKey, invariant_only: bool = False) -> KVBlock | None:
+        """The cached block of the key; with invariant_only, only one that batch-invariant steps computed."""
+        block = self.cached.get(key)
+        return None if block is None or (invariant_only and not block.batch_invariant) else block
 
     def cache(self, block: KVBlock, key: BlockKey) -> None:
         """Register a full block under its key; if another block already holds the same
-        content, that one stays the cached copy and this one stays private."""
-        if not self.enable_caching or block.key is not None or key in self.cached:
+        tokens, that one stays the cached copy and this one stays private, unless this one was
+        computed batch-invariantly and that one not: then this one replaces it (greedy requests
+        can take it), and that one stays with its holders, uncached."""
+        if not self.enable_caching or block.key is not None:
             return
+        old = self.cached.get(key)
+        if old is not None:
+            if old.batch_invariant or not block.batch_invariant:
+                return
+            self._uncache(old)
+            if old.ref_cnt == 0:          # nothing lost by reusing it first
+                self.free_queue.move_to_end(old.block_id, last=False)
         block.key = key
         self.cached[key] = block
         if self.events is not None:

@@ -190,7 +190,7 @@ class ContiguousKVCacheManager(PoolCapacity):
         return max(0, cdiv(num_tokens, self.block_size) - self.num_held_blocks(seq_id))
 
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
-              use_prefix_cache: bool = True) -> int:
+              use_prefix_cache: bool = True, invariant_only: bool = False) -> int:
         """Note the most tokens the sequence can reach (its region's size); no prefix caching
         without shared blocks, so nothing is cached."""
         self.set_max_len(seq_id, max_len)
@@ -242,6 +242,9 @@ class ContiguousKVCacheManager(PoolCapacity):
 
     def fork(self, parent_id: int, child_id: int) -> None:
         raise ValueError(f"kv_allocator={self.policy!r} cannot share blocks between sequences")
+
+    def mark_batch_dependent(self, writes: list[tuple[int, int]]) -> None:
+        """Nothing is cached, so nothing to mark."""
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """A reservation holds its slots to the end: nothing to release (speculative decoding,

@@ -132,13 +132,18 @@ class KVCache(Protocol):
         """Raise ValueError for a request this cache could never hold, even alone."""
 
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None,
-              use_prefix_cache: bool) -> int:
+              use_prefix_cache: bool, invariant_only: bool = False) -> int:
         """Start a sequence's block table: take the cached blocks of its longest cached prefix
-        of `token_ids`; returns the number of tokens they hold (computed already)."""
+        of `token_ids` (invariant_only: of blocks that batch-invariant steps computed); returns
+        the number of tokens they hold (computed already)."""
 
     def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
         """Room for every request's new tokens, all or nothing: the copy-on-write copies the
         worker must do before the step, or None (nothing changed) when blocks are short."""
+
+    def mark_batch_dependent(self, writes: list[tuple[int, int]]) -> None:
+        """The step about to run is not batch-invariant: each (seq_id, start) computes its
+        sequence's tokens from start on with arithmetic that depends on the batch."""
 
     def fork(self, parent_id: int, child_id: int) -> None: ...
 

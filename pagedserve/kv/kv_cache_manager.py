@@ -13,6 +13,13 @@ wholly before it go back to the pool (a block another table or the prefix cache 
 stays theirs: reference counts as ever). Released positions stay in the table as holes
 (None), always a prefix of it, so logical block i stays at index i; the worker receives
 them as -1 and never reads them.
+A cached block records whether batch-invariant steps computed it (KVBlock.batch_invariant: each
+row's arithmetic as alone; under batch_invariant "auto" only steps holding a greedy request are):
+the scheduler reports each step that is not (`mark_batch_dependent`), and a greedy request's
+lookup under "auto" (`invariant_only`) stops at the first block that is not such, recomputes from
+there, and its own copy then replaces the other in the cache (BlockPool.cache). Keys stay the
+tokens' (the router's and the tier's lookups are unchanged); the disk tier files a
+batch-dependent block under a key of its own (kv/tier.py `tier_key`).
 Swap space (preemption_mode="swap") is a collaborator, `self.swap` (kv/swap.py).
 The scheduler uses the `KVCache` interface (kv/interface.py); the per-sequence
 methods below it (`lookup_prefix`, `allocate`, `num_blocks_needed`) are this
@@ -37,6 +44,7 @@ from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.utils import cdiv
 
 Table = list[KVBlock | None]      # a group's block table; None: a hole behind the window
+ALL_BLOCKS = 1 << 62              # KVCacheManager.invariant_blocks of a sequence no batch-dependent step computed
 
 
 @dataclass
@@ -88,6 +96,9 @@ class KVCacheManager(PoolCapacity):
         self.tables = self.group_tables[0]
         self.keys: dict[int, list[BlockKey]] = {}   # chain keys of each sequence's full blocks (kept while swapped)
         self.salts: dict[int, str | None] = {}       # each sequence's cache salt (part of its first key)
+        # Each sequence's leading blocks that batch-invariant steps computed: blocks before this
+        # index (ALL_BLOCKS: every one); a block's K and V depend on all before it.
+        self.invariant_blocks: dict[int, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self.num_logical_blocks = 0                  # live entries of all device tables, kept as they change
         self.swap = SwapSpace(self, num_host_blocks)
@@ -119,15 +130,17 @@ class KVCacheManager(PoolCapacity):
     def num_held_blocks(self, seq_id: int) -> int:
         return sum(len(held_blocks(tables.get(seq_id, ()))) for tables in self.group_tables)
 
-    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> Table:
+    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None = None, invariant_only: bool = False) -> Table:
         """Group 0's blocks of the longest cached prefix (`lookup_prefix_hit`)."""
-        return self.lookup_prefix_hit(token_ids, cache_salt).groups[0]
+        return self.lookup_prefix_hit(token_ids, cache_salt, invariant_only).groups[0]
 
-    def lookup_prefix_hit(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixHit:
+    def lookup_prefix_hit(self, token_ids: list[int], cache_salt: str | None = None,
+                          invariant_only: bool = False) -> PrefixHit:
         """The longest cached prefix of token_ids, cached under the same salt (blocks of a request
         with another salt, or none, are never found), that every group can serve: a full group
         has all its blocks cached, a window group those covering the last W - 1 tokens (all the
-        next query reads).
+        next query reads). invariant_only: of blocks that batch-invariant steps computed only (a
+        greedy request's under batch_invariant "auto").
 
         At most len-1 tokens are matched: the last token is always computed, since its
         logits are what the next token is sampled from.
@@ -140,7 +153,7 @@ class KVCacheManager(PoolCapacity):
 
         def block(g: int, i: int) -> KVBlock | None:
             if (g, i) not in found:
-                found[g, i] = self.pool.lookup(group_key(keys[i], g))
+                found[g, i] = self.pool.lookup(group_key(keys[i], g), invariant_only)
             return found[g, i]
 
         n = len(keys)
@@ -159,44 +172,44 @@ class KVCacheManager(PoolCapacity):
         return PrefixHit(keys[:n], groups)
 
     def tier_fetch(self, owner: str, token_ids: list[int], cache_salt: str | None, reserve: int,
-                   count: bool = True) -> bool:
+                   count: bool = True, invariant_only: bool = False) -> bool:
         """Read the tier's blocks of the prompt's prefix past the pool's hits ahead of its admission,
         if that admission would leave `reserve` blocks free (kv/tier.py). Returns whether it has
-        loads to wait for."""
+        loads to wait for. invariant_only: as `lookup_prefix_hit`'s."""
         keys = lookup_block_keys(token_ids, self.block_size, cache_salt, self.kv_cache_dtype)
         needed = cdiv(len(token_ids), self.block_size)
         partial = None
         if self.partial_blocks:     # a partial block after the run of keys the pool and the tier hold
-            pool, tier = self.pool, self.tier
+            tier = self.tier
 
             def has(key: BlockKey) -> bool:
-                return pool.lookup(key) is not None or tier.available(key)
+                return tier.source(key, invariant_only) is not None
 
             run = next((i for i, key in enumerate(keys) if not has(key)), len(keys))
             found = self._partial_key(token_ids, cache_salt, keys[:run], has)
             partial = (run, found[0]) if found else None
-        started = self._tier_fetch_groups(owner, token_ids, keys, cache_salt, reserve, count) if self.hybrid else \
-            self.tier.fetch(owner, keys, needed, reserve, self.block_size, count, partial)
+        started = self._tier_fetch_groups(owner, token_ids, keys, cache_salt, reserve, count, invariant_only) \
+            if self.hybrid else self.tier.fetch(owner, keys, needed, reserve, self.block_size, count, partial,
+                                                invariant_only)
         if not started:
             return False
         B = self.block_size
         for i, key in enumerate(keys):   # the dashboard's text of the blocks read back (hidden if salted)
-            if key in self.tier.loading:
+            if self.tier.reading(key):
                 self.cached_tokens[key] = None if cache_salt is not None else tuple(token_ids[i * B:(i + 1) * B])
         return True
 
     def _tier_fetch_groups(self, owner: str, token_ids: list[int], keys: list[BlockKey], cache_salt: str | None,
-                           reserve: int, count: bool) -> bool:
+                           reserve: int, count: bool, invariant_only: bool) -> bool:
         """`tier_fetch` with KV groups: the longest prefix every group can serve from the pool and
         the tier together (a full group: all its blocks; a window group: those its window covers,
         as `lookup_prefix_hit`), its pool blocks pinned and its other blocks, each group's under its
         own key, read from the tier."""
         B, tier = self.block_size, self.tier
-        in_pool = len(self.lookup_prefix_hit(token_ids, cache_salt).keys)
+        in_pool = len(self.lookup_prefix_hit(token_ids, cache_salt, invariant_only).keys)
 
         def has(g: int, i: int) -> bool:
-            key = group_key(keys[i], g)
-            return self.pool.lookup(key) is not None or tier.available(key)
+            return tier.source(group_key(keys[i], g), invariant_only) is not None
 
         n = len(keys)
         for g, window in enumerate(self.windows):
@@ -216,12 +229,11 @@ class KVCacheManager(PoolCapacity):
         hits, wanted, held = [], [], 0
         for g, w in enumerate(self.windows):
             for i in range(first_needed_block(w, n * B, B), n):
-                key = group_key(keys[i], g)
-                block = self.pool.lookup(key)
-                if block is not None:
-                    hits.append(block)
+                source = tier.source(group_key(keys[i], g), invariant_only)
+                if isinstance(source, KVBlock):
+                    hits.append(source)
                 else:
-                    wanted.append(key)
+                    wanted.append(source)
             held += self._group_blocks_needed(w, len(token_ids))
         return tier.start(owner, hits, wanted, held - len(hits), reserve)
 
@@ -256,6 +268,7 @@ class KVCacheManager(PoolCapacity):
         salt = self.salts[seq_id]
         key = partial_block_key(keys[-1] if n else None, tokens,
                                 first_block_extra_keys(salt, self.kv_cache_dtype) if n == 0 else ())
+        block.batch_invariant = block.batch_invariant and n < self.invariant_blocks[seq_id]
         self.pool.cache(block, key)
         self.cached_tokens[key] = None if salt is not None else tuple(tokens)
 
@@ -320,14 +333,15 @@ class KVCacheManager(PoolCapacity):
 
     # ---- the scheduler's calls (kv/interface.py) -------------------------------------------
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
-              use_prefix_cache: bool = True) -> int:
+              use_prefix_cache: bool = True, invariant_only: bool = False) -> int:
         """Start the sequence's tables with the cached blocks of its longest cached prefix of
-        `token_ids`; returns the tokens they hold. Paging reserves nothing ahead (`max_len`)."""
-        hit = self.lookup_prefix_hit(token_ids, cache_salt) if use_prefix_cache else None
+        `token_ids` (invariant_only: of blocks batch-invariant steps computed); returns the tokens
+        they hold. Paging reserves nothing ahead (`max_len`)."""
+        hit = self.lookup_prefix_hit(token_ids, cache_salt, invariant_only) if use_prefix_cache else None
         if hit is not None and self.partial_blocks:   # a free cached partial block after the full hits
 
             def free_cached(key: BlockKey) -> bool:
-                block = self.pool.lookup(key)
+                block = self.pool.lookup(key, invariant_only)
                 return block is not None and block.ref_cnt == 0
 
             found = self._partial_key(token_ids, cache_salt, hit.keys, free_cached)
@@ -365,6 +379,12 @@ class KVCacheManager(PoolCapacity):
         prefix_groups = self._prefix_groups(prefix_blocks, prefix)
         keys = self.keys.setdefault(seq_id, [])
         self.salts.setdefault(seq_id, cache_salt)
+        if seq_id not in self.invariant_blocks:   # its prefix hit's blocks computed batch-dependently: from the first
+            taken = [list(t) for t in prefix_groups or ()]
+            if prefix is not None and prefix.partial is not None:   # (group 0's block after its full ones)
+                taken[0].append(prefix.partial)
+            self.invariant_blocks[seq_id] = min((i for t in taken for i, b in enumerate(t)
+                                                 if b is not None and not b.batch_invariant), default=ALL_BLOCKS)
         copies = []
         for g, tables in enumerate(self.group_tables):
             table = tables.setdefault(seq_id, [])
@@ -426,6 +446,19 @@ class KVCacheManager(PoolCapacity):
             self.num_logical_blocks -= len(behind)
             self.pool.release(behind)
 
+    def mark_batch_dependent(self, writes: list[tuple[int, int]]) -> None:
+        """The step about to run is not batch-invariant: each (seq_id, start) computes the
+        sequence's tokens from `start` on with arithmetic that depends on the batch, so its
+        blocks from there on (cached already at `allocate`, or when they fill) are not invariant."""
+        B = self.block_size
+        for seq_id, start in writes:
+            first = start // B
+            self.invariant_blocks[seq_id] = min(self.invariant_blocks[seq_id], first)
+            for tables in self.group_tables:
+                for block in tables[seq_id][first:]:
+                    if block is not None:
+                        block.batch_invariant = False
+
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Release the blocks past the first num_tokens slots (rejected drafts' slots): they
         hold no token of the sequence, so they were never hashed."""
@@ -447,6 +480,7 @@ class KVCacheManager(PoolCapacity):
             self.num_logical_blocks += len(held)
         self.keys[child_id] = list(self.keys[parent_id])
         self.salts[child_id] = self.salts[parent_id]
+        self.invariant_blocks[child_id] = self.invariant_blocks[parent_id]
 
     def free(self, seq_id: int, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Drop a sequence's tables (on the device or in swap space). Tail blocks are released
@@ -457,6 +491,7 @@ class KVCacheManager(PoolCapacity):
         self.release_tables([seq_id])
         self.keys.pop(seq_id, None)
         self.salts.pop(seq_id, None)
+        self.invariant_blocks.pop(seq_id, None)
         self.swap.free(seq_id)
 
     # ---- swap space's part (kv/swap.py): device tables leave and come back only here --------
@@ -516,11 +551,13 @@ class KVCacheManager(PoolCapacity):
                                      self.salts[seq_id], known=keys, kv_cache_dtype=self.kv_cache_dtype))
         B = self.block_size
         salted = self.salts[seq_id] is not None   # a tenant's blocks: no one else sees their tokens
+        invariant = self.invariant_blocks[seq_id]
         for g, tables in enumerate(self.group_tables):
             table = tables[seq_id]
             for i, key in enumerate(new, start=len(keys)):
                 gkey = group_key(key, g)
                 if table[i] is not None:
+                    table[i].batch_invariant = table[i].batch_invariant and i < invariant
                     self.pool.cache(table[i], gkey)
                 self.cached_tokens[gkey] = None if salted else tuple(token_ids[i * B:(i + 1) * B])
         keys.extend(new)
@@ -632,7 +669,7 @@ class KVCacheManager(PoolCapacity):
         assert not self.swap.pool.cached, "host blocks are never in the prefix cache"
         host_tables = self.swap.tables
         assert not set(self.tables) & set(host_tables), "a sequence is both on the device and swapped"
-        assert set(self.keys) == set(self.salts) == set(self.tables) | set(host_tables)
+        assert set(self.keys) == set(self.salts) == set(self.invariant_blocks) == set(self.tables) | set(host_tables)
         self._check_prefix_index()
         if live is not None:
             self._check_tables(live)
@@ -723,10 +760,11 @@ class KVCacheManager(PoolCapacity):
                     block = table[i]
                     assert block is not None, f"sequence {w.seq_id} writes into a hole (logical {i}, group {g})"
                     written.add(block.block_id)
-                    if block.ref_cnt > 1:
+                    if block.ref_cnt > 1:   # (a batch-invariant copy may have taken its key since: BlockPool.cache)
                         holders = [sid for sid, t in tables.items() if i < len(t) and t[i] is block]
-                        assert block.key is not None and len(holders) == block.ref_cnt and all(
-                            i < len(self.keys[h]) and group_key(self.keys[h][i], g) == block.key for h in holders), (
+                        expected = {group_key(self.keys[h][i], g) if i < len(self.keys[h]) else None for h in holders}
+                        assert len(holders) == block.ref_cnt and len(expected) == 1 and None not in expected and \
+                            block.key in (None, *expected), (
                             f"sequence {w.seq_id} writes block {block.block_id} (logical {i}), which "
                             f"{block.ref_cnt} tables hold")
         dsts = [dst for _, dst in block_copies]

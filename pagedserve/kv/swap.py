@@ -95,6 +95,7 @@ def mirror_tables(tables: dict[Hashable, list[KVBlock | None]],
                 pool.touch([new[block.block_id]])
             else:
                 (new[block.block_id],) = pool.allocate(1)
+                new[block.block_id].batch_invariant = block.batch_invariant   # the same K and V
             dst.append(new[block.block_id])
         mirrored[name] = dst
     return mirrored, [(src_id, block.block_id) for src_id, block in new.items()]

@@ -10,8 +10,11 @@ which loads landed (`finished`); a landed block enters the prefix cache under it
 the waiting request then finds it there like any other cached block.
 
 Keys are the pool's own (kv/block_pool.py: the SHA-256 chain over tokens, salt, LoRA adapter and
-KV format); the store files them under a fingerprint of the model, so another model never
-reads them. Ids and keys only: no tensors, no files here.
+KV format), but for a block that a step which was not batch-invariant computed (KVBlock.batch_invariant):
+its tier key is the pool key with one byte more (`tier_key`), so a restarted engine still knows
+which blocks a greedy request may read back, and the two copies of one prefix never overwrite
+each other. The store files them under a fingerprint of the model, so another model never reads
+them. Ids and keys only: no tensors, no files here.
 """
 from __future__ import annotations
 
@@ -21,6 +24,18 @@ from dataclasses import dataclass, field
 
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock
 from pagedserve.kv.events import KVEventSink
+
+_BATCH_DEPENDENT = b"\x01"      # a tier key's suffix for a block a batch-dependent step computed
+
+
+def tier_key(key: BlockKey, batch_invariant: bool) -> BlockKey:
+    """The tier's key of a pool block (its pool key, or with a suffix for a batch-dependent block)."""
+    return key if batch_invariant else key + _BATCH_DEPENDENT
+
+
+def pool_key(key: BlockKey) -> tuple[BlockKey, bool]:
+    """The pool key of a tier key, and whether batch-invariant steps computed the block."""
+    return (key[:-len(_BATCH_DEPENDENT)], False) if len(key) > 32 else (key, True)   # (pool keys: SHA-256)
 
 
 @dataclass
@@ -96,9 +111,9 @@ class TierLink:
     def __init__(self, pool: BlockPool, index: TierIndex) -> None:
         self.pool = pool
         self.index = index
-        self.saves: list[tuple[int, BlockKey]] = []       # for the next batch: (block id, key)
-        self.loads: list[tuple[BlockKey, int]] = []       # (key, block id)
-        self.loading: dict[BlockKey, KVBlock] = {}        # loads in flight; each holds its block once
+        self.saves: list[tuple[int, BlockKey]] = []       # for the next batch: (block id, tier key)
+        self.loads: list[tuple[BlockKey, int]] = []       # (tier key, block id)
+        self.loading: dict[BlockKey, KVBlock] = {}        # loads in flight, by tier key; each holds its block once
         self.fetches: dict[str, Fetch] = {}               # by request id
         pool.on_evict = self.evicted
 
@@ -106,7 +121,7 @@ class TierLink:
     def evicted(self, block: KVBlock) -> None:
         """The pool is about to reuse a cached block: save it unless the tier has its key (the
         same content; reading it back does not write it again)."""
-        key = block.key
+        key = tier_key(block.key, block.batch_invariant)
         if key in self.index:
             self.index.touch(key)
         elif self.index.stats.writable:
@@ -117,12 +132,13 @@ class TierLink:
     def save_cached(self) -> None:
         """Save every cached block the tier lacks (the engine is stopping: a restart finds them)."""
         for key, block in self.pool.cached.items():
-            if key not in self.index and self.index.stats.writable:
+            if tier_key(key, block.batch_invariant) not in self.index and self.index.stats.writable:
                 self.evicted(block)
 
     # ---- loads ---------------------------------------------------------------------------
     def fetch(self, owner: str, keys: list[BlockKey], blocks_needed: int, reserve: int, block_size: int,
-              count: bool = True, partial: tuple[int, BlockKey] | None = None) -> bool:
+              count: bool = True, partial: tuple[int, BlockKey] | None = None,
+              invariant_only: bool = False) -> bool:
         """Start reading the longest run of `keys` (a prompt's lookup keys) that the tier holds
         past the pool's hits, if the request's admission would then leave `reserve` blocks free
         (it needs `blocks_needed` in all; the admission watermark while others run). Returns
@@ -130,34 +146,52 @@ class TierLink:
         request's first look, counted in queries and hits (tokens the tier holds, in tokens).
         partial: (its index, its key) of a partial block after the keys the pool and tier hold
         (kv_cache_manager's partial blocks): read too (or pinned, in the pool) where the run
-        reaches it."""
+        reaches it. invariant_only: blocks batch-invariant steps computed only (a greedy
+        request's, as the pool's lookup)."""
         pool = self.pool
         hits = []
         for key in keys:
-            block = pool.lookup(key)
+            block = pool.lookup(key, invariant_only)
             if block is None:
                 break
             hits.append(block)
-        held = 0                          # the run of keys past the pool's hits that the tier has
+        wanted = []                       # the run of keys past the pool's hits that the tier has
         for key in keys[len(hits):]:
-            if key not in self.loading and key not in self.index:
+            found = self.tier_source(key, invariant_only)
+            if found is None:
                 break
-            held += 1
+            wanted.append(found)
         if count:
             self.index.stats.queries += (len(keys) - len(hits)) * block_size
-            self.index.stats.hits += held * block_size
-        wanted, pinned = keys[len(hits):len(hits) + held], list(hits)
-        if partial is not None and partial[0] == len(hits) + held:
-            block = pool.lookup(partial[1])
-            if block is not None:
-                pinned.append(block)
-            elif self.available(partial[1]):
-                wanted.append(partial[1])
+            self.index.stats.hits += len(wanted) * block_size
+        pinned = list(hits)
+        if partial is not None and partial[0] == len(hits) + len(wanted):
+            found = self.source(partial[1], invariant_only)
+            if isinstance(found, KVBlock):
+                pinned.append(found)
+            elif found is not None:
+                wanted.append(found)
         return self.start(owner, pinned, wanted, blocks_needed - len(pinned), reserve)
 
     def available(self, key: BlockKey) -> bool:
-        """The tier holds the key, or is reading it."""
+        """The tier holds the tier key, or is reading it."""
         return key in self.index or key in self.loading
+
+    def tier_source(self, key: BlockKey, invariant_only: bool = False) -> BlockKey | None:
+        """The tier key to read for a pool key: its batch-invariant copy, else (unless
+        invariant_only) its batch-dependent one; None where the tier has neither."""
+        for batch_invariant in (True, False)[:1 if invariant_only else 2]:
+            if self.available(tier_key(key, batch_invariant)):
+                return tier_key(key, batch_invariant)
+        return None
+
+    def source(self, key: BlockKey, invariant_only: bool = False) -> KVBlock | BlockKey | None:
+        """Where a pool key's block comes from: the pool's cached block, else the tier key to read."""
+        return self.pool.lookup(key, invariant_only) or self.tier_source(key, invariant_only)
+
+    def reading(self, key: BlockKey) -> bool:
+        """Some copy of the pool key's block is being read."""
+        return any(tier_key(key, b) in self.loading for b in (True, False))
 
     def start(self, owner: str, hits: list[KVBlock], wanted: list[BlockKey], new_blocks: int, reserve: int) -> bool:
         """Pin the request's pool hits and read `wanted` (tier keys) into new blocks, if its
@@ -199,6 +233,7 @@ class TierLink:
         stats = self.index.stats
         for key in loaded:
             block = self.loading.pop(key)
+            key, block.batch_invariant = pool_key(key)
             self.pool.cache(block, key)
             self.pool.release([block])
             stats.blocks_loaded += 1
