@@ -58,6 +58,9 @@ import torch  # noqa: E402
 
 # Every engine built in the tests checks the paging invariants after every step.
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
+# No grammar compile process started ahead for every engine (structured_outputs_warmup): the
+# tests that want one ask for it.
+os.environ.setdefault("PAGEDSERVE_GRAMMAR_WARMUP", "0")
 # Without a GPU, Triton kernels run under Triton's interpreter. Triton reads this when it
 # is first imported (importing transformers' models already does that), so it is set here,
 # first; on a CPU-only machine nothing else can use Triton, so no other test sees a change.

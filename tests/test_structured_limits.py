@@ -217,3 +217,47 @@ def test_failed_constraints_count_against_the_cache_too(compiler):
     assert c.num_compiles == 30
     again = c.compile(StructuredOutputsParams(grammar="root ::= r29\nr29 ::= r29"))
     assert again.done() and c.num_compiles == 30    # refused again at once, not recompiled
+
+
+def _wait_for(condition, what: str):
+    """Poll until `condition()` is true (WAIT seconds at most: a hang fails, not a slow machine)."""
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
+
+
+def test_the_engine_warms_the_grammar_compiler_and_its_process_at_start(tiny_llama):
+    """structured_outputs_warmup: at start a daemon thread builds the compiler and a compile
+    process, which the first structured request then uses (no process of its own started)."""
+    llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, structured_outputs_warmup=True)
+    try:
+        engine = llm.engine
+        _wait_for(lambda: engine._grammars is not None and engine._grammars.processes is not None
+                  and engine._grammars.processes.idle_pids, "a warmed compile process")
+        (warm,) = engine.grammars.processes.idle_pids
+        assert engine.grammars._compiler is not None and engine.grammars.num_compiles == 0
+        params = SamplingParams(temperature=0, max_tokens=4,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        (out,) = llm.generate(["b"], params, use_tqdm=False)
+        assert out.outputs[0].text in ("yes", "no")
+        assert engine.grammars.processes.pids == [warm]          # the trial compile ran in it
+    finally:
+        llm.shutdown()
+    assert not alive(warm)
+
+
+def test_an_engine_that_never_compiles_shuts_its_warm_up_down(tiny_llama):
+    """Shut down while the warm-up's process starts, or after it is ready: no process is left."""
+    for wait_ready in (False, True):
+        llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, structured_outputs_warmup=True)
+        engine = llm.engine
+        _wait_for(lambda: engine._grammars is not None and engine._grammars.processes is not None
+                  and (engine._grammars.processes.idle_pids if wait_ready else engine._grammars.processes.pids),
+                  "a compile process")
+        pids = engine.grammars.processes.pids
+        llm.shutdown()
+        assert pids and not any(alive(p) for p in pids)
+    off = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64)   # the tests' default: no warm-up
+    assert off.engine.config.structured_outputs_warmup is False and off.engine._grammars is None
+    off.shutdown()

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,22 +158,41 @@ class LLMEngine:
         self._request_counter = 0
         self._steps_without_progress = 0
         self._step_failures = 0            # steps failed as a whole in a row (recover)
-        self._grammars: GrammarCompiler | None = None   # built on the first structured request
+        self._grammars: GrammarCompiler | None = None   # built on the first structured request, or by the warm-up
+        self._grammars_lock = threading.Lock()           # the engine thread's first use, the warm-up, shutdown
+        self._shut_down = False
         self.on_grammar_ready: Callable[[], None] = lambda: None   # AsyncLLM wakes its thread
         self.num_steps = 0                 # step() calls so far (the dashboard's clock)
         self.step_observers: list[Callable[[], None]] = []   # called after each step (engine/kv_map.py)
+        if config.structured_outputs_warmup and not config.is_pooling:
+            threading.Thread(target=self._warm_grammars, name="pagedserve-grammar-warmup", daemon=True).start()
 
     @property
     def grammars(self) -> GrammarCompiler:
         """Compiles structured-output grammars off this thread (structured/manager.py)."""
-        if self._grammars is None:
-            c = self.config
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                             max_cache_bytes=c.structured_outputs_cache_bytes,
-                                             compile_timeout=c.structured_outputs_compile_timeout,
-                                             max_grammar_bytes=c.structured_outputs_max_grammar_bytes)
-            self._grammars.on_ready = lambda: self.on_grammar_ready()
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self._shut_down:
+                    raise RuntimeError("the engine is shut down")
+                self._grammars = self._new_grammars()
+            return self._grammars
+
+    def _new_grammars(self) -> GrammarCompiler:
+        c = self.config
+        grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                   max_cache_bytes=c.structured_outputs_cache_bytes,
+                                   compile_timeout=c.structured_outputs_compile_timeout,
+                                   max_grammar_bytes=c.structured_outputs_max_grammar_bytes)
+        grammars.on_ready = lambda: self.on_grammar_ready()
+        return grammars
+
+    def _warm_grammars(self) -> None:
+        """(A daemon thread at start.) Import xgrammar, read the vocabulary and start a compile
+        process now, so the first structured request does not wait for them (seconds under load)."""
+        try:
+            self.grammars.warm()
+        except Exception as e:   # noqa: BLE001 - the first structured request builds it and reports
+            logger.info("structured outputs: the warm-up did not run (%s); the first request builds it", e)
 
     # ---- setup helpers -------------------------------------------------------------------
     @staticmethod
@@ -402,8 +422,11 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (tensor parallelism) and the grammar compiles."""
-        if self._grammars is not None:
-            self._grammars.close()
+        with self._grammars_lock:   # (a warm-up after this builds nothing)
+            self._shut_down = True
+            grammars = self._grammars
+        if grammars is not None:
+            grammars.close()
         tier = self.scheduler.tier
         if tier is not None and self.config.kv_offload_path:   # the pool's cached blocks go to the disk tier, for the next start
             tier.save_cached()

@@ -62,12 +62,22 @@ class CompileJob:
 class ChildProcess:
     """One child process holding xgrammar's compiler over the tokenizer's vocabulary."""
 
-    def __init__(self, tokenizer_info_json: str) -> None:
+    def __init__(self, tokenizer_info_json: str, wait: bool = True) -> None:
+        """Start the child; `wait`: until it is ready (else call wait_ready())."""
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, "-P", __file__], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         try:
             _write(self.proc.stdin, tokenizer_info_json.encode())
+        except BaseException:
+            self.close()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the child has imported xgrammar and read the vocabulary (killed meanwhile: it raises)."""
+        try:
             if _read(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT) != b"ready":
                 raise RuntimeError("the grammar compile process did not start")
         except BaseException:
@@ -120,6 +130,7 @@ class CompileProcesses:
         self._lock = threading.Condition()
         self._idle: list[ChildProcess] = []
         self._starting = 0            # spares being started in the background
+        self._spawned: set[ChildProcess] = set()   # those of them whose process exists, not yet ready
         self._busy: set[ChildProcess] = set()
         self._closed = False
 
@@ -146,9 +157,24 @@ class CompileProcesses:
 
     @property
     def pids(self) -> list[int]:
-        """The children's process ids, idle and busy (for tests and the log)."""
+        """The children's process ids, idle, busy and starting (for tests and the log)."""
         with self._lock:
-            return [c.pid for c in self._idle] + [c.pid for c in self._busy]
+            return [c.pid for c in self._idle] + [c.pid for c in self._busy] + [c.pid for c in self._spawned]
+
+    @property
+    def idle_pids(self) -> list[int]:
+        """The ready children's waiting for a compile."""
+        with self._lock:
+            return [c.pid for c in self._idle]
+
+    def prestart(self) -> None:
+        """Start a child in the background now, unless one is ready or starting (the engine's
+        warm-up: the first compile then finds it, or waits for it rather than start another)."""
+        with self._lock:
+            if self._closed or self._idle or self._starting:
+                return
+            self._starting += 1
+        threading.Thread(target=self._start_spare, name="pagedserve-grammar-spare", daemon=True).start()
 
     def _take(self) -> ChildProcess:
         with self._lock:
@@ -190,14 +216,21 @@ class CompileProcesses:
             threading.Thread(target=self._start_spare, name="pagedserve-grammar-spare", daemon=True).start()
 
     def _start_spare(self) -> None:
-        child = None
+        child, ready = None, False
         try:
-            child = ChildProcess(self._info)
+            child = ChildProcess(self._info, wait=False)
+            with self._lock:   # close() kills it from here on
+                self._spawned.add(child)
+                closed = self._closed
+            if not closed:
+                child.wait_ready()
+                ready = True
         except Exception:   # noqa: BLE001 - the next compile starts one itself (and reports why not)
             pass
         with self._lock:       # handed over in the same breath: a waiting _take sees it
+            self._spawned.discard(child)
             self._starting -= 1
-            keep = child is not None and not self._closed and len(self._idle) < self.max_idle
+            keep = ready and not self._closed and len(self._idle) < self.max_idle
             if keep:
                 self._idle.append(child)
             self._lock.notify_all()
@@ -208,12 +241,12 @@ class CompileProcesses:
         """Kill every child, busy ones too (their compiles fail; their threads close them)."""
         with self._lock:
             self._closed = True
-            idle, busy = list(self._idle), list(self._busy)
+            idle, busy = list(self._idle), list(self._busy) + list(self._spawned)
             self._idle.clear()
             self._lock.notify_all()
         for child in idle:
             child.close()
-        for child in busy:
+        for child in busy:     # (a starting one's thread closes it)
             child.kill()
 
 

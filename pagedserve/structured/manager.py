@@ -209,6 +209,21 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
+    def warm(self) -> Future:
+        """Build xgrammar's compiler over the vocabulary and start a trial compile's child now, on
+        a pool thread (the child starts on one of its own), so that the first structured request
+        waits for neither (engine start: LLMEngine's structured_outputs_warmup)."""
+        def build() -> None:
+            self._xgrammar_compiler()
+            if self._processes is not None:
+                self._processes.prestart()
+        return self._pool.submit(build).future
+
+    @property
+    def processes(self) -> CompileProcesses | None:
+        """The trial compiles' children (None before the first compile or warm-up, or without a limit)."""
+        return self._processes
+
     def new_state(self, params: StructuredOutputsParams) -> "StructuredState":
         entry = self._acquire(params)
         return StructuredState(entry.future, self.stop_token_ids, bitmask_width(self.vocab_size),
