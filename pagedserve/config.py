@@ -43,7 +43,7 @@ QUANTIZATIONS = ("gguf", "q8_0", "q4_0")
 # request (its output must reproduce); on: every step; off: none.
 BATCH_INVARIANT = ("auto", "on", "off")
 BATCH_INVARIANT_ENV = "PAGEDSERVE_BATCH_INVARIANT"     # 1: on, 0: off (the default when unset)
-GRAMMAR_WARMUP_ENV = "PAGEDSERVE_GRAMMAR_WARMUP"       # 0: structured_outputs_warmup off by default (the tests)
+GRAMMAR_WARMUP_ENV = "PAGEDSERVE_GRAMMAR_WARMUP"       # 0: the server's structured_outputs_warmup off (the tests)
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
@@ -115,6 +115,12 @@ def setting(default: Any = MISSING, help: str = "", *, default_factory: Callable
     flag names (vLLM's); `flag=False` keeps it off the command line."""
     metadata = dict(help=help, choices=choices, parse=parse, aliases=aliases, flag=flag, show_default=show_default)
     return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def server_grammar_warmup() -> bool:
+    """The server's structured_outputs_warmup where the config leaves it None: on (its first
+    structured request should not wait for xgrammar), unless $PAGEDSERVE_GRAMMAR_WARMUP is 0."""
+    return os.environ.get(GRAMMAR_WARMUP_ENV, "") != "0"
 
 
 def _one_of(name: str, value, choices: tuple) -> None:
@@ -240,11 +246,12 @@ class EngineConfig:
     structured_outputs_cache_bytes: int = setting(256 * 1024**2, "memory of the cache of compiled grammars "
                                                                  "(xgrammar's size of each), least recently used "
                                                                  "evicted", parse=parse_size)
-    # None: on unless $PAGEDSERVE_GRAMMAR_WARMUP is 0 (the tests set it: no child per engine).
+    # None: the server's default (server_grammar_warmup: on unless $PAGEDSERVE_GRAMMAR_WARMUP is 0,
+    # which the tests set: no child per engine); offline (LLM, generate, benchmarks) off.
     structured_outputs_warmup: bool | None = setting(None, "at start, in the background, load xgrammar and start a "
                                                            "grammar compile process, so the first structured "
-                                                           "request waits for neither; default: on unless "
-                                                           "$PAGEDSERVE_GRAMMAR_WARMUP is 0")
+                                                           "request waits for neither; default: on in the server "
+                                                           "unless $PAGEDSERVE_GRAMMAR_WARMUP is 0, off offline")
 
     # vLLM's flags of the API surface (issue 33): accepted with vLLM's meaning, or with a log line
     # saying how pagedserve differs.
@@ -320,8 +327,6 @@ class EngineConfig:
             env = os.environ.get(BATCH_INVARIANT_ENV, "")
             self.batch_invariant = {"1": "on", "0": "off"}.get(env, "auto")
         _one_of("batch_invariant", self.batch_invariant, BATCH_INVARIANT)
-        if self.structured_outputs_warmup is None:
-            self.structured_outputs_warmup = os.environ.get(GRAMMAR_WARMUP_ENV, "") != "0"
         if not 0 <= self.admission_watermark < 1:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         _one_of("kv_allocator", self.kv_allocator, KV_ALLOCATORS)

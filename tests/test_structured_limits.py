@@ -5,6 +5,7 @@ so real xgrammar compiles stay fast; slow compiles are a real schema that is slo
 (tests/fault_server.py's slow_schema), or simulated by blocking `_compile`."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -14,6 +15,9 @@ import pytest
 import xgrammar
 
 from pagedserve import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
+from pagedserve.config import EngineConfig, server_grammar_warmup
+from pagedserve.server.app import make_engine_client
+from pagedserve.server.config import ServerConfig
 from pagedserve.structured.manager import GrammarCompiler
 from tests.fault_server import slow_schema
 
@@ -258,6 +262,31 @@ def test_an_engine_that_never_compiles_shuts_its_warm_up_down(tiny_llama):
         pids = engine.grammars.processes.pids
         llm.shutdown()
         assert pids and not any(alive(p) for p in pids)
-    off = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64)   # the tests' default: no warm-up
-    assert off.engine.config.structured_outputs_warmup is False and off.engine._grammars is None
+    off = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64)   # offline: no warm-up by default
+    assert off.engine.config.structured_outputs_warmup is None and off.engine._grammars is None
     off.shutdown()
+
+
+def test_the_server_warms_up_unless_the_environment_says_0(tiny_llama, monkeypatch):
+    """The server's engine (make_engine_client) warms up by default; offline engines do not."""
+    monkeypatch.setenv("PAGEDSERVE_GRAMMAR_WARMUP", "0")        # (the tests' setting: conftest.py)
+    assert not server_grammar_warmup()
+    monkeypatch.delenv("PAGEDSERVE_GRAMMAR_WARMUP")
+
+    async def serve() -> list[int]:
+        config = EngineConfig(model=tiny_llama.path, dtype="float32", num_gpu_blocks_override=64)
+        llm, _ = make_engine_client(config, ServerConfig())
+        llm.start()
+        await llm.wait_started()
+        try:
+            assert config.structured_outputs_warmup is True
+            deadline = time.monotonic() + WAIT
+            while not (llm.engine._grammars and llm.engine._grammars.processes
+                       and llm.engine._grammars.processes.idle_pids):
+                assert time.monotonic() < deadline, "never: a warmed compile process"
+                await asyncio.sleep(0.02)
+            return llm.engine.grammars.processes.pids
+        finally:
+            await llm.shutdown()
+    pids = asyncio.run(serve())
+    assert pids and not any(alive(p) for p in pids)

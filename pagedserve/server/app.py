@@ -25,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import pagedserve
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, server_grammar_warmup
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.server.config import ServerConfig
@@ -337,6 +337,8 @@ def make_engine_client(config: EngineConfig, s: ServerConfig) -> tuple[EngineCli
     """One AsyncLLM, or with data_parallel_size > 1 the replicas behind a router (same calls)."""
     names = s.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     log_interval = None if s.disable_log_stats else s.log_stats_interval
+    if config.structured_outputs_warmup is None:
+        config.structured_outputs_warmup = server_grammar_warmup()
     if s.data_parallel_size == 1:
         metrics = PrometheusStatLogger(names[0], prefix=s.metrics_prefix)
         return AsyncLLM(config, [metrics], log_interval=log_interval,
