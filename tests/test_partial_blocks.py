@@ -44,6 +44,24 @@ def test_a_prompt_that_continues_the_tokens_takes_the_partial_block_over():
     kv.check_invariants()
 
 
+def test_a_greedy_prompt_under_auto_takes_a_partial_block_only_if_batch_invariant_steps_computed_it():
+    """(batch_invariant auto, issue 51.) A partial block left by a sequence whose last block a step
+    of sampled requests only computed is not taken by a greedy request's admission (invariant_only);
+    a sampled one takes it, and the block it fills stays batch-dependent."""
+    kv = KVCacheManager(num_blocks=8, block_size=B, partial_blocks=True)
+    kv.allocate(1, HISTORY, 0, 8)
+    kv.allocate(1, HISTORY, 8, 2)
+    kv.mark_batch_dependent([(1, 8)])
+    kv.free(1, HISTORY, COMPUTED)
+    prompt = HISTORY + [7, 8]
+    assert kv.admit(2, prompt, 32, invariant_only=True) == 8    # the full blocks, not the partial one
+    assert kv.admit(3, prompt, 32) == COMPUTED
+    kv.allocate(3, prompt, COMPUTED, 3)
+    assert not kv.tables[3][2].batch_invariant and kv.lookup_prefix(prompt + [9], invariant_only=True) == \
+        kv.tables[3][:2]
+    kv.check_invariants()
+
+
 @pytest.mark.parametrize("prompt,salt,hit", [
     (HISTORY[:9] + [5, 6, 7], None, 8),        # differs in the partial block's tokens
     (HISTORY[:10], None, 8),                   # its last token would be a hit: always computed
