@@ -168,6 +168,16 @@ class EngineConfig:
                                           parse=parse_human_int)
     preemption_mode: str = setting("recompute", "what preemption does with a request's KV blocks",
                                    choices=PREEMPTION_MODES)
+    # Short prefills beside long ones (vLLM's names): a prompt with more than the threshold left to
+    # compute after its prefix-cache hits is long; each step computes at most the threshold of any
+    # prefill, and at most max_long_partial_prefills long ones are in progress (a waiting long
+    # prompt keeps its place while shorter ones, e.g. mostly cached, are admitted past it). 0: off.
+    long_prefill_token_threshold: int = setting(0, "a prefill with more tokens left than this is long: each step "
+                                                   "computes at most this many of a prefill (0: no limit)",
+                                                parse=parse_human_int)
+    max_num_partial_prefills: int = setting(0, "most prompts being prefilled at once (0: no limit)")
+    max_long_partial_prefills: int = setting(1, "most long prompts (long_prefill_token_threshold) being prefilled "
+                                                "at once; shorter ones are admitted past a waiting long one")
     # Admission control: a new prompt waits while admitting it (all its prompt blocks) would leave
     # fewer than this share of the KV blocks free for running requests to grow into. Not applied
     # when nothing runs (the liveness argument in scheduler.py). vLLM's V0 scheduler kept 1%; 5%
@@ -320,6 +330,12 @@ class EngineConfig:
             # Every running sequence must be able to decode one token per step (refused, as vLLM does).
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes a token in each step")
+        if self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 0:
+            bad = "long_prefill_token_threshold" if self.long_prefill_token_threshold < 0 else "max_num_partial_prefills"
+            raise ValueError(f"{bad} must be >= 0 (0: no limit), got {getattr(self, bad)}")
+        if not 1 <= self.max_long_partial_prefills <= (self.max_num_partial_prefills or self.max_long_partial_prefills):
+            raise ValueError(f"max_long_partial_prefills must be >= 1 and at most max_num_partial_prefills "
+                             f"(when set), got {self.max_long_partial_prefills}")
         if self.watchdog_steps < 0:
             raise ValueError(f"watchdog_steps must be >= 0 (0: off), got {self.watchdog_steps}")
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

@@ -5,7 +5,12 @@ tokens that catches up with its token count. Each step, running requests go
 first (decodes, then unfinished chunked prefills), then waiting requests in
 arrival order, all under `max_num_seqs` and a token budget
 (`max_num_batched_tokens`); a prompt longer than what is left of the budget is
-split over several steps (chunked prefill). Admission control: while others run, a new
+split over several steps (chunked prefill). Short prefills beside long ones (vLLM's
+`long_prefill_token_threshold`, off at 0): a prefill computes at most the threshold in a step,
+and a waiting prompt with more than it left after its prefix-cache hits (long) keeps its place
+while `max_long_partial_prefills` long ones are in progress, so that shorter prompts (a chat
+turn mostly cached in the pool or the tier) are admitted past it instead of queueing behind long
+chunks; `max_num_partial_prefills` bounds the prompts in progress. Admission control: while others run, a new
 prompt waits if admitting it would leave fewer than `admission_watermark` of the blocks free
 (room for the running requests to grow into). When a running request needs a
 block and none is free, the most recently admitted request is preempted, with all
@@ -45,7 +50,8 @@ unfinished requests never schedules nothing. Why:
    So it computes a token, and, never preempted, never loses one: it finishes within
    as many steps as it has tokens to compute.
 4. With nothing running, the oldest swapped request is swapped in, or else the first
-   waiting one admitted, with the whole pool and budget: by 1, it fits. (A request whose
+   waiting one admitted, with the whole pool and budget: by 1, it fits (no prefill is in
+   progress then, so neither partial-prefill limit holds it back). (A request whose
    grammar is still compiling is passed over, keeping its place; a compile ends, and then
    the request is admitted like any other, or failed by the engine if it did not compile.
    Admission control holds a new prompt back only while others run: the watermark is not
@@ -62,7 +68,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence as Seq
+from collections.abc import Collection, Sequence as Seq
 from dataclasses import dataclass, field
 
 from pagedserve.batch import (MODEL_DRAFT, PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow,
@@ -78,6 +84,7 @@ from pagedserve.kv.tier import TierIndex, TierLink
 from pagedserve.lora.adapter import LoRAReadError
 from pagedserve.lora.slots import LoRASlots
 from pagedserve.outputs import Logprob
+from pagedserve.queue_view import QueueView
 from pagedserve.request import Request, RequestStatus, Sequence
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -157,47 +164,6 @@ class StepUpdate:
 
 
 Plan = list[tuple[Sequence, int]]
-
-
-class QueueView:
-    """A read-only view of a scheduler's queues, for those who look but never change them: the
-    stats, the dashboard's snapshot, the watchdog and the grammar waits (`Scheduler.queues`).
-    It copies nothing: read it on the engine's thread, between steps."""
-
-    def __init__(self, sched: "Scheduler") -> None:
-        self._sched = sched
-
-    @property
-    def num_running(self) -> int:
-        return len(self._sched.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._sched.waiting)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self._sched.swapped)
-
-    def by_status(self) -> Iterator[tuple[str, Request]]:
-        """Every unfinished request with its queue's name: running, swapped, then waiting."""
-        s = self._sched
-        for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
-            for req in queue:
-                yield status, req
-
-    def waiting_for_grammars(self) -> list[Request]:
-        """Waiting requests whose grammar is still compiling."""
-        return [r for r in self._sched.waiting if r.waiting_for_grammar]
-
-    def failed_grammars(self) -> list[Request]:
-        """Waiting requests whose grammar failed to compile."""
-        return [r for r in self._sched.waiting if r.structured is not None and r.structured.error is not None]
-
-    def only_waiting_for_grammars(self) -> bool:
-        """Every unfinished request waits for its grammar: a step would do nothing."""
-        s = self._sched
-        return bool(s.waiting) and not s.running and not s.swapped and all(r.waiting_for_grammar for r in s.waiting)
 
 
 class Scheduler:
@@ -388,6 +354,8 @@ class Scheduler:
         # compiling, or whose LoRA adapter has no slot (all max_loras hold adapters that
         # admitted requests use), keeps its place and is passed over.
         compiling: list[Request] = []
+        prefilling = [r for r in self.running if not self._is_decoding(r)]
+        num_prefills, num_long = len(prefilling), sum(self._is_long(r) for r in prefilling)
         while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             req = self.waiting[0]
             if req.waiting_for_grammar or (req.lora is not None and not self.loras.can_acquire(req.lora)):
@@ -402,6 +370,13 @@ class Scheduler:
             if self.tier is not None and self._wait_for_tier(req):
                 compiling.append(self.waiting.popleft())
                 continue
+            if 0 < self.config.max_num_partial_prefills <= num_prefills:
+                break
+            threshold = self.config.long_prefill_token_threshold
+            long = 0 < threshold < self._left_after_hits(req)
+            if long and num_long >= self.config.max_long_partial_prefills:
+                compiling.append(self.waiting.popleft())   # a long slot frees up: it comes first again
+                continue
             admitted = self._admit(req, budget)
             if admitted is None:
                 break          # out of blocks: stop admitting
@@ -412,6 +387,7 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             num_seqs += req.max_seqs
+            num_prefills, num_long = num_prefills + 1, num_long + long
             budget -= self._add(out, req, plan, copies)
         self.waiting.extendleft(reversed(compiling))
         self._record_usage()
@@ -538,25 +514,41 @@ class Scheduler:
     def _is_decoding(self, req: Request) -> bool:
         return all(s.num_computed_tokens >= s.num_tokens - 1 for s in req.live_seqs)
 
+    def _is_long(self, req: Request) -> bool:
+        """A running prefill with more than long_prefill_token_threshold tokens left (never, at 0)."""
+        seq = req.live_seqs[0]
+        return 0 < self.config.long_prefill_token_threshold < seq.num_tokens - seq.num_computed_tokens
+
+    def _left_after_hits(self, req: Request) -> int:
+        """The tokens a waiting request would compute after its prefix-cache hits (its first
+        sequence's; the lookup changes nothing)."""
+        seq = req.live_seqs[0]
+        tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
+        if req.computes_every_prompt_token:
+            return len(tokens)
+        return len(tokens) - self.kv.cached_prefix_len(tokens, kv_salt(req.cache_salt, req.lora_key),
+                                                       self._needs_invariant_blocks(req))
+
     def _plan(self, req: Request, budget: int) -> Plan:
         """How many tokens each live sequence of the request computes this step (changes nothing)."""
         live = req.live_seqs
         for seq in live:
             self._drafts.pop(seq.seq_id, None)
+        chunk = min(budget, self.config.long_prefill_token_threshold or budget)   # a prefill's most a step
         if req.leader_only:
             leader = live[0]
             short = leader.num_prompt_tokens - 1 - leader.num_computed_tokens
             assert short > 0, "_fork_if_ready attaches the followers first"
-            return [(leader, min(short, budget))]
+            return [(leader, min(short, chunk))]
         if len(live) == 1:
             seq = live[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, chunk)
             if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1:
                 self._propose(req, seq, budget - 1)
             return [(seq, n)] if n > 0 else []
         plan: Plan = []
         for seq in live:   # catch up to one token short of the end
-            n = min(seq.num_tokens - 1 - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - 1 - seq.num_computed_tokens, budget, chunk)
             if n > 0:
                 plan.append((seq, n))
                 budget -= n

@@ -46,6 +46,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "scheduler.py": UPPER + ("pagedserve.engine", "pagedserve.cluster", "pagedserve.executor", "pagedserve.worker",
                              "pagedserve.models", "pagedserve.attention", "pagedserve.kernels", "pagedserve.sim",
                              "torch", "tokenizers", "transformers"),
+    # The scheduler's read-only view of its queues: the same room.
+    "queue_view.py": UPPER + ("pagedserve.engine", "pagedserve.cluster", "pagedserve.executor", "pagedserve.worker",
+                              "pagedserve.models", "pagedserve.attention", "pagedserve.kernels", "torch"),
     "request.py": UPPER + ("pagedserve.engine", "pagedserve.scheduler", "pagedserve.cluster", "pagedserve.worker",
                            "pagedserve.executor", "torch"),
     "invariants.py": UPPER + ("pagedserve.engine", "pagedserve.cluster", "pagedserve.worker", "torch"),

@@ -52,9 +52,10 @@ HAS_SWAP = "num_host_blocks" in inspect.signature(Scheduler).parameters
 class PagingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 32), block_size=st.sampled_from([1, 2, 4, 4]),
                 budget=st.integers(1, 24), max_seqs=st.sampled_from([1, 2, 3, 4, 6, 8]), caching=st.booleans(),
-                partial=st.booleans(), spec_k=st.sampled_from([0, 0, 1, 3]), method=st.sampled_from(["ngram", "suffix", "draft_model"]),
+                partial=st.booleans(), long=st.sampled_from([0, 0, 2, 5]), spec_k=st.sampled_from([0, 0, 1, 3]), method=st.sampled_from(["ngram", "suffix", "draft_model"]),
                 **({"num_host_blocks": st.sampled_from([0, 0, 4, 16])} if HAS_SWAP else {}))
-    def setup(self, num_blocks, block_size, budget, max_seqs, caching, partial, spec_k, method, num_host_blocks=0):
+    def setup(self, num_blocks, block_size, budget, max_seqs, caching, partial, long, spec_k, method,
+              num_host_blocks=0):
         # spec_k > 0: n-gram or suffix drafts (the tiny vocabulary repeats, so they come often),
         # or a draft model's (random tokens, its KV in a second shadow), verified by
         # _model_output with a random number accepted.
@@ -66,6 +67,7 @@ class PagingMachine(RuleBasedStateMachine):
         config = EngineConfig(block_size=block_size, max_num_batched_tokens=max(budget, max_seqs),
                               max_num_seqs=max_seqs,
                               enable_prefix_caching=caching, enable_partial_block_caching=partial,
+                              long_prefill_token_threshold=long,
                               speculative_config=spec,
                               preemption_mode="swap" if num_host_blocks else "recompute")
         self.sched = Scheduler(config, num_blocks, num_host_blocks=num_host_blocks, eos_token_ids={EOS})

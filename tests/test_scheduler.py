@@ -325,15 +325,16 @@ def test_swap_preemption_finishes_everything_without_leaks(reqs, num_blocks, blo
                                st.integers(0, 12)), min_size=1, max_size=8),
        num_blocks=st.integers(8, 30), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(4, 40),
        max_seqs=st.integers(3, 8), caching=st.booleans(), num_host_blocks=st.sampled_from([0, 0, 4, 16]),
-       watermark=st.sampled_from([0.0, 0.01, 0.1, 0.3]))
+       watermark=st.sampled_from([0.0, 0.01, 0.1, 0.3]), long=st.sampled_from([0, 0, 1, 3, 8]),
+       max_long=st.integers(1, 2), max_partial=st.sampled_from([0, 0, 2]))
 # Found by this test before the oldest request went first: newer requests' decodes took the
 # blocks, and the oldest request, a chunked prefill, preempted itself (and the step ran nothing).
 @example(reqs=[(1, 12, 1, 0), (7, 11, 2, 0), (25, 5, 2, 0)], num_blocks=25, block_size=2, budget=9, max_seqs=5,
-         caching=True, num_host_blocks=0, watermark=0.0)
+         caching=True, num_host_blocks=0, watermark=0.0, long=0, max_long=1, max_partial=0)
 @example(reqs=[(1, 5, 1, 0), (10, 4, 2, 0), (4, 2, 1, 0)], num_blocks=11, block_size=2, budget=13, max_seqs=3,
-         caching=False, num_host_blocks=0, watermark=0.0)
+         caching=False, num_host_blocks=0, watermark=0.0, long=0, max_long=1, max_partial=0)
 def test_the_oldest_request_advances_every_step(reqs, num_blocks, block_size, budget, max_seqs, caching,
-                                                num_host_blocks, watermark):
+                                                num_host_blocks, watermark, long, max_long, max_partial):
     """Liveness, over the fuzzer's space with requests arriving while others run (the last
     number is the step a request arrives at): every step with work schedules tokens, the
     oldest running request computes a token in every step and is never preempted
@@ -343,7 +344,8 @@ def test_the_oldest_request_advances_every_step(reqs, num_blocks, block_size, bu
                                    max_num_seqs=max_seqs,
                                    enable_prefix_caching=caching,
                                    preemption_mode="swap" if num_host_blocks else "recompute",
-                                   admission_watermark=watermark),
+                                   admission_watermark=watermark, long_prefill_token_threshold=long,
+                                   max_long_partial_prefills=max_long, max_num_partial_prefills=max_partial),
                       num_blocks, num_host_blocks=num_host_blocks)
     arrivals = sorted(enumerate(reqs), key=lambda r: r[1][3])
     steps_as_head: Counter = Counter()

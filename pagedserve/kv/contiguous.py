@@ -196,6 +196,10 @@ class ContiguousKVCacheManager(PoolCapacity):
         self.set_max_len(seq_id, max_len)
         return 0
 
+    def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None = None,
+                          invariant_only: bool = False) -> int:
+        return 0
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens
         self.prefix_stats.hits += num_hit_tokens

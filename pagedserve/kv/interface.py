@@ -137,6 +137,10 @@ class KVCache(Protocol):
         of `token_ids` (invariant_only: of blocks that batch-invariant steps computed); returns
         the number of tokens they hold (computed already)."""
 
+    def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None, invariant_only: bool) -> int:
+        """The tokens `admit` would take from the prefix cache now (changes nothing; invariant_only
+        as `admit`'s)."""
+
     def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
         """Room for every request's new tokens, all or nothing: the copy-on-write copies the
         worker must do before the step, or None (nothing changed) when blocks are short."""

@@ -337,8 +337,20 @@ class KVCacheManager(PoolCapacity):
         """Start the sequence's tables with the cached blocks of its longest cached prefix of
         `token_ids` (invariant_only: of blocks batch-invariant steps computed); returns the tokens
         they hold. Paging reserves nothing ahead (`max_len`)."""
-        hit = self.lookup_prefix_hit(token_ids, cache_salt, invariant_only) if use_prefix_cache else None
-        if hit is not None and self.partial_blocks:   # a free cached partial block after the full hits
+        hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only) if use_prefix_cache else None
+        self.allocate(seq_id, token_ids, 0, 0, prefix=hit, cache_salt=cache_salt)
+        return hit.num_blocks * self.block_size + hit.partial_tokens if hit else 0
+
+    def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None = None,
+                          invariant_only: bool = False) -> int:
+        """The tokens `admit` would take from the prefix cache now (changes nothing)."""
+        hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only)
+        return hit.num_blocks * self.block_size + hit.partial_tokens
+
+    def _lookup_with_partial(self, token_ids: list[int], cache_salt: str | None, invariant_only: bool) -> PrefixHit:
+        """`lookup_prefix_hit`, and with partial blocks a free cached one after its full blocks."""
+        hit = self.lookup_prefix_hit(token_ids, cache_salt, invariant_only)
+        if self.partial_blocks:
 
             def free_cached(key: BlockKey) -> bool:
                 block = self.pool.lookup(key, invariant_only)
@@ -347,8 +359,7 @@ class KVCacheManager(PoolCapacity):
             found = self._partial_key(token_ids, cache_salt, hit.keys, free_cached)
             if found:
                 hit.partial, hit.partial_tokens = self.pool.lookup(found[0]), found[1]
-        self.allocate(seq_id, token_ids, 0, 0, prefix=hit, cache_salt=cache_salt)
-        return hit.num_blocks * self.block_size + hit.partial_tokens if hit else 0
+        return hit
 
     def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
         if self.hybrid:   # blocks behind a window are free for this step's tokens
