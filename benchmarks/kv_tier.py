@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/kv_tier.py --model tinyllama-1.1b --load-format dummy --quantization q4_0
     # a larger model, one run per call (each within a 5-minute timed run), the same --dir throughout:
     .venv/bin/python benchmarks/kv_tier.py --model M.gguf --warm --dir /tmp/t --part no-tier   # then tier, restart
+    # a part too long for one run: --turn-range 0:2, then 2:4 (each a fresh engine, the results added up)
 
 Sessions share a long system prompt and tool list (--system tokens); each turn sends the session's
 whole history (system, then per earlier turn its user message and the model's answer) plus a new
@@ -84,18 +85,39 @@ def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
     wall = time.perf_counter() - start
     print(f"  {len(ttfts)} requests in {wall:.1f} s, mean TTFT {1000 * statistics.fmean(ttfts):.0f} ms", flush=True)
     stats = llm.kv_cache_stats()
-    queries = stats.get("kv_offload_queries", 0)
-    return dict(requests=len(ttfts), mean_ttft_s=statistics.fmean(ttfts), median_ttft_s=statistics.median(ttfts),
-                wall_s=wall, output_tok_s=generated / wall, requests_s=len(ttfts) / wall, prompt_tokens=prompt_tokens,
-                prefix_cache_hit_rate=stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]),
-                tier_hit_rate=stats.get("kv_offload_hits", 0) / queries if queries else None,
-                tier_blocks_loaded=stats.get("kv_offload_blocks_loaded"),
-                tier_blocks_saved=stats.get("kv_offload_blocks_saved"),
-                tier_load_failures=stats.get("kv_offload_load_failures"),
-                tier_bytes_read=stats.get("kv_offload_bytes_read"),
-                tier_host_loads=stats.get("kv_offload_host_loads"),
-                tier_bytes_read_per_s=stats.get("kv_offload_bytes_read", 0) / wall if queries else None,
-                num_evicted_blocks=stats["num_evicted_blocks"])
+    raw = dict(ttfts=ttfts, wall_s=wall, generated=generated, prompt_tokens=prompt_tokens,
+               prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
+               num_evicted_blocks=stats["num_evicted_blocks"], tiered="kv_offload_queries" in stats)
+    raw.update({k: stats.get("kv_offload_" + k, 0) for k in TIER_COUNTERS})
+    return summarize(raw)
+
+
+TIER_COUNTERS = ("queries", "hits", "blocks_loaded", "blocks_saved", "load_failures", "bytes_read", "host_loads")
+
+
+def summarize(raw: dict) -> dict:
+    """A run's reported figures from its raw totals (one engine's, or several parts' added up)."""
+    ttfts, wall, tiered = raw["ttfts"], raw["wall_s"], raw["tiered"]
+    queries = raw["queries"]
+    return dict(raw, requests=len(ttfts), mean_ttft_s=statistics.fmean(ttfts), median_ttft_s=statistics.median(ttfts),
+                output_tok_s=raw["generated"] / wall, requests_s=len(ttfts) / wall,
+                prefix_cache_hit_rate=raw["prefix_cache_hits"] / max(1, raw["prefix_cache_queries"]),
+                tier_hit_rate=raw["hits"] / queries if tiered and queries else None,
+                tier_blocks_loaded=raw["blocks_loaded"] if tiered else None,
+                tier_blocks_saved=raw["blocks_saved"] if tiered else None,
+                tier_load_failures=raw["load_failures"] if tiered else None,
+                tier_bytes_read=raw["bytes_read"] if tiered else None,
+                tier_host_loads=raw["host_loads"] if tiered else None,
+                tier_bytes_read_per_s=raw["bytes_read"] / wall if tiered and queries else None)
+
+
+def merge(earlier: dict | None, later: dict) -> dict:
+    """Two parts of one run (--turn-range: turns run by separate engines, one after the other)."""
+    if earlier is None:
+        return later
+    raw = {k: earlier[k] + later[k] for k in ("ttfts", "wall_s", "generated", "prompt_tokens", "prefix_cache_queries",
+                                              "prefix_cache_hits", "num_evicted_blocks", *TIER_COUNTERS)}
+    return summarize(dict(raw, tiered=later["tiered"]))
 
 
 def read_bandwidth(directory: str) -> dict:
@@ -175,6 +197,9 @@ def main() -> None:
     ap.add_argument("--partial-blocks", action="store_true",
                     help="--enable-partial-block-caching in every run: a turn takes over the previous answer's "
                          "last, partly computed block instead of computing its tokens again")
+    ap.add_argument("--turn-range", default=None, metavar="A:B",
+                    help="with --part no-tier or tier: only turns A..B-1 (a fresh engine; the sessions go on from the "
+                         "part before, the results add up), so a larger run fits 5-minute timed parts")
     ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
     ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
     args = ap.parse_args()
@@ -182,6 +207,9 @@ def main() -> None:
         args.sessions, args.turns, args.out = 8, 2, str(RESULTS / "kv_tier_quick.json")
     if args.part != "all" and args.dir is None:
         ap.error("--part needs --dir")
+    first, last = map(int, args.turn_range.split(":")) if args.turn_range else (0, args.turns)
+    if args.turn_range and (args.part not in ("no-tier", "tier") or not 0 <= first < last <= args.turns):
+        ap.error("--turn-range A:B needs --part no-tier or tier and 0 <= A < B <= --turns")
     B = 16
     working_set = cdiv(args.system, B) + args.sessions * cdiv(args.turns * (args.user + args.answer), B)
     # At least the shared prompt and --concurrency requests' histories (the last turn's, with its
@@ -194,29 +222,31 @@ def main() -> None:
                       args.user + args.answer), enable_partial_block_caching=args.partial_blocks)
     tier_dir = args.dir or tempfile.mkdtemp(prefix="kv_tier_bench_")
     state = Path(tier_dir) / "sessions"
-    if args.part in ("all", "no-tier"):
+    if args.part in ("all", "no-tier") and first == 0:
         shutil.rmtree(tier_dir, ignore_errors=True)
         state.mkdir(parents=True)
     tier = dict(engine, kv_offload_path=tier_dir, kv_offload_gb=64, kv_offload_cpu_gb=args.cpu_gb)
-    previous = json.loads(Path(args.out).read_text()) if args.part not in ("all", "no-tier") and \
+    previous = json.loads(Path(args.out).read_text()) if (args.part not in ("all", "no-tier") or first > 0) and \
         Path(args.out).exists() else {}
     runs, same_tokens = dict(previous.get("runs", {})), dict(previous.get("same_tokens", {}))
 
+    turns = range(first, last)
     if args.part in ("all", "no-tier"):
         llm = LLM(**engine)
-        sessions = make_sessions(args, llm.engine.vocab_size)
-        save_sessions(state / "start.json", sessions)
-        base = copy_sessions(sessions)
+        if first == 0:
+            sessions = make_sessions(args, llm.engine.vocab_size)
+            save_sessions(state / "start.json", sessions)
+        base = copy_sessions(sessions if first == 0 else load_sessions(state / "no_tier.json"))
         warm_shared_prompt(llm, base, args)
-        runs["no tier"] = run_turns(llm, base, range(args.turns), args)
+        runs["no tier"] = merge(runs.get("no tier") if first else None, run_turns(llm, base, turns, args))
         save_sessions(state / "no_tier.json", base)
         del llm
     if args.part in ("all", "tier"):
-        sessions = load_sessions(state / "start.json")
+        sessions = load_sessions(state / ("start.json" if first == 0 else "tier.json"))
         llm = LLM(**tier)
         tiered = copy_sessions(sessions)
         warm_shared_prompt(llm, tiered, args)
-        runs["tier"] = run_turns(llm, tiered, range(args.turns), args)
+        runs["tier"] = merge(runs.get("tier") if first else None, run_turns(llm, tiered, turns, args))
         same_tokens["tier vs no tier"] = same_share(load_sessions(state / "no_tier.json"), tiered)
         save_sessions(state / "tier.json", tiered)
         llm.shutdown()
