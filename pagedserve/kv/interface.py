@@ -137,7 +137,7 @@ class KVCache(Protocol):
         of `token_ids` (invariant_only: of blocks that batch-invariant steps computed); returns
         the number of tokens they hold (computed already)."""
 
-    def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None, invariant_only: bool) -> int:
+    def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None, invariant_only: bool = False) -> int:
         """The tokens `admit` would take from the prefix cache now (changes nothing; invariant_only
         as `admit`'s)."""
 
