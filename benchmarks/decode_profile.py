@@ -112,7 +112,9 @@ def main() -> None:
     head_bytes = weight_nbytes(model.lm_head)
     best = min(rounds, key=lambda p: p["step"])
     print(f"{model_path}: {(layer_bytes + head_bytes) / 1e6:.0f} MB of weights a token "
-          f"(layers {layer_bytes / 1e6:.0f}, LM head {head_bytes / 1e6:.0f}); read bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"(layers {layer_bytes / 1e6:.0f}, LM head {head_bytes / 1e6:.0f}); read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"({torch.get_num_threads()} threads, SIMD flags "
+          f"{' '.join(sorted(f for f in cpu.cpu_flags() if f.startswith(('avx', 'amx', 'fma', 'f16c'))))})")
     keys = ["step", "median_step", "layer_loop", "forward_rest", "lm_head", "sampler", "prepare", "runner_rest",
             "engine_rest"]
     print(f"{'ms a step':<14}" + "".join(f"{k:>13}" for k in keys))

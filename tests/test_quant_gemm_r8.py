@@ -56,3 +56,22 @@ def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants():
                 assert torch.equal(quant.linear(x, r)[::37], alone), variant
             finally:
                 quant.set_batch_invariant(False)
+
+
+@pytest.mark.parametrize("code,sign", [(0, 1.0), (63, -1.0), (0, -1.0), (63, 1.0)])
+def test_q6_k_gemm_at_the_16_bit_limits(code, sign):
+    """Every q6_k code at one end (q - 32 = -32 or 31) against activations all at +-127: the GEMM's
+    16-bit sums of 8 products per lane (gemm_q6_rows) reach +-32512 and must still equal the dots."""
+    rows, cols = 16, 512
+    blocks = torch.zeros(rows, cols // 256, 210, dtype=torch.uint8)
+    blocks[..., :192] = 0xFF if code == 63 else 0          # ql, qh: every code `code`
+    blocks[..., 192:208] = torch.tensor([127, 128, 1, 255] * 4, dtype=torch.uint8)      # scales 127, -128, 1, -1
+    blocks[..., 208:210] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)                # d = 1.0
+    w = r8_of(quant.from_gguf_blocks("q6_k", blocks.reshape(rows, -1), (rows, cols)))
+    x = torch.full((16, cols), sign)
+    with quant.using_variant("scalar") as lib:
+        ref = quant._linear_small(x, [w], None, lib, torch.float32)
+    assert ref.abs().min() > 0
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant

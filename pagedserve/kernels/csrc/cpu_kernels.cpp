@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>

@@ -9,8 +9,10 @@
 // once per tile of kGemmTile activation rows, and the tile's rows stream past them, each row's
 // accumulators in an L1 buffer (one load and one store a unit), the activations laid out block-major
 // per tile (a unit's rows contiguous: no 4 KiB-strided loads) and, for q6_k, the offset 32 times
-// each 4 activations' sums computed once per call instead of once per unit (2 loads, not 4 maddubs).
-// Per unit and row the work is then the dot itself (8 maddubs, 2 madd, 1 hadd; q6_k 8 + 4 madd),
+// each 8 activations' sums computed once per call instead of once per unit (2 loads, not 4 maddubs).
+// q6_k's codes are moved once per tile into 8 rows a register (4 bytes of each: gemm_rows8), so a
+// block's 16 elements per row sum in 16 bits without a hadd (8 maddubs, 2 madd, no hadd).
+// Per unit and row the work is then the dot itself (8 maddubs, 2 madd, 1 hadd; q6_k as said),
 // one conversion, one multiply and one or two multiply-adds.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
@@ -22,8 +24,9 @@ constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group
 
 // The activations of tiles of kGemmTile rows, block-major within each tile: tile at t0 (n rows):
 // row t's block j at q + 32 * (t0 * nb + j * n + t), its dx, ds at d, ds + t0 * nb + j * n + t, and
-// (q6_k) o + 8 * (t0 * nb + j * n + t): the int16 lanes 32 (x[2i] + x[2i + 1] + x[8 + 2i] + x[9 + 2i]),
-// i < 4, then the same for x[16 ..]: q6_k's offset 32 times the pairs maddubs sums.
+// (q6_k) o + 4 * (t0 * nb + j * n + t): the int16 lanes 32 (the sum over k < 4 of x[4 k + 2 p] +
+// x[4 k + 2 p + 1]), p < 2, then the same for x[16 ..]: q6_k's offset 32 times what a lane of
+// gemm_q6_rows's 16-bit sums holds.
 struct GemmAct {
     int8_t *q;
     float *d, *ds;
@@ -49,9 +52,11 @@ inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offset
     g.ds[at] = a.ds[i];
     if (offsets)
         for (int h = 0; h < 2; h++)
-            for (int k = 0; k < 4; k++)
-                g.o[8 * at + 4 * h + k] = int16_t(32 * (x[16 * h + 2 * k] + x[16 * h + 2 * k + 1] + x[16 * h + 8 + 2 * k] +
-                                                        x[16 * h + 9 + 2 * k]));
+            for (int p = 0; p < 2; p++) {
+                int sum = 0;
+                for (int k = 4 * h; k < 4 * h + 4; k++) sum += x[4 * k + 2 * p] + x[4 * k + 2 * p + 1];
+                g.o[4 * at + 2 * h + p] = int16_t(32 * sum);        // |32 * 8 * 127| < 32768
+            }
 }
 
 // A 32-element block's dots of 8 rows (lanes in the hadd's order, as dot_r8_256.h's
@@ -111,6 +116,51 @@ inline void gemm_mins(const float *m, const GemmAct &g, int64_t t0, int64_t n, f
     }
 }
 
+// A block's codes c (per half h: 4 rows' 8 bytes of elements 8 k ..) as 8 rows a register: c8[2 k + e]
+// holds 4 bytes of each row, elements 8 k + 4 e .. 8 k + 4 e + 3, rows in the hadd's order (0, 1, 4,
+// 5, 2, 3, 6, 7: a shuffle_ps picks dwords e, 2 + e of each 128-bit lane from c[0][k], then c[1][k]).
+inline void gemm_rows8(const __m256i c[2][4], __m256i c8[8]) {
+    for (int k = 0; k < 4; k++) {
+        const __m256 lo = _mm256_castsi256_ps(c[0][k]), hi = _mm256_castsi256_ps(c[1][k]);
+        c8[2 * k] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
+        c8[2 * k + 1] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD));
+    }
+}
+
+// The 4 bytes at p in each 32-bit lane (one broadcast load).
+inline __m256i bcast4(const int8_t *p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float *>(p))); }
+
+// acc ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against q6_k block j of the group:
+// codes c8 (gemm_rows8 of q6_codes_256), the 8 rows' scale pairs at pairs (q6_block_scales' bytes),
+// d's D. Per row, the 16 elements of each half of the block sum in the two 16-bit lanes of its dword,
+// the offset taken off there too: the adds wrap, and what they end at, (q - 32) times 8 activations
+// per lane (<= 8 * 32 * 127), fits; then times the half's scale (madd). The same integers as the
+// dots' q6_dot8, so the same floats.
+inline void gemm_q6_rows(const __m256i c8[8], const uint8_t *pairs, __m256 D, const GemmAct &g, int64_t t0, int64_t n,
+                         int64_t j, float *acc) {
+    const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i *>(pairs));
+    // row l's two scales at bytes 2 l, 2 l + 1; its dword's two 16-bit lanes in the hadd's row order
+    const __m128i first = _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 4, 4, 6, 6, 12, 12, 14, 14);
+    const __m256i sa = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, first));
+    const __m256i sb = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, _mm_add_epi8(first, _mm_set1_epi8(1))));
+    const int64_t at = g.at(t0, n, j, 0);
+    const int8_t *xq = g.q + 32 * at;
+    const int32_t *xo = reinterpret_cast<const int32_t *>(g.o + 4 * at);
+    const float *dx = g.d + at;
+    auto m = [](__m256i c, const int8_t *x) { return _mm256_maddubs_epi16(c, bcast4(x)); };
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t *x = xq + 32 * t;
+        const __m256i qa = _mm256_add_epi16(_mm256_add_epi16(m(c8[0], x), m(c8[1], x + 4)),
+                                            _mm256_add_epi16(m(c8[2], x + 8), m(c8[3], x + 12)));
+        const __m256i qb = _mm256_add_epi16(_mm256_add_epi16(m(c8[4], x + 16), m(c8[5], x + 20)),
+                                            _mm256_add_epi16(m(c8[6], x + 24), m(c8[7], x + 28)));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, _mm256_set1_epi32(xo[2 * t])), sa),
+                                             _mm256_madd_epi16(_mm256_sub_epi16(qb, _mm256_set1_epi32(xo[2 * t + 1])), sb));
+        const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
+        _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
+    }
+}
+
 // The group at w (nb blocks of 32) against tile rows t0 .. t0 + n - 1: acc, mins as above (q6_k:
 // mins untouched); m: the group's M_j (nb * 8 floats, 32-byte aligned) as scratch.
 template <int QT>
@@ -148,22 +198,10 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
             const __m256 D = r8_f16x8(u + 1664);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                __m256i c[2][4], sa[2], sb[2];
+                __m256i c[2][4], c8[8];
                 q6_codes_256(u, j, c);
-                q6_block_scales(u, j, sa, sb);
-                const int64_t at = g.at(t0, n, 8 * s + j, 0);
-                const int8_t *xq = g.q + 32 * at;
-                const int16_t *xo = g.o + 8 * at;
-                const float *dx = g.d + at;
-                for (int64_t t = 0; t < n; t++) {
-                    const int8_t *x = xq + 32 * t;
-                    const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                    const __m256i o[2] = {bcast8(reinterpret_cast<const int8_t *>(xo + 8 * t)),
-                                          bcast8(reinterpret_cast<const int8_t *>(xo + 8 * t + 4))};
-                    const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
-                    _mm256_store_ps(acc + 8 * t,
-                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6_dot8(c, xb, o, sa, sb)), S, _mm256_load_ps(acc + 8 * t)));
-                }
+                gemm_rows8(c, c8);
+                gemm_q6_rows(c8, u + 1536 + 16 * j, D, g, t0, n, 8 * s + j, acc);
             }
         }
     }
@@ -214,7 +252,7 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
     }
     const Act act = thread_act(parts, nparts, T, K, false);
     GemmBuffers &b = t_gemm;
-    const GemmAct ga{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), offsets ? fit(b.o, 8 * T * nb) : nullptr, T, K, nb};
+    const GemmAct ga{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), offsets ? fit(b.o, 4 * T * nb) : nullptr, T, K, nb};
     const int64_t groups = first[nparts];
 #pragma omp parallel
     {
