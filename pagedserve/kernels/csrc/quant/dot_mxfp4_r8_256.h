@@ -13,7 +13,8 @@
 //     acc = fma(float(dot_j), d_j * dx_j, acc);  mins = fma(-12 d_j, ds_j, mins);  y = acc + mins
 // (d_j = 2^(e_j - 128)), which mxfp4_r8_ref spells out in plain C++ (the scalar and AVX-512 builds'
 // kernel, and the reference the vector kernel equals bit for bit: the integer dots are exact).
-// Integer maddubs only (no VNNI form): the avxvnni build runs the avx2 instructions.
+// The codes' nibbles and products are q4_0r8's (unpack_r8_256.h's r8_nibbles, dot_r8_256.h's q4_half:
+// maddubs on avx2, dpbusd on avxvnni, the same integers).
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
@@ -62,7 +63,6 @@ inline __m256 mxfp4_r8_scales(const uint8_t *u) {
 template <int NT>
 void mxfp4_r8_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);    // the hadd's row order (its own inverse)
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(kE2M1x2u)));
     __m256 acc[NT], mins[NT];
     for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
@@ -74,28 +74,19 @@ void mxfp4_r8_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
         const __m256 A = _mm256_permutevar8x32_ps(mxfp4_r8_scales(u), order), M = _mm256_mul_ps(A, _mm256_set1_ps(-12.f));
         // per half: the unsigned codes (elements 0-7, 8-15, 16-23, 24-31 of its 4 rows)
         __m256i c[2][4];
-        for (int h = 0; h < 2; h++) {
-            const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + 8 + 32 * h));
-            const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(u + 72 + 32 * h));
-            c[h][0] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v0, m4));
-            c[h][1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v1, m4));
-            c[h][2] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4));
-            c[h][3] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4));
-        }
+        r8_nibbles(u + 8, c);
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++) c[h][k] = _mm256_shuffle_epi8(lut, c[h][k]);
         for (int t = 0; t < NT; t++) {
             const int8_t *x = xr + t * a.K + 32 * j;
             int64_t x8[4];
             std::memcpy(x8, x, 32);
             const __m256i xb[4] = {_mm256_set1_epi64x(x8[0]), _mm256_set1_epi64x(x8[1]), _mm256_set1_epi64x(x8[2]),
                                    _mm256_set1_epi64x(x8[3])};
-            __m256i dot[2];
-            for (int h = 0; h < 2; h++) {     // four products of codes <= 24 and |q| <= 127: |sum| <= 4 * 2 * 24 * 127 < 32768
-                const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1])),
-                                                   _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3])));
-                dot[h] = _mm256_madd_epi16(s, ones);
-            }
+            // q4_half's bound holds: codes <= 24 here (<= 31 there)
+            const __m256i dot = _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
             const __m256 S = _mm256_mul_ps(A, _mm256_set1_ps(dr[t * a.nb + j]));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(dot[0], dot[1])), S, acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
             mins[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(dsr[t * a.nb + j]), mins[t]);
         }
     }

@@ -43,20 +43,26 @@ inline void q5_high(__m256i c[4], const uint8_t *qh) {
     }
 }
 
-// Q4_0R8, Q4_1R8, Q5_0R8: unit u's codes (q5_0 with its fifth bits; offsets not taken off): per
-// half, vector 0's low nibbles, vector 1's low, vector 0's high, vector 1's high.
-template <int QT>
-inline void q4_unit_codes(const uint8_t *u, __m256i c[2][4]) {
-    constexpr int C = r8_codes_at(QT);
+// The nibbles of a unit's two 64-byte code vectors at q (q4_0r8's order, MXFP4R8's too): per half,
+// vector 0's low nibbles, vector 1's low, vector 0's high, vector 1's high.
+inline void r8_nibbles(const uint8_t *q, __m256i c[2][4]) {
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int h = 0; h < 2; h++) {
-        const __m256i v0 = r8_load(u + C + 32 * h), v1 = r8_load(u + C + 64 + 32 * h);
+        const __m256i v0 = r8_load(q + 32 * h), v1 = r8_load(q + 64 + 32 * h);
         c[h][0] = _mm256_and_si256(v0, m4);
         c[h][1] = _mm256_and_si256(v1, m4);
         c[h][2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
         c[h][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-        if constexpr (QT == Q5_0R8) q5_high(c[h], u + 16 + 16 * h);
     }
+}
+
+// Q4_0R8, Q4_1R8, Q5_0R8: unit u's codes (q5_0 with its fifth bits; offsets not taken off), in
+// r8_nibbles' order.
+template <int QT>
+inline void q4_unit_codes(const uint8_t *u, __m256i c[2][4]) {
+    r8_nibbles(u + r8_codes_at(QT), c);
+    if constexpr (QT == Q5_0R8)
+        for (int h = 0; h < 2; h++) q5_high(c[h], u + 16 + 16 * h);
 }
 
 // Q4_KR8, Q5_KR8: the 12 scale bytes of each row as 3 words (lanes in the hadd's order), k_scales
