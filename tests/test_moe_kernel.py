@@ -123,6 +123,36 @@ def test_a_row_is_the_same_alone_and_in_a_batch():
         assert torch.equal(alone[0], together[t])
 
 
+def _k_quant_experts(pack) -> list[ExpertWeights]:
+    """A Q4_K_M file's experts: gate and up q4_k, down q6_k (down's input a whole super-block)."""
+    from tests.test_quant_kernels import weight
+    width = 256
+    return [ExpertWeights(tuple(pack(weight("q4_k", width, H, seed=3 * e + j)[0]) for j in (0, 1)),
+                          pack(weight("q6_k", H, width, seed=3 * e + 2)[0])) for e in range(E)]
+
+
+@pytest.mark.parametrize("mix", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("tokens", [40, 70])
+def test_gemm_groups_equal_the_dots(mix, tokens):
+    """Experts with kGemmMinRows pairs or more run the integer GEMM (r8 layouts, 256-bit builds); a
+    token alone runs the dots: every row the same floats either way, with one expert taking every
+    token (70: two of its tiles) or ~10 pairs an expert (batch invariance at prefill sizes)."""
+    if "avx2" not in quant.supported_variants():
+        pytest.skip("r8 layouts are made on the 256-bit variants")
+    with quant.using_variant("avx2"):
+        experts = _experts("q4_0", False, True) if mix == "q4_0" else _k_quant_experts(quant.repack)
+        table = moe_kernels.expert_table(experts)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(4)).bfloat16()
+        weights, ids = _route(x, one_expert=tokens == 70)
+        together = moe_kernels.routed_experts(x, table, weights, ids)
+        for t in range(tokens):
+            alone = moe_kernels.routed_experts(x[t:t + 1], table, weights[t:t + 1], ids[t:t + 1])
+            assert torch.equal(alone[0], together[t]), t
+        if mix == "q4_k_m":
+            ref = _reference(x, experts, weights, ids)
+            torch.testing.assert_close(together.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+
+
 def test_the_block_takes_the_kernel_and_reads_only_chosen_experts():
     """moe_forward with CpuOps runs quantized experts in the one call; every expert no token chose
     is NaN-poisoned and the output stays finite and equal; the counted reads are the chosen ones."""
@@ -171,12 +201,9 @@ def test_experts_the_kernel_does_not_take():
 def test_k_quant_experts(variant):
     """A Q4_K_M file's experts (gate and up q4_k, down q6_k; r8 layouts on the 256-bit variants)
     against the same arithmetic in float64."""
-    from tests.test_quant_kernels import weight
-    width = 256                           # a super-block: down's input width too
     with quant.using_variant(variant):
         pack = quant.repack if variant in quant.R8_VARIANTS else (lambda w: w)
-        experts = [ExpertWeights(tuple(pack(weight("q4_k", width, H, seed=3 * e + j)[0]) for j in (0, 1)),
-                                 pack(weight("q6_k", H, width, seed=3 * e + 2)[0])) for e in range(E)]
+        experts = _k_quant_experts(pack)
         if variant in quant.R8_VARIANTS:
             assert experts[0].down.qtype == "q6_kr8" and experts[0].gate_up[0].qtype == "q4_kr8"
         x = torch.randn(5, H, generator=torch.Generator().manual_seed(6))

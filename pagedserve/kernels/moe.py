@@ -109,11 +109,11 @@ def expert_table(experts: list) -> ExpertTable | None:
 
 
 def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, ids: torch.Tensor,
-                   glu: tuple[int, float, float] = (0, 1.0, 0.0)) -> torch.Tensor | None:
+                   glu: tuple[int, float, float] = (0, 1.0, 0.0), lib=None) -> torch.Tensor | None:
     """sum_s weights[t, s] * expert_{ids[t, s]}(h[t]) for each row t of h [T, H] (float32 [T, H]),
     or None where the kernel does not run here (no library, the AVX-512 build, h not float32 / bf16).
-    glu: the activation (glu_of: SwiGLU by default)."""
-    lib = quant.load()
+    glu: the activation (glu_of: SwiGLU by default); lib: another build of quant_kernels (a benchmark's A/B)."""
+    lib = lib or quant.load()
     if lib is None or h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 2:
         return None
     num_tokens, hidden = h.shape

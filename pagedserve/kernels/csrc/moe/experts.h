@@ -16,12 +16,18 @@
 // owns its output columns for every token: the weighted sums need no reduction, and each output
 // value's arithmetic (the experts added in expert order, each dot the same integers and float
 // operations as quant_linear_small's) does not depend on the thread count or the batch.
-// Weights in an r8 layout run r8_group_fn's kernels (8 rows a pass, 1-4 activation rows); other
-// types row_fn's (each of the 8 rows in turn). The 256-bit and scalar builds only (the AVX-512
+// Weights in an r8 layout run r8_group_fn's kernels (8 rows a pass, 1-4 activation rows), or, where
+// an expert has kGemmMinRows pairs or more (a prefill: ~T k / E each) and the layout has one, the
+// integer GEMM's (gemm_r8_256.h: a unit's codes unpacked once per tile of up to 64 pairs, the
+// activations relaid in its tile layout per expert); other types row_fn's (each of the 8 rows in turn). The 256-bit and scalar builds only (the AVX-512
 // build's dots read more of Act than this fills): elsewhere it returns 2 and kernels/moe.py runs
 // the experts one by one.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define MOE_GEMM 1        // gemm_r8_256.h's integer GEMM is in this build
+#endif
 
 // One routed expert: gate [I][H], up [I][H], down [H][I] (any of the block types, an r8 layout or
 // the file's rows), and their float32 biases [I], [I], [H] or null.
@@ -71,6 +77,32 @@ inline void moe_rows8(const QuantPart &m, int64_t g, const Act &a, int64_t t0, i
     for (int i = 0; i < 8; i++) fn(m.w + (8 * g + i) * m.ldw, a, t0, out + i, 8);
 }
 
+#ifdef MOE_GEMM
+// The step's activations in gemm_r8_256.h's tile layout: each expert's pairs in tiles of kGemmTile
+// from its first pair (so a tile never holds two experts' rows).
+thread_local GemmBuffers t_moe_gx, t_moe_ga;
+
+// Whether an expert with n pairs runs matrix m through the GEMM (gemm_r8_group): its layout has one
+// and enough rows to fill a pass; else the 1-4-row dots (moe_rows8). Either gives a row the same
+// floats (gemm_r8_256.h: the dots' arithmetic, bit for bit), so the batch never changes a row.
+inline bool moe_gemm_takes(const QuantPart &m, int64_t n) { return n >= kGemmMinRows && gemm_has(int(m.qtype)); }
+
+// Group g of m against the tile t0 .. t0 + n - 1 of a's pairs: out[t * 8 + i] as moe_rows8's.
+inline void moe_gemm8(const QuantPart &m, int64_t g, const GemmAct &a, int64_t t0, int64_t n, float *out, float *scratch) {
+    alignas(32) float acc[kGemmTile * 8], mins[kGemmTile * 8];
+    std::memset(acc, 0, sizeof(float) * 8 * n);
+    std::memset(mins, 0, sizeof(float) * 8 * n);
+    const int qt = int(m.qtype);
+    gemm_group_fn(qt)(m.w + g * m.ldw, a, t0, n, acc, mins, scratch);
+    const bool minus = qt != Q4_0R8 && qt != Q4_1R8 && qt != Q5_0R8;      // K types: acc - mins
+    const __m256i order = r8_order();
+    for (int64_t t = 0; t < n; t++) {
+        const __m256 A = _mm256_load_ps(acc + 8 * t), M = _mm256_load_ps(mins + 8 * t);
+        _mm256_storeu_ps(out + 8 * t, _mm256_permutevar8x32_ps(minus ? _mm256_sub_ps(A, M) : _mm256_add_ps(A, M), order));
+    }
+}
+#endif
+
 bool moe_part_ok(const QuantPart &m, int64_t rows, int64_t K) {
     const int qt = int(m.qtype);
     return qt >= 0 && qt < kNumTypes && qt != Q4_0X && m.rows == rows && rows % 8 == 0 && K % kElems[qt] == 0 &&
@@ -119,6 +151,36 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
     const Act xg{xt.q + T * H, xt.d + T * nbh, xt.ds + T * nbh, H, nbh, {}};
     const Act ag = t_moe_a.act(P, I);
     float *gated = fit(t_moe_gated, P * I);
+    // Which experts' matrices the GEMM takes (phase 1: gate and up; phase 2: down), and each pair's
+    // tile there (its first row, its rows).
+    std::vector<char> gemm1(E, 0), gemm2(E, 0);
+    bool any1 = false, any2 = false, offsets1 = false, offsets2 = false;
+#ifdef MOE_GEMM
+    std::vector<int64_t> tile0(P), tilen(P);
+    for (const int64_t e : chosen) {
+        const MoEExpert &m = experts[e];
+        const int64_t n = start[e + 1] - start[e];
+        gemm1[e] = moe_gemm_takes(m.gate, n) && moe_gemm_takes(m.up, n);
+        gemm2[e] = moe_gemm_takes(m.down, n);
+        any1 |= gemm1[e], any2 |= gemm2[e];
+        offsets1 |= gemm1[e] && (m.gate.qtype == Q6_KR8 || m.up.qtype == Q6_KR8);
+        offsets2 |= gemm2[e] && m.down.qtype == Q6_KR8;
+        for (int64_t p = start[e]; p < start[e + 1]; p++) {
+            tile0[p] = start[e] + (p - start[e]) / kGemmTile * kGemmTile;
+            tilen[p] = std::min(kGemmTile, start[e + 1] - tile0[p]);
+        }
+    }
+    std::vector<char> pair_gemm1(P, 0), pair_gemm2(P, 0);
+    for (const int64_t e : chosen)
+        for (int64_t p = start[e]; p < start[e + 1]; p++) pair_gemm1[p] = gemm1[e], pair_gemm2[p] = gemm2[e];
+    GemmBuffers &bx = t_moe_gx, &ba = t_moe_ga;
+    const GemmAct gx = any1 ? GemmAct{fit(bx.q, P * H), fit(bx.d, P * nbh), fit(bx.ds, P * nbh),
+                                      offsets1 ? fit(bx.o, 4 * P * nbh) : nullptr, P, H, nbh}
+                            : GemmAct{};
+    const GemmAct ga = any2 ? GemmAct{fit(ba.q, P * I), fit(ba.d, P * nbi), fit(ba.ds, P * nbi),
+                                      offsets2 ? fit(ba.o, 4 * P * nbi) : nullptr, P, I, nbi}
+                            : GemmAct{};
+#endif
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -132,43 +194,89 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
             std::memcpy(const_cast<float *>(xg.d) + p * nbh, xt.d + token[p] * nbh, nbh * sizeof(float));
             std::memcpy(const_cast<float *>(xg.ds) + p * nbh, xt.ds + token[p] * nbh, nbh * sizeof(float));
         }
+#ifdef MOE_GEMM
+        std::vector<float, Aligned64<float>> scratch(8 * std::max(nbh, nbi));     // the GEMM's minimum scales
+        alignas(32) float wg[kGemmTile * 8], wu[kGemmTile * 8];
+        if (any1) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < P * nbh; i++) {
+                const int64_t p = i / nbh, j = i % nbh, q = token[p] * nbh + j;
+                if (pair_gemm1[p])
+                    gemm_put_block(xt.q + token[p] * H + 32 * j, xt.d[q], xt.ds[q], gx, tile0[p], tilen[p], p, j, offsets1);
+            }
+        }
+#endif
         // phase 1: gate and up, this thread's groups of every chosen expert
         const int64_t gi0 = I / 8 * tid / nt, gi1 = I / 8 * (tid + 1) / nt;
         float vg[4 * 8], vu[4 * 8];
+        auto glu8 = [&](const MoEExpert &m, int64_t g, int64_t p0, int64_t n, const float *sg, const float *su) {
+            const float *bg = m.gate_bias ? m.gate_bias + 8 * g : nullptr;
+            const float *bu = m.up_bias ? m.up_bias + 8 * g : nullptr;
+            for (int64_t t = 0; t < n; t++)
+                for (int i = 0; i < 8; i++)
+                    gated[(p0 + t) * I + 8 * g + i] = moe_glu(act, sg[t * 8 + i] + (bg ? bg[i] : 0.f),
+                                                              su[t * 8 + i] + (bu ? bu[i] : 0.f));
+        };
         for (const int64_t e : chosen) {
             const MoEExpert &m = experts[e];
+#ifdef MOE_GEMM
+            if (gemm1[e]) {
+                for (int64_t g = gi0; g < gi1; g++)
+                    for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
+                        const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
+                        moe_gemm8(m.gate, g, gx, p0, n, wg, scratch.data());
+                        moe_gemm8(m.up, g, gx, p0, n, wu, scratch.data());
+                        glu8(m, g, p0, n, wg, wu);
+                    }
+                continue;
+            }
+#endif
             for (int64_t g = gi0; g < gi1; g++)
                 for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
                     const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
                     moe_rows8(m.gate, g, xg, p0, n, vg);
                     moe_rows8(m.up, g, xg, p0, n, vu);
-                    const float *bg = m.gate_bias ? m.gate_bias + 8 * g : nullptr;
-                    const float *bu = m.up_bias ? m.up_bias + 8 * g : nullptr;
-                    for (int t = 0; t < n; t++)
-                        for (int i = 0; i < 8; i++)
-                            gated[(p0 + t) * I + 8 * g + i] = moe_glu(act, vg[t * 8 + i] + (bg ? bg[i] : 0.f),
-                                                                      vu[t * 8 + i] + (bu ? bu[i] : 0.f));
+                    glu8(m, g, p0, n, vg, vu);
                 }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < P * nbi; i++)
+        for (int64_t i = 0; i < P * nbi; i++) {
             quantize_one(gated, I, false, i / nbi, i % nbi, I, const_cast<int8_t *>(ag.q), const_cast<float *>(ag.d),
                          const_cast<float *>(ag.ds));
+#ifdef MOE_GEMM
+            const int64_t p = i / nbi, j = i % nbi;
+            if (pair_gemm2[p]) gemm_put_block(ag.q + i * 32, ag.d[i], ag.ds[i], ga, tile0[p], tilen[p], p, j, offsets2);
+#endif
+        }
         // phase 2: down, this thread's groups (its output columns) of every chosen expert
         const int64_t gh0 = H / 8 * tid / nt, gh1 = H / 8 * (tid + 1) / nt;
         float v[4 * 8];
+        auto add8 = [&](const MoEExpert &m, int64_t g, int64_t p0, int64_t n, const float *s) {
+            const float *b = m.down_bias ? m.down_bias + 8 * g : nullptr;
+            for (int64_t t = 0; t < n; t++) {
+                float *o = out + token[p0 + t] * H + 8 * g;
+                for (int i = 0; i < 8; i++) o[i] += weight[p0 + t] * (s[t * 8 + i] + (b ? b[i] : 0.f));
+            }
+        };
         for (const int64_t e : chosen) {
             const MoEExpert &m = experts[e];
+#ifdef MOE_GEMM
+            if (gemm2[e]) {
+                for (int64_t g = gh0; g < gh1; g++)
+                    for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
+                        const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
+                        moe_gemm8(m.down, g, ga, p0, n, wg, scratch.data());
+                        add8(m, g, p0, n, wg);
+                    }
+                continue;
+            }
+#endif
             for (int64_t g = gh0; g < gh1; g++)
                 for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
                     const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
                     moe_rows8(m.down, g, ag, p0, n, v);
-                    const float *b = m.down_bias ? m.down_bias + 8 * g : nullptr;
-                    for (int t = 0; t < n; t++) {
-                        float *o = out + token[p0 + t] * H + 8 * g;
-                        for (int i = 0; i < 8; i++) o[i] += weight[p0 + t] * (v[t * 8 + i] + (b ? b[i] : 0.f));
-                    }
+                    add8(m, g, p0, n, v);
                 }
         }
     }

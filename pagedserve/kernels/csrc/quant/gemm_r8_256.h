@@ -42,14 +42,13 @@ struct GemmBuffers {
 };
 thread_local GemmBuffers t_gemm;
 
-// Block i (row t = i / nb, block j) of a (row-major Act) into g's tile layout.
-inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offsets) {
-    const int64_t t = i / a.nb, j = i % a.nb, t0 = t / kGemmTile * kGemmTile;
-    const int64_t n = std::min(kGemmTile, g.T - t0), at = g.at(t0, n, j, t - t0);
-    const int8_t *x = a.q + t * a.K + 32 * j;
+// Row t's block j (codes x, scales d, ds) into g's tile layout, in the tile of rows t0 .. t0 + n - 1.
+inline void gemm_put_block(const int8_t *x, float d, float ds, const GemmAct &g, int64_t t0, int64_t n, int64_t t,
+                           int64_t j, bool offsets) {
+    const int64_t at = g.at(t0, n, j, t - t0);
     std::memcpy(g.q + 32 * at, x, 32);
-    g.d[at] = a.d[i];
-    g.ds[at] = a.ds[i];
+    g.d[at] = d;
+    g.ds[at] = ds;
     if (offsets)
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < 2; p++) {
@@ -57,6 +56,12 @@ inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offset
                 for (int k = 4 * h; k < 4 * h + 4; k++) sum += x[4 * k + 2 * p] + x[4 * k + 2 * p + 1];
                 g.o[4 * at + 2 * h + p] = int16_t(32 * sum);        // |32 * 8 * 127| < 32768
             }
+}
+
+// Block i (row t = i / nb, block j) of a (row-major Act) into g's tile layout (tiles from row 0).
+inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offsets) {
+    const int64_t t = i / a.nb, j = i % a.nb, t0 = t / kGemmTile * kGemmTile;
+    gemm_put_block(a.q + t * a.K + 32 * j, a.d[i], a.ds[i], g, t0, std::min(kGemmTile, g.T - t0), t, j, offsets);
 }
 
 // A 32-element block's dots of 8 rows (lanes in the hadd's order, as dot_r8_256.h's
