@@ -29,12 +29,16 @@ from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 logger = logging.getLogger(__name__)
 
 
-def make_ops(device: torch.device) -> ModelOps:
+def make_ops(device: torch.device, attention=None) -> ModelOps:
     """The CPU kernels on the CPU (each call falls back to torch where its kernel does not
-    apply), plain torch elsewhere."""
+    apply); on CUDA with the Triton attention backend, torch plus Triton's grouped GEMM for a
+    mixture of experts' routed experts (kernels/triton_ops.py); plain torch elsewhere."""
     if device.type == "cpu":
         from pagedserve.kernels.cpu_ops import CpuOps
         return CpuOps()
+    if device.type == "cuda" and getattr(attention, "name", None) == "triton":
+        from pagedserve.kernels.triton_ops import TritonOps
+        return TritonOps()
     return TorchOps()
 
 
@@ -137,7 +141,7 @@ class Worker:
         (worker/device.py); `probe` reads the device's memory (default: CUDA's; tests fake it)."""
         device = device or resolve_device(config.device)
         attention = make_attention_backend(config.attention_backend, device, config.kv_cache_dtype)
-        ops = make_ops(device)
+        ops = make_ops(device, attention)
         shard = Shard(group.rank, group.world_size) if group else Shard()
         probe = probe or memory_probe(device)
         start = probe.snapshot() if probe else None
