@@ -13,7 +13,10 @@
 #    the torch reference, compiled; their 64-bit offsets; the engine on the Triton backend
 #    (a tiny Llama, Gemma 2 / 3 with windows and soft-capping, gpt-oss with sinks) against the
 #    torch backend and transformers; CUDA-graph padding;
-# 5. benchmarks/gpu_check.py in what time is left (gpu_check.log, gpu_check.json).
+# 5. benchmarks/gpu_moe.py: the MoE experts' Triton grouped GEMM checked and timed against the torch loop
+#    over experts at OLMoE / Qwen3-30B-A3B / gpt-oss-20b shapes (gpu_moe.log, gpu_moe.json), a quarter of
+#    what is left;
+# 6. benchmarks/gpu_check.py in what time is left (gpu_check.log, gpu_check.json).
 set -uo pipefail
 START=$(date +%s)
 TOTAL=${1:-400}
@@ -48,7 +51,7 @@ PREBUILD=$!
 # Only the plugins these tests use (another installed plugin may import what the image lacks).
 TESTS=(tests/test_triton_kernels.py tests/test_triton_offsets.py tests/test_cuda_graphs.py
        tests/test_hybrid_models.py::test_triton_backend_matches_transformers
-       tests/test_moe_models.py::test_gpt_oss_matches_transformers)
+       tests/test_moe_models.py::test_gpt_oss_matches_transformers tests/test_triton_moe.py)
 run_tests() {
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "$1" python3 -m pytest -q -p no:cacheprovider -p pytest_timeout \
         "${@:2}" "${TESTS[@]}" 2>&1 | tee -a "$OUT/pytest.log"
@@ -65,6 +68,13 @@ else
     run_tests "$PYTEST_S"; RC=$?
 fi
 echo "[gpu_run] pytest exit $RC"
+
+MOE_S=$(( $(left) / 4 ))
+MOE_ARGS=()
+[[ " $* " == *" --dry-run "* ]] && MOE_ARGS=(--dry-run)
+echo "[gpu_run] gpu_moe, at most ${MOE_S}s"
+timeout "$MOE_S" python3 benchmarks/gpu_moe.py "${MOE_ARGS[@]}" --json "$OUT/gpu_moe.json" 2>&1 | tee "$OUT/gpu_moe.log"
+echo "[gpu_run] gpu_moe exit ${PIPESTATUS[0]}"
 
 wait "$PREBUILD"
 CHECK_S=$(( $(left) - 10 ))

@@ -71,7 +71,7 @@ def _random_experts(dtype: torch.dtype, biases: bool, scale: float = 0.2, seed: 
     inter = 48                         # not a multiple of the column tile
 
     def r(*shape, s=scale):
-        return (torch.randn(*shape, generator=g) * s).to(dtype)
+        return (torch.randn(*shape, generator=g) * s).to(DEVICE, dtype)
     return [ExpertWeights(r(2 * inter, H), r(H, inter), r(2 * inter, s=1.0) if biases else None,
                           r(H, s=1.0) if biases else None) for _ in range(E)]
 
@@ -79,7 +79,7 @@ def _random_experts(dtype: torch.dtype, biases: bool, scale: float = 0.2, seed: 
 def _reference(x: torch.Tensor, experts: list[ExpertWeights], weights: torch.Tensor, ids: torch.Tensor,
                spec: MoESpec) -> torch.Tensor:
     """moe.py's loop over experts (TorchOps) for the same routing."""
-    w = MoEWeights(torch.zeros(E, H), experts)
+    w = MoEWeights(torch.zeros(E, H, device=DEVICE), experts)
     from pagedserve.models.moe import _experts_one_by_one
     ops = TorchOps()
     return _experts_one_by_one(x, w, spec, ops, ops.linear, weights, ids, [])
@@ -94,8 +94,8 @@ def test_gpt_oss_clamped_swiglu(limit):
     spec = MoESpec(E, 2, 48, scoring="topk_softmax", activation="clamped_swiglu", swiglu_alpha=1.702,
                    swiglu_limit=limit)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(21, H, generator=g) * 2
-    weights, ids = route(torch.randn(21, E, generator=g), spec)
+    x = (torch.randn(21, H, generator=g) * 2).to(DEVICE)
+    weights, ids = route(torch.randn(21, E, generator=g).to(DEVICE), spec)
     ref = _reference(x, experts, weights, ids, spec)
     stack = stack_experts([ExpertWeights(e.gate_up, e.down, e.gate_up_bias, e.down_bias) for e in experts])
     ours = grouped_moe(x, stack, weights, ids, "clamped_swiglu", 1.702, limit, Tiles(16, 32, 32))
@@ -111,8 +111,8 @@ def test_half_precision_weights(dtype):
     experts = _random_experts(dtype, biases=False)
     spec = MoESpec(E, 2, 48, norm_topk_prob=True)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(19, H, generator=g).to(dtype)
-    weights, ids = route(torch.randn(19, E, generator=g), spec)
+    x = torch.randn(19, H, generator=g).to(DEVICE, dtype)
+    weights, ids = route(torch.randn(19, E, generator=g).to(DEVICE), spec)
     ref = _reference(x.float(), [ExpertWeights(e.gate_up.float(), e.down.float()) for e in experts], weights, ids,
                      spec)
     stack = stack_experts(experts)
@@ -153,7 +153,7 @@ def test_experts_that_do_not_stack_keep_the_loop():
     experts = _random_experts(torch.float32, biases=True)
     experts[2].down_bias = None
     assert stack_experts(experts) is None
-    q = [ExpertWeights(quantize_torch(e.gate_up, "q8_0"), e.down) for e in _random_experts(torch.float32, False)]
+    q = [ExpertWeights(quantize_torch(e.gate_up.cpu(), "q8_0"), e.down) for e in _random_experts(torch.float32, False)]
     w = MoEWeights(torch.zeros(E, H), q)
     ops = TritonOps()
     ops.prepare_weights(_Model(w))
@@ -242,3 +242,23 @@ def test_kernels_compile_for_sm90(monkeypatch):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(done.stdout.splitlines()) == 4, done.stdout
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="scripts/gpu_run.sh runs the full script on a GPU")
+def test_gpu_benchmark_dry_run(tmp_path):
+    """benchmarks/gpu_moe.py --dry-run (what scripts/gpu_run.sh runs on a GPU) end to end with tiny
+    shapes: the grouped GEMM within tolerance of the torch loop, a tile setting timed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_moe.py"
+    out = tmp_path / "gpu_moe.json"
+    done = subprocess.run([sys.executable, str(script), "--dry-run", "--json", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["dry_run"] and res["ok"] and set(res["shapes"]) == {"tiny", "tiny-gpt-oss"}
+    for shape in res["shapes"].values():
+        assert [r["tokens"] for r in shape["rows"]] == [1, 37] and all(r["rel_err"] < 3e-2 for r in shape["rows"])
+        assert shape["tuning"][0]["best"]["us"] > 0

@@ -6,7 +6,8 @@ weights are read), each token's top-k experts and their weights (`route`), then 
 grouped by expert: each chosen expert runs once over all of its tokens (its weights read once
 per step), and an expert no token chose is never touched. The weighted outputs are summed in
 float32 per token. Where the ops have a kernel for the whole set (`ops.routed_experts`: CpuOps
-over quantized experts, SwiGLU or gpt-oss's clamped SwiGLU with biases, kernels/moe.py) it runs them in one call; else each expert runs
+over quantized experts, SwiGLU or gpt-oss's clamped SwiGLU with biases, kernels/moe.py; TritonOps
+over float experts on CUDA, kernels/triton_moe.py) it runs them in one call; else each expert runs
 here through the same `linear` as every other projection (float, packed or quantized GGUF blocks).
 
 An expert's weights are whatever the loader made: one [2 I, H] matrix (gate rows, then up
