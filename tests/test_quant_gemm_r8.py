@@ -75,3 +75,24 @@ def test_q6_k_gemm_at_the_16_bit_limits(code, sign):
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
             assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant
+
+
+@pytest.mark.parametrize("qtype,sign", [("q4_k", 1.0), ("q4_k", -1.0), ("q4_0", 1.0), ("q4_1", -1.0)])
+def test_q4_gemm_at_the_16_bit_limits(qtype, sign):
+    """Every code 15 against activations all at +-127: the GEMM's 16-bit lanes of 16 products
+    (gemm_q4_rows8) reach +-30480 and must still equal the dots."""
+    rows, cols = 16, 512
+    size = {"q4_k": 144, "q4_0": 18, "q4_1": 20}[qtype]
+    per_row = cols // (256 if qtype == "q4_k" else 32)
+    blocks = torch.full((rows, per_row, size), 0xFF, dtype=torch.uint8)     # codes 15 (q4_k: scales, minima 63)
+    blocks[..., 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)     # d = 1.0
+    if qtype != "q4_0":
+        blocks[..., 2:4] = torch.tensor([0x00, 0x38], dtype=torch.uint8)     # dmin / m = 0.5
+    w = r8_of(quant.from_gguf_blocks(qtype, blocks.reshape(rows, -1), (rows, cols)))
+    x = torch.full((16, cols), sign)
+    with quant.using_variant("scalar") as lib:
+        ref = quant._linear_small(x, [w], None, lib, torch.float32)
+    assert ref.abs().min() > 0
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant
