@@ -6,10 +6,14 @@ The worker picks these where the model runs on CUDA with attention_backend "trit
 CPU tensors (slowly: the tests)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedserve.kernels.triton_moe import ExpertStack, grouped_moe, stack_experts
 from pagedserve.models.ops import TorchOps
+
+logger = logging.getLogger(__name__)
 
 
 class TritonOps(TorchOps):
@@ -28,6 +32,8 @@ class TritonOps(TorchOps):
                 stack = stack_experts(moe.experts)
                 if stack is not None:
                     self._stacks[id(moe.experts)] = stack
+        if self._stacks:
+            logger.info("MoE experts: a Triton grouped GEMM in %d layers", len(self._stacks))
 
     def routed_experts(self, h: torch.Tensor, experts: list, weights: torch.Tensor,
                        ids: torch.Tensor, spec) -> torch.Tensor | None:
