@@ -187,6 +187,29 @@ def _status(key: str) -> int:
     return 0
 
 
+class _RssSampler:
+    """VmRSS every `every` s in a thread while a load runs ([seconds, bytes] pairs): where the
+    peak (VmHWM) falls and what the load holds on its way (the thread waits for the GIL while
+    a kernel holds it; VmHWM is the peak itself)."""
+
+    def __init__(self, every: float = 0.5) -> None:
+        import threading
+        self.samples: list = []
+        self._done = threading.Event()
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._done.wait(every):
+            self.samples.append([round(time.perf_counter() - self._start, 2), _status("VmRSS:")])
+
+    def stop(self) -> list:
+        self._done.set()
+        self._thread.join()
+        return self.samples
+
+
 def run_child(spec: dict) -> dict:
     """Load one configuration and time it (the child's side)."""
     from pagedserve.bench.throughput import decode_step_times
@@ -201,6 +224,7 @@ def run_child(spec: dict) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                    # resets VmHWM to the current RSS (Linux 4.0+)
     rss_before = _status("VmRSS:")
+    samples = _RssSampler() if spec.get("sample_rss") else None
     start = time.perf_counter()
     llm = LLM(spec["model"], tokenizer=spec.get("tokenizer"), dtype=spec.get("dtype", "auto"),
               gguf_dequantize=spec.get("gguf_dequantize", False), load_format=spec.get("load_format", "auto"),
@@ -208,6 +232,8 @@ def run_child(spec: dict) -> dict:
               max_num_batched_tokens=max(2048, spec["prefill_len"]), enable_prefix_caching=False)
     load_s = time.perf_counter() - start
     peak_load = _status("VmHWM:")
+    rss_load = samples.stop() if samples else None
+    rss_parts = {k: _status(k + ":") for k in ("RssAnon", "RssFile")}
     runner = llm.engine.executor.worker.runner
     model = runner.model
     if spec.get("python_loop"):         # the Python layer loop over the same kernels (a comparison)
@@ -255,6 +281,7 @@ def run_child(spec: dict) -> dict:
             engine.step()
         batch_tok_s = spec["batch"] * spec["decode_len"] / (time.perf_counter() - t0)
     return dict(load_s=load_s, rss_before_load=rss_before, peak_rss_load=peak_load, rss_after=_status("VmRSS:"),
+                rss_while_loading=rss_load, rss_after_load_parts=rss_parts,
                 kv_cache_bytes=kv_bytes,
                 weight_bytes=model_weight_bytes(model), bytes_per_token=per_token,
                 decode_tok_s=1 / median, decode_ms=median * 1e3, decode_best_tok_s=1 / best,
@@ -274,13 +301,20 @@ def child(spec: dict, timeout: float) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int) -> dict:
-    """llama.cpp's llama-bench on the same file: prefill (-p) and decode (-n) tok/s."""
-    res = subprocess.run([exe, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(decode), "-o", "json"],
-                         capture_output=True, text=True, timeout=1800)
+def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int, max_rss: bool = False,
+                repetitions: int | None = None) -> dict:
+    """llama.cpp's llama-bench on the same file: prefill (-p) and decode (-n) tok/s; with max_rss its
+    peak resident memory too (GNU time's -v: the process's VmHWM, its mapped file pages included)."""
+    timer = ["/usr/bin/time", "-v"] if max_rss else []
+    reps = ["-r", str(repetitions)] if repetitions else []
+    res = subprocess.run([*timer, exe, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(decode), *reps,
+                          "-o", "json"], capture_output=True, text=True, timeout=1800)
     if res.returncode:
         return {"error": res.stderr[-1000:]}
     out = {}
+    for line in res.stderr.splitlines() if max_rss else ():
+        if "Maximum resident set size (kbytes):" in line:
+            out["max_rss_bytes"] = int(line.rsplit(":", 1)[1]) * 1024
     for row in json.loads(res.stdout):
         key = "prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"
         out[key] = row.get("avg_ts")

@@ -84,6 +84,24 @@ def finish(w) -> None:
     w.close()
 
 
+def write_streamed(w, tensors) -> None:
+    """Write a file whose tensors are made one at a time as they are written (a model larger than
+    memory: nothing is held beyond the tensor in hand, and no temporary copy of the file is made).
+    `tensors`: [(name, shape, numpy dtype, raw GGML type or None, make)], shape and dtype those of
+    the array `make()` returns (uint8 bytes for a raw type); the `make`s are called in order."""
+    for name, shape, dtype, raw, _ in tensors:
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, dtype, _, make in tensors:
+        a = make()
+        if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+            raise ValueError(f"{name}: made {a.dtype} {a.shape}, announced {np.dtype(dtype)} {tuple(shape)}")
+        w.write_tensor_data(a)
+    w.close()
+
+
 def random_k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator, std: float,
                     sample_rows: int | None = None) -> np.ndarray:
     """Random valid K-quant blocks [rows, bytes] (their bits uniform; d, dmin scaled to values of
