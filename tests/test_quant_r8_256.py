@@ -160,3 +160,27 @@ def test_mxfp4r8_every_scale_byte():
         with quant.using_variant(variant) as lib:
             y = quant._linear_small(x, [r], None, lib, torch.float32)
             torch.testing.assert_close(y, ref, rtol=0, atol=0, equal_nan=True, msg=variant)
+
+
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES)
+def test_repack_in_cpp_equals_the_torch_layout(qtype):
+    """The loader's repack (quant_repack_r8, in place, threads over groups) writes r8_order's bytes
+    in every variant, in place and into a copy (the source then untouched); any bytes (a shuffle)."""
+    rows, nb = 136, 33           # (rows x blocks past 4096: the groups split over threads)
+    B = quant.BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (rows, nb * B), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    w = quant.QuantizedWeight(qtype, (rows, nb * quant.BLOCK[qtype]), raw.clone())
+    expected = r8_of(w).data
+    for variant in ["scalar", *VECTOR]:
+        with quant.using_variant(variant) as lib:
+            data = raw.clone()
+            assert lib.quant_repack_r8(quant._QTYPE_ID[quant.R8_OF[qtype]], data.data_ptr(), rows, nb) == 0
+            assert torch.equal(data.view(rows // 8, -1), expected), variant
+            assert lib.quant_repack_r8(quant._QTYPE_ID[qtype], data.data_ptr(), rows, nb) == 1   # not an r8 type
+            assert lib.quant_repack_r8(quant._QTYPE_ID[quant.R8_OF[qtype]], data.data_ptr(), 12, nb) == 1
+    for variant in VECTOR:          # repack() itself (it makes r8 layouts on these variants only)
+        with quant.using_variant(variant):
+            copy = quant.repack(w)
+            assert copy.qtype == quant.R8_OF[qtype] and torch.equal(copy.data, expected) and torch.equal(w.data, raw)
+            assert torch.equal(quant.repack(w, in_place=True).data, expected) and torch.equal(w.data.view(-1),
+                                                                                             expected.view(-1))

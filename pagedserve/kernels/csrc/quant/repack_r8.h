@@ -56,6 +56,68 @@ inline void unpack_r8(int qt, const uint8_t *g, int64_t nb, uint8_t *rows, int64
         for (int l = 0; l < 8; l++) r8_block(qt, g + j * U, l, rows + l * row_bytes + j * B);
 }
 
+// A group's 8 rows of nb blocks (the file type File's layout, one after another) into its nb r8
+// units: r8_block's inverse, the fields known at compile time (their copies unrolled).
+template <int File>
+void r8_pack_group(const uint8_t *rows, int64_t nb, uint8_t *units) {
+    constexpr R8Fields fs = r8_fields(File);
+    constexpr int64_t B = kBytes[File];
+    for (int64_t j = 0; j < nb; j++) {
+        uint8_t *u = units + j * 8 * B;
+        for (int l = 0; l < 8; l++) {
+            const uint8_t *b = rows + (l * nb + j) * B;
+            for (int i = 0; i < fs.n; i++) {
+                const R8Field f = fs.f[i];
+                const uint8_t *src = b + f.start;
+                uint8_t *dst = u + 8 * f.start + f.piece * l;
+                switch (f.piece) {
+                case 1: for (int k = 0; k < f.bytes; k++) dst[8 * k] = src[k]; break;
+                case 2: for (int k = 0; k < f.bytes / 2; k++) std::memcpy(dst + 16 * k, src + 2 * k, 2); break;
+                case 4: for (int k = 0; k < f.bytes / 4; k++) std::memcpy(dst + 32 * k, src + 4 * k, 4); break;
+                default: for (int k = 0; k < f.bytes / 8; k++) std::memcpy(dst + 64 * k, src + 8 * k, 8); break;
+                }
+            }
+        }
+    }
+}
+using R8PackGroup = void (*)(const uint8_t *, int64_t, uint8_t *);
+R8PackGroup r8_pack_group_of(int file) {
+    switch (file) {
+    case Q4_0: return r8_pack_group<Q4_0>;
+    case Q4_1: return r8_pack_group<Q4_1>;
+    case Q5_0: return r8_pack_group<Q5_0>;
+    case Q8_0: return r8_pack_group<Q8_0>;
+    case Q4_K: return r8_pack_group<Q4_K>;
+    case Q5_K: return r8_pack_group<Q5_K>;
+    case Q6_K: return r8_pack_group<Q6_K>;
+    case MXFP4: return r8_pack_group<MXFP4>;
+    }
+    return nullptr;
+}
+}  // namespace
+
+// A matrix's rows (the file type's layout, rows x nb blocks, rows a multiple of 8) rewritten in
+// place as r8 layout qt's groups (quant_format.py's r8_order, to_r8): each group of 8 rows holds
+// the same bytes in either layout, so each is repacked through a thread's buffer of one group.
+// The loader's repack of every r8 weight (kernels/quant.py repack): a byte shuffle at memory speed.
+extern "C" int quant_repack_r8(int qt, uint8_t *data, int64_t rows, int64_t nb) {
+    if (qt < 0 || qt >= kNumTypes || !is_r8(qt) || rows % 8 || nb < 0) return 1;
+    const int64_t B = kBytes[r8_file_type(qt)];
+    const R8PackGroup pack = r8_pack_group_of(r8_file_type(qt));
+#pragma omp parallel if (rows * nb >= 4096)
+    {
+        std::vector<uint8_t> group(static_cast<size_t>(8 * nb * B));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < rows / 8; g++) {
+            uint8_t *at = data + g * 8 * nb * B;
+            std::memcpy(group.data(), at, group.size());
+            pack(group.data(), nb, at);
+        }
+    }
+    return 0;
+}
+
+namespace {
 // The parts with each r8 part unpacked into the file's layout (a buffer of the calling
 // thread's, kept between calls; both threads unpack): for the paths that read rows (the tiles,
 // the other ISA variants).
