@@ -8,6 +8,11 @@ main's, checked out elsewhere) runs interleaved with this one on the same weight
     .venv/bin/python benchmarks/gemm_r8.py                       # ~1-2 min, 2 threads: q4_k, q6_k
     .venv/bin/python benchmarks/gemm_r8.py --types q4_k,q6_k,q5_0,q4_0 --ab-source /tmp/base/quant_kernels.cpp
     .venv/bin/python benchmarks/gemm_r8.py --tiny                # seconds: checks the script runs
+    .venv/bin/python benchmarks/gemm_r8.py --shape smollm2-1.7b --types q4_0,q4_k --crossover 8,16,24,32,33,48,64
+
+--crossover T,...: per type and T, one layer's products through the 1-4-row dots (the GEMM's rows
+set past T) and through the GEMM, interleaved, and the ratio (where the dots win, kernels/quant.py's
+R8_GEMM_MIN_ROWS should sit; both give the same bits per row).
 
 Prints per type and T: ms per layer, weight GB/s, integer GOP/s (2 T N K per layer / time) and, with
 --ab-source, this build's speedup over the other. Writes benchmarks/results/gemm_r8.json (--out)
@@ -67,6 +72,29 @@ def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, oth
     return rows
 
 
+def crossover(qtype: str, shapes: list, counts: list[int], rounds: int) -> list[dict]:
+    """One layer's products at each T in counts: the dots (GEMM off) vs the GEMM, interleaved."""
+    rng = np.random.default_rng(0)
+    ws = [quant.repack(random_weight(qtype, n, k, rng)) for n, k in shapes]
+    lib, rows = quant.load(), []
+    for t in counts:
+        xs = {k: torch.randn(t, k).bfloat16() for _, k in shapes}
+
+        def run(min_rows: int) -> None:
+            previous = quant.set_gemm_r8_min_rows(min_rows)
+            try:
+                for w in ws:
+                    quant._linear_small(xs[w.shape[1]], [w], None, lib)
+            finally:
+                quant.set_gemm_r8_min_rows(previous)
+        dots, gemm = interleaved_min([lambda: run(1 << 30), lambda: run(1)], rounds)
+        rows.append(dict(type=qtype, layout=ws[0].qtype, tokens=t, dots_ms=dots * 1e3, gemm_ms=gemm * 1e3,
+                         gemm_over_dots=gemm / dots))
+        print(f"{qtype:5} T={t:<4} dots {dots * 1e3:8.2f} ms  gemm {gemm * 1e3:8.2f} ms  gemm/dots {gemm / dots:.3f}"
+              f"  (per row: dots {dots * 1e3 / t:.3f}, gemm {gemm * 1e3 / t:.3f} ms)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-4b", choices=[s for s in SHAPES if s != "tiny"])
@@ -76,15 +104,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ab-source", default=None, help="another quant_kernels.cpp, built and run interleaved")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, 2 rounds: checks the script runs")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/gemm_r8.json")
+    ap.add_argument("--crossover", default=None, help="T,...: the dots vs the GEMM at these rows (one layer)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/gemm_r8.json "
+                    "(gemm_r8_crossover.json with --crossover)")
     args = ap.parse_args()
     shapes = SHAPES["tiny" if args.tiny else args.shape]
     rounds = 2 if args.tiny else args.rounds
     quant.set_batch_invariant(True)        # every product on the integer path (what the GEMM serves)
     other = other_build(args.ab_source) if args.ab_source else None
     print(f"variant {quant.variant()}, {torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}", flush=True)
-    rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, other)]
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "gemm_r8.json"
+    if args.crossover:
+        counts = [int(t) for t in args.crossover.split(",")]
+        rows = [r for q in args.types.split(",") for r in crossover(q, shapes, counts, rounds)]
+    else:
+        rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, other)]
+    name = "gemm_r8_crossover.json" if args.crossover else "gemm_r8.json"
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(command=" ".join(sys.argv), shape="tiny" if args.tiny else args.shape,
                                    threads=torch.get_num_threads(), cpu_flags=cpu_flags(), ab_source=args.ab_source,

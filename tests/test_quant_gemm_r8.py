@@ -58,6 +58,27 @@ def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants():
                 quant.set_batch_invariant(False)
 
 
+@pytest.mark.parametrize("qtype,cols", [("q4_0", 256), ("q4_k", 512)])
+def test_a_row_is_the_same_on_either_side_of_the_gemm_crossover(qtype, cols):
+    """Where the r8 GEMM starts (quant.set_gemm_r8_min_rows: the dots below it) never changes a
+    row's bits: each row alone (the 1-row dot) equals it in calls of 7, 8, 33, 48 and 65 rows, with
+    the crossover at 8 (the default), 1, 33 and past every call (dots only)."""
+    w, _ = weight(qtype, rows=24, cols=cols, seed=3)
+    r = r8_of(w)
+    x = torch.randn(65, cols, generator=torch.Generator().manual_seed(11)) * 2
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            alone = torch.cat([quant._linear_small(x[t:t + 1], [r], None, lib, torch.float32) for t in range(65)])
+            for first in (quant.R8_GEMM_MIN_ROWS, 1, 33, 1 << 30):
+                previous = quant.set_gemm_r8_min_rows(first)
+                try:
+                    for T in (7, 8, 33, 48, 65):
+                        y = quant._linear_small(x[:T], [r], None, lib, torch.float32)
+                        assert torch.equal(y, alone[:T]), (variant, first, T, (y - alone[:T]).abs().max())
+                finally:
+                    assert quant.set_gemm_r8_min_rows(previous) == first
+
+
 @pytest.mark.parametrize("code,sign", [(0, 1.0), (63, -1.0), (0, -1.0), (63, 1.0)])
 def test_q6_k_gemm_at_the_16_bit_limits(code, sign):
     """Every q6_k code at one end (q - 32 = -32 or 31) against activations all at +-127: the GEMM's

@@ -210,6 +210,21 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
     return _AMXW.using(enabled, rows)
 
 
+# The fewest activation rows the r8 GEMM (csrc/quant/gemm_r8_256.h) takes; fewer run the 1-4-row
+# dots. Both give a row the same bits, so the crossover is free to sit where it is cheaper. Measured
+# (`benchmarks/gemm_r8.py --shape smollm2-1.7b --types q4_0,q4_k --crossover ...`, 2 threads, Zen 3
+# avx2): the GEMM takes 0.63-0.88x the dots' time from 8 rows, both cost per row (0.43-0.46 ms a
+# row a 1.7B layer for the GEMM at 8-64 rows: no fixed cost per 64-row tile to save), at 4 rows 1.04x.
+R8_GEMM_MIN_ROWS = 8
+
+
+def set_gemm_r8_min_rows(rows: int) -> int:
+    """Move the r8 GEMM's first row count (tests, benchmarks) in the active library; returns the
+    previous one (R8_GEMM_MIN_ROWS unless moved)."""
+    lib = load()
+    return int(lib.quant_gemm_r8_config(int(rows))) if lib is not None else R8_GEMM_MIN_ROWS
+
+
 def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False, invariant: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
@@ -295,6 +310,8 @@ _SIGNATURES = {
     # enable, min_rows, max_rows -> 1 where quant_linear_tiles runs bf16 x of those rows on AMX-BF16
     # with the weights as A tiles (avx512vnni build)
     "quant_amxw_config": [_I, _I, _I],
+    # min_rows -> the previous value: the fewest activation rows the r8 GEMM (gemm_r8_256.h) takes
+    "quant_gemm_r8_config": [_I],
     # plan (cpu_kernels.cpp's Handover, or null): the calling thread's next linear call fetches its
     # ranges and runs its `after` at the end of its parallel region
     "quant_handover_next": [_P],

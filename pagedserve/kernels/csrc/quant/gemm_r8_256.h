@@ -253,10 +253,12 @@ inline bool gemm_has(int) { return false; }
 #endif
 
 // Whether the GEMM takes this product: every part in an r8 layout it has (all_r8_groups), on a
-// 256-bit build, from kGemmMinRows activation rows (fewer: the dots' 1-4-row passes).
+// 256-bit build, from g_gemm_min_rows activation rows (fewer: the dots' 1-4-row passes; the same
+// bits per row either way, so where the crossover sits never changes a row's result).
 constexpr int64_t kGemmMinRows = 8;
+int64_t g_gemm_min_rows = kGemmMinRows;      // quant_gemm_r8_config (kernels/quant.py, benchmarks)
 bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T) {
-    if (T < kGemmMinRows) return false;
+    if (T < g_gemm_min_rows) return false;
     for (int64_t p = 0; p < nparts; p++)
         if (!gemm_has(int(parts[p].qtype)) || parts[p].rows % 8) return false;
     return true;
@@ -343,3 +345,10 @@ int gemm_r8_linear(const QuantPart *, int64_t, const void *, int64_t, bool, int6
 }
 #endif
 }  // namespace
+
+// The fewest activation rows the r8 GEMM takes (fewer: the dots); returns the previous value.
+extern "C" int64_t quant_gemm_r8_config(int64_t min_rows) {
+    const int64_t previous = g_gemm_min_rows;
+    g_gemm_min_rows = std::max<int64_t>(1, min_rows);
+    return previous;
+}
