@@ -70,6 +70,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.batch import (MODEL_DRAFT, PromptLogprobsRange, PromptTokenLogprob, RunnerOutput, SampleRow,
                               SamplerOutput, ScheduledTokens, StepBatch, TierMoves, TierReport)
@@ -373,11 +374,16 @@ class Scheduler:
             if 0 < self.config.max_num_partial_prefills <= num_prefills:
                 break
             threshold = self.config.long_prefill_token_threshold
-            long = 0 < threshold < self._left_after_hits(req)
+            hit = None      # with a threshold: the lookup that classifies the request, admitted with it
+            if threshold > 0:
+                left, hit = self._left_after_hits(req)
+                long = threshold < left
+            else:
+                long = False
             if long and num_long >= self.config.max_long_partial_prefills:
                 compiling.append(self.waiting.popleft())   # a long slot frees up: it comes first again
                 continue
-            admitted = self._admit(req, budget)
+            admitted = self._admit(req, budget, hit)
             if admitted is None:
                 break          # out of blocks: stop admitting
             plan, copies = admitted
@@ -519,15 +525,16 @@ class Scheduler:
         seq = req.live_seqs[0]
         return 0 < self.config.long_prefill_token_threshold < seq.num_tokens - seq.num_computed_tokens
 
-    def _left_after_hits(self, req: Request) -> int:
+    def _left_after_hits(self, req: Request) -> tuple[int, Any]:
         """The tokens a waiting request would compute after its prefix-cache hits (its first
-        sequence's; the lookup changes nothing)."""
+        sequence's), and the hit for _admit (None: no lookup); the lookup changes nothing."""
         seq = req.live_seqs[0]
         tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
         if req.computes_every_prompt_token:
-            return len(tokens)
-        return len(tokens) - self.kv.cached_prefix_len(tokens, kv_salt(req.cache_salt, req.lora_key),
-                                                       self._needs_invariant_blocks(req))
+            return len(tokens), None
+        cached, hit = self.kv.cached_prefix(tokens, kv_salt(req.cache_salt, req.lora_key),
+                                            self._needs_invariant_blocks(req))
+        return len(tokens) - cached, hit
 
     def _plan(self, req: Request, budget: int) -> Plan:
         """How many tokens each live sequence of the request computes this step (changes nothing)."""
@@ -622,17 +629,19 @@ class Scheduler:
             return self._allocate(plan)
         return copies
 
-    def _admit(self, req: Request, budget: int) -> tuple[Plan, list] | None:
-        """Take prefix-cache hits, then reserve the first step's slots; undo all if short."""
+    def _admit(self, req: Request, budget: int, hit: Any = None) -> tuple[Plan, list] | None:
+        """Take prefix-cache hits, then reserve the first step's slots; undo all if short. `hit`:
+        the first sequence's lookup (_left_after_hits), made this step with nothing changed since."""
         prompt_len = len(req.prompt_token_ids)
         # A leader-only request shares only prompt blocks with its followers later.
         seqs = req.live_seqs[:1] if req.leader_only else req.live_seqs
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             tokens = seq.token_ids[:prompt_len] if req.leader_only else seq.token_ids
             seq.num_computed_tokens = self.kv.admit(seq.seq_id, tokens, prompt_len + req.max_tokens,
                                                     kv_salt(req.cache_salt, req.lora_key),
                                                     use_prefix_cache=not req.computes_every_prompt_token,
-                                                    invariant_only=self._needs_invariant_blocks(req))
+                                                    invariant_only=self._needs_invariant_blocks(req),
+                                                    hit=hit if i == 0 else None)
         if self.running and not self._above_watermark(seqs, prompt_len):
             self._release_blocks(req)
             return None

@@ -90,3 +90,24 @@ def test_at_most_max_num_partial_prefills_prompts_in_progress():
 def test_settings_are_checked(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kw)
+
+
+def test_a_waiting_prompt_is_looked_up_once_a_step_with_a_threshold(monkeypatch):
+    """With long_prefill_token_threshold set, the lookup that classifies a waiting prompt (long or
+    short) is the one it is admitted with: its block keys are hashed once, not again in _admit;
+    and the admitted request holds the same cached tokens as without a threshold."""
+    from pagedserve.kv import kv_cache_manager
+    calls = []
+    real = kv_cache_manager.lookup_block_keys
+    monkeypatch.setattr(kv_cache_manager, "lookup_block_keys", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for threshold in (0, 8):
+        sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=threshold,
+                               enable_prefix_caching=True)
+        a = add(sched, "a", 40, 2, prompt=list(range(100, 140)))
+        run_all(sched)
+        d = add(sched, "d", 0, 2, prompt=a.prompt_token_ids + [7, 8])
+        calls.clear()
+        out = fake_step(sched)
+        assert steps(out) == [("d", 2)] and d.num_cached_tokens == 40, threshold
+        assert len(calls) == 1, threshold
+        run_all(sched)

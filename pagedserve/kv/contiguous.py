@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.config import CONTIGUOUS_POLICIES
 from pagedserve.errors import InvalidRequestError
@@ -190,7 +191,7 @@ class ContiguousKVCacheManager(PoolCapacity):
         return max(0, cdiv(num_tokens, self.block_size) - self.num_held_blocks(seq_id))
 
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
-              use_prefix_cache: bool = True, invariant_only: bool = False) -> int:
+              use_prefix_cache: bool = True, invariant_only: bool = False, hit: Any = None) -> int:
         """Note the most tokens the sequence can reach (its region's size); no prefix caching
         without shared blocks, so nothing is cached."""
         self.set_max_len(seq_id, max_len)
@@ -199,6 +200,10 @@ class ContiguousKVCacheManager(PoolCapacity):
     def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None = None,
                           invariant_only: bool = False) -> int:
         return 0
+
+    def cached_prefix(self, token_ids: list[int], cache_salt: str | None = None,
+                      invariant_only: bool = False) -> tuple[int, Any]:
+        return 0, None
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens

@@ -132,14 +132,19 @@ class KVCache(Protocol):
         """Raise ValueError for a request this cache could never hold, even alone."""
 
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None,
-              use_prefix_cache: bool, invariant_only: bool = False) -> int:
+              use_prefix_cache: bool, invariant_only: bool = False, hit: Any = None) -> int:
         """Start a sequence's block table: take the cached blocks of its longest cached prefix
         of `token_ids` (invariant_only: of blocks that batch-invariant steps computed); returns
-        the number of tokens they hold (computed already)."""
+        the number of tokens they hold (computed already). `hit`: cached_prefix's lookup for the
+        same arguments, with nothing changed since (no second lookup)."""
 
     def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None, invariant_only: bool = False) -> int:
         """The tokens `admit` would take from the prefix cache now (changes nothing; invariant_only
         as `admit`'s)."""
+
+    def cached_prefix(self, token_ids: list[int], cache_salt: str | None,
+                      invariant_only: bool = False) -> tuple[int, Any]:
+        """cached_prefix_len, and the lookup itself (opaque) for `admit` in the same step."""
 
     def allocate_slots(self, requests: list[SlotRequest]) -> list[BlockCopy] | None:
         """Room for every request's new tokens, all or nothing: the copy-on-write copies the

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import (BlockKey, BlockPool, KVBlock, first_block_extra_keys, group_key,
@@ -333,19 +334,28 @@ class KVCacheManager(PoolCapacity):
 
     # ---- the scheduler's calls (kv/interface.py) -------------------------------------------
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,
-              use_prefix_cache: bool = True, invariant_only: bool = False) -> int:
+              use_prefix_cache: bool = True, invariant_only: bool = False, hit: Any = None) -> int:
         """Start the sequence's tables with the cached blocks of its longest cached prefix of
         `token_ids` (invariant_only: of blocks batch-invariant steps computed); returns the tokens
-        they hold. Paging reserves nothing ahead (`max_len`)."""
-        hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only) if use_prefix_cache else None
+        they hold. Paging reserves nothing ahead (`max_len`). `hit`: cached_prefix's answer for
+        these arguments, taken as it is (no second lookup; nothing may have changed the cache since)."""
+        if use_prefix_cache and hit is None:
+            hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only)
+        hit = hit if use_prefix_cache else None
         self.allocate(seq_id, token_ids, 0, 0, prefix=hit, cache_salt=cache_salt)
         return hit.num_blocks * self.block_size + hit.partial_tokens if hit else 0
+
+    def cached_prefix(self, token_ids: list[int], cache_salt: str | None = None,
+                      invariant_only: bool = False) -> tuple[int, Any]:
+        """The tokens `admit` would take from the prefix cache now, and the hit to hand it
+        (changes nothing)."""
+        hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only)
+        return hit.num_blocks * self.block_size + hit.partial_tokens, hit
 
     def cached_prefix_len(self, token_ids: list[int], cache_salt: str | None = None,
                           invariant_only: bool = False) -> int:
         """The tokens `admit` would take from the prefix cache now (changes nothing)."""
-        hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only)
-        return hit.num_blocks * self.block_size + hit.partial_tokens
+        return self.cached_prefix(token_ids, cache_salt, invariant_only)[0]
 
     def _lookup_with_partial(self, token_ids: list[int], cache_salt: str | None, invariant_only: bool) -> PrefixHit:
         """`lookup_prefix_hit`, and with partial blocks a free cached one after its full blocks."""
