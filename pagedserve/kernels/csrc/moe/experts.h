@@ -81,6 +81,7 @@ inline void moe_rows8(const QuantPart &m, int64_t g, const Act &a, int64_t t0, i
 // The step's activations in gemm_r8_256.h's tile layout: each expert's pairs in tiles of kGemmTile
 // from its first pair (so a tile never holds two experts' rows).
 thread_local GemmBuffers t_moe_gx, t_moe_ga;
+thread_local std::vector<float, Aligned64<float>> t_moe_scratch;     // a thread's GEMM scratch (its minimum scales)
 
 // Whether an expert with n pairs runs matrix m through the GEMM (gemm_r8_group): its layout has one
 // and enough rows to fill a pass; else the 1-4-row dots (moe_rows8). Either gives a row the same
@@ -195,7 +196,7 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
             std::memcpy(const_cast<float *>(xg.ds) + p * nbh, xt.ds + token[p] * nbh, nbh * sizeof(float));
         }
 #ifdef MOE_GEMM
-        std::vector<float, Aligned64<float>> scratch(8 * std::max(nbh, nbi));     // the GEMM's minimum scales
+        float *scratch = any1 || any2 ? fit(t_moe_scratch, 8 * std::max(nbh, nbi)) : nullptr;  // the GEMM's minimum scales
         alignas(32) float wg[kGemmTile * 8], wu[kGemmTile * 8];
         if (any1) {
 #pragma omp for schedule(static)
@@ -224,8 +225,8 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                 for (int64_t g = gi0; g < gi1; g++)
                     for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
                         const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
-                        moe_gemm8(m.gate, g, gx, p0, n, wg, scratch.data());
-                        moe_gemm8(m.up, g, gx, p0, n, wu, scratch.data());
+                        moe_gemm8(m.gate, g, gx, p0, n, wg, scratch);
+                        moe_gemm8(m.up, g, gx, p0, n, wu, scratch);
                         glu8(m, g, p0, n, wg, wu);
                     }
                 continue;
@@ -266,7 +267,7 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                 for (int64_t g = gh0; g < gh1; g++)
                     for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
                         const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
-                        moe_gemm8(m.down, g, ga, p0, n, wg, scratch.data());
+                        moe_gemm8(m.down, g, ga, p0, n, wg, scratch);
                         add8(m, g, p0, n, wg);
                     }
                 continue;
