@@ -299,7 +299,7 @@ def test_gpt_oss_mxfp4_experts_exact_in_their_blocks(gpt_oss_mxfp4, tiny_tokeniz
     per product) the same tokens and logprobs as transformers over the blocks' numbers."""
     from pagedserve.models.ops import TorchOps
     from pagedserve.worker import worker
-    monkeypatch.setattr(worker, "make_ops", lambda device: TorchOps())
+    monkeypatch.setattr(worker, "make_ops", lambda device, attention=None: TorchOps())
     root, hf = gpt_oss_mxfp4
     llm = LLM(str(root), dtype="float32", num_gpu_blocks_override=64)
     assert {(w.qtype, type(w).__name__) for w in _experts_of(llm)} == {("mxfp4", "QuantizedWeight")}
