@@ -101,7 +101,7 @@ def test_q6_k_gemm_at_the_16_bit_limits(code, sign):
 @pytest.mark.parametrize("qtype,sign", [("q4_k", 1.0), ("q4_k", -1.0), ("q4_0", 1.0), ("q4_1", -1.0)])
 def test_q4_gemm_at_the_16_bit_limits(qtype, sign):
     """Every code 15 against activations all at +-127: the GEMM's 16-bit lanes of 16 products
-    (gemm_q4_rows8) reach +-30480 and must still equal the dots."""
+    (q4_dot8's two halves added in 16 bits) reach +-30480 and must still equal the dots."""
     rows, cols = 16, 512
     size = {"q4_k": 144, "q4_0": 18, "q4_1": 20}[qtype]
     per_row = cols // (256 if qtype == "q4_k" else 32)

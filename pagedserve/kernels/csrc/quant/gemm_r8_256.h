@@ -10,11 +10,12 @@
 // accumulators in an L1 buffer (one load and one store a unit), the activations laid out block-major
 // per tile (a unit's rows contiguous: no 4 KiB-strided loads) and, for q6_k, the offset 32 times
 // each 8 activations' sums computed once per call instead of once per unit (2 loads, not 4 maddubs).
-// Codes <= 15 (q4_0, q4_1, q4_k) and q6_k's are moved once per tile into 8 rows a register (4 bytes
-// of each: gemm_rows8), so a block's 16 elements per row and 16-bit lane sum without a hadd (q4: 8
-// maddubs, 7 adds, 1 madd; q6_k: 8 maddubs, 2 madd; avxvnni: 8 dpbusd); q5 codes keep the dots' hadd.
-// Per unit and row the work is then the dot, one conversion, one multiply, one multiply-add (the
-// minimum terms: one more in gemm_mins).
+// q6_k's codes are moved once per tile into 8 rows a register (4 bytes of each: gemm_rows8), so a
+// block's 16 elements per row sum in 16 bits without a hadd (8 maddubs, 2 madd, no hadd).
+// Per unit and row the work is then the dot itself (8 maddubs, 2 madd, 1 hadd; q6_k as said),
+// one conversion, one multiply and one or two multiply-adds.
+// (q4 codes as 8 rows a register too, no hadd: 0.98x on a quiet host in gemm_r8.py's A/B, issue 47:
+// its 8 four-byte broadcasts a block cost what the hadd saves.)
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
@@ -65,20 +66,36 @@ inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offset
     gemm_put_block(a.q + t * a.K + 32 * j, a.d[i], a.ds[i], g, t0, std::min(kGemmTile, g.T - t0), t, j, offsets);
 }
 
-// A 32-element block's dots of 8 rows with codes <= 31 (q5_0, q5_k; lanes in the hadd's order, as
-// dot_r8_256.h's hadd(q4_half, q4_half)) against the activations' four 8-byte broadcasts xb.
-inline __m256i q5_dot8(const __m256i c[2][4], const __m256i xb[4]) { return _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb)); }
+// A 32-element block's dots of 8 rows (lanes in the hadd's order, as dot_r8_256.h's
+// hadd(q4_half, q4_half)): codes c <= 15 (Q5: <= 31) against the activations' four 8-byte broadcasts xb.
+template <bool Q5>
+inline __m256i q4_dot8(const __m256i c[2][4], const __m256i xb[4]) {
+#if !defined(__AVXVNNI__)
+    if constexpr (!Q5) {
+    // each half's four products in 16 bits (<= 4 * 2 * 31 * 127), then adjacent lanes of the two
+    // halves added in 16 bits too (q4: <= 2 * 4 * 2 * 15 * 127 < 32768; q5_k's codes <= 31 can
+    // not: hadd in 32 bits), one madd per block instead of one per half
+    auto half16 = [&](const __m256i *h) {
+        return _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(h[0], xb[0]), _mm256_maddubs_epi16(h[1], xb[1])),
+                                _mm256_add_epi16(_mm256_maddubs_epi16(h[2], xb[2]), _mm256_maddubs_epi16(h[3], xb[3])));
+    };
+    return _mm256_madd_epi16(_mm256_hadd_epi16(half16(c[0]), half16(c[1])), _mm256_set1_epi16(1));
+    }
+#endif
+    return _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
+}
 
 // acc ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against 32-element block j of the
-// group: codes c <= 31 (per half, pieces: vector 0 low, 1 low, 0 high, 1 high nibbles), scale A.
-inline void gemm_q5_rows(const __m256i c[2][4], __m256 A, const GemmAct &g, int64_t t0, int64_t n, int64_t j, float *acc) {
+// group: codes c (per half, pieces: vector 0 low, 1 low, 0 high, 1 high nibbles), scale A.
+template <bool Q5 = false>
+inline void gemm_q4_rows(const __m256i c[2][4], __m256 A, const GemmAct &g, int64_t t0, int64_t n, int64_t j, float *acc) {
     const int64_t at = g.at(t0, n, j, 0);
     const int8_t *xq = g.q + 32 * at;
     const float *dx = g.d + at;
     for (int64_t t = 0; t < n; t++) {
         const int8_t *x = xq + 32 * t;
         const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-        const __m256i dot = q5_dot8(c, xb);
+        const __m256i dot = q4_dot8<Q5>(c, xb);
         const __m256 S = _mm256_mul_ps(A, _mm256_set1_ps(dx[t]));
         _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
     }
@@ -151,44 +168,6 @@ inline void gemm_q6_rows(const __m256i c8[8], const uint8_t *pairs, __m256 D, co
     }
 }
 
-// acc ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against a block of codes <= 15 (q4_0,
-// q4_1, q4_k) as 8 rows a register (c8, gemm_rows8), scale A: per row and 16-bit lane, 16 products
-// (|sum| <= 16 * 15 * 127 < 32768), one madd to 32 bits, no hadd. The same integers as q4_dot8.
-inline void gemm_q4_rows8(const __m256i c8[8], __m256 A, const GemmAct &g, int64_t t0, int64_t n, int64_t j, float *acc) {
-    const int64_t at = g.at(t0, n, j, 0);
-    const int8_t *xq = g.q + 32 * at;
-    const float *dx = g.d + at;
-    for (int64_t t = 0; t < n; t++) {
-        const int8_t *x = xq + 32 * t;
-#if defined(__AVXVNNI__)
-        __m256i dot = _mm256_setzero_si256();
-        for (int i = 0; i < 8; i++) dot = _mm256_dpbusd_avx_epi32(dot, c8[i], bcast4(x + 4 * i));
-#else
-        auto m = [](__m256i c, const int8_t *x) { return _mm256_maddubs_epi16(c, bcast4(x)); };
-        const __m256i qa = _mm256_add_epi16(_mm256_add_epi16(m(c8[0], x), m(c8[1], x + 4)),
-                                            _mm256_add_epi16(m(c8[2], x + 8), m(c8[3], x + 12)));
-        const __m256i qb = _mm256_add_epi16(_mm256_add_epi16(m(c8[4], x + 16), m(c8[5], x + 20)),
-                                            _mm256_add_epi16(m(c8[6], x + 24), m(c8[7], x + 28)));
-        const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(qa, qb), _mm256_set1_epi16(1));
-#endif
-        const __m256 S = _mm256_mul_ps(A, _mm256_set1_ps(dx[t]));
-        _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
-    }
-}
-
-// Block j of the group (codes c as unpack_r8_256.h gives them, scale A) into acc: codes <= 15 as 8
-// rows a register (gemm_q4_rows8), codes <= 31 with the hadd (gemm_q5_rows).
-template <bool Q5>
-inline void gemm_block(const __m256i c[2][4], __m256 A, const GemmAct &g, int64_t t0, int64_t n, int64_t j, float *acc) {
-    if constexpr (Q5) {
-        gemm_q5_rows(c, A, g, t0, n, j, acc);
-    } else {
-        __m256i c8[8];
-        gemm_rows8(c, c8);
-        gemm_q4_rows8(c8, A, g, t0, n, j, acc);
-    }
-}
-
 // The group at w (nb blocks of 32) against tile rows t0 .. t0 + n - 1: acc, mins as above (q6_k:
 // mins untouched); m: the group's M_j (nb * 8 floats, 32-byte aligned) as scratch.
 template <int QT>
@@ -202,7 +181,7 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
             __m256i c[2][4];
             q4_unit_codes<QT>(u, c);
             _mm256_store_ps(m + 8 * j, M);
-            gemm_block<QT == Q5_0R8>(c, A, g, t0, n, j, acc);
+            gemm_q4_rows<QT == Q5_0R8>(c, A, g, t0, n, j, acc);
         }
         gemm_mins(m, g, t0, n, mins);
     } else if constexpr (QT == Q4_KR8 || QT == Q5_KR8) {
@@ -215,7 +194,7 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
                 __m256i c[2][4];
                 k_codes_256<QT>(u, j, c);
                 _mm256_store_ps(m + 8 * (8 * s + j), k_sub_scale(Dm, mn, j));
-                gemm_block<QT == Q5_KR8>(c, k_sub_scale(D, sc, j), g, t0, n, 8 * s + j, acc);
+                gemm_q4_rows<QT == Q5_KR8>(c, k_sub_scale(D, sc, j), g, t0, n, 8 * s + j, acc);
             }
         }
         gemm_mins(m, g, t0, n, mins);
