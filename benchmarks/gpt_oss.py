@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=128)
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run on the same GGUF file")
     ap.add_argument("--llama-reps", type=int, default=None, help="llama-bench's -r (default: its own, 5)")
+    ap.add_argument("--hf-modes", nargs="+", default=["mxfp4", "dequantized"], choices=["mxfp4", "dequantized"],
+                    help="the HF loads measured (the whole shape's experts dequantized would need ~40 GB: mxfp4 only)")
     ap.add_argument("--gguf-only", action="store_true", help="skip the HF checkpoint's load measurements")
     ap.add_argument("--python-loop", action="store_true", help="the GGUF file through the Python layer loop too")
     ap.add_argument("--work-dir", default=None)
@@ -243,7 +245,7 @@ def main() -> None:
                 print("  writing the HF checkpoint ...", flush=True)
                 write_hf(config, hf)
             result["hf_bytes"] = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
-        for mode in () if args.gguf_only else ("mxfp4", "dequantized"):
+        for mode in () if args.gguf_only else args.hf_modes:
             print(f"  HF load, experts {mode} ...", flush=True)
             result[f"hf_load_{mode}"] = _run_load({"model": str(hf), "dequantize": mode == "dequantized"})
         path = work / f"gpt-oss-shape{name}.gguf"
@@ -273,7 +275,7 @@ def main() -> None:
     mib = 2**20
     if not args.gguf_only:
         print(f"\nHF checkpoint {result['hf_bytes'] / mib:.0f} MiB (experts MXFP4):")
-    for mode in () if args.gguf_only else ("mxfp4", "dequantized"):
+    for mode in () if args.gguf_only else args.hf_modes:
         r = result[f"hf_load_{mode}"]
         print(f"  experts {mode:<12} " + (f"error: {r['error'].strip().splitlines()[-1]}" if "error" in r else
               f"peak load {r['peak_load_bytes'] / mib:>7.0f} MiB  resident after {r['resident_after_bytes'] / mib:>7.0f} MiB  "
