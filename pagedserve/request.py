@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.batch import SamplingSettings
+from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.spec_decode.stats import SpecDecodeCounters
 
@@ -30,6 +31,20 @@ def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSett
                             p.ignore_eos, p.logprobs or 0, p.needs_logprobs,
                             tuple(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
                             tuple(tuple(w) for w in p.bad_words_token_ids))
+
+
+def check_num_seqs(params: Any, max_num_seqs: int) -> None:
+    """A request's sequences run together (Request.max_seqs), so more than max_num_seqs could
+    never be admitted (and would block the queue): InvalidRequestError naming n or best_of.
+    (PoolingParams have n = best_of = 1.)"""
+    if isinstance(params, BeamSearchParams):
+        num, param = params.beam_width, "n"
+    else:
+        num, param = params.best_of, "best_of" if params.best_of > params.n else "n"
+    if num > max_num_seqs:
+        raise InvalidRequestError(
+            f"{param} is {num}, but the engine runs at most max_num_seqs={max_num_seqs} sequences at once "
+            f"(--max-num-seqs on the server)", param)
 
 
 class RequestStatus(enum.Enum):

@@ -86,7 +86,7 @@ from pagedserve.lora.adapter import LoRAReadError
 from pagedserve.lora.slots import LoRASlots
 from pagedserve.outputs import Logprob
 from pagedserve.queue_view import QueueView
-from pagedserve.request import Request, RequestStatus, Sequence
+from pagedserve.request import Request, RequestStatus, Sequence, check_num_seqs
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
@@ -226,20 +226,17 @@ class Scheduler:
         return self._next_seq_id
 
     def add_request(self, req: Request) -> None:
-        """Queue a request the engine validated (LLMEngine.validate_request), after the checks
-        that only the scheduler and the KV cache can make: InvalidRequestError for a request that
-        could never run (more sequences than max_num_seqs, more blocks than the cache holds)."""
-        limit = self.config.max_num_seqs
-        if req.max_seqs > limit:
-            # Its sequences run together, so it could never be admitted (and would block the queue).
-            p = req.params
-            param = "best_of" if not req.is_beam_search and p.best_of > p.n else "n"
-            raise InvalidRequestError(
-                f"{param} is {req.max_seqs}, but the engine runs at most max_num_seqs={limit} sequences at once "
-                f"(--max-num-seqs on the server)", param)
+        """Queue a request the engine validated (LLMEngine.validate_request), after check_request."""
+        self.check_request(req)
+        self.waiting.append(req)
+
+    def check_request(self, req: Request) -> None:
+        """The checks that only the scheduler and the KV cache can make (of their sizes, not their
+        state): InvalidRequestError for a request that could never run (more sequences than
+        max_num_seqs, more blocks than the cache holds)."""
+        check_num_seqs(req.params, self.config.max_num_seqs)
         self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
                               req.max_seqs > 1 or req.is_beam_search)
-        self.waiting.append(req)
 
     def free_seq(self, seq: Sequence, req: Request) -> None:
         self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

@@ -4,6 +4,7 @@ the server's driver applies it. Tokens are compared with the offline LLM's."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -14,8 +15,11 @@ from pagedserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineNotRea
 from pagedserve.engine.llm_engine import MAX_STEP_FAILURES
 from pagedserve.engine.protocol import EngineClient
 from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import RequestOutputKind
+from tests.fault_server import SLOW_STEPS
+from tests.fault_server import install as install_faults
 from tests.test_engine import make_llm
 
 PROMPT = "Once upon a time"
@@ -115,6 +119,41 @@ def test_the_queue_limit_refuses_a_call_that_could_never_fit_and_one_that_overfl
             pass
         with pytest.raises(ValueError, match="already in use"):
             await llm.add_requests([items[0], items[0]])
+    run(llm, body)
+
+
+@pytest.mark.parametrize("where", ["event loop", "engine thread"])
+def test_a_bad_request_is_refused_as_bad_whatever_the_queues_state(tiny_llama, monkeypatch, where):
+    """A full queue refuses a valid request (retry later) but an invalid one as invalid: a prompt
+    longer than the model's length, n over max_num_seqs, min_tokens over the context's room.
+    Both queue checks: the event loop's first one, and the engine thread's exact one (made the
+    only one here by passing the event loop's). One request runs, slowed, two wait."""
+    install_faults(monkeypatch.setattr)
+    if where == "engine thread":
+        check_queue = AsyncLLM._check_queue
+        monkeypatch.setattr(AsyncLLM, "_check_queue", lambda self, *a: check_queue(self, *a)
+                            if threading.current_thread().name == "pagedserve-engine" else None)
+    llm = async_llm(tiny_llama, max_waiting_requests=2, max_num_seqs=1)
+    slow = SamplingParams(temperature=0, ignore_eos=True, max_tokens=400)
+
+    async def body():
+        running = await llm.add_requests([("run", f"{PROMPT} {SLOW_STEPS}", slow)])
+        await running.__aiter__().__anext__()        # it runs: the next two wait
+        waiting = await llm.add_requests([(f"w{i}", f"{PROMPT} {SLOW_STEPS}", slow) for i in range(2)])
+        assert llm.engine.scheduler.queues.num_waiting == 2
+        too_long = {"prompt_token_ids": [5] * (llm.max_model_len + 10)}
+        for rid, prompt, params, words in [
+                ("long", too_long, SamplingParams(**GREEDY), "maximum context length"),
+                ("n", PROMPT, SamplingParams(n=2, temperature=1.0, max_tokens=2), "max_num_seqs"),
+                ("min", {"prompt_token_ids": [5] * (llm.max_model_len - 4)},
+                 SamplingParams(max_tokens=None, min_tokens=8), "min_tokens")]:
+            with pytest.raises(InvalidRequestError, match=words):
+                await llm.add_requests([(rid, prompt, params)])
+        with pytest.raises(QueueFullError):
+            await llm.add_requests([("ok", PROMPT, SamplingParams(**GREEDY))])
+        assert set(llm.engine.requests) == {"run", "w0", "w1"}
+        running.close()
+        waiting.close()
     run(llm, body)
 
 

@@ -276,6 +276,10 @@ def test_queue_limit_gives_503_until_it_drains(server, http):
             err = r.json()["error"]
             assert err["type"] == "service_unavailable" and "--max-waiting-requests" in err["message"], err
             assert r.headers.get("retry-after") == "1", r.headers    # the client's back-off (issue 51)
+        # Bad input is answered as such whatever the queue's state, never "retry later" first (issue 51).
+        for bad, param in [({"prompt": [5] * 2000}, "prompt"), ({"prompt": "x", "n": MAX_SEQS + 1}, "n")]:
+            r = http.post("/v1/completions", json={**bad, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:
         for cm in opened:   # disconnect: the server aborts them
             cm.__exit__(None, None, None)

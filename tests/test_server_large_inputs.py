@@ -44,10 +44,10 @@ def large_requests(tiny_llama) -> list[tuple[str, str, dict, str, str]]:
         ("10-MB-chat", "/v1/chat/completions", {"messages": [{"role": USER, "content": TEN_MB}]}, "messages",
          "characters"),
         ("10-MB-tokenize", "/tokenize", {"prompt": TEN_MB}, "prompt", "characters"),
-        # Within the cheap limits, so all of it is tokenized (seconds of work) before the 400. One
-        # prompt fewer than the queue's bound: another client's request may be waiting then, and a
-        # full queue answers 503 (retry later) before the engine checks each prompt's length.
-        ("1024-long-prompts", "/v1/completions", {"prompt": [fits_in_chars] * (MAX_WAITING - 1), "max_tokens": 1},
+        # Within the cheap limits, so all of it is tokenized (seconds of work) before the 400. As many
+        # prompts as the queue's bound: another client's request may be waiting then, and the queue is
+        # full; each prompt's length is checked before the queue's room, so it is a 400 all the same.
+        ("1024-long-prompts", "/v1/completions", {"prompt": [fits_in_chars] * MAX_WAITING, "max_tokens": 1},
          "prompt", "512"),
     ]
 

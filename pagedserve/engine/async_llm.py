@@ -41,6 +41,7 @@ from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
 from pagedserve.engine.protocol import Params, check_num_prompts
+from pagedserve.engine.request_checks import RequestLimits, check_given
 from pagedserve.engine.tokenizer import front_end_tokenizer
 from pagedserve.errors import InvalidRequestError
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
@@ -177,6 +178,7 @@ class AsyncLLM:
         # Set on the engine thread before `ready`, read-only afterwards.
         self.tokenizer: Any = None         # the front end's tokenizer (engine/tokenizer.py), not the engine's
         self.max_model_len = 0
+        self.request_limits: RequestLimits | None = None
         self.vocab_size = 0
         self.model_path = ""
         self.model_args: Any = None        # the base model's shapes (the server checks LoRA adapters against them)
@@ -245,7 +247,12 @@ class AsyncLLM:
         # A first check here, on what the engine last reported plus the requests sent since;
         # the engine thread checks again exactly when it applies the add.
         waiting, taken = self._queue_view
-        self._check_queue(len(items), waiting + self._num_sent - taken)
+        try:
+            self._check_queue(len(items), waiting + self._num_sent - taken)
+        except QueueFullError:
+            for _, prompt, params in items:   # bad input is a 400 whatever the queue's state
+                check_given(prompt, params, self.request_limits)
+            raise
         stream = RequestStream(self, ids)
         for rid in ids:
             self._streams[rid] = stream
@@ -366,6 +373,7 @@ class AsyncLLM:
                                                  load_chat_template(self.config.chat_template))
             self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
+            self.request_limits = self.engine.request_limits
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
             self.model_args = self.engine.model_args
@@ -456,9 +464,12 @@ class AsyncLLM:
         added: list[Request] = []
         self._num_taken += len(items)
         try:
+            # Every request is checked before the queue's room: bad input is refused as such (a
+            # 400), whatever the queue's state, never "retry later" first.
+            checked = [self.engine.check_request(rid, prompt, params, arrival_time) for rid, prompt, params in items]
             self._check_queue(len(items), self.engine.scheduler.queues.num_waiting)
-            for rid, prompt, params in items:
-                added.append(self.engine.add_request(rid, prompt, params, arrival_time=arrival_time))
+            for req in checked:
+                added.append(self.engine.queue_request(req))
         except Exception as e:   # noqa: BLE001 - handed back to the caller
             for req in added:    # all or nothing: leave no blocks behind
                 self.engine.abort_request(req.request_id)

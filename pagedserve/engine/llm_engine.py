@@ -25,6 +25,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import OutputText
 from pagedserve.engine.kv_view import KVView, capture
+from pagedserve.engine.request_checks import RequestLimits, check_max_tokens, check_params, check_prompt_ids
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor import WorkerFailedError, make_executor
 from pagedserve.invariants import check_paging_invariants
@@ -145,6 +146,8 @@ class LLMEngine:
         self.model_args, self.dtype = worker.model_args, worker.dtype
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model_args.vocab_size
+        self.request_limits = RequestLimits(self.max_model_len, self.vocab_size, config.max_logprobs,
+                                            config.max_num_seqs)
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.kv_windows = worker.kv_windows     # the KV groups' sliding windows (kv/groups.py)
         self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
@@ -277,6 +280,14 @@ class LLMEngine:
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. Everything about it is validated here, once, before anything is
         allocated: InvalidRequestError (a ValueError) names the parameter at fault."""
+        return self.queue_request(self.check_request(request_id, prompt, params, arrival_time, lora_request))
+
+    def check_request(self, request_id: str | None, prompt: PromptType,
+                      params: SamplingParams | BeamSearchParams | PoolingParams,
+                      arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
+        """Validate a request and build it without queueing it: no blocks, no grammar compile.
+        AsyncLLM checks a whole add this way before its queue-room check, so bad input is
+        refused as such whatever the queue's state."""
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -292,16 +303,21 @@ class LLMEngine:
             max_tokens = 0     # prefill only
         else:
             max_tokens = self.validate_request(ids, params)
-        structured = None
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            structured = self.grammars.new_state(params.structured_outputs)   # compiles off this thread
         req = Request.create(request_id, text, ids, params, max_tokens, self.scheduler.new_seq_id(),
-                             arrival_time=arrival_time, cache_salt=salt, structured=structured,
+                             arrival_time=arrival_time, cache_salt=salt,
                              pooling=self.config.pooling_type if isinstance(params, PoolingParams) else None,
                              lora=lora)
+        self.scheduler.check_request(req)   # InvalidRequestError if it could never run
+        return req
+
+    def queue_request(self, req: Request) -> Request:
+        """Queue a request check_request built: its grammar starts compiling (off this thread)."""
+        params = req.params
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            req.structured = self.grammars.new_state(params.structured_outputs)
         self.text.start(req)
-        self.scheduler.add_request(req)   # raises InvalidRequestError if it could never run
-        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        self.requests[req.request_id] = req
         return req
 
     def check_runner(self, params) -> None:
@@ -345,48 +361,20 @@ class LLMEngine:
 
     def validate_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
         """Check a request against this engine: its prompt, and token ids in its parameters (the
-        parameters checked themselves when built; Scheduler.add_request adds what depends on
-        its capacity). Returns its max_tokens: the requested number (None: no limit) cut to what
-        the context holds after the prompt. The one place max_tokens is resolved."""
+        parameters checked themselves when built; Scheduler.check_request adds what depends on
+        its capacity). Returns its max_tokens (request_checks.check_max_tokens)."""
         self.validate_prompt(ids)
         self.validate_params(params)
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if isinstance(params, SamplingParams) and params.min_tokens > max_tokens:
-            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({max_tokens})",
-                                      "min_tokens")
-        return max_tokens
+        return check_max_tokens(ids, params, self.request_limits)
 
     def validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt is {len(ids)} tokens long; this model's maximum context length is "
-                f"{self.max_model_len} tokens, which must also hold at least one generated token", "prompt",
-                "context_length_exceeded")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", "prompt")
+        check_prompt_ids(ids, self.request_limits)
 
     def validate_params(self, params: SamplingParams | BeamSearchParams) -> None:
-        """Token ids in the parameters index the logits: one outside the vocabulary would fail
-        the whole step, so it is refused here; so are more logprobs than max_logprobs."""
-        if not isinstance(params, SamplingParams):
-            return
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise InvalidRequestError(f"{name} ({value}) is more than this engine's max_logprobs "
-                                          f"({self.config.max_logprobs})", name)
-        if params.bad_words and not params.bad_words_token_ids:
+        """request_checks.check_params, after bad_words become token ids (this engine's tokenizer)."""
+        if isinstance(params, SamplingParams) and params.bad_words and not params.bad_words_token_ids:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"{name} has token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}", name)
+        check_params(params, self.request_limits)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as it would appear at the start of a text and after a space
