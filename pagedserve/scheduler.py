@@ -171,15 +171,18 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
                  num_host_blocks: int = 0, eos_token_ids: Collection[int] = (),
                  kv_events: KVEventSink | None = None, tier: TierIndex | None = None,
-                 kv_windows: Seq[int | None] = (None,)) -> None:
+                 kv_windows: Seq[int | None] = (None,), batch_dependent_steps: bool = True) -> None:
         """eos_token_ids: every EOS id of the model (tokenizer and generation config), for
         sampling and beam search alike; kv_events: told of the prefix cache's changes (a
         data-parallel router listens). The scheduler knows no text: the engine's output side
         makes it and checks the stop strings (engine/detokenizer.py), then ends a sequence a
         stop string ended with `stop_seq`. tier: the keys of the disk tier below the prefix
         cache (kv/tier.py), kept by the engine across resets. kv_windows: the model's KV groups'
-        sliding windows (kv/groups.py; None: full attention), each group with its own block tables."""
+        sliding windows (kv/groups.py; None: full attention), each group with its own block tables.
+        batch_dependent_steps: the worker's report that a step which is not batch-invariant computes
+        other arithmetic (else no block is marked batch-dependent: a greedy request takes them all)."""
         self.config = config
+        self.batch_dependent_steps = batch_dependent_steps
         self.block_size = config.block_size
         self.max_model_len = max_model_len or config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -432,7 +435,7 @@ class Scheduler:
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids,
                               batch_invariant=self._batch_invariant(order))
-        if not out.batch.batch_invariant and order:   # its blocks are none a greedy request takes under auto
+        if self.batch_dependent_steps and not out.batch.batch_invariant and order:   # none a greedy one takes
             self.kv.mark_batch_dependent([(s.seq.seq_id, s.start) for s in order])
         if self.kv.num_groups > 1:
             out.batch.group_block_ids = {s.seq.seq_id: s.group_block_ids for s in order}

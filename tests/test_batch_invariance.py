@@ -165,3 +165,48 @@ def test_greedy_after_a_sampled_request_with_its_prompt_gives_its_tokens_alone(v
         assert _run(llm, [prompt], max_tokens=32) == alone
         again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
         assert again.num_cached_tokens > 0
+
+
+def test_a_float_model_marks_no_block_so_greedy_after_sampled_takes_the_cached_prefix(tiny_llama):
+    """Where a batch-invariant step computes as a plain one does (float weights: the worker reports
+    it, ModelOps.invariance_changes), no block is marked batch-dependent: a greedy request after a
+    sampled one with its long prompt takes the prompt's blocks from the prefix cache (before, it
+    recomputed them) and gives its tokens alone."""
+    prompt = {"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(100)]}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", num_gpu_blocks_override=64, check_invariants=True)
+    alone = LLM(tiny_llama.path, enable_prefix_caching=False, **kw).generate(prompt, greedy, use_tqdm=False)[0]
+    llm = LLM(tiny_llama.path, enable_prefix_caching=True, **kw)
+    assert llm.engine.config.batch_invariant == "auto" and not llm.engine.executor.worker.batch_dependent_steps
+    llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=1), use_tqdm=False)
+    hits = llm.kv_cache_stats()["prefix_cache_hits"]
+    out = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 96 and llm.kv_cache_stats()["prefix_cache_hits"] - hits == 96
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_only_r8_layouts_on_the_r8_variants_make_steps_batch_dependent():
+    """The worker's report: torch's ops never (`invariant` changes nothing there); the CPU kernels
+    for r8 layouts on the avx2 / avxvnni variants only (their dots then take prefill rows too)."""
+    from pagedserve.models.ops import TorchOps
+    assert not TorchOps().invariance_changes({"q4_0r8", "q4_kr8"})
+    for variant in R8_HERE:
+        with quant.using_variant(variant):
+            assert quant.invariance_changes({"q4_0r8", "f16"})
+            assert not quant.invariance_changes({"q4_0", "q6_k"}) and not quant.invariance_changes(set())
+
+
+@needs_r8
+def test_greedy_with_a_draft_model_gives_its_tokens_alone(variant):
+    """The issue's last speculation case: a draft model (here the default model drafting for
+    itself, method draft_model) changed the default model's greedy text. Its verification rows are
+    decode rows: tokens and logprobs equal plain decoding's, alone and among other requests."""
+    _default_model()
+    small = dict(kv_cache_memory=64 * 1024**2, max_num_batched_tokens=32, max_num_seqs=8, enable_prefix_caching=False)
+    with quant.using_variant(variant):
+        alone = _run(LLM(**small), [PROMPT])
+        drafted = LLM(speculative_config={"model": default_model_path(), "num_speculative_tokens": 3}, **small)
+        assert _run(drafted, [PROMPT]) == alone
+        assert _run(drafted, [PROMPT] + OTHERS) == alone
+        assert drafted.kv_cache_stats()["spec_decode_num_accepted_tokens"] > 0
+

@@ -150,6 +150,7 @@ class LLMEngine:
                                             config.max_num_seqs)
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.kv_windows = worker.kv_windows     # the KV groups' sliding windows (kv/groups.py)
+        self.batch_dependent_steps = worker.batch_dependent_steps   # (Scheduler's: which steps mark blocks)
         self.kv_storage = kv_storage_stats(config, self.model_args, self.dtype)     # in kv_cache_stats()
         # The keys of the prefix cache's disk tier (kv/tier.py): its files outlive a reset, so does this.
         self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys, kv_events) if config.kv_offload else None
@@ -237,7 +238,8 @@ class LLMEngine:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.num_blocks, self.max_model_len, self.num_host_blocks,
-                         self.eos_token_ids, self.kv_events, self.tier_index, self.kv_windows)
+                         self.eos_token_ids, self.kv_events, self.tier_index, self.kv_windows,
+                         self.batch_dependent_steps)
 
     def _eos_token_ids(self, path: str) -> set[int]:
         if self.config.load_format == "dummy":

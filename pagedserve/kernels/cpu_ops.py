@@ -72,6 +72,7 @@ class CpuOps(TorchOps):
     repack = staticmethod(quant.repack)
     quantized_linear = staticmethod(quant.linear)
     quantized_embedding = staticmethod(quant.embedding)
+    invariance_changes = staticmethod(quant.invariance_changes)
 
     argmax = staticmethod(cpu.argmax_rows)
 

@@ -113,6 +113,16 @@ def set_batch_invariant(enabled: bool) -> None:
     R8_ALL_ROWS), whether or not the call asks for it (linear's `invariant`)."""
     global _batch_invariant
     _batch_invariant = bool(enabled)
+
+
+def invariance_changes(qtypes: set[str]) -> bool:
+    """Whether linear's `invariant` changes the arithmetic of products of these block types:
+    only of r8 layouts on the R8_VARIANTS, whose integer dots then take a prefill chunk's rows
+    too (batch_rows). Elsewhere a row's arithmetic is the same in either kind of step (the
+    engine then marks no cached block batch-dependent: Scheduler.batch_dependent_steps)."""
+    return KERNELS.variant() in R8_VARIANTS and any(q in R8 for q in qtypes)
+
+
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
 
 # T up to this: integer dots on q8 activations; above: dequantized tiles (batch_rows() picks).

@@ -64,6 +64,10 @@ class ModelOps(Protocol):
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W.T (+ bias) for a QuantizedWeight or a tuple of them stacked by rows (one product)."""
 
+    def invariance_changes(self, qtypes: set[str]) -> bool:
+        """Whether a batch-invariant step (linear's `invariant`) computes products of weights of
+        these block types (quantized.quantized_qtypes) with other arithmetic than a plain step."""
+
     def quantized_embedding(self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of a quantized table, dequantized ([*ids.shape, cols] in dtype)."""
 
@@ -108,6 +112,10 @@ class TorchOps:
     @staticmethod
     def repack(weight: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
         return weight
+
+    @staticmethod
+    def invariance_changes(qtypes: set[str]) -> bool:
+        return False         # `invariant` changes nothing here
 
     def prepare_weights(self, model) -> None:
         pass

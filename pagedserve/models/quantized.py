@@ -136,6 +136,28 @@ def model_weight_bytes(model) -> int:
     return sum(seen.values())
 
 
+def quantized_qtypes(model) -> set[str]:
+    """The block types of a model's quantized products (its layers' and the LM head's weights;
+    the embedding's lookups dequantize rows): what the worker tells its ops, which say whether
+    a batch-invariant step computes them with other arithmetic (ModelOps.invariance_changes)."""
+    from dataclasses import fields
+
+    from pagedserve.models.moe import ExpertWeights, MoEWeights
+
+    def qtypes(weight) -> set[str]:
+        if isinstance(weight, QuantizedWeight):
+            return {weight.qtype}
+        if isinstance(weight, tuple):
+            return set().union(*(qtypes(p) for p in weight))
+        if isinstance(weight, MoEWeights):
+            return set().union(*(qtypes(e) for e in weight.experts + ([weight.shared] if weight.shared else [])))
+        if isinstance(weight, ExpertWeights):
+            return qtypes(weight.gate_up) | qtypes(weight.down)
+        return set()
+    weights = [getattr(w, f.name) for w in getattr(model, "layers", []) for f in fields(w)]
+    return set().union(*(qtypes(w) for w in weights + [getattr(model, "lm_head", None)]))
+
+
 def model_read_bytes_per_token(model) -> int:
     """The weight bytes one decode token reads: every layer's matrices and norms, but of an MoE
     block only its router, k experts (of their mean size) and shared expert; the final norm and

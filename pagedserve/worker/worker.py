@@ -16,7 +16,8 @@ from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.llama import ModelArgs
 from pagedserve.models.loader import is_gguf, load_model
 from pagedserve.models.ops import ModelOps, TorchOps
-from pagedserve.models.quantized import model_read_bytes_per_token, model_weight_bytes, resolve_quantization
+from pagedserve.models.quantized import (model_read_bytes_per_token, model_weight_bytes, quantized_qtypes,
+                                         resolve_quantization)
 from pagedserve.models.sharding import Shard
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.worker.cuda_graphs import capture_sizes, uses_cuda_graphs
@@ -129,6 +130,10 @@ class Worker:
     # oldest first, and how many blocks its size bound holds (the engine's index, kv/tier.py).
     tier_keys: list[bytes] = field(default_factory=list)
     tier_capacity: int = 0
+    # Whether a step that is not batch-invariant computes rows with other arithmetic than a
+    # batch-invariant one (ModelOps.invariance_changes over the model's and the draft's
+    # quantized block types): only then does the scheduler mark such steps' blocks.
+    batch_dependent_steps: bool = True
 
     @classmethod
     def load(cls, config: EngineConfig, model_path: str, eos_token_ids: set[int],
@@ -193,6 +198,8 @@ class Worker:
         if graphs:
             runner.capture_cuda_graphs(sizes, max_model_len)
         worker = cls(runner, device, args, dtype, num_blocks, num_host_blocks, max_model_len, kv_groups.windows)
+        qtypes = quantized_qtypes(model) | (quantized_qtypes(draft) if draft is not None else set())
+        worker.batch_dependent_steps = ops.invariance_changes(qtypes)
         if config.kv_offload:
             from pagedserve.worker.kv_tier import open_tier_store
             runner.tier = open_tier_store(config, model_path, args, dtype, runner.kv_cache)
