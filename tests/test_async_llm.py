@@ -139,7 +139,9 @@ def test_a_bad_request_is_refused_as_bad_whatever_the_queues_state(tiny_llama, m
     async def body():
         running = await llm.add_requests([("run", f"{PROMPT} {SLOW_STEPS}", slow)])
         await running.__aiter__().__anext__()        # it runs: the next two wait
-        waiting = await llm.add_requests([(f"w{i}", f"{PROMPT} {SLOW_STEPS}", slow) for i in range(2)])
+        # One at a time: the first check counts on what the engine last reported, which may
+        # still hold "run" as waiting (one more, never more: its first output came).
+        waiting = [await llm.add_requests([(f"w{i}", f"{PROMPT} {SLOW_STEPS}", slow)]) for i in range(2)]
         assert llm.engine.scheduler.queues.num_waiting == 2
         too_long = {"prompt_token_ids": [5] * (llm.max_model_len + 10)}
         for rid, prompt, params, words in [
@@ -152,8 +154,8 @@ def test_a_bad_request_is_refused_as_bad_whatever_the_queues_state(tiny_llama, m
         with pytest.raises(QueueFullError):
             await llm.add_requests([("ok", PROMPT, SamplingParams(**GREEDY))])
         assert set(llm.engine.requests) == {"run", "w0", "w1"}
-        running.close()
-        waiting.close()
+        for stream in [running, *waiting]:
+            stream.close()
     run(llm, body)
 
 
