@@ -98,8 +98,13 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     const bool r8 = any_r8(parts, nparts);
     if (gemm_r8_takes(parts, nparts, T)) return gemm_r8_linear(parts, nparts, x, ldx, x_bf16 != 0, T, K, bias, y, ldy, y_bf16 != 0, plan);
     if (r8 && all_r8_groups(parts, nparts)) {     // r8 parts: their groups of 8 rows, 1-4 activation rows a pass
-        std::vector<std::array<R8GroupFn, 5>> kR8(nparts);
-        std::vector<int64_t> first(nparts + 1, 0), row0(nparts, 0);     // each part's first group, first row
+        // (the calling thread's, kept from call to call: no allocation per product; the region
+        // below reads them through these pointers, not by the thread_local names)
+        thread_local std::vector<std::array<R8GroupFn, 5>> fns_buf;
+        thread_local std::vector<int64_t> first_buf, row0_buf;
+        std::array<R8GroupFn, 5> *kR8 = fit(fns_buf, nparts);
+        int64_t *first = fit(first_buf, nparts + 1), *row0 = fit(row0_buf, nparts);   // each part's first group, first row
+        first[0] = row0[0] = 0;
         for (int64_t p = 0; p < nparts; p++) {
             const int qt = int(parts[p].qtype);
             for (int n = 1; n <= 4; n++) kR8[p][n] = r8_group_fn(qt, n);
