@@ -5,7 +5,6 @@ import logging
 import os
 import random
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -267,33 +266,6 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
         other.parse(key, memoryview(good))
     with pytest.raises(TierFileError, match="block_size"):
         make_store(tmp_path / "b", block_size=32).parse(key, memoryview(good))
-
-
-def test_a_reader_thread_reuses_its_buffer_and_a_short_file_after_a_whole_one_is_refused(tmp_path):
-    """The reader threads keep one file buffer each (a CPU cache): a whole block read, then a file
-    cut short, through the same thread: the earlier file's bytes past the short one's end must not
-    complete it (refused, the block left as it was); then the whole block reads again."""
-    store = make_store(tmp_path)
-    store._readers.shutdown()
-    store._readers = ThreadPoolExecutor(1)           # one reader: both reads share its buffer
-    key, cut = bytes(range(32)), bytes(range(1, 33))
-    store.blocks[:, :, 1] = 7.0
-    store.blocks[:, :, 2] = 7.0
-    store.save([(1, key), (2, cut)])
-    store.flush()
-    path = Path(store.path(cut))
-    path.write_bytes(path.read_bytes()[:-100])
-    store.blocks[:, :, 1:3] = 0.0
-    store.start_loads([(key, 1)])
-    assert store.collect(wait=True).loaded == [key] and torch.equal(store.blocks[:, :, 1], torch.full_like(store.blocks[:, :, 1], 7.0))
-    buffer = store._readers.submit(store._read_buffer).result()
-    store.start_loads([(cut, 2)])
-    assert store.collect(wait=True).failed == [cut] and store.rejected == 1 and not store.blocks[:, :, 2].any()
-    store.blocks[:, :, 1] = 0.0
-    store.start_loads([(key, 1)])
-    assert store.collect(wait=True).loaded == [key] and store.blocks[:, :, 1].eq(7.0).all()
-    assert store._readers.submit(store._read_buffer).result() is buffer
-    store.close()
 
 
 def test_two_stores_sharing_a_directory_never_read_a_torn_block(tmp_path):

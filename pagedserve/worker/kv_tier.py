@@ -107,7 +107,6 @@ class KVTierStore:
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-reader")
-        self._reader_local = threading.local()            # each reader thread's file buffer (a CPU cache)
 
     # ---- files ---------------------------------------------------------------------------
     def path(self, key: bytes) -> str:
@@ -246,8 +245,7 @@ class KVTierStore:
         if block is not None:          # saved a moment ago, still on its way to the disk
             return block
         path = self.path(key)
-        cpu = self.blocks.device.type == "cpu"
-        buf = self._read_buffer() if cpu else bytearray(self.file_bytes + 1)
+        buf = bytearray(self.file_bytes + 1)        # one byte more: a longer file is not ours
         with open(path, "rb") as f:
             n = f.readinto(buf)
         block = self.parse(key, memoryview(buf)[:n])
@@ -257,20 +255,10 @@ class KVTierStore:
             pass
         with self._lock:
             self.bytes_read += n
-        if cpu:
+        if self.blocks.device.type == "cpu":
             self.blocks[:, :, block_id].copy_(block)
             return None
         return block
-
-    def _read_buffer(self) -> bytearray:
-        """This reader thread's buffer for a file, one byte longer than ours (a longer file is not
-        ours), kept from read to read: a new one per block cost a zeroed 6 MB allocation (1.7B
-        shape, float32), about as long as reading the file from the page cache. Only where the
-        block is copied out before the thread's next read (a CPU cache)."""
-        buf = getattr(self._reader_local, "buf", None)
-        if buf is None:
-            buf = self._reader_local.buf = bytearray(self.file_bytes + 1)
-        return buf
 
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
