@@ -223,8 +223,8 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
 # The fewest activation rows the r8 GEMM (csrc/quant/gemm_r8_256.h) takes; fewer run the 1-4-row
 # dots. Both give a row the same bits, so the crossover is free to sit where it is cheaper. Measured
 # (`benchmarks/gemm_r8.py --shape smollm2-1.7b --types q4_0,q4_k --crossover ...`, 2 threads, Zen 3
-# avx2): the GEMM takes 0.63-0.88x the dots' time from 8 rows, both cost per row (0.43-0.46 ms a
-# row a 1.7B layer for the GEMM at 8-64 rows: no fixed cost per 64-row tile to save), at 4 rows 1.04x.
+# avx2; benchmarks/RESULTS.md): the GEMM takes 0.54-0.79x the dots' time from 8 rows, 1.07-1.09x at
+# 4; both cost per row (no fixed cost per 64-row tile: a 33-row call costs about half a 64-row one).
 R8_GEMM_MIN_ROWS = 8
 
 
