@@ -339,9 +339,10 @@ class KVCacheManager(PoolCapacity):
         `token_ids` (invariant_only: of blocks batch-invariant steps computed); returns the tokens
         they hold. Paging reserves nothing ahead (`max_len`). `hit`: cached_prefix's answer for
         these arguments, taken as it is (no second lookup; nothing may have changed the cache since)."""
-        if use_prefix_cache and hit is None:
+        if not use_prefix_cache:
+            hit = None
+        elif hit is None:
             hit = self._lookup_with_partial(token_ids, cache_salt, invariant_only)
-        hit = hit if use_prefix_cache else None
         self.allocate(seq_id, token_ids, 0, 0, prefix=hit, cache_salt=cache_salt)
         return hit.num_blocks * self.block_size + hit.partial_tokens if hit else 0
 
