@@ -48,6 +48,9 @@ QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4
 REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0",
             "q4_kr8": "q4_k", "q5_kr8": "q5_k", "q6_kr8": "q6_k", "q5_0r8": "q5_0", "mxfp4r8": "mxfp4"}
 R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8", "q5_0r8", "mxfp4r8")   # data [rows / 8, row bytes * 8]
+# The r8 layouts whose 256-bit and scalar kernels multiply activations with one scale per 256
+# (quantize_activations(x, 256); csrc/quant/activations.h's quantize_super); the rest blocks of 32.
+SUPER_ACT = ("q4_kr8", "q5_kr8")
 R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8", "q4_k": "q4_kr8", "q5_k": "q5_kr8", "q6_k": "q6_kr8",
          "q5_0": "q5_0r8", "mxfp4": "mxfp4r8"}
 R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in order
@@ -324,20 +327,21 @@ def quantize_torch(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     return QuantizedWeight(qtype, (rows, cols), data)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """What the small-batch kernels multiply: x [T, K] as int8 values [T, K] and one float32
-    scale per 32 [T, K/32] (d = max|x| / 127, q = x * (1/d) rounded half to even)."""
+    scale per `block` [T, K/block] (d = max|x| / 127, q = x * (1/d) rounded half to even). Blocks
+    of 32, or of 256 where the 256-bit and scalar builds run a super-block r8 layout (SUPER_ACT)."""
     t, k = x.shape
-    blocks = x.float().reshape(t, k // 32, 32)
+    blocks = x.float().reshape(t, k // block, block)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = torch.round(blocks * inv).to(torch.int8)
-    return q.view(t, k), d.view(t, k // 32)
+    return q.view(t, k), d.view(t, k // block)
 
 
-def reference_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, w: QuantizedWeight, act_block: int = 32) -> torch.Tensor:
     """The small-batch kernels' arithmetic in float64, no rounding but the inputs': the q8
-    activations times the dequantized weight (float64 [T, rows]). The tests' oracle."""
-    q, d = quantize_activations(x)
-    x8 = (q.double().view(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).view(x.shape)
+    activations (blocks of act_block) times the dequantized weight (float64 [T, rows]). The tests' oracle."""
+    q, d = quantize_activations(x, act_block)
+    x8 = (q.double().view(x.shape[0], -1, act_block) * d.double().unsqueeze(-1)).view(x.shape)
     return x8 @ dequantize_torch(w).double().T

@@ -81,7 +81,7 @@ import torch
 
 from pagedserve.kernels import cpu
 from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
-    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_OF, REPACKED, ROW_CHUNK_ELEMENTS, QuantizedWeight,
+    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_OF, REPACKED, SUPER_ACT, ROW_CHUNK_ELEMENTS, QuantizedWeight,
     _q4_0x8_order, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
     quantize_torch, reference_linear, slice_cols, slice_rows)
 
@@ -311,6 +311,9 @@ _SIGNATURES = {
     "quant_dequantize_rows": [ctypes.c_int, _P, _I, _P, _I, _I, _P],
     # qtype, x, ldx, x_is_bf16, rows, cols, out, ldo (bytes)
     "quant_quantize": [ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I],
+    # x, ldx, x_is_bf16, rows, cols, q (int8 [rows, cols]), d (float32 [rows, cols / 256]), bs (int16 [rows, cols / 16]):
+    # the super-block activations the 256-bit and scalar builds' q4_kr8 / q5_kr8 / q6_kr8 kernels multiply
+    "quant_quantize_super": [_P, _I, ctypes.c_int, _I, _I, _P, _P, _P],
     # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
     "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
     # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_ld_*), tile_rows

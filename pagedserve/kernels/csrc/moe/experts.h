@@ -43,15 +43,33 @@ struct MoEGlu {
 
 namespace {
 
-// A step's activations for the experts: q8 blocks of `rows` rows of K, in buffers of its own.
+// A step's activations for the experts: q8 blocks of `rows` rows of K, in buffers of its own, and
+// where `super` (a matrix that reads them) the super-block fields too.
 struct MoEAct {
-    std::vector<int8_t, Aligned64<int8_t>> q;
-    std::vector<float, Aligned64<float>> d, ds;
-    Act act(int64_t rows, int64_t K) {
+    std::vector<int8_t, Aligned64<int8_t>> q, qk;
+    std::vector<float, Aligned64<float>> d, ds, dk;
+    std::vector<int16_t, Aligned64<int16_t>> bsk;
+    Act act(int64_t rows, int64_t K, bool super) {
         Act a{fit(q, rows * K), fit(d, rows * (K / 32)), fit(ds, rows * (K / 32)), K, K / 32, {}};
+        if (super && K % 256 == 0) {
+            a.qk = fit(qk, rows * K);
+            a.dk = fit(dk, rows * (K / 256));
+            a.bsk = fit(bsk, rows * (K / 16));
+        }
         return a;
     }
 };
+
+// Rows `first` .. of a as an Act of their own.
+inline Act act_rows(const Act &a, int64_t first) {
+    Act r{a.q + first * a.K, a.d + first * a.nb, a.ds + first * a.nb, a.K, a.nb, {}};
+    if (a.qk != nullptr) {
+        r.qk = a.qk + first * a.K;
+        r.dk = a.dk + first * (a.K / 256);
+        r.bsk = a.bsk + first * (a.K / 16);
+    }
+    return r;
+}
 thread_local MoEAct t_moe_x, t_moe_a;
 thread_local std::vector<float> t_moe_gated;
 
@@ -148,9 +166,15 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
             chosen.push_back(e);
         }
     const int64_t P = T * k, nbh = H / 32, nbi = I / 32;
-    const Act xt = t_moe_x.act(T + P, H);        // rows 0 .. T - 1: x; T .. T + P - 1: gathered per pair
-    const Act xg{xt.q + T * H, xt.d + T * nbh, xt.ds + T * nbh, H, nbh, {}};
-    const Act ag = t_moe_a.act(P, I);
+    bool super1 = false, super2 = false;         // whether gate / up, down of a chosen expert read Act::qk
+    for (const int64_t e : chosen) {
+        super1 |= reads_super(int(experts[e].gate.qtype)) || reads_super(int(experts[e].up.qtype));
+        super2 |= reads_super(int(experts[e].down.qtype));
+    }
+    const Act xt = t_moe_x.act(T + P, H, super1);        // rows 0 .. T - 1: x; T .. T + P - 1: gathered per pair
+    const Act xg = act_rows(xt, T);
+    const Act ag = t_moe_a.act(P, I, super2);
+    const int64_t nsh = xt.qk != nullptr ? H / 256 : 0, nsi = ag.qk != nullptr ? I / 256 : 0;   // super-blocks a row
     float *gated = fit(t_moe_gated, P * I);
     // Which experts' matrices the GEMM takes (phase 1: gate and up; phase 2: down), and each pair's
     // tile there (its first row, its rows).
@@ -175,25 +199,35 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
     for (const int64_t e : chosen)
         for (int64_t p = start[e]; p < start[e + 1]; p++) pair_gemm1[p] = gemm1[e], pair_gemm2[p] = gemm2[e];
     GemmBuffers &bx = t_moe_gx, &ba = t_moe_ga;
-    const GemmAct gx = any1 ? GemmAct{fit(bx.q, P * H), fit(bx.d, P * nbh), fit(bx.ds, P * nbh),
-                                      offsets1 ? fit(bx.o, 4 * P * nbh) : nullptr, P, H, nbh}
-                            : GemmAct{};
-    const GemmAct ga = any2 ? GemmAct{fit(ba.q, P * I), fit(ba.d, P * nbi), fit(ba.ds, P * nbi),
-                                      offsets2 ? fit(ba.o, 4 * P * nbi) : nullptr, P, I, nbi}
-                            : GemmAct{};
+    GemmAct gx = any1 ? GemmAct{fit(bx.q, P * H), fit(bx.d, P * nbh), fit(bx.ds, P * nbh),
+                                offsets1 ? fit(bx.o, 4 * P * nbh) : nullptr, P, H, nbh}
+                      : GemmAct{};
+    GemmAct ga = any2 ? GemmAct{fit(ba.q, P * I), fit(ba.d, P * nbi), fit(ba.ds, P * nbi),
+                                offsets2 ? fit(ba.o, 4 * P * nbi) : nullptr, P, I, nbi}
+                      : GemmAct{};
+    bx.fit_super(gx, any1 && nsh > 0, P, H);
+    ba.fit_super(ga, any2 && nsi > 0, P, I);
 #endif
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < T * nbh; i++)
             quantize_one(x, ldx, x_bf16 != 0, i / nbh, i % nbh, H, const_cast<int8_t *>(xt.q),
                          const_cast<float *>(xt.d), const_cast<float *>(xt.ds));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * nsh; i++) quantize_super_one(x, ldx, x_bf16 != 0, i / nsh, i % nsh, xt);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             std::memcpy(const_cast<int8_t *>(xg.q) + p * H, xt.q + token[p] * H, H);
             std::memcpy(const_cast<float *>(xg.d) + p * nbh, xt.d + token[p] * nbh, nbh * sizeof(float));
             std::memcpy(const_cast<float *>(xg.ds) + p * nbh, xt.ds + token[p] * nbh, nbh * sizeof(float));
+            if (nsh > 0) {
+                std::memcpy(const_cast<int8_t *>(xg.qk) + p * H, xt.qk + token[p] * H, H);
+                std::memcpy(const_cast<float *>(xg.dk) + p * nsh, xt.dk + token[p] * nsh, nsh * sizeof(float));
+                std::memcpy(const_cast<int16_t *>(xg.bsk) + p * (H / 16), xt.bsk + token[p] * (H / 16),
+                            H / 16 * sizeof(int16_t));
+            }
         }
 #ifdef MOE_GEMM
         float *scratch = any1 || any2 ? fit(t_moe_scratch, 8 * std::max(nbh, nbi)) : nullptr;  // the GEMM's minimum scales
@@ -204,6 +238,14 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                 const int64_t p = i / nbh, j = i % nbh, q = token[p] * nbh + j;
                 if (pair_gemm1[p])
                     gemm_put_block(xt.q + token[p] * H + 32 * j, xt.d[q], xt.ds[q], gx, tile0[p], tilen[p], p, j, offsets1);
+            }
+            if (gx.qk != nullptr) {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < P * nsh; i++) {
+                    const int64_t p = i / nsh, s = i % nsh, q = token[p] * nsh + s;
+                    if (pair_gemm1[p])
+                        gemm_put_super(xt.qk + token[p] * H + 256 * s, xt.dk[q], xt.bsk + 16 * q, gx, tile0[p], tilen[p], p, s);
+                }
             }
         }
 #endif
@@ -248,6 +290,15 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
 #ifdef MOE_GEMM
             const int64_t p = i / nbi, j = i % nbi;
             if (pair_gemm2[p]) gemm_put_block(ag.q + i * 32, ag.d[i], ag.ds[i], ga, tile0[p], tilen[p], p, j, offsets2);
+#endif
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P * nsi; i++) {
+            quantize_super_one(gated, I, false, i / nsi, i % nsi, ag);
+#ifdef MOE_GEMM
+            const int64_t p = i / nsi, s = i % nsi;
+            if (pair_gemm2[p] && ga.qk != nullptr)
+                gemm_put_super(ag.qk + i * 256, ag.dk[i], ag.bsk + 16 * i, ga, tile0[p], tilen[p], p, s);
 #endif
         }
         // phase 2: down, this thread's groups (its output columns) of every chosen expert

@@ -1,4 +1,5 @@
-// Activations quantized into 8-bit blocks of 32 (Act).
+// Activations quantized into 8-bit blocks of 32 (Act), and for the super-block r8 kernels on the
+// 256-bit and scalar builds also in blocks of 256 (Act::qk, dk, bsk: one scale per super-block).
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
@@ -35,7 +36,24 @@ struct Act {
     // order: vector m (64 bytes) of a unit holds at bytes 8 l .. 8 l + 7 block l's elements
     // 8 c .. 8 c + 7, c = {0, 2, 1, 3}[m] (what low, then high nibbles of the weights' vector m / 2 meet).
     const int8_t *qx = nullptr;
+    // 256-bit and scalar builds, where a part is a super-block r8 type (reads_super; else null): the
+    // same rows with one scale per 256 elements (quantize_super), so those kernels apply the
+    // sub-block scales in integers and convert once per super-block.
+    const int8_t *qk = nullptr;      // [T][K]      codes
+    const float *dk = nullptr;       // [T][K/256]  d = amax(256 elements) / 127
+    const int16_t *bsk = nullptr;    // [T][K/16]   the sum of each 16 consecutive codes of qk
 };
+
+// Whether layout qt's kernels in this build read Act::qk / dk / bsk (the AVX-512 build's K-quant
+// kernels keep the blocks of 32).
+constexpr bool reads_super(int qt) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)qt;
+    return false;
+#else
+    return qt == Q4_KR8 || qt == Q5_KR8 || qt == Q6_KR8;
+#endif
+}
 
 constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0, 0};     // what start[type] subtracts
 
@@ -78,6 +96,65 @@ void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
 #endif
     *d_out = d;
     *ds_out = d * float(sum);
+}
+
+// One super-block of 256: d = amax / 127, q = x * (1 / d) half to even (quantize_block's float
+// operations, so the AVX2 and scalar forms agree bit for bit), bs[i] = the sum of q[16 i .. 16 i + 15].
+void quantize_super(const float *x, int8_t *q, float *d_out, int16_t *bs) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mag = _mm256_setzero_ps();
+    for (int k = 0; k < 32; k++) mag = _mm256_max_ps(mag, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    const __m256 s = _mm256_set1_ps(inv);
+    for (int c = 0; c < 8; c++) {        // 32 elements at a time, as quantize_block
+        __m256i i[4];
+        for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * k), s));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(q + 32 * c),
+                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        for (int h = 0; h < 2; h++) {
+            const __m256i s8 = _mm256_add_epi32(i[2 * h], i[2 * h + 1]);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            bs[2 * c + h] = int16_t(_mm_cvtsi128_si32(s4));
+        }
+    }
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 256; i++) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    for (int b = 0; b < 16; b++) {
+        int sum = 0;                    // |sum| <= 16 * 127
+        for (int i = 16 * b; i < 16 * b + 16; i++) {
+            const int v = int(std::nearbyint(x[i] * inv));
+            q[i] = int8_t(v);
+            sum += v;
+        }
+        bs[b] = int16_t(sum);
+    }
+#endif
+    *d_out = d;
+}
+
+// Super-block s of activation row t into a's qk, dk, bsk.
+void quantize_super_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t s, const Act &a) {
+    float buf[256];
+    const float *src;
+    if (bf16) {
+        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + s * 256;
+        for (int i = 0; i < 256; i++) buf[i] = bf16_to_f32(xr[i]);
+        src = buf;
+    } else {
+        src = static_cast<const float *>(x) + t * ldx + s * 256;
+    }
+    quantize_super(src, const_cast<int8_t *>(a.qk) + t * a.K + 256 * s, const_cast<float *>(a.dk) + t * (a.K / 256) + s,
+                   const_cast<int16_t *>(a.bsk) + t * (a.K / 16) + 16 * s);
 }
 
 // Block j of activation row t.

@@ -29,20 +29,49 @@ constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group
 // (q6_k) o + 4 * (t0 * nb + j * n + t): the int16 lanes 32 (the sum over k < 4 of x[4 k + 2 p] +
 // x[4 k + 2 p + 1]), p < 2, then the same for x[16 ..]: q6_k's offset 32 times what a lane of
 // gemm_q6_rows's 16-bit sums holds.
+// The super-block activations (Act::qk, dk, bsk; null where no part reads them): the codes in q's
+// layout (row t's 32 codes of block j at qk + 32 * at(t0, n, j, t)), its scale of super-block s at
+// dk + sat(t0, n, s, t) and the 16 sums at bsk + 16 * sat(t0, n, s, t).
 struct GemmAct {
     int8_t *q;
     float *d, *ds;
     int16_t *o;
     int64_t T, K, nb;
+    int8_t *qk = nullptr;
+    float *dk = nullptr;
+    int16_t *bsk = nullptr;
     int64_t at(int64_t t0, int64_t n, int64_t j, int64_t t) const { return t0 * nb + j * n + t; }
+    int64_t sat(int64_t t0, int64_t n, int64_t s, int64_t t) const { return t0 * (K / 256) + s * n + t; }
 };
 
 struct GemmBuffers {
-    std::vector<int8_t, Aligned64<int8_t>> q;
-    std::vector<float, Aligned64<float>> d, ds;
-    std::vector<int16_t, Aligned64<int16_t>> o;
+    std::vector<int8_t, Aligned64<int8_t>> q, qk;
+    std::vector<float, Aligned64<float>> d, ds, dk;
+    std::vector<int16_t, Aligned64<int16_t>> o, bsk;
+    // g's super-block arrays for rows of K (where `super`)
+    void fit_super(GemmAct &g, bool super, int64_t rows, int64_t K) {
+        if (!super || K % 256) return;
+        g.qk = fit(qk, rows * K);
+        g.dk = fit(dk, rows * (K / 256));
+        g.bsk = fit(bsk, rows * (K / 16));
+    }
 };
 thread_local GemmBuffers t_gemm;
+
+// Row t's super-block s (codes x, scale d, 16 sums bs) into g's tile layout (tile t0 .. t0 + n - 1).
+inline void gemm_put_super(const int8_t *x, float d, const int16_t *bs, const GemmAct &g, int64_t t0, int64_t n,
+                           int64_t t, int64_t s) {
+    for (int64_t j = 0; j < 8; j++) std::memcpy(g.qk + 32 * g.at(t0, n, 8 * s + j, t - t0), x + 32 * j, 32);
+    const int64_t at = g.sat(t0, n, s, t - t0);
+    g.dk[at] = d;
+    std::memcpy(g.bsk + 16 * at, bs, 16 * sizeof(int16_t));
+}
+
+// Super-block i (row t = i / ns, s = i % ns) of a (row-major Act) into g's tile layout.
+inline void gemm_relayout_super(const Act &a, const GemmAct &g, int64_t i) {
+    const int64_t ns = a.K / 256, t = i / ns, s = i % ns, t0 = t / kGemmTile * kGemmTile;
+    gemm_put_super(a.qk + t * a.K + 256 * s, a.dk[i], a.bsk + 16 * i, g, t0, std::min(kGemmTile, g.T - t0), t, s);
+}
 
 // Row t's block j (codes x, scales d, ds) into g's tile layout, in the tile of rows t0 .. t0 + n - 1.
 inline void gemm_put_block(const int8_t *x, float d, float ds, const GemmAct &g, int64_t t0, int64_t n, int64_t t,
@@ -277,13 +306,16 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
     }
     const Act act = thread_act(parts, nparts, T, K, false);
     GemmBuffers &b = t_gemm;
-    const GemmAct ga{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), offsets ? fit(b.o, 4 * T * nb) : nullptr, T, K, nb};
-    const int64_t groups = first[nparts];
+    GemmAct ga{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), offsets ? fit(b.o, 4 * T * nb) : nullptr, T, K, nb};
+    b.fit_super(ga, act.qk != nullptr, T, K);
+    const int64_t groups = first[nparts], ns = ga.qk != nullptr ? K / 256 : 0;
 #pragma omp parallel
     {
         const Act a = quantize_in_region(act, false, parts, nparts, T, false, x, ldx, x_bf16);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < T * nb; i++) gemm_relayout(a, ga, i, offsets);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * ns; i++) gemm_relayout_super(a, ga, i);
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = group_at_byte(parts, nparts, K, total * tid / nt);
         const int64_t g1 = std::min(groups, group_at_byte(parts, nparts, K, total * (tid + 1) / nt));

@@ -9,6 +9,9 @@ struct ActBuffers {
     std::vector<int8_t, Aligned64<int8_t>> q, qx;     // 64-byte aligned: the dots' 512-bit loads split no line
     std::vector<float, Aligned64<float>> d, ds;
     std::vector<int32_t, Aligned64<int32_t>> starts[kNumTypes];
+    std::vector<int8_t, Aligned64<int8_t>> qk;        // Act's super-block fields
+    std::vector<float, Aligned64<float>> dk;
+    std::vector<int16_t, Aligned64<int16_t>> bsk;
 };
 thread_local ActBuffers t_act;
 
@@ -19,11 +22,17 @@ typename V::value_type *fit(V &v, int64_t n) {        // v's storage for at leas
 }
 
 // The calling thread's Act for T rows of K: q, d, ds, and where the parts' types read them (not
-// on the AMX-INT8 path, `amx`) Act::qx and Act::start.
+// on the AMX-INT8 path, `amx`) Act::qx and Act::start, or Act::qk, dk, bsk.
 Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, bool amx) {
     ActBuffers &b = t_act;
     const int64_t nb = K / 32;
     Act a{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), K, nb, {}};
+    for (int64_t p = 0; p < nparts; p++)
+        if (reads_super(int(parts[p].qtype)) && K % 256 == 0) {
+            a.qk = fit(b.qk, T * K);
+            a.dk = fit(b.dk, T * (K / 256));
+            a.bsk = fit(b.bsk, T * (K / 16));
+        }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     // (the pair types read Act::start only in passes of one or two rows: kStarts)
     const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
@@ -59,12 +68,16 @@ constexpr int64_t kOwnBlocks = 64;
 Act quantize_in_region(const Act &shared, bool own, const QuantPart *parts, int64_t nparts, int64_t T, bool amx,
                        const void *x, int64_t ldx, bool x_bf16) {
     Act a = shared;
+    const int64_t ns = a.qk != nullptr ? a.K / 256 : 0;      // super-blocks a row (where read)
     if (own) {
         if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, a.K, amx);
         for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+        for (int64_t i = 0; i < T * ns; i++) quantize_super_one(x, ldx, x_bf16, i / ns, i % ns, a);
     } else {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * ns; i++) quantize_super_one(x, ldx, x_bf16, i / ns, i % ns, a);
     }
     return a;
 }

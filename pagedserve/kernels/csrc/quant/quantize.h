@@ -41,3 +41,14 @@ extern "C" int quant_quantize(int qt, const void *x, int64_t ldx, int x_bf16, in
     }
     return 0;
 }
+
+// The super-block activations (activations.h's quantize_super) of x [rows][ldx] (float32 or bf16):
+// q [rows][cols], d [rows][cols / 256], bs [rows][cols / 16]; the tests' view of what the super-block
+// r8 kernels multiply. 0 on success.
+extern "C" int quant_quantize_super(const void *x, int64_t ldx, int x_bf16, int64_t rows, int64_t cols, int8_t *q,
+                                    float *d, int16_t *bs) {
+    if (cols % 256 || rows < 0) return 1;
+    const Act a{nullptr, nullptr, nullptr, cols, cols / 32, {}, nullptr, q, d, bs};
+    for (int64_t i = 0; i < rows * (cols / 256); i++) quantize_super_one(x, ldx, x_bf16 != 0, i / (cols / 256), i % (cols / 256), a);
+    return 0;
+}
