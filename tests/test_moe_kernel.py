@@ -62,7 +62,7 @@ def _reference(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tenso
                 act = torch.nn.functional.silu(g) * u
             else:
                 act = clamped_swiglu(torch.cat([g, u], dim=-1), spec.swiglu_alpha, spec.swiglu_limit)
-            y = quant.reference_linear(act, down)[0]
+            y = quant.reference_linear(act, down, 256 if e.down.qtype == "q6_kr8" else 32)[0]   # (super-block activations)
             out[t] += float(weights[t, s]) * (y if e.down_bias is None else y + e.down_bias.double())
     return out
 

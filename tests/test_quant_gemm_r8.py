@@ -3,6 +3,7 @@ avxvnni variants): against the float64 reference of the same 8-bit activations (
 and bit for bit against the scalar build's arithmetic, at every number of rows 1..70 (the 64-row
 tiles' edges, odd tails), several parts of different types in one product, bias, bf16 in and out;
 and every row alone equal to it in the batch (batch invariance). Skips where the CPU has neither."""
+import numpy as np
 import pytest
 import torch
 
@@ -27,8 +28,8 @@ def test_gemm_equals_the_scalar_arithmetic_at_every_row_count(qtypes, cols):
         ref = quant._linear_small(x, rs, bias, lib, torch.float32)       # one row at a time (4-row passes)
     for T in list(range(1, 20)) + [31, 33, 63, 64, 65, 70]:
         for t0 in {0, 70 - T}:
-            for w, part, b in zip(ws, ref[t0:t0 + T].split(splits, dim=1), bias.split(splits)):
-                _check_small(part, x[t0:t0 + T], w, b)
+            for w, r, part, b in zip(ws, rs, ref[t0:t0 + T].split(splits, dim=1), bias.split(splits)):
+                _check_small(part, x[t0:t0 + T], w, b, 256 if r.qtype == "q6_kr8" else 32)
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
             for T in list(range(1, 20)) + [31, 33, 63, 64, 65, 70]:
@@ -117,3 +118,56 @@ def test_q4_gemm_at_the_16_bit_limits(qtype, sign):
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
             assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant
+
+
+def _q6_k_super_block_arithmetic(raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """q6_k's r8 arithmetic on the 256-bit and scalar builds (the spec, spelled out apart from the
+    kernels): activations with one scale dk per 256 (quant.quantize_activations(x, 256)); per row
+    and super-block the exact integer sum_i sc_i * sum_e (q_e - 32) x_e, then one float32
+    fma(float(isum), d * dk, acc) a super-block, in order (float64 holds each product exactly)."""
+    rows, nbytes = raw.shape
+    blocks = raw.reshape(rows, -1, 210)
+    e = np.arange(256)
+    h, k, l = e // 128, e % 128 // 32, e % 32
+    lo = (blocks[:, :, 64 * h + 32 * (k % 2) + l] >> (4 * (k // 2))) & 15
+    hi = (blocks[:, :, 128 + 32 * h + l] >> (2 * k)) & 3
+    codes = (lo | (hi << 4)).astype(np.int64) - 32                              # [rows][S][256]
+    scales = blocks[:, :, 192:208].view(np.int8).astype(np.int64)                # [rows][S][16]
+    d = blocks[:, :, 208:210].copy().view(np.float16).astype(np.float32)[..., 0]  # [rows][S]
+    q, dk = quant.quantize_activations(x, 256)
+    xq = q.numpy().astype(np.int64).reshape(x.shape[0], -1, 256)                 # [T][S][256]
+    dk = dk.numpy()
+    weighted = codes * np.repeat(scales, 16, axis=-1)
+    acc = np.zeros((x.shape[0], rows), dtype=np.float32)
+    for s in range(blocks.shape[1]):
+        isum = xq[:, s] @ weighted[:, s].T                                          # exact, |.| < 2^31
+        scale = d[None, :, s] * dk[:, s, None]                                      # float32 d * dk
+        acc = (isum.astype(np.float32).astype(np.float64) * scale.astype(np.float64) + acc).astype(np.float32)
+    return torch.from_numpy(acc)
+
+
+def test_q6_k_rows_are_the_super_block_arithmetic_bit_for_bit():
+    """q6_k's dots (1-4 rows a pass), its GEMM (8+ rows) and the scalar build give exactly the spec's
+    integers and one float fma per super-block (a sub-block's scale applied in float, or the offset
+    32 off by one, would change bits); each row alone equals it among 7 .. 65 rows, either side
+    of the GEMM's crossover."""
+    rows, cols = 24, 768
+    w, raw = weight("q6_k", rows=rows, cols=cols, seed=4)
+    r = r8_of(w)
+    x = torch.randn(65, cols, generator=torch.Generator().manual_seed(13)) * 2
+    x[3, 256:512] = 0                              # a super-block of zeros (dk = 0)
+    expected = _q6_k_super_block_arithmetic(raw, x)
+    with quant.using_variant("scalar") as lib:
+        assert torch.equal(quant._linear_small(x, [r], None, lib, torch.float32), expected)
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            alone = torch.cat([quant._linear_small(x[t:t + 1], [r], None, lib, torch.float32) for t in range(65)])
+            assert torch.equal(alone, expected), variant
+            for first in (quant.R8_GEMM_MIN_ROWS, 1 << 30):
+                previous = quant.set_gemm_r8_min_rows(first)
+                try:
+                    for T in (2, 3, 4, 7, 8, 9, 33, 64, 65):
+                        y = quant._linear_small(x[:T], [r], None, lib, torch.float32)
+                        assert torch.equal(y, expected[:T]), (variant, first, T, (y - expected[:T]).abs().max())
+                finally:
+                    quant.set_gemm_r8_min_rows(previous)

@@ -74,12 +74,12 @@ def test_dequantize_matches_gguf(variant, qtype):
     assert quant.dequantize(w, torch.bfloat16).dtype == torch.bfloat16
 
 
-def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bias=None):
-    """y against the float64 value of the kernel's own arithmetic: equal up to float32
-    summation order; and close to the float product."""
-    ref = quant.reference_linear(x, w)
-    q, d = quant.quantize_activations(x)
-    x8 = (q.double().view(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).view(x.shape)
+def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bias=None, block: int = 32):
+    """y against the float64 value of the kernel's own arithmetic (activations with one scale per
+    `block`: quant.act_block): equal up to float32 summation order; and close to the float product."""
+    ref = quant.reference_linear(x, w, block)
+    q, d = quant.quantize_activations(x, block)
+    x8 = (q.double().view(x.shape[0], -1, block) * d.double().unsqueeze(-1)).view(x.shape)
     scale = x8.abs() @ quant.dequantize_torch(w).double().abs().T
     if bias is not None:
         ref = ref + bias.double()
@@ -448,7 +448,7 @@ def test_sampled_rows_past_16(variant, qtype, tokens):
         if variant == "torch" or tokens > quant.batch_rows(bf16=False, r8=r8, **kind):
             torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)      # the tiles
             continue
-        _check_small(y, x, quant.file_layout(w))
+        _check_small(y, x, quant.file_layout(w), block=256 if w.qtype == "q6_kr8" else 32)
         if r8 and variant in quant.R8_VARIANTS:
             alone = torch.cat([quant.linear(x[i:i + 1], w, out_dtype=torch.float32, **kind) for i in range(tokens)])
             assert torch.equal(y, alone)

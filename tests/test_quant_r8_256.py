@@ -88,7 +88,7 @@ def test_kernels_equal_the_scalar_arithmetic_and_rows_alone(qtype, rows, blocks)
     with quant.using_variant("scalar") as lib:
         ref = {T: quant._linear_small(x, [r], bias, lib, torch.float32) for T, x in xs.items()}
     for T, x in xs.items():
-        _check_small(ref[T], x, w, bias)
+        _check_small(ref[T], x, w, bias, 256 if r.qtype == "q6_kr8" else 32)
         for t in range(T):      # batch invariance: a row's arithmetic does not depend on the others
             assert torch.equal(ref[1 if T == 1 else T][t], ref[T][t])
     for variant in VECTOR:
@@ -137,8 +137,8 @@ def test_parts_of_several_r8_types_in_one_product(T):
             y = quant._linear_small(x, rs, None, lib, torch.float32)
             each = torch.cat([quant._linear_small(x, [r], None, lib, torch.float32) for r in rs], dim=1)
             assert torch.equal(y, each), variant
-            for w, part in zip(ws, y.split([16, 8, 8], dim=1)):
-                _check_small(part, x, w)
+            for w, r, part in zip(ws, rs, y.split([16, 8, 8], dim=1)):
+                _check_small(part, x, w, block=256 if r.qtype == "q6_kr8" else 32)
 
 
 

@@ -6,8 +6,10 @@
 // unit's scales are permuted once to meet them. Per row l, over the 32-element blocks j in order:
 //     q4_k, q5_k: acc = fma(float(dot_j), (d * sc_j) * dx_j, acc);  mins = fma(dmin * m_j, ds_j, mins)
 //                 y = acc - mins                  (dot_j: the unsigned codes times the q8 values)
-//     q6_k:       acc = fma(float(sc_2j * dot_2j + sc_2j+1 * dot_2j+1), d * dx_j, acc);  y = acc
-//                 (dot_i: the 16 signed codes q - 32 of sub-block i times the q8 values)
+//     q6_k:       per super-block s, against the super-block activations (Act::qk, dk, bsk: one
+//                 scale dk_s per 256; reads_super):
+//                 acc = fma(float(sum_i sc_i * (dot_i - 32 * bsk_i)), d * dk_s, acc);  y = acc
+//                 (dot_i: the 16 unsigned codes q of sub-block i times the q8 values, bsk_i their sum)
 // The integers are exact; a row's arithmetic is the same whatever NT or the rows around it.
 // Unit offsets (bytes): q4_k: d 0, dmin 16, scale words 32 (word w of row l at 32 + 32 w + 4 l),
 // qs 128 (vector k: 64 bytes, byte 8 l + i row l's qs[8 k + i]); q5_k: the same, qh at 128 (4
@@ -53,6 +55,20 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
             int c[256], sc[16], mn[8];
             k_codes(file, b, c, sc, mn);
             const float d = f16(file == Q6_K ? b + 208 : b), dmin = file == Q6_K ? 0.f : f16(b + 2);
+            if (file == Q6_K && a.qk != nullptr) {      // q6_k against super-block activations
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s;
+                    const int16_t *bs = a.bsk + (t0 + t) * (a.K / 16) + 16 * s;
+                    int dot = 0;        // |dot| <= 256 * 63 * 127 * 128 < 2^31 (q's part; the offset's smaller)
+                    for (int i = 0; i < 16; i++) {
+                        int q = 0;      // the unsigned codes c + 32 of sub-block i times x, the offset by bsk
+                        for (int e = 16 * i; e < 16 * i + 16; e++) q += (c[e] + 32) * x[e];
+                        dot += sc[i] * q - sc[i] * 32 * bs[i];
+                    }
+                    acc[t] = std::fma(float(dot), d * a.dk[(t0 + t) * (a.K / 256) + s], acc[t]);
+                }
+                continue;
+            }
             for (int j = 0; j < 8; j++)
                 for (int t = 0; t < NT; t++) {
                     const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
@@ -80,6 +96,52 @@ inline __m256i bcast8(const int8_t *p) {
     return _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double *>(p)));
 }
 
+// Q6_KR8 super-block s of unit u against rows t0 .. t0 + NT - 1 of the super-block activations
+// (a.qk, dk, bsk): per row, the unsigned codes' 16-bit pair sums times the sub-block scales (madd)
+// summed in int32 over the whole super-block (2 lanes a row per half: one hadd at the end), less
+// 32 * sum_i sc_i * bsk_i (8 madds of the rows' scale pairs against the row's 16-sums), then one
+// conversion and one fma: acc = fma(float(dot), d * dk, acc). Bounds: a 16-bit lane holds 4
+// products <= 4 * 63 * 127 = 32004; |dot| <= 256 * 63 * 127 * 128 < 2^31 (the q part; the offset
+// part <= 256 * 32 * 127 * 128); 32 * sc * bsk fits 16 x 16 -> 32 bits (madd).
+template <int NT>
+inline void q6_super_256(const uint8_t *u, __m256 D, const Act &a, int64_t t0, int64_t s, __m256 acc[NT]) {
+    __m256i sum[NT][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256i c[2][4], sa[2], sb[2];
+        q6_codes_256(u, j, c);
+        q6_block_scales(u, j, sa, sb);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
+            const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
+                const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
+                sum[t][h] = _mm256_add_epi32(sum[t][h], _mm256_add_epi32(_mm256_madd_epi16(qa, sa[h]), _mm256_madd_epi16(qb, sb[h])));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        // the offset: lane l (row l) of pair j = (sc_2j, sc_2j+1) of row l, against (bsk_2j, bsk_2j+1)
+        const int32_t *bs = reinterpret_cast<const int32_t *>(a.bsk + (t0 + t) * (a.K / 16) + 16 * s);
+        __m256i off = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j)));
+            off = _mm256_add_epi32(off, _mm256_madd_epi16(pair, _mm256_set1_epi32(bs[j])));
+        }
+        off = _mm256_permutevar8x32_epi32(_mm256_slli_epi32(off, 5), r8_order());     // rows into the hadd's order
+        const __m256i dot = _mm256_sub_epi32(_mm256_hadd_epi32(sum[t][0], sum[t][1]), off);
+        const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(a.dk[(t0 + t) * (a.K / 256) + s]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
+    }
+}
+
 template <int QT, int NT>
 void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
     constexpr int64_t U = r8_unit_bytes(QT);
@@ -90,24 +152,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
         const uint8_t *u = g + s * U;
         for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
         if constexpr (QT == Q6_KR8) {
-            const __m256i k32 = _mm256_set1_epi8(32);
-            const __m256 D = r8_f16x8(u + 1664);
-            #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                __m256i c[2][4], sa[2], sb[2];       // per half: the unsigned codes q (0..63) of pieces 0..3
-                q6_codes_256(u, j, c);
-                q6_block_scales(u, j, sa, sb);
-#pragma GCC unroll 8
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
-                    const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                    // the offset 32 * q's pairs (q6_dot8 takes it off in 16 bits)
-                    const __m256i o[2] = {_mm256_add_epi16(_mm256_maddubs_epi16(k32, xb[0]), _mm256_maddubs_epi16(k32, xb[1])),
-                                          _mm256_add_epi16(_mm256_maddubs_epi16(k32, xb[2]), _mm256_maddubs_epi16(k32, xb[3]))};
-                    const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(a.d[(t0 + t) * a.nb + 8 * s + j]));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6_dot8(c, xb, o, sa, sb)), S, acc[t]);
-                }
-            }
+            q6_super_256<NT>(u, r8_f16x8(u + 1664), a, t0, s, acc);      // (Act::qk: reads_super)
         } else {
             const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
             __m256i sc[2], mn[2];

@@ -3,7 +3,9 @@
 // same arithmetic per activation row as the one-to-four-row dots (dot_r8_256.h, dot_k_r8_256.h),
 // bit for bit: per row, over the 32-element blocks j in order, acc = fma(float(dot_j), A_j * dx_j,
 // acc), mins = fma(M_j, ds_j, mins), y = acc +- mins (the integers exact, whatever route sums them).
-// So a row's result never depends on how many rows share the call (batch invariance).
+// So a row's result never depends on how many rows share the call (batch invariance). q6_k reads the
+// super-block activations (Act::qk, dk) instead: per row and super-block s its blocks' integer dots
+// summed in int32 (a tile row's int32 buffer), then acc = fma(float(isum_s), D * dk_s, acc).
 // What changes is the loop order: those dots hold 1-4 rows' accumulators in registers and unpack a
 // unit's codes for every pass of 4 rows; here a unit's codes and scales are unpacked into registers
 // once per tile of kGemmTile activation rows, and the tile's rows stream past them, each row's
@@ -28,7 +30,7 @@ constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group
 // row t's block j at q + 32 * (t0 * nb + j * n + t), its dx, ds at d, ds + t0 * nb + j * n + t, and
 // (q6_k) o + 4 * (t0 * nb + j * n + t): the int16 lanes 32 (the sum over k < 4 of x[4 k + 2 p] +
 // x[4 k + 2 p + 1]), p < 2, then the same for x[16 ..]: q6_k's offset 32 times what a lane of
-// gemm_q6_rows's 16-bit sums holds.
+// gemm_q6_rows's 16-bit sums holds (made from qk's codes where the call has them: gemm_put_super).
 // The super-block activations (Act::qk, dk, bsk; null where no part reads them): the codes in q's
 // layout (row t's 32 codes of block j at qk + 32 * at(t0, n, j, t)), its scale of super-block s at
 // dk + sat(t0, n, s, t) and the 16 sums at bsk + 16 * sat(t0, n, s, t).
@@ -58,10 +60,23 @@ struct GemmBuffers {
 };
 thread_local GemmBuffers t_gemm;
 
+// q6_k's offset lanes of block codes x at o + 4 * at (GemmAct's comment).
+inline void gemm_put_offsets(const int8_t *x, const GemmAct &g, int64_t at) {
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 2; p++) {
+            int sum = 0;
+            for (int k = 4 * h; k < 4 * h + 4; k++) sum += x[4 * k + 2 * p] + x[4 * k + 2 * p + 1];
+            g.o[4 * at + 2 * h + p] = int16_t(32 * sum);        // |32 * 8 * 127| < 32768
+        }
+}
+
 // Row t's super-block s (codes x, scale d, 16 sums bs) into g's tile layout (tile t0 .. t0 + n - 1).
 inline void gemm_put_super(const int8_t *x, float d, const int16_t *bs, const GemmAct &g, int64_t t0, int64_t n,
                            int64_t t, int64_t s) {
-    for (int64_t j = 0; j < 8; j++) std::memcpy(g.qk + 32 * g.at(t0, n, 8 * s + j, t - t0), x + 32 * j, 32);
+    for (int64_t j = 0; j < 8; j++) {
+        std::memcpy(g.qk + 32 * g.at(t0, n, 8 * s + j, t - t0), x + 32 * j, 32);
+        if (g.o != nullptr) gemm_put_offsets(x + 32 * j, g, g.at(t0, n, 8 * s + j, t - t0));   // q6_k's, of qk's codes
+    }
     const int64_t at = g.sat(t0, n, s, t - t0);
     g.dk[at] = d;
     std::memcpy(g.bsk + 16 * at, bs, 16 * sizeof(int16_t));
@@ -80,13 +95,7 @@ inline void gemm_put_block(const int8_t *x, float d, float ds, const GemmAct &g,
     std::memcpy(g.q + 32 * at, x, 32);
     g.d[at] = d;
     g.ds[at] = ds;
-    if (offsets)
-        for (int h = 0; h < 2; h++)
-            for (int p = 0; p < 2; p++) {
-                int sum = 0;
-                for (int k = 4 * h; k < 4 * h + 4; k++) sum += x[4 * k + 2 * p] + x[4 * k + 2 * p + 1];
-                g.o[4 * at + 2 * h + p] = int16_t(32 * sum);        // |32 * 8 * 127| < 32768
-            }
+    if (offsets && g.qk == nullptr) gemm_put_offsets(x, g, at);      // (else from qk's codes: gemm_put_super)
 }
 
 // Block i (row t = i / nb, block j) of a (row-major Act) into g's tile layout (tiles from row 0).
@@ -166,23 +175,26 @@ inline void gemm_rows8(const __m256i c[2][4], __m256i c8[8]) {
 // The 4 bytes at p in each 32-bit lane (one broadcast load).
 inline __m256i bcast4(const int8_t *p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float *>(p))); }
 
-// acc ([n][8], the hadd's lane order) += rows t0 .. t0 + n - 1 against q6_k block j of the group:
-// codes c8 (gemm_rows8 of q6_codes_256), the 8 rows' scale pairs at pairs (q6_block_scales' bytes),
-// d's D. Per row, the 16 elements of each half of the block sum in the two 16-bit lanes of its dword,
-// the offset taken off there too: the adds wrap, and what they end at, (q - 32) times 8 activations
-// per lane (<= 8 * 32 * 127), fits; then times the half's scale (madd). The same integers as the
-// dots' q6_dot8, so the same floats.
+// isum ([n][8] int32, the hadd's row order) += rows t0 .. t0 + n - 1 against q6_k block j of the
+// group, in the super-block activations (GemmAct::qk): codes c8 (gemm_rows8 of q6_codes_256), the 8
+// rows' scale pairs at pairs (q6_block_scales' bytes). Per row, the 16 elements of each half of the
+// block sum in the two 16-bit lanes of its dword, the offset taken off there too (o, from qk's
+// codes): the adds wrap, and what they end at, (q - 32) times 8 activations per lane (<= 8 * 32 *
+// 127), fits; then times the half's scale (madd), summed in int32 over the super-block's blocks
+// (First: the first, stored; no float per block). At its last block (Last) acc = fma(float(isum),
+// D * dk, acc): one conversion a unit. Per row |isum| <= 256 * 32 * 127 * 128 < 2^31. The same
+// integers as the dots' (q6_super_256), so the same floats.
+template <bool First, bool Last>
 inline void gemm_q6_rows(const __m256i c8[8], const uint8_t *pairs, __m256 D, const GemmAct &g, int64_t t0, int64_t n,
-                         int64_t j, float *acc) {
+                           int64_t j, int32_t *isum, float *acc) {
     const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i *>(pairs));
-    // row l's two scales at bytes 2 l, 2 l + 1; its dword's two 16-bit lanes in the hadd's row order
     const __m128i first = _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 4, 4, 6, 6, 12, 12, 14, 14);
     const __m256i sa = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, first));
     const __m256i sb = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, _mm_add_epi8(first, _mm_set1_epi8(1))));
     const int64_t at = g.at(t0, n, j, 0);
-    const int8_t *xq = g.q + 32 * at;
+    const int8_t *xq = g.qk + 32 * at;
     const int32_t *xo = reinterpret_cast<const int32_t *>(g.o + 4 * at);
-    const float *dx = g.d + at;
+    const float *dx = g.dk + g.sat(t0, n, j / 8, 0);
     auto m = [](__m256i c, const int8_t *x) { return _mm256_maddubs_epi16(c, bcast4(x)); };
     for (int64_t t = 0; t < n; t++) {
         const int8_t *x = xq + 32 * t;
@@ -190,10 +202,16 @@ inline void gemm_q6_rows(const __m256i c8[8], const uint8_t *pairs, __m256 D, co
                                             _mm256_add_epi16(m(c8[2], x + 8), m(c8[3], x + 12)));
         const __m256i qb = _mm256_add_epi16(_mm256_add_epi16(m(c8[4], x + 16), m(c8[5], x + 20)),
                                             _mm256_add_epi16(m(c8[6], x + 24), m(c8[7], x + 28)));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, _mm256_set1_epi32(xo[2 * t])), sa),
-                                             _mm256_madd_epi16(_mm256_sub_epi16(qb, _mm256_set1_epi32(xo[2 * t + 1])), sb));
-        const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
-        _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
+        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, _mm256_set1_epi32(xo[2 * t])), sa),
+                                       _mm256_madd_epi16(_mm256_sub_epi16(qb, _mm256_set1_epi32(xo[2 * t + 1])), sb));
+        __m256i *is = reinterpret_cast<__m256i *>(isum + 8 * t);
+        if constexpr (!First) dot = _mm256_add_epi32(dot, _mm256_load_si256(is));
+        if constexpr (Last) {
+            const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
+            _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
+        } else {
+            _mm256_store_si256(is, dot);
+        }
     }
 }
 
@@ -229,6 +247,7 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
         gemm_mins(m, g, t0, n, mins);
     } else {        // Q6_KR8 (no minimum terms: mins stays 0)
         static_assert(QT == Q6_KR8, "gemm_r8_group: an r8 layout");
+        alignas(32) int32_t isum[kGemmTile * 8];       // a unit's int32 sums per row (GemmAct::qk: reads_super)
         for (int64_t s = 0; s < g.nb / 8; s++) {
             const uint8_t *u = w + s * U;
             const __m256 D = r8_f16x8(u + 1664);
@@ -237,7 +256,10 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
                 __m256i c[2][4], c8[8];
                 q6_codes_256(u, j, c);
                 gemm_rows8(c, c8);
-                gemm_q6_rows(c8, u + 1536 + 16 * j, D, g, t0, n, 8 * s + j, acc);
+                const uint8_t *pairs = u + 1536 + 16 * j;
+                if (j == 0) gemm_q6_rows<true, false>(c8, pairs, D, g, t0, n, 8 * s + j, isum, acc);
+                else if (j < 7) gemm_q6_rows<false, false>(c8, pairs, D, g, t0, n, 8 * s + j, isum, acc);
+                else gemm_q6_rows<false, true>(c8, pairs, D, g, t0, n, 8 * s + j, isum, acc);
             }
         }
     }

@@ -134,23 +134,6 @@ inline void q6_block_scales(const uint8_t *u, int j, __m256i sa[2], __m256i sb[2
     sb[1] = q6_scales(pairs, 1, 1);
 }
 
-// Q6_KR8: a 32-element block's dots of 8 rows (lanes in the hadd's order): codes c (q6_codes_256)
-// against the activations' broadcasts xb, the offset 32 * q's pairs o (the same in every row's
-// lanes: o[0] pieces 0, 1, o[1] pieces 2, 3), taken off in 16 bits: each lane of q's and of the
-// offset's sums fits (<= 2 * 2 * 63 * 127, 2 * 2 * 32 * 127), and so does their difference,
-// (q - 32) times 4 activations (<= 4 * 32 * 127); then times the scales sa, sb in 32 bits.
-inline __m256i q6_dot8(const __m256i c[2][4], const __m256i xb[4], const __m256i o[2], const __m256i sa[2],
-                       const __m256i sb[2]) {
-    __m256i dot[2];
-#pragma GCC unroll 8
-    for (int h = 0; h < 2; h++) {
-        const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
-        const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
-        dot[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_sub_epi16(qa, o[0]), sa[h]),
-                                  _mm256_madd_epi16(_mm256_sub_epi16(qb, o[1]), sb[h]));
-    }
-    return _mm256_hadd_epi32(dot[0], dot[1]);
-}
 #endif
 
 }  // namespace
