@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
 
 @pytest.mark.parametrize("qtypes,cols", [(("q4_0",), 96), (("q4_1",), 160), (("q4_k",), 512), (("q5_k",), 256),
                                          (("q6_k",), 768), (("q4_k", "q6_k", "q4_1"), 256), (("q8_0", "q4_0"), 64),
-                                         (("q5_0",), 96), (("q5_0", "q4_k"), 256)])
+                                         (("q5_0",), 96), (("q5_0", "q4_k"), 256), (("q8_0",), 256),
+                                         (("q4_k", "q8_0"), 256)])
 def test_gemm_equals_the_scalar_arithmetic_at_every_row_count(qtypes, cols):
     ws = [weight(q, rows=rows, cols=cols, seed=i)[0] for i, (q, rows) in enumerate(zip(qtypes, (24, 8, 16)))]
     rs = [r8_of(w) for w in ws]
@@ -59,7 +60,7 @@ def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants():
                 quant.set_batch_invariant(False)
 
 
-@pytest.mark.parametrize("qtype,cols", [("q4_0", 256), ("q4_k", 512)])
+@pytest.mark.parametrize("qtype,cols", [("q4_0", 256), ("q4_k", 512), ("q8_0", 256)])
 def test_a_row_is_the_same_on_either_side_of_the_gemm_crossover(qtype, cols):
     """Where the r8 GEMM starts (quant.set_gemm_r8_min_rows: the dots below it) never changes a
     row's bits: each row alone (the 1-row dot) equals it in calls of 7, 8, 33, 48 and 65 rows, with
@@ -171,3 +172,21 @@ def test_q6_k_rows_are_the_super_block_arithmetic_bit_for_bit():
                         assert torch.equal(y, expected[:T]), (variant, first, T, (y - expected[:T]).abs().max())
                 finally:
                     quant.set_gemm_r8_min_rows(previous)
+
+
+@pytest.mark.parametrize("code,sign", [(-128, 1.0), (-128, -1.0), (127, 1.0), (127, -1.0)])
+def test_q8_0_gemm_at_the_16_bit_limits(code, sign):
+    """Every q8_0 code at one end (-128: its magnitude 128 as an unsigned byte, or 127) against
+    activations all at +-127: the GEMM's pairs of products (|w| times x with w's sign) reach
+    +-32512 in 16 bits and must still equal the dots (the scalar build's arithmetic)."""
+    rows, cols = 16, 512
+    blocks = torch.full((rows, cols // 32, 34), code & 0xFF, dtype=torch.uint8)
+    blocks[..., 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)     # d = 1.0
+    w = r8_of(quant.from_gguf_blocks("q8_0", blocks.reshape(rows, -1), (rows, cols)))
+    x = torch.full((16, cols), sign)
+    with quant.using_variant("scalar") as lib:
+        ref = quant._linear_small(x, [w], None, lib, torch.float32)
+    assert torch.allclose(ref, torch.full_like(ref, code * sign * cols), rtol=1e-5)
+    for variant in VECTOR:
+        with quant.using_variant(variant) as lib:
+            assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant

@@ -86,5 +86,6 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 #include "quant/dot_k_r8_256.h"
 #include "quant/linear_small.h"
 #include "quant/gemm_r8_256.h"
+#include "quant/gemm_q8_0r8_256.h"
 #include "moe/experts.h"
 #include "quant/quantize.h"

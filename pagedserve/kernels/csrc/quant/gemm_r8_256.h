@@ -266,8 +266,10 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
 }
 
 using GemmGroupFn = void (*)(const uint8_t *, const GemmAct &, int64_t, int64_t, float *, float *, float *);
+void gemm_q8_0r8_group(const uint8_t *, const GemmAct &, int64_t, int64_t, float *, float *, float *);    // gemm_q8_0r8_256.h
 inline GemmGroupFn gemm_group_fn(int qt) {
     switch (qt) {
+    case Q8_0R8: return gemm_q8_0r8_group;
     case Q4_0R8: return gemm_r8_group<Q4_0R8>;
     case Q4_1R8: return gemm_r8_group<Q4_1R8>;
     case Q5_0R8: return gemm_r8_group<Q5_0R8>;
