@@ -51,6 +51,7 @@ R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8", "q5_0r8", "mxf
 # The r8 layouts whose 256-bit and scalar kernels multiply activations with one scale per 256
 # (quantize_activations(x, 256); csrc/quant/activations.h's quantize_super); the rest blocks of 32.
 SUPER_ACT = ("q4_kr8", "q5_kr8", "q6_kr8")
+R8_GEMM = tuple(q for q in R8 if q != "mxfp4r8")    # the layouts the 256-bit integer GEMM takes (csrc/quant/gemm_r8_256.h)
 R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8", "q4_k": "q4_kr8", "q5_k": "q5_kr8", "q6_k": "q6_kr8",
          "q5_0": "q5_0r8", "mxfp4": "mxfp4r8"}
 R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in order

@@ -149,10 +149,11 @@ def test_a_greedy_request_under_auto_takes_no_prefix_a_sampled_only_step_compute
 
 @needs_r8
 def test_greedy_after_a_sampled_request_with_its_prompt_gives_its_tokens_alone(variant):
-    """The gap auto had: a sampled request alone computes a long prompt's prefill on the
+    """The gap auto had: a sampled request alone computed a long prompt's prefill on the
     dequantized tiles; a greedy request with that prompt after it took those blocks from the
-    prefix cache and its tokens changed. It now computes them itself, as alone (the paging
-    invariants checked every step); a second greedy request takes its blocks."""
+    prefix cache and its tokens changed. Now that prefill takes the integer GEMM as a greedy one
+    does (q4_1r8), so the greedy request may take those blocks and gives its tokens alone (the
+    paging invariants checked every step); a second greedy request takes its blocks."""
     _default_model()
     prompt = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 12)
     small = dict(kv_cache_memory=64 * 1024**2, check_invariants=True)
@@ -161,7 +162,7 @@ def test_greedy_after_a_sampled_request_with_its_prompt_gives_its_tokens_alone(v
         llm = LLM(enable_prefix_caching=True, **small)
         assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
         sampled = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=2, seed=1), use_tqdm=False)[0]
-        assert len(sampled.prompt_token_ids) > 64                 # a prefill chunk on the tiles
+        assert len(sampled.prompt_token_ids) > 64                 # a prefill chunk past the dots' 16 rows
         assert _run(llm, [prompt], max_tokens=32) == alone
         again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
         assert again.num_cached_tokens > 0
@@ -185,14 +186,16 @@ def test_a_float_model_marks_no_block_so_greedy_after_sampled_takes_the_cached_p
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-def test_only_r8_layouts_on_the_r8_variants_make_steps_batch_dependent():
+def test_only_r8_layouts_without_the_gemm_make_steps_batch_dependent():
     """The worker's report: torch's ops never (`invariant` changes nothing there); the CPU kernels
-    for r8 layouts on the avx2 / avxvnni variants only (their dots then take prefill rows too)."""
+    on the avx2 / avxvnni variants only for r8 layouts without the integer GEMM (mxfp4r8: their dots
+    then take prefill rows too); the others' prefill rows take the GEMM in every step."""
     from pagedserve.models.ops import TorchOps
     assert not TorchOps().invariance_changes({"q4_0r8", "q4_kr8"})
     for variant in R8_HERE:
         with quant.using_variant(variant):
-            assert quant.invariance_changes({"q4_0r8", "f16"})
+            assert quant.invariance_changes({"mxfp4r8", "q8_0r8", "f16"})
+            assert not quant.invariance_changes({"q4_0r8", "q8_0r8", "q4_kr8", "q6_kr8", "f16"})
             assert not quant.invariance_changes({"q4_0", "q6_k"}) and not quant.invariance_changes(set())
 
 

@@ -21,7 +21,8 @@ from tests.test_quantized_models import MIXES, base_model, write_quantized_llama
 
 gguf = pytest.importorskip("gguf")
 
-# A prompt longer than the integer path's row thresholds: its prefill runs the dequantized tiles.
+# A prompt longer than the integer path's row thresholds: its prefill runs the dequantized tiles (on avx2 /
+# avxvnni, where every part is in an r8 layout with the integer GEMM: that GEMM, quant.batch_rows).
 PROMPT = ("Paged attention stores keys and values in fixed-size blocks, so continuous batching can schedule "
           "every running sequence at each iteration without copying its cache around.")
 # Logits of the two loops: the same kernels on the same inputs (tight: only summation order may differ).

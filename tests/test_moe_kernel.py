@@ -131,7 +131,7 @@ def _k_quant_experts(pack) -> list[ExpertWeights]:
                           pack(weight("q6_k", H, width, seed=3 * e + 2)[0])) for e in range(E)]
 
 
-@pytest.mark.parametrize("mix", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m"])
 @pytest.mark.parametrize("tokens", [40, 70])
 def test_gemm_groups_equal_the_dots(mix, tokens):
     """Experts with kGemmMinRows pairs or more run the integer GEMM (r8 layouts, 256-bit builds); a
@@ -140,7 +140,7 @@ def test_gemm_groups_equal_the_dots(mix, tokens):
     if "avx2" not in quant.supported_variants():
         pytest.skip("r8 layouts are made on the 256-bit variants")
     with quant.using_variant("avx2"):
-        experts = _experts("q4_0", False, True) if mix == "q4_0" else _k_quant_experts(quant.repack)
+        experts = _k_quant_experts(quant.repack) if mix == "q4_k_m" else _experts(mix, False, True)
         table = moe_kernels.expert_table(experts)
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(4)).bfloat16()
         weights, ids = _route(x, one_expert=tokens == 70)

@@ -41,17 +41,21 @@ def test_gemm_equals_the_scalar_arithmetic_at_every_row_count(qtypes, cols):
             assert torch.equal(y16, quant._linear_small(x.bfloat16(), rs, bias, lib, torch.float32).bfloat16())
 
 
-def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants():
-    """linear() over r8 weights: decode batches of any size on the integer dots (the GEMM from 8 rows:
-    each row the value it has alone), and prefill chunks too with set_batch_invariant(True)."""
-    w, _ = weight("q4_k", rows=32, cols=256)
+@pytest.mark.parametrize("qtype", ["q4_k", "q8_0"])
+def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants(qtype):
+    """linear() over r8 weights: decode batches and prefill chunks of any size on the integer path (the
+    GEMM from 8 rows: each row the value it has alone), whether or not the step is batch-invariant;
+    without the GEMM (gemm=False: an mxfp4r8 part) prefill chunks only in a batch-invariant step."""
+    w, _ = weight(qtype, rows=32, cols=256)
     r = r8_of(w)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
     for variant in VECTOR:
         with quant.using_variant(variant):
             alone = torch.cat([quant.linear(x[t:t + 1], r, decode=True) for t in range(0, 300, 37)])
             assert quant.batch_rows(True, False, r8=True) >= 300
+            assert quant.batch_rows(False, False, r8=True) < 300 <= quant.batch_rows(False, False, r8=True, gemm=True)
             assert torch.equal(quant.linear(x, r, decode=True)[::37], alone), variant
+            assert torch.equal(quant.linear(x, r)[::37], alone), variant           # a plain step's prefill chunk
             quant.set_batch_invariant(True)
             try:
                 assert quant.batch_rows(False, True, r8=True) >= 300

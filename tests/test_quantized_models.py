@@ -23,6 +23,7 @@ from pagedserve.config import cache_dir
 from pagedserve.kernels import quant
 from pagedserve.models.loader import _unpermute_rotary, default_model_path
 from tests.gguf_utils import K_SCALES, finish, gguf_name, hf_writer, random_k_blocks
+from tests.q8_oracle import integer_path_modules, q8_inputs
 
 gguf = pytest.importorskip("gguf")
 GGML = gguf.GGMLQuantizationType
@@ -144,7 +145,11 @@ def test_gguf_blocks_match_transformers_on_the_dequantized_weights(mix, base_mod
     oracle = _oracle(cfg, write_quantized_llama(cfg, hf.state_dict(), path, MIXES[mix]))
     with caplog.at_level("INFO", logger="pagedserve.models.loader"):
         llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
-    ratio = _check_against_oracle(llm, oracle, tok)
+    # products on the integer path in every step (r8 layouts on the 256-bit variants, prefills too):
+    # the oracle's see the same 8-bit inputs (tests/q8_oracle.py); the others' float ones (their
+    # prefill on the float tiles, their decode within MARGIN)
+    with q8_inputs(oracle, integer_path_modules(_model_of(llm))):
+        ratio = _check_against_oracle(llm, oracle, tok)
     assert abs(ratio - 1) < 0.01, ratio
     if mix in ("q4_k_m", "q5_k_m") and quant.variant() in quant.R8_VARIANTS:     # the super-block r8 dots ran
         layer = _model_of(llm).layers[0]

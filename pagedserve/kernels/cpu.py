@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.config import cache_dir
-from pagedserve.quant_format import R8
+from pagedserve.quant_format import R8, R8_GEMM
 from pagedserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -738,6 +738,7 @@ class DecoderLayers:
         # every quantized projection in an r8 layout: decode batches keep its integer dots up to more rows
         parts = [p for w in self._weights for proj in w for p in (_quant_parts(proj) or [])]
         self._all_r8 = bool(parts) and all(p.qtype in R8 for p in parts)
+        self._all_gemm = self._all_r8 and all(p.qtype in R8_GEMM for p in parts)    # prefill chunks too (quant.batch_rows)
         self.quantized = bool(self._parts) or any(m is not None for m in self._moe)     # (quant's kernels)
         self._dims = _ModelDims(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                                 a.intermediate_size, a.rms_norm_eps, model.scale,    # quant_*: _quant_calls
@@ -813,7 +814,7 @@ class DecoderLayers:
         if d.experts and quant.variant() not in _MOE_BUILDS:
             return False
         bf16 = self.dtype == torch.bfloat16
-        d.small_rows = quant.batch_rows(False, bf16, self._all_r8, invariant)
+        d.small_rows = quant.batch_rows(False, bf16, self._all_r8, invariant, self._all_gemm)
         d.decode_rows = quant.batch_rows(True, bf16, self._all_r8)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
             self._threads = torch.get_num_threads()

@@ -81,7 +81,7 @@ import torch
 
 from pagedserve.kernels import cpu
 from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
-    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_OF, REPACKED, SUPER_ACT, ROW_CHUNK_ELEMENTS, QuantizedWeight,
+    BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_GEMM, R8_OF, REPACKED, SUPER_ACT, ROW_CHUNK_ELEMENTS, QuantizedWeight,
     _q4_0x8_order, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
     quantize_torch, reference_linear, slice_cols, slice_rows)
 
@@ -95,15 +95,14 @@ _QTYPE_ID = {q: i for i, q in enumerate(tuple(q for q in QTYPES if q != "mxfp4")
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
 R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_*r8_256.h)
 # There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack
-# the rows first, from 1 to 512 rows), and in a batch-invariant step (linear(invariant=True): the
-# engine's batch_invariant setting, on by default for steps holding a greedy request) prefill chunks
-# too: a row's arithmetic then never depends on the batch (batch-invariant greedy output, issue 51).
-# From 8 rows they run as an integer GEMM (csrc/quant/gemm_r8_256.h: a unit's codes unpacked once
-# per tile of 64 activation rows, the same arithmetic per row; q8_0r8 through the 1-4-row dots).
-# Not for every step: 8-bit activations in the prefill move a tiny random MoE model's routing and
-# the prompt logprobs of the tests' float oracles. set_batch_invariant(True) makes every product
-# invariant, whatever the call says (kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT is the
-# engine's: config.py).
+# the rows first, from 1 to 512 rows), and every prefill chunk too where each part has the integer
+# GEMM (R8_GEMM: csrc/quant/gemm_r8_256.h, from 8 rows: a unit's codes unpacked once per tile of 64
+# activation rows, the same arithmetic per row as the dots; faster than the float tiles on Zen 3:
+# benchmarks/RESULTS.md, issue 47), so a row's arithmetic never depends on the batch in any step (the
+# products are batch-invariant whatever the engine's batch_invariant setting, issue 51). Products
+# with an mxfp4r8 part (no GEMM) keep that only in a batch-invariant step (linear(invariant=True), or
+# set_batch_invariant(True) for every product: kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT
+# is the engine's: config.py); other steps' prefill chunks take the float tiles.
 R8_ALL_ROWS = 1 << 30
 _batch_invariant = False
 
@@ -117,10 +116,11 @@ def set_batch_invariant(enabled: bool) -> None:
 
 def invariance_changes(qtypes: set[str]) -> bool:
     """Whether linear's `invariant` changes the arithmetic of products of these block types:
-    only of r8 layouts on the R8_VARIANTS, whose integer dots then take a prefill chunk's rows
-    too (batch_rows). Elsewhere a row's arithmetic is the same in either kind of step (the
-    engine then marks no cached block batch-dependent: Scheduler.batch_dependent_steps)."""
-    return KERNELS.variant() in R8_VARIANTS and any(q in R8 for q in qtypes)
+    only of r8 layouts without the integer GEMM (mxfp4r8) on the R8_VARIANTS, whose integer dots
+    then take a prefill chunk's rows too (batch_rows; the other r8 layouts take them in every
+    step). Elsewhere a row's arithmetic is the same in either kind of step (the engine then marks
+    no cached block batch-dependent: Scheduler.batch_dependent_steps)."""
+    return KERNELS.variant() in R8_VARIANTS and any(q in R8 and q not in R8_GEMM for q in qtypes)
 
 
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
@@ -235,15 +235,16 @@ def set_gemm_r8_min_rows(rows: int) -> int:
     return int(lib.quant_gemm_r8_config(int(rows))) if lib is not None else R8_GEMM_MIN_ROWS
 
 
-def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False, invariant: bool = False) -> int:
+def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False, invariant: bool = False,
+               gemm: bool = False) -> int:
     """The most rows of x the integer path takes (more: dequantized tiles), for a batch of
     decode tokens only (`decode`) or any batch, of bf16 activations or float32 ones, as the GEMM
     the tiles would run on makes it pay (AMX: bf16 only); `r8`: weights all in r8 layouts, whose integer
     dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch, and on the 256-bit variants
-    (R8_VARIANTS) at any number of decode rows (R8_ALL_ROWS), and of any rows in a batch-invariant
-    step (`invariant`, or set_batch_invariant(True): prefill chunks too, so a row's arithmetic never
-    depends on the batch)."""
-    if r8 and (decode or invariant or _batch_invariant) and KERNELS.variant() in R8_VARIANTS:
+    (R8_VARIANTS) at any number of decode rows (R8_ALL_ROWS), and of any rows of prefill chunks
+    too where `gemm` (every part in R8_GEMM: the integer GEMM's) or in a batch-invariant step
+    (`invariant`, or set_batch_invariant(True)): a row's arithmetic then never depends on the batch."""
+    if r8 and (decode or gemm or invariant or _batch_invariant) and KERNELS.variant() in R8_VARIANTS:
         return R8_ALL_ROWS
     if decode and r8:
         return R8_DECODE_ROWS
@@ -466,7 +467,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     if x.shape[0] == 0 or rows == 0:
         return torch.zeros(x.shape[0], rows, dtype=out_dtype)
     r8 = all(p.qtype in R8 for p in parts)
-    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8, invariant) and \
+    gemm = r8 and all(p.qtype in R8_GEMM for p in parts)
+    if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8, invariant, gemm) and \
             out_dtype in (torch.float32, torch.bfloat16):
         return _linear_small(x, parts, bias, lib, out_dtype)
     return _linear_tiles(x, parts, bias, lib).to(out_dtype)
