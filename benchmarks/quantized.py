@@ -253,7 +253,7 @@ def run_child(spec: dict) -> dict:
     prefills = []                       # none with --full (repeats 0): decode only
     for i in range(spec["repeats"]):
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt(spec["prefill_len"])},
-                           SamplingParams(temperature=0, max_tokens=1))
+                           SamplingParams(temperature=spec.get("prefill_temperature", 0.0), max_tokens=1))
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -358,6 +358,9 @@ def main() -> None:
                                                                     "(default: 5 with --full, else 1)")
     ap.add_argument("--batch", type=int, default=48, help="requests decoded at once for the batch throughput "
                                                          "column (0: skip it)")
+    ap.add_argument("--prefill-temperature", type=float, default=0.0,
+                    help="the timed prefill's sampling temperature (0: greedy, a batch-invariant step under the "
+                         "engine's default; > 0: a plain step)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -385,7 +388,7 @@ def main() -> None:
     batch = 0 if args.full else args.batch      # --full: single-stream decode only
     decode_rounds = args.decode_rounds or (5 if args.full else 1)
     base = dict(cache=cache, prefill_len=prefill_len, decode_len=decode_len, repeats=repeats, batch=batch,
-                decode_rounds=decode_rounds,
+                decode_rounds=decode_rounds, prefill_temperature=args.prefill_temperature,
                 kv_cache_memory=(256 if batch else 128) * 1024**2)
     runs: list[dict] = []
     timeout = 600 if args.quick else 3600
@@ -462,7 +465,8 @@ def main() -> None:
     result = dict(threads=threads, read_bytes_s=bandwidth, shape=args.shape, quick=args.quick, full=args.full,
                   tiny=args.tiny,
                   layers_of_1_7b_shape=layers,
-                  prefill_len=prefill_len, decode_prompt_len=128, decode_len=decode_len, decode_rounds=decode_rounds,
+                  prefill_len=prefill_len, prefill_temperature=args.prefill_temperature, decode_prompt_len=128,
+                  decode_len=decode_len, decode_rounds=decode_rounds,
                   runs=runs,
                   cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
     if args.tiny and not args.json:
