@@ -33,18 +33,30 @@ def sampling_settings(params: SamplingParams | BeamSearchParams) -> SamplingSett
                             tuple(tuple(w) for w in p.bad_words_token_ids))
 
 
+def max_seqs_of(params: Any) -> int:
+    """Sequences a request of these parameters can have live at once (its claim on max_num_seqs).
+    (PoolingParams have n = best_of = 1.)"""
+    return params.beam_width if isinstance(params, BeamSearchParams) else params.best_of
+
+
 def check_num_seqs(params: Any, max_num_seqs: int) -> None:
     """A request's sequences run together (Request.max_seqs), so more than max_num_seqs could
-    never be admitted (and would block the queue): InvalidRequestError naming n or best_of.
-    (PoolingParams have n = best_of = 1.)"""
-    if isinstance(params, BeamSearchParams):
-        num, param = params.beam_width, "n"
-    else:
-        num, param = params.best_of, "best_of" if params.best_of > params.n else "n"
+    never be admitted (and would block the queue): InvalidRequestError naming n or best_of."""
+    num = max_seqs_of(params)
+    param = "best_of" if not isinstance(params, BeamSearchParams) and params.best_of > params.n else "n"
     if num > max_num_seqs:
         raise InvalidRequestError(
             f"{param} is {num}, but the engine runs at most max_num_seqs={max_num_seqs} sequences at once "
             f"(--max-num-seqs on the server)", param)
+
+
+def check_capacity(params: Any, prompt_len: int, max_tokens: int, max_num_seqs: int, fit: Any) -> None:
+    """Could a request ever run, even alone: no more sequences than max_num_seqs, and room in
+    the KV cache at its largest (`fit`: the cache's kv/fit.py value). Sizes only, no state: the
+    scheduler's check (Scheduler.check_request), and the event loop's when its queue looks full."""
+    check_num_seqs(params, max_num_seqs)
+    seqs = max_seqs_of(params)
+    fit.check(prompt_len, max_tokens, seqs, seqs > 1 or isinstance(params, BeamSearchParams))
 
 
 class RequestStatus(enum.Enum):
@@ -171,9 +183,7 @@ class Request:
     @property
     def max_seqs(self) -> int:
         """Sequences this request can have live at once (its claim on max_num_seqs)."""
-        if self.is_beam_search:
-            return self.params.beam_width
-        return self.params.best_of
+        return max_seqs_of(self.params)
 
     @property
     def leader_only(self) -> bool:

@@ -86,7 +86,7 @@ from pagedserve.lora.adapter import LoRAReadError
 from pagedserve.lora.slots import LoRASlots
 from pagedserve.outputs import Logprob
 from pagedserve.queue_view import QueueView
-from pagedserve.request import Request, RequestStatus, Sequence, check_num_seqs
+from pagedserve.request import Request, RequestStatus, Sequence, check_capacity
 from pagedserve.sampling.beam_search import select_candidates
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.manager import fill_bitmask
@@ -237,9 +237,7 @@ class Scheduler:
         """The checks that only the scheduler and the KV cache can make (of their sizes, not their
         state): InvalidRequestError for a request that could never run (more sequences than
         max_num_seqs, more blocks than the cache holds)."""
-        check_num_seqs(req.params, self.config.max_num_seqs)
-        self.kv.check_request(len(req.prompt_token_ids), req.max_tokens, req.max_seqs,
-                              req.max_seqs > 1 or req.is_beam_search)
+        check_capacity(req.params, len(req.prompt_token_ids), req.max_tokens, self.config.max_num_seqs, self.kv.fit)
 
     def free_seq(self, seq: Sequence, req: Request) -> None:
         self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

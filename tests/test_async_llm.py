@@ -28,8 +28,8 @@ GREEDY = dict(temperature=0, ignore_eos=True, max_tokens=6)
 
 def async_llm(tiny_llama, **kw) -> AsyncLLM:
     extra = {k: kw.pop(k) for k in ("max_waiting_requests",) if k in kw}
-    config = EngineConfig(model=tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, check_invariants=True,
-                          **kw)
+    kw.setdefault("num_gpu_blocks_override", 64)
+    config = EngineConfig(model=tiny_llama.path, dtype="float32", check_invariants=True, **kw)
     return AsyncLLM(config, log_interval=None, **extra)
 
 
@@ -125,7 +125,9 @@ def test_the_queue_limit_refuses_a_call_that_could_never_fit_and_one_that_overfl
 @pytest.mark.parametrize("where", ["event loop", "engine thread"])
 def test_a_bad_request_is_refused_as_bad_whatever_the_queues_state(tiny_llama, monkeypatch, where):
     """A full queue refuses a valid request (retry later) but an invalid one as invalid: a prompt
-    longer than the model's length, n over max_num_seqs, min_tokens over the context's room.
+    longer than the model's length (as ids, as text, as more characters than the context could
+    hold), n over max_num_seqs, min_tokens over the context's room, more KV blocks than the
+    cache has (24 blocks of 16: 384 tokens, under the model's 512).
     Both queue checks: the event loop's first one, and the engine thread's exact one (made the
     only one here by passing the event loop's). One request runs, slowed, two wait."""
     install_faults(monkeypatch.setattr)
@@ -133,8 +135,8 @@ def test_a_bad_request_is_refused_as_bad_whatever_the_queues_state(tiny_llama, m
         check_queue = AsyncLLM._check_queue
         monkeypatch.setattr(AsyncLLM, "_check_queue", lambda self, *a: check_queue(self, *a)
                             if threading.current_thread().name == "pagedserve-engine" else None)
-    llm = async_llm(tiny_llama, max_waiting_requests=2, max_num_seqs=1)
-    slow = SamplingParams(temperature=0, ignore_eos=True, max_tokens=400)
+    llm = async_llm(tiny_llama, max_waiting_requests=2, max_num_seqs=1, num_gpu_blocks_override=24)
+    slow = SamplingParams(temperature=0, ignore_eos=True, max_tokens=300)
 
     async def body():
         running = await llm.add_requests([("run", f"{PROMPT} {SLOW_STEPS}", slow)])
@@ -148,7 +150,11 @@ def test_a_bad_request_is_refused_as_bad_whatever_the_queues_state(tiny_llama, m
                 ("long", too_long, SamplingParams(**GREEDY), "maximum context length"),
                 ("n", PROMPT, SamplingParams(n=2, temperature=1.0, max_tokens=2), "max_num_seqs"),
                 ("min", {"prompt_token_ids": [5] * (llm.max_model_len - 4)},
-                 SamplingParams(max_tokens=None, min_tokens=8), "min_tokens")]:
+                 SamplingParams(max_tokens=None, min_tokens=8), "min_tokens"),
+                ("text", " x" * llm.max_model_len, SamplingParams(**GREEDY), "maximum context length"),
+                ("chars", {"prompt": "x" * 10**5}, SamplingParams(**GREEDY),   # the engine tokenizes it
+                 "characters long" if where == "event loop" else "tokens long"),
+                ("kv", PROMPT, SamplingParams(temperature=0, max_tokens=450), "never fit in the KV cache")]:
             with pytest.raises(InvalidRequestError, match=words):
                 await llm.add_requests([(rid, prompt, params)])
         with pytest.raises(QueueFullError):

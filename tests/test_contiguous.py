@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.kv.block_pool import NoFreeBlocksError
-from pagedserve.kv.contiguous import ContiguousKVCacheManager, RegionAllocator, next_pow2
+from pagedserve.kv.contiguous import ContiguousKVCacheManager, RegionAllocator
+from pagedserve.kv.fit import next_pow2
 from pagedserve.kv.kv_cache_manager import KVCacheManager
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.sampling_params import BeamSearchParams
@@ -125,10 +126,10 @@ def test_can_allocate_sees_fragmentation_that_counting_free_blocks_misses():
 def test_requests_that_need_sharing_or_too_much_room_are_refused():
     kv = ContiguousKVCacheManager(num_blocks=8, block_size=4, policy="max", max_model_len=64)
     with pytest.raises(ValueError, match="cannot share blocks.*kv_allocator='paged'"):
-        kv.check_request(4, 4, shares_blocks=True)
+        kv.fit.check(4, 4, shares_blocks=True)
     with pytest.raises(ValueError, match="never fit.*'max' reserves 64 slots \\(16 blocks of 4\\).*has 8 blocks"):
-        kv.check_request(4, 4, shares_blocks=False)
-    ContiguousKVCacheManager(8, 4, "oracle", 64).check_request(4, 28, shares_blocks=False)   # 8 blocks: fits
+        kv.fit.check(4, 4, shares_blocks=False)
+    ContiguousKVCacheManager(8, 4, "oracle", 64).fit.check(4, 28, shares_blocks=False)   # 8 blocks: fits
 
 
 # ---- memory-waste accounting: one hand-computed case per category --------------------------

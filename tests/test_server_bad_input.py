@@ -11,6 +11,7 @@ ones get 503 until the queue drains.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -21,7 +22,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from tests.fault_server import SLOW_STEPS
-from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, api_server_args, metrics, served, wait_idle
+from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, api_server_args, metrics, served, sse_events, wait_idle
 
 MAX_BODY = 64 * 1024
 MAX_SEQS = 2
@@ -286,3 +287,48 @@ def test_queue_limit_gives_503_until_it_drains(server, http):
     m = wait_idle(http, timeout=30)
     assert m["pagedserve:kv_cache_usage_perc"] == 0 and m["pagedserve:num_requests_waiting"] == 0
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+# A server whose KV cache (16 blocks of 16: 256 tokens) is smaller than the model's context (512):
+# a request can fit the context and still never fit the cache.
+SMALL_KV_BLOCKS = 16
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(tiny_llama, tmp_path_factory):
+    yield from served(tiny_llama.path, tmp_path_factory.mktemp("small-kv"), api_server_args(
+        "--max-num-seqs", "1", "--max-waiting-requests", "1", kv_blocks=SMALL_KV_BLOCKS),
+        module="tests.fault_server")
+
+
+def test_a_full_queue_answers_bad_text_prompts_as_bad(small_kv_server, tiny_llama):
+    """One request runs (slowed), one waits: the queue is full. A text prompt the engine would
+    refuse gets its 400 all the same (over-long: tokens past the context within the characters'
+    bound; one whose max_tokens can never fit the KV cache), a valid one 503; the running
+    client's stream goes on to the offline engine's greedy text (issue 51)."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    running = {"prompt": f"{PROMPT} {SLOW_STEPS}", "max_tokens": 120, "stream": True, **greedy}
+    ref = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=SMALL_KV_BLOCKS).generate(
+        running["prompt"], SamplingParams(max_tokens=120, **greedy), use_tqdm=False)[0].outputs[0].text
+    with httpx.Client(base_url=small_kv_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60) as http:
+        with contextlib.ExitStack() as streams:
+            r = streams.enter_context(http.stream("POST", "/v1/completions", json=running))
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = [next(line for line in lines if line.startswith("data: "))]   # it runs: the next one waits
+            waiting = streams.enter_context(http.stream("POST", "/v1/completions", json={**running, "max_tokens": 2}))
+            assert waiting.status_code == 200   # the engine has it
+            m = metrics(http)
+            assert (m["pagedserve:num_requests_running"], m["pagedserve:num_requests_waiting"]) == (1, 1)
+            for body, words in [({"prompt": " x" * 600, "max_tokens": 1}, "maximum context length"),
+                                ({"prompt": PROMPT, "max_tokens": 400}, "never fit in the KV cache")]:
+                bad = http.post("/v1/completions", json=body)
+                assert bad.status_code == 400, bad.text
+                err = bad.json()["error"]
+                assert err["param"] == "prompt" and words in err["message"], err
+            full = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+            assert full.status_code == 503 and "--max-waiting-requests" in full.json()["error"]["message"], full.text
+            events = sse_events(first + list(lines))
+    text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e.get("choices"))
+    assert text == ref and events[-1] == "[DONE]"

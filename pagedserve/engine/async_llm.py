@@ -41,8 +41,8 @@ from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
 from pagedserve.engine.protocol import Params, check_num_prompts
-from pagedserve.engine.request_checks import RequestLimits, check_given
-from pagedserve.engine.tokenizer import front_end_tokenizer
+from pagedserve.engine.request_checks import RequestLimits, check_given, check_runner, split_prompt
+from pagedserve.engine.tokenizer import TokenizerLane, front_end_tokenizer, max_token_chars
 from pagedserve.errors import InvalidRequestError
 from pagedserve.engine.stats import (FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats,
                                      StatLogger, StatTotals)
@@ -179,6 +179,8 @@ class AsyncLLM:
         self.tokenizer: Any = None         # the front end's tokenizer (engine/tokenizer.py), not the engine's
         self.max_model_len = 0
         self.request_limits: RequestLimits | None = None
+        self._prompts: TokenizerLane | None = None   # text prompts of calls the queue refuses, tokenized
+        self._max_token_chars: int | None = None      # (on its thread, measured at first use)
         self.vocab_size = 0
         self.model_path = ""
         self.model_args: Any = None        # the base model's shapes (the server checks LoRA adapters against them)
@@ -229,6 +231,8 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort every request (their streams get the abort outputs) and stop the thread."""
+        if self._prompts is not None:
+            self._prompts.close()
         if self._thread is None or not self._thread.is_alive():
             return
         self._send(("stop",))
@@ -250,8 +254,7 @@ class AsyncLLM:
         try:
             self._check_queue(len(items), waiting + self._num_sent - taken)
         except QueueFullError:
-            for _, prompt, params in items:   # bad input is a 400 whatever the queue's state
-                check_given(prompt, params, self.request_limits)
+            await self._check_without_engine(items)   # bad input is a 400 whatever the queue's state
             raise
         stream = RequestStream(self, ids)
         for rid in ids:
@@ -265,6 +268,31 @@ class AsyncLLM:
             stream.close()   # cancelled: the abort follows the add on the queue
             raise
         return stream
+
+    async def _check_without_engine(self, items: list[tuple[str, PromptType, Params]]) -> None:
+        """Every check of the requests that needs no engine state (InvalidRequestError), here,
+        for a call the queue refuses anyway: a text prompt is tokenized on this engine's
+        tokenizer thread (after the bound on its characters), never on the event loop."""
+        for _, prompt, params in items:
+            check_runner(params, self.config.is_pooling)
+            text, ids = split_prompt(prompt)
+            if ids is None:
+                ids = await self._prompts.run(self._encode_within_context, text)
+            check_given(ids, params, self.request_limits)
+
+    def _encode_within_context(self, tokenizer: Any, text: str) -> list[int]:
+        """(The tokenizer thread.) The text's token ids, unless it has more characters than the
+        context could hold: then it is refused untokenized (bounded work per request)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max_token_chars(tokenizer)
+        max_chars = self.max_model_len * self._max_token_chars
+        if len(text) > max_chars:
+            raise InvalidRequestError(
+                f"the prompt is {len(text)} characters long; this model's maximum context length is "
+                f"{self.max_model_len} tokens and no token of its tokenizer stands for more than "
+                f"{self._max_token_chars} characters, so at most {max_chars} characters fit", "prompt",
+                "context_length_exceeded")
+        return tokenizer.encode(text)
 
     def check_num_prompts(self, num_new: int) -> None:
         """ValueError if one call could never be queued whole."""
@@ -374,6 +402,7 @@ class AsyncLLM:
             self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
             self.request_limits = self.engine.request_limits
+            self._prompts = TokenizerLane("pagedserve-engine-prompts", self.tokenizer, copy_tokenizer=True)
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
             self.model_args = self.engine.model_args

@@ -25,7 +25,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.detokenizer import OutputText
 from pagedserve.engine.kv_view import KVView, capture
-from pagedserve.engine.request_checks import RequestLimits, check_max_tokens, check_params, check_prompt_ids
+from pagedserve.engine.request_checks import (RequestLimits, check_max_tokens, check_params, check_prompt_ids,
+                                             check_runner, split_prompt)
 from pagedserve.errors import InvalidRequestError
 from pagedserve.executor import WorkerFailedError, make_executor
 from pagedserve.invariants import check_paging_invariants
@@ -146,8 +147,6 @@ class LLMEngine:
         self.model_args, self.dtype = worker.model_args, worker.dtype
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model_args.vocab_size
-        self.request_limits = RequestLimits(self.max_model_len, self.vocab_size, config.max_logprobs,
-                                            config.max_num_seqs)
         self.num_blocks, self.num_host_blocks = worker.num_blocks, worker.num_host_blocks
         self.kv_windows = worker.kv_windows     # the KV groups' sliding windows (kv/groups.py)
         self.batch_dependent_steps = worker.batch_dependent_steps   # (Scheduler's: which steps mark blocks)
@@ -155,6 +154,10 @@ class LLMEngine:
         # The keys of the prefix cache's disk tier (kv/tier.py): its files outlive a reset, so does this.
         self.tier_index = TierIndex(worker.tier_capacity, worker.tier_keys, kv_events) if config.kv_offload else None
         self.scheduler = self._new_scheduler()
+        # Sizes only (a value): AsyncLLM's event loop checks requests with them too. A reset's new
+        # scheduler has a cache of the same sizes, so the same fit.
+        self.request_limits = RequestLimits(self.max_model_len, self.vocab_size, config.max_logprobs,
+                                            config.max_num_seqs, self.scheduler.kv.fit)
         self.loras = self._lora_registry(config)   # None unless enable_lora
         self.requests: dict[str, Request] = {}
         self.check_invariants = config.check_invariants or os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
@@ -258,16 +261,8 @@ class LLMEngine:
         return str(self._request_counter)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict; got "
-                                  f"{type(prompt).__name__}", "prompt")
+        text, ids = split_prompt(prompt)
+        return text, ids if ids is not None else self.tokenizer.encode(text)
 
     @staticmethod
     def prompt_cache_salt(prompt: PromptType) -> str | None:
@@ -293,7 +288,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.check_runner(params)
+        check_runner(params, self.config.is_pooling)
         text, ids = self.tokenize_prompt(prompt)
         if isinstance(params, (SamplingParams, PoolingParams)) and params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
@@ -321,16 +316,6 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req
-
-    def check_runner(self, params) -> None:
-        """A pooling engine (runner pooling) embeds and does not generate; a generating one the reverse."""
-        pooling = isinstance(params, PoolingParams)
-        if pooling and not self.config.is_pooling:
-            raise InvalidRequestError("this engine generates: embeddings need runner='pooling' (--runner pooling)",
-                                      "model")
-        if not pooling and self.config.is_pooling:
-            raise InvalidRequestError("this engine runs a pooling model (runner='pooling'): it embeds, it does not "
-                                      "generate (LLM.embed, /v1/embeddings)", "model")
 
     @property
     def hidden_size(self) -> int:

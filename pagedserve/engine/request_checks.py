@@ -1,18 +1,20 @@
 """The checks of one request that need only the engine's sizes, never its state.
 
-LLMEngine runs them on every request it adds (validate_request). AsyncLLM runs them on the
-event loop too when its queue looks full, on prompts given as token ids (the server's), so
-bad input is answered as bad input (400) whatever the queue's state, never "retry later" (503)
-first. What needs the engine's tokenizer (text prompts, bad_words) or the KV cache's size
-(Scheduler.check_request's other half) is checked on the engine thread, also before the queue's room.
+LLMEngine runs them on every request it adds (validate_request; the capacity check through
+Scheduler.check_request). AsyncLLM runs them on the event loop too when its queue looks full
+(check_given), so bad input is answered as bad input (400) whatever the queue's state, never
+"retry later" (503) first: the prompt's length and ids, the parameters, and whether the request
+could ever run (max_num_seqs, the KV cache's size: `fit`, a value). A prompt given as text is
+tokenized off the event loop for that (AsyncLLM), after the cheap bound on its characters.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.kv.fit import RequestFit
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.request import check_num_seqs
+from pagedserve.request import check_capacity
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -22,16 +24,33 @@ class RequestLimits:
     vocab_size: int
     max_logprobs: int
     max_num_seqs: int
+    fit: RequestFit        # the KV cache's sizes (kv/fit.py): could a request ever fit
 
 
-def given_prompt_ids(prompt) -> list[int] | None:
-    """A prompt's token ids if it comes with them (a dict's prompt_token_ids, a list of ints);
-    None for text, which only the engine tokenizes."""
+def split_prompt(prompt) -> tuple[str | None, list[int] | None]:
+    """A prompt's text and its token ids as given (either may be None; ids win where both are):
+    a string, a list of ints, or a dict with prompt_token_ids or prompt. Anything else is refused."""
     if isinstance(prompt, dict):
-        prompt = prompt.get("prompt_token_ids")
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return None
+        return None, list(prompt)
+    raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict; got "
+                              f"{type(prompt).__name__}", "prompt")
+
+
+def check_runner(params, is_pooling: bool) -> None:
+    """A pooling engine (runner pooling) embeds and does not generate; a generating one the reverse."""
+    pooling = isinstance(params, PoolingParams)
+    if pooling and not is_pooling:
+        raise InvalidRequestError("this engine generates: embeddings need runner='pooling' (--runner pooling)",
+                                  "model")
+    if not pooling and is_pooling:
+        raise InvalidRequestError("this engine runs a pooling model (runner='pooling'): it embeds, it does not "
+                                  "generate (LLM.embed, /v1/embeddings)", "model")
 
 
 def check_prompt_ids(ids: list[int], limits: RequestLimits) -> None:
@@ -76,16 +95,15 @@ def check_max_tokens(ids: list[int], params: SamplingParams | BeamSearchParams, 
     return max_tokens
 
 
-def check_given(prompt, params, limits: RequestLimits) -> None:
-    """What can be checked of a request without the engine (its prompt only if given as ids)."""
-    check_num_seqs(params, limits.max_num_seqs)
-    ids = given_prompt_ids(prompt)
-    if ids is not None:
-        if isinstance(params, (SamplingParams, PoolingParams)) and params.truncate_prompt_tokens:
-            ids = ids[-params.truncate_prompt_tokens:]
-        check_prompt_ids(ids, limits)
+def check_given(ids: list[int], params, limits: RequestLimits) -> None:
+    """Every check of a request with these prompt ids that needs no engine state (the engine's
+    own order: prompt, parameters, max_tokens, capacity)."""
+    if isinstance(params, (SamplingParams, PoolingParams)) and params.truncate_prompt_tokens:
+        ids = ids[-params.truncate_prompt_tokens:]
+    check_prompt_ids(ids, limits)
     if isinstance(params, PoolingParams):
-        return
-    check_params(params, limits)
-    if ids is not None:
-        check_max_tokens(ids, params, limits)
+        max_tokens = 0     # prefill only
+    else:
+        check_params(params, limits)
+        max_tokens = check_max_tokens(ids, params, limits)
+    check_capacity(params, len(ids), max_tokens, limits.max_num_seqs, limits.fit)

@@ -36,17 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import CONTIGUOUS_POLICIES
-from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import NoFreeBlocksError
+from pagedserve.kv.fit import ContiguousFit
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.kv_cache_manager import PrefixCacheStats
 from pagedserve.utils import cdiv
 from pagedserve.kv.memory_usage import MemoryUsage
 from pagedserve.kv.snapshot import KVSnapshot, PoolSnapshot
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class RegionAllocator:
@@ -137,35 +133,17 @@ class ContiguousKVCacheManager(PoolCapacity):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.pool = RegionAllocator(num_blocks)
+        self.fit = ContiguousFit(num_blocks, block_size, policy, max_model_len)   # could a request ever fit
         self.tables: dict[int, Region] = {}
         self.max_lens: dict[int, int] = {}    # seq_id -> prompt + max_tokens, given at admission
         self.prefix_stats = PrefixCacheStats()
 
-    # ---- sizing ------------------------------------------------------------------------------
+    # ---- sizing (kv/fit.py) -------------------------------------------------------------------
     def reservation_slots(self, max_len: int) -> int:
-        """Slots reserved for a sequence that can reach `max_len` tokens."""
-        if self.policy == "max":
-            return self.max_model_len
-        if self.policy == "pow2":   # a sequence never grows past max_model_len: no need to round beyond
-            slots = next_pow2(max_len)
-            return slots if self.max_model_len is None else max(max_len, min(slots, self.max_model_len))
-        return max_len
+        return self.fit.reservation_slots(max_len)
 
     def reservation_blocks(self, max_len: int) -> int:
-        return cdiv(self.reservation_slots(max_len), self.block_size)
-
-    def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int = 1, shares_blocks: bool = False) -> None:
-        if shares_blocks:
-            raise InvalidRequestError(
-                f"kv_allocator={self.policy!r} reserves one private contiguous region per sequence and "
-                "cannot share blocks: n > 1, best_of > 1 and beam search need kv_allocator='paged'")
-        need = self.reservation_blocks(prompt_len + max_tokens)
-        if need > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"request can never fit in the KV cache: kv_allocator={self.policy!r} reserves "
-                f"{self.reservation_slots(prompt_len + max_tokens)} slots ({need} blocks of {self.block_size}) "
-                f"for a {prompt_len}-token prompt with max_tokens={max_tokens}, and the cache has "
-                f"{self.pool.num_blocks} blocks; raise kv_cache_memory or lower max_tokens")
+        return self.fit.reservation_blocks(max_len)
 
     def set_max_len(self, seq_id: int, max_len: int) -> None:
         """At admission: the most tokens the sequence can reach, which sizes its region."""

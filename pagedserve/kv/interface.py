@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pagedserve.kv.fit import RequestFit
     from pagedserve.kv.memory_usage import MemoryUsage
     from pagedserve.kv.snapshot import KVSnapshot
     from pagedserve.kv.swap import SwapSpace
@@ -115,6 +116,7 @@ class KVCache(Protocol):
     block_size: int
     num_groups: int                   # KV groups (kv/groups.py): one table per sequence and group
     swap: SwapSpace | None            # swap space (preemption_mode="swap"); None where there is none
+    fit: RequestFit                   # could a request ever fit, even alone (kv/fit.py: sizes only, a value)
 
     @property
     def num_blocks(self) -> int: ...
@@ -127,9 +129,6 @@ class KVCache(Protocol):
 
     @property
     def num_logical_blocks(self) -> int: ...
-
-    def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int, shares_blocks: bool) -> None:
-        """Raise ValueError for a request this cache could never hold, even alone."""
 
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None,
               use_prefix_cache: bool, invariant_only: bool = False, hit: Any = None) -> int:

@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.errors import InvalidRequestError
 from pagedserve.kv.block_pool import (BlockKey, BlockPool, KVBlock, first_block_extra_keys, group_key,
                                       lookup_block_keys, partial_block_key, prefix_block_keys)
 from pagedserve.kv.events import KVEventSink
+from pagedserve.kv.fit import PagedFit
 from pagedserve.kv.groups import first_needed_block, window_bound, window_name
 from pagedserve.kv.interface import BlockCopy, KVCacheStats, PoolCapacity, SeqState, SlotRequest, StepWrite
 from pagedserve.kv.memory_usage import MemoryUsage
@@ -92,6 +92,7 @@ class KVCacheManager(PoolCapacity):
             and len(self.windows) == 1
         self.max_step_tokens = max_step_tokens
         self.pool = BlockPool(num_blocks, enable_caching, events)
+        self.fit = PagedFit(num_blocks, block_size, self.windows, max_step_tokens)   # could a request ever fit
         # Per group, each sequence's table; group 0's is `tables`.
         self.group_tables: list[dict[int, Table]] = [{} for _ in self.windows]
         self.tables = self.group_tables[0]
@@ -301,18 +302,6 @@ class KVCacheManager(PoolCapacity):
         """Whether `allocate` can give every (seq_id, num_computed, num_new) its slots at once."""
         return sum(self.num_blocks_needed(*r) for r in requests) <= self.num_free_blocks
 
-    def max_blocks_needed(self, prompt_len: int, max_tokens: int, max_seqs: int) -> int:
-        """Blocks a request needs at its largest (its sequences share the prompt's blocks). A
-        window group never holds more than its window (with a prompt's chunk) per sequence."""
-        B = self.block_size
-        if max_seqs == 1:
-            full = cdiv(prompt_len + max_tokens, B)
-        else:
-            full = cdiv(prompt_len, B) + max_seqs * (cdiv(max_tokens, B) + 1)
-        chunk = min(prompt_len, self.max_step_tokens or prompt_len)
-        return sum(full if w is None else min(full, window_bound(w, B, chunk) + max_seqs * window_bound(w, B))
-                   for w in self.windows)
-
     def num_blocks_to_hold(self, seq_id: int, num_tokens: int) -> int:
         """Blocks the sequence must still take to hold its first num_tokens tokens (a window
         group: its window's)."""
@@ -322,15 +311,6 @@ class KVCacheManager(PoolCapacity):
             want = cdiv(num_tokens, B) if w is None else min(cdiv(num_tokens, B), window_bound(w, B))
             out += max(0, want - len(held_blocks(tables.get(seq_id, ()))))
         return out
-
-    def check_request(self, prompt_len: int, max_tokens: int, max_seqs: int = 1, shares_blocks: bool = False) -> None:
-        needed = self.max_blocks_needed(prompt_len, max_tokens, max_seqs)
-        if needed > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"request can never fit in the KV cache: its prompt ({prompt_len} tokens) plus max_tokens "
-                f"({max_tokens}) {'over ' + str(max_seqs) + ' sequences ' if max_seqs > 1 else ''}"
-                f"needs {needed} blocks of {self.block_size} tokens, and the cache has "
-                f"{self.pool.num_blocks}; raise kv_cache_memory or lower max_tokens")
 
     # ---- the scheduler's calls (kv/interface.py) -------------------------------------------
     def admit(self, seq_id: int, token_ids: list[int], max_len: int, cache_salt: str | None = None,

@@ -10,15 +10,13 @@ A chat's cheap limit counts its messages too: each renders at least the template
 overhead of a message (measured once, from the template), so 400,000 empty
 messages are refused before the template renders millions of tokens.
 Then the tokenizer and the chat template run off the event loop in two lanes, each
-one thread with its own tokenizer (a fast tokenizer is not safe to call from two
-threads at once): requests estimated small go to one, large ones to the other, so one
-huge request cannot hold every other client's tokenizing for seconds. The threads
-are daemons: a render in progress never holds the process's exit.
+one thread with its own tokenizer (engine/tokenizer.py's TokenizerLane): requests estimated
+small go to one, large ones to the other, so one huge request cannot hold every other
+client's tokenizing for seconds. The threads are daemons: a render in progress never holds
+the process's exit.
 """
 from __future__ import annotations
 
-import asyncio
-import copy
 import json
 import logging
 from typing import Any, Callable
@@ -26,7 +24,7 @@ from typing import Any, Callable
 import pydantic_core
 
 from pagedserve.server.errors import APIError, bad_request
-from pagedserve.structured.pool import CompilePool
+from pagedserve.engine.tokenizer import TokenizerLane, max_token_chars
 
 logger = logging.getLogger(__name__)
 
@@ -75,37 +73,15 @@ def _json_chars(value: Any) -> int:
         return LARGE_CHARS + 1   # too deep to measure: the large lane (the template refuses it there)
 
 
-class _Lane:
-    """One thread and its own tokenizer (a copy for every lane but the first)."""
-
-    def __init__(self, name: str, tokenizer: Any, copy_tokenizer: bool) -> None:
-        self._tokenizer = tokenizer
-        self._copy = copy_tokenizer
-        self._pool = CompilePool(1, max_orphans=0, name=name)
-
-    def tokenizer(self) -> Any:
-        """(The lane's thread.) Its tokenizer, copied on first use."""
-        if self._copy:
-            self._tokenizer, self._copy = copy.deepcopy(self._tokenizer), False
-        return self._tokenizer
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        task = self._pool.submit(lambda: fn(self.tokenizer(), *args))
-        return await asyncio.wrap_future(task.future)
-
-    def close(self) -> None:
-        self._pool.close(RuntimeError("the server is shutting down"))
-
-
 class PromptProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, check_num_prompts: Callable[[int], None]) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._check_num_prompts = check_num_prompts    # ValueError when over the limit
-        self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
+        self.max_token_chars = max_token_chars(tokenizer)
         self.max_chars = max_model_len * self.max_token_chars
-        self._small = _Lane("pagedserve-tokenizer", tokenizer, copy_tokenizer=False)
-        self._large = _Lane("pagedserve-tokenizer-large", tokenizer, copy_tokenizer=True)
+        self._small = TokenizerLane("pagedserve-tokenizer", tokenizer, copy_tokenizer=False)
+        self._large = TokenizerLane("pagedserve-tokenizer-large", tokenizer, copy_tokenizer=True)
         self.message_tokens = self._measure_message_tokens(tokenizer)
 
     @staticmethod
@@ -188,7 +164,7 @@ class PromptProcessor:
                 self.check_context(len(p), "prompt")
 
     # ---- off the event loop ----------------------------------------------------------------------
-    def _lane(self, chars: int, num_messages: int = 0) -> _Lane:
+    def _lane(self, chars: int, num_messages: int = 0) -> TokenizerLane:
         return self._large if chars > LARGE_CHARS or num_messages > LARGE_MESSAGES else self._small
 
     async def run(self, fn: Callable, *args: Any) -> Any:
