@@ -229,15 +229,19 @@ class Scheduler:
         return self._next_seq_id
 
     def add_request(self, req: Request) -> None:
-        """Queue a request the engine validated (LLMEngine.validate_request), after check_request."""
+        """check_request, then queue_request (the simulators' and tests' way in)."""
         self.check_request(req)
-        self.waiting.append(req)
+        self.queue_request(req)
 
     def check_request(self, req: Request) -> None:
         """The checks that only the scheduler and the KV cache can make (of their sizes, not their
         state): InvalidRequestError for a request that could never run (more sequences than
         max_num_seqs, more blocks than the cache holds)."""
         check_capacity(req.params, len(req.prompt_token_ids), req.max_tokens, self.config.max_num_seqs, self.kv.fit)
+
+    def queue_request(self, req: Request) -> None:
+        """Queue a request check_request passed (LLMEngine.check_request runs it once per request)."""
+        self.waiting.append(req)
 
     def free_seq(self, seq: Sequence, req: Request) -> None:
         self.kv.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

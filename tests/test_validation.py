@@ -68,3 +68,58 @@ def test_max_tokens_is_resolved_in_one_place(llm):
         req = llm.engine.add_request(None, {"prompt_token_ids": [1] * 10}, params)
         assert req.max_tokens == 64 - 10
         llm.engine.abort_request(req.request_id)
+
+
+def test_capacity_is_checked_once_per_request_on_every_path(tiny_llama, monkeypatch):
+    """Scheduler.check_request (max_num_seqs, the KV cache's fit) runs once per request, and on
+    every path in: the offline LLM, AsyncLLM, the server (in process); a request that could never
+    fit is still refused on each (issue 51: it ran twice, in check_request and add_request)."""
+    import asyncio
+
+    import httpx
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.scheduler import Scheduler
+    from pagedserve.server.app import build_app
+    from pagedserve.server.metrics import PrometheusStatLogger
+    from pagedserve.server.state import ServerState
+
+    checked: list[str] = []
+    check = Scheduler.check_request
+
+    def counted(self, req):
+        checked.append(req.request_id)
+        return check(self, req)
+    monkeypatch.setattr(Scheduler, "check_request", counted)
+    kw = dict(model=tiny_llama.path, dtype="float32", num_gpu_blocks_override=16, block_size=4, max_model_len=64)
+    too_big = SamplingParams(n=2, temperature=1, max_tokens=40)   # 2 x 40 tokens: more than 16 blocks of 4
+
+    offline = LLM(**kw)
+    outs = offline.generate(["one", "two"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(checked) == 2 and sorted(checked) == sorted(o.request_id for o in outs)
+    with pytest.raises(InvalidRequestError, match="never fit"):
+        offline.generate(["one"], too_big, use_tqdm=False)
+    assert len(checked) == 3
+
+    async def served():
+        state = ServerState(AsyncLLM(EngineConfig(**kw), log_interval=None), ["tiny"], PrometheusStatLogger("tiny"))
+        app = build_app(state)
+        async with app.router.lifespan_context(app):
+            await state.llm.wait_started()
+            stream = await state.llm.add_requests([("a1", "one", SamplingParams(max_tokens=2)),
+                                                   ("a2", "two", SamplingParams(max_tokens=2))])
+            async for _ in stream:
+                pass
+            with pytest.raises(InvalidRequestError, match="never fit"):
+                await state.llm.add_requests([("a3", "one", too_big)])
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=60) as c:
+                ok = await c.post("/v1/completions", json={"prompt": "one", "max_tokens": 2})
+                bad = await c.post("/v1/completions", json={"prompt": "one", "n": 2, "max_tokens": 40})
+            return ok, bad
+
+    ok, bad = asyncio.run(served())
+    assert ok.status_code == 200 and bad.status_code == 400 and "never fit" in bad.json()["error"]["message"]
+    assert checked[3:6] == ["a1", "a2", "a3"] and len(checked) == 8, checked
+    assert len(set(checked[6:])) == 2     # the server's two requests: once each

@@ -313,7 +313,7 @@ class LLMEngine:
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             req.structured = self.grammars.new_state(params.structured_outputs)
         self.text.start(req)
-        self.scheduler.add_request(req)
+        self.scheduler.queue_request(req)   # check_request checked its capacity (once)
         self.requests[req.request_id] = req
         return req
 
