@@ -340,9 +340,11 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return q.view(t, k), d.view(t, k // block)
 
 
-def reference_linear(x: torch.Tensor, w: QuantizedWeight, act_block: int = 32) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, w: QuantizedWeight, act_block: int | None = None) -> torch.Tensor:
     """The small-batch kernels' arithmetic in float64, no rounding but the inputs': the q8
-    activations (blocks of act_block) times the dequantized weight (float64 [T, rows]). The tests' oracle."""
+    activations (blocks of act_block; by default 256 for the SUPER_ACT layouts, else 32) times the
+    dequantized weight (float64 [T, rows]). The tests' oracle."""
+    act_block = act_block or (256 if w.qtype in SUPER_ACT else 32)
     q, d = quantize_activations(x, act_block)
     x8 = (q.double().view(x.shape[0], -1, act_block) * d.double().unsqueeze(-1)).view(x.shape)
     return x8 @ dequantize_torch(w).double().T

@@ -55,14 +55,17 @@ def _reference(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tenso
         for s in range(ids.shape[1]):
             e = experts[int(ids[t, s])]
             gate, up, down = _parts(e)
-            g, u = (quant.reference_linear(x[t:t + 1].float(), m).float() for m in (gate, up))
+            # the activations' blocks: those of the layouts the kernel runs (quant.SUPER_ACT: 256)
+            first = e.gate_up[0] if isinstance(e.gate_up, tuple) else e.gate_up
+            b1, b2 = (256 if m.qtype in quant.SUPER_ACT else 32 for m in (first, e.down))
+            g, u = (quant.reference_linear(x[t:t + 1].float(), m, b1).float() for m in (gate, up))
             if e.gate_up_bias is not None:
                 g, u = g + e.gate_up_bias[:I], u + e.gate_up_bias[I:]
             if spec is None or spec.activation == "silu":
                 act = torch.nn.functional.silu(g) * u
             else:
                 act = clamped_swiglu(torch.cat([g, u], dim=-1), spec.swiglu_alpha, spec.swiglu_limit)
-            y = quant.reference_linear(act, down, 256 if e.down.qtype == "q6_kr8" else 32)[0]   # (super-block activations)
+            y = quant.reference_linear(act, down, b2)[0]
             out[t] += float(weights[t, s]) * (y if e.down_bias is None else y + e.down_bias.double())
     return out
 

@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.kernels import quant
 from tests.test_quant_kernels import _check_small, weight
-from tests.test_quant_r8_256 import r8_of
+from tests.test_quant_r8_256 import act_block, r8_of
 
 VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
 pytestmark = pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
@@ -29,8 +29,8 @@ def test_gemm_equals_the_scalar_arithmetic_at_every_row_count(qtypes, cols):
         ref = quant._linear_small(x, rs, bias, lib, torch.float32)       # one row at a time (4-row passes)
     for T in list(range(1, 20)) + [31, 33, 63, 64, 65, 70]:
         for t0 in {0, 70 - T}:
-            for w, r, part, b in zip(ws, rs, ref[t0:t0 + T].split(splits, dim=1), bias.split(splits)):
-                _check_small(part, x[t0:t0 + T], w, b, 256 if r.qtype == "q6_kr8" else 32)
+            for w, part, b in zip(ws, ref[t0:t0 + T].split(splits, dim=1), bias.split(splits)):
+                _check_small(part, x[t0:t0 + T], w, b, act_block(w.qtype))
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
             for T in list(range(1, 20)) + [31, 33, 63, 64, 65, 70]:

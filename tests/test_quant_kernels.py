@@ -74,19 +74,24 @@ def test_dequantize_matches_gguf(variant, qtype):
     assert quant.dequantize(w, torch.bfloat16).dtype == torch.bfloat16
 
 
-def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bias=None, block: int = 32):
-    """y against the float64 value of the kernel's own arithmetic (activations with one scale per
-    `block`: quant.act_block): equal up to float32 summation order; and close to the float product."""
-    ref = quant.reference_linear(x, w, block)
-    q, d = quant.quantize_activations(x, block)
-    x8 = (q.double().view(x.shape[0], -1, block) * d.double().unsqueeze(-1)).view(x.shape)
+def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bias=None, act_block: int | None = None):
+    """y against the float64 value of the kernel's own arithmetic: equal up to float32
+    summation order; and close to the float product. act_block: the activations' block (256 for
+    the super-block r8 layouts, quant.SUPER_ACT: the default where w is one; else 32)."""
+    act_block = act_block or (256 if w.qtype in quant.SUPER_ACT else 32)
+    ref = quant.reference_linear(x, w, act_block)
+    q, d = quant.quantize_activations(x, act_block)
+    x8 = (q.double().view(x.shape[0], -1, act_block) * d.double().unsqueeze(-1)).view(x.shape)
     scale = x8.abs() @ quant.dequantize_torch(w).double().abs().T
     if bias is not None:
         ref = ref + bias.double()
     err = (y.double() - ref).abs()
     assert (err <= 1e-5 * scale + 1e-7).all(), float((err / (scale + 1e-30)).max())
     exact = x.double() @ quant.dequantize_torch(w).double().T + (0 if bias is None else bias.double())
-    assert float((y.double() - exact).norm() / exact.norm()) < 2e-2
+    # one scale per 256 rounds to a step set by the maximum of 8x as many elements (llama.cpp's q8_K
+    # activations for its K-quant dots do too): on these weights, whose mean cancels most of the
+    # product, 1.4-2.5x the blocks of 32's error (measured at 1, 4 and 16 rows)
+    assert float((y.double() - exact).norm() / exact.norm()) < (2e-2 if act_block == 32 else 4e-2)
 
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
@@ -448,7 +453,7 @@ def test_sampled_rows_past_16(variant, qtype, tokens):
         if variant == "torch" or tokens > quant.batch_rows(bf16=False, r8=r8, **kind):
             torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)      # the tiles
             continue
-        _check_small(y, x, quant.file_layout(w), block=256 if w.qtype == "q6_kr8" else 32)
+        _check_small(y, x, quant.file_layout(w), act_block=256 if w.qtype in quant.SUPER_ACT else 32)
         if r8 and variant in quant.R8_VARIANTS:
             alone = torch.cat([quant.linear(x[i:i + 1], w, out_dtype=torch.float32, **kind) for i in range(tokens)])
             assert torch.equal(y, alone)

@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from pagedserve.kernels import quant
+from pagedserve.quant_format import _k_scales
 from tests.test_quant_kernels import _check_small, weight
 
 TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "mxfp4"]
 K_TYPES = ["q4_k", "q5_k", "q6_k"]
 VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
+
+
+def act_block(qtype: str) -> int:
+    """The activations' block the r8 kernels of file type qtype multiply (quant.SUPER_ACT)."""
+    return 256 if quant.R8_OF.get(qtype) in quant.SUPER_ACT else 32
 
 
 def r8_of(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
@@ -88,7 +94,7 @@ def test_kernels_equal_the_scalar_arithmetic_and_rows_alone(qtype, rows, blocks)
     with quant.using_variant("scalar") as lib:
         ref = {T: quant._linear_small(x, [r], bias, lib, torch.float32) for T, x in xs.items()}
     for T, x in xs.items():
-        _check_small(ref[T], x, w, bias, 256 if r.qtype == "q6_kr8" else 32)
+        _check_small(ref[T], x, w, bias, act_block(qtype))
         for t in range(T):      # batch invariance: a row's arithmetic does not depend on the others
             assert torch.equal(ref[1 if T == 1 else T][t], ref[T][t])
     for variant in VECTOR:
@@ -137,8 +143,8 @@ def test_parts_of_several_r8_types_in_one_product(T):
             y = quant._linear_small(x, rs, None, lib, torch.float32)
             each = torch.cat([quant._linear_small(x, [r], None, lib, torch.float32) for r in rs], dim=1)
             assert torch.equal(y, each), variant
-            for w, r, part in zip(ws, rs, y.split([16, 8, 8], dim=1)):
-                _check_small(part, x, w, block=256 if r.qtype == "q6_kr8" else 32)
+            for w, part in zip(ws, y.split([16, 8, 8], dim=1)):
+                _check_small(part, x, w, act_block=act_block(w.qtype))
 
 
 
@@ -184,3 +190,57 @@ def test_repack_in_cpp_equals_the_torch_layout(qtype):
             assert copy.qtype == quant.R8_OF[qtype] and torch.equal(copy.data, expected) and torch.equal(w.data, raw)
             assert torch.equal(quant.repack(w, in_place=True).data, expected) and torch.equal(w.data.view(-1),
                                                                                              expected.view(-1))
+
+
+def _k_super_model(w: quant.QuantizedWeight, x: torch.Tensor, float_sub_block: int | None = None) -> torch.Tensor:
+    """q4_k / q5_k r8's arithmetic (dot_k_r8_256.h) spelled out in numpy: per row and super-block the
+    integer sums isum = sum_j sc_j dot_j, msum = sum_j m_j bs_j, then acc = fma(float(isum), d * dx, acc),
+    mins = fma(float(msum), dmin * dx, mins), y = acc - mins (float32; fma through float64, where a
+    product of two float32 is exact). float_sub_block: that sub-block's scale applied in float instead
+    (its own fma of float(dot_j) by (d * sc_j) * dx), the arithmetic the per-32 kernels had."""
+    f32 = np.float32
+    fma = lambda a, b, c: f32(float(a) * float(b) + float(c))       # noqa: E731
+    q, dk = quant.quantize_activations(x, 256)
+    q, dk = q.numpy().astype(np.int64), dk.numpy()
+    rows, cols = w.shape
+    blocks = w.data.view(rows, cols // 256, -1).numpy()
+    out = np.zeros((x.shape[0], rows), dtype=np.float32)
+    for r in range(rows):
+        for t in range(x.shape[0]):
+            acc = mins = f32(0)
+            for s in range(cols // 256):
+                b = blocks[r, s]
+                d, dmin = (f32(np.frombuffer(b[i:i + 2].tobytes(), dtype=np.float16)[0]) for i in (0, 2))
+                sc, mn = (v.to(torch.int64).numpy()[0] for v in _k_scales(torch.from_numpy(b[4:16].copy()).view(1, 12)))
+                qs = b[16:144] if w.qtype == "q4_k" else b[48:176]
+                xs, dx = q[t, 256 * s:256 * s + 256], f32(dk[t, s])
+                isum = msum = 0
+                for j in range(8):
+                    c = (qs[32 * (j // 2):32 * (j // 2) + 32].astype(np.int64) >> (4 * (j % 2))) & 15
+                    if w.qtype == "q5_k":
+                        c |= ((b[16:48].astype(np.int64) >> j) & 1) << 4
+                    dot = int((c * xs[32 * j:32 * j + 32]).sum())
+                    msum += int(mn[j]) * int(xs[32 * j:32 * j + 32].sum())
+                    if j == float_sub_block:
+                        acc = fma(f32(dot), f32(f32(d * f32(sc[j])) * dx), acc)
+                    else:
+                        isum += int(sc[j]) * dot
+                acc = fma(f32(isum), f32(d * dx), acc)
+                mins = fma(f32(msum), f32(dmin * dx), mins)
+            out[t, r] = f32(acc - mins)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k"])
+def test_k_super_block_arithmetic_is_the_definition(qtype):
+    """The q4_k / q5_k r8 kernels (scalar reference, AVX2's dots and GEMM) equal _k_super_model bit for
+    bit; the model with one sub-block's scale applied in float does not (the check can fail)."""
+    w, _ = weight(qtype, rows=8, cols=512)
+    r = r8_of(w)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(11)) * 2
+    model = _k_super_model(w, x)
+    assert not torch.equal(_k_super_model(w, x, float_sub_block=3), model)
+    for variant in ["scalar"] + VECTOR:
+        with quant.using_variant(variant) as lib:
+            for T in (1, 3, 9):          # the dots (1-4 rows a pass), the GEMM from 8 rows
+                assert torch.equal(quant._linear_small(x[:T], [r], None, lib, torch.float32), model[:T]), (variant, T)

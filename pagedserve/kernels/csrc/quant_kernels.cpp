@@ -14,7 +14,9 @@
 // Offsets (q4_0: 8, q5_0: 16, q6_k: 32, q8_0 none) are subtracted from the codes (signed x
 // signed dot) or, on AVX-512 for q4_0 / q5_0, made minimum terms C = -8 A / -16 A; q6_k's
 // per-16 scales multiply the dot's lanes. The integers are exact everywhere: variants and the
-// scalar loop differ only in the order of the float sums.
+// scalar loop differ only in the order of the float sums. The super-block r8 layouts (q4_kr8,
+// q5_kr8 on the 256-bit and scalar builds) read x with one scale per 256 instead (Act::qk) and
+// apply their sub-block scales in the integers: one multiply-add per super-block (dot_k_r8_256.h).
 // In the avx512vnni build, where the CPU has AMX-INT8, from g_amx8.min_rows rows the same dots
 // run on AMX tiles (amx8_group: tdpbssd over pieces of 32, q6_k 16; quant_amx_config switches it).
 // quant_linear_tiles: y = x @ W.T for many rows of x: tiles of W dequantized into the packed

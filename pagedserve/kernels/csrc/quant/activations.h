@@ -44,16 +44,10 @@ struct Act {
     const int16_t *bsk = nullptr;    // [T][K/16]   the sum of each 16 consecutive codes of qk
 };
 
-// Whether layout qt's kernels in this build read Act::qk / dk / bsk (the AVX-512 build's K-quant
+// Whether layout qt's kernels read Act::qk / dk / bsk (the r8 layouts' kernels: 256-bit, or the
+// scalar reference wherever no vector kernel has the layout; the AVX-512 build's file-layout K-quant
 // kernels keep the blocks of 32).
-constexpr bool reads_super(int qt) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    (void)qt;
-    return false;
-#else
-    return qt == Q4_KR8 || qt == Q5_KR8 || qt == Q6_KR8;
-#endif
-}
+constexpr bool reads_super(int qt) { return qt == Q4_KR8 || qt == Q5_KR8 || qt == Q6_KR8; }
 
 constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0, 0};     // what start[type] subtracts
 

@@ -1,14 +1,16 @@
 // The super-block r8 layouts' dots (Q4_KR8, Q5_KR8, Q6_KR8: 8 weight rows interleaved per
 // super-block, repack_r8.h's fields) on 256-bit registers (AVX2, AVX-VNNI) and in plain C++ (the
 // scalar build's kernel and the reference the vector ones equal bit for bit), against NT activation
-// rows of 8-bit blocks of 32 (Act). As dot_r8_256.h: a ymm holds 8 bytes of 4 rows; one hadd of the
-// two halves' dots gives a 32-element block's 8 rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the
-// unit's scales are permuted once to meet them. Per row l, over the 32-element blocks j in order:
-//     q4_k, q5_k: acc = fma(float(dot_j), (d * sc_j) * dx_j, acc);  mins = fma(dmin * m_j, ds_j, mins)
-//                 y = acc - mins                  (dot_j: the unsigned codes times the q8 values)
-//     q6_k:       per super-block s, against the super-block activations (Act::qk, dk, bsk: one
-//                 scale dk_s per 256; reads_super):
-//                 acc = fma(float(sum_i sc_i * (dot_i - 32 * bsk_i)), d * dk_s, acc);  y = acc
+// rows. As dot_r8_256.h: a ymm holds 8 bytes of 4 rows; a hadd of the two halves' dots gives the 8
+// rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the unit's scales are permuted once to meet them.
+// All three read the super-block activations (Act::qk, dk, bsk: one scale dx = dk_s per 256;
+// reads_super). Per row l, over the super-blocks s in order:
+//     q4_k, q5_k: isum = sum_j sc_j * dot_j,  msum = sum_j m_j * bs_j   (integers; bs_j: sub-block j's code sum)
+//                 acc = fma(float(isum), d * dx, acc);  mins = fma(float(msum), dmin * dx, mins);  y = acc - mins
+//                 (dot_j: the unsigned codes times the q8 values; |isum| <= 256 * 31 * 127 * 63 and |msum| <=
+//                 256 * 127 * 63 < 2^31): the sub-block scales meet the codes' 16-bit sums in a madd
+//                 (k_dot_half), each half's dwords summed over the super-block, one hadd at its end.
+//     q6_k:       acc = fma(float(sum_i sc_i * (dot_i - 32 * bsk_i)), d * dx, acc);  y = acc
 //                 (dot_i: the 16 unsigned codes q of sub-block i times the q8 values, bsk_i their sum)
 // The integers are exact; a row's arithmetic is the same whatever NT or the rows around it.
 // Unit offsets (bytes): q4_k: d 0, dmin 16, scale words 32 (word w of row l at 32 + 32 w + 4 l),
@@ -43,6 +45,7 @@ inline void k_codes(int file, const uint8_t *b, int c[256], int sc[16], int mn[8
 
 // The reference: out[t * ldo + l] = row l of the group at g (nb blocks of 32) against activation
 // row t0 + t, the arithmetic above in plain C++ (std::fma: the vector kernels' fused multiply-adds).
+// (q4_k, q5_k: a test that applies one sub-block's scale in float instead fails, test_quant_r8_256.py)
 template <int QT, int NT>
 void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float *out, int64_t ldo) {
     constexpr int file = r8_file_type(QT);
@@ -69,20 +72,33 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                 }
                 continue;
             }
+            if constexpr (file != Q6_K) {
+                for (int t = 0; t < NT; t++) {
+                    const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s;
+                    const int16_t *bs = a.bsk + (t0 + t) * (a.K / 16) + 16 * s;
+                    const float dx = a.dk[(t0 + t) * (a.K / 256) + s];
+                    int isum = 0, msum = 0;
+                    for (int j = 0; j < 8; j++) {
+                        int dot = 0;
+                        for (int e = 0; e < 32; e++) dot += c[32 * j + e] * x[32 * j + e];
+                        isum += sc[j] * dot;
+                        msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+                    }
+                    acc[t] = std::fma(float(isum), d * dx, acc[t]);
+                    mins[t] = std::fma(float(msum), dmin * dx, mins[t]);
+                }
+                continue;
+            }
             for (int j = 0; j < 8; j++)
                 for (int t = 0; t < NT; t++) {
                     const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
-                    const float dx = a.d[(t0 + t) * a.nb + 8 * s + j], ds = a.ds[(t0 + t) * a.nb + 8 * s + j];
+                    const float dx = a.d[(t0 + t) * a.nb + 8 * s + j];
                     int dot = 0;
                     if constexpr (file == Q6_K) {
                         int half[2] = {0, 0};
                         for (int e = 0; e < 32; e++) half[e / 16] += c[32 * j + e] * x[e];
                         dot = sc[2 * j] * half[0] + sc[2 * j + 1] * half[1];
                         acc[t] = std::fma(float(dot), d * dx, acc[t]);
-                    } else {
-                        for (int e = 0; e < 32; e++) dot += c[32 * j + e] * x[e];
-                        acc[t] = std::fma(float(dot), (d * float(sc[j])) * dx, acc[t]);
-                        mins[t] = std::fma(dmin * float(mn[j]), ds, mins[t]);
                     }
                 }
         }
@@ -155,24 +171,30 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
             q6_super_256<NT>(u, r8_f16x8(u + 1664), a, t0, s, acc);      // (Act::qk: reads_super)
         } else {
             const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
-            __m256i sc[2], mn[2];
-            k_scale_words(u, sc, mn);
+            KSuper ks;
+            k_super_scales(u, ks);
+            __m256i isum[NT][2];             // per half: two dwords a row, summed over the super-block
+            #pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
             #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {    // sub-blocks 2 p (low nibbles) and 2 p + 1 (high: the vectors again, from L1)
                 __m256i c[2][4];             // [half][piece]
                 k_codes_256<QT>(u, j, c);
-                const __m256 Dj = k_sub_scale(D, sc, j), Mj = k_sub_scale(Dm, mn, j);
+                const __m256i l0 = k_lanes(ks, j, 0), l1 = k_lanes(ks, j, 1);
                 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++) {
-                    const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
+                    const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
                     const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                    // (q5_k: codes <= 31: four products sum to at most 4 * 2 * 31 * 127 < 32768)
-                    const __m256i dot = _mm256_hadd_epi32(q4_half(c[0], xb), q4_half(c[1], xb));
-                    const int64_t at = (t0 + t) * a.nb + 8 * s + j;
-                    const __m256 S = _mm256_mul_ps(Dj, _mm256_set1_ps(a.d[at]));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
-                    mins[t] = _mm256_fmadd_ps(Mj, _mm256_set1_ps(a.ds[at]), mins[t]);
+                    isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot_half(c[0], xb, l0));
+                    isum[t][1] = _mm256_add_epi32(isum[t][1], k_dot_half(c[1], xb, l1));
                 }
+            }
+            #pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                const __m256 dx = _mm256_set1_ps(a.dk[(t0 + t) * (a.K / 256) + s]);
+                const __m256i msum = k_min_sum(ks, a.bsk + (t0 + t) * (a.K / 16) + 16 * s);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(isum[t][0], isum[t][1])), _mm256_mul_ps(D, dx), acc[t]);
+                mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(Dm, dx), mins[t]);
             }
         }
     }

@@ -3,9 +3,11 @@
 // same arithmetic per activation row as the one-to-four-row dots (dot_r8_256.h, dot_k_r8_256.h),
 // bit for bit: per row, over the 32-element blocks j in order, acc = fma(float(dot_j), A_j * dx_j,
 // acc), mins = fma(M_j, ds_j, mins), y = acc +- mins (the integers exact, whatever route sums them).
-// So a row's result never depends on how many rows share the call (batch invariance). q6_k reads the
-// super-block activations (Act::qk, dk) instead: per row and super-block s its blocks' integer dots
-// summed in int32 (a tile row's int32 buffer), then acc = fma(float(isum_s), D * dk_s, acc).
+// So a row's result never depends on how many rows share the call (batch invariance). The super-block
+// types read the super-block activations (Act::qk, dk, bsk) instead (dot_k_r8_256.h's arithmetic): per
+// row and super-block s the integer dots with their sub-block scales summed in int32 (a tile row's
+// int32 buffer), then one conversion and acc = fma(float(isum_s), D * dk_s, acc) (q4_k, q5_k: the
+// minimums' integer sum too, gemm_k_rows).
 // What changes is the loop order: those dots hold 1-4 rows' accumulators in registers and unpack a
 // unit's codes for every pass of 4 rows; here a unit's codes and scales are unpacked into registers
 // once per tile of kGemmTile activation rows, and the tile's rows stream past them, each row's
@@ -139,6 +141,20 @@ inline void gemm_q4_rows(const __m256i c[2][4], __m256 A, const GemmAct &g, int6
     }
 }
 
+// isum ([n][16]: per row the two halves' dwords, k_dot_half's) += rows t0 .. t0 + n - 1 of the
+// super-block activations against sub-block j (of the row) of a K-quant group: codes c, scale lanes l0, l1.
+inline void gemm_k_rows(const __m256i c[2][4], __m256i l0, __m256i l1, const GemmAct &g, int64_t t0, int64_t n, int64_t j,
+                        int32_t *isum) {
+    const int8_t *xq = g.qk + 32 * g.at(t0, n, j, 0);
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t *x = xq + 32 * t;
+        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+        __m256i *v = reinterpret_cast<__m256i *>(isum + 16 * t);
+        _mm256_store_si256(v, _mm256_add_epi32(_mm256_load_si256(v), k_dot_half(c[0], xb, l0)));
+        _mm256_store_si256(v + 1, _mm256_add_epi32(_mm256_load_si256(v + 1), k_dot_half(c[1], xb, l1)));
+    }
+}
+
 // mins ([n][8]) = rows t0 .. t0 + n - 1's minimum terms, the chain over the blocks j in order of
 // fma(M_j, ds_j, mins), M_j the group's at m + 8 j (a pass of its own: 8 rows' chains in registers,
 // no load and store of them per block, as the dots' accumulators have).
@@ -232,19 +248,31 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
         }
         gemm_mins(m, g, t0, n, mins);
     } else if constexpr (QT == Q4_KR8 || QT == Q5_KR8) {
+        // per super-block: each row's two int32 dwords per half (k_dot_half) summed in an L1 buffer over
+        // its 8 sub-blocks, then one hadd, conversion and fma (and the minimums' integer sum and fma)
+        alignas(32) int32_t isum[kGemmTile * 16];
         for (int64_t s = 0; s < g.nb / 8; s++) {
             const uint8_t *u = w + s * U;
             const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
-            __m256i sc[2], mn[2];
-            k_scale_words(u, sc, mn);
+            KSuper ks;
+            k_super_scales(u, ks);
+            std::memset(isum, 0, sizeof(int32_t) * 16 * n);
             for (int j = 0; j < 8; j++) {
                 __m256i c[2][4];
                 k_codes_256<QT>(u, j, c);
-                _mm256_store_ps(m + 8 * (8 * s + j), k_sub_scale(Dm, mn, j));
-                gemm_q4_rows<QT == Q5_KR8>(c, k_sub_scale(D, sc, j), g, t0, n, 8 * s + j, acc);
+                gemm_k_rows(c, k_lanes(ks, j, 0), k_lanes(ks, j, 1), g, t0, n, 8 * s + j, isum);
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t at = g.sat(t0, n, s, t);
+                const __m256 dx = _mm256_set1_ps(g.dk[at]);
+                const __m256i i0 = _mm256_load_si256(reinterpret_cast<const __m256i *>(isum + 16 * t));
+                const __m256i i1 = _mm256_load_si256(reinterpret_cast<const __m256i *>(isum + 16 * t + 8));
+                _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(i0, i1)), _mm256_mul_ps(D, dx),
+                                                             _mm256_load_ps(acc + 8 * t)));
+                _mm256_store_ps(mins + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(k_min_sum(ks, g.bsk + 16 * at)),
+                                                              _mm256_mul_ps(Dm, dx), _mm256_load_ps(mins + 8 * t)));
             }
         }
-        gemm_mins(m, g, t0, n, mins);
     } else {        // Q6_KR8 (no minimum terms: mins stays 0)
         static_assert(QT == Q6_KR8, "gemm_r8_group: an r8 layout");
         alignas(32) int32_t isum[kGemmTile * 8];       // a unit's int32 sums per row (GemmAct::qk: reads_super)

@@ -65,17 +65,76 @@ inline void q4_unit_codes(const uint8_t *u, __m256i c[2][4]) {
         for (int h = 0; h < 2; h++) q5_high(c[h], u + 16 + 16 * h);
 }
 
-// Q4_KR8, Q5_KR8: the 12 scale bytes of each row as 3 words (lanes in the hadd's order), k_scales
-// on 8 rows at once: byte b of sc[i] (mn[i]) is sub-block 4 i + b's 6-bit scale (minimum).
+// Q4_KR8, Q5_KR8: the 12 scale bytes of each row as 3 words (lanes in the hadd's order, or with
+// Order false the rows' order), k_scales on 8 rows at once: byte b of sc[i] (mn[i]) is sub-block
+// 4 i + b's 6-bit scale (minimum).
+template <bool Order = true>
 inline void k_scale_words(const uint8_t *u, __m256i sc[2], __m256i mn[2]) {
-    const __m256i w0 = _mm256_permutevar8x32_epi32(r8_load(u + 32), r8_order());
-    const __m256i w1 = _mm256_permutevar8x32_epi32(r8_load(u + 64), r8_order());
-    const __m256i w2 = _mm256_permutevar8x32_epi32(r8_load(u + 96), r8_order());
+    auto word = [&](int w) {
+        const __m256i v = r8_load(u + 32 + 32 * w);
+        return Order ? _mm256_permutevar8x32_epi32(v, r8_order()) : v;
+    };
+    const __m256i w0 = word(0), w1 = word(1), w2 = word(2);
     const __m256i m4 = _mm256_set1_epi8(15), m6 = _mm256_set1_epi8(63), m48 = _mm256_set1_epi8(48);
     sc[0] = _mm256_and_si256(w0, m6);
     sc[1] = _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), m48));
     mn[0] = _mm256_and_si256(w1, m6);
     mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(w1, 2), m48));
+}
+
+// Q4_KR8, Q5_KR8 against super-block activations (Act::qk): a unit's scales laid out to meet the
+// integers. hs[i][h]: sc[i]'s dwords of half h's rows 4 h .. 4 h + 3 in both 128-bit lanes (so one
+// shuffle per sub-block and half gives its 16-bit scale lanes, k_lanes); mp[k]: the minimums of
+// sub-blocks 2 k, 2 k + 1 as two int16 per dword, rows in the hadd's order (k_min_sum).
+struct KSuper {
+    __m256i hs[2][2], mp[4];
+};
+
+inline void k_super_scales(const uint8_t *u, KSuper &ks) {
+    __m256i sc[2], mn[2], sco[2], mno[2];
+    k_scale_words<false>(u, sc, mn);
+    k_scale_words<true>(u, sco, mno);
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++)
+            ks.hs[i][h] = _mm256_permutevar8x32_epi32(sc[i], _mm256_setr_epi32(4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3, 4 * h,
+                                                                                4 * h + 1, 4 * h + 2, 4 * h + 3));
+    for (int k = 0; k < 4; k++) {
+        const char b = char(2 * (k % 2)), z = char(0x80);
+        const __m256i pick = _mm256_setr_epi8(b, z, b + 1, z, b + 4, z, b + 5, z, b + 8, z, b + 9, z, b + 12, z, b + 13, z,
+                                              b, z, b + 1, z, b + 4, z, b + 5, z, b + 8, z, b + 9, z, b + 12, z, b + 13, z);
+        ks.mp[k] = _mm256_shuffle_epi8(mno[k / 2], pick);
+    }
+}
+
+// Sub-block j's 6-bit scales as the int16 lanes of half h's maddubs sums (row 4 h + r's 4 lanes at
+// 4 r .. 4 r + 3: the first two rows in the low 128 bits, the other two in the high).
+inline __m256i k_lanes(const KSuper &ks, int j, int h) {
+    const char b = char(j % 4), z = char(0x80);
+    const __m256i pick = _mm256_setr_epi8(b, z, b, z, b, z, b, z, b + 4, z, b + 4, z, b + 4, z, b + 4, z,
+                                          b + 8, z, b + 8, z, b + 8, z, b + 8, z, b + 12, z, b + 12, z, b + 12, z, b + 12, z);
+    return _mm256_shuffle_epi8(ks.hs[j / 4][h], pick);
+}
+
+// Half h's codes c (<= 31) against the activations' broadcasts xb times the sub-block's scale lanes:
+// the four products' 16-bit sums fit (<= 4 * 2 * 31 * 127 = 31496), then madd with the scales
+// (<= 63): each dword <= 2 * 31496 * 63 (rows: two dwords each).
+inline __m256i k_dot_half(const __m256i c[4], const __m256i xb[4], __m256i lanes) {
+    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[0], xb[0]), _mm256_maddubs_epi16(c[1], xb[1])),
+                                       _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xb[2]), _mm256_maddubs_epi16(c[3], xb[3])));
+    return _mm256_madd_epi16(s, lanes);
+}
+
+// The 8 rows' (the hadd's order) sum over the sub-blocks j of mn_j times the sum of the 32 codes of
+// sub-block j (bs: the super-block's 16 sums of 16): |sum| <= 8 * 63 * 32 * 127, in int32.
+inline __m256i k_min_sum(const KSuper &ks, const int16_t *bs) {
+    const __m256i b32 = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bs)), _mm256_set1_epi16(1));
+    const __m256i pairs = _mm256_packs_epi32(b32, b32);      // (|32-sum| <= 4064: no saturation) words j of each lane twice
+    __m256i m = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const int at = k < 2 ? k : k + 2;                     // dword (bs_2k, bs_2k+1)
+        m = _mm256_add_epi32(m, _mm256_madd_epi16(ks.mp[k], _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(at))));
+    }
+    return m;
 }
 
 // D times sub-block j's 6-bit scale (or minimum) of the words w (k_scale_words' sc or mn).
