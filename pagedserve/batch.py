@@ -149,11 +149,12 @@ class TierMoves:
     """A step's work for the disk tier (kv/tier.py, worker/kv_tier.py): save (block id, key)
     (evicted cached blocks, copied before this step may overwrite them); delete these keys'
     files; read (key, block id) in the background into blocks nothing else uses until they land.
-    wait: the step runs nothing else, so the worker waits for its reads."""
+    wait: the step runs nothing else, so the worker waits for these keys' reads (the first
+    waiting request's; the others' read on)."""
     saves: list[tuple[int, bytes]] = field(default_factory=list)
     deletes: list[bytes] = field(default_factory=list)
     loads: list[tuple[bytes, int]] = field(default_factory=list)
-    wait: bool = False
+    wait: list[bytes] = field(default_factory=list)
 
 
 @dataclass

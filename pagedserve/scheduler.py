@@ -194,6 +194,7 @@ class Scheduler:
         # its reads (passed over like a compiling grammar), at most twice (_tier_tries).
         self.tier: TierLink | None = getattr(self.kv, "tier", None)
         self._tier_tries: dict[str, int] = {}
+        self._tier_deferred: set[str] = set()    # read ahead when the pool has room (_read_ahead)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()     # preempted by swap, by arrival (oldest first)
@@ -288,6 +289,7 @@ class Scheduler:
         if self.tier is not None:
             self.tier.release(req.request_id)
             self._tier_tries.pop(req.request_id, None)
+            self._tier_deferred.discard(req.request_id)
         if req.structured is not None:
             req.structured.release()   # a compile only it waited for is abandoned
         req.structured = None   # its matchers go with it
@@ -398,6 +400,8 @@ class Scheduler:
             num_prefills, num_long = num_prefills + 1, num_long + long
             budget -= self._add(out, req, plan, copies)
         self.waiting.extendleft(reversed(compiling))
+        if self.tier is not None and not out.preempted and not self.swapped:
+            self._read_ahead()
         self._record_usage()
         self._make_batch(out)
         return out
@@ -446,7 +450,8 @@ class Scheduler:
             out.batch.lora_reads = self.loras.take_reads()
         if self.tier is not None:
             saves, loads, deletes = self.tier.take()
-            wait = not out.scheduled and bool(self.tier.loading)   # nothing to overlap the reads with
+            # Nothing to overlap the reads with: wait for the first waiting request's.
+            wait = self.tier.awaited(r.request_id for r in self.waiting) if not out.scheduled else []
             if saves or loads or deletes or wait:
                 out.batch.tier = TierMoves(saves, deletes, loads, wait)
         self._finished_seq_ids = []
@@ -658,13 +663,13 @@ class Scheduler:
             self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)
         return plan, copies
 
-    def _wait_for_tier(self, req: Request) -> bool:
+    def _wait_for_tier(self, req: Request, reserve: int | None = None) -> bool:
         """Whether a waiting request waits for the disk tier: its reads are in flight, or its
         prefix misses the pool but hits the tier and reads start now (into free blocks, where its
-        admission would be allowed: leaving the admission watermark while others run). Landed
-        reads are cached blocks like any: the request is admitted through the ordinary lookup. At
-        most two reads per request, so a prefix evicted again before admission is computed
-        rather than chased."""
+        admission would leave `reserve` free; by default the admission watermark while others
+        run). Landed reads are cached blocks like any: the request is admitted through the
+        ordinary lookup. At most two reads per request, so a prefix evicted again before
+        admission is computed rather than chased."""
         rid = req.request_id
         if self.tier.waiting(rid):
             return True
@@ -673,11 +678,40 @@ class Scheduler:
             return False
         seq = req.live_seqs[0]
         tokens = seq.token_ids[:len(req.prompt_token_ids)] if req.leader_only else seq.token_ids
-        reserve = self.watermark_blocks if self.running else 0
+        if reserve is None:
+            reserve = self.watermark_blocks if self.running else 0
         started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), reserve,
                                      count=tries is None, invariant_only=self._needs_invariant_blocks(req))
         self._tier_tries[rid] = (tries or 0) + started
+        if started:
+            self._tier_deferred.discard(rid)
         return started
+
+    def _read_ahead(self) -> None:
+        """Start the disk tier's reads of the waiting requests the admission loop did not reach
+        (queued behind running requests, the step's budget or max_num_seqs), in queue order, so
+        that they overlap the running requests' compute: a request waits for its reads, no step
+        does. Bounded: a request reads ahead only where its admission would leave free the
+        watermark, the blocks the running requests' prompts still take and those the requests
+        already reading take at admission; its blocks are pinned only while its reads are in
+        flight (an abort drops its pins, and a read that lands after caches a free block). Each
+        request is looked up once, and again only while the tier holds its prefix but its
+        admission does not fit yet (then nobody behind it reads ahead of it)."""
+        base = self.watermark_blocks + sum(self.kv.num_blocks_to_hold(s.seq_id, len(r.prompt_token_ids))
+                                           for r in self.running for s in r.live_seqs)
+        stats = self.tier.index.stats
+        for req in self.waiting:
+            reserve = base + self.tier.reserved()
+            rid = req.request_id
+            if reserve >= self.kv.num_free_blocks:
+                return
+            tries = self._tier_tries.get(rid)
+            if self.tier.waiting(rid) or tries or (tries == 0 and rid not in self._tier_deferred):
+                continue          # reading, read, or nothing of its prefix in the tier
+            hits = stats.hits
+            if not self._wait_for_tier(req, reserve) and (rid in self._tier_deferred or stats.hits > hits):
+                self._tier_deferred.add(rid)   # the tier holds its prefix; looked at again next step
+                return
 
     def apply_tier_report(self, report: TierReport) -> None:
         """The worker's news of the disk tier: landed reads enter the prefix cache, failed ones

@@ -66,7 +66,7 @@ def test_written_through_to_the_disk_and_promoted_back_after_a_restart(tmp_path)
     again = HostTierStore(kv, slots=2, below=disk(tmp_path, kv))
     assert sorted(again.scan()) == sorted(KEYS[:3]) and again.capacity == again.below.capacity
     again.start_loads([(KEYS[2], 3)])
-    report = again.collect(wait=True)
+    report = again.collect(wait=[KEYS[2]])
     assert report.loaded == [KEYS[2]] and torch.all(again.blocks[:, :, 3] == 22.0)
     assert KEYS[2] in again.where and report.host_loads == 0
     again.start_loads([(KEYS[2], 5)])
@@ -96,7 +96,7 @@ def test_a_slot_is_not_reused_before_its_file_is_written(tmp_path):
     store.flush()
     fresh = disk(tmp_path, cache())
     fresh.start_loads([(k, i) for i, k in enumerate(KEYS[:4])])
-    report = fresh.collect(wait=True)
+    report = fresh.collect(wait=KEYS[:4])
     assert report.loaded == KEYS[:4]
     for i in range(4):
         assert torch.all(fresh.blocks[:, :, i] == 30.0 + i), f"block {i} filed with another block's bytes"

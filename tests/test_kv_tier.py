@@ -83,6 +83,65 @@ def test_a_restarted_engine_reads_its_first_prefix_from_the_tier(model, prompts,
     assert tier_llm(model, tmp_path, dtype="bfloat16").kv_cache_stats()["kv_offload_blocks"] == 0
 
 
+def restarted_behind_a_running_request(model, prompts, tmp_path):
+    """A restarted engine (max_num_seqs 1) running one request, with prompts[0]'s blocks in its
+    tier; prompts[0] then queues behind it. Returns the engine and the reference tokens."""
+    first = tier_llm(model, tmp_path, blocks=64)
+    ref = one_by_one(first, prompts[:1])[0]
+    first.shutdown()
+    again = tier_llm(model, tmp_path, blocks=64, max_num_seqs=1)
+    engine = again.engine
+    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=24,
+                                                                                  ignore_eos=True))
+    engine.step()
+    engine.add_request("queued", {"prompt_token_ids": prompts[0]}, SP)
+    return again, ref
+
+
+def test_a_request_queued_behind_a_running_one_reads_its_prefix_ahead(model, prompts, tmp_path):
+    """After a restart, a request that max_num_seqs keeps waiting behind a running one starts its
+    tier reads at once (read ahead while the other computes), not when a seat frees; its tokens
+    are the tier-less engine's."""
+    llm, ref = restarted_behind_a_running_request(model, prompts, tmp_path)
+    engine, tier = llm.engine, llm.engine.scheduler.tier
+    engine.step()
+    queued = engine.requests["queued"]
+    assert engine.requests["running"].status.name == "RUNNING" and queued.status.name == "WAITING"
+    stats = llm.kv_cache_stats()
+    assert stats["kv_offload_hits"] == 5 * 16                       # looked up while the other runs
+    assert tier.waiting("queued") or stats["kv_offload_blocks_loaded"] == 5
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["queued"].outputs[0].token_ids == ref and outputs["queued"].num_cached_tokens == 5 * 16
+    assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5
+    assert_no_blocks_held(llm)
+
+
+def test_an_abort_while_reads_are_in_flight_leaks_nothing(model, prompts, tmp_path):
+    """A queued request aborted while its read-ahead is in flight: its pins go at once, the reads'
+    blocks when they land (cached then, free); the invariant checker runs every step."""
+    llm, _ = restarted_behind_a_running_request(model, prompts, tmp_path)
+    engine, tier, store = llm.engine, llm.engine.scheduler.tier, llm.engine.runner.tier
+    gate = threading.Event()
+    read = store._read
+    store._read = lambda key, block_id: gate.wait(60) and read(key, block_id)
+    engine.step()                                    # the queued request's reads start, and stall
+    assert tier.waiting("queued") and len(tier.loading) == 5
+    engine.abort_request("queued")
+    assert not tier.fetches and len(tier.loading) == 5
+    engine.check_paging_invariants()
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()                                    # nothing runs: waits for every read in flight
+    assert not tier.loading and llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5
+    assert_no_blocks_held(llm)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, SP, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 5 * 16                           # the landed blocks are cached
+
+
 def test_a_flipped_byte_is_detected_and_the_block_recomputed(model, prompts, tmp_path, caplog):
     first = tier_llm(model, tmp_path, blocks=64)
     ref = one_by_one(first, prompts[:1])
@@ -291,7 +350,7 @@ def test_two_stores_sharing_a_directory_never_read_a_torn_block(tmp_path):
     try:
         for _ in range(150):
             reader.start_loads([(key, 1)])
-            report = reader.collect(wait=True)
+            report = reader.collect(wait=[key])
             assert report.loaded == [key], report
             block = reader.blocks[:, :, 1]
             assert torch.all(block == block.flatten()[0]), "a torn block"

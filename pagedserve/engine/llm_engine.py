@@ -454,7 +454,7 @@ class LLMEngine:
         if sched.empty:
             self.executor.move_blocks(sched.batch)   # swaps move even in a step that runs nothing
             if self.tier_index is not None:          # the disk tier's reads: waited for when nothing else runs
-                wait = sched.batch.tier is not None and sched.batch.tier.wait
+                wait = sched.batch.tier.wait if sched.batch.tier is not None else []
                 self.scheduler.apply_tier_report(self.executor.tier_report(wait))
             if grammar_failures:
                 raise RequestsFailed(grammar_failures, [])

@@ -1,6 +1,8 @@
 """The executor interface the engine calls, and the one-process executor."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from pagedserve.batch import RunnerOutput, StepBatch, TierReport
 from pagedserve.worker.worker import Worker
 
@@ -31,7 +33,7 @@ class Executor:
         """A step that computes nothing still moves its blocks (swaps) on every rank."""
         raise NotImplementedError
 
-    def tier_report(self, wait: bool = False) -> TierReport | None:
+    def tier_report(self, wait: Collection[bytes] = ()) -> TierReport | None:
         """The disk tier's news (the driver's store; a step that computed nothing asks here)."""
         return self.runner.tier_report(wait)
 

@@ -102,6 +102,7 @@ class Fetch:
     from its blocks (the scheduler's liveness argument)."""
     blocks: list[KVBlock] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
+    more: int = 0        # blocks its admission takes beyond these (the read-ahead's bound counts them)
 
 
 class TierLink:
@@ -201,7 +202,7 @@ class TierLink:
         new = sum(k not in self.loading for k in wanted)   # reads another request started hold their blocks
         if not wanted or free - (new_blocks - (len(wanted) - new)) < reserve:
             return False                  # nothing to read, or its admission would not pass
-        fetch = self.fetches[owner] = Fetch()
+        fetch = self.fetches[owner] = Fetch(more=new_blocks - len(wanted))
         pool.touch(hits)                 # pinned first: allocating below may evict free cached blocks
         fetch.blocks.extend(hits)
         for key in wanted:               # the most recent keys first: the evictions' saves trim the oldest
@@ -220,6 +221,20 @@ class TierLink:
     def waiting(self, owner: str) -> bool:
         """Some read of the request is still in flight."""
         return owner in self.fetches
+
+    def reserved(self) -> int:
+        """Blocks the requests with reads in flight take at admission beyond those they hold."""
+        return sum(f.more for f in self.fetches.values())
+
+    def awaited(self, owners: Iterable[str]) -> list[BlockKey]:
+        """What a step that runs nothing waits for: the reads in flight of the first of `owners`
+        (the waiting queue, in order) that has any, else every read in flight. Not all of them:
+        the requests behind read ahead while the first is admitted and computes."""
+        for owner in owners:
+            fetch = self.fetches.get(owner)
+            if fetch is not None:
+                return [k for k in fetch.keys if k in self.loading]
+        return list(self.loading)
 
     def release(self, owner: str) -> None:
         """Drop the request's pins (its reads landed, or it left)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 
 import torch
 
@@ -162,7 +163,7 @@ class HostTierStore:
             self._from_disk.update(rest)
             self.below.start_loads(rest)
 
-    def collect(self, wait: bool = False) -> TierReport:
+    def collect(self, wait: Collection[bytes] = ()) -> TierReport:
         report = self.below.collect(wait) if self.below is not None else TierReport()
         for key in report.loaded:                       # read from the disk: kept in a slot too
             block_id = self._from_disk.pop(key, None)

@@ -27,6 +27,7 @@ import struct
 import threading
 import uuid
 import zlib
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -193,13 +194,14 @@ class KVTierStore:
         for key, block_id in items:
             self._inflight.append((key, block_id, self._readers.submit(self._read, key, block_id)))
 
-    def collect(self, wait: bool = False) -> TierReport:
-        """Reads that are done (all, with `wait`) copied into their blocks, and the news since
-        the last call."""
+    def collect(self, wait: Collection[bytes] = ()) -> TierReport:
+        """Reads that are done (those of the keys in `wait` waited for) copied into their blocks,
+        and the news since the last call."""
         report = TierReport()
         pending = []
+        wait = set(wait)
         for key, block_id, future in self._inflight:
-            if not (wait or future.done()):
+            if not (key in wait or future.done()):
                 pending.append((key, block_id, future))
                 continue
             try:

@@ -11,6 +11,8 @@ the sequence as finished. On CUDA, decode steps replay captured graphs
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from pagedserve.attention.kv_format import KVFormat, kv_format
@@ -157,8 +159,8 @@ class ModelRunner:
         if self.tier is not None:
             self.tier.cancel()
 
-    def tier_report(self, wait: bool = False) -> TierReport | None:
-        """The disk tier's reads that landed (all of them with `wait`) and its news."""
+    def tier_report(self, wait: Collection[bytes] = ()) -> TierReport | None:
+        """The disk tier's reads that landed (those of the keys in `wait` waited for) and its news."""
         return self.tier.collect(wait) if self.tier is not None else None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
