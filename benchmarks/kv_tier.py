@@ -120,19 +120,24 @@ def merge(earlier: dict | None, later: dict) -> dict:
     return summarize(dict(raw, tiered=later["tiered"]))
 
 
+def drop_pages(directory: str) -> None:
+    """The tier files' pages out of the page cache (the next read goes to the disk)."""
+    os.sync()
+    for f in Path(directory).glob("*.kvb"):
+        with open(f, "rb") as fh:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def read_bandwidth(directory: str) -> dict:
     """Bytes/s reading every tier file once with its pages dropped first (the disk), then again
     (the page cache)."""
     files = sorted(Path(directory).glob("*.kvb"))
     if not files:
         return {}
-    os.sync()
     out = {}
     for name, drop in (("cold_read_bytes_s", True), ("warm_read_bytes_s", False)):
         if drop:
-            for f in files:
-                with open(f, "rb") as fh:
-                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_pages(directory)
         total = 0
         start = time.perf_counter()
         for f in files:
@@ -200,6 +205,13 @@ def main() -> None:
     ap.add_argument("--turn-range", default=None, metavar="A:B",
                     help="with --part no-tier or tier: only turns A..B-1 (a fresh engine; the sessions go on from the "
                          "part before, the results add up), so a larger run fits 5-minute timed parts")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engines' max_num_seqs: below --concurrency a group's requests queue behind the "
+                         "running ones (the tier's read-ahead overlaps their reads with the others' compute)")
+    ap.add_argument("--skip-cold", action="store_true",
+                    help="with --part restart: the restarted tier run only (an A/B of the tier's code)")
+    ap.add_argument("--drop-pages", action="store_true",
+                    help="with --part restart: drop the tier files' pages first (posix_fadvise), so reads go to the disk")
     ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
     ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
     args = ap.parse_args()
@@ -220,6 +232,8 @@ def main() -> None:
     engine = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
                   num_gpu_blocks_override=blocks, block_size=B, max_model_len=args.system + (args.turns + 2) * (
                       args.user + args.answer), enable_partial_block_caching=args.partial_blocks)
+    if args.max_num_seqs is not None:
+        engine["max_num_seqs"] = args.max_num_seqs
     tier_dir = args.dir or tempfile.mkdtemp(prefix="kv_tier_bench_")
     state = Path(tier_dir) / "sessions"
     if args.part in ("all", "no-tier") and first == 0:
@@ -254,17 +268,20 @@ def main() -> None:
     disk = previous.get("disk", {})
     if args.part in ("all", "restart"):
         tiered = load_sessions(state / "tier.json")
+        if args.drop_pages:
+            drop_pages(tier_dir)
         llm = LLM(**tier)                      # the restarted server: its index from the directory
         restarted = copy_sessions(tiered)
         runs["restart, tier"] = run_turns(llm, restarted, range(args.turns, args.turns + 1), args)
         llm.shutdown()
         del llm
-        llm = LLM(**engine)
-        cold = copy_sessions(tiered)
-        runs["restart, cold"] = run_turns(llm, cold, range(args.turns, args.turns + 1), args)
-        del llm
-        same_tokens["restart: tier vs cold"] = same_share(restarted, cold)
-        disk = read_bandwidth(tier_dir)
+        if not args.skip_cold:
+            llm = LLM(**engine)
+            cold = copy_sessions(tiered)
+            runs["restart, cold"] = run_turns(llm, cold, range(args.turns, args.turns + 1), args)
+            del llm
+            same_tokens["restart: tier vs cold"] = same_share(restarted, cold)
+            disk = read_bandwidth(tier_dir)
         if args.dir is None:
             shutil.rmtree(tier_dir, ignore_errors=True)
 
@@ -289,7 +306,7 @@ def main() -> None:
         ttft = runs["no tier"]["mean_ttft_s"] / runs["tier"]["mean_ttft_s"]
         print(f"mean TTFT: {ttft:.2f}x lower with the tier; throughput "
               f"{runs['tier']['output_tok_s'] / runs['no tier']['output_tok_s']:.2f}x")
-    if "restart, tier" in runs:
+    if "restart, tier" in runs and "restart, cold" in runs:
         restart = runs["restart, cold"]["mean_ttft_s"] / runs["restart, tier"]["mean_ttft_s"]
         print(f"after a restart {restart:.2f}x lower than cold")
     if same_tokens:
