@@ -73,7 +73,8 @@ def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
         for i in range(0, len(sessions), args.concurrency):
             group = sessions[i:i + args.concurrency]
             prompts = [s.history + s.users[turn] for s in group]
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs = arrive_apart(llm, prompts, params, args.arrival_gap) if args.arrival_gap else \
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             for s, p, out in zip(group, prompts, outs):
                 m = out.metrics
                 ttfts.append(m.first_token_time - m.arrival_time)
@@ -90,6 +91,25 @@ def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
                num_evicted_blocks=stats["num_evicted_blocks"], tiered="kv_offload_queries" in stats)
     raw.update({k: stats.get("kv_offload_" + k, 0) for k in TIER_COUNTERS})
     return summarize(raw)
+
+
+def arrive_apart(llm: LLM, prompts: list[list[int]], params: SamplingParams, gap: float) -> list:
+    """A group's requests arriving `gap` seconds apart (the engine stepping in between, as a
+    server's loop does): later ones come while earlier ones run. Returns their final outputs."""
+    engine, start, done = llm.engine, time.perf_counter(), {}
+    ids = [f"{start}-{i}" for i in range(len(prompts))]
+    pending = list(zip(ids, prompts))
+    while pending or engine.has_unfinished_requests():
+        while pending and time.perf_counter() - start >= (len(prompts) - len(pending)) * gap:
+            rid, prompt = pending.pop(0)
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        if not engine.has_unfinished_requests():
+            time.sleep(0.005)
+            continue
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[rid] for rid in ids]
 
 
 TIER_COUNTERS = ("queries", "hits", "blocks_loaded", "blocks_saved", "load_failures", "bytes_read", "host_loads")
@@ -208,6 +228,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engines' max_num_seqs: below --concurrency a group's requests queue behind the "
                          "running ones (the tier's read-ahead overlaps their reads with the others' compute)")
+    ap.add_argument("--arrival-gap", type=float, default=0.0, metavar="S",
+                    help="a group's requests arrive S seconds apart instead of at once (later ones queue behind "
+                         "the running ones: the tier's read-ahead starts their reads on arrival)")
     ap.add_argument("--skip-cold", action="store_true",
                     help="with --part restart: the restarted tier run only (an A/B of the tier's code)")
     ap.add_argument("--drop-pages", action="store_true",
