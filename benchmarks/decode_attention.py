@@ -1,13 +1,16 @@
 """Decode attention alone: one sequence's query against its paged KV cache, per layer, on the CPU kernel.
 
     .venv/bin/python benchmarks/decode_attention.py [--lengths 16 160 330 1000] [--cold] [--json FILE]
+        [--ab-library OTHER.so]
 
 For each model shape (the default model's 9 query / 3 KV heads of 64; Gemma 3 1B's 4 / 1 of 256)
 and context length: 30 layers' float32 caches (head-major, scattered blocks of 16), one decode row
 each, through the kernel's ctypes entry with its arguments built once (so Python costs ~1 us of a
 call); the median and best microseconds a layer over 40 passes. --cold streams 96 MB between passes
 (the layer loop's weights evict the KV from the caches), else the 30 layers' KV stays in L3.
-Threads: OMP_NUM_THREADS (default: the CPUs this process may use).
+Threads: OMP_NUM_THREADS (default: the CPUs this process may use). --ab-library: another compiled
+cpu_kernels library (e.g. main's, from ~/.cache/pagedserve/kernels) timed in the same process, its
+passes alternating with this tree's, so a small change shows through a noisy host.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-1b": (4, 1, 256)}
 
 
 def time_layers(heads: int, kv_heads: int, head_dim: int, length: int, cold: bool, layers: int = 30,
-                passes: int = 40) -> list[float]:
+                passes: int = 40, other=None) -> tuple[list[float], list[float]]:
+    """Microseconds a layer of each pass: this tree's kernel, and `other` (a kernel of the same
+    signature, passes alternating with it; [] when None)."""
     from pagedserve.kernels import cpu
     block = 16
     nb = (length + block - 1) // block
@@ -42,16 +47,18 @@ def time_layers(heads: int, kv_heads: int, head_dim: int, length: int, cold: boo
              heads, kv_heads, head_dim, block, *c[0].stride()[:3], head_dim ** -0.5, cpu.PARTITION_SIZE, None)
             for c in caches]
     flush = torch.ones(24 << 20) if cold else None
-    times = []
+    times: tuple[list[float], list[float]] = ([], [])
+    kernels = [fn] if other is None else [fn, other]
     for p in range(passes + 5):
-        if flush is not None:
-            flush.sum()
-        start = time.perf_counter()
-        for a in args:
-            if fn(*a):
-                raise RuntimeError("the kernel refused the shape")
-        if p >= 5:
-            times.append((time.perf_counter() - start) / layers * 1e6)
+        for k in (kernels if p % 2 else kernels[::-1]):
+            if flush is not None:
+                flush.sum()
+            start = time.perf_counter()
+            for a in args:
+                if k(*a):
+                    raise RuntimeError("the kernel refused the shape")
+            if p >= 5:
+                times[k is not fn].append((time.perf_counter() - start) / layers * 1e6)
     return times
 
 
@@ -60,22 +67,33 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 160, 330, 1000])
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ab-library", default=None, help="another compiled cpu_kernels library to time beside")
     args = ap.parse_args()
     from pagedserve.kernels import cpu
+    other = None
+    if args.ab_library:
+        mine = cpu._kernel("paged_attention", torch.zeros(1))
+        other = ctypes.CDLL(args.ab_library).paged_attention_f32
+        other.argtypes, other.restype = mine.argtypes, mine.restype
     simd = sorted(f for f in cpu.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     print(f"{cpu.describe().get('cpu_model')}, SIMD flags {' '.join(simd)}, kernels {cpu.describe()['cpu_kernels']}, "
           f"{torch.get_num_threads()} threads, KV {'cold' if args.cold else 'warm (L3)'}")
     rows = []
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
         for length in args.lengths:
-            t = time_layers(heads, kv_heads, head_dim, length, args.cold)
+            t, o = time_layers(heads, kv_heads, head_dim, length, args.cold, other=other)
             rows.append(dict(shape=name, heads=heads, kv_heads=kv_heads, head_dim=head_dim, length=length,
                              median_us=statistics.median(t), best_us=min(t)))
-            print(f"{name:<14} length {length:>5}: median {rows[-1]['median_us']:7.1f} us a layer, best {min(t):7.1f}")
+            line = f"{name:<14} length {length:>5}: median {rows[-1]['median_us']:7.1f} us a layer, best {min(t):7.1f}"
+            if o:
+                rows[-1].update(ab_median_us=statistics.median(o), ab_best_us=min(o))
+                line += f"  | --ab-library: median {statistics.median(o):7.1f}, best {min(o):7.1f}"
+            print(line)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(cpu_flags=simd, threads=torch.get_num_threads(), cold=args.cold,
+                                       ab_library=args.ab_library,
                                        cpu_kernels=cpu.describe()["cpu_kernels"], rows=rows), indent=2))
         print(f"wrote {out}")
 
