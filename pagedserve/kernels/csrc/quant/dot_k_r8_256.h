@@ -180,20 +180,31 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
             for (int j = 0; j < 8; j++) {    // sub-blocks 2 p (low nibbles) and 2 p + 1 (high: the vectors again, from L1)
                 __m256i c[2][4];             // [half][piece]
                 k_codes_256<QT>(u, j, c);
-                const __m256i l0 = k_lanes(ks, j, 0), l1 = k_lanes(ks, j, 1);
-                #pragma GCC unroll 8
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
-                    const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                    isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot_half(c[0], xb, l0));
-                    isum[t][1] = _mm256_add_epi32(isum[t][1], k_dot_half(c[1], xb, l1));
+                if constexpr (QT == Q4_KR8) {        // one register a row set (k_dot8_q4), the hadd's order
+                    const __m256i L = k_pair_lanes(ks, j);
+                    #pragma GCC unroll 8
+                    for (int t = 0; t < NT; t++) {
+                        const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
+                        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+                        isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot8_q4(c, xb, L));
+                    }
+                } else {
+                    const __m256i l0 = k_lanes(ks, j, 0), l1 = k_lanes(ks, j, 1);
+                    #pragma GCC unroll 8
+                    for (int t = 0; t < NT; t++) {
+                        const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
+                        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+                        isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot_half(c[0], xb, l0));
+                        isum[t][1] = _mm256_add_epi32(isum[t][1], k_dot_half(c[1], xb, l1));
+                    }
                 }
             }
             #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 const __m256 dx = _mm256_set1_ps(a.dk[(t0 + t) * (a.K / 256) + s]);
                 const __m256i msum = k_min_sum(ks, a.bsk + (t0 + t) * (a.K / 16) + 16 * s);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(isum[t][0], isum[t][1])), _mm256_mul_ps(D, dx), acc[t]);
+                const __m256i rows = QT == Q4_KR8 ? isum[t][0] : _mm256_hadd_epi32(isum[t][0], isum[t][1]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), _mm256_mul_ps(D, dx), acc[t]);
                 mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(Dm, dx), mins[t]);
             }
         }

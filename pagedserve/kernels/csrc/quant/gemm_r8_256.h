@@ -155,6 +155,17 @@ inline void gemm_k_rows(const __m256i c[2][4], __m256i l0, __m256i l1, const Gem
     }
 }
 
+// q4_k: isum ([n][8], the hadd's row order) += rows t0 .. t0 + n - 1 against sub-block j: k_dot8_q4.
+inline void gemm_k4_rows(const __m256i c[2][4], __m256i L, const GemmAct &g, int64_t t0, int64_t n, int64_t j, int32_t *isum) {
+    const int8_t *xq = g.qk + 32 * g.at(t0, n, j, 0);
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t *x = xq + 32 * t;
+        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
+        __m256i *v = reinterpret_cast<__m256i *>(isum + 8 * t);
+        _mm256_store_si256(v, _mm256_add_epi32(_mm256_load_si256(v), k_dot8_q4(c, xb, L)));
+    }
+}
+
 // mins ([n][8]) = rows t0 .. t0 + n - 1's minimum terms, the chain over the blocks j in order of
 // fma(M_j, ds_j, mins), M_j the group's at m + 8 j (a pass of its own: 8 rows' chains in registers,
 // no load and store of them per block, as the dots' accumulators have).
@@ -256,18 +267,20 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
             const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
             KSuper ks;
             k_super_scales(u, ks);
-            std::memset(isum, 0, sizeof(int32_t) * 16 * n);
+            constexpr int W = QT == Q4_KR8 ? 8 : 16;       // a row's int32s (q4_k: one register, k_dot8_q4)
+            std::memset(isum, 0, sizeof(int32_t) * W * n);
             for (int j = 0; j < 8; j++) {
                 __m256i c[2][4];
                 k_codes_256<QT>(u, j, c);
-                gemm_k_rows(c, k_lanes(ks, j, 0), k_lanes(ks, j, 1), g, t0, n, 8 * s + j, isum);
+                if constexpr (QT == Q4_KR8) gemm_k4_rows(c, k_pair_lanes(ks, j), g, t0, n, 8 * s + j, isum);
+                else gemm_k_rows(c, k_lanes(ks, j, 0), k_lanes(ks, j, 1), g, t0, n, 8 * s + j, isum);
             }
             for (int64_t t = 0; t < n; t++) {
                 const int64_t at = g.sat(t0, n, s, t);
                 const __m256 dx = _mm256_set1_ps(g.dk[at]);
-                const __m256i i0 = _mm256_load_si256(reinterpret_cast<const __m256i *>(isum + 16 * t));
-                const __m256i i1 = _mm256_load_si256(reinterpret_cast<const __m256i *>(isum + 16 * t + 8));
-                _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(i0, i1)), _mm256_mul_ps(D, dx),
+                const __m256i i0 = _mm256_load_si256(reinterpret_cast<const __m256i *>(isum + W * t));
+                const __m256i rows = QT == Q4_KR8 ? i0 : _mm256_hadd_epi32(i0, _mm256_load_si256(reinterpret_cast<const __m256i *>(isum + W * t + 8)));
+                _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), _mm256_mul_ps(D, dx),
                                                              _mm256_load_ps(acc + 8 * t)));
                 _mm256_store_ps(mins + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(k_min_sum(ks, g.bsk + 16 * at)),
                                                               _mm256_mul_ps(Dm, dx), _mm256_load_ps(mins + 8 * t)));

@@ -86,8 +86,9 @@ inline void k_scale_words(const uint8_t *u, __m256i sc[2], __m256i mn[2]) {
 // integers. hs[i][h]: sc[i]'s dwords of half h's rows 4 h .. 4 h + 3 in both 128-bit lanes (so one
 // shuffle per sub-block and half gives its 16-bit scale lanes, k_lanes); mp[k]: the minimums of
 // sub-blocks 2 k, 2 k + 1 as two int16 per dword, rows in the hadd's order (k_min_sum).
+// so: sc's words in the hadd's row order (k_pair_lanes, q4_k's one-register form).
 struct KSuper {
-    __m256i hs[2][2], mp[4];
+    __m256i hs[2][2], mp[4], so[2];
 };
 
 inline void k_super_scales(const uint8_t *u, KSuper &ks) {
@@ -104,6 +105,29 @@ inline void k_super_scales(const uint8_t *u, KSuper &ks) {
                                               b, z, b + 1, z, b + 4, z, b + 5, z, b + 8, z, b + 9, z, b + 12, z, b + 13, z);
         ks.mp[k] = _mm256_shuffle_epi8(mno[k / 2], pick);
     }
+    ks.so[0] = sco[0];
+    ks.so[1] = sco[1];
+}
+
+// Sub-block j's 6-bit scales as both int16 halves of each dword, rows in the hadd's order (a madd
+// against k_dot8_q4's 16-bit sums).
+inline __m256i k_pair_lanes(const KSuper &ks, int j) {
+    const char b = char(j % 4), z = char(0x80);
+    const __m256i pick = _mm256_setr_epi8(b, z, b, z, b + 4, z, b + 4, z, b + 8, z, b + 8, z, b + 12, z, b + 12, z,
+                                          b, z, b, z, b + 4, z, b + 4, z, b + 8, z, b + 8, z, b + 12, z, b + 12, z);
+    return _mm256_shuffle_epi8(ks.so[j / 4], pick);
+}
+
+// q4_k (codes <= 15): a sub-block's 8 rows' dots times their scales L (k_pair_lanes) in one
+// register, rows in the hadd's order: each half's four products sum in 16 bits (<= 4 * 2 * 15 * 127),
+// a 16-bit hadd adds the two lanes of a row pair (<= 30480 < 32768), one madd by the scales
+// (each dword <= 2 * 30480 * 63).
+inline __m256i k_dot8_q4(const __m256i c[2][4], const __m256i xb[4], __m256i L) {
+    auto half16 = [&](const __m256i *h) {
+        return _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(h[0], xb[0]), _mm256_maddubs_epi16(h[1], xb[1])),
+                                _mm256_add_epi16(_mm256_maddubs_epi16(h[2], xb[2]), _mm256_maddubs_epi16(h[3], xb[3])));
+    };
+    return _mm256_madd_epi16(_mm256_hadd_epi16(half16(c[0]), half16(c[1])), L);
 }
 
 // Sub-block j's 6-bit scales as the int16 lanes of half h's maddubs sums (row 4 h + r's 4 lanes at
