@@ -450,8 +450,7 @@ class Scheduler:
             out.batch.lora_reads = self.loras.take_reads()
         if self.tier is not None:
             saves, loads, deletes = self.tier.take()
-            # Nothing to overlap the reads with: wait for the first waiting request's.
-            wait = self.tier.awaited(r.request_id for r in self.waiting) if not out.scheduled else []
+            wait = self.tier.awaited(r.request_id for r in self.waiting) if not out.scheduled else []  # nothing runs
             if saves or loads or deletes or wait:
                 out.batch.tier = TierMoves(saves, deletes, loads, wait)
         self._finished_seq_ids = []
@@ -664,11 +663,10 @@ class Scheduler:
         return plan, copies
 
     def _wait_for_tier(self, req: Request, reserve: int | None = None) -> bool:
-        """Whether a waiting request waits for the disk tier: its reads are in flight, or its
-        prefix misses the pool but hits the tier and reads start now (into free blocks, where its
-        admission would leave `reserve` free; by default the admission watermark while others
-        run). Landed reads are cached blocks like any: the request is admitted through the
-        ordinary lookup. At most two reads per request, so a prefix evicted again before
+        """Whether a waiting request waits for the disk tier: its reads are in flight, or its prefix
+        misses the pool but hits the tier and reads start now (where its admission leaves `reserve`
+        free; by default the watermark while others run). Landed reads are cached blocks: it is
+        admitted through the ordinary lookup. At most two reads, so a prefix evicted again before
         admission is computed rather than chased."""
         rid = req.request_id
         if self.tier.waiting(rid):
@@ -683,34 +681,25 @@ class Scheduler:
         started = self.kv.tier_fetch(rid, tokens, kv_salt(req.cache_salt, req.lora_key), reserve,
                                      count=tries is None, invariant_only=self._needs_invariant_blocks(req))
         self._tier_tries[rid] = (tries or 0) + started
-        if started:
-            self._tier_deferred.discard(rid)
         return started
 
     def _read_ahead(self) -> None:
-        """Start the disk tier's reads of the waiting requests the admission loop did not reach
-        (queued behind running requests, the step's budget or max_num_seqs), in queue order, so
-        that they overlap the running requests' compute: a request waits for its reads, no step
-        does. Bounded: a request reads ahead only where its admission would leave free the
-        watermark, the blocks the running requests' prompts still take and those the requests
-        already reading take at admission; its blocks are pinned only while its reads are in
-        flight (an abort drops its pins, and a read that lands after caches a free block). Each
-        request is looked up once, and again only while the tier holds its prefix but its
-        admission does not fit yet (then nobody behind it reads ahead of it)."""
+        """Start the tier reads of waiting requests the admission loop did not reach (behind running
+        ones, the budget, max_num_seqs), in queue order, overlapping the others' compute; only while
+        their admissions leave free the watermark, the running prompts' blocks and what the requests
+        already reading take (`TierLink.reserved`). A request whose prefix the tier holds but whose
+        admission does not fit yet is looked at again next step, and nobody behind it reads ahead."""
         base = self.watermark_blocks + sum(self.kv.num_blocks_to_hold(s.seq_id, len(r.prompt_token_ids))
                                            for r in self.running for s in r.live_seqs)
-        stats = self.tier.index.stats
         for req in self.waiting:
-            reserve = base + self.tier.reserved()
-            rid = req.request_id
+            reserve, rid, hits = base + self.tier.reserved(), req.request_id, self.tier.index.stats.hits
             if reserve >= self.kv.num_free_blocks:
                 return
             tries = self._tier_tries.get(rid)
             if self.tier.waiting(rid) or tries or (tries == 0 and rid not in self._tier_deferred):
                 continue          # reading, read, or nothing of its prefix in the tier
-            hits = stats.hits
-            if not self._wait_for_tier(req, reserve) and (rid in self._tier_deferred or stats.hits > hits):
-                self._tier_deferred.add(rid)   # the tier holds its prefix; looked at again next step
+            if not self._wait_for_tier(req, reserve) and (rid in self._tier_deferred or self.tier.index.stats.hits > hits):
+                self._tier_deferred.add(rid)
                 return
 
     def apply_tier_report(self, report: TierReport) -> None:
