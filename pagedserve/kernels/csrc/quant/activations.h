@@ -42,6 +42,7 @@ struct Act {
     const int8_t *qk = nullptr;      // [T][K]      codes
     const float *dk = nullptr;       // [T][K/256]  d = amax(256 elements) / 127
     const int16_t *bsk = nullptr;    // [T][K/16]   the sum of each 16 consecutive codes of qk
+    bool blocks32 = true;            // whether a part reads q, d, ds (false: every part reads qk)
 };
 
 // Whether layout qt's kernels read Act::qk / dk / bsk (the r8 layouts' kernels: 256-bit, or the

@@ -378,7 +378,7 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
     {
         const Act a = quantize_in_region(act, false, parts, nparts, T, false, x, ldx, x_bf16);
 #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < T * nb; i++) gemm_relayout(a, ga, i, offsets);
+        for (int64_t i = 0; i < (a.blocks32 ? T * nb : 0); i++) gemm_relayout(a, ga, i, offsets);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * ns; i++) gemm_relayout_super(a, ga, i);
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();

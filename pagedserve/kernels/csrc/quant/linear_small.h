@@ -27,12 +27,16 @@ Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, boo
     ActBuffers &b = t_act;
     const int64_t nb = K / 32;
     Act a{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), K, nb, {}};
+    bool all_super = true;
     for (int64_t p = 0; p < nparts; p++)
         if (reads_super(int(parts[p].qtype)) && K % 256 == 0) {
             a.qk = fit(b.qk, T * K);
             a.dk = fit(b.dk, T * (K / 256));
             a.bsk = fit(b.bsk, T * (K / 16));
+        } else {
+            all_super = false;
         }
+    a.blocks32 = !all_super || amx;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     // (the pair types read Act::start only in passes of one or two rows: kStarts)
     const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
@@ -69,13 +73,14 @@ Act quantize_in_region(const Act &shared, bool own, const QuantPart *parts, int6
                        const void *x, int64_t ldx, bool x_bf16) {
     Act a = shared;
     const int64_t ns = a.qk != nullptr ? a.K / 256 : 0;      // super-blocks a row (where read)
+    const int64_t nb = a.blocks32 ? a.nb : 0;                 // blocks of 32 a row (where read)
     if (own) {
         if (omp_get_thread_num() != 0) a = thread_act(parts, nparts, T, a.K, amx);
-        for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+        for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16, i, a);
         for (int64_t i = 0; i < T * ns; i++) quantize_super_one(x, ldx, x_bf16, i / ns, i % ns, a);
     } else {
 #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < T * a.nb; i++) quantize_into(x, ldx, x_bf16, i, a);
+        for (int64_t i = 0; i < T * nb; i++) quantize_into(x, ldx, x_bf16, i, a);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * ns; i++) quantize_super_one(x, ldx, x_bf16, i / ns, i % ns, a);
     }
