@@ -92,6 +92,7 @@ class ScheduledTokens:
     draft_input_ids: list[int] = field(default_factory=list)
     draft_start: int = 0
     lora_slot: int = -1                    # the LoRA slot of its adapter (lora/); -1: the base model
+    embeds: bool = False                   # a pooling request's chunk (every one, `pool` or not): never a decode row
 
     @property
     def num_new_tokens(self) -> int:
@@ -101,6 +102,14 @@ class ScheduledTokens:
     def num_query_tokens(self) -> int:
         """Tokens the forward computes for this sequence: its own and its drafts."""
         return len(self.token_ids) + len(self.draft_token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Attended as a decode row: one query token of a generating sequence (the scheduler puts
+        these first). A pooling request's chunk is prompt, whatever its length: a 1-token chunk
+        takes the prefill attention, as the same token does inside a longer chunk (an embedding
+        does not depend on how its prompt is split)."""
+        return self.num_query_tokens == 1 and not self.embeds
 
 
 @dataclass(frozen=True)

@@ -423,7 +423,8 @@ class Scheduler:
     def _make_batch(self, out: SchedulerOutput) -> None:
         """The worker's copy of the step: data only, decodes first (attention batches them), then
         verification chunks (a decode and its drafts: attended row by row as decodes), then prefills."""
-        order = sorted(out.scheduled, key=lambda s: 0 if s.num_query_tokens == 1 else 1 if s.draft_token_ids else 2)
+        order = sorted(out.scheduled, key=lambda s: 0 if s.num_query_tokens == 1 and s.request.pooling is None
+                       else 1 if s.draft_token_ids else 2)
         seqs = []
         for s in order:
             seq = s.seq
@@ -436,7 +437,8 @@ class Scheduler:
                 self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None,
                 pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids),
                 draft_input_ids=seq.token_ids[s.draft_start:end] if s.draft_start is not None else [],
-                draft_start=s.draft_start or 0, lora_slot=s.request.lora_slot))
+                draft_start=s.draft_start or 0, lora_slot=s.request.lora_slot,
+                embeds=s.request.pooling is not None))
         out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids,

@@ -46,6 +46,26 @@ def test_embed_equals_transformers(tiny_llama, kind):
                                atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_an_embedding_does_not_depend_on_how_its_prompt_is_split(tiny_llama, kind):
+    """The same prompt in one chunk, and split so that its last chunk is 1 token (attended as a
+    prompt row, not a decode row) or in chunks of 2: the same embedding, bit for bit under
+    batch_invariant on, and transformers' within float rounding."""
+    prompt = PROMPTS[0]
+    out = {}
+    for budget in (64, 4, 2):
+        llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, runner="pooling", max_num_seqs=2,
+                  max_num_batched_tokens=budget, batch_invariant="on", enable_prefix_caching=False,
+                  pooler_config={"pooling_type": kind})
+        (o,) = llm.embed([prompt], use_tqdm=False)
+        out[budget] = o.outputs.embedding
+    n = len(o.prompt_token_ids)
+    assert n % 4 == 1 and n % 2 == 1        # budget 4's and 2's last chunks are 1 token
+    assert out[4] == out[64] and out[2] == out[64]
+    torch.testing.assert_close(torch.tensor(out[64]), hf_embedding(tiny_llama.hf, o.prompt_token_ids, kind),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_pooling_and_generation_refuse_each_other(tiny_llama):
     pooling = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=32, convert="embed")
     with pytest.raises(InvalidRequestError, match="does not generate"):

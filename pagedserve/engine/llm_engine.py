@@ -556,7 +556,7 @@ class LLMEngine:
             p: PoolingParams = req.params
             v = torch.from_numpy(req.pooled)
             if req.pooling == "MEAN":
-                v = v / len(req.prompt_token_ids)
+                v = (v / len(req.prompt_token_ids)).float()   # the float64 sum of the rows (ModelRunner._pool)
             if p.dimensions is not None:
                 v = v[:p.dimensions]
             if (p.normalize if p.normalize is not None else self.config.pooling_normalize):

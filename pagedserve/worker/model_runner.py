@@ -62,7 +62,7 @@ def prepare_batch(batch: list[ScheduledTokens], block_size: int, device,
     dev = device
     shared = dict(query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
                   seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-                  num_decodes=sum(1 for s in batch if s.num_query_tokens == 1),
+                  num_decodes=sum(1 for s in batch if s.is_decode),
                   num_verify=sum(1 for s in batch if len(s.token_ids) == 1 and s.draft_token_ids),
                   query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_seq_len=max(seq_lens))
     metas = []
@@ -236,15 +236,17 @@ class ModelRunner:
         return prepare_batch(batch, self.block_size, self.device, group_block_ids, self.kv_groups.windows)
     @staticmethod
     def _pool(batch: list[ScheduledTokens], hidden: torch.Tensor, meta: AttentionMetadata) -> dict:
-        """Pooling requests' chunks: the hidden states (after the final norm) they need, in float32
-        on the host (the scheduler adds a MEAN request's chunk sums up)."""
+        """Pooling requests' chunks: the hidden states (after the final norm) they need, on the host
+        (the scheduler adds a MEAN request's chunk sums up): in float32, a MEAN chunk's sum in float64,
+        where the float32 rows add up exactly in practice, so the sum does not depend on how the
+        prompt is split into chunks."""
         out = {}
         for i, s in enumerate(batch):
             if s.pool is None:
                 continue
             lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             rows = hidden[lo:hi].float()
-            row = rows[-1] if s.pool == "LAST" else rows[0] if s.pool == "CLS" else rows.sum(0)
+            row = rows[-1] if s.pool == "LAST" else rows[0] if s.pool == "CLS" else rows.double().sum(0)
             out[s.seq_id] = row.cpu().numpy()
         return out
 
