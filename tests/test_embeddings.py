@@ -14,6 +14,7 @@ import torch
 
 from pagedserve import LLM, InvalidRequestError, PoolingParams, SamplingParams
 from pagedserve.models.loader import default_model_path
+from tests.q8_oracle import integer_path_modules, q8_inputs
 from tests.server_utils import authed_http, openai_client
 
 PROMPTS = ["Once upon a time there was a tiny language model that", "def add(a, b):", "The quick brown fox"]
@@ -88,9 +89,22 @@ def test_the_default_model_in_float32():
     hf = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
                                               dtype=torch.float32).eval()
     llm = LLM(dtype="float32", kv_cache_memory=64 * 1024**2, runner="pooling")
+    # Products on the integer path (r8 layouts on the 256-bit variants, prefills too) see 8-bit
+    # activations: so does the oracle's matching module (tests/q8_oracle.py); the LM head is not run.
+    # Float32 summation order still moves values across the 8-bit rounding steps, which 30 layers
+    # carry on (measured on avx2: cosine 0.9975-0.9997, max difference 0.008-0.03): bounds for that
+    # path; elsewhere (float tiles) the embedding stays within 2e-4.
+    names = integer_path_modules(llm.engine.executor.worker.runner.model)
+    names.pop("lm_head", None)
     for out in llm.embed(PROMPTS, use_tqdm=False):
-        ref = hf_embedding(hf, out.prompt_token_ids)
-        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-4, rtol=1e-4)
+        with q8_inputs(hf, names):
+            ref = hf_embedding(hf, out.prompt_token_ids)
+        got = torch.tensor(out.outputs.embedding)
+        if names:
+            assert float(torch.nn.functional.cosine_similarity(got, ref, dim=0)) > 0.995
+            torch.testing.assert_close(got, ref, atol=5e-2, rtol=0)
+        else:
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
