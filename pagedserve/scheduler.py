@@ -296,8 +296,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
     def abort_request(self, req: Request) -> None:
-        """End a request before its time (client abort, or a failure in its part of a step):
-        its live sequences finish with "abort" and every block it holds is freed."""
+        """End a request early (abort, or a failure in its part of a step): its sequences finish "abort", its blocks freed."""
         if req.finished:
             return
         for seq in req.live_seqs:
@@ -464,8 +463,7 @@ class Scheduler:
 
     @staticmethod
     def _sample_row(req: Request, seq: Sequence) -> SampleRow:
-        """A seeded request gives each sequence its own seed, seed + its index, so every
-        output is reproducible on its own."""
+        """A seeded request's sequence i samples with seed + i: each output reproducible alone."""
         settings = req.sampling
         seed = getattr(req.params, "seed", None)
         return SampleRow(settings, None if seed is None else seed + seq.index, seq.num_output_tokens,
