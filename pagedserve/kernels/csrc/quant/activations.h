@@ -137,17 +137,19 @@ void quantize_super(const float *x, int8_t *q, float *d_out, int16_t *bs) {
     *d_out = d;
 }
 
+// The N floats of activation row t from element `at`: in x itself (float32), or converted into buf (bf16).
+template <int N>
+const float *row_floats(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t at, float buf[N]) {
+    if (!bf16) return static_cast<const float *>(x) + t * ldx + at;
+    const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + at;
+    for (int i = 0; i < N; i++) buf[i] = bf16_to_f32(xr[i]);
+    return buf;
+}
+
 // Super-block s of activation row t into a's qk, dk, bsk.
 void quantize_super_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t s, const Act &a) {
     float buf[256];
-    const float *src;
-    if (bf16) {
-        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + s * 256;
-        for (int i = 0; i < 256; i++) buf[i] = bf16_to_f32(xr[i]);
-        src = buf;
-    } else {
-        src = static_cast<const float *>(x) + t * ldx + s * 256;
-    }
+    const float *src = row_floats<256>(x, ldx, bf16, t, s * 256, buf);
     quantize_super(src, const_cast<int8_t *>(a.qk) + t * a.K + 256 * s, const_cast<float *>(a.dk) + t * (a.K / 256) + s,
                    const_cast<int16_t *>(a.bsk) + t * (a.K / 16) + 16 * s);
 }
@@ -157,14 +159,7 @@ void quantize_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, i
                   float *ds) {
     const int64_t nb = K / 32;
     float buf[32];
-    const float *src;
-    if (bf16) {
-        const uint16_t *xr = static_cast<const uint16_t *>(x) + t * ldx + j * 32;
-        for (int i = 0; i < 32; i++) buf[i] = bf16_to_f32(xr[i]);
-        src = buf;
-    } else {
-        src = static_cast<const float *>(x) + t * ldx + j * 32;
-    }
+    const float *src = row_floats<32>(x, ldx, bf16, t, j * 32, buf);
     quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
 }
 
