@@ -237,7 +237,7 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
             for (int64_t i = 0; i < P * nbh; i++) {
                 const int64_t p = i / nbh, j = i % nbh, q = token[p] * nbh + j;
                 if (pair_gemm1[p])
-                    gemm_put_block(xt.q + token[p] * H + 32 * j, xt.d[q], xt.ds[q], gx, tile0[p], tilen[p], p, j, offsets1);
+                    gemm_put_block(xt.q + token[p] * H + 32 * j, xt.d[q], xt.ds[q], gx, tile0[p], tilen[p], p, j);
             }
             if (gx.qk != nullptr) {
 #pragma omp for schedule(static)
@@ -289,7 +289,7 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                          const_cast<float *>(ag.ds));
 #ifdef MOE_GEMM
             const int64_t p = i / nbi, j = i % nbi;
-            if (pair_gemm2[p]) gemm_put_block(ag.q + i * 32, ag.d[i], ag.ds[i], ga, tile0[p], tilen[p], p, j, offsets2);
+            if (pair_gemm2[p]) gemm_put_block(ag.q + i * 32, ag.d[i], ag.ds[i], ga, tile0[p], tilen[p], p, j);
 #endif
         }
 #pragma omp for schedule(static)

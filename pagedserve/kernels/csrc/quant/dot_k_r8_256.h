@@ -58,25 +58,19 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
             int c[256], sc[16], mn[8];
             k_codes(file, b, c, sc, mn);
             const float d = f16(file == Q6_K ? b + 208 : b), dmin = file == Q6_K ? 0.f : f16(b + 2);
-            if (file == Q6_K && a.qk != nullptr) {      // q6_k against super-block activations
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s;
-                    const int16_t *bs = a.bsk + (t0 + t) * (a.K / 16) + 16 * s;
+            for (int t = 0; t < NT; t++) {
+                const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s;
+                const int16_t *bs = a.bsk + (t0 + t) * (a.K / 16) + 16 * s;
+                const float dx = a.dk[(t0 + t) * (a.K / 256) + s];
+                if constexpr (file == Q6_K) {
                     int dot = 0;        // |dot| <= 256 * 63 * 127 * 128 < 2^31 (q's part; the offset's smaller)
                     for (int i = 0; i < 16; i++) {
                         int q = 0;      // the unsigned codes c + 32 of sub-block i times x, the offset by bsk
                         for (int e = 16 * i; e < 16 * i + 16; e++) q += (c[e] + 32) * x[e];
                         dot += sc[i] * q - sc[i] * 32 * bs[i];
                     }
-                    acc[t] = std::fma(float(dot), d * a.dk[(t0 + t) * (a.K / 256) + s], acc[t]);
-                }
-                continue;
-            }
-            if constexpr (file != Q6_K) {
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s;
-                    const int16_t *bs = a.bsk + (t0 + t) * (a.K / 16) + 16 * s;
-                    const float dx = a.dk[(t0 + t) * (a.K / 256) + s];
+                    acc[t] = std::fma(float(dot), d * dx, acc[t]);
+                } else {
                     int isum = 0, msum = 0;
                     for (int j = 0; j < 8; j++) {
                         int dot = 0;
@@ -87,20 +81,7 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                     acc[t] = std::fma(float(isum), d * dx, acc[t]);
                     mins[t] = std::fma(float(msum), dmin * dx, mins[t]);
                 }
-                continue;
             }
-            for (int j = 0; j < 8; j++)
-                for (int t = 0; t < NT; t++) {
-                    const int8_t *x = a.q + (t0 + t) * a.K + 256 * s + 32 * j;
-                    const float dx = a.d[(t0 + t) * a.nb + 8 * s + j];
-                    int dot = 0;
-                    if constexpr (file == Q6_K) {
-                        int half[2] = {0, 0};
-                        for (int e = 0; e < 32; e++) half[e / 16] += c[32 * j + e] * x[e];
-                        dot = sc[2 * j] * half[0] + sc[2 * j + 1] * half[1];
-                        acc[t] = std::fma(float(dot), d * dx, acc[t]);
-                    }
-                }
         }
         for (int t = 0; t < NT; t++) out[t * ldo + l] = acc[t] - mins[t];
     }

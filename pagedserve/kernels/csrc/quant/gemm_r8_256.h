@@ -32,7 +32,7 @@ constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group
 // row t's block j at q + 32 * (t0 * nb + j * n + t), its dx, ds at d, ds + t0 * nb + j * n + t, and
 // (q6_k) o + 4 * (t0 * nb + j * n + t): the int16 lanes 32 (the sum over k < 4 of x[4 k + 2 p] +
 // x[4 k + 2 p + 1]), p < 2, then the same for x[16 ..]: q6_k's offset 32 times what a lane of
-// gemm_q6_rows's 16-bit sums holds (made from qk's codes where the call has them: gemm_put_super).
+// gemm_q6_rows's 16-bit sums holds (made from qk's codes: gemm_put_super).
 // The super-block activations (Act::qk, dk, bsk; null where no part reads them): the codes in q's
 // layout (row t's 32 codes of block j at qk + 32 * at(t0, n, j, t)), its scale of super-block s at
 // dk + sat(t0, n, s, t) and the 16 sums at bsk + 16 * sat(t0, n, s, t).
@@ -92,18 +92,17 @@ inline void gemm_relayout_super(const Act &a, const GemmAct &g, int64_t i) {
 
 // Row t's block j (codes x, scales d, ds) into g's tile layout, in the tile of rows t0 .. t0 + n - 1.
 inline void gemm_put_block(const int8_t *x, float d, float ds, const GemmAct &g, int64_t t0, int64_t n, int64_t t,
-                           int64_t j, bool offsets) {
+                           int64_t j) {
     const int64_t at = g.at(t0, n, j, t - t0);
     std::memcpy(g.q + 32 * at, x, 32);
     g.d[at] = d;
     g.ds[at] = ds;
-    if (offsets && g.qk == nullptr) gemm_put_offsets(x, g, at);      // (else from qk's codes: gemm_put_super)
 }
 
 // Block i (row t = i / nb, block j) of a (row-major Act) into g's tile layout (tiles from row 0).
-inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i, bool offsets) {
+inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i) {
     const int64_t t = i / a.nb, j = i % a.nb, t0 = t / kGemmTile * kGemmTile;
-    gemm_put_block(a.q + t * a.K + 32 * j, a.d[i], a.ds[i], g, t0, std::min(kGemmTile, g.T - t0), t, j, offsets);
+    gemm_put_block(a.q + t * a.K + 32 * j, a.d[i], a.ds[i], g, t0, std::min(kGemmTile, g.T - t0), t, j);
 }
 
 // A 32-element block's dots of 8 rows (lanes in the hadd's order, as dot_r8_256.h's
@@ -378,7 +377,7 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
     {
         const Act a = quantize_in_region(act, false, parts, nparts, T, false, x, ldx, x_bf16);
 #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < (a.blocks32 ? T * nb : 0); i++) gemm_relayout(a, ga, i, offsets);
+        for (int64_t i = 0; i < (a.blocks32 ? T * nb : 0); i++) gemm_relayout(a, ga, i);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * ns; i++) gemm_relayout_super(a, ga, i);
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
