@@ -52,6 +52,32 @@ constexpr bool reads_super(int qt) { return qt == Q4_KR8 || qt == Q5_KR8 || qt =
 
 constexpr int kOffset[kNumTypes] = {8, 0, 16, 0, 128, 0, 0, 32, 0, 0};     // what start[type] subtracts
 
+#if defined(__AVX2__)
+// The largest of mag's 8 lanes (each |x|: exact in any order).
+inline float max8(__m256 mag) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
+// 32 codes (4 x 8 int32 lanes, |code| <= 127: packing's saturation never acts) as int8 at q, in order.
+inline void store_codes32(const __m256i i[4], int8_t *q) {
+    // lanes (0-3 | 4-7) of i0, i1, i2, i3 per 128 bits after the packs; the permute puts them in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(q),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// The sum of s8's 8 int32 lanes.
+inline int sum8(__m256i s8) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+#endif
+
 // One block: as quant.py's quantize_activations (d = amax / 127; q = x * (1/d), half to even).
 void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
 #if defined(__AVX2__)
@@ -59,25 +85,14 @@ void quantize_block(const float *x, int8_t *q, float *d_out, float *ds_out) {
     // loop's (|x * (1/d)| <= 127, so packing's saturation never acts), the sum an integer.
     const __m256 v[4] = {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)};
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 mag = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = max8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
     const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
     const __m256 s = _mm256_set1_ps(inv);
     __m256i i[4];
     for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], s));
-    // lanes (0-3 | 4-7) of i0, i1, i2, i3 per 128 bits after the packs; the permute puts them in order
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i *>(q),
-                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    const int sum = _mm_cvtsi128_si32(s4);
+    store_codes32(i, q);
+    const int sum = sum8(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
 #else
     float amax = 0.f;
     for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[i]));
@@ -100,25 +115,14 @@ void quantize_super(const float *x, int8_t *q, float *d_out, int16_t *bs) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 mag = _mm256_setzero_ps();
     for (int k = 0; k < 32; k++) mag = _mm256_max_ps(mag, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = max8(mag);
     const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
     const __m256 s = _mm256_set1_ps(inv);
     for (int c = 0; c < 8; c++) {        // 32 elements at a time, as quantize_block
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * k), s));
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(q + 32 * c),
-                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        for (int h = 0; h < 2; h++) {
-            const __m256i s8 = _mm256_add_epi32(i[2 * h], i[2 * h + 1]);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-            bs[2 * c + h] = int16_t(_mm_cvtsi128_si32(s4));
-        }
+        store_codes32(i, q + 32 * c);
+        for (int h = 0; h < 2; h++) bs[2 * c + h] = int16_t(sum8(_mm256_add_epi32(i[2 * h], i[2 * h + 1])));
     }
 #else
     float amax = 0.f;
