@@ -422,22 +422,22 @@ class Scheduler:
     def _make_batch(self, out: SchedulerOutput) -> None:
         """The worker's copy of the step: data only, decodes first (attention batches them), then
         verification chunks (a decode and its drafts: attended row by row as decodes), then prefills."""
-        order = sorted(out.scheduled, key=lambda s: 0 if s.num_query_tokens == 1 and s.request.pooling is None
-                       else 1 if s.draft_token_ids else 2)
-        seqs = []
-        for s in order:
+        made = []
+        for s in out.scheduled:
             seq = s.seq
             end = s.start + s.num_new_tokens
             if self.draft_model and self._spec_on and s.request.pooling is None and self._may_speculate(s.request):
                 s.draft_start = min(self._draft_valid.get(seq.seq_id, 0), s.start)
-            seqs.append(ScheduledTokens(
+            made.append((ScheduledTokens(
                 seq.seq_id, seq.token_ids[s.start:end], s.start, s.block_ids,
                 self._sample_row(s.request, seq) if s.samples else None,
                 self._prompt_logprobs_range(s) if s.request.prompt_logprobs is not None else None,
                 pool=self._pool_kind(s), draft_token_ids=list(s.draft_token_ids),
                 draft_input_ids=seq.token_ids[s.draft_start:end] if s.draft_start is not None else [],
                 draft_start=s.draft_start or 0, lora_slot=s.request.lora_slot,
-                embeds=s.request.pooling is not None))
+                embeds=s.request.pooling is not None), s))
+        made.sort(key=lambda m: 0 if m[0].is_decode else 1 if m[0].draft_token_ids else 2)   # (stable)
+        seqs, order = [m[0] for m in made], [m[1] for m in made]
         out.sampled = [s for s in order if s.samples and not s.draft_token_ids]
         out.spec = [s for s in order if s.draft_token_ids]
         out.batch = StepBatch(seqs, out.swap_out, out.swap_in, out.block_copies, self._finished_seq_ids,
