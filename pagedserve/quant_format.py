@@ -340,11 +340,20 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return q.view(t, k), d.view(t, k // block)
 
 
+def activation_block(qtype: str) -> int:
+    """The activations' block the 256-bit and scalar kernels multiply layout `qtype` with: 256 for
+    the SUPER_ACT layouts, else 32."""
+    return 256 if qtype in SUPER_ACT else 32
+
+
+def q8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [T, K] as its 8-bit blocks hold it (quantize_activations), in float64."""
+    q, d = quantize_activations(x, block)
+    return (q.double().view(x.shape[0], -1, block) * d.double().unsqueeze(-1)).view(x.shape)
+
+
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, act_block: int | None = None) -> torch.Tensor:
     """The small-batch kernels' arithmetic in float64, no rounding but the inputs': the q8
-    activations (blocks of act_block; by default 256 for the SUPER_ACT layouts, else 32) times the
-    dequantized weight (float64 [T, rows]). The tests' oracle."""
-    act_block = act_block or (256 if w.qtype in SUPER_ACT else 32)
-    q, d = quantize_activations(x, act_block)
-    x8 = (q.double().view(x.shape[0], -1, act_block) * d.double().unsqueeze(-1)).view(x.shape)
-    return x8 @ dequantize_torch(w).double().T
+    activations (blocks of act_block; by default activation_block(w.qtype)) times the dequantized
+    weight (float64 [T, rows]). The tests' oracle."""
+    return q8_activations(x, act_block or activation_block(w.qtype)) @ dequantize_torch(w).double().T

@@ -11,7 +11,6 @@ keep the oracle's float input."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from unittest import mock
 
@@ -26,26 +25,7 @@ _HF_NAMES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 def q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x (any leading dims, last a multiple of `block`) as its 8-bit blocks hold it, in x's dtype."""
-    flat = x.reshape(-1, x.shape[-1])
-    q, d = quant.quantize_activations(flat, block)
-    x8 = (q.double().view(flat.shape[0], -1, block) * d.double().unsqueeze(-1)).view(flat.shape)
-    return x8.view(x.shape).to(x.dtype)
-
-
-@functools.cache
-def _block(qtype: str) -> int:
-    """The activations' block the kernels multiply layout `qtype` with: 32, or for SUPER_ACT
-    layouts 256 where their kernels have moved to it (layout by layout): asked of the kernel itself,
-    one row against x with an outlier per 256, which blocks of 256 and of 32 quantize far apart."""
-    if qtype not in quant.SUPER_ACT:
-        return 32
-    from tests.test_quant_kernels import weight
-    from tests.test_quant_r8_256 import r8_of
-    w, _ = weight(quant.REPACKED[qtype], rows=8, cols=256)
-    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0))
-    x[0, 7] = 200.0
-    y = quant.linear(x, r8_of(w), decode=True).double()
-    return min((32, 256), key=lambda b: float((y - quant.reference_linear(x, w, b)).abs().max()))
+    return quant.q8_activations(x.reshape(-1, x.shape[-1]), block).view(x.shape).to(x.dtype)
 
 
 def integer_path_modules(model) -> dict[str, int]:
@@ -67,12 +47,12 @@ def integer_path_modules(model) -> dict[str, int]:
             if len(parts) == 1:
                 integer, parts = integer * len(hf), parts * len(hf)
             assert len(integer) == len(hf), (proj, len(parts))
-            names.update({f"model.layers.{i}.{n}": _block(p.qtype) for n, p, on in zip(hf, parts, integer) if on})
+            names.update({f"model.layers.{i}.{n}": quant.activation_block(p.qtype) for n, p, on in zip(hf, parts, integer) if on})
         if getattr(layer, "moe", None) is not None:       # (the experts' gate_up and down: one block)
             gate_up = layer.moe.experts[0].gate_up
-            names[f"model.layers.{i}.mlp.experts"] = _block((gate_up[0] if isinstance(gate_up, tuple) else gate_up).qtype)
+            names[f"model.layers.{i}.mlp.experts"] = quant.activation_block((gate_up[0] if isinstance(gate_up, tuple) else gate_up).qtype)
     if isinstance(model.lm_head, quant.QuantizedWeight) and model.lm_head.qtype in quant.R8_GEMM:
-        names["lm_head"] = _block(model.lm_head.qtype)
+        names["lm_head"] = quant.activation_block(model.lm_head.qtype)
     return names
 
 

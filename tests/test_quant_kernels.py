@@ -78,10 +78,9 @@ def _check_small(y: torch.Tensor, x: torch.Tensor, w: quant.QuantizedWeight, bia
     """y against the float64 value of the kernel's own arithmetic: equal up to float32
     summation order; and close to the float product. act_block: the activations' block (256 for
     the super-block r8 layouts, quant.SUPER_ACT: the default where w is one; else 32)."""
-    act_block = act_block or (256 if w.qtype in quant.SUPER_ACT else 32)
+    act_block = act_block or quant.activation_block(w.qtype)
     ref = quant.reference_linear(x, w, act_block)
-    q, d = quant.quantize_activations(x, act_block)
-    x8 = (q.double().view(x.shape[0], -1, act_block) * d.double().unsqueeze(-1)).view(x.shape)
+    x8 = quant.q8_activations(x, act_block)
     scale = x8.abs() @ quant.dequantize_torch(w).double().abs().T
     if bias is not None:
         ref = ref + bias.double()

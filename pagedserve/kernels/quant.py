@@ -82,8 +82,8 @@ import torch
 from pagedserve.kernels import cpu
 from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
     BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_GEMM, R8_OF, REPACKED, SUPER_ACT, ROW_CHUNK_ELEMENTS, QuantizedWeight,
-    _q4_0x8_order, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks, quantize_activations,
-    quantize_torch, reference_linear, slice_cols, slice_rows)
+    _q4_0x8_order, activation_block, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks,
+    q8_activations, quantize_activations, quantize_torch, reference_linear, slice_cols, slice_rows)
 
 logger = logging.getLogger(__name__)
 
