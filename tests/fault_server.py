@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 
@@ -34,6 +35,11 @@ SLOW_COMPILE_PROPERTIES = 3000
 # A chat whose message holds this string takes SLOW_RENDER_SECONDS to render (a huge template).
 SLOW_RENDER = "SLOW-RENDER"
 SLOW_RENDER_SECONDS = 30.0
+# A chat whose message holds HOLD_RENDER followed by a path (up to the next space) renders only once
+# that path exists; it writes PATH.held when it starts waiting (a test holds the tokenizer lane
+# for exactly as long as it wants, then creates the path; at most HOLD_RENDER_SECONDS).
+HOLD_RENDER = "HOLD-RENDER:"
+HOLD_RENDER_SECONDS = 120.0
 
 
 class InjectedFault(RuntimeError):
@@ -53,6 +59,15 @@ def slow_schema(properties: int) -> dict:
 def slow_grammar() -> str:
     import xgrammar as xgr
     return str(xgr.Grammar.from_json_schema(json.dumps(slow_schema(SLOW_COMPILE_PROPERTIES)), any_whitespace=False))
+
+
+def hold_until(path: str) -> None:
+    """Say (PATH.held) that a render waits, then wait until `path` exists."""
+    with open(path + ".held", "a") as f:
+        f.write("held\n")
+    deadline = time.monotonic() + HOLD_RENDER_SECONDS
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _marked(req, marker: str) -> bool:
@@ -115,6 +130,9 @@ def install(patch=None) -> None:
     def slow_render(tokenizer, conversation, *args, **kwargs):
         if any(SLOW_RENDER in str(m.get("content")) for m in conversation):
             time.sleep(SLOW_RENDER_SECONDS)
+        for m in conversation:
+            if HOLD_RENDER in str(m.get("content")):
+                hold_until(str(m.get("content")).split(HOLD_RENDER, 1)[1].split(" ", 1)[0])
         return render_chat(tokenizer, conversation, *args, **kwargs)
     patch(serving, "render_chat", slow_render)
 

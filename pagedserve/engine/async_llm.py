@@ -40,7 +40,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.chat import load_chat_template
 from pagedserve.engine.kv_view import EngineCapture, capture
-from pagedserve.engine.protocol import Params, check_num_prompts
+from pagedserve.engine.protocol import Params, QueueFullError, check_num_prompts
 from pagedserve.engine.request_checks import RequestLimits, check_given, check_runner, split_prompt
 from pagedserve.engine.tokenizer import TokenizerLane, front_end_tokenizer, max_token_chars
 from pagedserve.errors import InvalidRequestError
@@ -65,10 +65,6 @@ class EngineStepError(RuntimeError):
 
 class EngineDeadError(EngineNotReadyError):
     """The engine thread hit a fault it cannot recover from: every request fails."""
-
-
-class QueueFullError(RuntimeError):
-    """max_waiting_requests requests are already waiting: try again later."""
 
 
 @dataclass
@@ -254,7 +250,9 @@ class AsyncLLM:
         try:
             self._check_queue(len(items), waiting + self._num_sent - taken)
         except QueueFullError:
-            await self._check_without_engine(items)   # bad input is a 400 whatever the queue's state
+            # Bad input is a 400 whatever the queue's state (QueueFullError too if the lane that
+            # tokenizes text prompts for this check is full).
+            await self._check_without_engine(items)
             raise
         stream = RequestStream(self, ids)
         for rid in ids:
@@ -402,7 +400,9 @@ class AsyncLLM:
             self.default_sampling = self.engine.default_sampling
             self.max_model_len = self.engine.max_model_len
             self.request_limits = self.engine.request_limits
-            self._prompts = TokenizerLane("pagedserve-engine-prompts", self.tokenizer, copy_tokenizer=True)
+            # Used only while the queue is full: no more of those wait for it than may wait for the engine.
+            self._prompts = TokenizerLane("pagedserve-engine-prompts", self.tokenizer, copy_tokenizer=True,
+                                          max_jobs=self.max_waiting_requests)
             self.vocab_size = self.engine.vocab_size
             self.model_path = path
             self.model_args = self.engine.model_args

@@ -20,6 +20,11 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 Params = SamplingParams | BeamSearchParams
 
 
+class QueueFullError(RuntimeError):
+    """Requests already wait up to the limit (the engine's queue, or a tokenizer lane in front
+    of it): try again later (the server's 503 with Retry-After)."""
+
+
 def check_num_prompts(num_new: int, max_waiting_requests: int | None) -> None:
     """ValueError if one call's prompts could never be queued whole (every client's check)."""
     if max_waiting_requests is not None and num_new > max_waiting_requests:

@@ -13,7 +13,10 @@ Then the tokenizer and the chat template run off the event loop in two lanes, ea
 one thread with its own tokenizer (engine/tokenizer.py's TokenizerLane): requests estimated
 small go to one, large ones to the other, so one huge request cannot hold every other
 client's tokenizing for seconds. The threads are daemons: a render in progress never holds
-the process's exit.
+the process's exit. Each lane holds a bounded number of requests (the running one and those
+queued behind it): the small lane as many as may wait for the engine (--max-waiting-requests),
+the large one at most LARGE_LANE_JOBS (each may hold a body of up to --max-request-body-bytes
+and take seconds); one more gets the 503 (with Retry-After) a full queue gives.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ from typing import Any, Callable
 
 import pydantic_core
 
-from pagedserve.server.errors import APIError, bad_request
+from pagedserve.engine.protocol import QueueFullError
 from pagedserve.engine.tokenizer import TokenizerLane, max_token_chars
+from pagedserve.server.errors import APIError, bad_request, queue_full
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ def _key_count(data: bytes, key: bytes) -> int:
 # the large lane.
 LARGE_CHARS = 64 * 1024
 LARGE_MESSAGES = 256
+# The most requests the large lane holds (when the queue limit is not lower).
+LARGE_LANE_JOBS = 16
 
 
 def context_length_error(num_tokens: int, max_model_len: int, param: str) -> APIError:
@@ -74,14 +80,17 @@ def _json_chars(value: Any) -> int:
 
 
 class PromptProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, check_num_prompts: Callable[[int], None]) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, check_num_prompts: Callable[[int], None],
+                 max_waiting_requests: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._check_num_prompts = check_num_prompts    # ValueError when over the limit
         self.max_token_chars = max_token_chars(tokenizer)
         self.max_chars = max_model_len * self.max_token_chars
-        self._small = TokenizerLane("pagedserve-tokenizer", tokenizer, copy_tokenizer=False)
-        self._large = TokenizerLane("pagedserve-tokenizer-large", tokenizer, copy_tokenizer=True)
+        large_jobs = min(max_waiting_requests or LARGE_LANE_JOBS, LARGE_LANE_JOBS)
+        self._small = TokenizerLane("pagedserve-tokenizer", tokenizer, copy_tokenizer=False,
+                                    max_jobs=max_waiting_requests)
+        self._large = TokenizerLane("pagedserve-tokenizer-large", tokenizer, copy_tokenizer=True, max_jobs=large_jobs)
         self.message_tokens = self._measure_message_tokens(tokenizer)
 
     @staticmethod
@@ -167,18 +176,26 @@ class PromptProcessor:
     def _lane(self, chars: int, num_messages: int = 0) -> TokenizerLane:
         return self._large if chars > LARGE_CHARS or num_messages > LARGE_MESSAGES else self._small
 
+    @staticmethod
+    async def _run_in(lane: TokenizerLane, fn: Callable, *args: Any) -> Any:
+        """fn(tokenizer, *args) in `lane`; a full lane is the full queue's 503."""
+        try:
+            return await lane.run(fn, *args)
+        except QueueFullError as e:
+            raise queue_full(e) from None
+
     async def run(self, fn: Callable, *args: Any) -> Any:
         """fn(*args) on the tokenizer's thread: for others that use the front-end tokenizer (the
         dashboard's block text), in the small lane: fn does not take the tokenizer."""
-        return await self._small.run(lambda _tokenizer: fn(*args))
+        return await self._run_in(self._small, lambda _tokenizer: fn(*args))
 
     async def encode(self, texts: list[str], param: str = "prompt", add_special_tokens: bool = True) -> list[list[int]]:
         for text in texts:
             self.check_chars(len(text), param)
         if not texts:
             return []   # token-id prompts do not wait behind other requests' tokenization
-        return await self._lane(sum(map(len, texts))).run(
-            lambda tok: [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
+        return await self._run_in(self._lane(sum(map(len, texts))),
+                                  lambda tok: [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
 
     async def render_chat(self, render: Callable[..., list[int]], messages: list, *args: Any,
                           tools: list | None = None) -> list[int]:
@@ -189,7 +206,7 @@ class PromptProcessor:
         self.check_messages(len(messages), chars)
         # The lane by all the text the template may show (names, earlier calls, tool definitions).
         size = chars + sum(_extra_chars(m) for m in messages) + (_json_chars(tools) if tools else 0)
-        return await self._lane(size, len(messages)).run(render, messages, *args)
+        return await self._run_in(self._lane(size, len(messages)), render, messages, *args)
 
     def close(self) -> None:
         self._small.close()

@@ -60,7 +60,8 @@ class ServerState:
     @cached_property
     def prompts(self) -> PromptProcessor:
         """Built on first use, once the engine is ready (the routes that use it need it ready)."""
-        return PromptProcessor(self.llm.tokenizer, self.llm.max_model_len, self.llm.check_num_prompts)
+        return PromptProcessor(self.llm.tokenizer, self.llm.max_model_len, self.llm.check_num_prompts,
+                               self.llm.max_waiting_requests)
 
     def check_model(self, name: str | None) -> str:
         """The name responses carry: the base model's, or the LoRA adapter's the request names."""
