@@ -287,6 +287,8 @@ def run_child(spec: dict) -> dict:
                 decode_tok_s=1 / median, decode_ms=median * 1e3, decode_best_tok_s=1 / best,
                 decode_round_ms=[r * 1e3 for r in rounds],
                 prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None,
+                prefill_median_tok_s=spec["prefill_len"] / sorted(prefills)[len(prefills) // 2] if prefills else None,
+                prefill_round_ms=[t * 1e3 for t in prefills],
                 batch=spec.get("batch"), batch_tok_s=batch_tok_s, compiled_loop=model.compiled_layers is not None)
 
 
@@ -344,6 +346,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="layers of the 1.7B shape (default: 24; 4 with --quick)")
     ap.add_argument("--full-prefill", action="store_true", help="with --full: also one 128-token prefill timed "
                     "(and llama-bench -p 128)")
+    ap.add_argument("--prefill-rounds", type=int, default=1, help="with --full-prefill: this many timed "
+                    "128-token prefills (the table: the best; below it and in the JSON: the median)")
     ap.add_argument("--shape", default="smollm2-1.7b", choices=list(SHAPES),
                     help="the random-weight shape of the quantized files (qwen3-4b: issue 47's, GGUF qwen3)")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
@@ -378,7 +382,8 @@ def main() -> None:
     shape, arch, stem, shape_name = SHAPES[args.shape]
     layers = args.layers or (4 if args.quick else shape["num_hidden_layers"])
     # --full: decode only (repeats 0: no prefill timing), 64 steps
-    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (128, 64, int(args.full_prefill)) if args.full \
+    full_repeats = args.prefill_rounds * int(args.full_prefill)
+    prefill_len, decode_len, repeats = (128, 16, 1) if args.quick else (128, 64, full_repeats) if args.full \
         else (512, 128, 3)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pagedserve-quantized-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -462,6 +467,12 @@ def main() -> None:
               f"{r['prefill_tok_s'] or 0:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16} {r.get('batch_tok_s') or 0:>11.1f}")
+    for r in runs:
+        lb_pp = (r.get("llama_bench") or {}).get("prefill_tok_s")
+        if r.get("prefill_median_tok_s") and lb_pp:       # the median of ours against llama-bench's mean
+            print(f"{r['model']} {r['config']}: prefill median {r['prefill_median_tok_s']:.1f} tok/s over "
+                  f"{len(r['prefill_round_ms'])} rounds (best {r['prefill_tok_s']:.1f}), llama.cpp {lb_pp:.1f} "
+                  f"(mean of its repetitions): {r['prefill_median_tok_s'] / lb_pp:.2f}x")
     result = dict(threads=threads, read_bytes_s=bandwidth, shape=args.shape, quick=args.quick, full=args.full,
                   tiny=args.tiny,
                   layers_of_1_7b_shape=layers,

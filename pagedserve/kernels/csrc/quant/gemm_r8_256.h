@@ -360,19 +360,18 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
     std::vector<GemmGroupFn> fn(nparts);
     std::vector<int64_t> first(nparts + 1, 0), row0(nparts, 0);     // each part's first group, first row
     bool offsets = false;
-    int64_t total = 0;       // weight bytes
     for (int64_t p = 0; p < nparts; p++) {
         fn[p] = gemm_group_fn(int(parts[p].qtype));
         offsets |= parts[p].qtype == Q6_KR8;
         first[p + 1] = first[p] + parts[p].rows / 8;
         if (p + 1 < nparts) row0[p + 1] = row0[p] + parts[p].rows;
-        total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
     }
     const Act act = thread_act(parts, nparts, T, K, false);
     GemmBuffers &b = t_gemm;
     GemmAct ga{fit(b.q, T * K), fit(b.d, T * nb), fit(b.ds, T * nb), offsets ? fit(b.o, 4 * T * nb) : nullptr, T, K, nb};
     b.fit_super(ga, act.qk != nullptr, T, K);
     const int64_t groups = first[nparts], ns = ga.qk != nullptr ? K / 256 : 0;
+    const int64_t chunk = std::max<int64_t>(1, 256 / T);
 #pragma omp parallel
     {
         const Act a = quantize_in_region(act, false, parts, nparts, T, false, x, ldx, x_bf16);
@@ -381,15 +380,19 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * ns; i++) gemm_relayout_super(a, ga, i);
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t g0 = group_at_byte(parts, nparts, K, total * tid / nt);
-        const int64_t g1 = std::min(groups, group_at_byte(parts, nparts, K, total * (tid + 1) / nt));
         PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
-        const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
+        const int64_t share = (groups + nt - 1) / nt;       // a thread's groups, were they even
+        const int64_t per_group = share > 0 ? (ahead.lines() + share - 1) / share : 0;
         alignas(64) float acc[kGemmTile * 8], mins[kGemmTile * 8];
         std::vector<float, Aligned64<float>> m(8 * nb);         // the group's minimum scales
         const __m256i order = r8_order();
-        int64_t p = 0;
-        for (int64_t g = g0; g < g1; g++) {
+        // Groups handed out as threads come free (a claim of `chunk` groups, ~256 row-groups of
+        // work): the GEMM is compute-bound, and a static split left a thread waiting whenever the
+        // other was slowed (the host's load) or its groups cost more (q6_k against q4_k a byte).
+        // A group's rows are one thread's whoever takes it: the same bits.
+#pragma omp for schedule(dynamic, chunk) nowait
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t p = 0;
             while (g >= first[p + 1]) p++;
             const uint8_t *w = parts[p].w + (g - first[p]) * parts[p].ldw;
             const int64_t r = row0[p] + 8 * (g - first[p]);
