@@ -202,6 +202,10 @@ class EngineConfig:
     # pinned on a GPU; on a CPU device a RAM tier whose hits skip the file read and checksum.
     kv_offload_cpu_gb: float | None = setting(None, "GiB of host memory for evicted cached KV blocks, above the "
                                                     "disk tier (or alone); pinned on a GPU")
+    # Off only for an A/B of it (benchmarks/kv_tier_serve.py): a queued request's reads then start
+    # when the admission loop reaches it, not while the requests ahead of it compute.
+    kv_offload_read_ahead: bool = setting(True, "start the tier reads of requests queued behind running ones at "
+                                                "once, overlapping their compute (off: when admission reaches them)")
     # Debugging: check the paging invariants after every step (costly; tests turn it on).
     check_invariants: bool = setting(False, "check the paging invariants after every step (slow; tests)")
     # Device and attention kernels. None picks cuda + triton when torch sees a GPU, else cpu + cpu.

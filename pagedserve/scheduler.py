@@ -399,7 +399,7 @@ class Scheduler:
             num_prefills, num_long = num_prefills + 1, num_long + long
             budget -= self._add(out, req, plan, copies)
         self.waiting.extendleft(reversed(compiling))
-        if self.tier is not None and not out.preempted and not self.swapped:
+        if self.tier is not None and self.config.kv_offload_read_ahead and not out.preempted and not self.swapped:
             self._read_ahead()
         self._record_usage()
         self._make_batch(out)

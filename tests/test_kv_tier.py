@@ -83,13 +83,13 @@ def test_a_restarted_engine_reads_its_first_prefix_from_the_tier(model, prompts,
     assert tier_llm(model, tmp_path, dtype="bfloat16").kv_cache_stats()["kv_offload_blocks"] == 0
 
 
-def restarted_behind_a_running_request(model, prompts, tmp_path):
+def restarted_behind_a_running_request(model, prompts, tmp_path, **kw):
     """A restarted engine (max_num_seqs 1) running one request, with prompts[0]'s blocks in its
     tier; prompts[0] then queues behind it. Returns the engine and the reference tokens."""
     first = tier_llm(model, tmp_path, blocks=64)
     ref = one_by_one(first, prompts[:1])[0]
     first.shutdown()
-    again = tier_llm(model, tmp_path, blocks=64, max_num_seqs=1)
+    again = tier_llm(model, tmp_path, blocks=64, max_num_seqs=1, **kw)
     engine = again.engine
     engine.add_request("running", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=24,
                                                                                   ignore_eos=True))
@@ -110,6 +110,23 @@ def test_a_request_queued_behind_a_running_one_reads_its_prefix_ahead(model, pro
     stats = llm.kv_cache_stats()
     assert stats["kv_offload_hits"] == 5 * 16                       # looked up while the other runs
     assert tier.waiting("queued") or stats["kv_offload_blocks_loaded"] == 5
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["queued"].outputs[0].token_ids == ref and outputs["queued"].num_cached_tokens == 5 * 16
+    assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5
+    assert_no_blocks_held(llm)
+
+
+def test_read_ahead_off_reads_a_queued_prefix_only_when_admission_reaches_it(model, prompts, tmp_path):
+    """kv_offload_read_ahead=False (the benchmark's A/B): the queued request is not looked up
+    while the other runs; once a seat frees its prefix still comes from the tier, same tokens."""
+    llm, ref = restarted_behind_a_running_request(model, prompts, tmp_path, kv_offload_read_ahead=False)
+    engine = llm.engine
+    engine.step()
+    assert engine.requests["queued"].status.name == "WAITING"
+    assert llm.kv_cache_stats()["kv_offload_hits"] == 0 and not engine.scheduler.tier.loading
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
