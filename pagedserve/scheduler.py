@@ -687,17 +687,18 @@ class Scheduler:
         """Start the tier reads of waiting requests the admission loop did not reach (behind running
         ones, the budget, max_num_seqs), in queue order, overlapping the others' compute; only while
         their admissions leave free the watermark, the running prompts' blocks and what the requests
-        already reading take (`TierLink.reserved`). A request whose prefix the tier holds but whose
-        admission does not fit yet is looked at again next step, and nobody behind it reads ahead."""
+        already reading take (`TierLink.reserved`). Nobody reads ahead behind a request whose reads
+        landed (its blocks are free cached ones until admitted: others' reads would evict them), nor
+        behind one whose prefix the tier holds but whose admission does not fit yet (next step)."""
         base = self.watermark_blocks + sum(self.kv.num_blocks_to_hold(s.seq_id, len(r.prompt_token_ids))
                                            for r in self.running for s in r.live_seqs)
         for req in self.waiting:
             reserve, rid, hits = base + self.tier.reserved(), req.request_id, self.tier.index.stats.hits
-            if reserve >= self.kv.num_free_blocks:
+            tries, reading = self._tier_tries.get(rid), self.tier.waiting(rid)
+            if reserve >= self.kv.num_free_blocks or (tries and not reading):
                 return
-            tries = self._tier_tries.get(rid)
-            if self.tier.waiting(rid) or tries or (tries == 0 and rid not in self._tier_deferred):
-                continue          # reading, read, or nothing of its prefix in the tier
+            if reading or (tries == 0 and rid not in self._tier_deferred):
+                continue          # reading, or nothing of its prefix in the tier
             if not self._wait_for_tier(req, reserve) and (rid in self._tier_deferred or self.tier.index.stats.hits > hits):
                 self._tier_deferred.add(rid)
                 return

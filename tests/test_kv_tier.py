@@ -136,6 +136,30 @@ def test_read_ahead_off_reads_a_queued_prefix_only_when_admission_reaches_it(mod
     assert_no_blocks_held(llm)
 
 
+def test_read_ahead_never_evicts_the_landed_blocks_of_a_request_ahead(model, prompts, tmp_path):
+    """Four requests queued behind a running one after a restart, in a pool that holds about two
+    of their prefixes beside it: each prefix is read from the tier once (reads started behind a
+    request whose reads landed would evict its blocks, and it would read them again); every
+    request's tokens are the tier-less engine's."""
+    first = tier_llm(model, tmp_path, blocks=64)
+    refs = one_by_one(first, prompts)
+    first.shutdown()
+    llm = tier_llm(model, tmp_path, blocks=24, max_num_seqs=1, check_invariants=True)
+    engine = llm.engine
+    engine.add_request("running", {"prompt_token_ids": prompts[4]}, SamplingParams(temperature=0, max_tokens=24,
+                                                                                  ignore_eos=True))
+    engine.step()
+    for i in range(4):
+        engine.add_request(f"q{i}", {"prompt_token_ids": prompts[i]}, SP)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert [outputs[f"q{i}"].outputs[0].token_ids for i in range(4)] == refs[:4]
+    assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5 * 5          # each prefix read once
+    assert_no_blocks_held(llm)
+
+
 def test_an_abort_while_reads_are_in_flight_leaks_nothing(model, prompts, tmp_path):
     """A queued request aborted while its read-ahead is in flight: its pins go at once, the reads'
     blocks when they land (cached then, free); the invariant checker runs every step."""
