@@ -3,7 +3,8 @@ decoder layer of a shape (Qwen3-4B by default: qkv 6144x2560, o 2560x4096, gate_
 down 2560x9728): per GGUF type, decode (T = 1, the dots) over --layers layers' distinct weights (so
 they stream from memory) and prefill (T = --tokens, the GEMM) over one layer, each timing the minimum
 over interleaved rounds in one process. With --ab-source, another build of quant_kernels.cpp (e.g.
-main's, checked out elsewhere) runs interleaved with this one on the same weights and activations.
+main's, checked out elsewhere) runs interleaved with this one on the same weights and activations
+(repeat it for several: each its own column).
 
     .venv/bin/python benchmarks/gemm_r8.py                       # ~1-2 min, 2 threads: q4_k, q6_k
     .venv/bin/python benchmarks/gemm_r8.py --types q4_k,q6_k,q5_0,q4_0 --ab-source /tmp/base/quant_kernels.cpp
@@ -15,7 +16,7 @@ set past T) and through the GEMM, interleaved, and the ratio (where the dots win
 R8_GEMM_MIN_ROWS should sit; both give the same bits per row).
 
 Prints per type and T: ms per layer, weight GB/s, integer GOP/s (2 T N K per layer / time) and, with
---ab-source, this build's speedup over the other. Writes benchmarks/results/gemm_r8.json (--out)
+--ab-source, this build's speedup over each other. Writes benchmarks/results/gemm_r8.json (--out)
 with the CPU's flags and quant.describe().
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, other) -> list[dict]:
+def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, others: list) -> list[dict]:
     rng = np.random.default_rng(0)
     weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in shapes]
     if weights[0].qtype not in quant.R8:
@@ -57,19 +58,22 @@ def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, oth
     rows = []
     for t, ws in ((1, weights), (tokens, weights[:len(shapes)])):
         xs = {k: torch.randn(t, k).bfloat16() for _, k in shapes}
-        libs = [quant.load()] + ([other] if other is not None else [])
+        libs = [quant.load()] + [lib for _, lib in others]
         fns = [lambda lib=lib: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in ws] for lib in libs]
         times = interleaved_min(fns, rounds)
         nbytes, ops = sum(w.nbytes for w in ws), sum(2 * t * w.shape[0] * w.shape[1] for w in ws)
-        per_layer = times[0] / (len(ws) // len(shapes))
-        row = dict(type=qtype, layout=weights[0].qtype, variant=quant.variant(), tokens=t, layers=len(ws) // len(shapes),
+        n_layers = len(ws) // len(shapes)
+        per_layer = times[0] / n_layers
+        row = dict(type=qtype, layout=weights[0].qtype, variant=quant.variant(), tokens=t, layers=n_layers,
                    ms_per_layer=per_layer * 1e3, gbs=nbytes / times[0] / 1e9, gops=ops / times[0] / 1e9)
-        if other is not None:
-            row.update(ab_ms_per_layer=times[1] / (len(ws) // len(shapes)) * 1e3, ab_speedup=times[1] / times[0])
+        ab = [dict(source=src, ms_per_layer=other / n_layers * 1e3, speedup=other / times[0])
+              for (src, _), other in zip(others, times[1:])]
+        if ab:       # (the first other build's keys as before; every one's in `ab`)
+            row.update(ab_ms_per_layer=ab[0]["ms_per_layer"], ab_speedup=ab[0]["speedup"], ab=ab)
         rows.append(row)
-        ab = f"  | --ab-source {row['ab_ms_per_layer']:8.2f} ms (this build {row['ab_speedup']:.3f}x)" if other else ""
+        shown = "".join(f"  | --ab-source {o['ms_per_layer']:8.2f} ms (this build {o['speedup']:.3f}x)" for o in ab)
         print(f"{qtype:5} {row['layout']:7} T={t:<4} {row['ms_per_layer']:8.2f} ms/layer {row['gbs']:6.1f} GB/s "
-              f"{row['gops']:7.1f} GOP/s{ab}", flush=True)
+              f"{row['gops']:7.1f} GOP/s{shown}", flush=True)
     return rows
 
 
@@ -103,7 +107,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="activation rows of the prefill timing")
     ap.add_argument("--layers", type=int, default=2, help="layers of distinct weights for the decode timing")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--ab-source", default=None, help="another quant_kernels.cpp, built and run interleaved")
+    ap.add_argument("--ab-source", action="append", default=[],
+                    help="another quant_kernels.cpp, built and run interleaved (repeat: each one)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, 2 rounds: checks the script runs")
     ap.add_argument("--crossover", default=None, help="T,...: the dots vs the GEMM at these rows (one layer)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/gemm_r8.json "
@@ -112,13 +117,13 @@ def main() -> None:
     shapes = SHAPES["tiny" if args.tiny else args.shape]
     rounds = 2 if args.tiny else args.rounds
     quant.set_batch_invariant(True)        # every product on the integer path (what the GEMM serves)
-    other = other_build(args.ab_source) if args.ab_source else None
+    others = [(src, other_build(src)) for src in args.ab_source]
     print(f"variant {quant.variant()}, {torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}", flush=True)
     if args.crossover:
         counts = [int(t) for t in args.crossover.split(",")]
         rows = [r for q in args.types.split(",") for r in crossover(q, shapes, counts, rounds)]
     else:
-        rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, other)]
+        rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, others)]
     name = "gemm_r8_crossover.json" if args.crossover else "gemm_r8.json"
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
