@@ -1,10 +1,12 @@
 """The prefix cache's disk tier (kv/tier.py, worker/kv_tier.py): evicted blocks saved once and
 read back with the same tokens as without it (float32, bf16, int8 KV), after a restart, across
 two stores sharing a directory (no torn block, the size bound), and past damaged files."""
+import asyncio
 import logging
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +183,29 @@ def test_an_abort_while_reads_are_in_flight_leaks_nothing(model, prompts, tmp_pa
     assert_no_blocks_held(llm)
     out = llm.generate({"prompt_token_ids": prompts[0]}, SP, use_tqdm=False)[0]
     assert out.num_cached_tokens == 5 * 16                           # the landed blocks are cached
+
+
+def test_the_server_waits_at_shutdown_for_the_pools_blocks_to_reach_the_tier(model, prompts, tmp_path, monkeypatch):
+    """The server's exit (lifespan end, as on SIGTERM): the engine thread saves the pool's cached
+    blocks to the disk tier on its way out, slowed here past the 5 s an exit otherwise waits; the
+    server waits for it, so a restart finds every prompt's blocks (found: only those written in 5 s)."""
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.server.app import build_app
+    from pagedserve.server.state import ServerState
+    write = KVTierStore._write_file
+    monkeypatch.setattr(KVTierStore, "_write_file", staticmethod(lambda *a: time.sleep(0.25) or write(*a)))
+    llm = AsyncLLM(EngineConfig(model=model.path, dtype="float32", num_gpu_blocks_override=64,
+                                kv_offload_path=str(tmp_path)))
+    app = build_app(ServerState(llm, ["m"], PrometheusStatLogger("m")))
+
+    async def serve():
+        async with app.router.lifespan_context(app):
+            await llm.wait_started()
+            for i, p in enumerate(prompts):
+                async for _ in llm.generate({"prompt_token_ids": p}, SP, f"r{i}"):
+                    pass
+    asyncio.run(serve())
+    assert len(list(tmp_path.glob("*.kvb"))) >= 5 * 5                  # 5 full prompt blocks each
 
 
 def test_a_flipped_byte_is_detected_and_the_block_recomputed(model, prompts, tmp_path, caplog):

@@ -195,6 +195,9 @@ def add_process_routes(app: FastAPI, state: ServerState) -> None:
         return {"version": pagedserve.__version__}
 
 
+TIER_SAVE_TIMEOUT_S = 300.0    # at shutdown, for the engine thread's save of the pool to the disk tier
+
+
 def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -209,7 +212,9 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             task.cancel()
         if "prompts" in state.__dict__:
             state.prompts.close()
-        await state.llm.shutdown(timeout=5.0)   # a step is short; never hold the exit long
+        # A step is short: never hold the exit long, except that the engine's way out saves the pool's
+        # cached blocks to the disk tier (seconds for a large pool; the exit would drop the rest).
+        await state.llm.shutdown(timeout=TIER_SAVE_TIMEOUT_S if state.llm.config.kv_offload_path else 5.0)
 
     no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if server and server.disable_fastapi_docs else {}
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **no_docs)
