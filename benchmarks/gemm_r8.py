@@ -9,6 +9,7 @@ main's, checked out elsewhere) runs interleaved with this one on the same weight
     .venv/bin/python benchmarks/gemm_r8.py                       # ~1-2 min, 2 threads: q4_k, q6_k
     .venv/bin/python benchmarks/gemm_r8.py --types q4_k,q6_k,q5_0,q4_0 --ab-source /tmp/base/quant_kernels.cpp
     .venv/bin/python benchmarks/gemm_r8.py --tiny                # seconds: checks the script runs
+    .venv/bin/python benchmarks/gemm_r8.py --shape smollm2-1.7b --types q4_0 --layers 24 --huge-pages  # engine-placed
     .venv/bin/python benchmarks/gemm_r8.py --shape smollm2-1.7b --types q4_0,q4_k --crossover 8,16,24,32,33,48,64
 
 --crossover T,...: per type and T, one layer's products through the 1-4-row dots (the GEMM's rows
@@ -32,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.quant_kernels import interleaved_min, other_build, random_weight  # noqa: E402
 from pagedserve.kernels import quant  # noqa: E402
+from pagedserve.kernels.quant import QuantizedWeight  # noqa: E402
+from pagedserve.models import huge_pages  # noqa: E402
 
 SHAPES = {"qwen3-4b": [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)],
           "smollm2-1.7b": [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
@@ -50,9 +53,12 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, others: list) -> list[dict]:
+def measure(qtype: str, shapes: list, layers: int, tokens: int, rounds: int, others: list,
+            huge: bool = False) -> list[dict]:
     rng = np.random.default_rng(0)
     weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in shapes]
+    if huge:     # where the engine's loader puts them (models/huge_pages.py)
+        weights = [QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data)) for w in weights]
     if weights[0].qtype not in quant.R8:
         raise SystemExit(f"{qtype}: no r8 layout in variant {quant.variant()} (the r8 kernels need avx2 / avxvnni)")
     rows = []
@@ -109,6 +115,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ab-source", action="append", default=[],
                     help="another quant_kernels.cpp, built and run interleaved (repeat: each one)")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="the decode weights in 2 MiB pages, as the engine's loader places them")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, 2 rounds: checks the script runs")
     ap.add_argument("--crossover", default=None, help="T,...: the dots vs the GEMM at these rows (one layer)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/gemm_r8.json "
@@ -123,7 +131,8 @@ def main() -> None:
         counts = [int(t) for t in args.crossover.split(",")]
         rows = [r for q in args.types.split(",") for r in crossover(q, shapes, counts, rounds)]
     else:
-        rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, others)]
+        rows = [r for q in args.types.split(",") for r in measure(q, shapes, args.layers, args.tokens, rounds, others,
+                                                                   args.huge_pages)]
     name = "gemm_r8_crossover.json" if args.crossover else "gemm_r8.json"
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
