@@ -154,18 +154,28 @@ def _moe_shapes(args: ModelArgs, p: str, hidden: tuple[str, int]) -> dict[str, t
 
 def check_tensor_shapes(reader: GGUFFile, args: ModelArgs) -> None:
     """Every tensor of a kind expected_shapes knows has exactly its shape, every layer tensor
-    belongs to a layer below block_count, and the head dimension is a positive even number."""
+    belongs to a layer below block_count, each of those layers has layer 0's tensors, and the
+    head dimension is a positive even number."""
     p = reader.fields["general.architecture"].value + "."
     if args.head_dim < 2 or args.head_dim % 2:
         raise GGUFFileError(reader.path, p + "rope.dimension_count",
                             f"a head dimension of {args.head_dim} (embedding_length / head_count, or "
                             f"rope.dimension_count): RoPE needs a positive even number")
+    if args.rotary_dim and not (2 <= args.rotary_dim <= args.head_dim and args.rotary_dim % 2 == 0):
+        # RoPE turns the leading rope.dimension_count values of each head in place: more than a
+        # head holds would write past it
+        raise GGUFFileError(reader.path, p + "rope.dimension_count",
+                            f"{args.rotary_dim} must be a positive even number of at most the head dimension "
+                            f"({args.head_dim})")
     expected = expected_shapes(args, p)
+    kinds: dict[int, set[str]] = {}
     for t in reader.tensors:
         layer, kind = _layer_kind(t.name)
         if layer is not None and not 0 <= layer < args.num_layers:
             raise GGUFFileError(reader.path, t.name, f"a tensor of layer {layer}, but {p}block_count is "
                                                      f"{args.num_layers}")
+        if layer is not None:
+            kinds.setdefault(layer, set()).add(kind)
         want = expected.get(kind)
         if want is None:
             continue
@@ -175,3 +185,10 @@ def check_tensor_shapes(reader: GGUFFile, args: ModelArgs) -> None:
             raise GGUFFileError(reader.path, t.name,
                                 f"shape {list(have)} contradicts the metadata, which implies "
                                 f"{[v for _, v in want]} ({wrong[0]} = {wrong[1]})")
+    # Every layer the metadata counts holds (at least) the tensors of layer 0: the model builds
+    # block_count layers alike.
+    for layer in range(1, args.num_layers):
+        lacking = sorted(kinds.get(0, set()) - kinds.get(layer, set()))
+        if lacking:
+            raise GGUFFileError(reader.path, f"blk.{layer}.{lacking[0]}",
+                                f"missing (layer 0 has it and {p}block_count is {args.num_layers})")

@@ -34,6 +34,7 @@ from pagedserve.models.ops import ModelOps, TorchOps
 from pagedserve.quant_format import QuantizedWeight, from_gguf_blocks
 from pagedserve.models.presets import PRESETS, is_preset
 from pagedserve.models import huge_pages
+from pagedserve.models.gguf_reader import GGUFFileError
 from pagedserve.models.quantized import QuantizedEmbedding, kernel_qtype
 from pagedserve.models import moe_weights
 from pagedserve.models.sharding import Shard
@@ -284,21 +285,36 @@ class GGUFSource:
         layer_names = architectures.gguf_layer_tensors(arch)
         self._reader = reader
         self._tensors = {}
+        # Our name -> the file's, for the tensors a model needs (named in a missing one's error).
+        self._gguf_names = {ours: gguf for gguf, ours in architectures.GGUF_TOP_TENSORS.items()}
+        self._gguf_layer_kinds = {ours: kind for kind, ours in layer_names.items()}
         for t in reader.tensors:
             if t.name in architectures.GGUF_ROPE_TENSORS:      # RoPE settings, read with the metadata
                 continue
             if t.name.startswith("blk."):
-                _, layer, kind, suffix = t.name.split(".", 3)
-                if kind not in layer_names:
-                    raise ValueError(f"GGUF tensor {t.name}: {arch.gguf_architecture} files have no {kind!r}")
+                parts = t.name.split(".", 3)
+                if len(parts) < 4 or parts[2] not in layer_names:
+                    raise GGUFFileError(reader.path, t.name, f"{arch.gguf_architecture} files have no such tensor")
+                _, layer, kind, suffix = parts
                 self._tensors[f"layers.{layer}.{layer_names[kind]}.{suffix}"] = (t, kind)
             elif t.name in architectures.GGUF_TOP_TENSORS:
                 self._tensors[architectures.GGUF_TOP_TENSORS[t.name]] = (t, None)
             else:
-                raise ValueError(f"GGUF tensor {t.name} is not one of a {arch.gguf_architecture} model's")
+                raise GGUFFileError(reader.path, t.name, f"not one of a {arch.gguf_architecture} model's tensors")
 
     def has(self, name: str) -> bool:
         return name in self._tensors
+
+    def missing(self, name: str) -> GGUFFileError:
+        """The error for a tensor the model needs and the file lacks, under the file's name for it
+        (a layer's: the metadata's block_count says the layer exists)."""
+        parts = name.split(".")
+        if len(parts) > 3 and parts[0] == "layers":
+            layer, ours, suffix = parts[1], ".".join(parts[2:-1]), parts[-1]
+            kind = self._gguf_layer_kinds.get(ours, ours)
+            return GGUFFileError(self._reader.path, f"blk.{layer}.{kind}.{suffix}",
+                                 f"missing, though the metadata's block_count is {self.args.num_layers}")
+        return GGUFFileError(self._reader.path, self._gguf_names.get(name, name), "missing")
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -429,9 +445,14 @@ class MatrixBuilder:
         # the CPU (its kernels: csrc/quant/mxfp4.h); a GPU gets them dequantized
         self.keeps_mxfp4 = True
 
-    def float(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+    def _check_has(self, name: str) -> None:
         if not self.source.has(name):
+            if isinstance(self.source, GGUFSource):
+                raise self.source.missing(name)
             raise KeyError(f"checkpoint has no tensor {name!r}")
+
+    def float(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        self._check_has(name)
         t = self.source.get(name, rows, cols).to(self.dtype).contiguous()
         if isinstance(self.source, GGUFSource):
             self.source.release(name)
@@ -439,8 +460,7 @@ class MatrixBuilder:
 
     def _quantized_type(self, name: str) -> str | None:
         """quant's name of a GGUF tensor's type with a kernel; None (counted) where it has none."""
-        if not self.source.has(name):
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+        self._check_has(name)
         ggml = self.source.tensor_type(name)
         qtype = kernel_qtype(ggml)
         if qtype is None and ggml.name not in _FLOAT_GGML_TYPES:
