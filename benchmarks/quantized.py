@@ -23,7 +23,7 @@ then decode steps: the median of the rounds' median steps, and the best round's;
 shows it less the KV cache's bytes, which the JSON lists; a file's pages become resident as the
 first steps read them, so "resident" is the RSS after the runs, less the same), and the bytes of weights each decode token
 reads (every layer's matmuls and the LM head) against the bound that reading them once per token at
-the measured read bandwidth sets, and batch tok/s (--batch requests of 32-token prompts decoded
+the read bandwidth measured right after that run's decode sets, and batch tok/s (--batch requests of 32-token prompts decoded
 together: decode steps of that many rows, the dequantized tiles' path). The dequantized bf16 row of the 1.7B shape is the float model of the
 same shape (load_format=dummy: the same compute as a dequantized file, without its float32 cache).
 With --llama-bench, llama.cpp's llama-bench runs on the same files with the same threads (-p, -n as
@@ -401,6 +401,8 @@ def main() -> None:
     def run(label: str, model_file: str, spec: dict, gguf_file: str | None) -> None:
         print(f"  {label} ...", flush=True)
         result = {"model": model_file, "config": label, **child({**base, **spec}, timeout)}
+        # The host's bandwidth moves minute to minute: each run's bound is probed right after its decode.
+        result["read_bytes_s"] = read_bandwidth(1 << 28 if args.quick else 1 << 30)
         if gguf_file and args.llama_bench:
             result["llama_bench"] = llama_bench(args.llama_bench, gguf_file, threads,
                                                 0 if args.full and not args.full_prefill else prefill_len, decode_len)
@@ -450,7 +452,7 @@ def main() -> None:
 
     for r in runs:
         if "bytes_per_token" in r:
-            r["bound_tok_s"] = bandwidth / r["bytes_per_token"]
+            r["bound_tok_s"] = r["read_bytes_s"] / r["bytes_per_token"]
             r["fraction_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
             r["best_fraction_of_bound"] = r["decode_best_tok_s"] / r["bound_tok_s"]
     print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'best':>5} {'prefill tok/s':>13} "
