@@ -33,11 +33,13 @@
 // the loader's Q4_0X: the same bytes rearranged within each 8 blocks, see QType): each thread
 // streams its rows, software-prefetched ahead (see prefetch_rows, row_dot2).
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 #include <type_traits>
 #include <utility>

@@ -16,6 +16,12 @@
 // owns its output columns for every token: the weighted sums need no reduction, and each output
 // value's arithmetic (the experts added in expert order, each dot the same integers and float
 // operations as quant_linear_small's) does not depend on the thread count or the batch.
+// A decode token (one pair an expert) instead shares each phase's items (an expert's chunk of 8
+// groups) out by MoEShare: a thread's own contiguous share of the experts, then what the others
+// have left, so a thread the VM runs slower holds nobody at the barrier; down's dots go to a row
+// per pair, added in expert order after phase 2 (the same floats). Each thread quantizes that
+// token's x itself (no barrier), and only the activations the chosen matrices read are made (the
+// super-block fields alone where every part is q4_kr8 / q5_kr8 / q6_kr8, as quant_linear_small).
 // Weights in an r8 layout run r8_group_fn's kernels (8 rows a pass, 1-4 activation rows), or, where
 // an expert has kGemmMinRows pairs or more (a prefill: ~T k / E each) and the layout has one, the
 // integer GEMM's (gemm_r8_256.h: a unit's codes unpacked once per tile of up to 64 pairs, the
@@ -49,20 +55,25 @@ struct MoEAct {
     std::vector<int8_t, Aligned64<int8_t>> q, qk;
     std::vector<float, Aligned64<float>> d, ds, dk;
     std::vector<int16_t, Aligned64<int16_t>> bsk;
-    Act act(int64_t rows, int64_t K, bool super) {
-        Act a{fit(q, rows * K), fit(d, rows * (K / 32)), fit(ds, rows * (K / 32)), K, K / 32, {}};
+    // blocks32: whether a matrix reads the blocks of 32 (else q, d, ds stay null: every one reads qk)
+    Act act(int64_t rows, int64_t K, bool super, bool blocks32) {
+        Act a{nullptr, nullptr, nullptr, K, K / 32, {}};
+        if (blocks32) a.q = fit(q, rows * K), a.d = fit(d, rows * (K / 32)), a.ds = fit(ds, rows * (K / 32));
         if (super && K % 256 == 0) {
             a.qk = fit(qk, rows * K);
             a.dk = fit(dk, rows * (K / 256));
             a.bsk = fit(bsk, rows * (K / 16));
         }
+        a.blocks32 = blocks32;
         return a;
     }
 };
 
 // Rows `first` .. of a as an Act of their own.
 inline Act act_rows(const Act &a, int64_t first) {
-    Act r{a.q + first * a.K, a.d + first * a.nb, a.ds + first * a.nb, a.K, a.nb, {}};
+    Act r{nullptr, nullptr, nullptr, a.K, a.nb, {}};
+    if (a.blocks32) r.q = a.q + first * a.K, r.d = a.d + first * a.nb, r.ds = a.ds + first * a.nb;
+    r.blocks32 = a.blocks32;
     if (a.qk != nullptr) {
         r.qk = a.qk + first * a.K;
         r.dk = a.dk + first * (a.K / 256);
@@ -73,11 +84,19 @@ inline Act act_rows(const Act &a, int64_t first) {
 thread_local MoEAct t_moe_x, t_moe_a;
 thread_local std::vector<float> t_moe_gated;
 
-inline float moe_glu(const MoEGlu &f, float g, float u) {
-    if (f.kind == 0) return g / (1.f + std::exp(-g)) * u;
-    g = std::min(g, f.limit);
-    u = std::min(f.limit, std::max(-f.limit, u));
-    return g / (1.f + std::exp(-f.alpha * g)) * (u + 1.f);
+// out[i] = glu(g[i], u[i]) for 8 lanes: the 8 exponentials first, then the rest lane by lane in
+// the compiler's vectors (one division for 8): the same float operations as one lane at a time.
+inline void moe_glu8(const MoEGlu &f, const float *g, const float *u, float *out) {
+    float e[8];
+    if (f.kind == 0) {
+        for (int i = 0; i < 8; i++) e[i] = std::exp(-g[i]);
+        for (int i = 0; i < 8; i++) out[i] = g[i] / (1.f + e[i]) * u[i];
+        return;
+    }
+    float gc[8], uc[8];
+    for (int i = 0; i < 8; i++) gc[i] = std::min(g[i], f.limit), uc[i] = std::min(f.limit, std::max(-f.limit, u[i]));
+    for (int i = 0; i < 8; i++) e[i] = std::exp(-f.alpha * gc[i]);
+    for (int i = 0; i < 8; i++) out[i] = gc[i] / (1.f + e[i]) * (uc[i] + 1.f);
 }
 
 // out[t * 8 + i] (t < nt) = row 8 g + i of m against activation rows t0 .. t0 + nt - 1 of a.
@@ -93,6 +112,18 @@ inline void moe_rows8(const QuantPart &m, int64_t g, const Act &a, int64_t t0, i
     const int64_t ahead = prefetch_rows(m.ldw, 8), bytes = a.K / kElems[qt] * kBytes[qt];
     if (8 * g + 8 + ahead <= m.rows) prefetch_bytes(m.w + (8 * g + ahead) * m.ldw, m.ldw, 8, bytes);
     for (int i = 0; i < 8; i++) fn(m.w + (8 * g + i) * m.ldw, a, t0, out + i, 8);
+}
+
+// The first kR8Ahead bytes of m's group g (an r8 layout's), fetched while the groups before it
+// run: the r8 dots fetch kR8Ahead ahead within a matrix's stream, not into the next expert's.
+inline void moe_prefetch_group(const QuantPart &m, int64_t g) {
+#ifdef MOE_GEMM
+    if (!is_r8(int(m.qtype)) || 8 * g >= m.rows) return;
+    const uint8_t *p = m.w + g * m.ldw;
+    for (int64_t l = 0; l < kR8Ahead; l += 64) _mm_prefetch(reinterpret_cast<const char *>(p + l), _MM_HINT_T0);
+#else
+    (void)m, (void)g;
+#endif
 }
 
 #ifdef MOE_GEMM
@@ -121,6 +152,47 @@ inline void moe_gemm8(const QuantPart &m, int64_t g, const GemmAct &a, int64_t t
     }
 }
 #endif
+
+// A phase's items [0, n) shared by a team: thread t's own share [n t / nt, n (t + 1) / nt) taken
+// from its front (its matrices' rows in order: one forward stream each), then, that done, the
+// back item of whichever share has the most left. Every item runs once whatever the team's size.
+class MoEShare {
+  public:
+    MoEShare(int64_t n, int64_t nt) : nt_(nt), shares_(new std::atomic<uint64_t>[nt]) {
+        for (int64_t t = 0; t < nt; t++) shares_[t] = uint64_t(n * t / nt) << 32 | uint64_t(n * (t + 1) / nt);
+    }
+    int64_t next(int64_t tid) {             // an item for thread tid, or -1: none left
+        if (tid < nt_) {
+            const int64_t i = take(shares_[tid], true);
+            if (i >= 0) return i;
+        }
+        for (;;) {
+            int64_t most = 0, from = -1;
+            for (int64_t t = 0; t < nt_; t++) {
+                const uint64_t v = shares_[t].load();
+                if (int64_t(v & 0xffffffffu) - int64_t(v >> 32) > most) most = int64_t(v & 0xffffffffu) - int64_t(v >> 32), from = t;
+            }
+            if (from < 0) return -1;
+            const int64_t i = take(shares_[from], false);
+            if (i >= 0) return i;
+        }
+    }
+
+  private:
+    static int64_t take(std::atomic<uint64_t> &share, bool front) {    // (front << 32 | back), -1 if empty
+        uint64_t v = share.load();
+        for (;;) {
+            const uint64_t lo = v >> 32, hi = v & 0xffffffffu;
+            if (lo >= hi) return -1;
+            if (share.compare_exchange_weak(v, front ? (lo + 1) << 32 | hi : lo << 32 | (hi - 1)))
+                return int64_t(front ? lo : hi - 1);
+        }
+    }
+    int64_t nt_;
+    std::unique_ptr<std::atomic<uint64_t>[]> shares_;
+};
+constexpr int64_t kMoEChunk = 8;           // groups of 8 rows an item (a decode token's phases: MoEShare)
+thread_local std::vector<float> t_moe_res;   // a decode token's down dots, each pair's row
 
 bool moe_part_ok(const QuantPart &m, int64_t rows, int64_t K) {
     const int qt = int(m.qtype);
@@ -166,15 +238,25 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
             chosen.push_back(e);
         }
     const int64_t P = T * k, nbh = H / 32, nbi = I / 32;
-    bool super1 = false, super2 = false;         // whether gate / up, down of a chosen expert read Act::qk
+    // What the chosen experts read: gate and up (1) x's, down (2) the gated rows' super-block fields
+    // (Act::qk: a q4_kr8 / q5_kr8 / q6_kr8 part) or blocks of 32 (any other part); only those are made.
+    bool super1 = false, blocks1 = false, super2 = false, blocks2 = false;
+    bool single = true;                          // every chosen expert has one pair (a decode token): no gather
     for (const int64_t e : chosen) {
-        super1 |= reads_super(int(experts[e].gate.qtype)) || reads_super(int(experts[e].up.qtype));
-        super2 |= reads_super(int(experts[e].down.qtype));
+        (reads_super(int(experts[e].gate.qtype)) ? super1 : blocks1) = true;
+        (reads_super(int(experts[e].up.qtype)) ? super1 : blocks1) = true;
+        (reads_super(int(experts[e].down.qtype)) ? super2 : blocks2) = true;
+        single &= start[e + 1] - start[e] == 1;
     }
-    const Act xt = t_moe_x.act(T + P, H, super1);        // rows 0 .. T - 1: x; T .. T + P - 1: gathered per pair
-    const Act xg = act_rows(xt, T);
-    const Act ag = t_moe_a.act(P, I, super2);
-    const int64_t nsh = xt.qk != nullptr ? H / 256 : 0, nsi = ag.qk != nullptr ? I / 256 : 0;   // super-blocks a row
+    // x's T rows; unless `single`, then gathered per pair in expert order (rows T .. T + P - 1)
+    const Act xt = t_moe_x.act(single ? T : T + P, H, super1, blocks1);
+    const Act xg = single ? xt : act_rows(xt, T);
+    const Act ag = t_moe_a.act(P, I, super2, blocks2);
+    const int64_t nsh = super1 ? H / 256 : 0, nsi = super2 ? I / 256 : 0;    // super-blocks a row, where read
+    const int64_t nbx = blocks1 ? nbh : 0, nba = blocks2 ? nbi : 0;          // blocks of 32 a row, where read
+    // A decode token's x: every thread quantizes it itself, into its own buffers, rather than its
+    // share and a barrier (linear_small's rule, kOwnBlocks).
+    const bool own = single && T * nbh <= kOwnBlocks;
     float *gated = fit(t_moe_gated, P * I);
     // Which experts' matrices the GEMM takes (phase 1: gate and up; phase 2: down), and each pair's
     // tile there (its first row, its rows).
@@ -208,25 +290,63 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
     bx.fit_super(gx, any1 && nsh > 0, P, H);
     ba.fit_super(ga, any2 && nsi > 0, P, I);
 #endif
+    // Block j (of 32) and super-block s of pair p's gated row into ag (and the GEMM's tiles, where it takes p).
+    auto put_a32 = [&](int64_t p, int64_t j) {
+        const int64_t i = p * nbi + j;
+        quantize_one(gated, I, false, p, j, I, const_cast<int8_t *>(ag.q), const_cast<float *>(ag.d),
+                     const_cast<float *>(ag.ds));
+#ifdef MOE_GEMM
+        if (pair_gemm2[p]) gemm_put_block(ag.q + i * 32, ag.d[i], ag.ds[i], ga, tile0[p], tilen[p], p, j);
+#else
+        (void)i;
+#endif
+    };
+    auto put_a256 = [&](int64_t p, int64_t s) {
+        const int64_t i = p * nsi + s;
+        quantize_super_one(gated, I, false, p, s, ag);
+#ifdef MOE_GEMM
+        if (pair_gemm2[p] && ga.qk != nullptr)
+            gemm_put_super(ag.qk + i * 256, ag.dk[i], ag.bsk + 16 * i, ga, tile0[p], tilen[p], p, s);
+#else
+        (void)i;
+#endif
+    };
+    const int64_t team = omp_get_max_threads();
+    MoEShare share1(single ? int64_t(chosen.size()) * ((I / 8 + kMoEChunk - 1) / kMoEChunk) : 0, team);
+    MoEShare share2(single ? int64_t(chosen.size()) * ((H / 8 + kMoEChunk - 1) / kMoEChunk) : 0, team);
+    float *res = single ? fit(t_moe_res, P * H) : nullptr;
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        Act x1 = xg;                             // what gate and up read: xg, or this thread's own x (`own`)
+        if (own) {
+            if (tid != 0) x1 = t_moe_x.act(T, H, super1, blocks1);
+            for (int64_t i = 0; i < T * nbx; i++)
+                quantize_one(x, ldx, x_bf16 != 0, i / nbh, i % nbh, H, const_cast<int8_t *>(x1.q),
+                             const_cast<float *>(x1.d), const_cast<float *>(x1.ds));
+            for (int64_t i = 0; i < T * nsh; i++) quantize_super_one(x, ldx, x_bf16 != 0, i / nsh, i % nsh, x1);
+        } else {
 #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < T * nbh; i++)
-            quantize_one(x, ldx, x_bf16 != 0, i / nbh, i % nbh, H, const_cast<int8_t *>(xt.q),
-                         const_cast<float *>(xt.d), const_cast<float *>(xt.ds));
+            for (int64_t i = 0; i < T * nbx; i++)
+                quantize_one(x, ldx, x_bf16 != 0, i / nbh, i % nbh, H, const_cast<int8_t *>(xt.q),
+                             const_cast<float *>(xt.d), const_cast<float *>(xt.ds));
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * nsh; i++) quantize_super_one(x, ldx, x_bf16 != 0, i / nsh, i % nsh, xt);
+            for (int64_t i = 0; i < T * nsh; i++) quantize_super_one(x, ldx, x_bf16 != 0, i / nsh, i % nsh, xt);
+            if (!single) {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) {
-            std::memcpy(const_cast<int8_t *>(xg.q) + p * H, xt.q + token[p] * H, H);
-            std::memcpy(const_cast<float *>(xg.d) + p * nbh, xt.d + token[p] * nbh, nbh * sizeof(float));
-            std::memcpy(const_cast<float *>(xg.ds) + p * nbh, xt.ds + token[p] * nbh, nbh * sizeof(float));
-            if (nsh > 0) {
-                std::memcpy(const_cast<int8_t *>(xg.qk) + p * H, xt.qk + token[p] * H, H);
-                std::memcpy(const_cast<float *>(xg.dk) + p * nsh, xt.dk + token[p] * nsh, nsh * sizeof(float));
-                std::memcpy(const_cast<int16_t *>(xg.bsk) + p * (H / 16), xt.bsk + token[p] * (H / 16),
-                            H / 16 * sizeof(int16_t));
+                for (int64_t p = 0; p < P; p++) {
+                    if (blocks1) {
+                        std::memcpy(const_cast<int8_t *>(xg.q) + p * H, xt.q + token[p] * H, H);
+                        std::memcpy(const_cast<float *>(xg.d) + p * nbh, xt.d + token[p] * nbh, nbh * sizeof(float));
+                        std::memcpy(const_cast<float *>(xg.ds) + p * nbh, xt.ds + token[p] * nbh, nbh * sizeof(float));
+                    }
+                    if (nsh > 0) {
+                        std::memcpy(const_cast<int8_t *>(xg.qk) + p * H, xt.qk + token[p] * H, H);
+                        std::memcpy(const_cast<float *>(xg.dk) + p * nsh, xt.dk + token[p] * nsh, nsh * sizeof(float));
+                        std::memcpy(const_cast<int16_t *>(xg.bsk) + p * (H / 16), xt.bsk + token[p] * (H / 16),
+                                    H / 16 * sizeof(int16_t));
+                    }
+                }
             }
         }
 #ifdef MOE_GEMM
@@ -234,8 +354,8 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
         alignas(32) float wg[kGemmTile * 8], wu[kGemmTile * 8];
         if (any1) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < P * nbh; i++) {
-                const int64_t p = i / nbh, j = i % nbh, q = token[p] * nbh + j;
+            for (int64_t i = 0; i < P * nbx; i++) {
+                const int64_t p = i / nbx, j = i % nbx, q = token[p] * nbh + j;
                 if (pair_gemm1[p])
                     gemm_put_block(xt.q + token[p] * H + 32 * j, xt.d[q], xt.ds[q], gx, tile0[p], tilen[p], p, j);
             }
@@ -249,61 +369,16 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
             }
         }
 #endif
-        // phase 1: gate and up, this thread's groups of every chosen expert
-        const int64_t gi0 = I / 8 * tid / nt, gi1 = I / 8 * (tid + 1) / nt;
-        float vg[4 * 8], vu[4 * 8];
+        float vg[4 * 8], vu[4 * 8], v[4 * 8];
         auto glu8 = [&](const MoEExpert &m, int64_t g, int64_t p0, int64_t n, const float *sg, const float *su) {
             const float *bg = m.gate_bias ? m.gate_bias + 8 * g : nullptr;
             const float *bu = m.up_bias ? m.up_bias + 8 * g : nullptr;
-            for (int64_t t = 0; t < n; t++)
-                for (int i = 0; i < 8; i++)
-                    gated[(p0 + t) * I + 8 * g + i] = moe_glu(act, sg[t * 8 + i] + (bg ? bg[i] : 0.f),
-                                                              su[t * 8 + i] + (bu ? bu[i] : 0.f));
-        };
-        for (const int64_t e : chosen) {
-            const MoEExpert &m = experts[e];
-#ifdef MOE_GEMM
-            if (gemm1[e]) {
-                for (int64_t g = gi0; g < gi1; g++)
-                    for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
-                        const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
-                        moe_gemm8(m.gate, g, gx, p0, n, wg, scratch);
-                        moe_gemm8(m.up, g, gx, p0, n, wu, scratch);
-                        glu8(m, g, p0, n, wg, wu);
-                    }
-                continue;
+            for (int64_t t = 0; t < n; t++) {
+                float gb[8], ub[8];
+                for (int i = 0; i < 8; i++) gb[i] = sg[t * 8 + i] + (bg ? bg[i] : 0.f), ub[i] = su[t * 8 + i] + (bu ? bu[i] : 0.f);
+                moe_glu8(act, gb, ub, gated + (p0 + t) * I + 8 * g);
             }
-#endif
-            for (int64_t g = gi0; g < gi1; g++)
-                for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
-                    const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
-                    moe_rows8(m.gate, g, xg, p0, n, vg);
-                    moe_rows8(m.up, g, xg, p0, n, vu);
-                    glu8(m, g, p0, n, vg, vu);
-                }
-        }
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < P * nbi; i++) {
-            quantize_one(gated, I, false, i / nbi, i % nbi, I, const_cast<int8_t *>(ag.q), const_cast<float *>(ag.d),
-                         const_cast<float *>(ag.ds));
-#ifdef MOE_GEMM
-            const int64_t p = i / nbi, j = i % nbi;
-            if (pair_gemm2[p]) gemm_put_block(ag.q + i * 32, ag.d[i], ag.ds[i], ga, tile0[p], tilen[p], p, j);
-#endif
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < P * nsi; i++) {
-            quantize_super_one(gated, I, false, i / nsi, i % nsi, ag);
-#ifdef MOE_GEMM
-            const int64_t p = i / nsi, s = i % nsi;
-            if (pair_gemm2[p] && ga.qk != nullptr)
-                gemm_put_super(ag.qk + i * 256, ag.dk[i], ag.bsk + 16 * i, ga, tile0[p], tilen[p], p, s);
-#endif
-        }
-        // phase 2: down, this thread's groups (its output columns) of every chosen expert
-        const int64_t gh0 = H / 8 * tid / nt, gh1 = H / 8 * (tid + 1) / nt;
-        float v[4 * 8];
+        };
         auto add8 = [&](const MoEExpert &m, int64_t g, int64_t p0, int64_t n, const float *s) {
             const float *b = m.down_bias ? m.down_bias + 8 * g : nullptr;
             for (int64_t t = 0; t < n; t++) {
@@ -311,25 +386,122 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
                 for (int i = 0; i < 8; i++) o[i] += weight[p0 + t] * (s[t * 8 + i] + (b ? b[i] : 0.f));
             }
         };
-        for (const int64_t e : chosen) {
-            const MoEExpert &m = experts[e];
-#ifdef MOE_GEMM
-            if (gemm2[e]) {
-                for (int64_t g = gh0; g < gh1; g++)
-                    for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
-                        const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
-                        moe_gemm8(m.down, g, ga, p0, n, wg, scratch);
-                        add8(m, g, p0, n, wg);
+        if (single) {
+            // A decode token (one pair an expert): each phase's items, an expert's chunk of groups,
+            // shared out by MoEShare (a thread's own contiguous share first, then what is left of
+            // the others'), so a thread the VM runs slower never holds the other at the barrier.
+            // Down's dots go to res (each pair's row), added in expert order after: the same floats.
+            const int64_t n1 = (I / 8 + kMoEChunk - 1) / kMoEChunk, n2 = (H / 8 + kMoEChunk - 1) / kMoEChunk;
+            for (int64_t item; (item = share1.next(tid)) >= 0;) {
+                const int64_t c = item / n1, g0 = item % n1 * kMoEChunk, g1 = std::min(I / 8, g0 + kMoEChunk);
+                const int64_t e = chosen[c], p = start[e];
+                const MoEExpert &m = experts[e];
+                for (int64_t g = g0; g < g1; g++) {
+                    if (g == std::max(g0, g1 - 2) && g1 == I / 8 && c + 1 < int64_t(chosen.size())) {
+                        moe_prefetch_group(experts[chosen[c + 1]].gate, 0);     // the next expert's streams
+                        moe_prefetch_group(experts[chosen[c + 1]].up, 0);
                     }
-                continue;
-            }
-#endif
-            for (int64_t g = gh0; g < gh1; g++)
-                for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
-                    const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
-                    moe_rows8(m.down, g, ag, p0, n, v);
-                    add8(m, g, p0, n, v);
+                    moe_rows8(m.gate, g, x1, token[p], 1, vg);
+                    moe_rows8(m.up, g, x1, token[p], 1, vu);
+                    glu8(m, g, p, 1, vg, vu);
                 }
+            }
+#pragma omp barrier
+#pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < P * nba; i++) put_a32(i / nba, i % nba);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < P * nsi; i++) put_a256(i / nsi, i % nsi);
+            for (int64_t item; (item = share2.next(tid)) >= 0;) {
+                const int64_t c = item / n2, g0 = item % n2 * kMoEChunk, g1 = std::min(H / 8, g0 + kMoEChunk);
+                const int64_t e = chosen[c], p = start[e];
+                for (int64_t g = g0; g < g1; g++) {
+                    if (g == std::max(g0, g1 - 2) && g1 == H / 8 && c + 1 < int64_t(chosen.size()))
+                        moe_prefetch_group(experts[chosen[c + 1]].down, 0);
+                    moe_rows8(experts[e].down, g, ag, p, 1, res + p * H + 8 * g);
+                }
+            }
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < H / 8; g++)
+                for (int64_t p = 0; p < P; p++) add8(experts[chosen[p]], g, p, 1, res + p * H + 8 * g);
+        } else {
+            // phase 1: gate and up, this thread's groups of every chosen expert: whole blocks of what
+            // down reads (`aligned`, where that splits the groups evenly enough), so the thread then
+            // quantizes the gated values it wrote and one barrier precedes phase 2
+            const int64_t unit = (super2 ? 256 : 32) / 8, nu = I / 8 / unit;
+            const bool aligned = nu % nt == 0 || nu >= 4 * nt;
+            const int64_t gi0 = aligned ? unit * (nu * tid / nt) : I / 8 * tid / nt;
+            const int64_t gi1 = aligned ? unit * (nu * (tid + 1) / nt) : I / 8 * (tid + 1) / nt;
+            const int64_t gh0 = H / 8 * tid / nt, gh1 = H / 8 * (tid + 1) / nt;     // phase 2's (output columns)
+            for (size_t c = 0; c < chosen.size(); c++) {
+                const MoEExpert &m = experts[chosen[c]];
+                const int64_t e = chosen[c];
+    #ifdef MOE_GEMM
+                if (gemm1[e]) {
+                    for (int64_t g = gi0; g < gi1; g++)
+                        for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
+                            const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
+                            moe_gemm8(m.gate, g, gx, p0, n, wg, scratch);
+                            moe_gemm8(m.up, g, gx, p0, n, wu, scratch);
+                            glu8(m, g, p0, n, wg, wu);
+                        }
+                    continue;
+                }
+    #endif
+                for (int64_t g = gi0; g < gi1; g++) {
+                    if (g == std::max(gi0, gi1 - 2)) {      // the next expert's streams (or phase 2's first)
+                        if (c + 1 < chosen.size()) {
+                            moe_prefetch_group(experts[chosen[c + 1]].gate, gi0);
+                            moe_prefetch_group(experts[chosen[c + 1]].up, gi0);
+                        } else {
+                            moe_prefetch_group(experts[chosen[0]].down, gh0);
+                        }
+                    }
+                    for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
+                        const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
+                        moe_rows8(m.gate, g, xg, p0, n, vg);
+                        moe_rows8(m.up, g, xg, p0, n, vu);
+                        glu8(m, g, p0, n, vg, vu);
+                    }
+                }
+            }
+            if (aligned) {
+                for (int64_t p = 0; p < P; p++) {
+                    for (int64_t j = gi0 * 8 / 32; j < (blocks2 ? gi1 * 8 / 32 : 0); j++) put_a32(p, j);
+                    for (int64_t s = gi0 * 8 / 256; s < (super2 ? gi1 * 8 / 256 : 0); s++) put_a256(p, s);
+                }
+    #pragma omp barrier
+            } else {
+    #pragma omp barrier
+    #pragma omp for schedule(static) nowait
+                for (int64_t i = 0; i < P * nba; i++) put_a32(i / nba, i % nba);
+    #pragma omp for schedule(static)
+                for (int64_t i = 0; i < P * nsi; i++) put_a256(i / nsi, i % nsi);
+            }
+            // phase 2: down, this thread's groups (its output columns) of every chosen expert
+            for (size_t c = 0; c < chosen.size(); c++) {
+                const MoEExpert &m = experts[chosen[c]];
+                const int64_t e = chosen[c];
+    #ifdef MOE_GEMM
+                if (gemm2[e]) {
+                    for (int64_t g = gh0; g < gh1; g++)
+                        for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kGemmTile) {
+                            const int64_t n = std::min(kGemmTile, start[e + 1] - p0);
+                            moe_gemm8(m.down, g, ga, p0, n, wg, scratch);
+                            add8(m, g, p0, n, wg);
+                        }
+                    continue;
+                }
+    #endif
+                for (int64_t g = gh0; g < gh1; g++) {
+                    if (g == std::max(gh0, gh1 - 2) && c + 1 < chosen.size()) moe_prefetch_group(experts[chosen[c + 1]].down, gh0);
+                    for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += 4) {
+                        const int n = int(std::min<int64_t>(4, start[e + 1] - p0));
+                        moe_rows8(m.down, g, ag, p0, n, v);
+                        add8(m, g, p0, n, v);
+                    }
+                }
+            }
         }
     }
     return 0;
