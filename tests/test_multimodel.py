@@ -385,11 +385,14 @@ def test_one_model_server_speaks_ollama_and_anthropic(api_server):
 class _FakeLLM:
     max_model_len = 64
 
-    def __init__(self) -> None:
+    def __init__(self, kv_offload_path: str | None = None) -> None:
+        from pagedserve.config import EngineConfig
+        self.config = EngineConfig(kv_offload_path=kv_offload_path)
         self.stopped = False
+        self.shutdown_timeout: float | None = None
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        self.stopped = True
+        self.stopped, self.shutdown_timeout = True, timeout
 
     def abort_all(self) -> None:
         pass
@@ -408,7 +411,7 @@ def _manager(names, **server):
         await asyncio.sleep(0.01)
         if entry.name == "bad":
             raise ValueError("no such weights")
-        llm = _FakeLLM()
+        llm = _FakeLLM(kv_offload_path="/tmp/tier" if entry.name.startswith("tier") else None)
         return LoadedModel(llm, ServerState(llm, [entry.name], None), None, 0)
     specs = [ModelSpec(n, f"/models/{n}", {"kv_cache_memory": 1 << 20}) for n in names]
     return ModelManager(specs, EngineConfig(), ServerConfig(**server), start)
@@ -507,4 +510,26 @@ def test_manager_least_recently_used_busy_and_memory():
         with pytest.raises(APIError, match="--max-memory") as e:
             await small.acquire("a")
         assert e.value.status == 503
+    asyncio.run(scenario())
+
+
+def test_an_engine_saving_to_the_disk_tier_gets_the_time_to_finish_at_unload_and_exit():
+    """A model with a disk tier saves its pool's cached blocks on its engine's way out: its unload and
+    the server's exit wait for that (found: 30 s and 5 s, and the exit dropped the blocks not yet written)."""
+    import asyncio
+
+    from pagedserve.server.state import TIER_SAVE_TIMEOUT_S
+
+    async def scenario():
+        m = _manager(["a", "tier-a", "tier-b"], keep_alive="-1")
+        loaded = {name: await m.acquire(name) for name in m.entries}
+        for entry in loaded.values():
+            m.release(entry)
+        a, tier_a = loaded["a"].loaded.llm, loaded["tier-a"].loaded.llm
+        await m.unload("a")
+        await m.unload("tier-a")
+        assert (a.shutdown_timeout, tier_a.shutdown_timeout) == (30.0, TIER_SAVE_TIMEOUT_S)
+        tier_b = loaded["tier-b"].loaded.llm
+        await m.shutdown(timeout=5.0)
+        assert tier_b.shutdown_timeout == TIER_SAVE_TIMEOUT_S
     asyncio.run(scenario())

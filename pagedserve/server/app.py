@@ -41,7 +41,7 @@ from pagedserve.server.embeddings import add_embedding_routes
 from pagedserve.server.lora import ServerLoRAs, add_lora_routes, check_startup_adapters, lora_cards
 from pagedserve.server.responses import add_responses_routes
 from pagedserve.server.serving import ChatServing, CompletionServing, chat_prompt_ids
-from pagedserve.server.state import DEFAULT_MODEL_NAME, ServerState
+from pagedserve.server.state import DEFAULT_MODEL_NAME, ServerState, engine_exit_timeout
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -195,9 +195,6 @@ def add_process_routes(app: FastAPI, state: ServerState) -> None:
         return {"version": pagedserve.__version__}
 
 
-TIER_SAVE_TIMEOUT_S = 300.0    # at shutdown, for the engine thread's save of the pool to the disk tier
-
-
 def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -212,9 +209,7 @@ def build_app(state: ServerState, server: ServerConfig | None = None) -> FastAPI
             task.cancel()
         if "prompts" in state.__dict__:
             state.prompts.close()
-        # A step is short: never hold the exit long, except that the engine's way out saves the pool's
-        # cached blocks to the disk tier (seconds for a large pool; the exit would drop the rest).
-        await state.llm.shutdown(timeout=TIER_SAVE_TIMEOUT_S if state.llm.config.kv_offload_path else 5.0)
+        await state.llm.shutdown(timeout=engine_exit_timeout(state.llm, 5.0))
 
     no_docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if server and server.disable_fastapi_docs else {}
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **no_docs)

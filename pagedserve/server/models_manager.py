@@ -35,7 +35,7 @@ from pagedserve.engine.protocol import EngineClient
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import RETRY_AFTER_S, APIError
 from pagedserve.server.model_specs import ModelSpec, parse_duration, parse_memory, rss_bytes
-from pagedserve.server.state import ServerState
+from pagedserve.server.state import ServerState, engine_exit_timeout
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -296,7 +296,7 @@ class ModelManager:
         try:
             for hook in loaded.state.on_shutdown:
                 hook()
-            await loaded.llm.shutdown(timeout=30.0)
+            await loaded.llm.shutdown(timeout=engine_exit_timeout(loaded.llm, 30.0))
             if "prompts" in loaded.state.__dict__:
                 loaded.state.prompts.close()
         except Exception:   # noqa: BLE001 - the model goes whatever its engine said
@@ -332,7 +332,7 @@ class ModelManager:
         for entry in self.entries.values():
             self._cancel_timer(entry)
             if entry.loaded is not None:
-                await entry.loaded.llm.shutdown(timeout)
+                await entry.loaded.llm.shutdown(engine_exit_timeout(entry.loaded.llm, timeout))
         self.state = "stopped"
 
 

@@ -22,6 +22,13 @@ from pagedserve.server.prompts import PromptProcessor
 logger = logging.getLogger("pagedserve.server")
 
 DEFAULT_MODEL_NAME = DEFAULT_HUB_ID     # the default model's Hub id (it resolves to the bundled file offline)
+TIER_SAVE_TIMEOUT_S = 300.0             # at shutdown, for the engine thread's save of the pool to the disk tier
+
+
+def engine_exit_timeout(llm: EngineClient, timeout: float) -> float:
+    """How long to wait for an engine's way out: `timeout` (a step is short; never hold the exit long),
+    longer where the engine saves its pool's cached blocks to the disk tier (the exit would drop the rest)."""
+    return max(timeout, TIER_SAVE_TIMEOUT_S) if llm.config.kv_offload_path else timeout
 
 
 @dataclass
