@@ -186,9 +186,12 @@ def check_tensor_shapes(reader: GGUFFile, args: ModelArgs) -> None:
                                 f"shape {list(have)} contradicts the metadata, which implies "
                                 f"{[v for _, v in want]} ({wrong[0]} = {wrong[1]})")
     # Every layer the metadata counts holds (at least) the tensors of layer 0: the model builds
-    # block_count layers alike.
+    # block_count layers alike (their FFN's aside in an MoE model: dense and sparse layers mix,
+    # Qwen3-MoE's mlp_only_layers / decoder_sparse_step).
+    mixed_ffn = args.moe is not None
     for layer in range(1, args.num_layers):
-        lacking = sorted(kinds.get(0, set()) - kinds.get(layer, set()))
+        lacking = sorted(k for k in kinds.get(0, set()) - kinds.get(layer, set())
+                         if not (mixed_ffn and k.startswith("ffn_")))
         if lacking:
             raise GGUFFileError(reader.path, f"blk.{layer}.{lacking[0]}",
                                 f"missing (layer 0 has it and {p}block_count is {args.num_layers})")
