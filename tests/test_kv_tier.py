@@ -85,6 +85,15 @@ def test_a_restarted_engine_reads_its_first_prefix_from_the_tier(model, prompts,
     assert tier_llm(model, tmp_path, dtype="bfloat16").kv_cache_stats()["kv_offload_blocks"] == 0
 
 
+def run_to_end(engine) -> dict:
+    """Step the engine until every request finished: each request's last output by id."""
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return outputs
+
+
 def restarted_behind_a_running_request(model, prompts, tmp_path, **kw):
     """A restarted engine (max_num_seqs 1) running one request, with prompts[0]'s blocks in its
     tier; prompts[0] then queues behind it. Returns the engine and the reference tokens."""
@@ -112,10 +121,7 @@ def test_a_request_queued_behind_a_running_one_reads_its_prefix_ahead(model, pro
     stats = llm.kv_cache_stats()
     assert stats["kv_offload_hits"] == 5 * 16                       # looked up while the other runs
     assert tier.waiting("queued") or stats["kv_offload_blocks_loaded"] == 5
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out
+    outputs = run_to_end(engine)
     assert outputs["queued"].outputs[0].token_ids == ref and outputs["queued"].num_cached_tokens == 5 * 16
     assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5
     assert_no_blocks_held(llm)
@@ -129,10 +135,7 @@ def test_read_ahead_off_reads_a_queued_prefix_only_when_admission_reaches_it(mod
     engine.step()
     assert engine.requests["queued"].status.name == "WAITING"
     assert llm.kv_cache_stats()["kv_offload_hits"] == 0 and not engine.scheduler.tier.loading
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out
+    outputs = run_to_end(engine)
     assert outputs["queued"].outputs[0].token_ids == ref and outputs["queued"].num_cached_tokens == 5 * 16
     assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5
     assert_no_blocks_held(llm)
@@ -153,10 +156,7 @@ def test_read_ahead_never_evicts_the_landed_blocks_of_a_request_ahead(model, pro
     engine.step()
     for i in range(4):
         engine.add_request(f"q{i}", {"prompt_token_ids": prompts[i]}, SP)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out
+    outputs = run_to_end(engine)
     assert [outputs[f"q{i}"].outputs[0].token_ids for i in range(4)] == refs[:4]
     assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5 * 5          # each prefix read once
     assert_no_blocks_held(llm)
