@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,16 @@ def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                           min_new_tokens=max_new_tokens, pad_token_id=hf.config.eos_token_id)
     return out[0, len(prompt_ids):].tolist()
+
+
+def wait_for(condition, what: str, timeout: float = 60.0, interval: float = 0.02):
+    """Poll until `condition()` is true and return its value; a hang fails the test after `timeout`
+    seconds (a bound on waiting, never asserted on as a speed)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+    return value
 
 
 PROMPTS = [

@@ -2,13 +2,13 @@
 Ray-actor replicas joined to the test run's Ray instance, driven by the official openai
 client. Few tests, one server (starting replicas is the slow part)."""
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
+from tests.conftest import wait_for
 from tests.server_utils import API_KEY, KV_BLOCKS, PROMPT, api_server_args, metrics, served, sse_events
 
 ray = pytest.importorskip("ray")
@@ -42,18 +42,12 @@ def replicas() -> list:
     assert len(names) == 2, names
     return [ray.get_actor(n, namespace="pagedserve") for n in names]
 
+WAIT_S = 120.0   # seconds a wait for the cluster may take (a hang fails; never asserted on as a speed)
+
 
 def engine(m: dict, name: str, i: int, **labels) -> float:
     extra = "".join(f',{k}="{v}"' for k, v in labels.items())
     return m[f'pagedserve:{name}{{engine="{i}"{extra}}}']
-
-
-def wait_for(cond, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def finished(m: dict) -> float:
@@ -70,7 +64,7 @@ def wait_synced(http, num_finished: float | None = None) -> dict:
         ok = all(engine(m, "num_requests_running", i) == 0 and engine(m, "kv_cache_usage_perc", i) == 0
                  and engine(m, "router_indexed_blocks", i) == len(sizes[i]) for i in range(2))
         return m if ok and (num_finished is None or finished(m) == num_finished) else None
-    return wait_for(synced, "the router's index to catch up")
+    return wait_for(synced, "the router's index to catch up", timeout=WAIT_S, interval=0.05)
 
 
 def test_streaming_n2_chat_tokenize_and_metrics_through_the_router(server, client, http, offline):
@@ -168,7 +162,7 @@ def test_a_killed_replica_fails_its_requests_only_and_rejoins(http, client, serv
             assert any(next(lines).startswith("data: ") for _ in range(6))
             m = wait_for(lambda: (m := metrics(http)) and (any(engine(m, "num_requests_running", i) for i in range(2))
                                                            or finished(m) > finished(before)) and m,
-                         "the request to show in the metrics, or to end")
+                         "the request to show in the metrics, or to end", timeout=WAIT_S, interval=0.05)
             running = [i for i in range(2) if engine(m, "num_requests_running", i)]
             if running:
                 victim = running[0]
@@ -186,7 +180,8 @@ def test_a_killed_replica_fails_its_requests_only_and_rejoins(http, client, serv
         out = client.completions.create(model="tiny", prompt="Keys and values", max_tokens=4, temperature=0)
         assert out.choices[0].finish_reason == "length"
     # The restarted replica rejoins (a fresh engine) and takes requests again.
-    wait_for(lambda: engine(metrics(http), "router_replica_up", victim) == 1, "the replica to rejoin", timeout=240)
+    wait_for(lambda: engine(metrics(http), "router_replica_up", victim) == 1, "the replica to rejoin", timeout=240,
+             interval=0.05)
     before = wait_synced(http)
     threads = [threading.Thread(target=client.completions.create,
                                 kwargs=dict(model="tiny", prompt=p, max_tokens=24, temperature=0,

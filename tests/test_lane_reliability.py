@@ -18,6 +18,7 @@ from pagedserve import SamplingParams
 from pagedserve.engine.protocol import QueueFullError
 from pagedserve.engine.tokenizer import TokenizerLane
 from pagedserve.errors import InvalidRequestError
+from tests.conftest import wait_for
 from tests.fault_server import HOLD_RENDER, SLOW_STEPS
 from tests.fault_server import install as install_faults
 from tests.server_utils import API_KEY, api_server_args, served, wait_idle
@@ -114,13 +115,6 @@ def _chat(gate: Path) -> dict:
             "messages": [{"role": "user", "content": f"{PROMPT} {HOLD_RENDER}{gate} please"}]}
 
 
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + GATE_WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"still waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("round_", [0, 1])
 def test_the_server_answers_a_full_tokenizer_lane_with_the_full_queues_503(server, tmp_path, round_):
     """One chat holds the small lane's thread (its render waits for a gate), 6 more come: LIMIT - 1
@@ -131,9 +125,10 @@ def test_the_server_answers_a_full_tokenizer_lane_with_the_full_queues_503(serve
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http, \
             ThreadPoolExecutor(8) as pool:
         first = pool.submit(http.post, "/v1/chat/completions", json=_chat(gate))
-        _wait_for(lambda: Path(f"{gate}.held").exists(), "the first render to hold the lane")
+        wait_for(lambda: Path(f"{gate}.held").exists(), "the first render to hold the lane", timeout=GATE_WAIT_S,
+                 interval=0.01)
         rest = [pool.submit(http.post, "/v1/chat/completions", json=_chat(gate)) for _ in range(6)]
-        _wait_for(lambda: sum(f.done() for f in rest) >= 6 - (LIMIT - 1), "the refusals")
+        wait_for(lambda: sum(f.done() for f in rest) >= 6 - (LIMIT - 1), "the refusals", timeout=GATE_WAIT_S, interval=0.01)
         refused = [f.result() for f in rest if f.done()]
         gate.touch()
         answers = [first.result()] + [f.result() for f in rest]

@@ -19,6 +19,7 @@ from pagedserve.config import EngineConfig, server_grammar_warmup
 from pagedserve.server.app import make_engine_client
 from pagedserve.server.config import ServerConfig
 from pagedserve.structured.manager import GrammarCompiler
+from tests.conftest import wait_for
 from tests.fault_server import slow_schema
 
 WAIT = 60   # seconds any future may take here before the test fails (never reached when it passes)
@@ -223,22 +224,14 @@ def test_failed_constraints_count_against_the_cache_too(compiler):
     assert again.done() and c.num_compiles == 30    # refused again at once, not recompiled
 
 
-def _wait_for(condition, what: str):
-    """Poll until `condition()` is true (WAIT seconds at most: a hang fails, not a slow machine)."""
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)
-
-
 def test_the_engine_warms_the_grammar_compiler_and_its_process_at_start(tiny_llama):
     """structured_outputs_warmup: at start a daemon thread builds the compiler and a compile
     process, which the first structured request then uses (no process of its own started)."""
     llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, structured_outputs_warmup=True)
     try:
         engine = llm.engine
-        _wait_for(lambda: engine._grammars is not None and engine._grammars.processes is not None
-                  and engine._grammars.processes.idle_pids, "a warmed compile process")
+        wait_for(lambda: engine._grammars is not None and engine._grammars.processes is not None
+                  and engine._grammars.processes.idle_pids, "a warmed compile process", timeout=WAIT)
         (warm,) = engine.grammars.processes.idle_pids
         assert engine.grammars._compiler is not None and engine.grammars.num_compiles == 0
         params = SamplingParams(temperature=0, max_tokens=4,
@@ -256,9 +249,9 @@ def test_an_engine_that_never_compiles_shuts_its_warm_up_down(tiny_llama):
     for wait_ready in (False, True):
         llm = LLM(tiny_llama.path, dtype="float32", num_gpu_blocks_override=64, structured_outputs_warmup=True)
         engine = llm.engine
-        _wait_for(lambda: engine._grammars is not None and engine._grammars.processes is not None
+        wait_for(lambda: engine._grammars is not None and engine._grammars.processes is not None
                   and (engine._grammars.processes.idle_pids if wait_ready else engine._grammars.processes.pids),
-                  "a compile process")
+                  "a compile process", timeout=WAIT)
         pids = engine.grammars.processes.pids
         llm.shutdown()
         assert pids and not any(alive(p) for p in pids)
