@@ -88,11 +88,6 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
 }
 
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-// The 8 bytes at p in each 64-bit lane (one broadcast load).
-inline __m256i bcast8(const int8_t *p) {
-    return _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double *>(p)));
-}
-
 // Q6_KR8 super-block s of unit u against rows t0 .. t0 + NT - 1 of the super-block activations
 // (a.qk, dk, bsk): per row, the unsigned codes' 16-bit pair sums times the sub-block scales (madd)
 // summed in int32 over the whole super-block (2 lanes a row per half: one hadd at the end), less
@@ -166,8 +161,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
                     #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {
                         const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
-                        const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-                        isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot8_q4(c, xb, L));
+                        isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot8_q4(c, x, L));
                     }
                 } else {
                     const __m256i l0 = k_lanes(ks, j, 0), l1 = k_lanes(ks, j, 1);

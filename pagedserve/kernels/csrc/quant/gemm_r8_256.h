@@ -158,17 +158,8 @@ inline void gemm_k_rows(const __m256i c[2][4], __m256i l0, __m256i l1, const Gem
 inline void gemm_k4_rows(const __m256i c[2][4], __m256i L, const GemmAct &g, int64_t t0, int64_t n, int64_t j, int32_t *isum) {
     const int8_t *xq = g.qk + 32 * g.at(t0, n, j, 0);
     for (int64_t t = 0; t < n; t++) {
-        // k_dot8_q4's integers, each broadcast used by both halves at once (one register live, not
-        // four: no spill of a code register); the 16-bit sums are exact, so any order gives them
-        const int8_t *x = xq + 32 * t;
-        __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            const __m256i xb = bcast8(x + 8 * k);
-            h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(c[0][k], xb));
-            h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(c[1][k], xb));
-        }
         __m256i *v = reinterpret_cast<__m256i *>(isum + 8 * t);
-        _mm256_store_si256(v, _mm256_add_epi32(_mm256_load_si256(v), _mm256_madd_epi16(_mm256_hadd_epi16(h0, h1), L)));
+        _mm256_store_si256(v, _mm256_add_epi32(_mm256_load_si256(v), k_dot8_q4(c, xq + 32 * t, L)));
     }
 }
 

@@ -109,6 +109,11 @@ inline void k_super_scales(const uint8_t *u, KSuper &ks) {
     ks.so[1] = sco[1];
 }
 
+// The 8 bytes at p in each 64-bit lane (one broadcast load).
+inline __m256i bcast8(const int8_t *p) {
+    return _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double *>(p)));
+}
+
 // Sub-block j's 6-bit scales as both int16 halves of each dword, rows in the hadd's order (a madd
 // against k_dot8_q4's 16-bit sums).
 inline __m256i k_pair_lanes(const KSuper &ks, int j) {
@@ -121,13 +126,17 @@ inline __m256i k_pair_lanes(const KSuper &ks, int j) {
 // q4_k (codes <= 15): a sub-block's 8 rows' dots times their scales L (k_pair_lanes) in one
 // register, rows in the hadd's order: each half's four products sum in 16 bits (<= 4 * 2 * 15 * 127),
 // a 16-bit hadd adds the two lanes of a row pair (<= 30480 < 32768), one madd by the scales
-// (each dword <= 2 * 30480 * 63).
-inline __m256i k_dot8_q4(const __m256i c[2][4], const __m256i xb[4], __m256i L) {
-    auto half16 = [&](const __m256i *h) {
-        return _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(h[0], xb[0]), _mm256_maddubs_epi16(h[1], xb[1])),
-                                _mm256_add_epi16(_mm256_maddubs_epi16(h[2], xb[2]), _mm256_maddubs_epi16(h[3], xb[3])));
-    };
-    return _mm256_madd_epi16(_mm256_hadd_epi16(half16(c[0]), half16(c[1])), L);
+// (each dword <= 2 * 30480 * 63). x: the sub-block's 32 activation codes; each 8-byte broadcast is
+// used by both halves at once (one register live, not four: no code register spilled where the
+// caller keeps c in registers); the 16-bit sums are exact, so any order gives them.
+inline __m256i k_dot8_q4(const __m256i c[2][4], const int8_t *x, __m256i L) {
+    __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const __m256i xb = bcast8(x + 8 * k);
+        h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(c[0][k], xb));
+        h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(c[1][k], xb));
+    }
+    return _mm256_madd_epi16(_mm256_hadd_epi16(h0, h1), L);
 }
 
 // Sub-block j's 6-bit scales as the int16 lanes of half h's maddubs sums (row 4 h + r's 4 lanes at
