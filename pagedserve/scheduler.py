@@ -44,14 +44,14 @@ unfinished requests never schedules nothing. Why:
    what the other running requests' decodes reserve. Running requests claim at most
    `max_num_seqs` sequences in all, so that leaves at least the head's own sequences,
    and a running request always has a token to compute: its plan is never empty.
-3. If blocks are short, the other running requests are preempted, newest first. Once
-   all are gone the head holds every block in use and, by 1, still fits: it is never
-   its own victim, and nothing can preempt it (scheduled requests are never victims).
-   So it computes a token, and, never preempted, never loses one: it finishes within
-   as many steps as it has tokens to compute.
+3. If blocks are short, waiting requests' holds on landed disk-tier reads are dropped (kv/tier.py),
+   then the other running requests are preempted, newest first. Once all are gone the head
+   holds every block in use and, by 1, still fits: it is never its own victim, and nothing
+   can preempt it (scheduled requests are never victims). So it computes a token, and, never
+   preempted, never loses one: it finishes within as many steps as it has tokens to compute.
 4. With nothing running, the oldest swapped request is swapped in, or else the first
-   waiting one admitted, with the whole pool and budget: by 1, it fits (no prefill is in
-   progress then, so neither partial-prefill limit holds it back). (A request whose
+   waiting one admitted, with the whole pool (others' tier holds dropped) and budget: by 1,
+   it fits (no prefill is in progress then, so neither partial-prefill limit holds it back). (A request whose
    grammar is still compiling is passed over, keeping its place; a compile ends, and then
    the request is admitted like any other, or failed by the engine if it did not compile.
    Admission control holds a new prompt back only while others run: the watermark is not
@@ -329,6 +329,8 @@ class Scheduler:
             if not plan:
                 continue
             while (copies := self._allocate(plan)) is None:
+                if self.tier is not None and self.tier.drop_landed():
+                    continue       # waiting requests' landed tier reads give way first: no preemption for them
                 victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
                 self._preempt(victim, out)
                 if victim is req:
@@ -387,6 +389,8 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())   # a long slot frees up: it comes first again
                 continue
             admitted = self._admit(req, budget, hit)
+            if admitted is None and self.tier is not None and self.tier.drop_landed(keep=req.request_id):
+                admitted = self._admit(req, budget)     # holds of requests behind never keep it out
             if admitted is None:
                 break          # out of blocks: stop admitting
             plan, copies = admitted
@@ -657,6 +661,8 @@ class Scheduler:
         if copies is None:
             self._release_blocks(req)
             return None
+        if self.tier is not None:
+            self.tier.release(req.request_id)    # its tables hold its landed blocks now
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(req.seqs[0].num_computed_tokens, prompt_len)
             self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)
@@ -665,12 +671,11 @@ class Scheduler:
     def _wait_for_tier(self, req: Request, reserve: int | None = None) -> bool:
         """Whether a waiting request waits for the disk tier: its reads are in flight, or its prefix
         misses the pool but hits the tier and reads start now (where its admission leaves `reserve`
-        free; by default the watermark while others run). Landed reads are cached blocks: it is
-        admitted through the ordinary lookup. At most two reads, so a prefix evicted again before
-        admission is computed rather than chased."""
+        free; by default the watermark while others run). Landed reads are cached blocks it holds
+        until its admission takes them. At most two reads: a prefix evicted again is computed."""
         rid = req.request_id
-        if self.tier.waiting(rid):
-            return True
+        if self.tier.holds(rid):
+            return self.tier.waiting(rid)    # landed: held for its admission
         tries = self._tier_tries.get(rid)
         if req.computes_every_prompt_token or (tries or 0) >= 2:
             return False
@@ -687,33 +692,26 @@ class Scheduler:
         """Start the tier reads of waiting requests the admission loop did not reach (behind running
         ones, the budget, max_num_seqs), in queue order, overlapping the others' compute; only while
         their admissions leave free the watermark, the running prompts' blocks and what the requests
-        already reading take (`TierLink.reserved`). Nobody reads ahead behind a request whose reads
-        landed (its blocks are free cached ones until admitted: others' reads would evict them), nor
-        behind one whose prefix the tier holds but whose admission does not fit yet (next step)."""
+        already reading or holding take (`TierLink.reserved`). Nobody reads ahead behind one whose
+        hold was dropped (others' reads would evict its free cached blocks), nor behind one whose
+        prefix the tier holds but whose admission does not fit yet (next step)."""
         base = self.watermark_blocks + sum(self.kv.num_blocks_to_hold(s.seq_id, len(r.prompt_token_ids))
                                            for r in self.running for s in r.live_seqs)
         for req in self.waiting:
             reserve, rid, hits = base + self.tier.reserved(), req.request_id, self.tier.index.stats.hits
-            tries, reading = self._tier_tries.get(rid), self.tier.waiting(rid)
-            if reserve >= self.kv.num_free_blocks or (tries and not reading):
+            tries, holds = self._tier_tries.get(rid), self.tier.holds(rid)
+            if reserve >= self.kv.num_free_blocks or (tries and not holds):
                 return
-            if reading or (tries == 0 and rid not in self._tier_deferred):
-                continue          # reading, or nothing of its prefix in the tier
+            if holds or (tries == 0 and rid not in self._tier_deferred):
+                continue          # reading or read (held), or nothing of its prefix in the tier
             if not self._wait_for_tier(req, reserve) and (rid in self._tier_deferred or self.tier.index.stats.hits > hits):
                 self._tier_deferred.add(rid)
                 return
 
     def apply_tier_report(self, report: TierReport) -> None:
-        """The worker's news of the disk tier: landed reads enter the prefix cache, failed ones
-        and lost files leave the tier's index."""
-        if self.tier is None:
-            return
-        self.tier.finished(report.loaded, report.failed)
-        self.tier.forget(report.lost)
-        stats = self.tier.index.stats
-        stats.bytes_written, stats.bytes_read = report.bytes_written, report.bytes_read
-        stats.host_blocks, stats.host_loads = report.host_blocks, report.host_loads
-        stats.writable = stats.writable and report.writable
+        """The worker's news of the disk tier (`TierLink.apply`)."""
+        if self.tier is not None:
+            self.tier.apply(report)
 
     def _above_watermark(self, seqs: list[Sequence], prompt_len: int) -> bool:
         """Admission control: after the rest of these sequences' prompt blocks (beyond the
@@ -780,6 +778,8 @@ class Scheduler:
         sequence for its next token when others run (so it does not bounce straight back)."""
         ids = [s.seq_id for s in req.live_seqs]
         needed = self.kv.swap.num_blocks_to_swap(ids) + (len(ids) * self.kv.num_groups if self.running else 0)
+        if needed > self.kv.num_free_blocks and self.tier is not None:
+            self.tier.drop_landed()      # waiting requests' landed tier reads give way first
         if needed > self.kv.num_free_blocks:
             return False
         self.swapped.popleft()

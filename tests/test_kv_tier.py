@@ -162,6 +162,71 @@ def test_read_ahead_never_evicts_the_landed_blocks_of_a_request_ahead(model, pro
     assert_no_blocks_held(llm)
 
 
+def test_landed_reads_are_held_until_admission(model, prompts, tmp_path):
+    """A restarted engine (max_num_seqs 1, 16 blocks) runs one request; queued behind it, one
+    request whose prompt no tier holds and one whose prefix the tier holds (read ahead: its reads
+    land long before a seat frees). When the running one finishes its blocks are freed after the
+    landed ones, so the first queued request's prefill evicted the landed blocks (the least
+    recently used cached ones) and the request behind read them again (7 blocks; 5 held, the
+    running request's cached blocks evicted instead). Same tokens; nothing leaks."""
+    first = tier_llm(model, tmp_path, blocks=64)
+    ref = one_by_one(first, prompts[:1])[0]
+    first.shutdown()                                  # the tier holds prompts[0]'s prefix only
+    cold_ref = one_by_one(LLM(model.path, dtype="float32", num_gpu_blocks_override=64), prompts[2:3])[0]
+    llm = tier_llm(model, tmp_path, blocks=16, max_num_seqs=1, check_invariants=True)
+    assert llm.kv_cache_stats()["kv_offload_blocks"] == 5
+    engine = llm.engine
+    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=24,
+                                                                                  ignore_eos=True))
+    engine.step()
+    engine.add_request("cold", {"prompt_token_ids": prompts[2]}, SP)
+    engine.add_request("read", {"prompt_token_ids": prompts[0]}, SP)
+    outputs = run_to_end(engine)
+    assert outputs["cold"].outputs[0].token_ids == cold_ref and outputs["read"].outputs[0].token_ids == ref
+    assert outputs["read"].num_cached_tokens == 5 * 16
+    assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5                 # read once
+    assert_no_blocks_held(llm)
+
+
+def test_a_running_requests_growth_takes_held_blocks_before_it_preempts(model, prompts, tmp_path):
+    """A restarted engine (max_num_seqs 1, 14 blocks) runs a request that grows to 10 blocks while
+    one queued behind it holds the 5 blocks its read-ahead read: the running request wins (the
+    hold is dropped, nobody is preempted: a hold that outranked it would preempt it forever), and
+    both requests' tokens are the tier-less engine's; the invariant checker runs every step."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ample = LLM(model.path, dtype="float32", num_gpu_blocks_override=64)
+    long_ref = ample.generate({"prompt_token_ids": prompts[1]}, long, use_tqdm=False)[0].outputs[0].token_ids
+    first = tier_llm(model, tmp_path, blocks=64)
+    ref = one_by_one(first, prompts[:1])[0]
+    first.shutdown()
+    llm = tier_llm(model, tmp_path, blocks=14, max_num_seqs=1, check_invariants=True)
+    engine, tier = llm.engine, llm.engine.scheduler.tier
+    engine.add_request("running", {"prompt_token_ids": prompts[1]}, long)
+    engine.step()
+    engine.add_request("queued", {"prompt_token_ids": prompts[0]}, SP)
+    outputs, held = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        held = held or (tier.holds("queued") and not tier.waiting("queued"))
+    assert held and engine.scheduler.stats.num_preemptions == 0
+    assert outputs["running"].outputs[0].token_ids == long_ref and outputs["queued"].outputs[0].token_ids == ref
+    assert_no_blocks_held(llm)
+
+
+def test_an_abort_releases_held_reads(model, prompts, tmp_path):
+    """A queued request whose reads landed holds their blocks; aborted, it lets them go at once."""
+    llm, _ = restarted_behind_a_running_request(model, prompts, tmp_path, check_invariants=True)
+    engine, tier = llm.engine, llm.engine.scheduler.tier
+    while not tier.holds("queued") or tier.waiting("queued"):
+        engine.step()
+    free = llm.kv_cache_stats()["num_free_blocks"]
+    engine.abort_request("queued")
+    assert not tier.fetches and llm.kv_cache_stats()["num_free_blocks"] == free + 5
+    run_to_end(engine)
+    assert_no_blocks_held(llm)
+
+
 def test_an_abort_while_reads_are_in_flight_leaks_nothing(model, prompts, tmp_path):
     """A queued request aborted while its read-ahead is in flight: its pins go at once, the reads'
     blocks when they land (cached then, free); the invariant checker runs every step."""
@@ -317,7 +382,9 @@ def test_an_evicted_block_is_saved_once_and_fetched_into_pinned_blocks():
     assert link.waiting("r") and pool.num_free_blocks == 2        # pinned while a read is in flight
     link.finished([], [keys[2]])
     assert not link.waiting("r") and pool.lookup(keys[1]) is not None and keys[2] not in index
-    assert pool.num_free_blocks == 4                              # landed: cached, free, nothing pinned
+    assert link.holds("r") and pool.num_free_blocks == 3          # landed: held for admission (not the failed one)
+    assert not link.drop_landed(keep="r") and link.drop_landed()  # an allocation short of blocks drops it
+    assert not link.holds("r") and pool.num_free_blocks == 4      # cached, free, nothing pinned
     pool.release(pool.allocate(4))               # keys[1] evicted again: the tier has it, no save
     assert link.take()[0] == []
     assert index.stats.blocks_saved == 4 and index.stats.blocks_loaded == 1 and index.stats.load_failures == 1

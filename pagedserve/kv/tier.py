@@ -7,7 +7,9 @@ prefix misses the pool but hits the tier gets blocks allocated and the tier's co
 them (`TierLink.fetch`: loads of (key, block id)), ahead of its admission: the request waits
 for its loads, no step does. The worker's store (worker/kv_tier.py) does the file I/O and says
 which loads landed (`finished`); a landed block enters the prefix cache under its key, and
-the waiting request then finds it there like any other cached block.
+the waiting request then finds it there like any other cached block. The request holds its
+landed blocks until it is admitted (or leaves), so nothing evicts them meanwhile; a running
+request short of blocks drops those holds before it preempts anyone (`drop_landed`).
 
 Keys are the pool's own (kv/block_pool.py: the SHA-256 chain over tokens, salt, LoRA adapter and
 KV format), but for a block that a step which was not batch-invariant computed (KVBlock.batch_invariant):
@@ -22,8 +24,13 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock
 from pagedserve.kv.events import KVEventSink
+
+if TYPE_CHECKING:
+    from pagedserve.batch import TierReport
 
 _BATCH_DEPENDENT = b"\x01"      # a tier key's suffix for a block a batch-dependent step computed
 
@@ -96,13 +103,15 @@ class TierIndex:
 
 @dataclass(eq=False)
 class Fetch:
-    """One waiting request's reads in flight: the blocks it holds until they land (its pool hits,
-    so they are not evicted meanwhile, and each block a load of its lands in) and the keys it
-    awaits. Only while they are in flight: a pin held longer could keep the oldest running request
-    from its blocks (the scheduler's liveness argument)."""
+    """One waiting request's reads: the blocks it holds (its pool hits, and each block a load of
+    its lands in) and the keys it awaits. Held while the reads are in flight and, once all have
+    landed, until the request is admitted or leaves (`release`), so that nothing evicts them before
+    it takes them; a landed hold gives way to any allocation that would otherwise fail
+    (`drop_landed`: it never keeps a running request from its blocks, the scheduler's liveness)."""
     blocks: list[KVBlock] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
     more: int = 0        # blocks its admission takes beyond these (the read-ahead's bound counts them)
+    landed: bool = False     # every read is in: held for its admission
 
 
 class TierLink:
@@ -202,6 +211,7 @@ class TierLink:
         new = sum(k not in self.loading for k in wanted)   # reads another request started hold their blocks
         if not wanted or free - (new_blocks - (len(wanted) - new)) < reserve:
             return False                  # nothing to read, or its admission would not pass
+        self.release(owner)              # (a hold dropped and read again: not left behind)
         fetch = self.fetches[owner] = Fetch(more=new_blocks - len(wanted))
         pool.touch(hits)                 # pinned first: allocating below may evict free cached blocks
         fetch.blocks.extend(hits)
@@ -220,6 +230,11 @@ class TierLink:
 
     def waiting(self, owner: str) -> bool:
         """Some read of the request is still in flight."""
+        fetch = self.fetches.get(owner)
+        return fetch is not None and not fetch.landed
+
+    def holds(self, owner: str) -> bool:
+        """The request holds blocks for its admission (reads in flight, or landed)."""
         return owner in self.fetches
 
     def reserved(self) -> int:
@@ -231,16 +246,24 @@ class TierLink:
         (the waiting queue, in order) that has any, else every read in flight. Not all of them:
         the requests behind read ahead while the first is admitted and computes."""
         for owner in owners:
-            fetch = self.fetches.get(owner)
-            if fetch is not None:
-                return [k for k in fetch.keys if k in self.loading]
+            if self.waiting(owner):
+                return [k for k in self.fetches[owner].keys if k in self.loading]
         return list(self.loading)
 
     def release(self, owner: str) -> None:
-        """Drop the request's pins (its reads landed, or it left)."""
+        """Drop the request's holds (it was admitted: its tables hold the blocks now; or it left)."""
         fetch = self.fetches.pop(owner, None)
         if fetch is not None:
             self.pool.release(fetch.blocks[::-1])
+
+    def drop_landed(self, keep: str | None = None) -> bool:
+        """Drop every landed hold but `keep`'s (an allocation would fail without their blocks: a
+        running request's growth, a swap-in, or the admission of a request ahead of them). Their
+        blocks stay cached, free; returns whether any hold was dropped."""
+        owners = [o for o, f in self.fetches.items() if f.landed and o != keep]
+        for owner in owners:
+            self.release(owner)
+        return bool(owners)
 
     def finished(self, loaded: list[BlockKey], failed: list[BlockKey]) -> None:
         """The worker's answer: loads that landed enter the prefix cache; failed ones (the file
@@ -257,9 +280,27 @@ class TierLink:
             self.index.discard(key)
             self.pool.release([block])
             stats.load_failures += 1
-        for owner, fetch in list(self.fetches.items()):   # all its reads in: the request is admitted next
-            if not any(k in self.loading for k in fetch.keys):
-                self.release(owner)
+        for fetch in self.fetches.values():   # all its reads in: held until the request is admitted
+            if not fetch.landed and not any(k in self.loading for k in fetch.keys):
+                fetch.landed = True
+                self._unhold_uncached(fetch)
+
+    def _unhold_uncached(self, fetch: Fetch) -> None:
+        """A landed fetch keeps only blocks the prefix cache finds (not a failed read's, nor a copy
+        whose key another block already holds)."""
+        lost = [b for b in fetch.blocks if b.key is None]
+        fetch.blocks = [b for b in fetch.blocks if b.key is not None]
+        self.pool.release(lost)
+
+    def apply(self, report: TierReport) -> None:
+        """The worker's news: landed reads enter the prefix cache, failed ones and lost files leave
+        the index, the store's totals are taken."""
+        self.finished(report.loaded, report.failed)
+        self.forget(report.lost)
+        stats = self.index.stats
+        stats.bytes_written, stats.bytes_read = report.bytes_written, report.bytes_read
+        stats.host_blocks, stats.host_loads = report.host_blocks, report.host_loads
+        stats.writable = stats.writable and report.writable
 
     def forget(self, keys: list[BlockKey]) -> None:
         """Keys whose files are gone (a failed write, the directory's size bound)."""
