@@ -643,6 +643,7 @@ class Scheduler:
         """Take prefix-cache hits, then reserve the first step's slots; undo all if short. `hit`:
         the first sequence's lookup (_left_after_hits), made this step with nothing changed since."""
         prompt_len = len(req.prompt_token_ids)
+        lent = self.tier.lend(req.request_id) if self.tier is not None else None   # its held tier reads, for the lookup
         # A leader-only request shares only prompt blocks with its followers later.
         seqs = req.live_seqs[:1] if req.leader_only else req.live_seqs
         for i, seq in enumerate(seqs):
@@ -651,18 +652,17 @@ class Scheduler:
                                                     kv_salt(req.cache_salt, req.lora_key),
                                                     use_prefix_cache=not req.computes_every_prompt_token,
                                                     invariant_only=self._needs_invariant_blocks(req),
-                                                    hit=hit if i == 0 else None)
-        if self.running and not self._above_watermark(seqs, prompt_len):
-            self._release_blocks(req)
-            return None
-        self._fork_if_ready(req)   # prefix hits may have brought the leader that far
-        plan = self._plan(req, budget)
-        copies = self._allocate(plan) if plan else None
+                                                    hit=hit if i == 0 and lent is None else None)
+        copies = None
+        if not self.running or self._above_watermark(seqs, prompt_len):
+            self._fork_if_ready(req)   # prefix hits may have brought the leader that far
+            plan = self._plan(req, budget)
+            copies = self._allocate(plan) if plan else None
         if copies is None:
             self._release_blocks(req)
+            if lent is not None:
+                self.tier.keep(req.request_id, lent)   # held again (a failed allocation evicts nothing)
             return None
-        if self.tier is not None:
-            self.tier.release(req.request_id)    # its tables hold its landed blocks now
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(req.seqs[0].num_computed_tokens, prompt_len)
             self.kv.record_prefix_lookup(prompt_len, req.num_cached_tokens)

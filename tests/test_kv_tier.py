@@ -214,6 +214,30 @@ def test_a_running_requests_growth_takes_held_blocks_before_it_preempts(model, p
     assert_no_blocks_held(llm)
 
 
+def test_a_request_ahead_is_admitted_past_the_holds_behind_it(model, prompts, tmp_path):
+    """A restarted engine (max_num_seqs 1, 16 blocks): behind a running request wait a cold
+    180-token prompt (12 blocks) and one whose 5 blocks the tier holds (read ahead, held). Once the
+    first finishes, the cold one needs the held blocks: the holds behind it give way (first come,
+    first served; kept, nothing would ever run again). Tokens are the tier-less engine's."""
+    long_prompt = prompts[2] + prompts[3]
+    cold_ref = one_by_one(LLM(model.path, dtype="float32", num_gpu_blocks_override=64), [long_prompt])[0]
+    first = tier_llm(model, tmp_path, blocks=64)
+    ref = one_by_one(first, prompts[:1])[0]
+    first.shutdown()
+    llm = tier_llm(model, tmp_path, blocks=16, max_num_seqs=1, check_invariants=True)
+    engine, tier = llm.engine, llm.engine.scheduler.tier
+    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SP)
+    engine.step()
+    engine.add_request("cold", {"prompt_token_ids": long_prompt}, SP)
+    engine.add_request("read", {"prompt_token_ids": prompts[0]}, SP)
+    while "running" in engine.requests:
+        engine.step()
+    assert tier.holds("read") and not tier.waiting("read")
+    outputs = run_to_end(engine)
+    assert outputs["cold"].outputs[0].token_ids == cold_ref and outputs["read"].outputs[0].token_ids == ref
+    assert_no_blocks_held(llm)
+
+
 def test_an_abort_releases_held_reads(model, prompts, tmp_path):
     """A queued request whose reads landed holds their blocks; aborted, it lets them go at once."""
     llm, _ = restarted_behind_a_running_request(model, prompts, tmp_path, check_invariants=True)

@@ -111,6 +111,7 @@ def test_an_evicted_partial_block_goes_to_the_tier_and_comes_back():
     _, loads, _ = kv.tier.take()
     assert [k for k, _ in loads][-1] == key and len(loads) == 3
     kv.tier.finished([k for k, _ in loads], [])
+    assert kv.tier.lend("r")                              # held until admission, lent to its lookup
     assert kv.admit(2, HISTORY + [7], 32) == COMPUTED
     assert kv.block_ids(2)[2] == dict((k, b) for k, b in loads)[key]
     kv.check_invariants()

@@ -256,6 +256,22 @@ class TierLink:
         if fetch is not None:
             self.pool.release(fetch.blocks[::-1])
 
+    def lend(self, owner: str) -> Fetch | None:
+        """Let go of the request's landed hold for its admission (whose lookup takes over a cached
+        partial block only while it is free); `keep` takes it back if the admission fails."""
+        fetch = self.fetches.get(owner)
+        if fetch is None or not fetch.landed:
+            return None
+        self.release(owner)
+        return fetch
+
+    def keep(self, owner: str, fetch: Fetch) -> None:
+        """Hold a lent fetch's blocks again (those still cached: a partial block taken over and
+        let go is cached again, or free)."""
+        fetch.blocks = [b for b in fetch.blocks if b.key is not None]
+        self.pool.touch(fetch.blocks)
+        self.fetches[owner] = fetch
+
     def drop_landed(self, keep: str | None = None) -> bool:
         """Drop every landed hold but `keep`'s (an allocation would fail without their blocks: a
         running request's growth, a swap-in, or the admission of a request ahead of them). Their
