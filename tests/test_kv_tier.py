@@ -94,18 +94,20 @@ def run_to_end(engine) -> dict:
     return outputs
 
 
-def restarted_behind_a_running_request(model, prompts, tmp_path, **kw):
-    """A restarted engine (max_num_seqs 1) running one request, with prompts[0]'s blocks in its
-    tier; prompts[0] then queues behind it. Returns the engine and the reference tokens."""
+def restarted_behind_a_running_request(model, prompts, tmp_path, blocks=64, running=24, queued=None, **kw):
+    """A restarted engine (max_num_seqs 1, `blocks` blocks) running prompts[1] (`running` tokens),
+    with prompts[0]'s blocks in its tier; `queued` (ids and prompts; by default prompts[0] as
+    "queued") then queue behind it. Returns the engine and prompts[0]'s reference tokens."""
     first = tier_llm(model, tmp_path, blocks=64)
     ref = one_by_one(first, prompts[:1])[0]
     first.shutdown()
-    again = tier_llm(model, tmp_path, blocks=64, max_num_seqs=1, **kw)
+    again = tier_llm(model, tmp_path, blocks=blocks, max_num_seqs=1, **kw)
     engine = again.engine
-    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=24,
+    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=running,
                                                                                   ignore_eos=True))
     engine.step()
-    engine.add_request("queued", {"prompt_token_ids": prompts[0]}, SP)
+    for rid, prompt in (queued or {"queued": prompts[0]}).items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SP)
     return again, ref
 
 
@@ -169,19 +171,10 @@ def test_landed_reads_are_held_until_admission(model, prompts, tmp_path):
     landed ones, so the first queued request's prefill evicted the landed blocks (the least
     recently used cached ones) and the request behind read them again (7 blocks; 5 held, the
     running request's cached blocks evicted instead). Same tokens; nothing leaks."""
-    first = tier_llm(model, tmp_path, blocks=64)
-    ref = one_by_one(first, prompts[:1])[0]
-    first.shutdown()                                  # the tier holds prompts[0]'s prefix only
     cold_ref = one_by_one(LLM(model.path, dtype="float32", num_gpu_blocks_override=64), prompts[2:3])[0]
-    llm = tier_llm(model, tmp_path, blocks=16, max_num_seqs=1, check_invariants=True)
-    assert llm.kv_cache_stats()["kv_offload_blocks"] == 5
-    engine = llm.engine
-    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=24,
-                                                                                  ignore_eos=True))
-    engine.step()
-    engine.add_request("cold", {"prompt_token_ids": prompts[2]}, SP)
-    engine.add_request("read", {"prompt_token_ids": prompts[0]}, SP)
-    outputs = run_to_end(engine)
+    llm, ref = restarted_behind_a_running_request(model, prompts, tmp_path, blocks=16, check_invariants=True,
+                                                  queued={"cold": prompts[2], "read": prompts[0]})
+    outputs = run_to_end(llm.engine)
     assert outputs["cold"].outputs[0].token_ids == cold_ref and outputs["read"].outputs[0].token_ids == ref
     assert outputs["read"].num_cached_tokens == 5 * 16
     assert llm.kv_cache_stats()["kv_offload_blocks_loaded"] == 5                 # read once
@@ -196,14 +189,9 @@ def test_a_running_requests_growth_takes_held_blocks_before_it_preempts(model, p
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     ample = LLM(model.path, dtype="float32", num_gpu_blocks_override=64)
     long_ref = ample.generate({"prompt_token_ids": prompts[1]}, long, use_tqdm=False)[0].outputs[0].token_ids
-    first = tier_llm(model, tmp_path, blocks=64)
-    ref = one_by_one(first, prompts[:1])[0]
-    first.shutdown()
-    llm = tier_llm(model, tmp_path, blocks=14, max_num_seqs=1, check_invariants=True)
+    llm, ref = restarted_behind_a_running_request(model, prompts, tmp_path, blocks=14, running=60,
+                                                  check_invariants=True)
     engine, tier = llm.engine, llm.engine.scheduler.tier
-    engine.add_request("running", {"prompt_token_ids": prompts[1]}, long)
-    engine.step()
-    engine.add_request("queued", {"prompt_token_ids": prompts[0]}, SP)
     outputs, held = {}, False
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -221,15 +209,9 @@ def test_a_request_ahead_is_admitted_past_the_holds_behind_it(model, prompts, tm
     first served; kept, nothing would ever run again). Tokens are the tier-less engine's."""
     long_prompt = prompts[2] + prompts[3]
     cold_ref = one_by_one(LLM(model.path, dtype="float32", num_gpu_blocks_override=64), [long_prompt])[0]
-    first = tier_llm(model, tmp_path, blocks=64)
-    ref = one_by_one(first, prompts[:1])[0]
-    first.shutdown()
-    llm = tier_llm(model, tmp_path, blocks=16, max_num_seqs=1, check_invariants=True)
+    llm, ref = restarted_behind_a_running_request(model, prompts, tmp_path, blocks=16, running=6, check_invariants=True,
+                                                  queued={"cold": long_prompt, "read": prompts[0]})
     engine, tier = llm.engine, llm.engine.scheduler.tier
-    engine.add_request("running", {"prompt_token_ids": prompts[1]}, SP)
-    engine.step()
-    engine.add_request("cold", {"prompt_token_ids": long_prompt}, SP)
-    engine.add_request("read", {"prompt_token_ids": prompts[0]}, SP)
     while "running" in engine.requests:
         engine.step()
     assert tier.holds("read") and not tier.waiting("read")
