@@ -19,7 +19,7 @@ from pagedserve.scheduler import Scheduler
 # in r8 layouts. None (no AVX2): nothing to check.
 R8_HERE = [v for v in quant.R8_VARIANTS if v in quant.supported_variants()]
 needs_r8 = pytest.mark.parametrize("variant", R8_HERE or [pytest.param(None, marks=pytest.mark.skip(
-    reason="the r8 layouts' kernels run on the avx2 / avxvnni variants, which this CPU lacks"))])
+    reason="the r8 layouts' kernels run on the avx2 / avxvnni / vnni256 variants, which this CPU lacks"))])
 
 PROMPT = "The capital of France is Paris. The capital of"
 OTHERS = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite book is",
@@ -98,7 +98,7 @@ REPEATING = ["The capital of France is Paris. The capital of Germany is Berlin. 
 
 
 @pytest.mark.skipif(quant.variant() not in quant.R8_VARIANTS,
-                    reason="the r8 layouts' kernels run on the avx2 / avxvnni variants")
+                    reason="the r8 layouts' kernels run on the avx2 / avxvnni / vnni256 variants")
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_speculation_gives_plain_decodings_tokens_and_logprobs(method):
     """Verification rows attend one by one as decode rows (csrc/attention/paged_attention.h) and

@@ -103,7 +103,7 @@ def test_compiled_loop_runs_a_qkv_bias_quantized_at_load(tiny_models, dtype):
     _assert_loops_agree(model, compiled, tm.tokenizer.encode(PROMPT), dtype)
 
 
-@pytest.mark.parametrize("pair", [("avx512bf16", "avx512vnni"), ("avx512", "avxvnni"), ("avx2", "avx2"),
+@pytest.mark.parametrize("pair", [("avx512bf16", "avx512vnni"), ("avx512bf16", "vnni256"), ("avx512", "avxvnni"), ("avx2", "avx2"),
                                   ("scalar", "scalar")])
 def test_compiled_loop_on_every_kernel_variant(gguf_files, pair):
     """Each CPU kernel variant (cpu.py) with a quant kernel variant (quant.py): the pairs cover

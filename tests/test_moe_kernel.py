@@ -15,7 +15,7 @@ from pagedserve.models.moe import (ExpertWeights, MoESpec, MoEWeights, clamped_s
                                    route)
 
 H, I, E, K = 256, 64, 8, 2
-KERNEL_VARIANTS = [v for v in ("avx2", "avxvnni", "scalar") if v in quant.supported_variants()]
+KERNEL_VARIANTS = [v for v in ("avx2", "avxvnni", "vnni256", "scalar") if v in quant.supported_variants()]
 
 
 def _mxfp4(w: torch.Tensor, g: torch.Generator) -> quant.QuantizedWeight:

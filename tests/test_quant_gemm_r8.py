@@ -11,7 +11,7 @@ from pagedserve.kernels import quant
 from tests.test_quant_kernels import _check_small, weight
 from tests.test_quant_r8_256 import act_block, r8_of
 
-VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
+VECTOR = [v for v in ("avx2", "avxvnni", "vnni256") if v in quant.supported_variants()]
 pytestmark = pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
 
 

@@ -1,19 +1,20 @@
 """The r8 layouts on 256-bit registers (q4_0r8, q4_1r8, q5_0r8, q8_0r8, mxfp4r8 and the super-block q4_kr8,
 q5_kr8, q6_kr8: 8 rows interleaved per block, csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h): their bytes, and every variant's kernels against the scalar build's,
-which spells the same arithmetic out in plain C++ (the avx2 and avxvnni ones equal it bit for bit;
-the avxvnni test runs where the CPU has AVX-VNNI), on rows and columns that are not multiples of
+which spells the same arithmetic out in plain C++ (the avx2, avxvnni and vnni256 ones equal it bit for bit;
+the avxvnni test runs where the CPU has AVX-VNNI, vnni256's, the same source with vpdpbusd's EVEX form, where
+it has AVX-512 VNNI), on rows and columns that are not multiples of
 the threads' share, the 4-row passes or 8 blocks; and a row's result alone equal to it in a batch."""
 import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import quant
+from pagedserve.kernels import cpu, quant
 from pagedserve.quant_format import _k_scales
 from tests.test_quant_kernels import _check_small, weight
 
 TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "mxfp4"]
 K_TYPES = ["q4_k", "q5_k", "q6_k"]
-VECTOR = [v for v in ("avx2", "avxvnni") if v in quant.supported_variants()]
+VECTOR = [v for v in ("avx2", "avxvnni", "vnni256") if v in quant.supported_variants()]
 
 
 def act_block(qtype: str) -> int:
@@ -26,6 +27,21 @@ def r8_of(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
     r8 = quant.R8_OF[w.qtype]
     return quant.QuantizedWeight(r8, w.shape, quant.r8_order(r8, w.data, w.shape[0], w.shape[1] // quant.BLOCK[w.qtype],
                                                               True))
+
+
+@pytest.mark.parametrize("flags, chosen", [
+    ({"avx2", "fma", "f16c"}, "avx2"),
+    ({"avx2", "fma", "f16c", "avx_vnni"}, "avxvnni"),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "vnni256"),            # Zen 4
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8"}, "avx512vnni"),
+])
+def test_default_variant_by_flags(monkeypatch, flags, chosen):
+    """The default quant variant: avx512vnni only where AMX-INT8 is (its AMX paths); an AVX-512 VNNI CPU
+    without it takes the r8 layouts' 256-bit kernels (vnni256), as AVX2 and AVX-VNNI CPUs do."""
+    monkeypatch.delenv(quant.ENV_VARIANT, raising=False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    lib = cpu.KernelLibrary(quant.SOURCE, quant.KERNELS.variants, quant.ENV_VARIANT, {}, "v", "quant kernel", None, "")
+    assert lib.choose() == chosen
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
@@ -185,6 +201,7 @@ def test_repack_in_cpp_equals_the_torch_layout(qtype):
             assert lib.quant_repack_r8(quant._QTYPE_ID[qtype], data.data_ptr(), rows, nb) == 1   # not an r8 type
             assert lib.quant_repack_r8(quant._QTYPE_ID[quant.R8_OF[qtype]], data.data_ptr(), 12, nb) == 1
     for variant in VECTOR:          # repack() itself (it makes r8 layouts on these variants only)
+        w = quant.QuantizedWeight(qtype, w.shape, raw.clone())       # (the last variant's repack rewrote it)
         with quant.using_variant(variant):
             copy = quant.repack(w)
             assert copy.qtype == quant.R8_OF[qtype] and torch.equal(copy.data, expected) and torch.equal(w.data, raw)

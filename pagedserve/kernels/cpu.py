@@ -65,6 +65,7 @@ class Variant:
     name: str
     target_flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
+    default_needs: tuple[str, ...] = ()    # flags without which it is runnable but not the default choice
 
 
 class KernelLibrary:
@@ -105,10 +106,10 @@ class KernelLibrary:
 
     def choose(self) -> str:
         """The environment variable's variant if set (refused if this CPU cannot run it), else
-        the best the CPU supports."""
+        the best the CPU supports that has its default_needs."""
         forced = self.forced()
         if forced is None:
-            return self.supported()[0]
+            return next(v for v in self.supported() if set(self.by_name[v].default_needs) <= cpu_flags())
         if forced not in self.by_name:
             raise ValueError(f"{self.env_var}={forced!r}: expected one of auto, {', '.join(self.by_name)}")
         if self.missing_flags(forced):
@@ -633,7 +634,7 @@ class _LoraRefs(ctypes.Structure):
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-_MOE_BUILDS = ("avx2", "avxvnni", "scalar")      # the quant variants whose quant_moe_experts runs (kernels/moe.py)
+_MOE_BUILDS = ("avx2", "avxvnni", "vnni256", "scalar")      # the quant variants whose quant_moe_experts runs (kernels/moe.py)
 _TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
 _GROUP_COLUMN, _SLOT_COLUMN = 23, 24    # a layer's KV group and cache slot in a LayerPtrs row
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

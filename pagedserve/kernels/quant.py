@@ -93,7 +93,7 @@ logger = logging.getLogger(__name__)
 _QTYPE_ID = {q: i for i, q in enumerate(tuple(q for q in QTYPES if q != "mxfp4") +
                                         tuple(q for q in REPACKED if q != "mxfp4r8") + ("mxfp4", "mxfp4r8"))}
 R8_DECODE_ROWS = 32     # q4_1r8's integer dots against the AMX-BF16 tiles at the 135M shape: equal at 32 rows
-R8_VARIANTS = ("avx2", "avxvnni")    # where repack makes every R8_OF layout (256-bit kernels: dot_*r8_256.h)
+R8_VARIANTS = ("avx2", "avxvnni", "vnni256")    # where repack makes every R8_OF layout (256-bit kernels: dot_*r8_256.h)
 # There the integer dots over r8 layouts take every decode batch (faster than the tiles, which unpack
 # the rows first, from 1 to 512 rows), and every prefill chunk too where each part has the integer
 # GEMM (R8_GEMM: csrc/quant/gemm_r8_256.h, from 8 rows: a unit's codes unpacked once per tile of 64
@@ -286,9 +286,14 @@ ENV_VARIANT = "PAGEDSERVE_QUANT_KERNELS"
 _EXACT = ("-ffp-contract=off",)    # no fused multiply-adds the source does not ask for: dequantize matches gguf
 _AVX2 = _EXACT + ("-mavx2", "-mfma", "-mf16c")
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
+_AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_AVX512_FLAGS = _AVX2_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# Without AMX the avx512vnni build is not the default: on Zen 4 (2 vCPU, benchmarks/RESULTS.md, issue 50) its
+# 512-bit dots decoded the 1.7B shape's Q4_0 at 0.68x the r8 layouts' 256-bit dots (vnni256: the avxvnni
+# source with vpdpbusd's EVEX form); where AMX is, the avx512vnni build's AMX paths stay the default.
 VARIANTS = (     # best first
-    cpu.Variant("avx512vnni", _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-                _AVX2_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    cpu.Variant("avx512vnni", _AVX512, _AVX512_FLAGS, default_needs=("amx_int8",)),
+    cpu.Variant("vnni256", _AVX512 + ("-DPAGEDSERVE_DOTS256",), _AVX512_FLAGS),
     cpu.Variant("avxvnni", _AVX2 + ("-mavxvnni",), _AVX2_FLAGS + ("avx_vnni",)),
     cpu.Variant("avx2", _AVX2, _AVX2_FLAGS),
     cpu.Variant("scalar", _EXACT, ()),
@@ -335,7 +340,7 @@ _SIGNATURES = {
 }
 KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_kernel_variant", "quant kernel", logger,
                             "quantized-weight kernels (%s) unavailable, using torch: %s",
-                            build_seconds={"avx512vnni": 20, "avxvnni": 5, "avx2": 4, "scalar": 4})
+                            build_seconds={"avx512vnni": 20, "vnni256": 8, "avxvnni": 5, "avx2": 4, "scalar": 4})
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 

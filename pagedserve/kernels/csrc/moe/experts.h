@@ -31,7 +31,7 @@
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if defined(__AVX2__) && !(defined(PS_DOTS512))
 #define MOE_GEMM 1        // gemm_r8_256.h's integer GEMM is in this build
 #endif
 
@@ -103,7 +103,7 @@ inline void moe_glu8(const MoEGlu &f, const float *g, const float *u, float *out
 inline void moe_rows8(const QuantPart &m, int64_t g, const Act &a, int64_t t0, int nt, float *out) {
     const int qt = int(m.qtype);
     if (is_r8(qt)) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
         if (qt == Q4_1R8) return kR8_512[nt](m.w + g * m.ldw, a.nb, a, t0, out, 8);
 #endif
         return r8_group_fn(qt, nt)(m.w + g * m.ldw, a.nb, a, t0, out, 8);
@@ -208,7 +208,7 @@ bool moe_part_ok(const QuantPart &m, int64_t rows, int64_t K) {
 extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void *x, int64_t ldx, int x_bf16,
                                  int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *weights,
                                  int64_t k, const MoEGlu *glu, float *out) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     (void)experts, (void)E, (void)x, (void)ldx, (void)x_bf16, (void)T, (void)H, (void)I, (void)ids, (void)weights;
     (void)k, (void)glu, (void)out;
     return 2;

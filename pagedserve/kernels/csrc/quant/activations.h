@@ -167,7 +167,7 @@ void quantize_one(const void *x, int64_t ldx, bool bf16, int64_t t, int64_t j, i
     quantize_block(src, q + t * K + j * 32, d + t * nb + j, ds + t * nb + j);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 // quantize_one for one block in AVX-512 registers, and its Act::start lanes: the same values (the maximum
 // is exact in any order, the rest the same float operations per element; the sums integers):
 // about 5 us less per call at K = 2048 than the scalar loops (measured).

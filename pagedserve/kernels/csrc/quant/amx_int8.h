@@ -28,7 +28,7 @@ int64_t row_at_byte(const QuantPart *parts, int64_t nparts, int64_t K, int64_t a
 // rows. Threads take groups of 16 weight rows (ranges of equal bytes). Only in the avx512vnni
 // build, where CPUID has amx-int8 and amx-tile and the kernel grants tile data; from
 // g_amx8.min_rows rows (kernels/quant.py sets it: quant_amx_config).
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 struct AmxInt8 {
     bool enabled = false;
     int64_t min_rows = 1 << 30;

@@ -3,7 +3,7 @@
 #pragma once
 
 namespace {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 
 // A group of n weight rows being dequantized into dst [32][K] (rows past n zeroed first) a few
 // units at a time (step), between the tile operations of the group before it, so the vector
@@ -266,7 +266,7 @@ int amxw_linear(const QuantPart *, int64_t, const uint16_t *, int64_t, int64_t, 
 // quant_linear_tiles (1) or not (0). Returns 1 where it is in use after the call, 0 where not (not
 // this build, the CPU or kernel lacks AMX-BF16, or disabled).
 extern "C" int quant_amxw_config(int64_t enable, int64_t min_rows, int64_t max_rows) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     static const bool usable = amx_permitted(kAmxBf16);
     g_amxw.enabled = usable && enable != 0;
     g_amxw.min_rows = std::max<int64_t>(1, min_rows);
@@ -282,7 +282,7 @@ extern "C" int quant_amxw_config(int64_t enable, int64_t min_rows, int64_t max_r
 // Returns 1 where they are in use after the call, 0 where not (not this build, the CPU or kernel
 // lacks AMX-INT8, or disabled).
 extern "C" int quant_amx_config(int64_t enable, int64_t min_rows) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     static const bool usable = amx_permitted(kAmxInt8);
     g_amx8.enabled = usable && enable != 0;
     g_amx8.min_rows = std::max<int64_t>(1, min_rows);

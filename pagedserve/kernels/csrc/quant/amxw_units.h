@@ -3,7 +3,7 @@
 #pragma once
 
 namespace {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 
 // ---- AMX-BF16 with the weights as A tiles (decode batches and small prefill chunks) ------------
 // quant_linear_tiles' arithmetic (W dequantized to bf16 exactly as the packed tiles hold it, times

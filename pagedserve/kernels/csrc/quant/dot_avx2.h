@@ -5,7 +5,7 @@
 namespace {
 #if defined(__AVX2__)
 
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if !(defined(PS_DOTS512))
 // The codes of one 32-element block as decode<QT> gives them (signed where the type has an offset).
 template <int QT>
 inline __m256i codes32(const uint8_t *b) {

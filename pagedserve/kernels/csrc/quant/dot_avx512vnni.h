@@ -5,7 +5,7 @@
 namespace {
 #if defined(__AVX2__)
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 // ---- AVX-512 VNNI: 64 elements (two pieces) per dot product, scales two or eight at a time ----
 // The integer dot of 64 unsigned codes with 64 activations, as floats (16 lanes of 4).
 inline __m512 dot64(__m512i codes, const int8_t *q) {

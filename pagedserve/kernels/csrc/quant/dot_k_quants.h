@@ -4,7 +4,7 @@
 
 namespace {
 #if defined(__AVX2__)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 template <int QT, int NT>
 inline void superblock(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0,
                        int64_t t0, int64_t e0, const uint8_t *b) {

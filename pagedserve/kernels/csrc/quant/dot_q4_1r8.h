@@ -3,7 +3,7 @@
 #pragma once
 
 namespace {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 // Q4_1R8 (see QType) at NT activation rows from t0: out[t * ldo + l] = row l of the group at g
 // against activation row t0 + t. Per unit: the nibbles' two vectors masked once (low, and high in
 // place: 16 times the code, taken off by a shift of the exact int32 sums), per row four dots

@@ -53,13 +53,13 @@ void r8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
         }
 }
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if defined(__AVX2__) && !(defined(PS_DOTS512))
 constexpr int64_t kR8Ahead = 2048;     // bytes of the group's stream fetched ahead (measured: 1.3x over 1 KiB at the 1.7B shape)
 
 // acc + the 8 int32 lanes of 4 rows' 8 unsigned codes (u) times 8 signed activations (s) per row
 inline __m256i dp4(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#if defined(PS_VNNI256)
+    return dpbusd256(acc, u, s);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
@@ -68,10 +68,10 @@ inline __m256i dp4(__m256i acc, __m256i u, __m256i s) {
 // One half (rows 4 h .. 4 h + 3) of a q4 (or q5_0) unit: its low and high nibbles of vectors 0, 1 against
 // the activations' four 8-byte broadcasts x[0..3] (elements 0-7, 8-15, 16-23, 24-31).
 inline __m256i q4_half(const __m256i c[4], const __m256i x[4]) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(
-        _mm256_dpbusd_avx_epi32(
-            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c[0], x[0]), c[1], x[1]), c[2],
+#if defined(PS_VNNI256)
+    return dpbusd256(
+        dpbusd256(
+            dpbusd256(dpbusd256(_mm256_setzero_si256(), c[0], x[0]), c[1], x[1]), c[2],
             x[2]),
         c[3], x[3]);
 #else
@@ -146,7 +146,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
 using R8GroupFn = void (*)(const uint8_t *, int64_t, const Act &, int64_t, float *, int64_t);
 template <int QT>
 R8GroupFn r8_group_fn(int nt) {
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if defined(__AVX2__) && !(defined(PS_DOTS512))
     constexpr R8GroupFn fns[5] = {nullptr, r8_group_256<QT, 1>, r8_group_256<QT, 2>, r8_group_256<QT, 3>,
                                   r8_group_256<QT, 4>};
 #else

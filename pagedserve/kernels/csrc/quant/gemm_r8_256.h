@@ -25,7 +25,7 @@
 
 namespace {
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if defined(__AVX2__) && !(defined(PS_DOTS512))
 constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group's weights
 
 // The activations of tiles of kGemmTile rows, block-major within each tile: tile at t0 (n rows):
@@ -109,7 +109,7 @@ inline void gemm_relayout(const Act &a, const GemmAct &g, int64_t i) {
 // hadd(q4_half, q4_half)): codes c <= 15 (Q5: <= 31) against the activations' four 8-byte broadcasts xb.
 template <bool Q5>
 inline __m256i q4_dot8(const __m256i c[2][4], const __m256i xb[4]) {
-#if !defined(__AVXVNNI__)
+#if !defined(PS_VNNI256)
     if constexpr (!Q5) {
     // each half's four products in 16 bits (<= 4 * 2 * 31 * 127), then adjacent lanes of the two
     // halves added in 16 bits too (q4: <= 2 * 4 * 2 * 15 * 127 < 32768; q5_k's codes <= 31 can
@@ -334,7 +334,7 @@ bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T) {
     return true;
 }
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if defined(__AVX2__) && !(defined(PS_DOTS512))
 // put_out of 8 outputs at once (v: bias added), at element i of y: float32, or bf16 rounded as
 // f32_to_bf16 (to nearest even, NaN kept quiet).
 inline void put_out8(void *y, bool y_bf16, int64_t i, __m256 v) {

@@ -37,7 +37,7 @@ Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, boo
             all_super = false;
         }
     a.blocks32 = !all_super || amx;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     // (the pair types read Act::start only in passes of one or two rows: kStarts)
     const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
     for (int64_t p = 0; p < nparts && !amx; p++) {
@@ -53,7 +53,7 @@ Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, boo
 
 // Activation block i (row i / nb, block i % nb) of x into a's arrays.
 inline void quantize_into(const void *x, int64_t ldx, bool bf16, int64_t i, const Act &a) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     quantize_start_one(x, ldx, bf16, i / a.nb, i % a.nb, a);
 #else
     quantize_one(x, ldx, bf16, i / a.nb, i % a.nb, a.K, const_cast<int8_t *>(a.q), const_cast<float *>(a.d),
@@ -126,7 +126,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         for (int64_t p = 0; p < nparts; p++) {
             const int qt = int(parts[p].qtype);
             for (int n = 1; n <= 4; n++) kR8[p][n] = r8_group_fn(qt, n);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
             if (qt == Q4_1R8)
                 for (int n = 1; n <= 4; n++) kR8[p][n] = kR8_512[n];
 #endif
@@ -169,7 +169,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         const PlainParts plain(parts, nparts, K);
         return quant_linear_small(plain.parts.data(), nparts, x, ldx, x_bf16, T, K, bias, y, ldy, y_bf16);
     }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group)
     const bool amx = g_amx8.enabled && T >= g_amx8.min_rows && !any_mxfp4(parts, nparts);
     const int64_t tiles = amx ? (T + 15) / 16 : 0;
@@ -198,7 +198,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
 #pragma omp parallel if (N * K * T >= 32768)
     {
         const Act a = quantize_in_region(shared, own, parts, nparts, T, amx, x, ldx, x_bf16 != 0);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
         if (amx) {
             // B tiles: row g of tile k holds the 4-byte group g of activation rows 16k .. 16k + 15
 #pragma omp for schedule(static)
@@ -236,7 +236,7 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
             while (r >= ends[p]) p++;
             const uint8_t *row = parts[p].w + (r - (ends[p] - parts[p].rows)) * parts[p].ldw;
             ahead.step(per_row);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
             if (two[p] != nullptr && r + kPassRows <= std::min(end, ends[p])) {    // rows r .. of one part
                 float vs[kPassRows];
                 two[p](row, parts[p].ldw, a, vs);

@@ -9,10 +9,10 @@ namespace {
 // C (minimum term, or 0), and for q6_k two integer scales of 16 elements each.
 #if defined(__AVX2__)
 __m256i dot_us(__m256i u, __m256i s) {       // 8 int32 lanes, each the sum of 4 adjacent u * s
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(PS_VNNI256)
+    return dpbusd256(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -151,7 +151,7 @@ template <int NT>
 struct Acc {
     __m256 v[NT];        // sums of the 256-bit pieces
     float s[NT];         // their minimum terms
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     __m512 w[NT];        // sums of the 512-bit pairs
     __m128 m2[NT];       // minimum terms of pairs of 32-element blocks
     __m256 m8[NT];       // minimum terms of super-blocks' 8 sub-blocks
@@ -160,7 +160,7 @@ struct Acc {
         for (int t = 0; t < NT; t++) {
             v[t] = _mm256_setzero_ps();
             s[t] = 0.f;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
             w[t] = _mm512_setzero_ps();
             m2[t] = _mm_setzero_ps();
             m8[t] = _mm256_setzero_ps();
@@ -168,7 +168,7 @@ struct Acc {
         }
     }
     float total(int t) const {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
         const __m256 wide = _mm256_add_ps(_mm512_castps512_ps256(w[t]),
                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[t]), 1)));
         const __m256 mins = _mm256_add_ps(m8[t], _mm256_zextps128_ps256(m2[t]));

@@ -12,10 +12,10 @@ inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, in
     const int8_t *qa = a.q + t0 * a.K;
     const float *da = a.d + t0 * a.nb, *dsa = a.ds + t0 * a.nb;
     constexpr int P = kPieces<QT>;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     const int32_t *sta = a.start[QT] == nullptr ? nullptr : a.start[QT] + t0 * (a.K / 4);   // Act::start of row t0
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     if constexpr (P == 1) {
         for (; u + 16 <= units; u += 16)
             group16<QT, NT>(&acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
@@ -39,7 +39,7 @@ inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, in
     }
 #endif
     if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if !(defined(PS_DOTS512))
         for (; u + 8 <= units; u += 8) group8<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
 #endif
         Acc<NT> other;
@@ -72,7 +72,7 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
     for (int t = 0; t < NT; t++) out[t * ldo] = acc.total(t);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 // kPassRows weight rows (w, w + ldw, ..) against one activation row (T = 1; all types but q5_0 /
 // q5_1): each group's activations (and Act::start) loaded once for them all, and fewer calls per row.
 constexpr int kPassRows = 2;
@@ -196,7 +196,7 @@ void row_dot(const uint8_t *w, const Act &a, int64_t t0, float *out, int64_t ldo
 }
 #endif
 
-#if defined(__AVX512VL__)
+#if defined(PS_DOTS512)
 constexpr int kMaxNT = 8;       // activation rows per pass over a weight row (32 vector registers)
 #else
 constexpr int kMaxNT = 4;
@@ -221,7 +221,7 @@ RowFn row_fn(int qt, int nt) {
 
 using Row2Fn = void (*)(const uint8_t *, int64_t, const Act &, float *);
 Row2Fn row2_fn(int qt) {         // two rows at T = 1 (null: none for this type / variant)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PS_DOTS512)
     switch (qt) {
     case Q4_0: return row_dot2<Q4_0>;
     case Q4_1: return row_dot2<Q4_1>;
