@@ -114,18 +114,12 @@ inline __m256i bcast8(const int8_t *p) {
     return _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double *>(p)));
 }
 
-// Sub-block j's 6-bit scales, rows in the hadd's order: as both int16 halves of each dword (a madd
-// against k_dot8_q4's 16-bit sums), or with vpdpbusd (PS_VNNI256) one int32 a dword (a mullo against
-// its int32 sums).
+// Sub-block j's 6-bit scales as both int16 halves of each dword, rows in the hadd's order (a madd
+// against k_dot8_q4's 16-bit sums).
 inline __m256i k_pair_lanes(const KSuper &ks, int j) {
     const char b = char(j % 4), z = char(0x80);
-#if defined(PS_VNNI256)
-    const __m256i pick = _mm256_setr_epi8(b, z, z, z, b + 4, z, z, z, b + 8, z, z, z, b + 12, z, z, z,
-                                          b, z, z, z, b + 4, z, z, z, b + 8, z, z, z, b + 12, z, z, z);
-#else
     const __m256i pick = _mm256_setr_epi8(b, z, b, z, b + 4, z, b + 4, z, b + 8, z, b + 8, z, b + 12, z, b + 12, z,
                                           b, z, b, z, b + 4, z, b + 4, z, b + 8, z, b + 8, z, b + 12, z, b + 12, z);
-#endif
     return _mm256_shuffle_epi8(ks.so[j / 4], pick);
 }
 
@@ -137,23 +131,12 @@ inline __m256i k_pair_lanes(const KSuper &ks, int j) {
 // caller keeps c in registers); the 16-bit sums are exact, so any order gives them.
 inline __m256i k_dot8_q4(const __m256i c[2][4], const int8_t *x, __m256i L) {
     __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
-#if defined(PS_VNNI256)
-    // vpdpbusd: each half's products summed in int32 (a row's two dwords <= 32 * 15 * 127), the hadd
-    // gives a row per dword, one mullo by its scale (<= 63): the same integers as the madd form
-    for (int k = 0; k < 4; k++) {
-        const __m256i xb = bcast8(x + 8 * k);
-        h0 = dpbusd256(h0, c[0][k], xb);
-        h1 = dpbusd256(h1, c[1][k], xb);
-    }
-    return _mm256_mullo_epi32(_mm256_hadd_epi32(h0, h1), L);
-#else
     for (int k = 0; k < 4; k++) {
         const __m256i xb = bcast8(x + 8 * k);
         h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(c[0][k], xb));
         h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(c[1][k], xb));
     }
     return _mm256_madd_epi16(_mm256_hadd_epi16(h0, h1), L);
-#endif
 }
 
 // Sub-block j's 6-bit scales as the int16 lanes of half h's maddubs sums (row 4 h + r's 4 lanes at
