@@ -41,7 +41,7 @@ def test_gpt_oss_gguf_generates_transformers_tokens(gpt_oss_file, tiny_tokenizer
     assert args.rope_scaling["rope_type"] == "yarn" and args.rope_scaling["truncate"] is False
     model = llm.engine.executor.worker.runner.model
     # the experts' bytes repacked at load on the 256-bit variants (8 rows interleaved: dot_mxfp4_r8_256.h)
-    mxfp4_layout = "mxfp4r8" if quant.variant() in quant.R8_VARIANTS else "mxfp4"
+    mxfp4_layout = "mxfp4r8" if quant.variant() in quant.EXPERT_R8_VARIANTS else "mxfp4"
     for layer in model.layers:
         assert layer.sinks.shape == (4,) and layer.moe.router_bias is not None
         for e in layer.moe.experts:

@@ -15,7 +15,9 @@ from pagedserve.models.moe import (ExpertWeights, MoESpec, MoEWeights, clamped_s
                                    route)
 
 H, I, E, K = 256, 64, 8, 2
-KERNEL_VARIANTS = [v for v in ("avx2", "avxvnni", "vnni256", "scalar") if v in quant.supported_variants()]
+KERNEL_VARIANTS = [v for v in ("avx512vnni", "vnni256", "avx2", "avxvnni", "scalar") if v in quant.supported_variants()]
+GEMM_VARIANTS = [v for v in ("avx512vnni", "vnni256", "avx2") if v in quant.supported_variants()]     # with the r8 GEMM
+R8_HERE = quant.EXPERT_R8_VARIANTS        # where repack(experts=True) makes the r8 layouts
 
 
 def _mxfp4(w: torch.Tensor, g: torch.Generator) -> quant.QuantizedWeight:
@@ -31,7 +33,7 @@ def _experts(qtype: str, fused: bool, r8: bool, seed: int = 0) -> list[ExpertWei
     out = []
     for _ in range(E):
         gate, up, down = (torch.randn(r, c, generator=g) * 0.1 for r, c in ((I, H), (I, H), (H, I)))
-        pack = (lambda w: quant.repack(w)) if r8 else (lambda w: w)        # noqa: E731
+        pack = (lambda w: quant.repack(w, experts=True)) if r8 else (lambda w: w)        # noqa: E731
         make = (lambda w: pack(_mxfp4(w, g))) if qtype == "mxfp4" else (lambda w: pack(quant.quantize(w, qtype)))  # noqa: E731
         gate_up = make(torch.cat([gate, up])) if fused else (make(gate), make(up))
         out.append(ExpertWeights(gate_up, make(down)))
@@ -84,10 +86,13 @@ def _route(x: torch.Tensor, one_expert: bool = False):
 @pytest.mark.parametrize("tokens", [1, 6, 37])
 def test_kernel_equals_its_arithmetic(variant, qtype, fused, r8, tokens):
     with quant.using_variant(variant):
-        experts = _experts(qtype, fused, r8 and variant in quant.R8_VARIANTS)
+        experts = _experts(qtype, fused, r8 and variant in R8_HERE)
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1))
         weights, ids = _route(x, one_expert=tokens == 6)
         table = moe_kernels.expert_table(experts)
+        if not r8 and variant in moe_kernels.R8_ONLY:        # the file's rows: not this build's kernel
+            assert table is None
+            return
         assert table is not None
         ours = moe_kernels.routed_experts(x, table, weights, ids)
         ref = _reference(x, experts, weights, ids)
@@ -112,18 +117,22 @@ def test_bf16_rows_and_r8_equal_the_file_layout():
     assert torch.equal(b, c)
 
 
-def test_a_row_is_the_same_alone_and_in_a_batch():
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+def test_a_row_is_the_same_alone_and_in_a_batch(variant):
     """Each output row's arithmetic does not depend on the other rows of the step (batch invariance)."""
-    experts = _experts("q4_0", False, quant.variant() in quant.R8_VARIANTS)
-    table = moe_kernels.expert_table(experts)
-    x = torch.randn(7, H, generator=torch.Generator().manual_seed(3))
-    weights, ids = _route(x)
-    together = moe_kernels.routed_experts(x, table, weights, ids)
-    if together is None:
-        pytest.skip("the kernel does not run in this build")
-    for t in range(7):
-        alone = moe_kernels.routed_experts(x[t:t + 1], table, weights[t:t + 1], ids[t:t + 1])
-        assert torch.equal(alone[0], together[t])
+    with quant.using_variant(variant):
+        experts = _experts("q4_0", False, variant in R8_HERE)
+        table = moe_kernels.expert_table(experts)
+        x = torch.randn(7, H, generator=torch.Generator().manual_seed(3))
+        weights, ids = _route(x)
+        together = moe_kernels.routed_experts(x, table, weights, ids)
+        for t in range(7):
+            alone = moe_kernels.routed_experts(x[t:t + 1], table, weights[t:t + 1], ids[t:t + 1])
+            assert torch.equal(alone[0], together[t])
+
+
+def _pack(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
+    return quant.repack(w, experts=True)
 
 
 def _k_quant_experts(pack) -> list[ExpertWeights]:
@@ -134,16 +143,15 @@ def _k_quant_experts(pack) -> list[ExpertWeights]:
                           pack(weight("q6_k", H, width, seed=3 * e + 2)[0])) for e in range(E)]
 
 
+@pytest.mark.parametrize("variant", GEMM_VARIANTS)
 @pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m"])
 @pytest.mark.parametrize("tokens", [40, 70])
-def test_gemm_groups_equal_the_dots(mix, tokens):
+def test_gemm_groups_equal_the_dots(variant, mix, tokens):
     """Experts with kGemmMinRows pairs or more run the integer GEMM (r8 layouts, 256-bit builds); a
     token alone runs the dots: every row the same floats either way, with one expert taking every
     token (70: two of its tiles) or ~10 pairs an expert (batch invariance at prefill sizes)."""
-    if "avx2" not in quant.supported_variants():
-        pytest.skip("r8 layouts are made on the 256-bit variants")
-    with quant.using_variant("avx2"):
-        experts = _k_quant_experts(quant.repack) if mix == "q4_k_m" else _experts(mix, False, True)
+    with quant.using_variant(variant):
+        experts = _k_quant_experts(_pack) if mix == "q4_k_m" else _experts(mix, False, True)
         table = moe_kernels.expert_table(experts)
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(4)).bfloat16()
         weights, ids = _route(x, one_expert=tokens == 70)
@@ -156,13 +164,31 @@ def test_gemm_groups_equal_the_dots(mix, tokens):
             torch.testing.assert_close(together.double(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_the_avx512_build_gives_the_256_bit_builds_bits(mix, tokens):
+    """The avx512vnni build runs the same r8 kernels (vpdpbusd's EVEX form where avx2 has maddubs +
+    madd: the same integers) and GEMM: every output bit equal to the avx2 build's, decode and prefill."""
+    if "avx512vnni" not in quant.supported_variants():
+        pytest.skip("this CPU lacks the avx512vnni variant")
+    experts = _k_quant_experts(_pack) if mix == "q4_k_m" else _experts(mix, True, True)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(11))
+    weights, ids = _route(x)
+    table = moe_kernels.expert_table(experts)
+    outs = []
+    for variant in ("avx512vnni", "avx2"):
+        with quant.using_variant(variant):
+            outs.append(moe_kernels.routed_experts(x, table, weights, ids))
+    assert outs[0] is not None and torch.equal(outs[0], outs[1])
+
+
 def test_the_block_takes_the_kernel_and_reads_only_chosen_experts():
     """moe_forward with CpuOps runs quantized experts in the one call; every expert no token chose
     is NaN-poisoned and the output stays finite and equal; the counted reads are the chosen ones."""
     if quant.variant() not in KERNEL_VARIANTS:
         pytest.skip("the kernel does not run in this build")
     spec = MoESpec(E, K, I, norm_topk_prob=True)
-    experts = _experts("q8_0", False, quant.variant() in quant.R8_VARIANTS)
+    experts = _experts("q8_0", False, quant.variant() in R8_HERE)
     router = torch.randn(E, H, generator=torch.Generator().manual_seed(4)) * 0.3
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(5))
     ops = CpuOps()
@@ -205,9 +231,8 @@ def test_k_quant_experts(variant):
     """A Q4_K_M file's experts (gate and up q4_k, down q6_k; r8 layouts on the 256-bit variants)
     against the same arithmetic in float64."""
     with quant.using_variant(variant):
-        pack = quant.repack if variant in quant.R8_VARIANTS else (lambda w: w)
-        experts = _k_quant_experts(pack)
-        if variant in quant.R8_VARIANTS:
+        experts = _k_quant_experts(_pack if variant in R8_HERE else (lambda w: w))
+        if variant in R8_HERE:
             assert experts[0].down.qtype == "q6_kr8" and experts[0].gate_up[0].qtype == "q4_kr8"
         x = torch.randn(5, H, generator=torch.Generator().manual_seed(6))
         weights, ids = _route(x)
@@ -236,9 +261,12 @@ def test_clamped_swiglu_with_biases(variant, qtype, fused, r8, tokens):
     made on the 256-bit variants) and its file's rows, and q8_0 in its r8 layout."""
     spec = MoESpec(E, K, I, scoring="topk_softmax", activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=7.0)
     with quant.using_variant(variant):
-        r8 = r8 and variant in quant.R8_VARIANTS
+        r8 = r8 and variant in R8_HERE
         experts = _gpt_oss_experts(qtype, fused, r8)
         assert experts[0].down.qtype == (quant.R8_OF[qtype] if r8 else qtype)
+        if not r8 and variant in moe_kernels.R8_ONLY:        # the file's rows: not this build's kernel
+            assert moe_kernels.expert_table(experts) is None
+            return
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(9)) * 4
         weights, ids = _route(x, one_expert=tokens == 6)
         ours = moe_kernels.routed_experts(x, moe_kernels.expert_table(experts), weights, ids, moe_kernels.glu_of(spec))

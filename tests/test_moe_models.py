@@ -317,7 +317,7 @@ def test_gpt_oss_mxfp4_experts_on_the_mxfp4_kernels(gpt_oss_mxfp4, tiny_tokenize
     llm = LLM(str(root), dtype="float32", num_gpu_blocks_override=64)
     experts = _experts_of(llm)
     # (the 256-bit variants repack them at load: 8 rows interleaved, the same bytes)
-    assert {w.qtype for w in experts} == {"mxfp4r8" if quant.variant() in quant.R8_VARIANTS else "mxfp4"}
+    assert {w.qtype for w in experts} == {"mxfp4r8" if quant.variant() in quant.EXPERT_R8_VARIANTS else "mxfp4"}
     assert sum(w.nbytes for w in experts) == sum(w.shape[0] * w.shape[1] // 32 * 17 for w in experts)
     _check(llm, hf, tiny_tokenizer, atol=0.1)
 

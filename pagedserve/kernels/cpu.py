@@ -634,7 +634,7 @@ class _LoraRefs(ctypes.Structure):
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-_MOE_BUILDS = ("avx2", "avxvnni", "vnni256", "scalar")      # the quant variants whose quant_moe_experts runs (kernels/moe.py)
+_MOE_BUILDS = ("avx512vnni", "avx2", "avxvnni", "vnni256", "scalar")      # the quant variants whose quant_moe_experts runs (kernels/moe.py)
 _TILE_COLUMNS = (2, 6, 9, 12)     # where each projection's tile_rows lies in a LayerPtrs row
 _GROUP_COLUMN, _SLOT_COLUMN = 23, 24    # a layer's KV group and cache slot in a LayerPtrs row
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -7,8 +7,9 @@ chose are never touched. One parallel region per layer, no Python per expert.
 
 It takes experts whose weights are all quantized (a GGUF file's stacked experts: gate and up
 apart; or one fused [2 I, H] gate_up), with or without biases (gpt-oss's), rows a multiple of 8;
-anything else (float experts, the AVX-512 build) returns None and models/moe.py runs the experts
-one by one through ops.linear.
+in the avx512vnni build only in r8 layouts (quant.repack's `experts` makes them there: the same
+256-bit r8 kernels, with its EVEX vpdpbusd); anything else (float experts) returns None and
+models/moe.py runs the experts one by one through ops.linear.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class MoEGlu(ctypes.Structure):
 
 UNSUPPORTED = 2        # quant_moe_experts' status where its build does not run it
 BUILDS = cpu._MOE_BUILDS       # the quant variants whose quant_moe_experts runs
+R8_ONLY = ("avx512vnni",)      # of them, those that take experts in r8 layouts only (csrc/moe/experts.h)
 SCORINGS = {"softmax": 0, "topk_softmax": 1}          # models/moe.py's scorings as the compiled loop's MoE block codes them
 GLUS = {"silu": 0, "clamped_swiglu": 1}               # models/moe.py's activations as the kernel codes them
 
@@ -58,7 +60,8 @@ def _half(w: QuantizedWeight, second: bool) -> QuantPart:
 
 
 def _fits(w: QuantizedWeight, rows: int, cols: int) -> bool:
-    return w.shape == (rows, cols) and rows % 8 == 0 and cols % quant.BLOCK[w.qtype] == 0 and w.qtype != "q4_0x8"
+    return w.shape == (rows, cols) and rows % 8 == 0 and cols % quant.BLOCK[w.qtype] == 0 and w.qtype != "q4_0x8" and \
+        (w.qtype in quant.R8 or quant.variant() not in R8_ONLY)
 
 
 @dataclass
@@ -111,7 +114,8 @@ def expert_table(experts: list) -> ExpertTable | None:
 def routed_experts(h: torch.Tensor, table: ExpertTable, weights: torch.Tensor, ids: torch.Tensor,
                    glu: tuple[int, float, float] = (0, 1.0, 0.0), lib=None) -> torch.Tensor | None:
     """sum_s weights[t, s] * expert_{ids[t, s]}(h[t]) for each row t of h [T, H] (float32 [T, H]),
-    or None where the kernel does not run here (no library, the AVX-512 build, h not float32 / bf16).
+    or None where the kernel does not run here (no library, h not float32 / bf16, experts not in r8
+    layouts in the avx512vnni build).
     glu: the activation (glu_of: SwiGLU by default); lib: another build of quant_kernels (a benchmark's A/B)."""
     lib = lib or quant.load()
     if lib is None or h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 2:

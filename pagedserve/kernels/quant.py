@@ -106,6 +106,10 @@ R8_VARIANTS = ("avx2", "avxvnni", "vnni256")    # where repack makes every R8_OF
 # set_batch_invariant(True) for every product: kernel tests, benchmarks; $PAGEDSERVE_BATCH_INVARIANT
 # is the engine's: config.py); other steps' prefill chunks take the float tiles.
 R8_ALL_ROWS = 1 << 30
+# Where repack makes the r8 layouts of a mixture-of-experts layer's experts (repack's `experts`): the
+# R8_VARIANTS, and avx512vnni, whose experts kernel (csrc/moe/experts.h) runs the same 256-bit r8
+# dots and GEMM with its EVEX vpdpbusd while its dense products keep their own layouts and kernels.
+EXPERT_R8_VARIANTS = R8_VARIANTS + ("avx512vnni",)
 _batch_invariant = False
 
 
@@ -346,7 +350,7 @@ KERNELS = cpu.KernelLibrary(SOURCE, VARIANTS, ENV_VARIANT, _SIGNATURES, "quant_k
 VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar only)
 
 
-def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
+def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False, experts: bool = False) -> QuantizedWeight:
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
     8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows; on the avx2 and avxvnni
@@ -356,10 +360,12 @@ def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> 
     of the whole matrix; else a new tensor. mapped: a small matrix the loader left in the file's
     mapping: a copy in an r8 layout on the R8_VARIANTS (so that every projection of a model is r8:
     batch-invariant rows, and the compiled loop's integer dots at any batch), else w itself.
-    Every path computes the same values from either."""
-    if mapped and variant() not in R8_VARIANTS:
+    experts: a mixture-of-experts layer's expert, in its r8 layout on the EXPERT_R8_VARIANTS too (the
+    experts kernel's). Every path computes the same values from either."""
+    r8_variants = EXPERT_R8_VARIANTS if experts else R8_VARIANTS
+    if mapped and variant() not in r8_variants:
         return w
-    r8_here = variant() in R8_VARIANTS or (w.qtype == "q4_1" and variant() == "avx512vnni" and amxw_in_use())
+    r8_here = variant() in r8_variants or (w.qtype == "q4_1" and variant() == "avx512vnni" and amxw_in_use())
     if w.qtype in R8_OF and w.shape[0] % 8 == 0 and w.data.is_contiguous() and \
             os.environ.get(REPACK_ENV, "1") != "0" and r8_here:
         r8 = R8_OF[w.qtype]

@@ -467,11 +467,13 @@ class MatrixBuilder:
             self.dequantized[ggml.name] += 1
         return qtype
 
-    def matrix(self, parts: list[tuple[str, Range]], cols: Range = None, pad_rows: int = 0, qtype: str | None = None):
+    def matrix(self, parts: list[tuple[str, Range]], cols: Range = None, pad_rows: int = 0, qtype: str | None = None,
+               experts: bool = False):
         """The fused matrix of `parts` (name, rows) stacked by rows, of columns `cols`, with
-        `pad_rows` zero rows after them (a padded vocabulary part)."""
+        `pad_rows` zero rows after them (a padded vocabulary part); `experts`: an MoE expert's
+        (ops.repack's layout for the experts kernel)."""
         if self.blocks_of:
-            return self._gguf_matrix(parts, cols, pad_rows)
+            return self._gguf_matrix(parts, cols, pad_rows, experts)
         if self.mode in ("q8_0", "q4_0"):
             qtype = qtype or self.mode
             whole = self._stack_rows([self.source.get(n, r, cols) for n, r in parts], pad_rows)
@@ -482,7 +484,7 @@ class MatrixBuilder:
             w = self.ops.quantize(whole.float(), qtype)
             # (its own bytes: repacked in place where the decode kernels have a faster layout)
             return self.ops.repack(QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data)),
-                                in_place=True)
+                                   in_place=True, experts=experts)
         if isinstance(self.source, SafetensorsSource) and cols is None and \
                 all(self.source.has(n) and self.source.dtype(n) == self.dtype for n, _ in parts):
             return self._read_fused(parts, pad_rows)
@@ -500,12 +502,12 @@ class MatrixBuilder:
         out[at:].zero_()
         return out
 
-    def _gguf_matrix(self, parts: list[tuple[str, Range]], cols: Range, pad_rows: int):
+    def _gguf_matrix(self, parts: list[tuple[str, Range]], cols: Range, pad_rows: int, experts: bool = False):
         qtypes = [self._quantized_type(n) for n, _ in parts]
         if all(q is None for q in qtypes):      # float parts (or types without a kernel)
             return self._stack_rows([self.float(n, r, cols) for n, r in parts], pad_rows)
         if len(set(qtypes)) > 1:     # a float part, or e.g. q, k in Q4_K and v in Q6_K: one matrix per part
-            weights = [self._gguf_matrix([part], cols, 0) if q else self.float(*part, cols)
+            weights = [self._gguf_matrix([part], cols, 0, experts) if q else self.float(*part, cols)
                        for part, q in zip(parts, qtypes)]
             if pad_rows:
                 weights.append(self._zeros(pad_rows, parts[-1][0], cols))
@@ -520,7 +522,8 @@ class MatrixBuilder:
         weight = from_gguf_blocks(qtypes[0], raw, (raw.shape[0], num_cols))
         # the layout the decode kernels read fastest, where the type has one (ops.repack): in place
         # in the loader's copy, or for a small matrix left in the file's mapping a copy where it pays
-        weight = self.ops.repack(weight, in_place=True) if owned else self.ops.repack(weight, mapped=True)
+        weight = self.ops.repack(weight, in_place=True, experts=experts) if owned else \
+            self.ops.repack(weight, mapped=True, experts=experts)
         for n, _ in parts:
             self.source.release(n, weight)
         self.made[qtypes[0]] += 1
@@ -547,14 +550,14 @@ class MatrixBuilder:
         raw = copy if owned else raw
         weights = [from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)) for e in range(raw.shape[0])]
         if owned:       # the layout the decode kernels read fastest, in place in each expert's bytes
-            weights = [self.ops.repack(w, in_place=True) for w in weights]
+            weights = [self.ops.repack(w, in_place=True, experts=True) for w in weights]
             self.source.release(name, raw)
-        elif raw.is_contiguous() and self.ops.repack(weights[0], mapped=True) is not weights[0]:
+        elif raw.is_contiguous() and self.ops.repack(weights[0], mapped=True, experts=True) is not weights[0]:
             # left in the mapping (small, or no huge pages) where the kernels have such a layout: one
             # copy of the stack (each expert still a slice of one buffer) repacked in place
             raw = raw.clone()
-            weights = [self.ops.repack(from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)), in_place=True)
-                       for e in range(raw.shape[0])]
+            weights = [self.ops.repack(from_gguf_blocks(qtype, raw[e], (num_rows, num_cols)), in_place=True,
+                                       experts=True) for e in range(raw.shape[0])]
             self.source.release(name, raw)
         self.made[qtype] += 1
         return weights

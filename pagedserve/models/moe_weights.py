@@ -160,8 +160,8 @@ def build_moe(build, source, layer: int, spec: MoESpec, names: ExpertNames = Exp
             raise ValueError(f"layer {layer}: no experts in the checkpoint (neither {stacked.format('gate_proj')} nor "
                              f"{q.format(0, names.gate)}); a GGUF file needs llama.cpp's stacked ffn_*_exps tensors "
                              f"(files converted before mid-2024 keep one tensor per expert: convert them again)")
-        experts = [ExpertWeights(build.matrix([(q.format(e, names.gate), inter), (q.format(e, names.up), inter)]),
-                                 build.matrix([(q.format(e, names.down), None)], cols=inter))
+        experts = [ExpertWeights(build.matrix([(q.format(e, names.gate), inter), (q.format(e, names.up), inter)], experts=True),
+                                 build.matrix([(q.format(e, names.down), None)], cols=inter, experts=True))
                    for e in range(spec.num_experts)]
     if len(experts) != spec.num_experts:
         raise ValueError(f"layer {layer}: the checkpoint has {len(experts)} experts, the config {spec.num_experts}")
@@ -244,7 +244,7 @@ def _gpt_oss_mxfp4_moe(build, source, layer: int, spec: MoESpec, inter: tuple[in
             down = QuantizedWeight("mxfp4", (down.shape[0], r1 - r0), slice_cols(down, r0, r1).data.contiguous())
         bias = torch.cat([gu_bias[e, 0::2][r0:r1], gu_bias[e, 1::2][r0:r1]])
         # (their own bytes: the layout the decode kernels read fastest, in place, where there is one)
-        gate_up, down = build.ops.repack(gate_up, in_place=True), build.ops.repack(down, in_place=True)
+        gate_up, down = (build.ops.repack(w, in_place=True, experts=True) for w in (gate_up, down))
         experts.append(ExpertWeights(gate_up, down, bias.to(dtype), d_bias[e].to(dtype) if r0 == 0 else None))
     build.made["mxfp4"] += 2 * spec.num_experts
     return MoEWeights(source.get(p + "router.weight").float(), experts, router_bias=source.get(p + "router.bias").float(),

@@ -55,10 +55,12 @@ class ModelOps(Protocol):
     def quantize(self, weight: torch.Tensor, qtype: str) -> QuantizedWeight:
         """A float matrix in q8_0 or q4_0 (the bytes of gguf.quants.quantize): quantize-at-load."""
 
-    def repack(self, weight: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
+    def repack(self, weight: QuantizedWeight, in_place: bool = False, mapped: bool = False,
+               experts: bool = False) -> QuantizedWeight:
         """The weight in the layout these ops' kernels read fastest (or as it is); in_place: its
         bytes may be rewritten (the loader owns them); mapped: a small matrix left in the file's
-        mapping, copied into that layout only where the kernels gain most from it."""
+        mapping, copied into that layout only where the kernels gain most from it; experts: a
+        mixture-of-experts layer's expert (the layout its experts kernel reads)."""
 
     def quantized_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, decode: bool = False,
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -110,7 +112,8 @@ class TorchOps:
     quantized_embedding = staticmethod(quantized.embedding_rows_torch)
 
     @staticmethod
-    def repack(weight: QuantizedWeight, in_place: bool = False, mapped: bool = False) -> QuantizedWeight:
+    def repack(weight: QuantizedWeight, in_place: bool = False, mapped: bool = False,
+               experts: bool = False) -> QuantizedWeight:
         return weight
 
     @staticmethod

@@ -62,13 +62,14 @@
 // paths: the avx512vnni build); else the 256-bit ones over the r8 layouts (avx2, avxvnni, vnni256) or plain
 // loops (scalar). PS_VNNI256: the 256-bit vpdpbusd, in its VEX form (avxvnni: AVX-VNNI) or its EVEX form
 // (vnni256, built with PAGEDSERVE_DOTS256: the avxvnni kernels on an AVX-512 VNNI CPU): the same integers.
+// The avx512vnni build has the 256-bit r8 kernels too (EVEX form), for its MoE experts (moe/experts.h).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(PAGEDSERVE_DOTS256)
 #define PS_DOTS512 1
 #endif
 #if defined(__AVXVNNI__)
 #define PS_VNNI256 1
 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#elif defined(PAGEDSERVE_DOTS256) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PS_VNNI256 1
 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #endif

@@ -25,14 +25,19 @@
 // Weights in an r8 layout run r8_group_fn's kernels (8 rows a pass, 1-4 activation rows), or, where
 // an expert has kGemmMinRows pairs or more (a prefill: ~T k / E each) and the layout has one, the
 // integer GEMM's (gemm_r8_256.h: a unit's codes unpacked once per tile of up to 64 pairs, the
-// activations relaid in its tile layout per expert); other types row_fn's (each of the 8 rows in turn). The 256-bit and scalar builds only (the AVX-512
-// build's dots read more of Act than this fills): elsewhere it returns 2 and kernels/moe.py runs
-// the experts one by one.
+// activations relaid in its tile layout per expert); other types row_fn's (each of the 8 rows in turn).
+// The avx512vnni build (PS_DOTS512) runs the same 256-bit r8 kernels (vpdpbusd's EVEX form: the same
+// integers, the same bits as the 256-bit builds), over experts in r8 layouts only (quant.repack's
+// `experts`): its file-layout dots read more of Act than this fills, so where a chosen expert has a
+// part in another layout it returns 2 and kernels/moe.py runs the experts one by one.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 #define MOE_GEMM 1        // gemm_r8_256.h's integer GEMM is in this build
+#endif
+#if defined(PS_DOTS512)
+#define MOE_R8_ONLY 1     // the avx512vnni build: experts in r8 layouts only (see above)
 #endif
 
 // One routed expert: gate [I][H], up [I][H], down [H][I] (any of the block types, an r8 layout or
@@ -208,11 +213,6 @@ bool moe_part_ok(const QuantPart &m, int64_t rows, int64_t K) {
 extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void *x, int64_t ldx, int x_bf16,
                                  int64_t T, int64_t H, int64_t I, const int64_t *ids, const float *weights,
                                  int64_t k, const MoEGlu *glu, float *out) {
-#if defined(PS_DOTS512)
-    (void)experts, (void)E, (void)x, (void)ldx, (void)x_bf16, (void)T, (void)H, (void)I, (void)ids, (void)weights;
-    (void)k, (void)glu, (void)out;
-    return 2;
-#else
     if (T <= 0 || k <= 0 || E <= 0 || H % 32 || I % 32) return T == 0 ? 0 : 1;
     const MoEGlu act = glu ? *glu : MoEGlu{0, 1.f, 0.f};
     if (act.kind != 0 && act.kind != 1) return 1;
@@ -235,6 +235,9 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
         if (start[e + 1] > start[e]) {
             const MoEExpert &m = experts[e];
             if (!moe_part_ok(m.gate, I, H) || !moe_part_ok(m.up, I, H) || !moe_part_ok(m.down, H, I)) return 1;
+#ifdef MOE_R8_ONLY
+            if (!is_r8(int(m.gate.qtype)) || !is_r8(int(m.up.qtype)) || !is_r8(int(m.down.qtype))) return 2;
+#endif
             chosen.push_back(e);
         }
     const int64_t P = T * k, nbh = H / 32, nbi = I / 32;
@@ -505,5 +508,4 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
         }
     }
     return 0;
-#endif
 }

@@ -87,7 +87,7 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
     }
 }
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 // Q6_KR8 super-block s of unit u against rows t0 .. t0 + NT - 1 of the super-block activations
 // (a.qk, dk, bsk): per row, the unsigned codes' 16-bit pair sums times the sub-block scales (madd)
 // summed in int32 over the whole super-block (2 lanes a row per half: one hadd at the end), less
@@ -193,7 +193,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
 // The kernel of this build for super-block r8 layout QT and NT (1..4) activation rows a pass.
 template <int QT>
 R8GroupFn rk8_group_fn(int nt) {
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
     constexpr R8GroupFn fns[5] = {nullptr, rk8_group_256<QT, 1>, rk8_group_256<QT, 2>, rk8_group_256<QT, 3>,
                                   rk8_group_256<QT, 4>};
 #else

@@ -46,7 +46,7 @@ void mxfp4_r8_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
         }
 }
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 constexpr int64_t kMxR8Ahead = 2048;     // bytes of the group's stream fetched ahead (as dot_r8_256.h's)
 
 // The 8 rows' 2^(e - 128) as float32 from their scale bytes (e8m0_pow2(e, -1) for every e: e = 0
@@ -97,7 +97,7 @@ void mxfp4_r8_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
 
 // The kernel of this build for NT (1..4) activation rows a pass (R8GroupFn: dot_r8_256.h).
 R8GroupFn mxfp4_r8_group_fn(int nt) {
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
     constexpr R8GroupFn fns[5] = {nullptr, mxfp4_r8_256<1>, mxfp4_r8_256<2>, mxfp4_r8_256<3>, mxfp4_r8_256<4>};
 #else
     constexpr R8GroupFn fns[5] = {nullptr, mxfp4_r8_ref<1>, mxfp4_r8_ref<2>, mxfp4_r8_ref<3>, mxfp4_r8_ref<4>};

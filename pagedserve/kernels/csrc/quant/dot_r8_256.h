@@ -53,7 +53,7 @@ void r8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
         }
 }
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 constexpr int64_t kR8Ahead = 2048;     // bytes of the group's stream fetched ahead (measured: 1.3x over 1 KiB at the 1.7B shape)
 
 // acc + the 8 int32 lanes of 4 rows' 8 unsigned codes (u) times 8 signed activations (s) per row
@@ -146,7 +146,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
 using R8GroupFn = void (*)(const uint8_t *, int64_t, const Act &, int64_t, float *, int64_t);
 template <int QT>
 R8GroupFn r8_group_fn(int nt) {
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
     constexpr R8GroupFn fns[5] = {nullptr, r8_group_256<QT, 1>, r8_group_256<QT, 2>, r8_group_256<QT, 3>,
                                   r8_group_256<QT, 4>};
 #else

@@ -14,7 +14,7 @@
 
 namespace {
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 // The group at w (nb q8_0r8 units) against tile rows t0 .. t0 + n - 1 of g: acc ([n][8], the hadd's
 // lane order) += the rows' products; mins and m untouched (q8_0 has no minimum term).
 void gemm_q8_0r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, float *acc, float *, float *) {

@@ -25,7 +25,7 @@
 
 namespace {
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 constexpr int64_t kGemmTile = 64;       // activation rows per pass over a group's weights
 
 // The activations of tiles of kGemmTile rows, block-major within each tile: tile at t0 (n rows):
@@ -327,14 +327,21 @@ inline bool gemm_has(int) { return false; }
 // bits per row either way, so where the crossover sits never changes a row's result).
 constexpr int64_t kGemmMinRows = 8;
 int64_t g_gemm_min_rows = kGemmMinRows;      // quant_gemm_r8_config (kernels/quant.py, benchmarks)
+// (Never in the avx512vnni build: its dense r8 layouts are q4_1r8 on AMX, with kernels of its own;
+// only its mixture-of-experts layers run the GEMM, through moe/experts.h.)
 bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T) {
+#if defined(PS_DOTS512)
+    (void)parts, (void)nparts, (void)T;
+    return false;
+#else
     if (T < g_gemm_min_rows) return false;
     for (int64_t p = 0; p < nparts; p++)
         if (!gemm_has(int(parts[p].qtype)) || parts[p].rows % 8) return false;
     return true;
+#endif
 }
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+#if defined(__AVX2__)
 // put_out of 8 outputs at once (v: bias added), at element i of y: float32, or bf16 rounded as
 // f32_to_bf16 (to nearest even, NaN kept quiet).
 inline void put_out8(void *y, bool y_bf16, int64_t i, __m256 v) {

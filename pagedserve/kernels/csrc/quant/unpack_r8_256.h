@@ -11,7 +11,9 @@
 
 namespace {
 
-#if defined(__AVX2__) && !(defined(PS_DOTS512))
+// In every AVX2 build: the avx512vnni build's (PS_DOTS512) dense products keep their own kernels, but
+// its mixture-of-experts layers run their experts over r8 layouts (moe/experts.h).
+#if defined(__AVX2__)
 // The hadd's row order of a block's 8 rows (its own inverse).
 inline __m256i r8_order() { return _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); }
 
