@@ -36,8 +36,12 @@ MIXES = {"q4_0": ("q4_0", "q4_0"), "q4_k_m": ("q4_k", "q6_k")}       # (gate and
 def layer(mix: str, experts: int, hidden: int, width: int, rng) -> moe_kernels.ExpertTable:
     gu, down = MIXES[mix]
     return moe_kernels.expert_table([
-        ExpertWeights((quant.repack(random_weight(gu, width, hidden, rng)), quant.repack(random_weight(gu, width, hidden, rng))),
-                      quant.repack(random_weight(down, hidden, width, rng))) for _ in range(experts)])
+        ExpertWeights((_pack(random_weight(gu, width, hidden, rng)), _pack(random_weight(gu, width, hidden, rng))),
+                      _pack(random_weight(down, hidden, width, rng))) for _ in range(experts)])
+
+
+def _pack(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
+    return quant.repack(w, experts=True)       # the loader's layout for experts (r8 on EXPERT_R8_VARIANTS)
 
 
 def routes(tokens: int, experts: int, k: int, calls: int, rng) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,8 +93,8 @@ def main() -> None:
     args.experts, args.k, args.hidden, args.width = (8, 2, 256, 256) if args.tiny else (64, 8, 2048, 1024)
     if args.tiny:
         args.layers, args.tokens, args.rounds = 1, 16, 1
-    if quant.variant() not in quant.R8_VARIANTS:
-        raise SystemExit(f"variant {quant.variant()}: the r8 layouts need avx2 / avxvnni")
+    if quant.variant() not in quant.EXPERT_R8_VARIANTS:
+        raise SystemExit(f"variant {quant.variant()}: the experts' r8 layouts need avx512vnni / avx2 / avxvnni")
     other = other_build(args.ab_source) if args.ab_source else None
     rows = [r for mix in args.mixes.split(",") for r in measure(mix, args, other)]
     result = dict(flags=cpu_flags(), quant=quant.describe(), threads=torch.get_num_threads(), rows=rows)
