@@ -2,10 +2,13 @@
 default: the same request alone, among other requests (chunked prefills sharing its decode
 steps), after a prefix-cache hit and with n-gram or suffix speculation gives the same tokens and
 logprobs, where its quantized products run in r8 layouts (the avx2 / avxvnni kernels: a row's
-arithmetic does not depend on how many rows share the call; csrc/quant/dot_r8_256.h). Steps
-holding a greedy request are batch-invariant (EngineConfig.batch_invariant "auto": prefill
-chunks take the decode rows' integer dots too); steps of sampled requests only are not."""
+arithmetic does not depend on how many rows share the call; csrc/quant/dot_r8_256.h) and on the
+avx512vnni variant (the files' layouts: one chain of sums per row, csrc/quant/dot_avx512vnni.h;
+quant.INVARIANT_DOTS). Steps holding a greedy request are batch-invariant
+(EngineConfig.batch_invariant "auto": prefill chunks take the decode rows' integer dots too);
+steps of sampled requests only are not."""
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
@@ -18,8 +21,24 @@ from pagedserve.scheduler import Scheduler
 # The r8 variants this CPU runs (an AVX-512 machine runs avx2 too): each runs the default model
 # in r8 layouts. None (no AVX2): nothing to check.
 R8_HERE = [v for v in quant.R8_VARIANTS if v in quant.supported_variants()]
-needs_r8 = pytest.mark.parametrize("variant", R8_HERE or [pytest.param(None, marks=pytest.mark.skip(
-    reason="the r8 layouts' kernels run on the avx2 / avxvnni / vnni256 variants, which this CPU lacks"))])
+# The variants whose integer dots keep a row's arithmetic in the files' layouts (avx512vnni).
+DOTS_HERE = [v for v in quant.INVARIANT_DOTS if v in quant.supported_variants()]
+needs_r8 = pytest.mark.parametrize("variant", R8_HERE + DOTS_HERE or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the batch-invariant kernels run on the avx2 / avxvnni / vnni256 / avx512vnni variants, which this CPU lacks"))])
+needs_dots = pytest.mark.parametrize("variant", DOTS_HERE or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the avx512vnni variant's kernels need AVX-512 BW/VL and VNNI, which this CPU lacks"))])
+
+
+def _check_layout(llm: LLM, variant: str) -> None:
+    """The default model's projections as the variant loads them: r8 layouts on the 256-bit
+    variants (every step batch-dependent only for mxfp4r8); the files' q4_1 (q4_1r8 where AMX-BF16
+    runs) on avx512vnni, whose plain steps take the tiles (the worker says they are batch-dependent)."""
+    worker = llm.engine.executor.worker
+    qtype = worker.runner.model.layers[0].qkv.qtype
+    if variant in quant.R8_VARIANTS:
+        assert qtype == "q4_1r8" and not worker.batch_dependent_steps
+    else:
+        assert qtype in ("q4_1", "q4_1r8") and worker.batch_dependent_steps
 
 PROMPT = "The capital of France is Paris. The capital of"
 OTHERS = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite book is",
@@ -51,7 +70,7 @@ def test_greedy_is_the_same_alone_batched_cached_and_speculated_by_default(varia
     with quant.using_variant(variant):
         llm = LLM(enable_prefix_caching=True, **small)
         assert llm.engine.config.batch_invariant == "auto"
-        assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
+        _check_layout(llm, variant)
         alone = _run(llm, [PROMPT])
         assert _run(llm, [PROMPT]) == alone                    # its prompt's full blocks now a prefix-cache hit
         assert _run(llm, [PROMPT] + OTHERS) == alone            # chunked prefills, mixed steps
@@ -97,8 +116,8 @@ REPEATING = ["The capital of France is Paris. The capital of Germany is Berlin. 
              "Write a list of fruits: apple, banana, cherry, apple, banana,"]
 
 
-@pytest.mark.skipif(quant.variant() not in quant.R8_VARIANTS,
-                    reason="the r8 layouts' kernels run on the avx2 / avxvnni / vnni256 variants")
+@pytest.mark.skipif(quant.variant() not in quant.R8_VARIANTS + quant.INVARIANT_DOTS,
+                    reason="the batch-invariant kernels run on the avx2 / avxvnni / vnni256 / avx512vnni variants")
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_speculation_gives_plain_decodings_tokens_and_logprobs(method):
     """Verification rows attend one by one as decode rows (csrc/attention/paged_attention.h) and
@@ -160,7 +179,7 @@ def test_greedy_after_a_sampled_request_with_its_prompt_gives_its_tokens_alone(v
     with quant.using_variant(variant):
         alone = _run(LLM(enable_prefix_caching=False, **small), [prompt], max_tokens=32)
         llm = LLM(enable_prefix_caching=True, **small)
-        assert llm.engine.executor.worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
+        _check_layout(llm, variant)
         sampled = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=2, seed=1), use_tqdm=False)[0]
         assert len(sampled.prompt_token_ids) > 64                 # a prefill chunk past the dots' 16 rows
         assert _run(llm, [prompt], max_tokens=32) == alone
@@ -197,6 +216,11 @@ def test_only_r8_layouts_without_the_gemm_make_steps_batch_dependent():
             assert quant.invariance_changes({"mxfp4r8", "q8_0r8", "f16"})
             assert not quant.invariance_changes({"q4_0r8", "q8_0r8", "q4_kr8", "q6_kr8", "f16"})
             assert not quant.invariance_changes({"q4_0", "q6_k"}) and not quant.invariance_changes(set())
+    for variant in DOTS_HERE:      # there every quantized product's plain steps take the tiles
+        with quant.using_variant(variant):
+            assert quant.invariance_changes({"q4_1", "f16"}) and quant.invariance_changes({"q4_0x8"})
+            assert quant.invariance_changes({"q4_1r8"})
+            assert not quant.invariance_changes({"f16"}) and not quant.invariance_changes(set())
 
 
 @needs_r8
@@ -251,3 +275,70 @@ def test_an_embedding_does_not_depend_on_how_its_prompt_is_split(variant, poolin
         for budget in (9, 5, 3):
             assert embedding(budget) == whole, budget
 
+
+
+# Kernel level: each type in the layout the variant loads it in (q4_0 of whole 256-element units:
+# q4_0x8), rows of K that take every pass of the dots: 32-element types 19 blocks (a group of 16, a
+# pair, an odd block), super-block types 3 super-blocks; 37 weight rows (two-row passes at T = 1 and
+# a single row, split over the threads).
+KERNEL_CASES = [(q, 608) for q in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4")] + \
+    [(q, 768) for q in ("q4_k", "q5_k", "q6_k")] + [("q4_0", 512)]
+# Both sides of each threshold: one- and two-row passes (Act::start), 8-row passes and their tails,
+# AMX-INT8's first row (8), SMALL_BATCH_ROWS (16), DECODE_BATCH_ROWS (32), up to 65 rows.
+ROW_COUNTS = (2, 3, 4, 7, 8, 9, 10, 11, 15, 16, 17, 31, 32, 33, 64, 65)
+
+
+@needs_dots
+@pytest.mark.parametrize("qtype,cols", KERNEL_CASES)
+def test_a_row_alone_equals_it_among_2_to_65_rows_in_invariant_products(variant, qtype, cols):
+    """quant.linear(invariant=True) on the avx512vnni variant: each activation row's output alone
+    equals it among 2-65 rows, bit for bit, float32 and bf16 x, decode or prefill rows, out
+    float32 or bf16 (before: two-row passes, the dots' chains of sums by rows a pass, and from 17
+    rows the dequantized tiles gave other bits)."""
+    from tests.test_quant_kernels import weight
+    with quant.using_variant(variant):
+        w = quant.repack(weight(qtype, rows=37, cols=cols)[0])
+        assert w.qtype == ("q4_0x8" if (qtype, cols) == ("q4_0", 512) else w.qtype)
+        x = torch.randn(65, cols, generator=torch.Generator().manual_seed(1))
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            alone = torch.cat([quant.linear(xs[t:t + 1], w, out_dtype=torch.float32, invariant=True) for t in range(65)])
+            for n in ROW_COUNTS:
+                for decode in (False, True):
+                    y = quant.linear(xs[:n], w, decode=decode, out_dtype=torch.float32, invariant=True)
+                    assert torch.equal(y, alone[:n]), (dtype, n, decode)
+            y16 = quant.linear(xs[:33], w, out_dtype=torch.bfloat16, invariant=True)
+            assert torch.equal(y16, alone[:33].bfloat16())
+
+
+@needs_dots
+def test_invariant_products_take_the_integer_dots_at_any_rows_and_no_amx_tiles(variant, monkeypatch):
+    """The dispatch on avx512vnni with the AMX paths forced on (as on a CPU with AMX): a plain call
+    of 20 bf16 rows takes the dequantized tiles (AMX-BF16 weights as A tiles from 8 rows), an
+    invariant one (or any under set_batch_invariant) the integer dots and tells them to keep
+    vpdpbusd (quant_linear_small's `invariant`: no AMX-INT8 tiles from 8 rows)."""
+    from tests.test_quant_kernels import weight
+    with quant.using_variant(variant):
+        monkeypatch.setattr(quant, "amxw_in_use", lambda: True)
+        monkeypatch.setattr(quant, "amx_int8_in_use", lambda: True)
+        calls = []
+        monkeypatch.setattr(quant, "_linear_small", lambda x, parts, bias, lib, out_dtype=None, invariant=False:
+                            calls.append(("dots", x.shape[0], invariant)) or torch.zeros(x.shape[0], 64))
+        monkeypatch.setattr(quant, "_linear_tiles", lambda x, parts, bias, lib:
+                            calls.append(("tiles", x.shape[0], False)) or torch.zeros(x.shape[0], 64))
+        w = weight("q4_1", rows=64, cols=256)[0]
+        x = torch.randn(20, 256).bfloat16()
+        assert quant.batch_rows(False, bf16=True) == quant.amxw_rows()[0] - 1
+        assert quant.batch_rows(False, bf16=True, invariant=True) == quant.R8_ALL_ROWS
+        assert quant.batch_rows(True, invariant=True) == quant.R8_ALL_ROWS
+        quant.linear(x, w)
+        quant.linear(x[:4], w)
+        quant.linear(x, w, invariant=True)
+        quant.linear(x, w, decode=True, invariant=True)
+        quant.set_batch_invariant(True)
+        try:
+            quant.linear(x, w)
+        finally:
+            quant.set_batch_invariant(False)
+        assert calls == [("tiles", 20, False), ("dots", 4, False), ("dots", 20, True), ("dots", 20, True),
+                         ("dots", 20, True)]

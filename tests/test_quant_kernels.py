@@ -325,7 +325,7 @@ def test_c_entry_points():
     y = torch.empty(2, w.shape[0])
     part = quant.c_part(w)
     assert fn(ctypes.addressof(part), 1, x.data_ptr(), x.stride(0), 0, 2, w.shape[1], None, y.data_ptr(),
-              w.shape[0], 0) == 0
+              w.shape[0], 0, 0) == 0
     assert torch.equal(y, quant.linear(x, w))
 
 

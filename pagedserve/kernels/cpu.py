@@ -608,7 +608,7 @@ class _ModelDims(ctypes.Structure):
                                               "qk_norm_full")] + \
                [("clip_qkv", ctypes.c_float), ("softcap", ctypes.c_float), ("activation", ctypes.c_int64)] + \
                [("moe_scoring", ctypes.c_int64), ("moe_glu", ctypes.c_int64), ("swiglu_alpha", ctypes.c_float),
-                ("swiglu_limit", ctypes.c_float)]
+                ("swiglu_limit", ctypes.c_float), ("quant_invariant", ctypes.c_int64)]
 
 
 class _CacheRefs(ctypes.Structure):
@@ -816,7 +816,8 @@ class DecoderLayers:
             return False
         bf16 = self.dtype == torch.bfloat16
         d.small_rows = quant.batch_rows(False, bf16, self._all_r8, invariant, self._all_gemm)
-        d.decode_rows = quant.batch_rows(True, bf16, self._all_r8)
+        d.decode_rows = quant.batch_rows(True, bf16, self._all_r8, invariant)
+        d.quant_invariant = int(invariant)
         if self._threads != torch.get_num_threads():     # tile_rows as quant.linear computes it now
             self._threads = torch.get_num_threads()
             for layer, column, cols in self._tiles:

@@ -110,6 +110,14 @@ R8_ALL_ROWS = 1 << 30
 # R8_VARIANTS, and avx512vnni, whose experts kernel (csrc/moe/experts.h) runs the same 256-bit r8
 # dots and GEMM with its EVEX vpdpbusd while its dense products keep their own layouts and kernels.
 EXPERT_R8_VARIANTS = R8_VARIANTS + ("avx512vnni",)
+# Variants whose integer dots over the files' layouts compute a row the same way whatever the rows
+# around it (csrc/quant/dot_avx512vnni.h: one chain of sums per row and one form of each type's
+# offset whatever the rows a pass; the super-block dots per row; q4_1r8's 512-bit dots per row):
+# there a batch-invariant step takes the integer dots at every row count of every product (no
+# dequantized tiles, no AMX-BF16 weights-as-A tiles) and no AMX-INT8 tiles (quant_linear_small's
+# `invariant`), decode, verification and prefill rows alike; other steps keep the faster tiles
+# above batch_rows' thresholds (issue 51).
+INVARIANT_DOTS = ("avx512vnni",)
 _batch_invariant = False
 
 
@@ -121,12 +129,16 @@ def set_batch_invariant(enabled: bool) -> None:
 
 
 def invariance_changes(qtypes: set[str]) -> bool:
-    """Whether linear's `invariant` changes the arithmetic of products of these block types:
-    only of r8 layouts without the integer GEMM (mxfp4r8) on the R8_VARIANTS, whose integer dots
-    then take a prefill chunk's rows too (batch_rows; the other r8 layouts take them in every
-    step). Elsewhere a row's arithmetic is the same in either kind of step (the engine then marks
-    no cached block batch-dependent: Scheduler.batch_dependent_steps)."""
-    return KERNELS.variant() in R8_VARIANTS and any(q in R8 and q not in R8_GEMM for q in qtypes)
+    """Whether linear's `invariant` changes the arithmetic of products of these block types: on
+    the INVARIANT_DOTS variants of every quantized type (their integer dots then take rows the
+    tiles take in other steps); on the R8_VARIANTS only of r8 layouts without the integer GEMM
+    (mxfp4r8), whose integer dots then take a prefill chunk's rows too (batch_rows; the other r8
+    layouts take them in every step). Elsewhere a row's arithmetic is the same in either kind of
+    step (the engine then marks no cached block batch-dependent: Scheduler.batch_dependent_steps)."""
+    active = KERNELS.variant()
+    if active in INVARIANT_DOTS:
+        return any(q in QTYPES or q in REPACKED for q in qtypes)
+    return active in R8_VARIANTS and any(q in R8 and q not in R8_GEMM for q in qtypes)
 
 
 REPACK_ENV = "PAGEDSERVE_QUANT_REPACK"   # 0: keep the file's layout (repack() returns its weight as it is)
@@ -249,8 +261,11 @@ def batch_rows(decode: bool = False, bf16: bool = False, r8: bool = False, invar
     dots beat the tiles up to R8_DECODE_ROWS rows of a decode batch, and on the 256-bit variants
     (R8_VARIANTS) at any number of decode rows (R8_ALL_ROWS), and of any rows of prefill chunks
     too where `gemm` (every part in R8_GEMM: the integer GEMM's) or in a batch-invariant step
-    (`invariant`, or set_batch_invariant(True)): a row's arithmetic then never depends on the batch."""
-    if r8 and (decode or gemm or invariant or _batch_invariant) and KERNELS.variant() in R8_VARIANTS:
+    (`invariant`, or set_batch_invariant(True)): a row's arithmetic then never depends on the batch.
+    On the INVARIANT_DOTS variants a batch-invariant step takes every row count of any layout."""
+    invariant = invariant or _batch_invariant
+    active = KERNELS.variant()
+    if invariant and active in INVARIANT_DOTS or r8 and (decode or gemm or invariant) and active in R8_VARIANTS:
         return R8_ALL_ROWS
     if decode and r8:
         return R8_DECODE_ROWS
@@ -326,8 +341,8 @@ _SIGNATURES = {
     # x, ldx, x_is_bf16, rows, cols, q (int8 [rows, cols]), d (float32 [rows, cols / 256]), bs (int16 [rows, cols / 16]):
     # the super-block activations the 256-bit and scalar builds' q4_kr8 / q5_kr8 / q6_kr8 kernels multiply
     "quant_quantize_super": [_P, _I, ctypes.c_int, _I, _I, _P, _P, _P],
-    # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16
-    "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int],
+    # parts, nparts, x, ldx, x_is_bf16, T, K, bias (float32 or null), y, ldy, y_is_bf16, invariant (no AMX-INT8)
+    "quant_linear_small": [_P, _I, _P, _I, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int],
     # parts, nparts, x, x_is_bf16, T, K, bias, y, ldy, gemm (cpu.py's linear_packed_ld_*), tile_rows
     "quant_linear_tiles": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _I],
     # enable, min_rows -> 1 where quant_linear_small runs its dots on AMX-INT8 (avx512vnni build)
@@ -483,7 +498,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
     gemm = r8 and all(p.qtype in R8_GEMM for p in parts)
     if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8, invariant, gemm) and \
             out_dtype in (torch.float32, torch.bfloat16):
-        return _linear_small(x, parts, bias, lib, out_dtype)
+        return _linear_small(x, parts, bias, lib, out_dtype, invariant or _batch_invariant)
     return _linear_tiles(x, parts, bias, lib).to(out_dtype)
 
 
@@ -494,15 +509,16 @@ def _c_parts(parts: list[QuantizedWeight]):
 
 
 def _linear_small(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None, lib,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS); out: float32 or bf16."""
+                  out_dtype: torch.dtype | None = None, invariant: bool = False) -> torch.Tensor:
+    """The integer path (any T; linear() takes it up to SMALL_BATCH_ROWS); out: float32 or bf16;
+    `invariant`: no AMX-INT8 tiles (a batch-invariant step's product)."""
     rows, cols = parts[0].shape[0] if len(parts) == 1 else sum(p.shape[0] for p in parts), x.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], rows, dtype=out_dtype or x.dtype)
     bias32 = None if bias is None else bias.float().contiguous()
     _check(lib.quant_linear_small(*_c_parts(parts), x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
                                   x.shape[0], cols, None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
-                                  rows, int(out.dtype == torch.bfloat16)), "quant_linear_small")
+                                  rows, int(out.dtype == torch.bfloat16), int(invariant)), "quant_linear_small")
     return out
 
 

@@ -204,8 +204,8 @@ class LlamaModel:
         # Decode-only batches (verification rows count as decodes): quantized weights keep their
         # integer path up to larger batches; in a batch-invariant step, at any batch.
         decode = meta.num_decode_rows == num_tokens
-        linear = functools.partial(ops.linear, decode=True) if decode else \
-            functools.partial(ops.linear, invariant=True) if meta.batch_invariant else ops.linear
+        linear = functools.partial(ops.linear, decode=decode, invariant=meta.batch_invariant) \
+            if decode or meta.batch_invariant else ops.linear
         reduce = self.tp.all_reduce if self.tp else _whole
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias)
@@ -277,14 +277,15 @@ class LlamaModel:
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, decode: bool = False, invariant: bool = False) -> torch.Tensor | None:
         """Logits in float32 for the rows that are sampled (the LM head runs only on those).
         `decode`: one row per sampled position (not prompt logprobs' every row), computed as decode
         rows (quantized: the decode thresholds, so a row's arithmetic does not depend on how many
-        share the step). Under tensor parallelism every rank must call it; the driver gets the
+        share the step); `invariant`: a batch-invariant step's (quantized: at any number of rows,
+        as alone). Under tensor parallelism every rank must call it; the driver gets the
         whole vocabulary's logits, the other ranks None."""
         # (float32 out of the product itself where it can: quantized heads skip a bf16 rounding and a copy)
-        logits = self.ops.linear(hidden, self.lm_head, decode=decode, out_dtype=torch.float32)
+        logits = self.ops.linear(hidden, self.lm_head, decode=decode, out_dtype=torch.float32, invariant=invariant)
         if self.args.logits_scaling != 1.0:
             logits /= self.args.logits_scaling
         cap = self.args.final_logit_softcapping

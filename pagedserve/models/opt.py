@@ -146,7 +146,7 @@ class OPTModel:
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, decode: bool = False, invariant: bool = False) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
 

@@ -196,8 +196,10 @@ class ModelRunner:
             # None on a tensor-parallel rank but the driver (it only took part in the gather)
             # Sampled rows are one per sequence (1 + k for a drafted one): the LM head computes each
             # as a decode row, whatever the number of rows (batch-invariant greedy output).
-            logits = self.model.compute_logits(hidden[last], decode=True) if sampled else None
-            spec_logits = self.model.compute_logits(hidden[spec_rows], decode=True) if drafted else None
+            invariant = batch.batch_invariant
+            logits = self.model.compute_logits(hidden[last], decode=True, invariant=invariant) if sampled else None
+            spec_logits = self.model.compute_logits(hidden[spec_rows], decode=True, invariant=invariant) \
+                if drafted else None
             prompt_lps = self._prompt_logprobs(seqs, hidden, meta)
             pooled = self._pool(seqs, hidden, meta)
         sample = None

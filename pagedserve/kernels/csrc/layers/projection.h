@@ -56,13 +56,14 @@ struct ModelDims {
     // activation: 0 SwiGLU, 1 gpt-oss's clamped SwiGLU with its alpha and limit.
     int64_t moe_scoring, moe_glu;
     float swiglu_alpha, swiglu_limit;
+    int64_t quant_invariant;                  // a batch-invariant step: quant_linear_small's `invariant`
 };
 struct CacheRefs {    // element strides: layer and K/V of the cache tensor, then a Layout
     int64_t layer, kv, block, token, head, block_size, partition_size;
 };
 
 using QuantSmall = int (*)(const void *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16, int64_t T,
-                           int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16);
+                           int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16, int invariant);
 using QuantTiles = int (*)(const void *parts, int64_t nparts, const void *x, int x_bf16, int64_t T, int64_t K,
                            const float *bias, void *y, int64_t ldy, void *gemm, int64_t tile_rows);
 
@@ -83,7 +84,8 @@ int project(const Proj &p, const ModelDims &m, bool decode, const T *x, const fl
     constexpr int bf16 = std::is_same_v<T, uint16_t>;
     const void *parts = reinterpret_cast<const void *>(p.w);
     if (M <= (decode ? m.decode_rows : m.small_rows))
-        return reinterpret_cast<QuantSmall>(m.quant_small)(parts, p.nparts, x, K, bf16, M, K, b, y, N, bf16);
+        return reinterpret_cast<QuantSmall>(m.quant_small)(parts, p.nparts, x, K, bf16, M, K, b, y, N, bf16,
+                                                            int(m.quant_invariant));
     // The tiles multiply by this library's packed GEMM, as quant.py passes cpu.py's.
     void *gemm = bf16 ? reinterpret_cast<void *>(&linear_packed_ld_bf16) : reinterpret_cast<void *>(&linear_packed_ld_f32);
     return reinterpret_cast<QuantTiles>(m.quant_tiles)(parts, p.nparts, x, bf16, M, K, b, y, N, gemm, p.tile_rows);

@@ -13,14 +13,15 @@ inline __m512 dot64(__m512i codes, const int8_t *q) {
 }
 
 // Two 32-element blocks (blocks u, u + 1 of the row, at b0) against activation rows t0 ..:
-// codes in the activations' order [0, 64), unsigned; for one or two rows (decode) their
-// offsets (q4_0, q5_0, q8_0) are taken off in the integers by a dot started from Act::start,
-// for more (where Act::start's loads would cost more than they save) as C * ds (q4_0, q5_0:
-// C = -offset * A) or, q8_0, by signed codes (|w| times q with w's sign); q6_k always from
-// Act::start. The two scales A times the two dx in one 128-bit multiply, spread to the dot's
-// lanes; the minimums (q4_1, q5_1) as C * ds.
+// codes in the activations' order [0, 64), unsigned; the offsets of q4_0, q5_0 as C * ds (C =
+// -offset * A) whatever the rows a pass, so that a row's arithmetic never depends on how many
+// share the call (batch invariance, issue 51); q8_0's for one or two rows (decode) in the integers
+// by a dot started from Act::start, for more by signed codes (|w| times q with w's sign): the same
+// int32 dots either way (exact), so the same bits; q6_k's always from Act::start. The two scales
+// A times the two dx in one 128-bit multiply, spread to the dot's lanes; the minimums (q4_1, q5_1)
+// as C * ds, one form for any number of rows.
 template <int QT, int NT>
-constexpr bool kStarts = kOffset[QT] != 0 && (QT == Q6_K || NT <= 2);
+constexpr bool kStarts = kOffset[QT] != 0 && (QT == Q6_K || (QT == Q8_0 && NT <= 2));
 
 template <int QT, int NT>
 inline __m512i offset_start(const Act &a, int64_t row, int64_t e) {   // Act::start at row's element e
@@ -80,23 +81,6 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
     __mmask64 negative = 0;                         // q8_0 without Act::start: w's signs
     const __m512i codes = codes64<QT, NT>(b0, negative);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    if constexpr ((QT == Q4_1 || QT == Q5_1) && NT <= 2) {
-        // One or two rows: d, m of both blocks in one conversion: [d0 m0 d1 m1] times [dx0 ds0 dx1 ds1]: the two
-        // scales (spread to the dot's lanes) and the two minimum terms (lanes 1, 3 of m2).
-        uint32_t w0, w1;
-        std::memcpy(&w0, b0, 4);
-        std::memcpy(&w1, b1, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(uint64_t(w0) | (uint64_t(w1) << 32))));
-        const __m512i spread02 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        for (int t = 0; t < NT; t++) {
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(q0 + t * a.K));
-            const __m128 P = _mm_mul_ps(dm, _mm_unpacklo_ps(load2(d0 + t * a.nb), load2(ds0 + t * a.nb)));
-            acc.w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread02, _mm512_castps128_ps512(P)),
-                                       acc.w[t]);
-            acc.m2[t] = _mm_mask_add_ps(acc.m2[t], 0xA, acc.m2[t], P);
-        }
-        return;
-    }
     const __m128 A = f16x2(b0, b1);
     constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
     const __m128 C = QT == Q4_1 || QT == Q5_1 ? f16x2(b0 + 2, b1 + 2)
@@ -117,8 +101,10 @@ inline void pair32(Acc<NT> &acc, const Act &a, const int8_t *q0, const float *d0
 // fp16 d (and m: q4_1, q5_1) in one gather, converted and multiplied by the 16 dx of each row at
 // once, the minimum terms as one 16-wide multiply-add; then per pair of blocks one dot, one
 // conversion, one spread of two scales and one multiply-add (pair32 spends about as much again
-// per pair on its two scales). Up to four chains of sums (one or two rows), so the adds'
-// latency does not bound. R weight rows (b0, b0 + ldw, ..: acc[r]) share each activation load.
+// per pair on its two scales). One chain of sums per row whatever NT and R, so that a row's result
+// never depends on how many activation or weight rows share the pass (batch invariance, issue 51;
+// at T = 1 the R weight rows' chains run side by side). R weight rows (b0, b0 + ldw, ..: acc[r])
+// share each activation load.
 template <int QT, int NT, int R = 1>
 inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d0, const float *ds0, const int32_t *st0,
                     const uint8_t *b0, int64_t ldw = 0) {
@@ -127,11 +113,10 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
                                          12 * B, 13 * B, 14 * B, 15 * B);
     constexpr bool kOffsetTerm = (QT == Q4_0 || QT == Q5_0) && !kStarts<QT, NT>;
     constexpr bool kMinTerm = QT == Q4_1 || QT == Q5_1 || kOffsetTerm;
-    constexpr int CH = NT * R == 1 ? 4 : NT * R == 2 ? 2 : 1;  // chains of sums per row
     // q4_1: each block's high nibbles taken in place (16 times the code: one AND, no masked shift),
     // their lanes scaled by S / 16 (exact: a power of two), the same products
     constexpr bool kHigh16 = QT == Q4_1;
-    __m512 S[R][NT], S16[R][NT], sum[CH][R][NT];
+    __m512 S[R][NT], S16[R][NT], sum[R][NT];
     for (int r = 0; r < R; r++) {
         const __m512i dm = _mm512_i32gather_epi32(at, b0 + r * ldw, 1);   // each block's first 4 bytes: d (and m)
         const __m512 A = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
@@ -141,8 +126,7 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
         for (int t = 0; t < NT; t++) {
             S[r][t] = _mm512_mul_ps(A, _mm512_loadu_ps(d0 + t * a.nb));
             if constexpr (kHigh16) S16[r][t] = _mm512_mul_ps(S[r][t], _mm512_set1_ps(1.f / 16));
-            sum[0][r][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc[r].w[t]) : acc[r].w[t];
-            for (int c = 1; c < CH; c++) sum[c][r][t] = _mm512_setzero_ps();
+            sum[r][t] = kMinTerm ? _mm512_fmadd_ps(C, _mm512_loadu_ps(ds0 + t * a.nb), acc[r].w[t]) : acc[r].w[t];
         }
     }
     for (int i = 0; i < 8; i++) {                              // blocks 2i, 2i + 1
@@ -175,18 +159,12 @@ inline void group16(Acc<NT> *acc, const Act &a, const int8_t *q0, const float *d
                 const __m512i dot = _mm512_dpbusd_epi32(start, codes[r], x);
                 const __m512 scale = kHigh16 ? _mm512_permutex2var_ps(S[r][t], spread, S16[r][t])
                                              : _mm512_permutexvar_ps(spread, S[r][t]);
-                sum[i % CH][r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[i % CH][r][t]);
+                sum[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[r][t]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) {
-            if constexpr (CH == 4)
-                acc[r].w[t] = _mm512_add_ps(_mm512_add_ps(sum[0][r][t], sum[1][r][t]),
-                                            _mm512_add_ps(sum[2][r][t], sum[3][r][t]));
-            else if constexpr (CH == 2) acc[r].w[t] = _mm512_add_ps(sum[0][r][t], sum[1][r][t]);
-            else acc[r].w[t] = sum[0][r][t];
-        }
+        for (int t = 0; t < NT; t++) acc[r].w[t] = sum[r][t];
 }
 
 // One super-block: q0, d0, ds0 point at its first 32 activations of row t0.

@@ -38,12 +38,12 @@ Act thread_act(const QuantPart *parts, int64_t nparts, int64_t T, int64_t K, boo
         }
     a.blocks32 = !all_super || amx;
 #if defined(PS_DOTS512)
-    // (the pair types read Act::start only in passes of one or two rows: kStarts)
+    // (Act::start: q6_k's always, q8_0's in passes of one or two rows: kStarts)
     const bool small_pass = T <= 2 || (T % kMaxNT != 0 && T % kMaxNT <= 2);
     for (int64_t p = 0; p < nparts && !amx; p++) {
         const int qt = int(parts[p].qtype);
         if (qt == Q4_0X) a.qx = fit(b.qx, T * K);
-        if (kOffset[qt] != 0 && (qt == Q6_K || small_pass)) a.start[qt] = fit(b.starts[qt], T * K / 4);
+        if (qt == Q6_K || (qt == Q8_0 && small_pass)) a.start[qt] = fit(b.starts[qt], T * K / 4);
     }
 #else
     (void)parts, (void)nparts, (void)amx;
@@ -106,9 +106,12 @@ int gemm_r8_linear(const QuantPart *parts, int64_t nparts, const void *x, int64_
 }  // namespace
 
 // y [T][ldy] (float32 or bf16) = x [T][ldx] (float32 or bf16) @ W.T + bias, W the parts stacked
-// by rows (K columns each), through the integer dots. 0 on success.
+// by rows (K columns each), through the integer dots. `invariant`: a batch-invariant step's call,
+// where a row's arithmetic must not depend on T: no AMX-INT8 tiles (they take T >= g_amx8.min_rows
+// and sum other pieces than vpdpbusd's dots). 0 on success.
 extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const void *x, int64_t ldx, int x_bf16,
-                                  int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16) {
+                                  int64_t T, int64_t K, const float *bias, void *y, int64_t ldy, int y_bf16,
+                                  int invariant) {
     const Handover *plan = t_handover;
     t_handover = nullptr;
     if (!valid(parts, nparts, K) || T <= 0) return 1;
@@ -167,17 +170,19 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
     if (r8) {         // several parts: the rows in the file's layout
         t_handover = plan;
         const PlainParts plain(parts, nparts, K);
-        return quant_linear_small(plain.parts.data(), nparts, x, ldx, x_bf16, T, K, bias, y, ldy, y_bf16);
+        return quant_linear_small(plain.parts.data(), nparts, x, ldx, x_bf16, T, K, bias, y, ldy, y_bf16, invariant);
     }
 #if defined(PS_DOTS512)
-    // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group)
-    const bool amx = g_amx8.enabled && T >= g_amx8.min_rows && !any_mxfp4(parts, nparts);
+    // AMX-INT8 from g_amx8.min_rows rows: the activations also as B tiles (amx8_group); never in
+    // a batch-invariant call (fewer rows take vpdpbusd)
+    const bool amx = !invariant && g_amx8.enabled && T >= g_amx8.min_rows && !any_mxfp4(parts, nparts);
     const int64_t tiles = amx ? (T + 15) / 16 : 0;
     std::vector<int32_t> bv(tiles * (K / 4) * 16);
     std::vector<float> dxt(tiles * nb * 16), dst(tiles * nb * 16);
     const Amx8Act at{bv.data(), dxt.data(), dst.data(), T, K};
 #else
     const bool amx = false;
+    (void)invariant;
 #endif
     const bool own = !amx && T * nb <= kOwnBlocks;
     const Act shared = thread_act(parts, nparts, T, K, amx);

@@ -14,34 +14,20 @@ inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, in
     constexpr int P = kPieces<QT>;
 #if defined(PS_DOTS512)
     const int32_t *sta = a.start[QT] == nullptr ? nullptr : a.start[QT] + t0 * (a.K / 4);   // Act::start of row t0
-#endif
-#if defined(PS_DOTS512)
+    // (the 32-element types: one chain of sums per row whatever NT, so that a row's result does not
+    // depend on the batch: batch invariance, issue 51; row_dot2 keeps it too)
     if constexpr (P == 1) {
         for (; u + 16 <= units; u += 16)
             group16<QT, NT>(&acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
-        if constexpr (NT <= 2) {      // few rows: two chains of sums, so the adds' latency does not bound
-            Acc<NT> other;
-            for (; u + 4 <= units; u += 4) {
-                pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
-                pair32<QT, NT>(other, a, qa + (u + 2) * 32, da + u + 2, dsa + u + 2, sta + (u + 2) * 8,
-                               w + (u + 2) * kBytes[QT]);
-            }
-            for (int t = 0; t < NT; t++) {
-                acc.w[t] = _mm512_add_ps(acc.w[t], other.w[t]);
-                acc.m2[t] = _mm_add_ps(acc.m2[t], other.m2[t]);
-            }
-        }
         for (; u + 2 <= units; u += 2) pair32<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, sta + u * 8, w + u * kBytes[QT]);
     } else {
         for (; u < units; u++)
             superblock<QT, NT>(acc, a, qa + u * 256, da + u * 8, dsa + u * 8, t0, u * 256,
                                w + u * kBytes[QT]);
     }
-#endif
+#else
     if constexpr (P == 1 && NT <= 2) {   // few rows: two chains of sums (AVX2 / AVX-VNNI)
-#if !(defined(PS_DOTS512))
         for (; u + 8 <= units; u += 8) group8<QT, NT>(acc, a, qa + u * 32, da + u, dsa + u, w + u * kBytes[QT]);
-#endif
         Acc<NT> other;
         for (; u + 2 <= units; u += 2) {
             Piece p0, p1;
@@ -55,6 +41,7 @@ inline void row_acc(Acc<NT> &acc, const uint8_t *w, const Act &a, int64_t t0, in
             acc.s[t] += other.s[t];
         }
     }
+#endif
     for (; u < units; u++) {          // 256-bit pieces (every unit on AVX2 / AVX-VNNI; an odd last block here)
         Piece p[P];
         decode<QT>(w + u * kBytes[QT], p);
