@@ -5,8 +5,10 @@ the default model's prefill and an offline trace with it off and on, interleaved
 
     .venv/bin/python benchmarks/batch_invariance.py          # table on stdout, JSON in results/
 
-Where the switch changes nothing (a variant without the r8 layouts: not avx2 / avxvnni) the
-script says so and measures anyway.
+The switch changes the arithmetic on the avx2 / avxvnni variants (r8 layouts: only mxfp4r8's
+prefill rows) and on avx512vnni (quant.INVARIANT_DOTS: every product's rows above the thresholds
+take the integer dots instead of the tiles); elsewhere (scalar, torch) it changes nothing, and the
+JSON's `switch_applies` says so.
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['workload']:32} {r['off_tok_s']:10.1f} {r['on_tok_s']:10.1f} {r['on_over_off']:7.3f}")
     result = dict(rows=rows, repeats=args.repeats, variant=quant.variant(),
-                  r8_applies=quant.variant() in quant.R8_VARIANTS, cpu_model=cpu_model(), cpu_flags=cpu_flags(),
+                  r8_applies=quant.variant() in quant.R8_VARIANTS,
+                  switch_applies=quant.variant() in quant.R8_VARIANTS + quant.INVARIANT_DOTS,
+                  cpu_model=cpu_model(), cpu_flags=cpu_flags(),
                   threads=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

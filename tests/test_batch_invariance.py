@@ -30,15 +30,12 @@ needs_dots = pytest.mark.parametrize("variant", DOTS_HERE or [pytest.param(None,
 
 
 def _check_layout(llm: LLM, variant: str) -> None:
-    """The default model's projections as the variant loads them: r8 layouts on the 256-bit
-    variants (every step batch-dependent only for mxfp4r8); the files' q4_1 (q4_1r8 where AMX-BF16
-    runs) on avx512vnni, whose plain steps take the tiles (the worker says they are batch-dependent)."""
+    """The default model's projections as the variant loads them: q4_1r8 (on the 256-bit variants
+    every step batch-invariant but for mxfp4r8; on avx512vnni, 512-bit dots, plain steps' prefill
+    chunks take the tiles: the worker says they are batch-dependent)."""
     worker = llm.engine.executor.worker
-    qtype = worker.runner.model.layers[0].qkv.qtype
-    if variant in quant.R8_VARIANTS:
-        assert qtype == "q4_1r8" and not worker.batch_dependent_steps
-    else:
-        assert qtype in ("q4_1", "q4_1r8") and worker.batch_dependent_steps
+    assert worker.runner.model.layers[0].qkv.qtype == "q4_1r8"
+    assert worker.batch_dependent_steps == (variant not in quant.R8_VARIANTS)
 
 PROMPT = "The capital of France is Paris. The capital of"
 OTHERS = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite book is",

@@ -262,11 +262,10 @@ def test_the_default_model_runs_in_its_blocks_like_its_dequantized_path():
         pytest.skip(str(e))
     native = LLM(dtype="float32", kv_cache_memory=64 * 1024**2)
     model = _model_of(native)
-    # (rows interleaved in eights where the avx512vnni kernels and AMX-BF16 run, q4_1 (an AVX-512
-    # CPU without AMX, Zen 4, keeps q4_1), and on avx2 / avxvnni, q4_1 and the tied head's q8_0
-    # where the loader owns the table's copy: quant.repack)
+    # (rows interleaved in eights where the avx512vnni kernels run, q4_1, and on avx2 / avxvnni,
+    # q4_1 and the tied head's q8_0 where the loader owns the table's copy: quant.repack)
     r8_here = quant.variant() in quant.R8_VARIANTS
-    q4_1 = "q4_1r8" if (quant.variant() == "avx512vnni" and quant.amxw_in_use()) or r8_here else "q4_1"
+    q4_1 = "q4_1r8" if quant.variant() == "avx512vnni" or r8_here else "q4_1"
     head = "q8_0r8" if r8_here and model.embed.owned else "q8_0"
     assert model.layers[0].qkv.qtype == q4_1 and model.lm_head.qtype == head     # tied: the embedding's
     assert model.lm_head is model.embed.weight

@@ -50,15 +50,16 @@ Two paths, chosen per call by the number of activation rows T:
 
 Variants (VARIANTS, best first), the same source compiled with each family's flags:
 `avx512vnni` (AVX-512 BW/VL + VNNI: 64 weights per vpdpbusd, scales of two blocks or a
-super-block's eight converted together; codes always unsigned, a type's offset (q4_0 8, q5_0 16,
-q8_0 128 after flipping its sign bit, q6_k 32) taken off in the integers by starting the dot from
--offset times the activations' sums of 4, computed once per call: for one- or two-row passes,
-and for q6_k always; nibbles and fifth bits unpacked by broadcast loads, masked shifts and byte
-masks, with no permutes; the 32-element types in groups of 16 blocks: their 16 fp16 scales (and
-q4_1 / q5_1's minimums) in one gather, converted and multiplied by the 16 activation scales at
-once, so each pair of blocks costs one dot, one conversion, one spread and one multiply-add; at
-T = 1 two weight rows per call (all types but q5_0 / q5_1, slower so), a 32-element group's
-activation loads serving both, the super-blocks' two streams interleaved),
+super-block's eight converted together; codes always unsigned, q8_0's offset (128 after flipping
+its sign bit) in one- or two-row passes and q6_k's (32) always taken off in the integers by
+starting the dot from -offset times the activations' sums of 4, computed once per call (q4_0's,
+q5_0's as the minimum term C * ds); nibbles and fifth bits unpacked by broadcast loads, masked
+shifts and byte masks, with no permutes; the 32-element types in groups of 16 blocks: their 16
+fp16 scales (and q4_1 / q5_1's minimums) in one gather, converted and multiplied by the 16
+activation scales at once, so each pair of blocks costs one dot, one conversion, one spread and
+one multiply-add, one chain of sums per row (so a row's bits never depend on the rows a pass:
+INVARIANT_DOTS); at T = 1 two weight rows per call (all types but q5_0 / q5_1, slower so), a
+32-element group's activation loads serving both, the super-blocks' two streams interleaved),
 `vnni256` (AVX-512 VNNI + VL: the avxvnni source, r8 layouts and 256-bit dots, with vpdpbusd's EVEX form;
 the default where the CPU has no AMX-INT8, which the avx512vnni build's AMX paths need: on Zen 4 its 512-bit
 dots decoded Q4_0 at 0.68x the r8 kernels' speed), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
@@ -368,7 +369,8 @@ VARIANTS = KERNELS.variants      # as this machine has them (off x86: scalar onl
 def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False, experts: bool = False) -> QuantizedWeight:
     """w in the layout the decode kernels read fastest where there is one (q4_0 with columns a
     multiple of 256: q4_0x8, about 2x the T = 1 dot's compute rate; q4_1 with rows a multiple of
-    8 where the avx512vnni kernels and AMX-BF16 run: q4_1r8, 2-3x at 1-8 rows; on the avx2 and avxvnni
+    8 on the avx512vnni variant: q4_1r8, 2-3x at 1-8 rows (Zen 4 without AMX: 1.4x at T = 1, 2.7x from 4 rows
+    up to 512, where they equal the bf16 tiles: the dots a batch-invariant step runs); on the avx2 and avxvnni
     variants (R8_VARIANTS) q4_0, q4_1, q5_0, q8_0, q4_k, q5_k, q6_k and mxfp4 with rows a multiple of 8:
     their r8 layouts (R8_OF), 1.5-2.5x at 1-16 rows; q4_k 2.4x at T = 1 on Zen 3), else w itself. in_place:
     w's bytes are rewritten (only where the caller owns them: not a file's mapping), no copy
@@ -380,7 +382,7 @@ def repack(w: QuantizedWeight, in_place: bool = False, mapped: bool = False, exp
     r8_variants = EXPERT_R8_VARIANTS if experts else R8_VARIANTS
     if mapped and variant() not in r8_variants:
         return w
-    r8_here = variant() in r8_variants or (w.qtype == "q4_1" and variant() == "avx512vnni" and amxw_in_use())
+    r8_here = variant() in r8_variants or (w.qtype == "q4_1" and variant() == "avx512vnni")
     if w.qtype in R8_OF and w.shape[0] % 8 == 0 and w.data.is_contiguous() and \
             os.environ.get(REPACK_ENV, "1") != "0" and r8_here:
         r8 = R8_OF[w.qtype]
