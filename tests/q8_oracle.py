@@ -6,8 +6,10 @@ elements, or 256 for the super-block layouts SUPER_ACT, d = max|x| / 127, q = ro
 token's row, then the SwiGLU output, as 8-bit rows). The oracle's matching modules then see x8 as the
 input of each of their products (torch.nn.functional.linear, which nn.Linear and transformers'
 experts call, wrapped while their forward runs), so the two differ by float32 summation order, not by
-the 8-bit rounding. Products elsewhere (other layouts, other variants: the float tiles in a prefill)
-keep the oracle's float input."""
+the 8-bit rounding. On the INVARIANT_DOTS variants (avx512vnni) a batch-invariant step (the greedy
+requests the oracle tests send) runs every quantized product on the integer dots at any row count.
+Products elsewhere (other layouts, other variants: the float tiles in a prefill) keep the oracle's
+float input."""
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +34,8 @@ def integer_path_modules(model) -> dict[str, int]:
     """The transformers names of the modules whose products our loaded `model` runs on the integer
     path in every step (r8 layouts with the GEMM, on the R8_VARIANTS; none elsewhere), each with
     its activations' block (32, or 256 for SUPER_ACT)."""
-    if quant.variant() not in quant.R8_VARIANTS:
+    every = quant.variant() in quant.INVARIANT_DOTS     # (greedy steps: batch-invariant, every product)
+    if quant.variant() not in quant.R8_VARIANTS and not every:
         return {}
     names = {}
     for i, layer in enumerate(model.layers):
@@ -41,7 +44,7 @@ def integer_path_modules(model) -> dict[str, int]:
             if w is None:
                 continue
             parts = w if isinstance(w, tuple) else (w,)
-            integer = [isinstance(p, quant.QuantizedWeight) and p.qtype in quant.R8_GEMM for p in parts]
+            integer = [isinstance(p, quant.QuantizedWeight) and (every or p.qtype in quant.R8_GEMM) for p in parts]
             if all(isinstance(p, quant.QuantizedWeight) for p in parts):     # one product (models/quantized.linear)
                 integer = [all(integer)] * len(parts)
             if len(parts) == 1:
@@ -51,7 +54,7 @@ def integer_path_modules(model) -> dict[str, int]:
         if getattr(layer, "moe", None) is not None:       # (the experts' gate_up and down: one block)
             gate_up = layer.moe.experts[0].gate_up
             names[f"model.layers.{i}.mlp.experts"] = quant.activation_block((gate_up[0] if isinstance(gate_up, tuple) else gate_up).qtype)
-    if isinstance(model.lm_head, quant.QuantizedWeight) and model.lm_head.qtype in quant.R8_GEMM:
+    if isinstance(model.lm_head, quant.QuantizedWeight) and (every or model.lm_head.qtype in quant.R8_GEMM):
         names["lm_head"] = quant.activation_block(model.lm_head.qtype)
     return names
 

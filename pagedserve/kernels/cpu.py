@@ -171,7 +171,9 @@ class KernelLibrary:
 
     @contextlib.contextmanager
     def using(self, name: str):
-        """Run a block with variant `name` active, then restore the previous one."""
+        """Run a block with variant `name` active, then restore the previous one (the default where
+        none was chosen yet: loaded first, so that the block's variant does not stay)."""
+        self.load()
         previous = self.active
         self.use(name)
         try:
