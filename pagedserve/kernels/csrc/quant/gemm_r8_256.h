@@ -327,8 +327,8 @@ inline bool gemm_has(int) { return false; }
 // bits per row either way, so where the crossover sits never changes a row's result).
 constexpr int64_t kGemmMinRows = 8;
 int64_t g_gemm_min_rows = kGemmMinRows;      // quant_gemm_r8_config (kernels/quant.py, benchmarks)
-// (Never in the avx512vnni build: its dense r8 layouts are q4_1r8 on AMX, with kernels of its own;
-// only its mixture-of-experts layers run the GEMM, through moe/experts.h.)
+// (Never in the avx512vnni build: its one dense r8 layout, q4_1r8, has 512-bit dots of its own
+// (dot_q4_1r8.h); only its mixture-of-experts layers run the GEMM, through moe/experts.h.)
 bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T) {
 #if defined(PS_DOTS512)
     (void)parts, (void)nparts, (void)T;

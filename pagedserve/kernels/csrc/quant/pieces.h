@@ -9,9 +9,7 @@ namespace {
 // C (minimum term, or 0), and for q6_k two integer scales of 16 elements each.
 #if defined(__AVX2__)
 __m256i dot_us(__m256i u, __m256i s) {       // 8 int32 lanes, each the sum of 4 adjacent u * s
-#if defined(PS_DOTS512)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(PS_VNNI256)
+#if defined(PS_VNNI256)     // (the avx512vnni build too: its EVEX form)
     return dpbusd256(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
