@@ -36,7 +36,9 @@ class MoEGlu(ctypes.Structure):
 
 UNSUPPORTED = 2        # quant_moe_experts' status where its build does not run it
 BUILDS = cpu._MOE_BUILDS       # the quant variants whose quant_moe_experts runs
-R8_ONLY = ("avx512vnni",)      # of them, those that take experts in r8 layouts only (csrc/moe/experts.h)
+# Of them, those that take experts in r8 layouts only (csrc/moe/experts.h): the builds where quant.repack
+# makes r8 layouts for experts alone.
+R8_ONLY = tuple(v for v in quant.EXPERT_R8_VARIANTS if v not in quant.R8_VARIANTS)
 SCORINGS = {"softmax": 0, "topk_softmax": 1}          # models/moe.py's scorings as the compiled loop's MoE block codes them
 GLUS = {"silu": 0, "clamped_swiglu": 1}               # models/moe.py's activations as the kernel codes them
 
