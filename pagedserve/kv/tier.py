@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from pagedserve.kv.block_pool import BlockKey, BlockPool, KVBlock
