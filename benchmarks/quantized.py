@@ -216,6 +216,7 @@ def run_child(spec: dict) -> dict:
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.loader import load_tokenizer
     from pagedserve.models.quantized import model_weight_bytes, weight_nbytes
+    from pagedserve.kernels import quant
     # The tokenizer first (a GGUF's is built once, then cached on disk), then the peak is reset:
     # the load's peak is the model's.
     load_tokenizer(spec.get("tokenizer") or spec["model"], stand_in=spec.get("load_format") == "dummy")
@@ -289,7 +290,8 @@ def run_child(spec: dict) -> dict:
                 prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None,
                 prefill_median_tok_s=spec["prefill_len"] / sorted(prefills)[len(prefills) // 2] if prefills else None,
                 prefill_round_ms=[t * 1e3 for t in prefills],
-                batch=spec.get("batch"), batch_tok_s=batch_tok_s, compiled_loop=model.compiled_layers is not None)
+                batch=spec.get("batch"), batch_tok_s=batch_tok_s, compiled_loop=model.compiled_layers is not None,
+                quant_kernels=quant.variant())      # the variant this child ran (a JSON's label can be wrong)
 
 
 def child(spec: dict, timeout: float) -> dict:
@@ -455,6 +457,8 @@ def main() -> None:
             r["bound_tok_s"] = r["read_bytes_s"] / r["bytes_per_token"]
             r["fraction_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
             r["best_fraction_of_bound"] = r["decode_best_tok_s"] / r["bound_tok_s"]
+    ran = sorted({r["quant_kernels"] or "torch" for r in runs if "quant_kernels" in r})
+    print(f"\nquant kernels the runs used: {', '.join(ran) or '-'}")
     print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'best':>5} {'prefill tok/s':>13} "
           f"{'peak load MiB':>13} {'resident MiB':>12} {'weights MiB':>11} {'llama.cpp tg/pp':>16} {'batch tok/s':>11}")
     for r in runs:

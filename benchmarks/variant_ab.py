@@ -1,0 +1,92 @@
+"""Single-stream decode of the same GGUF files on two or more quant kernel variants, interleaved.
+
+    /work/bin/timed .venv/bin/python benchmarks/variant_ab.py --variants vnni256,avx512vnni --pairs 2 \
+        --files default /work/peers/files/smollm2-1.7b-shape-Q4_K_M-llama.gguf \
+        --json benchmarks/results/variant_ab.json
+
+Each file runs in child processes (benchmarks/quantized.py's child: load, a warm-up, then rounds of a
+128-token prompt and --decode-len decode steps, each round's median step), one per variant
+($PAGEDSERVE_QUANT_KERNELS), the variants in turn, --pairs times: on a host whose read bandwidth moves
+from minute to minute, runs a few seconds apart compare the variants where runs minutes apart do not.
+Each child reports the variant it ran (quant.describe()), so a label cannot name a variant that did not
+run. `default`: the default model; a 1.7B- or Gemma-shaped file takes its tokenizer from the folder of
+its shape beside it (benchmarks/quantized.py --work-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tokenizer_dir(model: str) -> str | None:
+    """The shape folder quantized.py writes beside its files (`<stem>-<mix>[-llama].gguf` -> `<stem>/`)."""
+    path = Path(model)
+    return str(path.parent / (path.name.split("-shape-")[0] + "-shape")) if "-shape-" in path.name else None
+
+
+def run_child(model: str, variant: str, rounds: int, decode_len: int) -> dict:
+    """One child of benchmarks/quantized.py on `variant`: its decode rounds and the variant it ran."""
+    spec = dict(model=model, tokenizer=tokenizer_dir(model), prefill_len=128, repeats=0, decode_rounds=rounds,
+                decode_len=decode_len)
+    env = {**os.environ, "PAGEDSERVE_QUANT_KERNELS": variant}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantized.py"), "--child", json.dumps(spec)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"{variant} on {model}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summary(rounds_ms: list[float]) -> dict:
+    """Decode tok/s of a variant's rounds (ms a step): their median and best."""
+    ordered = sorted(rounds_ms)
+    return dict(median_tok_s=1e3 / ordered[len(ordered) // 2], best_tok_s=1e3 / ordered[0], rounds=len(ordered))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="vnni256,avx512vnni", help="quant variants, comma-separated")
+    ap.add_argument("--files", nargs="+", default=["default"], help="GGUF files (`default`: the default model)")
+    ap.add_argument("--pairs", type=int, default=2, help="turns of every variant per file")
+    ap.add_argument("--rounds", type=int, default=3, help="decode rounds per child")
+    ap.add_argument("--decode-len", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from pagedserve.kernels import cpu
+    from pagedserve.models.loader import default_model_path
+    variants = args.variants.split(",")
+    results = []
+    for name in args.files:
+        model = default_model_path() if name == "default" else name
+        runs: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.pairs):
+            for v in variants:
+                r = run_child(model, v, args.rounds, args.decode_len)
+                ran = r["quant_kernels"]
+                if ran != v:
+                    raise RuntimeError(f"asked for {v}, the child ran {ran}")
+                runs[v] += r["decode_round_ms"]
+                print(f"{Path(model).name:44} {v:11} " + " ".join(f"{1e3 / m:7.1f}" for m in r["decode_round_ms"])
+                      + " tok/s", flush=True)
+        row = dict(file=Path(model).name, runs_ms=runs, **{v: summary(runs[v]) for v in variants})
+        results.append(row)
+        first = row[variants[0]]["median_tok_s"]
+        print("  medians: " + ", ".join(f"{v} {row[v]['median_tok_s']:.1f} ({row[v]['median_tok_s'] / first:.2f}x)"
+                                       for v in variants), flush=True)
+    if args.json:
+        described = cpu.describe()
+        Path(args.json).write_text(json.dumps(dict(variants=variants, pairs=args.pairs, threads=torch.get_num_threads(),
+                                                   cpu_model=described.get("cpu_model"),
+                                                   cpu_flags=described.get("cpu_flags"), results=results), indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
