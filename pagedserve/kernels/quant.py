@@ -62,7 +62,7 @@ INVARIANT_DOTS); at T = 1 two weight rows per call (all types but q5_0 / q5_1, s
 32-element group's activation loads serving both, the super-blocks' two streams interleaved),
 `vnni256` (AVX-512 VNNI + VL: the avxvnni source, r8 layouts and 256-bit dots, with vpdpbusd's EVEX form;
 the default where the CPU has no AMX-INT8, which the avx512vnni build's AMX paths need: on Zen 4 its 512-bit
-dots decoded Q4_0 at 0.68x the r8 kernels' speed), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
+dots decoded every file type slower than the r8 kernels, K-quants included: benchmarks/RESULTS.md), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
 weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
 127; both: one or two rows of a 32-element type in groups of 8 blocks, their scales in one gather), `scalar` (plain loops over the same integers). The best the CPU's flags allow (and a
 variant's `default_needs`) is chosen at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
@@ -311,8 +311,11 @@ _AVX2_FLAGS = ("avx2", "fma", "f16c")
 _AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 _AVX512_FLAGS = _AVX2_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # Without AMX the avx512vnni build is not the default: on Zen 4 (2 vCPU, benchmarks/RESULTS.md, issue 50) its
-# 512-bit dots decoded the 1.7B shape's Q4_0 at 0.68x the r8 layouts' 256-bit dots (vnni256: the avxvnni
-# source with vpdpbusd's EVEX form); where AMX is, the avx512vnni build's AMX paths stay the default.
+# 512-bit dots decoded every file type slower than the r8 layouts' 256-bit dots (vnni256: the avxvnni source
+# with vpdpbusd's EVEX form), interleaved (benchmarks/variant_ab.py): the 1.7B shape's Q4_0 0.61x, Q4_K_M
+# 0.70x and Gemma 3 4B's Q4_K_M 0.72x (the q4_k / q6_k super-block dots too: no per-type mix of the two
+# builds pays there), Q8_0 0.60x, the default Q4_1 0.89x; where AMX is, the avx512vnni build's AMX paths
+# stay the default.
 VARIANTS = (     # best first
     cpu.Variant("avx512vnni", _AVX512, _AVX512_FLAGS, default_needs=("amx_int8",)),
     cpu.Variant("vnni256", _AVX512 + ("-DPAGEDSERVE_DOTS256",), _AVX512_FLAGS),
