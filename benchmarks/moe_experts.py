@@ -4,11 +4,14 @@ random choice of 8 experts per call over --layers layers' distinct experts, so t
 stream from memory) and prefill (T = --tokens, each token's 8 experts random: ~T / 8 tokens an
 expert), per mix (q4_0: all Q4_0; q4_k_m: gate and up Q4_K, down Q6_K, as llama-quantize's Q4_K_M
 writes OLMoE's experts), the minimum over interleaved rounds in one process. Decode's GB/s counts
-the chosen experts' bytes once per call. With --ab-source, another build of quant_kernels.cpp (e.g.
-main's) runs interleaved with this one on the same weights, activations and routes.
+the chosen experts' bytes once per call, beside a plain read at the same thread count (read_gbs:
+pagedserve.bench.throughput.read_bandwidth, torch's sum): with --threads 1,2 the two show whether the
+kernel is bound by the stream or by a core's compute. With --ab-source, another build of
+quant_kernels.cpp (e.g. main's) runs interleaved with this one on the same weights, activations and routes.
 
     .venv/bin/python benchmarks/moe_experts.py                    # ~1 min, 2 threads
     .venv/bin/python benchmarks/moe_experts.py --ab-source /tmp/base/quant_kernels.cpp
+    .venv/bin/python benchmarks/moe_experts.py --threads 1,2 --mixes q4_k_m    # per-core rate vs the stream
     .venv/bin/python benchmarks/moe_experts.py --tiny             # seconds: checks the script runs
 
 Writes benchmarks/results/moe_experts.json (--out) with the CPU's flags and quant.describe().
@@ -26,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gemm_r8 import cpu_flags  # noqa: E402
 from benchmarks.quant_kernels import interleaved_min, other_build, random_weight  # noqa: E402
+from pagedserve.bench.throughput import read_bandwidth  # noqa: E402
 from pagedserve.kernels import moe as moe_kernels  # noqa: E402
 from pagedserve.kernels import quant  # noqa: E402
 from pagedserve.models.moe import ExpertWeights  # noqa: E402
@@ -71,6 +75,7 @@ def measure(mix: str, args, other) -> list[dict]:
                    ms_per_layer=per_call[0] * 1e3, threads=torch.get_num_threads())
         if t == 1:
             row["gbs"] = args.k * expert_bytes / per_call[0] / 1e9
+            row["read_gbs"] = read_bandwidth(1 << 28 if args.tiny else 1 << 30, 3) / 1e9
         else:
             row["gops"] = 2 * 3 * t * args.k * args.hidden * args.width / per_call[0] / 1e9
         if other is not None:
@@ -87,6 +92,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="prefill tokens")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ab-source", default=None, help="another quant_kernels.cpp to time interleaved with this one")
+    ap.add_argument("--threads", default=None, help="thread counts to run in turn, e.g. 1,2 (default: torch's)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe_experts.json"))
     args = ap.parse_args()
@@ -96,7 +102,10 @@ def main() -> None:
     if quant.variant() not in quant.EXPERT_R8_VARIANTS:
         raise SystemExit(f"variant {quant.variant()}: the experts' r8 layouts need avx512vnni / avx2 / avxvnni")
     other = other_build(args.ab_source) if args.ab_source else None
-    rows = [r for mix in args.mixes.split(",") for r in measure(mix, args, other)]
+    rows = []
+    for threads in [int(n) for n in args.threads.split(",")] if args.threads else [torch.get_num_threads()]:
+        torch.set_num_threads(threads)          # (the kernels' OpenMP team: the same libgomp)
+        rows += [r for mix in args.mixes.split(",") for r in measure(mix, args, other)]
     result = dict(flags=cpu_flags(), quant=quant.describe(), threads=torch.get_num_threads(), rows=rows)
     if not args.tiny:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
