@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
+from benchmarks.kv_tier_profile import StepLog  # noqa: E402
 from benchmarks.vs_vllm import cpu_flags, cpu_model  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.utils import cdiv  # noqa: E402
@@ -65,16 +66,22 @@ def make_sessions(args, vocab: int) -> list[Session]:
 
 def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
     """Each turn of `turns` for every session, --concurrency requests at a time; the answers
-    extend the histories. Returns the times to first token and the totals."""
+    extend the histories. Returns the times to first token and the totals (with --step-log, each
+    turn's steps up to its first tokens, split as kv_tier_profile.StepLog splits them)."""
     params = SamplingParams(temperature=0, max_tokens=args.answer, ignore_eos=True)
     ttfts, generated, prompt_tokens = [], 0, 0
+    log = StepLog(llm) if args.step_log else None
+    per_turn: dict[int, list[dict]] = {}
     start = time.perf_counter()
     for turn in turns:
         for i in range(0, len(sessions), args.concurrency):
             group = sessions[i:i + args.concurrency]
             prompts = [s.history + s.users[turn] for s in group]
+            first_step = len(log.steps) if log else 0
             outs = arrive_apart(llm, prompts, params, args.arrival_gap) if args.arrival_gap else \
                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            if log:
+                per_turn.setdefault(turn, []).append(prefill_steps(log.steps[first_step:]))
             for s, p, out in zip(group, prompts, outs):
                 m = out.metrics
                 ttfts.append(m.first_token_time - m.arrival_time)
@@ -90,7 +97,26 @@ def run_turns(llm: LLM, sessions: list[Session], turns: range, args) -> dict:
                prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
                num_evicted_blocks=stats["num_evicted_blocks"], tiered="kv_offload_queries" in stats)
     raw.update({k: stats.get("kv_offload_" + k, 0) for k in TIER_COUNTERS})
+    if log:
+        raw["turn_steps"] = {str(t): {k: statistics.fmean(g[k] for g in groups) for k in groups[0]}
+                             for t, groups in per_turn.items()}
+        for t, m in raw["turn_steps"].items():
+            print(f"  turn {t}: {m['steps']:.1f} steps to the first tokens, prefill {m['tokens']:.0f} tokens, "
+                  f"loads {m['loads']:.1f}; schedule {1000 * m['schedule_s']:.1f}, execute "
+                  f"{1000 * m['execute_s']:.0f} (saves {1000 * m['save_s']:.1f}), tier wait "
+                  f"{1000 * m['tier_wait_s']:.1f} ms", flush=True)
     return summarize(raw)
+
+
+def prefill_steps(steps: list[dict]) -> dict:
+    """A group's steps until its prompts are computed (through the last with a prefill chunk),
+    totalled: their count, prefill tokens, tier loads started, and seconds scheduling, executing
+    (the engine thread's tier saves among them) and waiting for tier reads."""
+    last = max((i for i, s in enumerate(steps) if s["prefill"]), default=-1)
+    mine = steps[:last + 1]
+    return dict(steps=len(mine), tokens=sum(n for s in mine for _, n, _ in s["prefill"]),
+                loads=sum(s["loads"] for s in mine), **{k: sum(s[k] for s in mine) for k in
+                                                         ("schedule_s", "execute_s", "save_s", "tier_wait_s")})
 
 
 def arrive_apart(llm: LLM, prompts: list[list[int]], params: SamplingParams, gap: float) -> list:
@@ -137,7 +163,8 @@ def merge(earlier: dict | None, later: dict) -> dict:
         return later
     raw = {k: earlier[k] + later[k] for k in ("ttfts", "wall_s", "generated", "prompt_tokens", "prefix_cache_queries",
                                               "prefix_cache_hits", "num_evicted_blocks", *TIER_COUNTERS)}
-    return summarize(dict(raw, tiered=later["tiered"]))
+    steps = {**earlier.get("turn_steps", {}), **later.get("turn_steps", {})}
+    return summarize(dict(raw, tiered=later["tiered"], **({"turn_steps": steps} if steps else {})))
 
 
 def drop_pages(directory: str) -> None:
@@ -235,6 +262,9 @@ def main() -> None:
                     help="with --part restart: the restarted tier run only (an A/B of the tier's code)")
     ap.add_argument("--drop-pages", action="store_true",
                     help="with --part restart: drop the tier files' pages first (posix_fadvise), so reads go to the disk")
+    ap.add_argument("--step-log", action="store_true",
+                    help="time each turn's steps to its first tokens (scheduling, forward, the tier's saves and "
+                         "waits; kv_tier_profile.StepLog) and print their means per turn (JSON: turn_steps)")
     ap.add_argument("--quick", action="store_true", help="8 sessions x 2 turns")
     ap.add_argument("--out", default=str(RESULTS / "kv_tier.json"))
     args = ap.parse_args()

@@ -56,7 +56,7 @@ class StepLog:
             t1 = time.perf_counter()
             tier = out.batch.tier if out.batch is not None else None
             self.steps.append(dict(
-                t=t0, schedule_s=t1 - t0, execute_s=0.0, tier_wait_s=0.0,
+                t=t0, schedule_s=t1 - t0, execute_s=0.0, save_s=0.0, tier_wait_s=0.0,
                 prefill=[(s.request.request_id, s.num_new_tokens, s.start) for s in out.scheduled
                          if s.num_query_tokens > 1],
                 decodes=sum(1 for s in out.scheduled if s.num_query_tokens == 1),
@@ -80,6 +80,17 @@ class StepLog:
 
         sched.schedule, ex.execute, ex.tier_report = timed_schedule, timed_execute, timed_report
         store = getattr(ex.runner, "tier", None)
+        if store is not None:
+            save = store.save
+
+            def timed_save(items):        # the engine thread's copy of evicted blocks (within execute)
+                t0 = time.perf_counter()
+                try:
+                    return save(items)
+                finally:
+                    if self.steps:
+                        self.steps[-1]["save_s"] += time.perf_counter() - t0
+            store.save = timed_save
         if store is not None and hasattr(store, "_read"):
             read = store._read
 
