@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.batch import TierReport
+from pagedserve.kernels.threads import set_thread_count
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,10 @@ class KVTierStore:
         self._jobs: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-reader")
+        # One OpenMP thread each for their copies into the pool: a team of their own would put more
+        # OpenMP threads than CPUs, and libgomp then stops spinning at barriers (every later step slower).
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-reader", initializer=set_thread_count,
+                                           initargs=(1,))
 
     # ---- files ---------------------------------------------------------------------------
     def path(self, key: bytes) -> str:
