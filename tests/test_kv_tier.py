@@ -441,8 +441,8 @@ def test_sliding_window_models_read_every_groups_blocks_back(hybrid, tmp_path):
 
 
 # ---- the worker's store --------------------------------------------------------------------
-def make_store(root, max_bytes=1 << 30, fingerprint="ab" * 32, blocks=4, **meta) -> KVTierStore:
-    cache = torch.zeros(2, 2, blocks, 16, 2, 256)          # 64 KiB a block
+def make_store(root, max_bytes=1 << 30, fingerprint="ab" * 32, blocks=4, dtype=torch.float32, **meta) -> KVTierStore:
+    cache = torch.zeros(2, 2, blocks, 16, 2, 256, dtype=dtype)          # 64 KiB a block (float32)
     return KVTierStore(str(root), max_bytes, fingerprint, cache, dict(dict(kv_format="auto", block_size=16), **meta))
 
 
@@ -464,6 +464,40 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
         other.parse(key, memoryview(good))
     with pytest.raises(TierFileError, match="block_size"):
         make_store(tmp_path / "b", block_size=32).parse(key, memoryview(good))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_the_read_path_lands_whole_blocks_and_refuses_damaged_files(tmp_path, dtype):
+    """Files on disk through start_loads / collect (a CPU cache reads them straight into the
+    block): an intact one lands with the saved bytes in every layer's K and V; a truncated,
+    longer, flipped or foreign one is refused (failed, counted), whatever bytes it left."""
+    store = make_store(tmp_path, dtype=dtype)
+    key = bytes(range(32))
+    store.blocks[:, :, 1] = torch.arange(store.blocks[:, :, 1].numel()).view(store.block_shape).to(dtype)
+    store.save([(1, key)])
+    store.flush()
+    good = Path(store.path(key)).read_bytes()
+
+    def load(data: bytes) -> list:
+        Path(store.path(key)).write_bytes(data)
+        store.blocks[:, :, 2] = 0
+        store.start_loads([(key, 2)])
+        report = store.collect(wait=[key])
+        assert report.loaded + report.failed == [key]
+        return report.loaded
+
+    assert load(good) == [key] and torch.equal(store.blocks[:, :, 2], store.blocks[:, :, 1])
+    assert store.bytes_read == len(good)
+    flipped = bytearray(good)
+    flipped[-3] ^= 0x01
+    foreign = make_store(tmp_path / "f", fingerprint="cd" * 32, dtype=dtype)
+    foreign.blocks[:, :, 0] = store.blocks[:, :, 1]
+    foreign.save([(0, key)])
+    foreign.flush()
+    for bad in (good[:-1], good + b"x", good[:20], b"XXXXXXXX" + good[8:], bytes(flipped),
+                Path(foreign.path(key)).read_bytes()):
+        assert load(bad) == []
+    assert store.rejected == 6
 
 
 def test_reads_start_no_openmp_workers(tmp_path):

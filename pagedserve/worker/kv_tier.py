@@ -171,8 +171,7 @@ class KVTierStore:
             with self._lock:
                 self._lost.extend(key for _, key in items)
             return
-        ids = torch.tensor([b for b, _ in items], device=self.blocks.device)
-        copies = self.blocks.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        copies = torch.stack([self.blocks[:, :, b] for b, _ in items]).cpu()   # one copy a block (on a CPU)
         with self._lock:
             for (_, key), block in zip(items, copies):
                 self._pending[key] = block
