@@ -63,34 +63,12 @@ class StepLog:
                 loads=len(tier.loads) if tier else 0, wait=bool(tier and tier.wait)))
             return out
 
-        def timed_execute(batch):
-            t0 = time.perf_counter()
-            try:
-                return execute(batch)
-            finally:
-                self.steps[-1]["execute_s"] += time.perf_counter() - t0
-
-        def timed_report(wait=False):
-            t0 = time.perf_counter()
-            try:
-                return report(wait)
-            finally:
-                if self.steps:
-                    self.steps[-1]["tier_wait_s"] += time.perf_counter() - t0
-
-        sched.schedule, ex.execute, ex.tier_report = timed_schedule, timed_execute, timed_report
+        sched.schedule = timed_schedule
+        ex.execute = self._timed(execute, "execute_s")
+        ex.tier_report = self._timed(report, "tier_wait_s")
         store = getattr(ex.runner, "tier", None)
-        if store is not None:
-            save = store.save
-
-            def timed_save(items):        # the engine thread's copy of evicted blocks (within execute)
-                t0 = time.perf_counter()
-                try:
-                    return save(items)
-                finally:
-                    if self.steps:
-                        self.steps[-1]["save_s"] += time.perf_counter() - t0
-            store.save = timed_save
+        if store is not None:             # the engine thread's copy of evicted blocks (within execute)
+            store.save = self._timed(store.save, "save_s")
         if store is not None and hasattr(store, "_read"):
             read = store._read
 
@@ -102,6 +80,17 @@ class StepLog:
                     with self._lock:
                         self.reads.append(time.perf_counter() - t0)
             store._read = timed_read
+
+    def _timed(self, fn, key: str):
+        """fn, its time added to the current step's `key`."""
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.steps:
+                    self.steps[-1][key] += time.perf_counter() - t0
+        return timed
 
 
 class Perf:
