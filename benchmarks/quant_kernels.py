@@ -95,9 +95,11 @@ def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]
         plain = [w.data.view(-1)[: w.data.numel() // 4 * 4].view(torch.float32) for w in weights]
         # The same kernel over a weight that stays in L2 (about 1 MiB a thread, called 20 times):
         # its compute-bound rate. Where it is well above `kernel`, the stream from memory bounds.
+        # (rows a multiple of 8: else the r8 variants keep it in the file's layout and time another kernel)
         k0 = SHAPES[0][1]
-        cached = quant.repack(random_weight(qtype, max(quant.BLOCK[qtype], (1 << 20) * torch.get_num_threads() //
-                                                       (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype])), k0, rng))
+        rows = (1 << 20) * torch.get_num_threads() // (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype]) // 8 * 8
+        cached = quant.repack(random_weight(qtype, max(8, rows), k0, rng))
+        assert cached.qtype == weights[0].qtype, (cached.qtype, weights[0].qtype)
         for t in tokens:
             xs = {k: torch.randn(t, k).bfloat16() for _, k in SHAPES}
             fns = [lambda: [quant.linear(xs[w.shape[1]], w, decode=True) for w in weights],
