@@ -5,8 +5,8 @@
 // ---- prefill attention: tiles of queries against tiles of keys -------------------------------
 // The decode kernel serves prefill tokens one query at a time, each re-reading its whole
 // prefix: at a 2000-token prompt that is half of the prefill's time. Here the queries of one
-// sequence's chunk (up to 16 tokens x the G heads of a KV head; the float32 path up to kQueryRows
-// rows) meet 32 keys at a time as two
+// sequence's chunk (up to max(16 tokens, kQueryRows rows) x the G heads of a KV head) meet 32
+// keys at a time as two
 // small GEMMs on the GEMM tiles above: scores = Q K^T (K packed like a weight), then
 // O += P V (V packed likewise), with an online softmax between (as flash attention).
 // bf16 with AVX512-BF16: bf16 dot products, P rounded to bf16 for the second product as flash
@@ -15,17 +15,18 @@
 #ifdef __AVX2__
 namespace {
 constexpr int64_t kQueryTokens = 16, kKeyTile = 32;
-// The float32 path meets up to kQueryRows query rows (tokens x G) with each key tile: a short chunk
+// Both paths meet up to kQueryRows query rows (tokens x G) with each key tile: a short chunk
 // after a long cached prefix (a prefix-cache or disk-tier hit's suffix) then packs each cached
 // key and value tile once for the whole chunk instead of once per 16 tokens (the packing and
-// softmax, not the products, were most of such a chunk's attention). 64 rows: the item's
-// buffers (q, the sums, P V) stay in L2.
+// softmax, not the products, were most of such a chunk's attention; with bf16 dots too: a
+// 33-token turn after a 2k-token history cost 50-60 ms more than a 32-token one at 16 tokens an
+// item, three items against two). 64 rows: the item's buffers (q, the sums, P V) stay in L2.
 constexpr int64_t kQueryRows = 64;
 
 // Query tokens per item for a chunk of n tokens at group size G: equal parts of at most
-// max(16, kQueryRows / G) tokens (the bf16 dot path keeps 16).
-inline int64_t query_tile(int64_t n, int64_t G, bool bf16_dots) {
-    const int64_t cap = bf16_dots ? kQueryTokens : std::max<int64_t>(kQueryTokens, kQueryRows / G);
+// max(16, kQueryRows / G) tokens.
+inline int64_t query_tile(int64_t n, int64_t G) {
+    const int64_t cap = std::max<int64_t>(kQueryTokens, kQueryRows / G);
     const int64_t parts = (n + cap - 1) / cap;
     return (n + parts - 1) / parts;
 }
@@ -261,7 +262,7 @@ int paged_prefill(const T *q, int64_t q_stride, const K *kc, const K *vc, const 
     std::vector<Item> items;
     for (int64_t i = 0; i < S; i++) {
         const int64_t n = query_start[i + 1] - query_start[i];
-        const int64_t tile = query_tile(n, G, kBf16Dots);
+        const int64_t tile = query_tile(n, G);
         for (int64_t j0 = 0; j0 < n; j0 += tile)
             for (int64_t h = 0; h < Hkv; h++) items.push_back({i, j0, std::min(tile, n - j0), h});
     }
