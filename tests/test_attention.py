@@ -129,8 +129,8 @@ def test_long_contexts_split_and_merged(specs):
 def test_tiled_prefill_equals_dense(kernel_variant, dtype, block_size, num_heads, num_kv_heads, head_dim):
     """Prefill chunks go through the tiled kernel (a chunk's query rows in parts of up to 64 rows or
     16 tokens, whichever is more, bf16 dots and float32 alike, x 32 keys at a time, online
-    softmax): chunks shorter and longer than a part, split evenly (70 tokens: two of 35 at G = 1), with and without a long cached context,
-    after decode rows. Without the per-token view the kernel has no fallback, so a result proves the
+    softmax): chunks shorter and longer than a part, split evenly (70 tokens: two of 35 at G = 1),
+    with and without a long cached context, after decode rows. Without the per-token view the kernel has no fallback, so a result proves the
     tiled path ran. (bf16 at head dim 80 has none with AVX512-BF16: its tiles need D % 32.)"""
     if kernel_variant not in cpu.TILED_PREFILL_VARIANTS:
         pytest.skip(f"the {kernel_variant} kernels have no tiled prefill (prefill tokens use the decode kernel)")

@@ -62,9 +62,9 @@ INVARIANT_DOTS); at T = 1 two weight rows per call (all types but q5_0 / q5_1, s
 32-element group's activation loads serving both, the super-blocks' two streams interleaved),
 `vnni256` (AVX-512 VNNI + VL: the avxvnni source, r8 layouts and 256-bit dots, with vpdpbusd's EVEX form;
 the default where the CPU has no AMX-INT8, which the avx512vnni build's AMX paths need: on Zen 4 its 512-bit
-dots decoded every file type slower than the r8 kernels, K-quants included: benchmarks/RESULTS.md), `avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32
-weights), `avx2` (maddubs + madd: no pair saturates, codes <= 63 or |w| <= 128 times |q| <=
-127; both: one or two rows of a 32-element type in groups of 8 blocks, their scales in one gather), `scalar` (plain loops over the same integers). The best the CPU's flags allow (and a
+dots decoded every file type slower than the r8 kernels, K-quants included: benchmarks/RESULTS.md),
+`avxvnni` (AVX2 + AVX-VNNI: the VEX vpdpbusd on 32 weights), `avx2` (maddubs + madd: no pair saturates,
+codes <= 63 or |w| <= 128 times |q| <= 127; both: one or two rows of a 32-element type in groups of 8 blocks, their scales in one gather), `scalar` (plain loops over the same integers). The best the CPU's flags allow (and a
 variant's `default_needs`) is chosen at first use; $PAGEDSERVE_QUANT_KERNELS forces one; `using_variant` runs a block with another
 (tests run all the CPU supports). Chosen, built and loaded by a cpu.KernelLibrary (KERNELS),
 as kernels/cpu.py's library is (system C++ compiler on first use, cached under
