@@ -501,9 +501,10 @@ def linear(x: torch.Tensor, w: QuantizedWeight | Sequence[QuantizedWeight],
         return torch.zeros(x.shape[0], rows, dtype=out_dtype)
     r8 = all(p.qtype in R8 for p in parts)
     gemm = r8 and all(p.qtype in R8_GEMM for p in parts)
+    invariant = invariant or _batch_invariant
     if lib is not None and x.shape[0] <= batch_rows(decode, x.dtype == torch.bfloat16, r8, invariant, gemm) and \
             out_dtype in (torch.float32, torch.bfloat16):
-        return _linear_small(x, parts, bias, lib, out_dtype, invariant or _batch_invariant)
+        return _linear_small(x, parts, bias, lib, out_dtype, invariant)
     return _linear_tiles(x, parts, bias, lib).to(out_dtype)
 
 
