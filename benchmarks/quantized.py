@@ -294,12 +294,16 @@ def run_child(spec: dict) -> dict:
                 quant_kernels=quant.variant())      # the variant this child ran (a JSON's label can be wrong)
 
 
-def child(spec: dict, timeout: float) -> dict:
+def child(spec: dict, timeout: float, env: dict[str, str] | None = None) -> dict:
+    """run_child's result in a fresh process ({"error": ...} where it failed); env: variables set
+    for it (benchmarks/variant_ab.py's forced quant variant)."""
+    env = dict(env or {})
     # The dequantized path writes a float32 copy of the file into the cache: a scratch cache for
     # it (its kernels compile there once, before the timed part); the others use the user's cache.
-    env = {**os.environ, "PAGEDSERVE_CACHE": spec["cache"]} if spec.get("gguf_dequantize") else None
+    if spec.get("gguf_dequantize"):
+        env["PAGEDSERVE_CACHE"] = spec["cache"]
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         timeout=timeout, env=env)
+                         timeout=timeout, env={**os.environ, **env})
     if res.returncode:
         return {"error": res.stderr[-2000:]}
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.quantized import child  # noqa: E402
 
 
 def tokenizer_dir(model: str) -> str | None:
@@ -34,12 +34,10 @@ def run_child(model: str, variant: str, rounds: int, decode_len: int) -> dict:
     """One child of benchmarks/quantized.py on `variant`: its decode rounds and the variant it ran."""
     spec = dict(model=model, tokenizer=tokenizer_dir(model), prefill_len=128, repeats=0, decode_rounds=rounds,
                 decode_len=decode_len)
-    env = {**os.environ, "PAGEDSERVE_QUANT_KERNELS": variant}
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantized.py"), "--child", json.dumps(spec)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode:
-        raise RuntimeError(f"{variant} on {model}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = child(spec, 600, env={"PAGEDSERVE_QUANT_KERNELS": variant})
+    if "error" in result:
+        raise RuntimeError(f"{variant} on {model}: {result['error']}")
+    return result
 
 
 def summary(rounds_ms: list[float]) -> dict:
@@ -57,7 +55,6 @@ def main() -> None:
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     import torch
     from pagedserve.kernels import cpu
     from pagedserve.models.loader import default_model_path
