@@ -331,6 +331,16 @@ def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int, ma
     return out
 
 
+def llama_bench_rounds(exe: str, path: str, threads: int, decode: int, repetitions: int) -> list[float]:
+    """llama-bench's decode alone (-p 0 -n decode) `repetitions` times: each repetition's tok/s."""
+    res = subprocess.run([exe, "-m", path, "-t", str(threads), "-p", "0", "-n", str(decode), "-r", str(repetitions),
+                          "-o", "json"], capture_output=True, text=True, timeout=1800)
+    if res.returncode:
+        raise RuntimeError(f"llama-bench on {path} failed: {res.stderr[-1000:]}")
+    (row,) = json.loads(res.stdout)
+    return list(row["samples_ts"])
+
+
 def llama_quantize(exe: str, source: Path, path: Path, ftype: str, threads: int,
                    allow_requantize: bool = False) -> None:
     """llama.cpp's llama-quantize: GGUF `source` (f16, or a quantized file with allow_requantize)

@@ -1,4 +1,5 @@
-"""Single-stream decode of the same GGUF files on two or more quant kernel variants, interleaved.
+"""Single-stream decode of the same GGUF files on two or more quant kernel variants, interleaved
+(and, with --llama-bench, llama.cpp's decode on the same files in the same rotation).
 
     /work/bin/timed .venv/bin/python benchmarks/variant_ab.py --variants vnni256,avx512vnni --pairs 2 \
         --files default /work/peers/files/smollm2-1.7b-shape-Q4_K_M-llama.gguf \
@@ -11,6 +12,13 @@ from minute to minute, runs a few seconds apart compare the variants where runs 
 Each child reports the variant it ran (quant.describe()), so a label cannot name a variant that did not
 run. `default`: the default model; a 1.7B- or Gemma-shaped file takes its tokenizer from the folder of
 its shape beside it (benchmarks/quantized.py --work-dir).
+
+With `--llama-bench EXE`, llama.cpp's `llama-bench -p 0 -n <decode-len> -r <rounds>` on the same file
+takes a turn after the variants in every pair, and each variant's median is also given as a ratio to
+llama.cpp's: a ratio of runs seconds apart, where quantized.py's single run compares minutes apart.
+
+    /work/bin/timed .venv/bin/python benchmarks/variant_ab.py --variants vnni256 --pairs 3 \
+        --llama-bench LB/llama-bench --files /work/peers/files/smollm2-1.7b-shape-Q4_0-llama.gguf
 """
 from __future__ import annotations
 
@@ -21,7 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.quantized import child  # noqa: E402
+from benchmarks.quantized import child, llama_bench_rounds  # noqa: E402
+
+LLAMA = "llama.cpp"
 
 
 def tokenizer_dir(model: str) -> str | None:
@@ -53,33 +63,43 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2, help="turns of every variant per file")
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds per child")
     ap.add_argument("--decode-len", type=int, default=64)
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench: a turn of its own in every pair")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
     from pagedserve.kernels import cpu
     from pagedserve.models.loader import default_model_path
     variants = args.variants.split(",")
+    turns = variants + ([LLAMA] if args.llama_bench else [])
     results = []
     for name in args.files:
         model = default_model_path() if name == "default" else name
-        runs: dict[str, list[float]] = {v: [] for v in variants}
+        runs: dict[str, list[float]] = {v: [] for v in turns}
         for _ in range(args.pairs):
-            for v in variants:
-                r = run_child(model, v, args.rounds, args.decode_len)
-                ran = r["quant_kernels"]
-                if ran != v:
-                    raise RuntimeError(f"asked for {v}, the child ran {ran}")
-                runs[v] += r["decode_round_ms"]
-                print(f"{Path(model).name:44} {v:11} " + " ".join(f"{1e3 / m:7.1f}" for m in r["decode_round_ms"])
+            for v in turns:
+                if v == LLAMA:
+                    round_ms = [1e3 / ts for ts in llama_bench_rounds(args.llama_bench, model, torch.get_num_threads(),
+                                                                      args.decode_len, args.rounds)]
+                else:
+                    r = run_child(model, v, args.rounds, args.decode_len)
+                    ran = r["quant_kernels"]
+                    if ran != v:
+                        raise RuntimeError(f"asked for {v}, the child ran {ran}")
+                    round_ms = r["decode_round_ms"]
+                runs[v] += round_ms
+                print(f"{Path(model).name:44} {v:11} " + " ".join(f"{1e3 / m:7.1f}" for m in round_ms)
                       + " tok/s", flush=True)
-        row = dict(file=Path(model).name, runs_ms=runs, **{v: summary(runs[v]) for v in variants})
+        row = dict(file=Path(model).name, runs_ms=runs, **{v: summary(runs[v]) for v in turns})
+        base = LLAMA if args.llama_bench else variants[0]
+        for v in variants:
+            row[v]["ratio_to_" + base] = row[v]["median_tok_s"] / row[base]["median_tok_s"]
         results.append(row)
-        first = row[variants[0]]["median_tok_s"]
-        print("  medians: " + ", ".join(f"{v} {row[v]['median_tok_s']:.1f} ({row[v]['median_tok_s'] / first:.2f}x)"
-                                       for v in variants), flush=True)
+        print(f"  medians (ratio to {base}): " + ", ".join(
+            f"{v} {row[v]['median_tok_s']:.1f} ({row[v]['median_tok_s'] / row[base]['median_tok_s']:.2f}x)"
+            for v in turns), flush=True)
     if args.json:
         described = cpu.describe()
-        Path(args.json).write_text(json.dumps(dict(variants=variants, pairs=args.pairs, threads=torch.get_num_threads(),
+        Path(args.json).write_text(json.dumps(dict(variants=variants, llama_bench=args.llama_bench, pairs=args.pairs, threads=torch.get_num_threads(),
                                                    cpu_model=described.get("cpu_model"),
                                                    cpu_flags=described.get("cpu_flags"), results=results), indent=1))
         print(f"wrote {args.json}")
