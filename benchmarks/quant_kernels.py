@@ -83,8 +83,10 @@ def other_build(source: str):
     return built
 
 
-def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int], other=None) -> list[dict]:
-    """other: a second build (other_build) whose kernels run interleaved with these ("B/A")."""
+def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int], other=None,
+                   same_layout: bool = False) -> list[dict]:
+    """other: a second build (other_build) whose kernels run interleaved with these ("B/A");
+    same_layout: it reads the layout this build's loader gives (else the file's)."""
     rng = np.random.default_rng(0)
     results = []
     for qtype in types:
@@ -106,8 +108,9 @@ def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]
                    lambda: [p.sum() for p in plain],
                    lambda: [quant.linear(xs[k0], cached, decode=True) for _ in range(20)]]
             if other is not None:     # both builds called alike (quant._linear_small), in turn; the other
-                # (which may predate a repacked layout) on the file's
-                files, cached_file = [quant.file_layout(w) for w in weights], quant.file_layout(cached)
+                # (which may predate a repacked layout) on the file's, or with same_layout on this one's
+                files, cached_file = (weights, cached) if same_layout else \
+                    ([quant.file_layout(w) for w in weights], quant.file_layout(cached))
                 for lib, ws, c in ((quant.load(), weights, cached), (other, files, cached_file)):
                     fns += [lambda lib=lib, ws=ws: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in ws],
                             lambda lib=lib, c=c: [quant._linear_small(xs[k0], [c], None, lib) for _ in range(20)]]
@@ -211,6 +214,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", default="1", help="with --decode: activation rows (decode batch sizes)")
     parser.add_argument("--ab-source", default=None, help="with --decode: another quant_kernels.cpp, built and "
                         "interleaved with this one (an A/B of the decode kernels in one process)")
+    parser.add_argument("--ab-same-layout", action="store_true", help="with --ab-source: the other build reads "
+                        "this one's layout (e.g. both the r8 layouts: an A/B of one kernel), not the file's")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
     if args.decode:
@@ -221,7 +226,8 @@ def main() -> None:
         out = dict(quant=quant.describe(), threads=torch.get_num_threads(), layers=layers, rounds=rounds,
                    kernels=decode_kernels(args.types.split(","), layers, rounds,
                                           [int(t) for t in args.decode_tokens.split(",")],
-                                          other_build(args.ab_source) if args.ab_source else None))
+                                          other_build(args.ab_source) if args.ab_source else None,
+                                          args.ab_same_layout))
         if args.step_share:
             out["step_share"] = step_share(args.step_share, layers, rounds)
         path = Path(args.out or results_dir / "quant_kernels_decode.json")

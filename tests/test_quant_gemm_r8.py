@@ -88,7 +88,8 @@ def test_a_row_is_the_same_on_either_side_of_the_gemm_crossover(qtype, cols):
 @pytest.mark.parametrize("code,sign", [(0, 1.0), (63, -1.0), (0, -1.0), (63, 1.0)])
 def test_q6_k_gemm_at_the_16_bit_limits(code, sign):
     """Every q6_k code at one end (q - 32 = -32 or 31) against activations all at +-127: the GEMM's
-    16-bit sums of 8 products per lane (gemm_q6_rows) reach +-32512 and must still equal the dots."""
+    16-bit sums of 8 products per lane (gemm_q6_rows) reach +-32512 and must still equal the dots
+    (and the decode dots' 16-bit sums of 4, 32004, equal the scalar reference)."""
     rows, cols = 16, 512
     blocks = torch.zeros(rows, cols // 256, 210, dtype=torch.uint8)
     blocks[..., :192] = 0xFF if code == 63 else 0          # ql, qh: every code `code`
@@ -101,13 +102,15 @@ def test_q6_k_gemm_at_the_16_bit_limits(code, sign):
     assert ref.abs().min() > 0
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
-            assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant
+            for T in (1, 4, 16):        # the decode dots (1-4 rows a pass) and the GEMM
+                assert torch.equal(quant._linear_small(x[:T], [w], None, lib, torch.float32), ref[:T]), (variant, T)
 
 
 @pytest.mark.parametrize("qtype,sign", [("q4_k", 1.0), ("q4_k", -1.0), ("q4_0", 1.0), ("q4_1", -1.0)])
 def test_q4_gemm_at_the_16_bit_limits(qtype, sign):
     """Every code 15 against activations all at +-127: the GEMM's 16-bit lanes of 16 products
-    (q4_dot8's two halves added in 16 bits) reach +-30480 and must still equal the dots."""
+    (q4_dot8's two halves added in 16 bits) reach +-30480 and must still equal the dots (the decode
+    dots' too: q4_k's vpdpbusd sums of 16 products packed to 16 bits, k_dot8_q4)."""
     rows, cols = 16, 512
     size = {"q4_k": 144, "q4_0": 18, "q4_1": 20}[qtype]
     per_row = cols // (256 if qtype == "q4_k" else 32)
@@ -122,7 +125,8 @@ def test_q4_gemm_at_the_16_bit_limits(qtype, sign):
     assert ref.abs().min() > 0
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
-            assert torch.equal(quant._linear_small(x, [w], None, lib, torch.float32), ref), variant
+            for T in (1, 4, 16):        # the decode dots (1-4 rows a pass) and the GEMM
+                assert torch.equal(quant._linear_small(x[:T], [w], None, lib, torch.float32), ref[:T]), (variant, T)
 
 
 def _q6_k_super_block_arithmetic(raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:

@@ -155,15 +155,19 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
             #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {    // sub-blocks 2 p (low nibbles) and 2 p + 1 (high: the vectors again, from L1)
                 __m256i c[2][4];             // [half][piece]
-                k_codes_256<QT>(u, j, c);
                 if constexpr (QT == Q4_KR8) {        // one register a row set (k_dot8_q4), the hadd's order
                     const __m256i L = k_pair_lanes(ks, j);
+                    // vpdpbusd: sub-block 2 p + 1's high nibbles in place (16 q: no shift a vector)
+                    const bool high16 = kHigh16 && j % 2 == 1;
+                    if (high16) k4_high16_256(u, j / 2, c);
+                    else k_codes_256<QT>(u, j, c);
                     #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {
                         const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
-                        isum[t][0] = _mm256_add_epi32(isum[t][0], k_dot8_q4(c, x, L));
+                        isum[t][0] = _mm256_add_epi32(isum[t][0], high16 ? k_dot8_q4<true>(c, x, L) : k_dot8_q4(c, x, L));
                     }
                 } else {
+                    k_codes_256<QT>(u, j, c);
                     const __m256i l0 = k_lanes(ks, j, 0), l1 = k_lanes(ks, j, 1);
                     #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {

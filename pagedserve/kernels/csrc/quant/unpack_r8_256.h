@@ -126,19 +126,38 @@ inline __m256i k_pair_lanes(const KSuper &ks, int j) {
 }
 
 // q4_k (codes <= 15): a sub-block's 8 rows' dots times their scales L (k_pair_lanes) in one
-// register, rows in the hadd's order: each half's four products sum in 16 bits (<= 4 * 2 * 15 * 127),
-// a 16-bit hadd adds the two lanes of a row pair (<= 30480 < 32768), one madd by the scales
-// (each dword <= 2 * 30480 * 63). x: the sub-block's 32 activation codes; each 8-byte broadcast is
-// used by both halves at once (one register live, not four: no code register spilled where the
-// caller keeps c in registers); the 16-bit sums are exact, so any order gives them.
+// register, rows in the hadd's order. x: the sub-block's 32 activation codes; each 8-byte broadcast
+// is used by both halves at once (one register live, not four: no code register spilled where the
+// caller keeps c in registers). The sums are exact, so any order gives them.
+// AVX2: each half's four products sum in 16 bits (<= 4 * 2 * 15 * 127), a 16-bit hadd adds the two
+// lanes of a row pair (<= 30480 < 32768), one madd by the scales (each dword <= 2 * 30480 * 63).
+// vpdpbusd: each half's dwords sum a row's 16 products (<= 16 * 15 * 127 = 30480), so a pack to 16
+// bits keeps them (no saturation) in the hadd's order: the madd by the scales adds a row's two
+// (Zen 4: 8 dpbusd + pack + madd a sub-block, against 8 maddubs + 6 adds + a 2-cycle hadd + madd).
+// High16 (vpdpbusd): the codes are 16 times the nibbles (k4_high16_256): each dword 16 times the sum,
+// exact (<= 16 * 30480 < 2^31), shifted back (arithmetic: exact for multiples of 16) before the pack.
+template <bool High16 = false>
 inline __m256i k_dot8_q4(const __m256i c[2][4], const int8_t *x, __m256i L) {
     __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
     for (int k = 0; k < 4; k++) {
         const __m256i xb = bcast8(x + 8 * k);
+#if defined(PS_VNNI256)
+        h0 = dpbusd256(h0, c[0][k], xb);
+        h1 = dpbusd256(h1, c[1][k], xb);
+#else
         h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(c[0][k], xb));
         h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(c[1][k], xb));
+#endif
     }
+#if defined(PS_VNNI256)
+    if constexpr (High16) {      // (maddubs' 16-bit sums could not hold them: kHigh16 false there)
+        h0 = _mm256_srai_epi32(h0, 4);
+        h1 = _mm256_srai_epi32(h1, 4);
+    }
+    return _mm256_madd_epi16(_mm256_packs_epi32(h0, h1), L);
+#else
     return _mm256_madd_epi16(_mm256_hadd_epi16(h0, h1), L);
+#endif
 }
 
 // Sub-block j's 6-bit scales as the int16 lanes of half h's maddubs sums (row 4 h + r's 4 lanes at
@@ -193,6 +212,21 @@ inline void k_codes_256(const uint8_t *u, int j, __m256i c[2][4]) {
             c[h][k] = _mm256_and_si256(i == 0 ? v : _mm256_srli_epi16(v, 4), m4);
             if constexpr (QT == Q5_KR8) c[h][k] = _mm256_or_si256(c[h][k], move_bits(r8_load(u + 128 + 64 * k + 32 * h), 4 - j, 16));
         }
+}
+
+// Whether q4_kr8's decode dots take sub-block 2 p + 1's codes as 16 times its nibbles (vpdpbusd's
+// 32-bit sums hold them; maddubs' 16-bit ones would not).
+#if defined(PS_VNNI256)
+constexpr bool kHigh16 = true;
+#else
+constexpr bool kHigh16 = false;
+#endif
+
+// Q4_KR8: 16 times the codes of sub-block 2 p + 1 (the high nibbles of vectors 4 p .. 4 p + 3 of qs, in
+// place: one and a vector, no shift), for k_dot8_q4<true>.
+inline void k4_high16_256(const uint8_t *u, int p, __m256i c[2][4]) {
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++) c[h][k] = _mm256_and_si256(r8_load(u + 128 + 64 * (4 * p + k) + 32 * h), _mm256_set1_epi8(char(0xF0)));
 }
 
 // Q6_KR8: the unsigned codes q (0..63) of sub-block j (its ql nibbles and qh's 2 bits).
