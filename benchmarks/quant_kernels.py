@@ -11,6 +11,7 @@ so they stream from memory as in a real step.
                       # share of a real decode step outside the quantized linears (~2 min)
     .venv/bin/python benchmarks/quant_kernels.py --decode --quick --ab-source OTHER.cpp
                       # the same, interleaved with another build of quant_kernels.cpp (e.g. main's)
+                      # (--ab-same-layout: both read this build's layouts, e.g. the r8 ones: one kernel's A/B)
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
