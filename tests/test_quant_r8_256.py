@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import cpu, quant
+from pagedserve.kernels import cpu, quant, threads
 from pagedserve.quant_format import _k_scales
 from tests.test_quant_kernels import _check_small, weight
 
@@ -145,23 +145,30 @@ def test_other_paths_read_them_as_the_file_layout(qtype):
                     assert torch.equal(quant.linear(x, r, None, True), quant.linear(x, w, None, True)), variant
 
 
+@pytest.mark.parametrize("rows", [(16, 8, 8), (72, 40, 136)])
 @pytest.mark.parametrize("T", [1, 4, 16])
-def test_parts_of_several_r8_types_in_one_product(T):
+def test_parts_of_several_r8_types_in_one_product(T, rows):
     """A Q4_K_M file's fused q/k/v (q4_k, q4_k, q6_k parts), all r8: each part's groups by the integer
-    dots, equal to the same parts one at a time and to the file layout's product."""
+    dots, equal to the same parts one at a time and to the file layout's product; with 1-3 threads
+    sharing the groups in items of 8 (the second shape: items that straddle parts, more than one a thread)."""
     cols = 512
-    ws = [weight("q4_k", rows=16, cols=cols, seed=1)[0], weight("q4_k", rows=8, cols=cols, seed=2)[0],
-          weight("q6_k", rows=8, cols=cols, seed=3)[0]]
+    ws = [weight("q4_k", rows=rows[0], cols=cols, seed=1)[0], weight("q4_k", rows=rows[1], cols=cols, seed=2)[0],
+          weight("q6_k", rows=rows[2], cols=cols, seed=3)[0]]
     rs = [r8_of(w) for w in ws]
     x = torch.randn(T, cols, generator=torch.Generator().manual_seed(T))
-    for variant in ["scalar"] + VECTOR:
-        with quant.using_variant(variant) as lib:
-            y = quant._linear_small(x, rs, None, lib, torch.float32)
-            each = torch.cat([quant._linear_small(x, [r], None, lib, torch.float32) for r in rs], dim=1)
-            assert torch.equal(y, each), variant
-            for w, part in zip(ws, y.split([16, 8, 8], dim=1)):
-                _check_small(part, x, w, act_block=act_block(w.qtype))
-
+    before = torch.get_num_threads()
+    try:
+        for variant in ["scalar"] + VECTOR:
+            with quant.using_variant(variant) as lib:
+                each = torch.cat([quant._linear_small(x, [r], None, lib, torch.float32) for r in rs], dim=1)
+                for w, part in zip(ws, each.split(list(rows), dim=1)):
+                    _check_small(part, x, w, act_block=act_block(w.qtype))
+                for n in (1, 2, 3):
+                    threads.set_thread_count(n)
+                    y = quant._linear_small(x, rs, None, lib, torch.float32)
+                    assert torch.equal(y, each), (variant, n)
+    finally:
+        threads.set_thread_count(before)
 
 
 def test_mxfp4r8_every_scale_byte():

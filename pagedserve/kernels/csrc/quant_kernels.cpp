@@ -92,6 +92,7 @@ extern "C" const char *quant_kernel_variant() { return PAGEDSERVE_VARIANT; }
 #include "quant/dequantize.h"
 #include "quant/tiles_pack.h"
 #include "quant/parts.h"
+#include "quant/share.h"
 #include "common/handover.h"
 #include "quant/handover.h"
 #include "quant/repack_r8.h"

@@ -17,7 +17,7 @@
 // value's arithmetic (the experts added in expert order, each dot the same integers and float
 // operations as quant_linear_small's) does not depend on the thread count or the batch.
 // A decode token (one pair an expert) instead shares each phase's items (an expert's chunk of 8
-// groups) out by MoEShare: a thread's own contiguous share of the experts, then what the others
+// groups) out by WorkShare: a thread's own contiguous share of the experts, then what the others
 // have left, so a thread the VM runs slower holds nobody at the barrier; down's dots go to a row
 // per pair, added in expert order after phase 2 (the same floats). Each thread quantizes that
 // token's x itself (no barrier), and only the activations the chosen matrices read are made (the
@@ -158,45 +158,7 @@ inline void moe_gemm8(const QuantPart &m, int64_t g, const GemmAct &a, int64_t t
 }
 #endif
 
-// A phase's items [0, n) shared by a team: thread t's own share [n t / nt, n (t + 1) / nt) taken
-// from its front (its matrices' rows in order: one forward stream each), then, that done, the
-// back item of whichever share has the most left. Every item runs once whatever the team's size.
-class MoEShare {
-  public:
-    MoEShare(int64_t n, int64_t nt) : nt_(nt), shares_(new std::atomic<uint64_t>[nt]) {
-        for (int64_t t = 0; t < nt; t++) shares_[t] = uint64_t(n * t / nt) << 32 | uint64_t(n * (t + 1) / nt);
-    }
-    int64_t next(int64_t tid) {             // an item for thread tid, or -1: none left
-        if (tid < nt_) {
-            const int64_t i = take(shares_[tid], true);
-            if (i >= 0) return i;
-        }
-        for (;;) {
-            int64_t most = 0, from = -1;
-            for (int64_t t = 0; t < nt_; t++) {
-                const uint64_t v = shares_[t].load();
-                if (int64_t(v & 0xffffffffu) - int64_t(v >> 32) > most) most = int64_t(v & 0xffffffffu) - int64_t(v >> 32), from = t;
-            }
-            if (from < 0) return -1;
-            const int64_t i = take(shares_[from], false);
-            if (i >= 0) return i;
-        }
-    }
-
-  private:
-    static int64_t take(std::atomic<uint64_t> &share, bool front) {    // (front << 32 | back), -1 if empty
-        uint64_t v = share.load();
-        for (;;) {
-            const uint64_t lo = v >> 32, hi = v & 0xffffffffu;
-            if (lo >= hi) return -1;
-            if (share.compare_exchange_weak(v, front ? (lo + 1) << 32 | hi : lo << 32 | (hi - 1)))
-                return int64_t(front ? lo : hi - 1);
-        }
-    }
-    int64_t nt_;
-    std::unique_ptr<std::atomic<uint64_t>[]> shares_;
-};
-constexpr int64_t kMoEChunk = 8;           // groups of 8 rows an item (a decode token's phases: MoEShare)
+constexpr int64_t kMoEChunk = 8;           // groups of 8 rows an item (a decode token's phases: WorkShare)
 thread_local std::vector<float> t_moe_res;   // a decode token's down dots, each pair's row
 
 bool moe_part_ok(const QuantPart &m, int64_t rows, int64_t K) {
@@ -315,8 +277,8 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
 #endif
     };
     const int64_t team = omp_get_max_threads();
-    MoEShare share1(single ? int64_t(chosen.size()) * ((I / 8 + kMoEChunk - 1) / kMoEChunk) : 0, team);
-    MoEShare share2(single ? int64_t(chosen.size()) * ((H / 8 + kMoEChunk - 1) / kMoEChunk) : 0, team);
+    WorkShare share1(single ? int64_t(chosen.size()) * ((I / 8 + kMoEChunk - 1) / kMoEChunk) : 0, team);
+    WorkShare share2(single ? int64_t(chosen.size()) * ((H / 8 + kMoEChunk - 1) / kMoEChunk) : 0, team);
     float *res = single ? fit(t_moe_res, P * H) : nullptr;
 #pragma omp parallel
     {
@@ -391,7 +353,7 @@ extern "C" int quant_moe_experts(const MoEExpert *experts, int64_t E, const void
         };
         if (single) {
             // A decode token (one pair an expert): each phase's items, an expert's chunk of groups,
-            // shared out by MoEShare (a thread's own contiguous share first, then what is left of
+            // shared out by WorkShare (a thread's own contiguous share first, then what is left of
             // the others'), so a thread the VM runs slower never holds the other at the barrier.
             // Down's dots go to res (each pair's row), added in expert order after: the same floats.
             const int64_t n1 = (I / 8 + kMoEChunk - 1) / kMoEChunk, n2 = (H / 8 + kMoEChunk - 1) / kMoEChunk;

@@ -87,10 +87,7 @@ Act quantize_in_region(const Act &shared, bool own, const QuantPart *parts, int6
     return a;
 }
 
-// The group (of 8 rows, counted over all r8 parts) where weight byte `at` falls, rounded up.
-int64_t group_at_byte(const QuantPart *parts, int64_t nparts, int64_t K, int64_t at) {
-    return (row_at_byte(parts, nparts, K, at) + 7) / 8;      // (every part's rows a multiple of 8)
-}
+constexpr int64_t kShareGroups = 8;     // groups of 8 rows an item of quant_linear_small's r8 path (WorkShare)
 
 // y[t][r] (float32 or bf16, rows ldy apart) = v + bias[r] (bias float32, or null: + 0).
 inline void put_out(void *y, bool y_bf16, int64_t ldy, const float *bias, int64_t t, int64_t r, float v) {
@@ -138,29 +135,34 @@ extern "C" int quant_linear_small(const QuantPart *parts, int64_t nparts, const 
         }
         const Act act = thread_act(parts, nparts, T, K, false);
         const int64_t groups = first[nparts];
-        int64_t total = 0;       // weight bytes
-        for (int64_t p = 0; p < nparts; p++) total += parts[p].rows * (K / kElems[parts[p].qtype] * kBytes[parts[p].qtype]);
+        // Items of kShareGroups groups shared by WorkShare: each thread its own contiguous range
+        // first, then the back items of what the other has left. A split by bytes alone left one
+        // thread waiting where the parts' types cost differently a byte (qkv with v in Q6_K: the
+        // thread holding v ended ~35% later); sharing also absorbs a thread the VM runs slower.
+        const int64_t items = (groups + kShareGroups - 1) / kShareGroups, team = omp_get_max_threads();
+        WorkShare share(items, team);
 #pragma omp parallel if (groups * K * T >= 4096)
         {
             const Act a = quantize_in_region(act, T * nb <= kOwnBlocks, parts, nparts, T, false, x, ldx, x_bf16 != 0);
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            // each thread a contiguous range of groups holding an equal share of the weight bytes
-            const int64_t g0 = group_at_byte(parts, nparts, K, total * tid / nt);
-            const int64_t g1 = group_at_byte(parts, nparts, K, total * (tid + 1) / nt);
             PrefetchCursor ahead(plan, tid, nt);          // a LoRA delta's adapter weights (Handover)
-            const int64_t per_group = g1 > g0 ? (ahead.lines() + g1 - g0 - 1) / (g1 - g0) : 0;
+            const int64_t mine = (items * (tid + 1) / nt - items * tid / nt) * kShareGroups;    // its own share's groups
+            const int64_t per_group = mine > 0 ? (ahead.lines() + mine - 1) / mine : 0;
             float v[4 * 8];
-            int64_t p = 0;
-            for (int64_t g = g0; g < g1; g++) {
-                while (g >= first[p + 1]) p++;
-                const uint8_t *w = parts[p].w + (g - first[p]) * parts[p].ldw;
-                const int64_t r = row0[p] + 8 * (g - first[p]);
-                for (int64_t t0 = 0; t0 < T; t0 += 4) {
-                    if (t0 == 0) ahead.step(per_group);
-                    const int n = int(std::min<int64_t>(4, T - t0));
-                    kR8[p][n](w, nb, a, t0, v, 8);
-                    for (int t = 0; t < n; t++)
-                        for (int i = 0; i < 8; i++) put_out(y, y_bf16 != 0, ldy, bias, t0 + t, r + i, v[t * 8 + i]);
+            for (int64_t item; (item = share.next(tid)) >= 0;) {
+                const int64_t g1 = std::min(groups, (item + 1) * kShareGroups);
+                int64_t p = 0;
+                for (int64_t g = item * kShareGroups; g < g1; g++) {
+                    while (g >= first[p + 1]) p++;
+                    const uint8_t *w = parts[p].w + (g - first[p]) * parts[p].ldw;
+                    const int64_t r = row0[p] + 8 * (g - first[p]);
+                    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+                        if (t0 == 0) ahead.step(per_group);
+                        const int n = int(std::min<int64_t>(4, T - t0));
+                        kR8[p][n](w, nb, a, t0, v, 8);
+                        for (int t = 0; t < n; t++)
+                            for (int i = 0; i < 8; i++) put_out(y, y_bf16 != 0, ldy, bias, t0 + t, r + i, v[t * 8 + i]);
+                    }
                 }
             }
             run_after(plan);
