@@ -127,3 +127,15 @@ def _pickle_checked(batch: StepBatch) -> bytes:
     buf = io.BytesIO()
     _NoLiveObjects(buf).dump(batch)
     return buf.getvalue()
+
+
+def test_the_sampled_rows_of_the_hidden_states():
+    """The LM head's input: hidden itself (no copy) where the sampled rows are all of it in order (a
+    single-stream decode step), else those rows in the order asked."""
+    from pagedserve.worker.model_runner import _rows
+    hidden = torch.arange(12.0).view(3, 4)
+    assert _rows(hidden, [0, 1, 2]) is hidden
+    assert torch.equal(_rows(hidden, [2]), hidden[2:3])
+    assert torch.equal(_rows(hidden, [1, 0, 2]), hidden[[1, 0, 2]])
+    assert torch.equal(_rows(hidden, [0, 2]), hidden[[0, 2]])
+    assert _rows(hidden, []).shape == (0, 4)

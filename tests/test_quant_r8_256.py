@@ -84,6 +84,26 @@ def test_k_layouts_place_each_field_in_pieces(qtype):
     assert torch.equal(quant.embedding(r, ids.view(1, 4)), quant.embedding(w, ids.view(1, 4)))
 
 
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES)
+def test_a_decode_steps_lookup_of_an_r8_table(qtype):
+    """A decode step's few ids (a list of at most 64: each row's bytes by one index_select, straight into the
+    row dequantize) give the file layout's rows, as the general path does; ids out of range still raise."""
+    w, _ = weight(qtype, rows=24, cols=quant.BLOCK[qtype] * 3)
+    r = r8_of(w)
+    for ids in ([0], [7], [8], [23], [9, 9], [23, 0, 14]):
+        assert torch.equal(quant.r8_rows(r, ids), w.data[ids])
+        got = quant.embedding(r, torch.tensor(ids).view(1, -1))
+        assert got.shape == (1, len(ids), w.shape[1])
+        assert torch.equal(got, quant.dequantize_torch(w)[ids].view(1, len(ids), -1))
+    many = torch.arange(70) % 24                      # past 64 ids: the general (tensor) path
+    assert torch.equal(quant.embedding(r, many), quant.embedding(w, many))
+    assert torch.equal(quant.embedding(r, torch.tensor([5]), torch.bfloat16), quant.embedding(w, torch.tensor([5]),
+                                                                                              torch.bfloat16))
+    for bad in ([24], [-1]):
+        with pytest.raises(IndexError):
+            quant.embedding(r, torch.tensor(bad))
+
+
 @pytest.mark.skipif(not VECTOR, reason="no avx2 / avxvnni here")
 @pytest.mark.parametrize("qtype", TYPES + K_TYPES)
 def test_repack_makes_them_on_256_bit_variants(qtype):

@@ -424,6 +424,9 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+_IOTA = torch.arange(64)        # row ids 0..63: embedding's gathered rows, in order
+
+
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup (of
     an r8 layout, a tied LM head's: the rows gathered from their groups first)."""
@@ -434,11 +437,19 @@ def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.
         low, high = (min(listed), max(listed)) if listed else (int(flat.min()), int(flat.max()))
         if low < 0 or high >= w.shape[0]:
             raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
+    lib = load()
+    if w.qtype in R8 and listed and lib is not None:
+        # A decode step's rows straight from their groups into the row dequantize (~1/3 of the general path's cost)
+        rows = r8_rows(w, listed)
+        out = torch.empty(len(listed), w.shape[1], dtype=torch.float32)
+        _check(lib.quant_dequantize_rows(_QTYPE_ID[REPACKED[w.qtype]], rows.data_ptr(), rows.stride(0),
+                                         _IOTA.data_ptr(), len(listed), w.shape[1], out.data_ptr()),
+               "quant_dequantize_rows")
+        return out.view(*ids.shape, w.shape[1]).to(dtype)
     if w.qtype in R8:
         w = QuantizedWeight(REPACKED[w.qtype], (flat.numel(), w.shape[1]), r8_rows(w, flat))
         flat = torch.arange(flat.numel())
     w = _rows_of(w)
-    lib = load()
     if lib is None:
         out = torch.stack([dequantize_torch(slice_rows(w, i, i + 1))[0] for i in flat.tolist()]) if flat.numel() \
             else torch.empty(0, w.shape[1])
