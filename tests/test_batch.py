@@ -139,3 +139,27 @@ def test_the_sampled_rows_of_the_hidden_states():
     assert torch.equal(_rows(hidden, [1, 0, 2]), hidden[[1, 0, 2]])
     assert torch.equal(_rows(hidden, [0, 2]), hidden[[0, 2]])
     assert _rows(hidden, []).shape == (0, 4)
+
+
+def test_a_batchs_tensors_from_its_sequences():
+    """prepare_batch's tensors (one int64 tensor made at once, split into views) hold each sequence's
+    tokens then drafts, positions, slots from its table, the padded tables, per KV group."""
+    from pagedserve.batch import ScheduledTokens
+    from pagedserve.worker.model_runner import prepare_batch
+    B = 4
+    seqs = [ScheduledTokens(0, [11], 9, [3, 5, 7]),                                   # a decode at 9
+            ScheduledTokens(1, [21], 4, [8, 2], draft_token_ids=[22, 23]),            # a verify at 4, 5, 6
+            ScheduledTokens(2, [31, 32, 33], 0, [6])]                                 # a prefill chunk
+    ids, pos, meta = prepare_batch(seqs, B, "cpu", {0: [[40, 41, 47]], 1: [[42, 48]], 2: [[43]]}, (None, 8))
+    assert ids.tolist() == [11, 21, 22, 23, 31, 32, 33] and pos.tolist() == [9, 4, 5, 6, 0, 1, 2]
+    assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 1, 4, 7]
+    assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [10, 7, 3] and meta.max_seq_len == 10
+    assert (meta.num_decodes, meta.num_verify) == (1, 1)
+    first, second = meta.groups
+    assert first is meta and (first.window, second.window) == (None, 8)
+    assert first.slot_mapping.tolist() == [7 * B + 1, 2 * B, 2 * B + 1, 2 * B + 2, 6 * B, 6 * B + 1, 6 * B + 2]
+    assert first.block_tables.tolist() == [[3, 5, 7], [8, 2, 0], [6, 0, 0]]
+    assert second.slot_mapping.tolist() == [47 * B + 1, 48 * B, 48 * B + 1, 48 * B + 2, 43 * B, 43 * B + 1, 43 * B + 2]
+    assert second.block_tables.tolist() == [[40, 41, 47], [42, 48, 0], [43, 0, 0]]
+    for t in (ids, pos, first.slot_mapping, first.block_tables, second.block_tables, meta.seq_lens):
+        assert t.dtype == torch.long and t.is_contiguous()
