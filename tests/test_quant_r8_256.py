@@ -99,6 +99,8 @@ def test_a_decode_steps_lookup_of_an_r8_table(qtype):
     assert torch.equal(quant.embedding(r, many), quant.embedding(w, many))
     assert torch.equal(quant.embedding(r, torch.tensor([5]), torch.bfloat16), quant.embedding(w, torch.tensor([5]),
                                                                                               torch.bfloat16))
+    none = torch.empty(0, dtype=torch.int64)          # no ids: an empty lookup, as the general path's
+    assert quant.embedding(r, none).shape == quant.embedding(w, none).shape == (0, w.shape[1])
     for bad in ([24], [-1]):
         with pytest.raises(IndexError):
             quant.embedding(r, torch.tensor(bad))

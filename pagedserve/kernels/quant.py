@@ -424,16 +424,18 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-_IOTA = torch.arange(64)        # row ids 0..63: embedding's gathered rows, in order
+_FEW_IDS = 64                   # ids an embedding lookup checks in Python and gathers row by row (a decode step's)
+_IOTA = torch.arange(_FEW_IDS)  # row ids 0..63: embedding's gathered rows, in order
 
 
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup (of
     an r8 layout, a tied LM head's: the rows gathered from their groups first)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
+    listed = None
     if flat.numel():
         # (a decode step's few ids checked in Python: two tensor reductions cost more than its lookup)
-        listed = flat.tolist() if flat.numel() <= 64 else None
+        listed = flat.tolist() if flat.numel() <= _FEW_IDS else None
         low, high = (min(listed), max(listed)) if listed else (int(flat.min()), int(flat.max()))
         if low < 0 or high >= w.shape[0]:
             raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
