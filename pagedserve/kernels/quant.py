@@ -439,19 +439,13 @@ def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.
         low, high = (min(listed), max(listed)) if listed else (int(flat.min()), int(flat.max()))
         if low < 0 or high >= w.shape[0]:
             raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
-    lib = load()
-    if w.qtype in R8 and listed and lib is not None:
-        # A decode step's rows straight from their groups into the row dequantize (~1/3 of the general path's cost)
-        rows = r8_rows(w, listed)
-        out = torch.empty(len(listed), w.shape[1], dtype=torch.float32)
-        _check(lib.quant_dequantize_rows(_QTYPE_ID[REPACKED[w.qtype]], rows.data_ptr(), rows.stride(0),
-                                         _IOTA.data_ptr(), len(listed), w.shape[1], out.data_ptr()),
-               "quant_dequantize_rows")
-        return out.view(*ids.shape, w.shape[1]).to(dtype)
     if w.qtype in R8:
-        w = QuantizedWeight(REPACKED[w.qtype], (flat.numel(), w.shape[1]), r8_rows(w, flat))
-        flat = torch.arange(flat.numel())
+        # the rows gathered from their groups (a decode step's few by one index_select a row: the tensor
+        # form's ~8 small ops cost more than its lookup), then rows 0..n-1 of that
+        w = QuantizedWeight(REPACKED[w.qtype], (flat.numel(), w.shape[1]), r8_rows(w, listed or flat))
+        flat = _IOTA[:flat.numel()] if listed else torch.arange(flat.numel())
     w = _rows_of(w)
+    lib = load()
     if lib is None:
         out = torch.stack([dequantize_torch(slice_rows(w, i, i + 1))[0] for i in flat.tolist()]) if flat.numel() \
             else torch.empty(0, w.shape[1])
