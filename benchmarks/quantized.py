@@ -311,7 +311,8 @@ def child(spec: dict, timeout: float, env: dict[str, str] | None = None) -> dict
 
 def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int, max_rss: bool = False,
                 repetitions: int | None = None) -> dict:
-    """llama.cpp's llama-bench on the same file: prefill (-p) and decode (-n) tok/s; with max_rss its
+    """llama.cpp's llama-bench on the same file: prefill (-p) and decode (-n) tok/s (their mean and each
+    repetition's: `*_rounds_tok_s`; -p 0: decode alone); with max_rss its
     peak resident memory too (GNU time's -v: the process's VmHWM, its mapped file pages included)."""
     timer = ["/usr/bin/time", "-v"] if max_rss else []
     reps = ["-r", str(repetitions)] if repetitions else []
@@ -326,19 +327,10 @@ def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int, ma
     for row in json.loads(res.stdout):
         key = "prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"
         out[key] = row.get("avg_ts")
+        out[key.replace("tok_s", "rounds_tok_s")] = row.get("samples_ts")      # each repetition's
         out.update(build_commit=row.get("build_commit"), build_number=row.get("build_number"),
                    cpu_info=row.get("cpu_info"), backends=row.get("backends"))
     return out
-
-
-def llama_bench_rounds(exe: str, path: str, threads: int, decode: int, repetitions: int) -> list[float]:
-    """llama-bench's decode alone (-p 0 -n decode) `repetitions` times: each repetition's tok/s."""
-    res = subprocess.run([exe, "-m", path, "-t", str(threads), "-p", "0", "-n", str(decode), "-r", str(repetitions),
-                          "-o", "json"], capture_output=True, text=True, timeout=1800)
-    if res.returncode:
-        raise RuntimeError(f"llama-bench on {path} failed: {res.stderr[-1000:]}")
-    (row,) = json.loads(res.stdout)
-    return list(row["samples_ts"])
 
 
 def llama_quantize(exe: str, source: Path, path: Path, ftype: str, threads: int,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.quantized import child, llama_bench_rounds  # noqa: E402
+from benchmarks.quantized import child, llama_bench  # noqa: E402
 
 LLAMA = "llama.cpp"
 
@@ -78,8 +78,11 @@ def main() -> None:
         for _ in range(args.pairs):
             for v in turns:
                 if v == LLAMA:
-                    round_ms = [1e3 / ts for ts in llama_bench_rounds(args.llama_bench, model, torch.get_num_threads(),
-                                                                      args.decode_len, args.rounds)]
+                    r = llama_bench(args.llama_bench, model, torch.get_num_threads(), 0, args.decode_len,
+                                    repetitions=args.rounds)
+                    if "error" in r:
+                        raise RuntimeError(f"llama-bench on {model}: {r['error']}")
+                    round_ms = [1e3 / ts for ts in r["decode_rounds_tok_s"]]
                 else:
                     r = run_child(model, v, args.rounds, args.decode_len)
                     ran = r["quant_kernels"]
