@@ -294,15 +294,17 @@ def run_child(spec: dict) -> dict:
                 quant_kernels=quant.variant())      # the variant this child ran (a JSON's label can be wrong)
 
 
-def child(spec: dict, timeout: float, env: dict[str, str] | None = None) -> dict:
+def child(spec: dict, timeout: float, env: dict[str, str] | None = None, tree: str | None = None) -> dict:
     """run_child's result in a fresh process ({"error": ...} where it failed); env: variables set
-    for it (benchmarks/variant_ab.py's forced quant variant)."""
+    for it (benchmarks/variant_ab.py's forced quant variant); tree: another checkout whose copy of
+    this script runs it (and so its pagedserve and kernel sources: variant_ab.py's VARIANT@TREE)."""
     env = dict(env or {})
     # The dequantized path writes a float32 copy of the file into the cache: a scratch cache for
     # it (its kernels compile there once, before the timed part); the others use the user's cache.
     if spec.get("gguf_dequantize"):
         env["PAGEDSERVE_CACHE"] = spec["cache"]
-    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+    script = str(Path(tree) / "benchmarks" / Path(__file__).name) if tree else __file__
+    res = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
                          timeout=timeout, env={**os.environ, **env})
     if res.returncode:
         return {"error": res.stderr[-2000:]}

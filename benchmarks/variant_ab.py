@@ -19,6 +19,13 @@ llama.cpp's: a ratio of runs seconds apart, where quantized.py's single run comp
 
     /work/bin/timed .venv/bin/python benchmarks/variant_ab.py --variants vnni256 --pairs 3 \
         --llama-bench LB/llama-bench --files /work/peers/files/smollm2-1.7b-shape-Q4_0-llama.gguf
+
+A variant written `VARIANT@TREE` runs from another checkout (TREE's benchmarks/quantized.py, so its
+pagedserve and kernel sources): two builds of the same variant, e.g. main's and a branch's, compared
+the same way (`git archive main pagedserve benchmarks | tar -x -C /tmp/main_tree`):
+
+    /work/bin/timed .venv/bin/python benchmarks/variant_ab.py --variants vnni256@/tmp/main_tree,vnni256 \
+        --pairs 3 --files /work/peers/files/smollm2-1.7b-shape-Q4_K_M-llama.gguf
 """
 from __future__ import annotations
 
@@ -41,10 +48,12 @@ def tokenizer_dir(model: str) -> str | None:
 
 
 def run_child(model: str, variant: str, rounds: int, decode_len: int) -> dict:
-    """One child of benchmarks/quantized.py on `variant`: its decode rounds and the variant it ran."""
+    """One child of benchmarks/quantized.py on `variant` (`VARIANT@TREE`: from checkout TREE): its
+    decode rounds and the variant it ran."""
     spec = dict(model=model, tokenizer=tokenizer_dir(model), prefill_len=128, repeats=0, decode_rounds=rounds,
                 decode_len=decode_len)
-    result = child(spec, 600, env={"PAGEDSERVE_QUANT_KERNELS": variant})
+    name, _, tree = variant.partition("@")
+    result = child(spec, 600, env={"PAGEDSERVE_QUANT_KERNELS": name}, tree=tree or None)
     if "error" in result:
         raise RuntimeError(f"{variant} on {model}: {result['error']}")
     return result
@@ -86,7 +95,7 @@ def main() -> None:
                 else:
                     r = run_child(model, v, args.rounds, args.decode_len)
                     ran = r["quant_kernels"]
-                    if ran != v:
+                    if ran != v.partition("@")[0]:
                         raise RuntimeError(f"asked for {v}, the child ran {ran}")
                     round_ms = r["decode_round_ms"]
                 runs[v] += round_ms
