@@ -119,13 +119,19 @@ inline void moe_rows8(const QuantPart &m, int64_t g, const Act &a, int64_t t0, i
     for (int i = 0; i < 8; i++) fn(m.w + (8 * g + i) * m.ldw, a, t0, out + i, 8);
 }
 
-// The first kR8Ahead bytes of m's group g (an r8 layout's), fetched while the groups before it
-// run: the r8 dots fetch kR8Ahead ahead within a matrix's stream, not into the next expert's.
+// The first bytes of m's group g (an r8 layout's) that its dots fetch ahead (r8_ahead, with their
+// hint), fetched while the groups before it run: the dots fetch ahead within a matrix's stream,
+// not into the next expert's.
 inline void moe_prefetch_group(const QuantPart &m, int64_t g) {
 #ifdef MOE_GEMM
-    if (!is_r8(int(m.qtype)) || 8 * g >= m.rows) return;
-    const uint8_t *p = m.w + g * m.ldw;
-    for (int64_t l = 0; l < kR8Ahead; l += 64) _mm_prefetch(reinterpret_cast<const char *>(p + l), _MM_HINT_T0);
+    const int qt = int(m.qtype);
+    if (!is_r8(qt) || 8 * g >= m.rows) return;
+    const char *p = reinterpret_cast<const char *>(m.w + g * m.ldw);
+    if (qt == MXFP4R8 || r8_hint(qt) == _MM_HINT_T0) {
+        for (int64_t l = 0; l < kR8Ahead; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    } else {
+        for (int64_t l = 0; l < r8_ahead(qt); l += 64) _mm_prefetch(p + l, _MM_HINT_T2);
+    }
 #else
     (void)m, (void)g;
 #endif

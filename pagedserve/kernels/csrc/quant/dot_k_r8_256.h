@@ -142,7 +142,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
     for (int t = 0; t < NT; t++) acc[t] = mins[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nb / 8; s++) {
         const uint8_t *u = g + s * U;
-        for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
+        r8_prefetch_unit<QT>(u);
         if constexpr (QT == Q6_KR8) {
             q6_super_256<NT>(u, r8_f16x8(u + 1664), a, t0, s, acc);      // (Act::qk: reads_super)
         } else {

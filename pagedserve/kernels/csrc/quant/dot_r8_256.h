@@ -54,7 +54,21 @@ void r8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
 }
 
 #if defined(__AVX2__)
-constexpr int64_t kR8Ahead = 2048;     // bytes of the group's stream fetched ahead (measured: 1.3x over 1 KiB at the 1.7B shape)
+// The group's stream, fetched ahead by software at T = 1 (the dots alone keep too few misses in
+// flight: without it they ran 0.85x). Each unit asks for its own bytes r8_ahead(QT) further on:
+// q8_0r8 2 KiB ahead into L1 (prefetcht0, Zen 3's best; prefetcht2 far ahead was no faster for it
+// on Zen 4), the other layouts far ahead with prefetcht2. On Zen 4 (benchmarks/r8_stream.py, 2 / 1
+// threads) that streamed q6_kr8 1.33x / 2.1x as fast as 2 KiB of prefetcht0, q4_0r8 1.12x / 1.3x,
+// q4_kr8 1.07x / 1.26x; prefetcht0 at 4 KiB, or prefetcht2 at 2 KiB, had gained nothing.
+constexpr int64_t kR8Ahead = 2048;     // bytes ahead into L1: q8_0r8's distance, and an expert stream's start (moe/experts.h)
+constexpr int64_t kR8Far = 8192;       // bytes ahead with prefetcht2: the other layouts' (q6_kr8: twice that)
+constexpr int64_t r8_ahead(int qt) { return qt == Q8_0R8 ? kR8Ahead : qt == Q6_KR8 ? 2 * kR8Far : kR8Far; }
+constexpr _mm_hint r8_hint(int qt) { return qt == Q8_0R8 ? _MM_HINT_T0 : _MM_HINT_T2; }
+template <int QT>
+inline void r8_prefetch_unit(const uint8_t *u) {       // the lines of unit u's bytes r8_ahead(QT) on
+    constexpr int64_t U = r8_unit_bytes(QT);
+    for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + r8_ahead(QT) + l), r8_hint(QT));
+}
 
 // acc + the 8 int32 lanes of 4 rows' 8 unsigned codes (u) times 8 signed activations (s) per row
 inline __m256i dp4(__m256i acc, __m256i u, __m256i s) {
@@ -93,7 +107,7 @@ void r8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
     const float *dr = a.d + t0 * a.nb, *dsr = a.ds + t0 * a.nb;
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *u = g + j * U;
-        for (int64_t l = 0; l < U; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kR8Ahead + l), _MM_HINT_T0);
+        r8_prefetch_unit<QT>(u);
         const __m256 A = r8_f16x8(u);
         __m256 M = _mm256_setzero_ps();
         if constexpr (QT == Q4_1R8) M = r8_f16x8(u + 16);
