@@ -5,9 +5,9 @@ interleaved in one process: the memory side of the dots (issues 49, 50).
     .venv/bin/python benchmarks/r8_stream.py --ab-source /tmp/base/quant_kernels.cpp \
         --ab-source /tmp/other/quant_kernels.cpp --threads 1,2 --types q4_0,q8_0,q4_k,q6_k
 
-Per type: --layers layers of SmolLM2-1.7B-shaped matrices (benchmarks/quant_kernels.py's SHAPES, in
-the r8 layouts the loader gives, one after another in 2 MiB pages as the engine places them: ~75-140 MB,
-over the 32 MB L3), one T = 1 pass over all of them
+Per type: --layers layers of SmolLM2-1.7B-shaped matrices (benchmarks/quant_kernels.py's SHAPES; --shape
+135m: the default model's small ones), in the r8 layouts the loader gives, one after another in 2 MiB
+pages as the engine places them (~66-140 MB: over the 32 MB L3), one T = 1 pass over all of them
 through `quant._linear_small` per build, a plain read of the same bytes (torch's float sum) and each
 build's kernel over a weight kept in L2 (~1 MiB a thread, called 20 times: its compute-bound rate),
 all in turn --rounds times, the minimum of each kept. Per thread count (torch.set_num_threads: the
@@ -37,9 +37,13 @@ def unit_bytes(qtype: str) -> int:
     return 8 * quant.BLOCK_BYTES[qtype]
 
 
-def measure(qtype: str, builds: dict, layers: int, rounds: int, threads: list[int], rng) -> list[dict]:
+# The default model's (SmolLM2-135M: hidden 576, MLP 1536, 9 heads and 3 KV heads of 64): small products
+SHAPES_135M = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def measure(qtype: str, builds: dict, shapes: list, layers: int, rounds: int, threads: list[int], rng) -> list[dict]:
     """Per thread count: each build's stream and in-L2 time a unit, and the plain read's."""
-    weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in SHAPES]
+    weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in shapes]
     # one after another in 2 MiB pages, as the engine's loader places them (models/huge_pages.py)
     weights = [quant.QuantizedWeight(w.qtype, w.shape, huge_pages.copy_to_huge_pages(w.data)) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
@@ -48,11 +52,11 @@ def measure(qtype: str, builds: dict, layers: int, rounds: int, threads: list[in
     rows = []
     for nt in threads:
         torch.set_num_threads(nt)
-        k0 = SHAPES[0][1]
+        k0 = shapes[0][1]
         cached_rows = max(8, (1 << 20) * nt // (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype]) // 8 * 8)
         cached = quant.repack(random_weight(qtype, cached_rows, k0, rng))
         assert cached.qtype == weights[0].qtype, (cached.qtype, weights[0].qtype)
-        xs = {k: torch.randn(1, k).bfloat16() for _, k in SHAPES}
+        xs = {k: torch.randn(1, k).bfloat16() for _, k in shapes}
         fns = [lambda: [p.sum() for p in plain]]
         for lib in builds.values():
             fns += [lambda lib=lib: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in weights],
@@ -76,7 +80,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="q4_0,q8_0,q4_k,q6_k")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--shape", default="1.7b", choices=["1.7b", "135m"],
+                    help="SmolLM2-1.7B's products, or the default model's (135M: small matrices)")
+    ap.add_argument("--layers", type=int, default=None, help="default: 2 (1.7b), 30 (135m)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ab-source", action="append", default=[],
                     help="another quant_kernels.cpp (repeatable); labelled by its folder's parent's name")
@@ -87,10 +93,12 @@ def main() -> None:
         builds[Path(src).resolve().parent.parent.name] = other_build(src)
     rng = np.random.default_rng(0)
     threads = [int(n) for n in args.threads.split(",")]
-    rows = [r for qtype in args.types.split(",") for r in measure(qtype, builds, args.layers, args.rounds, threads, rng)]
+    shapes, layers = (SHAPES, args.layers or 2) if args.shape == "1.7b" else (SHAPES_135M, args.layers or 30)
+    rows = [r for qtype in args.types.split(",") for r in measure(qtype, builds, shapes, layers, args.rounds, threads, rng)]
     described = cpu.describe()
     Path(args.out).write_text(json.dumps(dict(cpu_model=described.get("cpu_model"), cpu_flags=described.get("cpu_flags"),
-                                              quant=quant.describe(), ab_sources=args.ab_source, rows=rows), indent=1))
+                                              quant=quant.describe(), ab_sources=args.ab_source, shape=args.shape,
+                                              layers=layers, rows=rows), indent=1))
     print(f"wrote {args.out}")
 
 
