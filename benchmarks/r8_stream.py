@@ -7,7 +7,7 @@ interleaved in one process: the memory side of the dots (issues 49, 50).
 
 Per type: --layers layers of SmolLM2-1.7B-shaped matrices (benchmarks/quant_kernels.py's SHAPES; --shape
 135m: the default model's small ones), in the r8 layouts the loader gives, one after another in 2 MiB
-pages as the engine places them (~66-140 MB: over the 32 MB L3), one T = 1 pass over all of them
+pages as the engine places them (~66-140 MB: over the 32 MB L3), one T = 1 pass (--tokens: 1-4 rows) over all of them
 through `quant._linear_small` per build, a plain read of the same bytes (torch's float sum) and each
 build's kernel over a weight kept in L2 (~1 MiB a thread, called 20 times: its compute-bound rate),
 all in turn --rounds times, the minimum of each kept. Per thread count (torch.set_num_threads: the
@@ -41,7 +41,8 @@ def unit_bytes(qtype: str) -> int:
 SHAPES_135M = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
-def measure(qtype: str, builds: dict, shapes: list, layers: int, rounds: int, threads: list[int], rng) -> list[dict]:
+def measure(qtype: str, builds: dict, shapes: list, layers: int, rounds: int, threads: list[int], tokens: int,
+            rng) -> list[dict]:
     """Per thread count: each build's stream and in-L2 time a unit, and the plain read's."""
     weights = [quant.repack(random_weight(qtype, n, k, rng)) for _ in range(layers) for n, k in shapes]
     # one after another in 2 MiB pages, as the engine's loader places them (models/huge_pages.py)
@@ -56,14 +57,15 @@ def measure(qtype: str, builds: dict, shapes: list, layers: int, rounds: int, th
         cached_rows = max(8, (1 << 20) * nt // (k0 // quant.BLOCK[qtype] * quant.BLOCK_BYTES[qtype]) // 8 * 8)
         cached = quant.repack(random_weight(qtype, cached_rows, k0, rng))
         assert cached.qtype == weights[0].qtype, (cached.qtype, weights[0].qtype)
-        xs = {k: torch.randn(1, k).bfloat16() for _, k in shapes}
+        xs = {k: torch.randn(tokens, k).bfloat16() for _, k in shapes}
         fns = [lambda: [p.sum() for p in plain]]
         for lib in builds.values():
             fns += [lambda lib=lib: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in weights],
                     lambda lib=lib: [quant._linear_small(xs[k0], [cached], None, lib) for _ in range(20)]]
         best = interleaved_min(fns, rounds)
         cached_units = 20 * cached.nbytes / unit_bytes(qtype)
-        row = dict(type=qtype, r8=weights[0].qtype, threads=nt, mb=nbytes / 1e6, read_gbs=nbytes / best[0] / 1e9)
+        row = dict(type=qtype, r8=weights[0].qtype, threads=nt, tokens=tokens, mb=nbytes / 1e6,
+                   read_gbs=nbytes / best[0] / 1e9)
         for i, name in enumerate(builds):
             s, c = best[1 + 2 * i], best[2 + 2 * i]
             row[name] = dict(stream_ns_unit=s / units * 1e9, stream_gbs=nbytes / s / 1e9,
@@ -71,7 +73,8 @@ def measure(qtype: str, builds: dict, shapes: list, layers: int, rounds: int, th
         base = row[next(iter(builds))]["stream_ns_unit"]
         print(f"{qtype:5} {weights[0].qtype:7} {nt} thr  read {row['read_gbs']:5.1f} GB/s  " + "  ".join(
             f"{name}: {row[name]['stream_ns_unit']:6.1f} ns ({row[name]['stream_gbs']:4.1f} GB/s, "
-            f"{base / row[name]['stream_ns_unit']:.3f}x) L2 {row[name]['l2_ns_unit']:5.1f}" for name in builds), flush=True)
+            f"{base / row[name]['stream_ns_unit']:.3f}x) L2 {row[name]['l2_ns_unit']:5.1f}" for name in builds),
+            flush=True)
         rows.append(row)
     return rows
 
@@ -80,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="q4_0,q8_0,q4_k,q6_k")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--tokens", type=int, default=1, help="activation rows (1-4: a decode batch on the same dots)")
     ap.add_argument("--shape", default="1.7b", choices=["1.7b", "135m"],
                     help="SmolLM2-1.7B's products, or the default model's (135M: small matrices)")
     ap.add_argument("--layers", type=int, default=None, help="default: 2 (1.7b), 30 (135m)")
@@ -94,11 +98,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     threads = [int(n) for n in args.threads.split(",")]
     shapes, layers = (SHAPES, args.layers or 2) if args.shape == "1.7b" else (SHAPES_135M, args.layers or 30)
-    rows = [r for qtype in args.types.split(",") for r in measure(qtype, builds, shapes, layers, args.rounds, threads, rng)]
+    rows = [r for qtype in args.types.split(",")
+            for r in measure(qtype, builds, shapes, layers, args.rounds, threads, args.tokens, rng)]
     described = cpu.describe()
-    Path(args.out).write_text(json.dumps(dict(cpu_model=described.get("cpu_model"), cpu_flags=described.get("cpu_flags"),
-                                              quant=quant.describe(), ab_sources=args.ab_source, shape=args.shape,
-                                              layers=layers, rows=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(
+        cpu_model=described.get("cpu_model"), cpu_flags=described.get("cpu_flags"), quant=quant.describe(),
+        ab_sources=args.ab_source, shape=args.shape, layers=layers, tokens=args.tokens, rows=rows), indent=1))
     print(f"wrote {args.out}")
 
 
