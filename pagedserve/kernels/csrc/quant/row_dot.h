@@ -69,11 +69,11 @@ void row_dot2(const uint8_t *w, int64_t ldw, const Act &a, float *out) {
     Acc<1> acc[R];
     const int64_t units = a.K / kElems[QT];
     const int32_t *sta = a.start[QT];
-    // The same bytes of rows further on: rows of 1 KiB or more, the next pass's (measured at the 1.7B
-    // shape from memory, 24 layers in huge pages: 1.06x on q4_0 and the Q4_K_M mix over about 4 KiB
-    // ahead; farther slower still); shorter rows, about 4 KiB ahead (the 135M shape's q4_1, K = 576,
-    // from L3: 1.08x over the next pass).
-    const int64_t ahead = (ldw >= 1024 ? R : prefetch_rows(ldw, R)) * ldw;
+    // The same bytes of rows further on, kFarPasses times (prefetch.h): rows of 1 KiB or more, the
+    // next pass's (measured at the 1.7B shape from memory, 24 layers in huge pages, with prefetcht0:
+    // 1.06x on q4_0 and the Q4_K_M mix over about 4 KiB ahead); shorter rows, about 4 KiB ahead (the
+    // 135M shape's q4_1, K = 576, from L3: 1.08x over the next pass).
+    const int64_t ahead = kFarPasses * (ldw >= 1024 ? R : prefetch_rows(ldw, R)) * ldw;
     int64_t u = 0;
     if constexpr (kPieces<QT> == 1) {
         for (; u + 16 <= units; u += 16) {
