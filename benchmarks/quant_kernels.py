@@ -11,7 +11,8 @@ so they stream from memory as in a real step.
                       # share of a real decode step outside the quantized linears (~2 min)
     .venv/bin/python benchmarks/quant_kernels.py --decode --quick --ab-source OTHER.cpp
                       # the same, interleaved with another build of quant_kernels.cpp (e.g. main's)
-                      # (--ab-same-layout: both read this build's layouts, e.g. the r8 ones: one kernel's A/B)
+                      # (--ab-same-layout: both read this build's layouts, e.g. the r8 ones: one kernel's A/B;
+                      # --ab-r8-fields 'q6_k=0:128:8,...': those types in the other's own r8 fields)
 
 Per type and T: ms per pass over the layers, weight GB/s (bytes of the quantized weights read
 per pass / time: the decode bound is the machine's read bandwidth, measured first) and GFLOP/s; the bf16 row is
@@ -84,10 +85,38 @@ def other_build(source: str):
     return built
 
 
+def parse_r8_fields(spec: str) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """--ab-r8-fields: 'q6_k=0:128:8,128:64:8,192:16:2,208:2:2[;TYPE=...]' -> {file type: R8_FIELDS row}."""
+    out = {}
+    for part in filter(None, spec.split(";")):
+        qtype, fields = part.split("=")
+        out[qtype] = tuple(tuple(int(v) for v in f.split(":")) for f in fields.split(","))
+    return out
+
+
+def in_r8_fields(w: quant.QuantizedWeight, fields: dict) -> quant.QuantizedWeight:
+    """w (an r8 layout) with its file type's R8_FIELDS row replaced by fields' (another build's r8
+    layout, e.g. main's before a layout change): the same values, that build's bytes."""
+    from pagedserve import quant_format
+    file = quant_format.REPACKED.get(w.qtype)
+    if w.qtype not in quant_format.R8 or file not in fields:
+        return w
+    plain, saved = quant.file_layout(w), quant_format.R8_FIELDS[file]
+    quant_format.R8_FIELDS[file] = fields[file]
+    quant_format._r8_places.cache_clear()
+    try:
+        nb = w.shape[1] // quant.BLOCK[w.qtype]
+        return quant.QuantizedWeight(w.qtype, w.shape, quant_format.r8_order(w.qtype, plain.data, w.shape[0], nb, True))
+    finally:
+        quant_format.R8_FIELDS[file] = saved
+        quant_format._r8_places.cache_clear()
+
+
 def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int], other=None,
-                   same_layout: bool = False) -> list[dict]:
+                   same_layout: bool = False, other_fields: dict | None = None) -> list[dict]:
     """other: a second build (other_build) whose kernels run interleaved with these ("B/A");
-    same_layout: it reads the layout this build's loader gives (else the file's)."""
+    same_layout: it reads the layout this build's loader gives (else the file's); other_fields
+    (parse_r8_fields): it reads this build's r8 layouts but those types' in its own fields."""
     rng = np.random.default_rng(0)
     results = []
     for qtype in types:
@@ -112,6 +141,8 @@ def decode_kernels(types: list[str], layers: int, rounds: int, tokens: list[int]
                 # (which may predate a repacked layout) on the file's, or with same_layout on this one's
                 files, cached_file = (weights, cached) if same_layout else \
                     ([quant.file_layout(w) for w in weights], quant.file_layout(cached))
+                if other_fields:
+                    files, cached_file = [in_r8_fields(w, other_fields) for w in weights], in_r8_fields(cached, other_fields)
                 for lib, ws, c in ((quant.load(), weights, cached), (other, files, cached_file)):
                     fns += [lambda lib=lib, ws=ws: [quant._linear_small(xs[w.shape[1]], [w], None, lib) for w in ws],
                             lambda lib=lib, c=c: [quant._linear_small(xs[k0], [c], None, lib) for _ in range(20)]]
@@ -217,6 +248,9 @@ def main() -> None:
                         "interleaved with this one (an A/B of the decode kernels in one process)")
     parser.add_argument("--ab-same-layout", action="store_true", help="with --ab-source: the other build reads "
                         "this one's layout (e.g. both the r8 layouts: an A/B of one kernel), not the file's")
+    parser.add_argument("--ab-r8-fields", default=None, help="with --ab-source: the other build reads this one's r8 "
+                        "layouts, but these file types' in its own R8_FIELDS rows (its layout before a change), e.g. "
+                        "'q6_k=0:128:8,128:64:8,192:16:2,208:2:2'")
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
     if args.decode:
@@ -228,7 +262,8 @@ def main() -> None:
                    kernels=decode_kernels(args.types.split(","), layers, rounds,
                                           [int(t) for t in args.decode_tokens.split(",")],
                                           other_build(args.ab_source) if args.ab_source else None,
-                                          args.ab_same_layout))
+                                          args.ab_same_layout,
+                                          parse_r8_fields(args.ab_r8_fields) if args.ab_r8_fields else None))
         if args.step_share:
             out["step_share"] = step_share(args.step_share, layers, rounds)
         path = Path(args.out or results_dir / "quant_kernels_decode.json")

@@ -36,15 +36,16 @@ QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4
 # d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and the r8
 # layouts (R8): 8 rows interleaved per block, data [rows / 8, row bytes * 8], a unit one block (or
 # super-block) of 8 rows. A unit holds each field of the file's block (R8_FIELDS: start, bytes,
-# piece), in the block's order, in pieces: piece k of row l at (8 * start) + piece * (8 k + l),
-# so q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose byte 8 l + i of vector k is
+# piece), in the block's order, in pieces: piece k of row l at (8 * start) + piece * (8 k + l) (q6_kr8:
+# 8 * at instead), so q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose byte 8 l + i of vector k is
 # row l's qs[8 k + i]; q4_0r8 and q8_0r8 the same (no m); q5_0r8: 8 d, the 8 rows' 32-bit qh
 # (row l's at 16 + 4 l), then the qs as q4_0r8's; q4_kr8: 8 d, 8 dmin, the 12 scale bytes
 # as 3 words per row (word w of row l at 32 + 32 w + 4 l), then the qs as above; q5_kr8 the same
-# with qh as 8-byte pieces before the qs; q6_kr8: ql, qh in 8-byte pieces, the 16 int8 scales in
-# pairs (the two of 32-element block k of row l at 8 * 192 + 16 k + 2 l), 8 d; mxfp4r8: the 8 rows'
-# E8M0 bytes, then the qs as q4_0r8's. The dots on 256-bit registers (AVX2, AVX-VNNI):
-# csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h; q4_1r8 also 512-bit.
+# with qh as 8-byte pieces before the qs; q6_kr8: the 16 int8 scales in 1-byte pieces (row l's sc[i]
+# at 8 i + l), 8 d, then 4 chunks of 384 bytes, each 16 bytes a row of qh, ql, ql in 4-byte pieces (a
+# 32-byte vector holds 4 codes of each of the 8 rows: a row's sums stay in its dword), in the order its
+# dot reads them (R8_FIELDS' at); mxfp4r8: the 8 rows' E8M0 bytes, then the qs as q4_0r8's. The dots
+# on 256-bit registers (AVX2, AVX-VNNI): csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h; q4_1r8 also 512-bit.
 REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0",
             "q4_kr8": "q4_k", "q5_kr8": "q5_k", "q6_kr8": "q6_k", "q5_0r8": "q5_0", "mxfp4r8": "mxfp4"}
 R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8", "q5_0r8", "mxfp4r8")   # data [rows / 8, row bytes * 8]
@@ -54,14 +55,18 @@ SUPER_ACT = ("q4_kr8", "q5_kr8", "q6_kr8")
 R8_GEMM = tuple(q for q in R8 if q != "mxfp4r8")    # the layouts the 256-bit integer GEMM takes (csrc/quant/gemm_r8_256.h)
 R8_OF = {"q4_1": "q4_1r8", "q4_0": "q4_0r8", "q8_0": "q8_0r8", "q4_k": "q4_kr8", "q5_k": "q5_kr8", "q6_k": "q6_kr8",
          "q5_0": "q5_0r8", "mxfp4": "mxfp4r8"}
-R8_FIELDS = {       # the file type's block as (start, bytes, piece) fields, in order
+R8_FIELDS = {       # the file type's block as (start, bytes, piece[, at]) fields, in order (at: placed at 8 * at, not 8 * start)
     "q4_0": ((0, 2, 2), (2, 16, 8)),
     "q5_0": ((0, 2, 2), (2, 4, 4), (6, 16, 8)),
     "q4_1": ((0, 2, 2), (2, 2, 2), (4, 16, 8)),
     "q8_0": ((0, 2, 2), (2, 32, 8)),
     "q4_k": ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 8)),
     "q5_k": ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 32, 8), (48, 128, 8)),
-    "q6_k": ((0, 128, 8), (128, 64, 8), (192, 16, 2), (208, 2, 2)),
+    # q6_k (start, bytes, piece, at: the field at 8 * at): the 16 scales, d, then per (n, b) < (2, 2)
+    # qh[32 n + 16 b ..], ql[64 n + 16 b ..], ql[64 n + 32 + 16 b ..]: the unit in the order its dot reads it
+    "q6_k": ((0, 16, 4, 34), (16, 16, 4, 82), (32, 16, 4, 50), (48, 16, 4, 98), (64, 16, 4, 130), (80, 16, 4, 178),
+             (96, 16, 4, 146), (112, 16, 4, 194), (128, 16, 4, 18), (144, 16, 4, 66), (160, 16, 4, 114), (176, 16, 4, 162),
+             (192, 16, 1, 0), (208, 2, 2, 16)),
     "mxfp4": ((0, 1, 1), (1, 16, 8)),
 }
 BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
@@ -159,8 +164,8 @@ def _r8_places(qtype: str) -> torch.Tensor:
     layout qtype (at index l * B + b): each field's piece k of row l at 8 * start + piece * (8 k + l)."""
     places = []
     for l in range(8):
-        for start, size, piece in R8_FIELDS[REPACKED[qtype]]:
-            places += [8 * start + piece * (8 * (i // piece) + l) + i % piece for i in range(size)]
+        for start, size, piece, *at in R8_FIELDS[REPACKED[qtype]]:
+            places += [8 * (at or [start])[0] + piece * (8 * (i // piece) + l) + i % piece for i in range(size)]
     return torch.tensor(places, dtype=torch.int64)
 
 

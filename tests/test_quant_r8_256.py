@@ -76,8 +76,9 @@ def test_k_layouts_place_each_field_in_pieces(qtype):
     assert tuple(r.data.shape) == (2, 2 * 8 * B) and r.nbytes == w.nbytes
     assert torch.equal(quant.file_layout(r).data, w.data)
     unit, blocks = r.data[1, 8 * B:2 * 8 * B], w.data[8:16, B:2 * B]         # group 1, super-block 1
-    for start, size, piece in quant.R8_FIELDS[qtype]:
-        got = unit[8 * start:8 * (start + size)].view(size // piece, 8, piece)
+    for start, size, piece, *at in quant.R8_FIELDS[qtype]:
+        place = (at or [start])[0]
+        got = unit[8 * place:8 * (place + size)].view(size // piece, 8, piece)
         assert torch.equal(got, blocks[:, start:start + size].reshape(8, size // piece, piece).transpose(0, 1))
     ids = torch.tensor([3, 8, 15, 0])
     assert torch.equal(quant.r8_rows(r, ids), w.data[ids])

@@ -2,7 +2,8 @@
 // super-block, repack_r8.h's fields) on 256-bit registers (AVX2, AVX-VNNI) and in plain C++ (the
 // scalar build's kernel and the reference the vector ones equal bit for bit), against NT activation
 // rows. As dot_r8_256.h: a ymm holds 8 bytes of 4 rows; a hadd of the two halves' dots gives the 8
-// rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the unit's scales are permuted once to meet them.
+// rows in lanes (0, 1, 4, 5, 2, 3, 6, 7), where the unit's scales are permuted once to meet them
+// (q6_k: 4 bytes of all 8 rows a ymm, each row's sums in its own dword, permuted once at the end).
 // All three read the super-block activations (Act::qk, dk, bsk: one scale dx = dk_s per 256;
 // reads_super). Per row l, over the super-blocks s in order:
 //     q4_k, q5_k: isum = sum_j sc_j * dot_j,  msum = sum_j m_j * bs_j   (integers; bs_j: sub-block j's code sum)
@@ -15,8 +16,8 @@
 // The integers are exact; a row's arithmetic is the same whatever NT or the rows around it.
 // Unit offsets (bytes): q4_k: d 0, dmin 16, scale words 32 (word w of row l at 32 + 32 w + 4 l),
 // qs 128 (vector k: 64 bytes, byte 8 l + i row l's qs[8 k + i]); q5_k: the same, qh at 128 (4
-// vectors), qs at 384; q6_k: ql 0 (16 vectors), qh 1024 (8), scales 1536 (pairs: row l's
-// sc[2 j], sc[2 j + 1] at 1536 + 16 j + 2 l), d 1664.
+// vectors), qs at 384; q6_k: scales 0 (row l's sc[i] at 8 i + l), d 128, then 4 chunks of qh, ql, ql
+// vectors of 32 bytes (byte 4 l + i: row l's byte i of a 4-byte piece) from 144 (unpack_r8_256.h).
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
@@ -88,47 +89,70 @@ void rk8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
 }
 
 #if defined(__AVX2__)
+// Row t's 16-sums bsk_2j, bsk_2j+1 of super-block s as the int16 halves of every dword.
+inline __m256i q6_bsk_pair(const Act &a, int64_t t, int64_t s, int j) {
+    int32_t p;
+    std::memcpy(&p, a.bsk + t * (a.K / 16) + 16 * s + 2 * j, sizeof p);
+    return _mm256_set1_epi32(p);
+}
+
 // Q6_KR8 super-block s of unit u against rows t0 .. t0 + NT - 1 of the super-block activations
-// (a.qk, dk, bsk): per row, the unsigned codes' 16-bit pair sums times the sub-block scales (madd)
-// summed in int32 over the whole super-block (2 lanes a row per half: one hadd at the end), less
-// 32 * sum_i sc_i * bsk_i (8 madds of the rows' scale pairs against the row's 16-sums), then one
-// conversion and one fma: acc = fma(float(dot), d * dk, acc). Bounds: a 16-bit lane holds 4
-// products <= 4 * 63 * 127 = 32004; |dot| <= 256 * 63 * 127 * 128 < 2^31 (the q part; the offset
-// part <= 256 * 32 * 127 * 128); 32 * sc * bsk fits 16 x 16 -> 32 bits (madd).
+// (a.qk, dk, bsk), a 16-element group i of the 8 rows at a time (q6_codes_256: 4 codes of each row a
+// register, row l's sums in dword l, no hadd), dot = sum_i sc_i * (dot_i - 32 * bsk_i) per row, then
+// one conversion and one fma: acc = fma(float(dot), d * dk, acc) (the rows permuted into D's order).
+// PS_VNNI256: the group's 4 vpdpbusd start from -32 * bsk_i (a madd of the pair's broadcast), then
+// one vpmulld by the rows' int32 scales (|sc_i * (dot_i - 32 bsk_i)| <= 128 * 16 * 32 * 127).
+// AVX2: two 16-bit sums of 4 products a row's dword (<= 4 * 63 * 127 = 32004), each madd by the
+// scale in both halves; the offset at the end: 8 madds of the rows' scale pairs against (bsk_2j,
+// bsk_2j+1). |dot| <= 256 * 63 * 127 * 128 < 2^31 (the q part; the offset part <= 256 * 32 * 127 * 128).
 template <int NT>
 inline void q6_super_256(const uint8_t *u, __m256 D, const Act &a, int64_t t0, int64_t s, __m256 acc[NT]) {
-    __m256i sum[NT][2];
+    __m256i sum[NT];
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) {
-        __m256i c[2][4], sa[2], sb[2];
-        q6_codes_256(u, j, c);
-        q6_block_scales(u, j, sa, sb);
+    for (int t = 0; t < NT; t++) sum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; g++) {      // chunk by chunk (the unit's order): its 4 groups, one a qh bit pair
+        const int n = g / 8, b = g / 4 % 2, r = g % 4, i = 8 * n + 2 * r + b;
+        __m256i c[4];
+        q6_codes_256(u, i, c);
+#if defined(PS_VNNI256)
+        const __m256i sc = q6_scales32(u, i);
+        const __m256i neg32 = _mm256_set1_epi32(b ? int32_t(0xFFE00000u) : 0xFFE0);     // -32 in bsk_i's half
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
-            const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 32 * j;
-            const __m256i xb[4] = {bcast8(x), bcast8(x + 8), bcast8(x + 16), bcast8(x + 24)};
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const __m256i qa = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], xb[0]), _mm256_maddubs_epi16(c[h][1], xb[1]));
-                const __m256i qb = _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], xb[2]), _mm256_maddubs_epi16(c[h][3], xb[3]));
-                sum[t][h] = _mm256_add_epi32(sum[t][h], _mm256_add_epi32(_mm256_madd_epi16(qa, sa[h]), _mm256_madd_epi16(qb, sb[h])));
-            }
+            const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 16 * i;
+            __m256i d = _mm256_madd_epi16(q6_bsk_pair(a, t0 + t, s, i / 2), neg32);
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) d = dpbusd256(d, c[m], bcast4(x + 4 * m));
+            sum[t] = _mm256_add_epi32(sum[t], _mm256_mullo_epi32(d, sc));
         }
+#else
+        const __m256i sc = q6_scales16(u, i);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = a.qk + (t0 + t) * a.K + 256 * s + 16 * i;
+            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], bcast4(x)), _mm256_maddubs_epi16(c[1], bcast4(x + 4)));
+            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], bcast4(x + 8)), _mm256_maddubs_epi16(c[3], bcast4(x + 12)));
+            sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_madd_epi16(lo, sc), _mm256_madd_epi16(hi, sc)));
+        }
+#endif
+    }
+#if !defined(PS_VNNI256)
+    __m256i off[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) off[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const __m256i pairs = q6_scale_pairs(u, j);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) off[t] = _mm256_add_epi32(off[t], _mm256_madd_epi16(pairs, q6_bsk_pair(a, t0 + t, s, j)));
     }
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) {
-        // the offset: lane l (row l) of pair j = (sc_2j, sc_2j+1) of row l, against (bsk_2j, bsk_2j+1)
-        const int32_t *bs = reinterpret_cast<const int32_t *>(a.bsk + (t0 + t) * (a.K / 16) + 16 * s);
-        __m256i off = _mm256_setzero_si256();
+    for (int t = 0; t < NT; t++) sum[t] = _mm256_sub_epi32(sum[t], _mm256_slli_epi32(off[t], 5));
+#endif
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(u + 1536 + 16 * j)));
-            off = _mm256_add_epi32(off, _mm256_madd_epi16(pair, _mm256_set1_epi32(bs[j])));
-        }
-        off = _mm256_permutevar8x32_epi32(_mm256_slli_epi32(off, 5), r8_order());     // rows into the hadd's order
-        const __m256i dot = _mm256_sub_epi32(_mm256_hadd_epi32(sum[t][0], sum[t][1]), off);
+    for (int t = 0; t < NT; t++) {
+        const __m256i dot = _mm256_permutevar8x32_epi32(sum[t], r8_order());     // rows into D's (the hadd's) order
         const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(a.dk[(t0 + t) * (a.K / 256) + s]));
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, acc[t]);
     }
@@ -144,7 +168,7 @@ void rk8_group_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float
         const uint8_t *u = g + s * U;
         r8_prefetch_unit<QT>(u);
         if constexpr (QT == Q6_KR8) {
-            q6_super_256<NT>(u, r8_f16x8(u + 1664), a, t0, s, acc);      // (Act::qk: reads_super)
+            q6_super_256<NT>(u, r8_f16x8(u + kQ6D), a, t0, s, acc);      // (Act::qk: reads_super)
         } else {
             const __m256 D = r8_f16x8(u), Dm = r8_f16x8(u + 16);
             KSuper ks;

@@ -14,8 +14,8 @@
 // accumulators in an L1 buffer (one load and one store a unit), the activations laid out block-major
 // per tile (a unit's rows contiguous: no 4 KiB-strided loads) and, for q6_k, the offset 32 times
 // each 8 activations' sums computed once per call instead of once per unit (2 loads, not 4 maddubs).
-// q6_k's codes are moved once per tile into 8 rows a register (4 bytes of each: gemm_rows8), so a
-// block's 16 elements per row sum in 16 bits without a hadd (8 maddubs, 2 madd, no hadd).
+// q6_k's codes come 8 rows a register (4 bytes of each: the layout's, q6_codes_256), so a block's 16
+// elements per row sum in 16 bits without a hadd (8 maddubs, 2 madd, no hadd).
 // Per unit and row the work is then the dot itself (8 maddubs, 2 madd, 1 hadd; q6_k as said),
 // one conversion, one multiply and one or two multiply-adds.
 // (q4 codes as 8 rows a register too, no hadd: 0.98x on a quiet host in gemm_r8.py's A/B, issue 47:
@@ -185,36 +185,18 @@ inline void gemm_mins(const float *m, const GemmAct &g, int64_t t0, int64_t n, f
     }
 }
 
-// A block's codes c (per half h: 4 rows' 8 bytes of elements 8 k ..) as 8 rows a register: c8[2 k + e]
-// holds 4 bytes of each row, elements 8 k + 4 e .. 8 k + 4 e + 3, rows in the hadd's order (0, 1, 4,
-// 5, 2, 3, 6, 7: a shuffle_ps picks dwords e, 2 + e of each 128-bit lane from c[0][k], then c[1][k]).
-inline void gemm_rows8(const __m256i c[2][4], __m256i c8[8]) {
-    for (int k = 0; k < 4; k++) {
-        const __m256 lo = _mm256_castsi256_ps(c[0][k]), hi = _mm256_castsi256_ps(c[1][k]);
-        c8[2 * k] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
-        c8[2 * k + 1] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD));
-    }
-}
-
-// The 4 bytes at p in each 32-bit lane (one broadcast load).
-inline __m256i bcast4(const int8_t *p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float *>(p))); }
-
-// isum ([n][8] int32, the hadd's row order) += rows t0 .. t0 + n - 1 against q6_k block j of the
-// group, in the super-block activations (GemmAct::qk): codes c8 (gemm_rows8 of q6_codes_256), the 8
-// rows' scale pairs at pairs (q6_block_scales' bytes). Per row, the 16 elements of each half of the
-// block sum in the two 16-bit lanes of its dword, the offset taken off there too (o, from qk's
-// codes): the adds wrap, and what they end at, (q - 32) times 8 activations per lane (<= 8 * 32 *
-// 127), fits; then times the half's scale (madd), summed in int32 over the super-block's blocks
+// isum ([n][8] int32, row l in dword l) += rows t0 .. t0 + n - 1 against q6_k block j of the group,
+// in the super-block activations (GemmAct::qk): codes c8 (q6_codes_256 of its groups 2 j, 2 j + 1: 8
+// rows a register, 4 bytes of each), the groups' scales sa, sb (q6_scales16). Per row, the 16
+// elements of each group sum in the two 16-bit lanes of its dword, the offset taken off there too (o,
+// from qk's codes): the adds wrap, and what they end at, (q - 32) times 8 activations per lane (<= 8 *
+// 32 * 127), fits; then times the group's scale (madd), summed in int32 over the super-block's blocks
 // (First: the first, stored; no float per block). At its last block (Last) acc = fma(float(isum),
-// D * dk, acc): one conversion a unit. Per row |isum| <= 256 * 32 * 127 * 128 < 2^31. The same
-// integers as the dots' (q6_super_256), so the same floats.
+// D * dk, acc) (the rows permuted into D's, the hadd's, order): one conversion a unit. Per row |isum|
+// <= 256 * 32 * 127 * 128 < 2^31. The same integers as the dots' (q6_super_256), so the same floats.
 template <bool First, bool Last>
-inline void gemm_q6_rows(const __m256i c8[8], const uint8_t *pairs, __m256 D, const GemmAct &g, int64_t t0, int64_t n,
-                           int64_t j, int32_t *isum, float *acc) {
-    const __m128i sp = _mm_loadu_si128(reinterpret_cast<const __m128i *>(pairs));
-    const __m128i first = _mm_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 4, 4, 6, 6, 12, 12, 14, 14);
-    const __m256i sa = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, first));
-    const __m256i sb = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, _mm_add_epi8(first, _mm_set1_epi8(1))));
+inline void gemm_q6_rows(const __m256i c8[8], __m256i sa, __m256i sb, __m256 D, const GemmAct &g, int64_t t0, int64_t n,
+                         int64_t j, int32_t *isum, float *acc) {
     const int64_t at = g.at(t0, n, j, 0);
     const int8_t *xq = g.qk + 32 * at;
     const int32_t *xo = reinterpret_cast<const int32_t *>(g.o + 4 * at);
@@ -232,7 +214,8 @@ inline void gemm_q6_rows(const __m256i c8[8], const uint8_t *pairs, __m256 D, co
         if constexpr (!First) dot = _mm256_add_epi32(dot, _mm256_load_si256(is));
         if constexpr (Last) {
             const __m256 S = _mm256_mul_ps(D, _mm256_set1_ps(dx[t]));
-            _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), S, _mm256_load_ps(acc + 8 * t)));
+            const __m256 rows = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(dot, r8_order()));
+            _mm256_store_ps(acc + 8 * t, _mm256_fmadd_ps(rows, S, _mm256_load_ps(acc + 8 * t)));
         } else {
             _mm256_store_si256(is, dot);
         }
@@ -288,16 +271,16 @@ void gemm_r8_group(const uint8_t *w, const GemmAct &g, int64_t t0, int64_t n, fl
         alignas(32) int32_t isum[kGemmTile * 8];       // a unit's int32 sums per row (GemmAct::qk: reads_super)
         for (int64_t s = 0; s < g.nb / 8; s++) {
             const uint8_t *u = w + s * U;
-            const __m256 D = r8_f16x8(u + 1664);
+            const __m256 D = r8_f16x8(u + kQ6D);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                __m256i c[2][4], c8[8];
-                q6_codes_256(u, j, c);
-                gemm_rows8(c, c8);
-                const uint8_t *pairs = u + 1536 + 16 * j;
-                if (j == 0) gemm_q6_rows<true, false>(c8, pairs, D, g, t0, n, 8 * s + j, isum, acc);
-                else if (j < 7) gemm_q6_rows<false, false>(c8, pairs, D, g, t0, n, 8 * s + j, isum, acc);
-                else gemm_q6_rows<false, true>(c8, pairs, D, g, t0, n, 8 * s + j, isum, acc);
+                __m256i c8[8];
+                q6_codes_256(u, 2 * j, c8);
+                q6_codes_256(u, 2 * j + 1, c8 + 4);
+                const __m256i sa = q6_scales16(u, 2 * j), sb = q6_scales16(u, 2 * j + 1);
+                if (j == 0) gemm_q6_rows<true, false>(c8, sa, sb, D, g, t0, n, 8 * s + j, isum, acc);
+                else if (j < 7) gemm_q6_rows<false, false>(c8, sa, sb, D, g, t0, n, 8 * s + j, isum, acc);
+                else gemm_q6_rows<false, true>(c8, sa, sb, D, g, t0, n, 8 * s + j, isum, acc);
             }
         }
     }

@@ -1,7 +1,7 @@
 // The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q5_0R8, Q4_KR8, Q5_KR8, Q6_KR8, MXFP4R8: see QType): a unit is one block
 // (or super-block) of 8 rows; each field of the file's block (R8Field: start, bytes, piece), in the
-// block's order, lies in pieces: piece k of row l at 8 * start + piece * (8 k + l) (quant_format.py's
-// R8_FIELDS: the same table). So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
+// block's order, lies in pieces: piece k of row l at 8 * start + piece * (8 k + l) (q6_k's at 8 * at
+// instead: its unit in the order its dot reads it; quant_format.py's R8_FIELDS: the same table). So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
 // byte 8 l + i of vector k is row l's qs[8 k + i]; rows unpacked from them into the file's layout
 // (PlainParts) for the paths that read rows.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
@@ -10,10 +10,12 @@
 namespace {
 struct R8Field {
     int start, bytes, piece;
+    int at = -1;        // its place in the unit, in bytes / 8 (-1: start, the fields in the block's order)
 };
+constexpr int r8_at(R8Field f) { return f.at < 0 ? f.start : f.at; }
 struct R8Fields {
     int n;
-    R8Field f[5];
+    R8Field f[14];
 };
 constexpr R8Fields r8_fields(int file) {
     switch (file) {
@@ -23,7 +25,12 @@ constexpr R8Fields r8_fields(int file) {
     case Q8_0: return {2, {{0, 2, 2}, {2, 32, 8}}};
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 8}}};
     case Q5_K: return {5, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 8}, {48, 128, 8}}};
-    case Q6_K: return {4, {{0, 128, 8}, {128, 64, 8}, {192, 16, 2}, {208, 2, 2}}};
+    // q6_k: the 16 scales, d, then per (n, b) < (2, 2) 384 bytes (unpack_r8_256.h's q6 chunk): qh[32 n + 16 b ..],
+    // ql[64 n + 16 b ..], ql[64 n + 32 + 16 b ..], 16 bytes each a row: the unit in the order its dot reads it
+    case Q6_K:
+        return {14, {{0, 16, 4, 34}, {16, 16, 4, 82}, {32, 16, 4, 50}, {48, 16, 4, 98}, {64, 16, 4, 130}, {80, 16, 4, 178},
+                     {96, 16, 4, 146}, {112, 16, 4, 194}, {128, 16, 4, 18}, {144, 16, 4, 66}, {160, 16, 4, 114},
+                     {176, 16, 4, 162}, {192, 16, 1, 0}, {208, 2, 2, 16}}};
     case MXFP4: return {2, {{0, 1, 1}, {1, 16, 8}}};
     }
     return {0, {}};
@@ -36,7 +43,7 @@ inline void r8_block(int qt, const uint8_t *u, int l, uint8_t *b) {
     const R8Fields fs = r8_fields(r8_file_type(qt));
     for (int i = 0; i < fs.n; i++) {
         const R8Field f = fs.f[i];
-        const uint8_t *src = u + 8 * f.start + f.piece * l;
+        const uint8_t *src = u + 8 * r8_at(f) + f.piece * l;
         uint8_t *dst = b + f.start;
         // (each piece size its own constant-size copy: a move, not a call; unpacking is per product)
         switch (f.piece) {
@@ -69,7 +76,7 @@ void r8_pack_group(const uint8_t *rows, int64_t nb, uint8_t *units) {
             for (int i = 0; i < fs.n; i++) {
                 const R8Field f = fs.f[i];
                 const uint8_t *src = b + f.start;
-                uint8_t *dst = u + 8 * f.start + f.piece * l;
+                uint8_t *dst = u + 8 * r8_at(f) + f.piece * l;
                 switch (f.piece) {
                 case 1: for (int k = 0; k < f.bytes; k++) dst[8 * k] = src[k]; break;
                 case 2: for (int k = 0; k < f.bytes / 2; k++) std::memcpy(dst + 16 * k, src + 2 * k, 2); break;
