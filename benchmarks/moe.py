@@ -143,7 +143,7 @@ def main() -> None:
     (shape_dir / "config.json").write_text(json.dumps(config))
     stand_in_tokenizer(config).save_pretrained(str(shape_dir))
     prefill_len = 64 if args.tiny else args.prefill_len
-    base = dict(cache=str(work / "cache"), prefill_len=prefill_len, decode_len=args.decode_len, repeats=1,
+    base = dict(cache=str(work / "cache"), paired_probe=True, prefill_len=prefill_len, decode_len=args.decode_len, repeats=1,
                 batch=args.batch, decode_rounds=args.decode_rounds, kv_cache_memory=256 * 1024**2)
     name = f"OLMoE-1B-7B shape ({config['num_hidden_layers']} layers)" if not args.tiny else "tiny MoE shape"
     runs = []
@@ -172,7 +172,7 @@ def main() -> None:
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{'model':<30} {'weights':<12} {'decode tok/s':>12} {'bound':>7} {'of bound':>8} {'prefill tok/s':>13} "
+    print(f"\n{'model':<30} {'weights':<12} {'decode tok/s':>12} {'bound':>7} {'of bound':>8} {'paired':>6} {'prefill tok/s':>13} "
           f"{'batch tok/s':>11} {'file MiB':>9} {'resident MiB':>12} {'read/token MiB':>14} {'llama.cpp tg/pp':>16}")
     for r in runs:
         if "error" in r:
@@ -184,7 +184,7 @@ def main() -> None:
         lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s') or 0:.0f}" if "decode_tok_s" in lb else \
             "error (see JSON)" if "error" in lb else "-"
         print(f"{r['model']:<30} {r['config']:<12} {r['decode_tok_s']:>12.2f} {r['bound_tok_s']:>7.1f} "
-              f"{r['fraction_of_bound']:>8.0%} {r['prefill_tok_s'] or 0:>13.1f} {r.get('batch_tok_s') or 0:>11.1f} "
+              f"{r['fraction_of_bound']:>8.0%} {r.get('paired_fraction_of_bound') or 0:>6.0%} {r['prefill_tok_s'] or 0:>13.1f} {r.get('batch_tok_s') or 0:>11.1f} "
               f"{r['file_bytes'] / 2**20:>9.0f} {(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['bytes_per_token'] / 2**20:>14.1f} {lbs:>16}")
     result = dict(threads=threads, read_bytes_s=bandwidth, shape=config, prefill_len=prefill_len,

@@ -23,7 +23,8 @@ then decode steps: the median of the rounds' median steps, and the best round's;
 shows it less the KV cache's bytes, which the JSON lists; a file's pages become resident as the
 first steps read them, so "resident" is the RSS after the runs, less the same), and the bytes of weights each decode token
 reads (every layer's matmuls and the LM head) against the bound that reading them once per token at
-the read bandwidth measured right after that run's decode sets, and batch tok/s (--batch requests of 32-token prompts decoded
+the read bandwidth measured right after that run's decode sets ("paired": the median round against a probe
+right after that round: this host's bandwidth switches modes from minute to minute), and batch tok/s (--batch requests of 32-token prompts decoded
 together: decode steps of that many rows, the dequantized tiles' path). The dequantized bf16 row of the 1.7B shape is the float model of the
 same shape (load_format=dummy: the same compute as a dequantized file, without its float32 cache).
 With --llama-bench, llama.cpp's llama-bench runs on the same files with the same threads (-p, -n as
@@ -212,7 +213,7 @@ class _RssSampler:
 
 def run_child(spec: dict) -> dict:
     """Load one configuration and time it (the child's side)."""
-    from pagedserve.bench.throughput import decode_step_times
+    from pagedserve.bench.throughput import decode_step_times, read_bandwidth
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.loader import load_tokenizer
     from pagedserve.models.quantized import model_weight_bytes, weight_nbytes
@@ -262,13 +263,19 @@ def run_child(spec: dict) -> dict:
     # Decode: rounds of one request each (a 128-token prompt, then decode_len steps), each
     # round's median step; the VM's speed drifts over seconds (a round's median moved 3.7-5.5 ms
     # within one process at the 135M shape), so several rounds, reported as their median and best.
-    rounds = []
+    # With paired_probe each round is followed by a read probe (512 MiB, best of 3), and the round's
+    # share of the bound is taken against its own probe: this host's bandwidth switches between
+    # ~35 and ~60 GB/s from minute to minute, so one probe after all rounds can land in the other mode.
+    rounds, probes = [], []
     for i in range(spec.get("decode_rounds", 1)):
         engine.add_request(f"d{i}", {"prompt_token_ids": prompt(128)},
                            SamplingParams(temperature=0, max_tokens=spec["decode_len"], ignore_eos=True))
         steps = sorted(decode_step_times(engine))
         rounds.append(steps[len(steps) // 2])
+        if spec.get("paired_probe"):
+            probes.append(read_bandwidth(1 << 29, repeats=3))
     median, best = sorted(rounds)[len(rounds) // 2], min(rounds)
+    paired = sorted(per_token / r / p for r, p in zip(rounds, probes))
     # Batch throughput: `batch` requests at once (short prompts, decode_len tokens each): decode
     # steps of that many rows, which take the dequantized tiles (over AMX where the CPU has it:
     # with the weights as AMX A tiles for bf16 x of 8-384 rows, quant.amxw_in_use()).
@@ -287,6 +294,8 @@ def run_child(spec: dict) -> dict:
                 weight_bytes=model_weight_bytes(model), bytes_per_token=per_token,
                 decode_tok_s=1 / median, decode_ms=median * 1e3, decode_best_tok_s=1 / best,
                 decode_round_ms=[r * 1e3 for r in rounds],
+                decode_round_read_bytes_s=probes,
+                paired_fraction_of_bound=paired[len(paired) // 2] if paired else None,
                 prefill_tok_s=spec["prefill_len"] / min(prefills) if prefills else None,
                 prefill_median_tok_s=spec["prefill_len"] / sorted(prefills)[len(prefills) // 2] if prefills else None,
                 prefill_round_ms=[t * 1e3 for t in prefills],
@@ -403,7 +412,7 @@ def main() -> None:
     batch = 0 if args.full else args.batch      # --full: single-stream decode only
     decode_rounds = args.decode_rounds or (5 if args.full else 1)
     base = dict(cache=cache, prefill_len=prefill_len, decode_len=decode_len, repeats=repeats, batch=batch,
-                decode_rounds=decode_rounds, prefill_temperature=args.prefill_temperature,
+                decode_rounds=decode_rounds, prefill_temperature=args.prefill_temperature, paired_probe=True,
                 kv_cache_memory=(256 if batch else 128) * 1024**2)
     runs: list[dict] = []
     timeout = 600 if args.quick else 3600
@@ -467,7 +476,7 @@ def main() -> None:
             r["best_fraction_of_bound"] = r["decode_best_tok_s"] / r["bound_tok_s"]
     ran = sorted({r["quant_kernels"] or "torch" for r in runs if "quant_kernels" in r})
     print(f"\nquant kernels the runs used: {', '.join(ran) or '-'}")
-    print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'best':>5} {'prefill tok/s':>13} "
+    print(f"\n{'model':<34} {'weights':<26} {'decode tok/s':>12} {'bound':>7} {'best':>5} {'paired':>6} {'prefill tok/s':>13} "
           f"{'peak load MiB':>13} {'resident MiB':>12} {'weights MiB':>11} {'llama.cpp tg/pp':>16} {'batch tok/s':>11}")
     for r in runs:
         if "error" in r:
@@ -477,7 +486,7 @@ def main() -> None:
         lbs = f"{lb.get('decode_tok_s', 0):.1f}/{lb.get('prefill_tok_s') or 0:.0f}" if "decode_tok_s" in lb else \
             "error (see JSON)" if "error" in lb else "-"
         print(f"{r['model']:<34} {r['config']:<26} {r['decode_tok_s']:>12.1f} {r['fraction_of_bound']:>6.0%} "
-              f"{r['best_fraction_of_bound']:>5.0%} "
+              f"{r['best_fraction_of_bound']:>5.0%} {r.get('paired_fraction_of_bound') or 0:>6.0%} "
               f"{r['prefill_tok_s'] or 0:>13.0f} {(r['peak_rss_load'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>13.0f} "
               f"{(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['weight_bytes'] / 2**20:>11.0f} {lbs:>16} {r.get('batch_tok_s') or 0:>11.1f}")
