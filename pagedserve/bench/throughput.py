@@ -46,7 +46,11 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     from pagedserve.models import huge_pages
     buffers = [torch.ones(nbytes // 4, dtype=torch.float32)]
     if huge_pages.available():
+        # a mapping of its own (new_model: not the end of a model's, nor kept by the arena after): a
+        # probe between decode rounds (benchmarks/quantized.py's paired_probe) leaves no RSS behind
+        huge_pages.new_model()
         buffers.append(huge_pages.copy_to_huge_pages(buffers[0]))
+        huge_pages.new_model()
     best = math.inf
     for x in buffers:
         x.sum()
