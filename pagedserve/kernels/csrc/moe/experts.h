@@ -127,8 +127,9 @@ inline void moe_prefetch_group(const QuantPart &m, int64_t g) {
     const int qt = int(m.qtype);
     if (!is_r8(qt) || 8 * g >= m.rows) return;
     const char *p = reinterpret_cast<const char *>(m.w + g * m.ldw);
-    if (qt == MXFP4R8 || r8_hint(qt) == _MM_HINT_T0) {
-        for (int64_t l = 0; l < kR8Ahead; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    // (_mm_prefetch's hint must be a constant: one loop per hint)
+    if (r8_hint(qt) == _MM_HINT_T0) {
+        for (int64_t l = 0; l < r8_ahead(qt); l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
     } else {
         for (int64_t l = 0; l < r8_ahead(qt); l += 64) _mm_prefetch(p + l, _MM_HINT_T2);
     }

@@ -47,8 +47,6 @@ void mxfp4_r8_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
 }
 
 #if defined(__AVX2__)
-constexpr int64_t kMxR8Ahead = 2048;     // bytes of the group's stream fetched ahead (as dot_r8_256.h's)
-
 // The 8 rows' 2^(e - 128) as float32 from their scale bytes (e8m0_pow2(e, -1) for every e: e = 0
 // is the subnormal 2^-128, 255 NaN).
 inline __m256 mxfp4_r8_scales(const uint8_t *u) {
@@ -70,7 +68,7 @@ void mxfp4_r8_256(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
     const float *dr = a.d + t0 * a.nb, *dsr = a.ds + t0 * a.nb;
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *u = g + j * kMxR8Unit;
-        for (int64_t l = 0; l < kMxR8Unit; l += 64) _mm_prefetch(reinterpret_cast<const char *>(u + kMxR8Ahead + l), _MM_HINT_T0);
+        r8_prefetch_unit<MXFP4R8>(u);
         const __m256 A = _mm256_permutevar8x32_ps(mxfp4_r8_scales(u), order), M = _mm256_mul_ps(A, _mm256_set1_ps(-12.f));
         // per half: the unsigned codes (elements 0-7, 8-15, 16-23, 24-31 of its 4 rows)
         __m256i c[2][4];
