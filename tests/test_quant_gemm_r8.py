@@ -64,18 +64,33 @@ def test_linear_takes_the_integer_path_for_any_batch_on_256_bit_variants(qtype):
                 quant.set_batch_invariant(False)
 
 
+def test_each_build_starts_the_gemm_where_it_was_measured():
+    """The compiled crossover (gemm_r8_256.h's kDenseGemmMinRows) is the one kernels/quant.py
+    documents per variant: 17 rows on vnni256, 8 on the other r8 builds."""
+    for variant in VECTOR:
+        with quant.using_variant(variant):
+            assert quant.gemm_r8_min_rows() == quant.R8_GEMM_MIN_ROWS_OF.get(variant, quant.R8_GEMM_MIN_ROWS)
+            previous = quant.set_gemm_r8_min_rows(5)
+            try:
+                assert quant.gemm_r8_min_rows() == 5
+            finally:
+                quant.set_gemm_r8_min_rows(previous)
+    with pytest.raises(ValueError):
+        quant.set_gemm_r8_min_rows(0)
+
+
 @pytest.mark.parametrize("qtype,cols", [("q4_0", 256), ("q4_k", 512), ("q8_0", 256)])
 def test_a_row_is_the_same_on_either_side_of_the_gemm_crossover(qtype, cols):
     """Where the r8 GEMM starts (quant.set_gemm_r8_min_rows: the dots below it) never changes a
     row's bits: each row alone (the 1-row dot) equals it in calls of 7, 8, 33, 48 and 65 rows, with
-    the crossover at 8 (the default), 1, 33 and past every call (dots only)."""
+    the crossover at the build's default, 1, 8, 33 and past every call (dots only)."""
     w, _ = weight(qtype, rows=24, cols=cols, seed=3)
     r = r8_of(w)
     x = torch.randn(65, cols, generator=torch.Generator().manual_seed(11)) * 2
     for variant in VECTOR:
         with quant.using_variant(variant) as lib:
             alone = torch.cat([quant._linear_small(x[t:t + 1], [r], None, lib, torch.float32) for t in range(65)])
-            for first in (quant.R8_GEMM_MIN_ROWS, 1, 33, 1 << 30):
+            for first in (quant.gemm_r8_min_rows(), 1, 8, 33, 1 << 30):
                 previous = quant.set_gemm_r8_min_rows(first)
                 try:
                     for T in (7, 8, 33, 48, 65):
@@ -172,7 +187,7 @@ def test_q6_k_rows_are_the_super_block_arithmetic_bit_for_bit():
         with quant.using_variant(variant) as lib:
             alone = torch.cat([quant._linear_small(x[t:t + 1], [r], None, lib, torch.float32) for t in range(65)])
             assert torch.equal(alone, expected), variant
-            for first in (quant.R8_GEMM_MIN_ROWS, 1 << 30):
+            for first in (quant.gemm_r8_min_rows(), 8, 1 << 30):
                 previous = quant.set_gemm_r8_min_rows(first)
                 try:
                     for T in (2, 3, 4, 7, 8, 9, 33, 64, 65):

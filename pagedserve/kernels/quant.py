@@ -240,16 +240,26 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
 
 
 # The fewest activation rows the r8 GEMM (csrc/quant/gemm_r8_256.h) takes; fewer run the 1-4-row
-# dots. Both give a row the same bits, so the crossover is free to sit where it is cheaper. Measured
-# (`benchmarks/gemm_r8.py --shape smollm2-1.7b --types q4_0,q4_k --crossover ...`, 2 threads, Zen 3
-# avx2; benchmarks/RESULTS.md): the GEMM takes 0.54-0.79x the dots' time from 8 rows, 1.07-1.09x at
-# 4; both cost per row (no fixed cost per 64-row tile: a 33-row call costs about half a 64-row one).
-R8_GEMM_MIN_ROWS = 8
+# dots. Both give a row the same bits, so the crossover is free to sit where it is cheaper, per build
+# (`benchmarks/gemm_r8.py --shape smollm2-1.7b --crossover ...`, 2 threads; benchmarks/RESULTS.md):
+# avx2 on Zen 3, the GEMM 0.54-0.79x the dots' time from 8 rows (1.07-1.09x at 4); vnni256 on Zen 4,
+# the dots faster up to 16 rows (GEMM / dots at 16: q4_0 1.14, q4_k 1.14, q8_0 1.05, q6_k 0.98), so
+# there the GEMM starts at 17. Both cost per row (no fixed cost per 64-row tile).
+R8_GEMM_MIN_ROWS = 8                  # avx2, avxvnni (not measured on an AVX-VNNI CPU)
+R8_GEMM_MIN_ROWS_OF = {"vnni256": 17}
+
+
+def gemm_r8_min_rows() -> int:
+    """The active library's first r8 GEMM row count (R8_GEMM_MIN_ROWS_OF its variant, unless moved)."""
+    lib = load()
+    return int(lib.quant_gemm_r8_config(0)) if lib is not None else R8_GEMM_MIN_ROWS
 
 
 def set_gemm_r8_min_rows(rows: int) -> int:
-    """Move the r8 GEMM's first row count (tests, benchmarks) in the active library; returns the
-    previous one (R8_GEMM_MIN_ROWS unless moved)."""
+    """Move the r8 GEMM's first row count (tests, benchmarks; rows >= 1) in the active library;
+    returns the previous one."""
+    if rows < 1:
+        raise ValueError(f"set_gemm_r8_min_rows: {rows} rows (at least 1)")
     lib = load()
     return int(lib.quant_gemm_r8_config(int(rows))) if lib is not None else R8_GEMM_MIN_ROWS
 

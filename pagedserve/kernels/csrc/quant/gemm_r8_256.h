@@ -308,8 +308,18 @@ inline bool gemm_has(int) { return false; }
 // Whether the GEMM takes this product: every part in an r8 layout it has (all_r8_groups), on a
 // 256-bit build, from g_gemm_min_rows activation rows (fewer: the dots' 1-4-row passes; the same
 // bits per row either way, so where the crossover sits never changes a row's result).
+// Where it starts is measured per build (benchmarks/gemm_r8.py --crossover, one 1.7B-shaped layer, 2
+// threads): avx2 on Zen 3, the GEMM 0.54-0.79x the dots' time from 8 rows; vnni256 on Zen 4, the dots
+// faster up to 16 rows (GEMM / dots at 16: q4_0 1.14, q4_k 1.14, q8_0 1.05, q6_k 0.98), so there the
+// GEMM takes 17 rows on. avxvnni (not measured on its CPUs) keeps 8. kGemmMinRows: the experts' pairs
+// (moe/experts.h), 8 on every build.
 constexpr int64_t kGemmMinRows = 8;
-int64_t g_gemm_min_rows = kGemmMinRows;      // quant_gemm_r8_config (kernels/quant.py, benchmarks)
+#if defined(PAGEDSERVE_DOTS256) && defined(__AVX512VNNI__)
+constexpr int64_t kDenseGemmMinRows = 17;    // vnni256
+#else
+constexpr int64_t kDenseGemmMinRows = kGemmMinRows;
+#endif
+int64_t g_gemm_min_rows = kDenseGemmMinRows;      // quant_gemm_r8_config (kernels/quant.py, benchmarks)
 // (Never in the avx512vnni build: its one dense r8 layout, q4_1r8, has 512-bit dots of its own
 // (dot_q4_1r8.h); only its mixture-of-experts layers run the GEMM, through moe/experts.h.)
 bool gemm_r8_takes(const QuantPart *parts, int64_t nparts, int64_t T) {
@@ -413,8 +423,9 @@ int gemm_r8_linear(const QuantPart *, int64_t, const void *, int64_t, bool, int6
 }  // namespace
 
 // The fewest activation rows the r8 GEMM takes (fewer: the dots); returns the previous value.
+// min_rows <= 0: only returns it.
 extern "C" int64_t quant_gemm_r8_config(int64_t min_rows) {
     const int64_t previous = g_gemm_min_rows;
-    g_gemm_min_rows = std::max<int64_t>(1, min_rows);
+    if (min_rows > 0) g_gemm_min_rows = min_rows;
     return previous;
 }
