@@ -13,8 +13,9 @@ step (greedy sampling, the engine's whole step). Reported as llama-batched-bench
 which that prefill samples), S_TG = B x decode-len / the seconds of the decode steps after it
 (each request asks for decode-len + 1 tokens: the prefill's token, then decode-len steps). The
 best of --rounds rounds (the shared VM's speed drifts). The KV cache (2 GiB) holds every batch
-whole, as llama-batched-bench's context does; "preempted" counts the rounds' preemptions (0 expected). llama-batched-bench runs on the same file
-in the same run: `-npp PROMPT -ntg DECODE -npl 4,16 -t THREADS` (random tokens, no sampling).
+whole, as llama-batched-bench's context does; "preempted" counts the rounds' preemptions (0
+expected). llama-batched-bench runs on the same file in the same run: `-npp PROMPT -ntg DECODE
+-npl 4,16 -t THREADS` (random tokens, no sampling).
 Results: a table and benchmarks/results/batch_decode.json (--json).
 """
 from __future__ import annotations
