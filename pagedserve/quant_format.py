@@ -36,16 +36,17 @@ QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4
 # d, then two 64-byte vectors whose byte 8 l + j of vector k is block l's qs[8 k + j]; and the r8
 # layouts (R8): 8 rows interleaved per block, data [rows / 8, row bytes * 8], a unit one block (or
 # super-block) of 8 rows. A unit holds each field of the file's block (R8_FIELDS: start, bytes,
-# piece), in the block's order, in pieces: piece k of row l at (8 * start) + piece * (8 k + l) (q6_kr8:
-# 8 * at instead), so q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose byte 8 l + i of vector k is
-# row l's qs[8 k + i]; q4_0r8 and q8_0r8 the same (no m); q5_0r8: 8 d, the 8 rows' 32-bit qh
+# piece), in the block's order, in pieces: piece k of row l at (8 * start) + piece * (8 k + l)
+# (q6_kr8: 8 * at instead), so q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
+# byte 8 l + i of vector k is row l's qs[8 k + i]; q4_0r8 and q8_0r8 the same (no m); q5_0r8: 8 d, the 8 rows' 32-bit qh
 # (row l's at 16 + 4 l), then the qs as q4_0r8's; q4_kr8: 8 d, 8 dmin, the 12 scale bytes
 # as 3 words per row (word w of row l at 32 + 32 w + 4 l), then the qs as above; q5_kr8 the same
 # with qh as 8-byte pieces before the qs; q6_kr8: the 16 int8 scales in 1-byte pieces (row l's sc[i]
 # at 8 i + l), 8 d, then 4 chunks of 384 bytes, each 16 bytes a row of qh, ql, ql in 4-byte pieces (a
 # 32-byte vector holds 4 codes of each of the 8 rows: a row's sums stay in its dword), in the order its
 # dot reads them (R8_FIELDS' at); mxfp4r8: the 8 rows' E8M0 bytes, then the qs as q4_0r8's. The dots
-# on 256-bit registers (AVX2, AVX-VNNI): csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h; q4_1r8 also 512-bit.
+# on 256-bit registers (AVX2, AVX-VNNI): csrc/quant/dot_r8_256.h, dot_k_r8_256.h, dot_mxfp4_r8_256.h;
+# q4_1r8 also 512-bit.
 REPACKED = {"q4_0x8": "q4_0", "q4_1r8": "q4_1", "q4_0r8": "q4_0", "q8_0r8": "q8_0",
             "q4_kr8": "q4_k", "q5_kr8": "q5_k", "q6_kr8": "q6_k", "q5_0r8": "q5_0", "mxfp4r8": "mxfp4"}
 R8 = ("q4_1r8", "q4_0r8", "q8_0r8", "q4_kr8", "q5_kr8", "q6_kr8", "q5_0r8", "mxfp4r8")   # data [rows / 8, row bytes * 8]

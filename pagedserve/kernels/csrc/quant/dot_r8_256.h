@@ -57,9 +57,10 @@ void r8_group_ref(const uint8_t *g, int64_t nb, const Act &a, int64_t t0, float 
 // The group's stream, fetched ahead by software at T = 1 (the dots alone keep too few misses in
 // flight: without it they ran 0.85x). Each unit asks for its own bytes r8_ahead(QT) further on:
 // q8_0r8 and mxfp4r8 2 KiB ahead into L1 (prefetcht0, Zen 3's best; prefetcht2 far ahead was no
-// faster for q8_0r8 on Zen 4; mxfp4r8's not measured), the other layouts far ahead with prefetcht2. On Zen 4 (benchmarks/r8_stream.py, 2 / 1
-// threads) that streamed q6_kr8 1.33x / 2.1x as fast as 2 KiB of prefetcht0 (at 16 KiB), q4_0r8
-// 1.12x / 1.3x, q4_kr8 1.07x / 1.26x; prefetcht0 at 4 KiB, or prefetcht2 at 2 KiB, gained nothing.
+// faster for q8_0r8 on Zen 4; mxfp4r8's not measured), the other layouts far ahead with prefetcht2.
+// On Zen 4 (benchmarks/r8_stream.py, 2 / 1 threads) that streamed q6_kr8 1.33x / 2.1x as fast as 2
+// KiB of prefetcht0 (at 16 KiB), q4_0r8 1.12x / 1.3x, q4_kr8 1.07x / 1.26x; prefetcht0 at 4 KiB,
+// or prefetcht2 at 2 KiB, gained nothing.
 constexpr int64_t kR8Ahead = 2048;     // bytes ahead into L1: q8_0r8's and mxfp4r8's distance
 constexpr int64_t kR8Far = 8192;       // bytes ahead with prefetcht2: the other layouts' (q6_kr8: 3x, 1.04-1.09x over 2x at 2 threads)
 constexpr bool r8_near(int qt) { return qt == Q8_0R8 || qt == MXFP4R8; }

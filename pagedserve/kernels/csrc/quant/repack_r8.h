@@ -1,8 +1,9 @@
 // The r8 layouts (Q4_1R8, Q4_0R8, Q8_0R8, Q5_0R8, Q4_KR8, Q5_KR8, Q6_KR8, MXFP4R8: see QType): a unit is one block
 // (or super-block) of 8 rows; each field of the file's block (R8Field: start, bytes, piece), in the
 // block's order, lies in pieces: piece k of row l at 8 * start + piece * (8 k + l) (q6_k's at 8 * at
-// instead: its unit in the order its dot reads it; quant_format.py's R8_FIELDS: the same table). So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose
-// byte 8 l + i of vector k is row l's qs[8 k + i]; rows unpacked from them into the file's layout
+// instead: its unit in the order its dot reads it; quant_format.py's R8_FIELDS: the same table).
+// So q4_1r8 is their 8 fp16 d, 8 fp16 m, then vectors of 64 bytes whose byte 8 l + i of vector k is
+// row l's qs[8 k + i]; rows unpacked from them into the file's layout
 // (PlainParts) for the paths that read rows.
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
