@@ -155,7 +155,7 @@ def main() -> None:
             ratio = f"{o['speed_tg'] / t['speed_tg']:.2f}x" if t else "-"
             print(f"{run['file']:<30} {B:>3} {o['speed_tg']:>10.1f} {t['speed_tg'] if t else 0:>9.1f} {ratio:>6} "
                   f"{o['speed_pp']:>10.1f} {t['speed_pp'] if t else 0:>9.1f} "
-                  f"{sum(r.get('preemptions', 0) for r in o['rounds']):>9}")
+                  f"{sum(r['preemptions'] for r in o['rounds']):>9}")
     result = dict(threads=threads, prompt_len=args.prompt_len, decode_len=args.decode_len, batches=args.batch,
                   rounds=args.rounds, cpu_flags=sorted(cpu.cpu_flags() & {"avx2", "fma", "f16c", "avx512f",
                                                                            "avx512_vnni", "avx_vnni", "amx_int8"}),

@@ -245,12 +245,13 @@ def using_amxw(enabled: bool | None, rows: tuple[int, int] | None = None):
 # avx2 on Zen 3, the GEMM 0.54-0.79x the dots' time from 8 rows (1.07-1.09x at 4); vnni256 on Zen 4,
 # the dots faster up to 16 rows (GEMM / dots at 16: q4_0 1.14, q4_k 1.14, q8_0 1.05, q6_k 0.98), so
 # there the GEMM starts at 17. Both cost per row (no fixed cost per 64-row tile).
-R8_GEMM_MIN_ROWS = 8                  # avx2, avxvnni (not measured on an AVX-VNNI CPU)
-R8_GEMM_MIN_ROWS_OF = {"vnni256": 17}
+# (The value is gemm_r8_256.h's kDenseGemmMinRows, read from the active library by gemm_r8_min_rows;
+# R8_GEMM_MIN_ROWS answers where no kernels are built.)
+R8_GEMM_MIN_ROWS = 8
 
 
 def gemm_r8_min_rows() -> int:
-    """The active library's first r8 GEMM row count (R8_GEMM_MIN_ROWS_OF its variant, unless moved)."""
+    """The active library's first r8 GEMM row count (its build's kDenseGemmMinRows, unless moved)."""
     lib = load()
     return int(lib.quant_gemm_r8_config(0)) if lib is not None else R8_GEMM_MIN_ROWS
 

@@ -314,8 +314,8 @@ inline bool gemm_has(int) { return false; }
 // GEMM takes 17 rows on. avxvnni (not measured on its CPUs) keeps 8. kGemmMinRows: the experts' pairs
 // (moe/experts.h), 8 on every build.
 constexpr int64_t kGemmMinRows = 8;
-#if defined(PAGEDSERVE_DOTS256) && defined(__AVX512VNNI__)
-constexpr int64_t kDenseGemmMinRows = 17;    // vnni256
+#if defined(PAGEDSERVE_DOTS256)                // vnni256
+constexpr int64_t kDenseGemmMinRows = 17;
 #else
 constexpr int64_t kDenseGemmMinRows = kGemmMinRows;
 #endif
