@@ -182,26 +182,6 @@ def r8_order(qtype: str, data: torch.Tensor, n: int, nb: int, to_r8: bool) -> to
     return units.view(G, nb, 8, B).permute(0, 2, 1, 3).reshape(n, nb * B)
 
 
-@functools.lru_cache(maxsize=None)
-def _r8_row_places(qtype: str) -> tuple[torch.Tensor, ...]:
-    """_r8_places(qtype) row by row: where row l's block bytes lie in a unit (8 int64 [B])."""
-    return tuple(_r8_places(qtype).view(8, BLOCK_BYTES[REPACKED[qtype]]).clone().unbind(0))
-
-
-def r8_rows(w: QuantizedWeight, ids: torch.Tensor | list[int]) -> torch.Tensor:
-    """Rows ids (int64 [n], or a list: a decode step's few) of an r8 weight in its file type's
-    layout [n, row bytes], each from its group's units (an embedding lookup's few rows, without
-    the whole matrix)."""
-    B, nb = BLOCK_BYTES[w.qtype], w.shape[1] // BLOCK[w.qtype]
-    if isinstance(ids, list):      # a row's bytes in one index_select (the tensor form costs ~8 small ops)
-        units, places = w.data.view(w.shape[0] // 8, nb, 8 * B), _r8_row_places(w.qtype)
-        rows = [units[i // 8].index_select(1, places[i % 8]) for i in ids]
-        return (rows[0] if len(rows) == 1 else torch.stack(rows)).view(len(ids), nb * B)
-    units = w.data.view(w.shape[0] // 8, nb, 8 * B)[ids // 8]              # [n, nb, 8 B]
-    at = _r8_places(w.qtype).view(8, B)[ids % 8]                           # [n, B]
-    return units.gather(2, at.unsqueeze(1).expand(-1, nb, -1)).reshape(ids.numel(), nb * B)
-
-
 def _rows_of(w: QuantizedWeight) -> QuantizedWeight:
     """w where its data holds a row per row (every layout but the r8 ones, which become the file's: a copy)."""
     return file_layout(w) if w.qtype in R8 else w

@@ -85,7 +85,7 @@ import torch
 from pagedserve.kernels import cpu
 from pagedserve.quant_format import (  # noqa: F401 (re-exported: the formats and reference, as before)
     BLOCK, BLOCK_BYTES, QTYPES, QUANTIZE_TYPES, R8, R8_FIELDS, R8_GEMM, R8_OF, REPACKED, SUPER_ACT, ROW_CHUNK_ELEMENTS, QuantizedWeight,
-    _q4_0x8_order, activation_block, r8_order, r8_rows, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks,
+    _q4_0x8_order, activation_block, r8_order, _rows_of, _row_chunks, concat_rows, dequantize_torch, file_layout, from_gguf_blocks,
     q8_activations, quantize_activations, quantize_torch, reference_linear, slice_cols, slice_rows)
 
 logger = logging.getLogger(__name__)
@@ -435,34 +435,28 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-_FEW_IDS = 64                   # ids an embedding lookup checks in Python and gathers row by row (a decode step's)
-_IOTA = torch.arange(_FEW_IDS)  # row ids 0..63: embedding's gathered rows, in order
+_FEW_IDS = 64                   # ids an embedding lookup checks in Python (a decode step's): no tensor reductions
 
 
 def embedding(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of w dequantized ([*ids.shape, cols]): a quantized embedding table's lookup (of
-    an r8 layout, a tied LM head's: the rows gathered from their groups first)."""
+    an r8 layout, a tied LM head's: each row read from its group's units, no copy of the table)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    listed = None
     if flat.numel():
         # (a decode step's few ids checked in Python: two tensor reductions cost more than its lookup)
         listed = flat.tolist() if flat.numel() <= _FEW_IDS else None
         low, high = (min(listed), max(listed)) if listed else (int(flat.min()), int(flat.max()))
         if low < 0 or high >= w.shape[0]:
             raise IndexError(f"embedding: ids out of range for {w.shape[0]} rows")
-    if w.qtype in R8:
-        # the rows gathered from their groups (a decode step's few by one index_select a row: the tensor
-        # form's ~8 small ops cost more than its lookup), then rows 0..n-1 of that
-        w = QuantizedWeight(REPACKED[w.qtype], (flat.numel(), w.shape[1]), r8_rows(w, listed or flat))
-        flat = _IOTA[:flat.numel()] if listed else torch.arange(flat.numel())
-    w = _rows_of(w)
     lib = load()
     if lib is None:
+        w = _rows_of(w)
         out = torch.stack([dequantize_torch(slice_rows(w, i, i + 1))[0] for i in flat.tolist()]) if flat.numel() \
             else torch.empty(0, w.shape[1])
     else:
         out = torch.empty(flat.numel(), w.shape[1], dtype=torch.float32)
         if flat.numel():
+            # (an r8 table: data's rows are its groups of 8, stride(0) a group's bytes)
             _check(lib.quant_dequantize_rows(_QTYPE_ID[w.qtype], w.data.data_ptr(), w.data.stride(0), flat.data_ptr(),
                                              flat.numel(), w.shape[1], out.data_ptr()), "quant_dequantize_rows")
     return out.view(*ids.shape, w.shape[1]).to(dtype)

@@ -1,4 +1,4 @@
-// Rows -> float32 (quant_dequantize, quant_dequantize_rows).
+// Rows -> float32 (quant_dequantize; quant_dequantize_rows, which reads the r8 layouts too, in repack_r8.h).
 // Part of quant_kernels (csrc/quant_kernels.cpp includes its rooms in order; each sees those before it).
 #pragma once
 
@@ -24,11 +24,3 @@ extern "C" int quant_dequantize(int qt, const uint8_t *w, int64_t ldw, int64_t r
     return 0;
 }
 
-// out float32 [n][cols] = rows ids[0..n) of W (an embedding lookup); ids checked by the caller.
-extern "C" int quant_dequantize_rows(int qt, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
-                                     int64_t cols, float *out) {
-    if (qt < 0 || qt >= kNumTypes || is_r8(qt) || cols % kElems[qt]) return 1;
-#pragma omp parallel for schedule(static) if (n * cols >= 65536)
-    for (int64_t i = 0; i < n; i++) dequantize_row(qt, w + ids[i] * ldw, cols, out + i * cols);
-    return 0;
-}

@@ -64,6 +64,19 @@ inline void unpack_r8(int qt, const uint8_t *g, int64_t nb, uint8_t *rows, int64
         for (int l = 0; l < 8; l++) r8_block(qt, g + j * U, l, rows + l * row_bytes + j * B);
 }
 
+// Row r of a weight as K floats (dequantize_row's values): a row of blocks ldw bytes apart, or, in
+// an r8 layout, row r % 8 of group r / 8 (groups ldw bytes apart), its blocks gathered first.
+void dequantize_any_row(int qt, const uint8_t *w, int64_t ldw, int64_t r, int64_t K, float *y) {
+    if (!is_r8(qt)) return dequantize_row(qt, w + r * ldw, K, y);
+    const int file = r8_file_type(qt);
+    const int64_t B = kBytes[file], U = r8_unit_bytes(qt), nb = K / kElems[file];
+    thread_local std::vector<uint8_t> row;
+    if (static_cast<int64_t>(row.size()) < nb * B) row.resize(nb * B);
+    const uint8_t *g = w + r / 8 * ldw;
+    for (int64_t j = 0; j < nb; j++) r8_block(qt, g + j * U, int(r % 8), row.data() + j * B);
+    dequantize_row(file, row.data(), K, y);
+}
+
 // A group's 8 rows of nb blocks (the file type File's layout, one after another) into its nb r8
 // units: r8_block's inverse, the fields known at compile time (their copies unrolled).
 template <int File>
@@ -168,3 +181,14 @@ bool only_q4_1r8(const QuantPart *parts, int64_t nparts) {      // (of the r8 la
     return true;
 }
 }  // namespace
+
+// out float32 [n][cols] = rows ids[0..n) of W (an embedding lookup; a decode step's one id reads
+// one row, in an r8 layout too: a tied LM head's table is not unpacked); ids checked by the caller.
+// ldw: bytes between rows (r8: between groups of 8 rows).
+extern "C" int quant_dequantize_rows(int qt, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
+                                     int64_t cols, float *out) {
+    if (qt < 0 || qt >= kNumTypes || cols % kElems[qt]) return 1;
+#pragma omp parallel for schedule(static) if (n * cols >= 65536)
+    for (int64_t i = 0; i < n; i++) dequantize_any_row(qt, w, ldw, ids[i], cols, out + i * cols);
+    return 0;
+}
