@@ -1,5 +1,6 @@
 """benchmarks/variant_ab.py: children alternate the quant variants on one file, and each reports the
-variant it ran (so a result's label is the variant that ran, not the one a command line meant)."""
+variant it ran (so a result's label is the variant that ran, not the one a command line meant) and each
+round's share of the bound its own read probe sets."""
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ def test_tokenizer_dir_is_the_shape_folder_beside_the_file():
     assert variant_ab.tokenizer_dir("/f/gemma3-4b-shape-Q4_K_M-llama.gguf") == "/f/gemma3-4b-shape"
     assert variant_ab.tokenizer_dir("/f/smollm2-1.7b-shape-Q8_0.gguf") == "/f/smollm2-1.7b-shape"
     assert variant_ab.tokenizer_dir("/f/SmolLM2-135M-Instruct.Q4_1.gguf") is None
-    assert variant_ab.summary([30.0, 10.0, 20.0]) == dict(median_tok_s=50.0, best_tok_s=100.0, rounds=3)
+    assert variant_ab.summary([30.0, 10.0, 20.0], [0.5, 0.9, 0.7]) == dict(median_tok_s=50.0, best_tok_s=100.0,
+                                                                           rounds=3, median_of_bound=0.7)
+    assert variant_ab.summary([10.0], [])["median_of_bound"] is None
 
 
 def test_each_child_runs_and_reports_its_variant(tmp_path, monkeypatch):
@@ -34,3 +37,6 @@ def test_each_child_runs_and_reports_its_variant(tmp_path, monkeypatch):
     assert row["file"].endswith(".gguf")
     for v in variants:
         assert len(row["runs_ms"][v]) == 1 and row[v]["rounds"] == 1 and row[v]["median_tok_s"] > 0
+        # the round's share of the bound: its weights a token at its own probe's rate (a fraction, not a guess)
+        (share,) = row["of_bound"][v]
+        assert 0.0 < share == row[v]["median_of_bound"] < 10      # (a unit slip would be 1000x)
