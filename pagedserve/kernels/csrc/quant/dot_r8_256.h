@@ -66,8 +66,9 @@ constexpr int64_t kR8Far = 8192;       // bytes ahead with prefetcht2: the other
 constexpr bool r8_near(int qt) { return qt == Q8_0R8 || qt == MXFP4R8; }
 constexpr int64_t r8_ahead(int qt) { return r8_near(qt) ? kR8Ahead : qt == Q6_KR8 ? 3 * kR8Far : kR8Far; }
 constexpr _mm_hint r8_hint(int qt) { return r8_near(qt) ? _MM_HINT_T0 : _MM_HINT_T2; }
-// (Unrolled: as a loop, a q6_kr8 unit's 27 prefetches and a q4_kr8 unit's 18 cost their dots 5%
-// and 7% of their rate over a weight in L2, 1 thread, Zen 4; streams at 2 threads tied.)
+// (Unrolled: GCC left a q6_kr8 unit's 27 prefetches and a q4_kr8 unit's 18 as a loop, whose counting
+// cost their dots 7-8% over a weight in L2 on Zen 4, 1 thread: benchmarks/r8_stream.py --ab-source.
+// The 32-element layouts' few were unrolled already.)
 template <int QT>
 inline void r8_prefetch_unit(const uint8_t *u) {       // the lines of unit u's bytes r8_ahead(QT) on
     constexpr int64_t U = r8_unit_bytes(QT);
