@@ -240,6 +240,45 @@ def test_quantized_weights_in_huge_pages_give_the_same_tokens(base_model, tmp_pa
     assert runs["0"] == runs["1"]
 
 
+def _vm_flags(address: int) -> str:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_kv_cache_is_in_huge_pages_and_gives_the_same_tokens(base_model, tmp_path, monkeypatch):
+    """The runner's KV cache in a mapping of its own advised MADV_HUGEPAGE (VmFlags `hg`), zeroed
+    as torch.zeros would; turned off, a plain tensor; the tokens and logprobs the same."""
+    from pagedserve.models import huge_pages
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this kernel")
+    cfg, hf, tok_dir, _ = base_model
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_quantized_llama(cfg, hf.state_dict(), path, MIXES["q4_k_m"])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    monkeypatch.setattr(huge_pages, "KV_MIN_BYTES", 0)      # the tiny model's small cache too
+    runs = {}
+    for huge in ("0", "1"):
+        monkeypatch.setenv(huge_pages.ENV, huge)
+        llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
+        cache = llm.engine.executor.worker.runner.kv_cache
+        assert (" hg" in _vm_flags(cache.data_ptr())) == (huge == "1")
+        assert huge == "0" or cache.data_ptr() % huge_pages.HUGE_PAGE == 0
+        runs[huge] = [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob)
+                      for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        del llm, cache
+    assert runs["0"] == runs["1"]
+    zeros = huge_pages.zeros((3, 1000), torch.bfloat16)
+    assert torch.equal(zeros, torch.zeros(3, 1000, dtype=torch.bfloat16)) and " hg" in _vm_flags(zeros.data_ptr())
+
+
 def test_huge_page_copies_are_exact_and_can_be_turned_off(monkeypatch):
     from pagedserve.models import huge_pages
     parts = [torch.randint(0, 256, (rows, 1000), dtype=torch.uint8) for rows in (300, 77)]

@@ -9,6 +9,11 @@ so the loader copies each quantized matrix into anonymous memory advised MADV_HU
 after another: _Arena) and drops the file's pages: resident memory stays the file's size, one
 matrix more at most while loading.
 
+The KV cache too (`zeros`, the model runner's): a decode step reads each sequence's blocks
+scattered over it, a head's keys of a block 2 KB in a row, and in 4 KiB pages each such run was a
+page of its own (decode attention over one 30-layer cache, cold: 1.08-1.15x as fast in huge pages,
+benchmarks/RESULTS.md).
+
 Where the kernel has no THP (or `PAGEDSERVE_HUGE_PAGES=0`), tensors stay as they are.
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ HUGE_PAGE = 2 << 20
 CHUNK = 256 << 20               # each mapping of the arena (only its touched pages are resident)
 ALIGN = 64                      # each tensor's start: a cache line
 MIN_BYTES = 256 << 10           # smaller tensors (norms, biases) stay where they are
+KV_MIN_BYTES = 64 << 20         # a smaller KV cache stays in 4 KiB pages (its last huge page, part used, is >3% of it)
 ENV = "PAGEDSERVE_HUGE_PAGES"
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -38,6 +44,16 @@ def available() -> bool:
         return False
 
 
+def _mapping(size: int) -> torch.Tensor:
+    """`size` bytes (uint8) of a new anonymous mapping advised MADV_HUGEPAGE, from a 2 MiB boundary
+    (the tensor keeps the mapping alive: torch.frombuffer holds it)."""
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    flat = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -flat.data_ptr() % HUGE_PAGE
+    return flat[skip:skip + size]
+
+
 class _Arena:
     """Weights placed one after another in 2 MiB-aligned anonymous mappings advised
     MADV_HUGEPAGE (a bump allocator for one model's weights: new_model starts the next model in
@@ -51,12 +67,7 @@ class _Arena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if self._flat is None or self._at + nbytes > self._flat.numel():
-            size = max(CHUNK, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-            region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            region.madvise(mmap.MADV_HUGEPAGE)
-            flat = torch.frombuffer(region, dtype=torch.uint8)
-            skip = -flat.data_ptr() % HUGE_PAGE
-            self._flat, self._at = flat[skip:skip + size], 0
+            self._flat, self._at = _mapping(max(CHUNK, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)), 0
         out = self._flat[self._at:self._at + nbytes]
         self._at += -(-nbytes // ALIGN) * ALIGN
         return out.view(dtype).view(shape)
@@ -103,3 +114,13 @@ def copy_to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     out = empty(tuple(t.shape), t.dtype)
     out.copy_(t)
     return out
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A zeroed KV cache in huge pages, in a mapping of its own (not the weights' arena), every
+    page touched now as torch.zeros touches them; None where huge pages are not available or below
+    KV_MIN_BYTES."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if nbytes < KV_MIN_BYTES or not available():
+        return None
+    return _mapping(nbytes).view(dtype).view(shape).zero_()

@@ -18,6 +18,7 @@ import torch
 from pagedserve.attention.kv_format import KVFormat, kv_format
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kv.groups import KVGroups, plan_kv_groups
+from pagedserve.models import huge_pages
 from pagedserve.batch import PromptTokenLogprob, RunnerOutput, SampleRow, ScheduledTokens, StepBatch, TierReport
 from pagedserve.sampling.sampler import Sampler, SamplingRow
 from pagedserve.spec_decode.rejection import DraftRow, verify
@@ -129,8 +130,12 @@ class ModelRunner:
                   fmt: KVFormat, pin_memory: bool = False, num_layers: int | None = None) -> torch.Tensor:
         """num_layers: the layer slots of a block (default: all the model's layers)."""
         inner = (a.num_kv_heads, block_size) if head_major else (block_size, a.num_kv_heads)
-        cache = torch.zeros(num_layers or a.num_layers, 2, num_blocks, *inner, fmt.row_elements(a.head_dim),
-                            dtype=fmt.storage_dtype(dtype), device=device, pin_memory=pin_memory)
+        shape = (num_layers or a.num_layers, 2, num_blocks, *inner, fmt.row_elements(a.head_dim))
+        # On the CPU in huge pages (models/huge_pages.py: a decode step reads blocks scattered over it).
+        cache = huge_pages.zeros(shape, fmt.storage_dtype(dtype)) \
+            if torch.device(device).type == "cpu" and not pin_memory else None
+        if cache is None:
+            cache = torch.zeros(shape, dtype=fmt.storage_dtype(dtype), device=device, pin_memory=pin_memory)
         return cache.transpose(3, 4) if head_major else cache
 
     def move_blocks(self, batch: StepBatch) -> None:
