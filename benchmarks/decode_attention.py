@@ -1,7 +1,7 @@
 """Decode attention alone: one sequence's query against its paged KV cache, per layer, on the CPU kernel.
 
     .venv/bin/python benchmarks/decode_attention.py [--lengths 16 160 330 1000] [--cold] [--json FILE]
-        [--ab-library OTHER.so]
+        [--ab-library OTHER.so] [--pages]
 
 For each model shape (the default model's 9 query / 3 KV heads of 64; Gemma 3 1B's 4 / 1 of 256)
 and context length: 30 layers' float32 caches (head-major, scattered blocks of 16), one decode row
@@ -11,6 +11,9 @@ call); the median and best microseconds a layer over 40 passes. --cold streams 9
 Threads: OMP_NUM_THREADS (default: the CPUs this process may use). --ab-library: another compiled
 cpu_kernels library (e.g. main's, from ~/.cache/pagedserve/kernels) timed in the same process, its
 passes alternating with this tree's, so a small change shows through a noisy host.
+--pages: the KV as the engine holds it instead (one bf16 cache of all 30 layers, 2048 blocks, the
+sequence's scattered over them), in 4 KiB pages (torch.zeros) against huge pages (models/huge_pages.py
+`zeros`, the model runner's), passes alternating.
 """
 from __future__ import annotations
 
@@ -62,12 +65,53 @@ def time_layers(heads: int, kv_heads: int, head_dim: int, length: int, cold: boo
     return times
 
 
+def time_pages(heads: int, kv_heads: int, head_dim: int, length: int, cold: bool, layers: int = 30,
+               passes: int = 40, blocks: int = 2048) -> tuple[list[float], list[float]]:
+    """Microseconds a layer of each pass over one engine-shaped bf16 cache: in 4 KiB pages, and in
+    huge pages (the same values), passes alternating."""
+    from pagedserve.kernels import cpu
+    from pagedserve.models import huge_pages
+    block = 16
+    shape = (layers, 2, blocks, kv_heads, block, head_dim)
+    plain = torch.zeros(shape, dtype=torch.bfloat16)
+    huge = huge_pages.zeros(shape, torch.bfloat16)
+    if huge is None:
+        raise SystemExit("--pages: no huge pages here (THP off, or PAGEDSERVE_HUGE_PAGES=0)")
+    g = torch.Generator().manual_seed(0)
+    plain.normal_(generator=g)
+    huge.copy_(plain)
+    nb = (length + block - 1) // block
+    table = torch.randperm(blocks, generator=g)[:nb].view(1, nb)
+    rows = cpu.AttentionRows.of(table, torch.tensor([length]), torch.arange(2), 1, None)
+    q = torch.randn(1, heads, head_dim, generator=g).bfloat16()
+    fn = cpu._kernel("paged_attention", q)
+    out = torch.empty(1, heads, head_dim, dtype=torch.bfloat16)
+    args = [[(q.data_ptr(), q.stride(0), c[i, 0].data_ptr(), c[i, 1].data_ptr(), ctypes.addressof(rows), 1,
+              out.data_ptr(), heads, kv_heads, head_dim, block, *c[i, 0].stride()[:3], head_dim ** -0.5,
+              cpu.PARTITION_SIZE, None) for i in range(layers)]
+            for c in (plain.transpose(3, 4), huge.transpose(3, 4))]    # head-major, as the runner's
+    flush = torch.ones(24 << 20) if cold else None
+    times: tuple[list[float], list[float]] = ([], [])
+    for p in range(passes + 5):
+        for k in ((0, 1) if p % 2 else (1, 0)):
+            if flush is not None:
+                flush.sum()
+            start = time.perf_counter()
+            for a in args[k]:
+                if fn(*a):
+                    raise RuntimeError("the kernel refused the shape")
+            if p >= 5:
+                times[k].append((time.perf_counter() - start) / layers * 1e6)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 160, 330, 1000])
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ab-library", default=None, help="another compiled cpu_kernels library to time beside")
+    ap.add_argument("--pages", action="store_true", help="one engine-shaped cache, 4 KiB pages against huge pages")
     args = ap.parse_args()
     from pagedserve.kernels import cpu
     other = None
@@ -77,23 +121,26 @@ def main() -> None:
         other.argtypes, other.restype = mine.argtypes, mine.restype
     simd = sorted(f for f in cpu.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     print(f"{cpu.describe().get('cpu_model')}, SIMD flags {' '.join(simd)}, kernels {cpu.describe()['cpu_kernels']}, "
-          f"{torch.get_num_threads()} threads, KV {'cold' if args.cold else 'warm (L3)'}")
+          f"{torch.get_num_threads()} threads, KV {'cold' if args.cold else 'warm (L3)'}"
+          + (", one bf16 cache: 4 KiB pages | huge pages" if args.pages else ""))
     rows = []
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
         for length in args.lengths:
-            t, o = time_layers(heads, kv_heads, head_dim, length, args.cold, other=other)
+            t, o = time_pages(heads, kv_heads, head_dim, length, args.cold) if args.pages else \
+                time_layers(heads, kv_heads, head_dim, length, args.cold, other=other)
             rows.append(dict(shape=name, heads=heads, kv_heads=kv_heads, head_dim=head_dim, length=length,
                              median_us=statistics.median(t), best_us=min(t)))
             line = f"{name:<14} length {length:>5}: median {rows[-1]['median_us']:7.1f} us a layer, best {min(t):7.1f}"
             if o:
                 rows[-1].update(ab_median_us=statistics.median(o), ab_best_us=min(o))
-                line += f"  | --ab-library: median {statistics.median(o):7.1f}, best {min(o):7.1f}"
+                line += f"  | {'huge pages' if args.pages else '--ab-library'}: median {statistics.median(o):7.1f}, " \
+                        f"best {min(o):7.1f} ({statistics.median(t) / statistics.median(o):.2f}x)"
             print(line)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(cpu_flags=simd, threads=torch.get_num_threads(), cold=args.cold,
-                                       ab_library=args.ab_library,
+                                       ab_library=args.ab_library, pages=args.pages,
                                        cpu_kernels=cpu.describe()["cpu_kernels"], rows=rows), indent=2))
         print(f"wrote {out}")
 
