@@ -213,33 +213,6 @@ def test_mixed_types_stay_apart_and_same_types_fuse(base_model, tmp_path):
         torch.testing.assert_close(ops.linear(x, layer.qkv), expected.T, atol=0.05, rtol=0.05)
 
 
-def test_quantized_weights_in_huge_pages_give_the_same_tokens(base_model, tmp_path, monkeypatch):
-    """With huge pages (models/huge_pages.py) a GGUF file's blocks are copied out of its mapping
-    into the arena, 64-byte aligned; without them they stay views of the file; the tokens and
-    logprobs are the same."""
-    from pagedserve.models import huge_pages
-    if not huge_pages.available():
-        pytest.skip("no transparent huge pages on this kernel")
-    cfg, hf, tok_dir, _ = base_model
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    write_quantized_llama(cfg, hf.state_dict(), path, MIXES["q4_k_m"])
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    runs = {}
-    for huge in ("0", "1"):
-        monkeypatch.setenv(huge_pages.ENV, huge)
-        monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)         # the tiny model's matrices too
-        llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
-        model = _model_of(llm)
-        weights = [model.layers[0].gate_up, model.layers[1].o, model.lm_head]
-        in_arena = [w.data.untyped_storage().nbytes() >= huge_pages.CHUNK for w in weights]
-        assert in_arena == [huge == "1"] * 3, (huge, in_arena)
-        assert huge == "0" or all(w.data.data_ptr() % huge_pages.ALIGN == 0 for w in weights)
-        runs[huge] = [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob)
-                      for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        del llm, model, weights
-    assert runs["0"] == runs["1"]
-
-
 def _vm_flags(address: int) -> str:
     """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
     inside = False
@@ -253,9 +226,11 @@ def _vm_flags(address: int) -> str:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_the_kv_cache_is_in_huge_pages_and_gives_the_same_tokens(base_model, tmp_path, monkeypatch):
-    """The runner's KV cache in a mapping of its own advised MADV_HUGEPAGE (VmFlags `hg`), zeroed
-    as torch.zeros would; turned off, a plain tensor; the tokens and logprobs the same."""
+def test_quantized_weights_in_huge_pages_give_the_same_tokens(base_model, tmp_path, monkeypatch):
+    """With huge pages (models/huge_pages.py) a GGUF file's blocks are copied out of its mapping
+    into the arena, 64-byte aligned, and the runner's KV cache is a mapping of its own advised
+    MADV_HUGEPAGE (VmFlags `hg`); without them the blocks stay views of the file and the cache a
+    plain tensor; the tokens and logprobs are the same."""
     from pagedserve.models import huge_pages
     if not huge_pages.available():
         pytest.skip("no transparent huge pages on this kernel")
@@ -263,20 +238,24 @@ def test_the_kv_cache_is_in_huge_pages_and_gives_the_same_tokens(base_model, tmp
     path = tmp_path / "tiny-q4_k_m.gguf"
     write_quantized_llama(cfg, hf.state_dict(), path, MIXES["q4_k_m"])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    monkeypatch.setattr(huge_pages, "KV_MIN_BYTES", 0)      # the tiny model's small cache too
     runs = {}
     for huge in ("0", "1"):
         monkeypatch.setenv(huge_pages.ENV, huge)
+        monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)         # the tiny model's matrices too
+        monkeypatch.setattr(huge_pages, "KV_MIN_BYTES", 0)      # and its small KV cache
         llm = LLM(str(path), tokenizer=tok_dir, dtype="float32", num_gpu_blocks_override=64)
+        model = _model_of(llm)
+        weights = [model.layers[0].gate_up, model.layers[1].o, model.lm_head]
+        in_arena = [w.data.untyped_storage().nbytes() >= huge_pages.CHUNK for w in weights]
+        assert in_arena == [huge == "1"] * 3, (huge, in_arena)
+        assert huge == "0" or all(w.data.data_ptr() % huge_pages.ALIGN == 0 for w in weights)
         cache = llm.engine.executor.worker.runner.kv_cache
         assert (" hg" in _vm_flags(cache.data_ptr())) == (huge == "1")
         assert huge == "0" or cache.data_ptr() % huge_pages.HUGE_PAGE == 0
         runs[huge] = [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob)
                       for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        del llm, cache
+        del llm, model, weights, cache
     assert runs["0"] == runs["1"]
-    zeros = huge_pages.zeros((3, 1000), torch.bfloat16)
-    assert torch.equal(zeros, torch.zeros(3, 1000, dtype=torch.bfloat16)) and " hg" in _vm_flags(zeros.data_ptr())
 
 
 def test_huge_page_copies_are_exact_and_can_be_turned_off(monkeypatch):
@@ -284,6 +263,7 @@ def test_huge_page_copies_are_exact_and_can_be_turned_off(monkeypatch):
     parts = [torch.randint(0, 256, (rows, 1000), dtype=torch.uint8) for rows in (300, 77)]
     monkeypatch.setenv(huge_pages.ENV, "0")
     assert huge_pages.stack_rows(parts, 5) is None and huge_pages.copy_to_huge_pages(parts[0]) is parts[0]
+    assert huge_pages.zeros((64, 1 << 20), torch.uint8) is None
     monkeypatch.setenv(huge_pages.ENV, "1")
     if not huge_pages.available():
         pytest.skip("no transparent huge pages on this kernel")
@@ -292,6 +272,9 @@ def test_huge_page_copies_are_exact_and_can_be_turned_off(monkeypatch):
     copy = huge_pages.copy_to_huge_pages(parts[0].float())
     assert torch.equal(copy, parts[0].float()) and copy.data_ptr() % huge_pages.ALIGN == 0
     assert huge_pages.stack_rows([parts[0][:2]]) is None        # a few bytes: left where they are
+    zeros = huge_pages.zeros((64, 1 << 20), torch.bfloat16)     # (a KV cache's: at least KV_MIN_BYTES)
+    assert torch.equal(zeros, torch.zeros(64, 1 << 20, dtype=torch.bfloat16)) and " hg" in _vm_flags(zeros.data_ptr())
+    assert huge_pages.zeros((3, 1000), torch.bfloat16) is None  # a small cache: left to torch
 
 
 def test_the_default_model_runs_in_its_blocks_like_its_dequantized_path():
