@@ -11,7 +11,7 @@ matrix more at most while loading.
 
 The KV cache too (`zeros`, the model runner's): a decode step reads each sequence's blocks
 scattered over it, a head's keys of a block 2 KB in a row, and in 4 KiB pages each such run was a
-page of its own (decode attention over one 30-layer cache, cold: 1.08-1.15x as fast in huge pages,
+page of its own (decode attention over one 30-layer cache, cold: 1.09-1.16x as fast in huge pages,
 benchmarks/RESULTS.md).
 
 Where the kernel has no THP (or `PAGEDSERVE_HUGE_PAGES=0`), tensors stay as they are.
