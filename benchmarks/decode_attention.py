@@ -32,6 +32,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-1b": (4, 1, 256)}
 
 
+def layer_args(q: torch.Tensor, cache: torch.Tensor, rows, out: torch.Tensor, kv_heads: int, block: int) -> tuple:
+    """One layer's arguments of the paged_attention kernel: q [1, heads, D], cache [2, blocks, block,
+    kv_heads, D] (any strides but the last), rows (cpu.AttentionRows), out like q."""
+    from pagedserve.kernels import cpu
+    heads, head_dim = q.shape[1], q.shape[2]
+    return (q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(), ctypes.addressof(rows), 1,
+            out.data_ptr(), heads, kv_heads, head_dim, block, *cache[0].stride()[:3], head_dim ** -0.5,
+            cpu.PARTITION_SIZE, None)
+
+
+def alternate(runs: list[tuple], cold: bool, passes: int) -> list[list[float]]:
+    """Microseconds a layer of each pass of each run (kernel, its layers' arguments), the runs in
+    turn and their order reversed every other pass, after 5 passes of warm-up; --cold streams 96 MB
+    before each."""
+    flush = torch.ones(24 << 20) if cold else None
+    times: list[list[float]] = [[] for _ in runs]
+    for p in range(passes + 5):
+        for i in (range(len(runs)) if p % 2 else reversed(range(len(runs)))):
+            fn, args = runs[i]
+            if flush is not None:
+                flush.sum()
+            start = time.perf_counter()
+            for a in args:
+                if fn(*a):
+                    raise RuntimeError("the kernel refused the shape")
+            if p >= 5:
+                times[i].append((time.perf_counter() - start) / len(args) * 1e6)
+    return times
+
+
 def time_layers(heads: int, kv_heads: int, head_dim: int, length: int, cold: bool, layers: int = 30,
                 passes: int = 40, other=None) -> tuple[list[float], list[float]]:
     """Microseconds a layer of each pass: this tree's kernel, and `other` (a kernel of the same
@@ -44,25 +74,11 @@ def time_layers(heads: int, kv_heads: int, head_dim: int, length: int, cold: boo
     table = torch.randperm(nb + 4, generator=g)[:nb].view(1, nb)
     q = torch.randn(1, heads, head_dim, generator=g)
     rows = cpu.AttentionRows.of(table, torch.tensor([length]), torch.arange(2), 1, None)
-    fn = cpu._kernel("paged_attention", q)
     out = torch.empty(1, heads, head_dim)
-    args = [(q.data_ptr(), q.stride(0), c[0].data_ptr(), c[1].data_ptr(), ctypes.addressof(rows), 1, out.data_ptr(),
-             heads, kv_heads, head_dim, block, *c[0].stride()[:3], head_dim ** -0.5, cpu.PARTITION_SIZE, None)
-            for c in caches]
-    flush = torch.ones(24 << 20) if cold else None
-    times: tuple[list[float], list[float]] = ([], [])
-    kernels = [fn] if other is None else [fn, other]
-    for p in range(passes + 5):
-        for k in (kernels if p % 2 else kernels[::-1]):
-            if flush is not None:
-                flush.sum()
-            start = time.perf_counter()
-            for a in args:
-                if k(*a):
-                    raise RuntimeError("the kernel refused the shape")
-            if p >= 5:
-                times[k is not fn].append((time.perf_counter() - start) / layers * 1e6)
-    return times
+    args = [layer_args(q, c, rows, out, kv_heads, block) for c in caches]
+    kernels = [cpu._kernel("paged_attention", q)] + ([] if other is None else [other])
+    times = alternate([(k, args) for k in kernels], cold, passes)
+    return times[0], times[1] if other is not None else []
 
 
 def time_pages(heads: int, kv_heads: int, head_dim: int, length: int, cold: bool, layers: int = 30,
@@ -86,23 +102,10 @@ def time_pages(heads: int, kv_heads: int, head_dim: int, length: int, cold: bool
     q = torch.randn(1, heads, head_dim, generator=g).bfloat16()
     fn = cpu._kernel("paged_attention", q)
     out = torch.empty(1, heads, head_dim, dtype=torch.bfloat16)
-    args = [[(q.data_ptr(), q.stride(0), c[i, 0].data_ptr(), c[i, 1].data_ptr(), ctypes.addressof(rows), 1,
-              out.data_ptr(), heads, kv_heads, head_dim, block, *c[i, 0].stride()[:3], head_dim ** -0.5,
-              cpu.PARTITION_SIZE, None) for i in range(layers)]
-            for c in (plain.transpose(3, 4), huge.transpose(3, 4))]    # head-major, as the runner's
-    flush = torch.ones(24 << 20) if cold else None
-    times: tuple[list[float], list[float]] = ([], [])
-    for p in range(passes + 5):
-        for k in ((0, 1) if p % 2 else (1, 0)):
-            if flush is not None:
-                flush.sum()
-            start = time.perf_counter()
-            for a in args[k]:
-                if fn(*a):
-                    raise RuntimeError("the kernel refused the shape")
-            if p >= 5:
-                times[k].append((time.perf_counter() - start) / layers * 1e6)
-    return times
+    runs = [(fn, [layer_args(q, c[i], rows, out, kv_heads, block) for i in range(layers)])
+            for c in (plain.transpose(3, 4), huge.transpose(3, 4))]     # head-major, as the runner's
+    plain_times, huge_times = alternate(runs, cold, passes)
+    return plain_times, huge_times
 
 
 def main() -> None:
