@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 
-from benchmarks.quantized import child, copy_tokenizer, llama_bench, llama_quantize  # noqa: E402
+from benchmarks.quantized import DECODE_PROMPT_LEN, child, copy_tokenizer, llama_bench, llama_quantize  # noqa: E402
 from tests.gguf_utils import finish, gguf_writer  # noqa: E402
 
 # allenai/OLMoE-1B-7B-0924's config.json (the vocabulary: the default model's, see above)
@@ -188,7 +188,7 @@ def main() -> None:
               f"{r['file_bytes'] / 2**20:>9.0f} {(r['rss_after'] - r['rss_before_load'] - r['kv_cache_bytes']) / 2**20:>12.0f} "
               f"{r['bytes_per_token'] / 2**20:>14.1f} {lbs:>16}")
     result = dict(threads=threads, read_bytes_s=bandwidth, shape=config, prefill_len=prefill_len,
-                  decode_prompt_len=128, decode_len=args.decode_len, decode_rounds=args.decode_rounds,
+                  decode_prompt_len=DECODE_PROMPT_LEN, decode_len=args.decode_len, decode_rounds=args.decode_rounds,
                   batch=args.batch, runs=runs, cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
     if args.tiny and not args.json:
         return

@@ -38,7 +38,7 @@ and the CPU's flags named (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_
 -DGGML_AVX_VNNI=ON ...; AMX off, as on the issue's Zen 4).
 --full is the full-size decode row: all 24 layers of the 1.7B shape, the quantized files only
 (default model Q4_1 and the 1.7B mixes; no float or dequantized runs), decode only (no prefill
-timing; llama-bench with -p 0), 64 decode steps after the 128-token prompt: results in
+timing; llama-bench with -p 0), 64 decode steps after the 128-token prompt (llama-bench's at -d 128): results in
 benchmarks/results/quantized_full.json.
 --tiny runs a 2-layer 256-wide shape: it checks the script (and llama.cpp's tools) in seconds and
 measures nothing. Results: a table, and benchmarks/results/quantized.json (quantized_quick.json
@@ -61,6 +61,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
+# Every decode round's prompt (the child's): llama-bench decodes at this depth too (-d), the same
+# workload (its decode at depth 0 reads less KV a token: ~3% of the weights' bytes at these shapes).
+DECODE_PROMPT_LEN = 128
 
 from tests.gguf_utils import finish, gemma_header, gemma_rename, gguf_name, gguf_writer, random_k_blocks  # noqa: E402
 
@@ -268,7 +271,7 @@ def run_child(spec: dict) -> dict:
     # ~35 and ~60 GB/s from minute to minute, so one probe after all rounds can land in the other mode.
     rounds, probes = [], []
     for i in range(spec.get("decode_rounds", 1)):
-        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(128)},
+        engine.add_request(f"d{i}", {"prompt_token_ids": prompt(DECODE_PROMPT_LEN)},
                            SamplingParams(temperature=0, max_tokens=spec["decode_len"], ignore_eos=True))
         steps = sorted(decode_step_times(engine))
         rounds.append(steps[len(steps) // 2])
@@ -321,26 +324,33 @@ def child(spec: dict, timeout: float, env: dict[str, str] | None = None, tree: s
 
 
 def llama_bench(exe: str, path: str, threads: int, prefill: int, decode: int, max_rss: bool = False,
-                repetitions: int | None = None) -> dict:
-    """llama.cpp's llama-bench on the same file: prefill (-p) and decode (-n) tok/s (their mean and each
-    repetition's: `*_rounds_tok_s`; -p 0: decode alone); with max_rss its
-    peak resident memory too (GNU time's -v: the process's VmHWM, its mapped file pages included)."""
+                repetitions: int | None = None, depth: int = DECODE_PROMPT_LEN) -> dict:
+    """llama.cpp's llama-bench on the same file: prefill (-p, from an empty context) and decode (-n, after
+    `depth` tokens of context: -d) tok/s (their mean and each repetition's: `*_rounds_tok_s`; prefill 0:
+    decode alone); with max_rss its peak resident memory too (GNU time's -v: the process's VmHWM, its
+    mapped file pages included; the larger of its runs)."""
     timer = ["/usr/bin/time", "-v"] if max_rss else []
     reps = ["-r", str(repetitions)] if repetitions else []
-    res = subprocess.run([*timer, exe, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(decode), *reps,
-                          "-o", "json"], capture_output=True, text=True, timeout=1800)
-    if res.returncode:
-        return {"error": res.stderr[-1000:]}
+    # -d applies to every test of a run: a prefill from an empty context is a run of its own
+    tests = ([["-p", str(prefill), "-n", "0"]] if prefill else []) + \
+        ([["-p", "0", "-n", str(decode), "-d", str(depth)]] if decode else [])
     out = {}
-    for line in res.stderr.splitlines() if max_rss else ():
-        if "Maximum resident set size (kbytes):" in line:
-            out["max_rss_bytes"] = int(line.rsplit(":", 1)[1]) * 1024
-    for row in json.loads(res.stdout):
-        key = "prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"
-        out[key] = row.get("avg_ts")
-        out[key.replace("tok_s", "rounds_tok_s")] = row.get("samples_ts")      # each repetition's
-        out.update(build_commit=row.get("build_commit"), build_number=row.get("build_number"),
-                   cpu_info=row.get("cpu_info"), backends=row.get("backends"))
+    for test in tests:
+        res = subprocess.run([*timer, exe, "-m", path, "-t", str(threads), *test, *reps, "-o", "json"],
+                             capture_output=True, text=True, timeout=1800)
+        if res.returncode:
+            return {"error": res.stderr[-1000:]}
+        for line in res.stderr.splitlines() if max_rss else ():
+            if "Maximum resident set size (kbytes):" in line:
+                out["max_rss_bytes"] = max(out.get("max_rss_bytes", 0), int(line.rsplit(":", 1)[1]) * 1024)
+        for row in json.loads(res.stdout):
+            key = "prefill_tok_s" if row.get("n_prompt") else "decode_tok_s"
+            out[key] = row.get("avg_ts")
+            out[key.replace("tok_s", "rounds_tok_s")] = row.get("samples_ts")      # each repetition's
+            out.update(build_commit=row.get("build_commit"), build_number=row.get("build_number"),
+                       cpu_info=row.get("cpu_info"), backends=row.get("backends"))
+            if not row.get("n_prompt"):
+                out["decode_depth"] = row.get("n_depth", 0)
     return out
 
 
@@ -499,7 +509,7 @@ def main() -> None:
     result = dict(threads=threads, read_bytes_s=bandwidth, shape=args.shape, quick=args.quick, full=args.full,
                   tiny=args.tiny,
                   layers_of_1_7b_shape=layers,
-                  prefill_len=prefill_len, prefill_temperature=args.prefill_temperature, decode_prompt_len=128,
+                  prefill_len=prefill_len, prefill_temperature=args.prefill_temperature, decode_prompt_len=DECODE_PROMPT_LEN,
                   decode_len=decode_len, decode_rounds=decode_rounds,
                   runs=runs,
                   cpu_kernels=cpu.describe(), quant_kernels=quant.describe())

@@ -79,6 +79,16 @@ def measure(qtype: str, builds: dict, shapes: list, layers: int, rounds: int, th
     return rows
 
 
+def ab_label(src: str, sources: list[str]) -> str:
+    """An --ab-source's label: the folder of the checkout it is in (TREE of
+    TREE/pagedserve/kernels/csrc/quant_kernels.cpp), else its own folder; its whole path where two
+    sources would share a label (each build needs its own column)."""
+    def short(path: str) -> str:
+        p = Path(path).resolve()
+        return p.parents[3].name if p.parent.parts[-3:] == ("pagedserve", "kernels", "csrc") else p.parent.name
+    return short(src) if [short(s) for s in sources].count(short(src)) == 1 else str(Path(src).resolve())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="q4_0,q8_0,q4_k,q6_k")
@@ -89,12 +99,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: 2 (1.7b), 30 (135m)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ab-source", action="append", default=[],
-                    help="another quant_kernels.cpp (repeatable); labelled by its folder's parent's name")
+                    help="another quant_kernels.cpp (repeatable); labelled by its checkout's folder (ab_label)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "r8_stream.json"))
     args = ap.parse_args()
     builds = {"this": quant.load()}
     for src in args.ab_source:
-        builds[Path(src).resolve().parent.parent.name] = other_build(src)
+        builds[ab_label(src, args.ab_source)] = other_build(src)
     rng = np.random.default_rng(0)
     threads = [int(n) for n in args.threads.split(",")]
     shapes, layers = (SHAPES, args.layers or 2) if args.shape == "1.7b" else (SHAPES_135M, args.layers or 30)

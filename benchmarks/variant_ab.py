@@ -13,9 +13,10 @@ Each child reports the variant it ran (quant.describe()), so a label cannot name
 run. `default`: the default model; a 1.7B- or Gemma-shaped file takes its tokenizer from the folder of
 its shape beside it (benchmarks/quantized.py --work-dir).
 
-With `--llama-bench EXE`, llama.cpp's `llama-bench -p 0 -n <decode-len> -r <rounds>` on the same file
-takes a turn after the variants in every pair, and each variant's median is also given as a ratio to
-llama.cpp's: a ratio of runs seconds apart, where quantized.py's single run compares minutes apart.
+With `--llama-bench EXE`, llama.cpp's `llama-bench -p 0 -n <decode-len> -d 128 -r <rounds>` on the same file
+(decoding after 128 tokens of context, as our rounds do) takes a turn after the variants in every
+pair, and each variant's median is also given as a ratio to llama.cpp's: a ratio of runs seconds
+apart, where quantized.py's single run compares minutes apart.
 
 Every turn is followed by a read probe (pagedserve.bench.throughput.read_bandwidth, 512 MiB, best of 3: each
 of our rounds gets its own, quantized.py's paired_probe; llama-bench's turn one after its rounds), and each

@@ -40,3 +40,30 @@ def test_each_child_runs_and_reports_its_variant(tmp_path, monkeypatch):
         # the round's share of the bound: its weights a token at its own probe's rate (a fraction, not a guess)
         (share,) = row["of_bound"][v]
         assert 0.0 < share == row[v]["median_of_bound"] < 10      # (a unit slip would be 1000x)
+
+
+def test_llama_bench_decodes_at_our_rounds_depth_and_prefills_from_empty(tmp_path):
+    """llama-bench's -d applies to every test of a run, so the prefill (from an empty context, as ours)
+    and the decode (after the 128-token prompt our rounds decode after) are runs of their own. A stand-in
+    executable answers each run with the row llama-bench would print for its arguments."""
+    import quantized
+    exe = tmp_path / "llama-bench"
+    exe.write_text(f"""#!{sys.executable}
+import json, sys
+a = sys.argv[1:]
+arg = lambda flag, default=0: int(a[a.index(flag) + 1]) if flag in a else default
+with open({str(tmp_path / 'calls')!r}, "a") as f:
+    f.write(" ".join(a) + "\\n")
+p, n, d = arg("-p"), arg("-n"), arg("-d")
+print(json.dumps([dict(n_prompt=p, n_gen=n, n_depth=d, avg_ts=1000.0 / (p + n + d), samples_ts=[1.0, 2.0])]))
+""")
+    exe.chmod(0o755)
+    out = quantized.llama_bench(str(exe), "m.gguf", 2, 512, 64)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == ["-m m.gguf -t 2 -p 512 -n 0 -o json", "-m m.gguf -t 2 -p 0 -n 64 -d 128 -o json"]
+    assert out["prefill_tok_s"] == 1000.0 / 512 and out["decode_tok_s"] == 1000.0 / (64 + 128)
+    assert out["decode_depth"] == quantized.DECODE_PROMPT_LEN == 128
+    (tmp_path / "calls").unlink()
+    out = quantized.llama_bench(str(exe), "m.gguf", 2, 0, 16, repetitions=3)     # variant_ab's: decode alone
+    assert (tmp_path / "calls").read_text().splitlines() == ["-m m.gguf -t 2 -p 0 -n 16 -d 128 -r 3 -o json"]
+    assert "prefill_tok_s" not in out and out["decode_rounds_tok_s"] == [1.0, 2.0]
