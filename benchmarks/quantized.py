@@ -38,8 +38,8 @@ and the CPU's flags named (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_
 -DGGML_AVX_VNNI=ON ...; AMX off, as on the issue's Zen 4).
 --full is the full-size decode row: all 24 layers of the 1.7B shape, the quantized files only
 (default model Q4_1 and the 1.7B mixes; no float or dequantized runs), decode only (no prefill
-timing; llama-bench with -p 0), 64 decode steps after the 128-token prompt (llama-bench's at -d 128): results in
-benchmarks/results/quantized_full.json.
+timing; llama-bench with -p 0), 64 decode steps after the 128-token prompt (llama-bench's at -d
+128): results in benchmarks/results/quantized_full.json.
 --tiny runs a 2-layer 256-wide shape: it checks the script (and llama.cpp's tools) in seconds and
 measures nothing. Results: a table, and benchmarks/results/quantized.json (quantized_quick.json
 with --quick).
@@ -509,7 +509,8 @@ def main() -> None:
     result = dict(threads=threads, read_bytes_s=bandwidth, shape=args.shape, quick=args.quick, full=args.full,
                   tiny=args.tiny,
                   layers_of_1_7b_shape=layers,
-                  prefill_len=prefill_len, prefill_temperature=args.prefill_temperature, decode_prompt_len=DECODE_PROMPT_LEN,
+                  prefill_len=prefill_len, prefill_temperature=args.prefill_temperature,
+                  decode_prompt_len=DECODE_PROMPT_LEN,
                   decode_len=decode_len, decode_rounds=decode_rounds,
                   runs=runs,
                   cpu_kernels=cpu.describe(), quant_kernels=quant.describe())
